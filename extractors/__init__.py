@@ -1,0 +1,1 @@
+"""Producers of captures: tiny local models, HF teacher-forced references, vLLM paged KV."""

@@ -1,0 +1,1 @@
+"""FP8 KV cache numerics: formats, scales, calibration, scale-folded attention references."""

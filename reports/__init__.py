@@ -1,0 +1,1 @@
+"""HTML reports rendered from store queries (Jinja2 + Plotly). Never recomputes metrics."""
