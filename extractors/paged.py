@@ -1,0 +1,418 @@
+"""Paged KV caches back to contiguous per-layer K/V, for vLLM CPU, vLLM CUDA (flash-attn) and Neuron.
+
+Pure torch: nothing here imports vLLM, so every layout is testable from arrays alone.
+
+Vocabulary (reference/000):
+- ``kv_cache_config``: a plain dict, the form ``get_kv_cache_config()`` returns over RPC::
+
+      {"num_blocks": int, "total_num_kv_heads": int, "tp_size": int, "layout": "vllm_cpu",
+       "groups": [{"layer_names": [...], "spec_type": "FullAttentionSpec" | "SlidingWindowSpec",
+                   "block_size": int, "num_kv_heads": int (per rank), "head_size": int,
+                   "sliding_window": int | None,
+                   "layout": {"name": "vllm_cpu", "isa": "vec",
+                              "k_index": [...], "v_index": [...]}}, ...]}
+
+  Each group has its own block table. ``layout`` per group may be omitted when the caller
+  passes ``layout=``; ``k_index``/``v_index`` only exist for ``vllm_cpu``.
+- ``paged_kv``: ``{layer_name: entry}`` for one TP rank, or a list of those indexed by rank.
+  The entry depends on the layout:
+    * ``vllm_cpu``:   one tensor ``[num_blocks, kv_head, block_size, 2*head_dim]``; each
+      (block, head) row holds a K region of ``block_size*head_dim`` values, then a V region, in
+      in-block orders that depend on dtype and kernel ISA (given as index maps, derived by
+      writing known values through the real cache-write op; see extractors.vllm_rpc).
+    * ``flash_attn``: one tensor ``[2, num_blocks, block_size, kv_head, head_dim]`` or a pair
+      ``(k, v)`` each ``[num_blocks, block_size, kv_head, head_dim]``.
+    * ``neuron``:     a pair ``(k, v)`` each ``[num_blocks, kv_head, block_size, head_dim]``.
+- ``block_tables``: a list indexed by group; for one sequence each entry is
+  ``[logical_block]`` physical block ids, for a batch ``[batch, logical_block]``.
+
+Every layout is reduced to the same description (``PagedLayout``): K and V each come from a
+source viewed as ``[num_blocks, block_numel]`` and an offset map ``[kv_head, block_size,
+head_dim]`` inside one block. Reconstruction is then one vectorised gather per K and V.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+LAYOUT_NAMES = ("vllm_cpu", "flash_attn", "neuron")
+SLIDING_WINDOW_SPEC = "SlidingWindowSpec"
+
+
+@dataclass(frozen=True, eq=False)
+class PagedLayout:
+    """Where element (kv_head, token-in-block, dim) of K and of V lives inside one block.
+
+    k_offsets, v_offsets: [kv_head, block_size, head_dim] int64, flat offsets into one block of
+    the K (resp. V) source viewed as ``[num_blocks, block_numel]``.
+    fused: K and V share one source tensor (vllm_cpu); otherwise the entry holds two sources.
+    """
+
+    name: str
+    num_kv_heads: int
+    block_size: int
+    head_dim: int
+    k_offsets: torch.Tensor
+    v_offsets: torch.Tensor
+    block_numel: int
+    fused: bool
+    isa: str | None = None
+
+    def sources(self, entry, layer: str):
+        """The K and V sources of one layer's paged entry, each ``[num_blocks, block_numel]``."""
+        h, bs, d = self.num_kv_heads, self.block_size, self.head_dim
+        if self.name == "vllm_cpu":
+            t = _as_tensor(entry, layer)
+            _check_shape(t, (None, h, bs, 2 * d), "[num_blocks, kv_head, block_size, 2*head_dim]", layer)
+            flat = t.reshape(t.shape[0], -1)
+            return flat, flat
+        if isinstance(entry, (tuple, list)):
+            if len(entry) != 2:
+                raise ValueError(f"layer {layer}: expected a (k, v) pair, got {len(entry)} tensors")
+            k, v = (_as_tensor(x, layer) for x in entry)
+        else:
+            t = _as_tensor(entry, layer)
+            if self.name == "neuron" and t.dim() == 5:
+                k, v = t[0], t[1]
+            elif self.name == "flash_attn":
+                _check_shape(t, (2, None, bs, h, d), "[2, num_blocks, block_size, kv_head, head_dim]", layer)
+                k, v = t[0], t[1]
+            else:
+                raise ValueError(f"layer {layer}: layout {self.name} needs a (k, v) pair, got one tensor {tuple(t.shape)}")
+        want = (None, bs, h, d) if self.name == "flash_attn" else (None, h, bs, d)
+        dims = "[num_blocks, block_size, kv_head, head_dim]" if self.name == "flash_attn" else "[num_blocks, kv_head, block_size, head_dim]"
+        for name, x in (("k", k), ("v", v)):
+            _check_shape(x, want, dims, f"{layer} ({name})")
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"layer {layer}: k has {k.shape[0]} blocks but v has {v.shape[0]}")
+        return k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1)
+
+
+def _as_tensor(x, layer: str) -> torch.Tensor:
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, np.ndarray):
+        return torch.from_numpy(x)
+    raise ValueError(f"layer {layer}: paged KV entry must be a tensor, got {type(x).__name__}")
+
+
+def _check_shape(t: torch.Tensor, want: tuple, dims: str, layer: str) -> None:
+    ok = t.dim() == len(want) and all(w is None or w == s for w, s in zip(want, t.shape))
+    if not ok:
+        shown = tuple("N" if w is None else w for w in want)
+        raise ValueError(f"layer {layer}: paged KV has shape {tuple(t.shape)}, expected {dims} = {shown}")
+
+
+def _grid(h: int, bs: int, d: int):
+    hh = torch.arange(h, dtype=torch.int64).view(h, 1, 1)
+    tt = torch.arange(bs, dtype=torch.int64).view(1, bs, 1)
+    dd = torch.arange(d, dtype=torch.int64).view(1, 1, d)
+    return hh, tt, dd
+
+
+def neuron_layout(num_kv_heads: int, block_size: int, head_dim: int) -> PagedLayout:
+    """Neuron: separate K and V, each ``[num_blocks, kv_head, block_size, head_dim]``."""
+    h, t, d = _grid(num_kv_heads, block_size, head_dim)
+    off = (h * block_size + t) * head_dim + d
+    return PagedLayout("neuron", num_kv_heads, block_size, head_dim, off, off,
+                       num_kv_heads * block_size * head_dim, fused=False)
+
+
+def flash_attn_layout(num_kv_heads: int, block_size: int, head_dim: int) -> PagedLayout:
+    """vLLM CUDA flash-attn: ``[2, num_blocks, block_size, kv_head, head_dim]``."""
+    h, t, d = _grid(num_kv_heads, block_size, head_dim)
+    off = (t * num_kv_heads + h) * head_dim + d
+    return PagedLayout("flash_attn", num_kv_heads, block_size, head_dim, off, off,
+                       num_kv_heads * block_size * head_dim, fused=False)
+
+
+def vllm_cpu_layout(num_kv_heads: int, block_size: int, head_dim: int, k_index, v_index,
+                    isa: str | None = None) -> PagedLayout:
+    """vLLM CPU: ``[num_blocks, kv_head, block_size, 2*head_dim]`` with in-block index maps.
+
+    k_index, v_index: [block_size, head_dim] (or flat) offsets of token t, dim d inside one
+    (block, head) row of ``2*block_size*head_dim`` values. Together they must cover the row
+    exactly once, which catches a map derived for another block size or head size.
+    """
+    region = 2 * block_size * head_dim
+    k_idx, v_idx = (torch.as_tensor(np.asarray(x), dtype=torch.int64) for x in (k_index, v_index))
+    if k_idx.numel() != block_size * head_dim or v_idx.numel() != block_size * head_dim:
+        raise ValueError(f"vllm_cpu index maps (isa={isa}) have {k_idx.numel()}/{v_idx.numel()} entries, "
+                         f"expected block_size*head_dim = {block_size}*{head_dim} = {block_size * head_dim}")
+    k_idx, v_idx = k_idx.reshape(block_size, head_dim), v_idx.reshape(block_size, head_dim)
+    both = torch.cat([k_idx.flatten(), v_idx.flatten()]).sort().values
+    if not torch.equal(both, torch.arange(region, dtype=torch.int64)):
+        raise ValueError(
+            f"vllm_cpu index maps (isa={isa}) do not cover a (block, head) row of "
+            f"2*{block_size}*{head_dim}={region} values exactly once")
+    h = torch.arange(num_kv_heads, dtype=torch.int64).view(-1, 1, 1) * region
+    return PagedLayout("vllm_cpu", num_kv_heads, block_size, head_dim, h + k_idx, h + v_idx,
+                       num_kv_heads * region, fused=True, isa=isa)
+
+
+def vllm_cpu_vec_index_maps(block_size: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """The in-block orders ENGINES.md measured for float32 ('vec' ISA): K stored transposed
+    ``[head_dim, block_size]``, V as ``[block_size, head_dim]``. Returns (k_index, v_index),
+    each [block_size, head_dim]. A documented fallback; derive the map from the real op when
+    vLLM is at hand."""
+    t = np.arange(block_size).reshape(-1, 1)
+    d = np.arange(head_dim).reshape(1, -1)
+    return d * block_size + t, block_size * head_dim + t * head_dim + d
+
+
+def layout_from_group(group: Mapping, layer_hint: str = "") -> PagedLayout:
+    """Build the PagedLayout a kv_cache_config group describes (its ``layout`` entry)."""
+    spec = group.get("layout")
+    if spec is None:
+        raise ValueError(f"KV cache group of {layer_hint or group.get('layer_names')} has no 'layout'; pass layout=")
+    if isinstance(spec, str):
+        spec = {"name": spec}
+    name = spec["name"]
+    h, bs, d = int(group["num_kv_heads"]), int(group["block_size"]), int(group["head_size"])
+    if name == "vllm_cpu":
+        if "k_index" not in spec:
+            raise ValueError(f"group of {layer_hint}: vllm_cpu layout needs k_index/v_index maps")
+        return vllm_cpu_layout(h, bs, d, spec["k_index"], spec["v_index"], isa=spec.get("isa"))
+    if name == "flash_attn":
+        return flash_attn_layout(h, bs, d)
+    if name == "neuron":
+        return neuron_layout(h, bs, d)
+    raise ValueError(f"unknown paged KV layout {name!r}; known: {LAYOUT_NAMES}")
+
+
+def _resolve_layout(layout, group: Mapping, group_idx: int, layer: str) -> PagedLayout:
+    if layout is None:
+        lay = layout_from_group(group, layer)
+    elif isinstance(layout, PagedLayout):
+        lay = layout
+    elif isinstance(layout, str):
+        spec = group.get("layout")
+        spec = spec if isinstance(spec, Mapping) and spec.get("name") == layout else {"name": layout}
+        lay = layout_from_group({**group, "layout": spec}, layer)
+    elif isinstance(layout, Mapping):
+        if group_idx not in layout:
+            raise ValueError(f"layout mapping has no entry for group {group_idx} (layer {layer})")
+        return _resolve_layout(layout[group_idx], group, group_idx, layer)
+    else:
+        raise ValueError(f"layout must be a PagedLayout, a name or a mapping group->layout, got {type(layout).__name__}")
+    if lay.block_size != int(group["block_size"]):
+        raise ValueError(f"layer {layer} (group {group_idx}): layout block_size {lay.block_size} "
+                         f"!= group block_size {group['block_size']}")
+    return lay
+
+
+def _layer_to_group(kv_cache_config: Mapping) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for gi, group in enumerate(kv_cache_config["groups"]):
+        for name in group["layer_names"]:
+            if name in out:
+                raise ValueError(f"layer {name} is in KV cache groups {out[name]} and {gi}")
+            out[name] = gi
+    return out
+
+
+def _block_table_2d(table, group_idx: int, batch_size: int | None) -> torch.Tensor:
+    """One group's block table as int64 [batch, logical_block]."""
+    if isinstance(table, torch.Tensor):
+        t = table.to(torch.int64)
+    elif isinstance(table, np.ndarray):
+        t = torch.from_numpy(np.ascontiguousarray(table)).to(torch.int64)
+    else:
+        rows = list(table)
+        if rows and not np.isscalar(rows[0]) and not isinstance(rows[0], (int, np.integer)):
+            width = max((len(r) for r in rows), default=0)
+            t = torch.full((len(rows), width), -1, dtype=torch.int64)
+            for i, r in enumerate(rows):
+                t[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
+        else:
+            t = torch.as_tensor(rows, dtype=torch.int64)
+    if batch_size is None:
+        if t.dim() == 2 and t.shape[0] == 1:
+            return t
+        if t.dim() != 1:
+            raise ValueError(f"group {group_idx}: a single sequence needs a 1-D block table, got shape "
+                             f"{tuple(t.shape)}; use reconstruct_contiguous_kv_batch for several")
+        return t.view(1, -1)
+    if t.dim() == 1:
+        t = t.view(1, -1)
+    if t.dim() != 2 or t.shape[0] < batch_size:
+        raise ValueError(f"group {group_idx}: block table of shape {tuple(t.shape)} has fewer than "
+                         f"batch_size={batch_size} rows")
+    return t[:batch_size]
+
+
+def _gather(source: torch.Tensor, offsets: torch.Tensor, blocks: torch.Tensor, seq_pad: int) -> torch.Tensor:
+    """source [num_blocks, block_numel], offsets [kv_head, block_size, head_dim], blocks
+    [batch, logical_block] -> [batch, kv_head, logical_block*block_size, head_dim]."""
+    b, nb = blocks.shape
+    h, bs, d = offsets.shape
+    out = source[blocks.view(b, 1, nb, 1, 1), offsets.view(1, h, 1, bs, d)]
+    return out.view(b, h, nb * bs, d)[:, :, :seq_pad]
+
+
+def _reconstruct_rank(paged_kv: Mapping, kv_cache_config: Mapping, block_tables: Sequence,
+                      seq_lens: list[int], batch_size: int | None, layout) -> dict:
+    groups = kv_cache_config["groups"]
+    layer_to_group = _layer_to_group(kv_cache_config)
+    if len(block_tables) != len(groups):
+        raise ValueError(f"got {len(block_tables)} block tables for {len(groups)} KV cache groups")
+    tables: dict[int, torch.Tensor] = {}
+    layouts: dict[int, PagedLayout] = {}
+    s_max = max(seq_lens)
+    lens = torch.as_tensor(seq_lens, dtype=torch.int64)
+    result = {}
+    for layer, entry in paged_kv.items():
+        if layer not in layer_to_group:
+            raise ValueError(f"layer {layer} belongs to no KV cache group (groups hold "
+                             f"{sum(len(g['layer_names']) for g in groups)} layers, e.g. "
+                             f"{[g['layer_names'][0] for g in groups if g['layer_names']]}); "
+                             "refusing to read it with another group's block table")
+        gi = layer_to_group[layer]
+        group = groups[gi]
+        bs = int(group["block_size"])
+        if gi not in layouts:
+            layouts[gi] = _resolve_layout(layout, group, gi, layer)
+            table = _block_table_2d(block_tables[gi], gi, batch_size)
+            need = [math.ceil(n / bs) for n in seq_lens]
+            for row, (n, m) in enumerate(zip(seq_lens, need)):
+                prefix = table[row, :m]
+                if prefix.numel() < m or bool((prefix < 0).any()):
+                    have = int((table[row] >= 0).sum())
+                    raise ValueError(
+                        f"layer {layer} (group {gi}, block_size {bs}), row {row}: seq_len {n} needs "
+                        f"{m} blocks but the block table has only {have}")
+            nb = max(need)
+            t = table[:, :nb].clone()
+            for row, m in enumerate(need):
+                t[row, m:] = 0  # padding rows read block 0, then NaN-filled below
+            tables[gi] = t
+        lay = layouts[gi]
+        k_src, v_src = lay.sources(entry, layer)
+        n_blocks = k_src.shape[0]
+        bad = tables[gi] >= n_blocks
+        if bool(bad.any()):
+            raise ValueError(f"layer {layer} (group {gi}): block id {int(tables[gi][bad].max())} out of "
+                             f"range for a cache of {n_blocks} blocks")
+        k = _gather(k_src, lay.k_offsets, tables[gi], s_max)
+        v = _gather(v_src, lay.v_offsets, tables[gi], s_max)
+        _nan_fill(k, v, group, lens, s_max)
+        result[layer] = (k, v)
+    return result
+
+
+def _nan_fill(k: torch.Tensor, v: torch.Tensor, group: Mapping, lens: torch.Tensor, s_max: int) -> None:
+    """NaN past each row's length, and before the window for SlidingWindowSpec groups only."""
+    pos = torch.arange(s_max, dtype=torch.int64).view(1, 1, -1, 1)
+    invalid = pos >= lens.view(-1, 1, 1, 1)
+    if group.get("spec_type") == SLIDING_WINDOW_SPEC:
+        window = group.get("sliding_window")
+        if not window:
+            raise ValueError(f"SlidingWindowSpec group {group['layer_names'][:1]} has no sliding_window")
+        # The window counts the current token: with n tokens cached only n-W+1.. are kept.
+        invalid = invalid | (pos < (lens - int(window) + 1).view(-1, 1, 1, 1))
+    if bool(invalid.any()):
+        if not k.dtype.is_floating_point:
+            raise ValueError(f"cannot NaN-fill a {k.dtype} KV cache (quantized caches are not supported)")
+        k.masked_fill_(invalid, float("nan"))
+        v.masked_fill_(invalid, float("nan"))
+
+
+def _seq_lens(seq_len, batch_size: int | None) -> list[int]:
+    n = 1 if batch_size is None else batch_size
+    if isinstance(seq_len, (int, np.integer)):
+        lens = [int(seq_len)] * n
+    else:
+        lens = [int(x) for x in seq_len]
+        if len(lens) != n:
+            raise ValueError(f"got {len(lens)} seq_lens for batch_size={n}")
+    if n < 1:
+        raise ValueError(f"batch_size must be >= 1, got {n}")
+    for i, x in enumerate(lens):
+        if x < 1:
+            raise ValueError(f"seq_len must be >= 1, got {x}" + (f" for row {i}" if n > 1 else ""))
+    return lens
+
+
+def _reconstruct(paged_kv, kv_cache_config, block_tables, seq_len, batch_size, layout):
+    lens = _seq_lens(seq_len, batch_size)
+    if isinstance(paged_kv, Mapping):
+        return _reconstruct_rank(paged_kv, kv_cache_config, block_tables, lens, batch_size, layout)
+    per_rank = [_reconstruct_rank(p, kv_cache_config, block_tables, lens, batch_size, layout) for p in paged_kv]
+    tp = int(kv_cache_config.get("tp_size", len(per_rank)))
+    total = kv_cache_config.get("total_num_kv_heads")
+    if total is None:
+        raise ValueError("kv_cache_config lacks total_num_kv_heads, needed to merge TP shards")
+    return merge_tp_shards(per_rank, int(total), tp)
+
+
+def reconstruct_contiguous_kv(paged_kv, kv_cache_config: Mapping, block_tables: Sequence, seq_len: int,
+                              layout=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Contiguous K/V of one sequence from a paged cache.
+
+    paged_kv: ``{layer: entry}`` of one TP rank, or a list of those indexed by rank (merged with
+      ``merge_tp_shards`` using the config's total_num_kv_heads and tp_size).
+    block_tables: list indexed by KV cache group of ``[logical_block]`` physical block ids.
+    seq_len: tokens to read (>= 1); for SlidingWindowSpec groups it must be the number of
+      tokens the engine has computed, since the window (which counts the current token) is
+      measured from it: positions ``< seq_len - sliding_window + 1`` are NaN.
+    layout: None (each group's ``layout`` in the config), a PagedLayout, a layout name, or a
+      mapping group index -> one of those.
+    Returns ``{layer: (k, v)}``, each ``[1, kv_head, seq, head_dim]`` in the cache dtype.
+    Raises ValueError for a layer in no group, seq_len < 1, a block table too short for
+    seq_len, block ids out of range and shapes that disagree with the config.
+    """
+    return _reconstruct(paged_kv, kv_cache_config, block_tables, seq_len, None, layout)
+
+
+def reconstruct_contiguous_kv_batch(paged_kv, kv_cache_config: Mapping, block_tables: Sequence,
+                                    seq_len, batch_size: int, layout=None) -> dict:
+    """Contiguous K/V of ``batch_size`` sequences, one row per block-table row.
+
+    block_tables: list indexed by group of ``[batch, logical_block]`` (rows of different lengths
+      may be given as lists; missing entries are -1).
+    seq_len: one int for all rows, or a list of per-row lengths. The seq axis is the longest;
+      positions at or past a row's own length are NaN (padding, never a real token).
+    Returns ``{layer: (k, v)}``, each ``[batch, kv_head, seq, head_dim]``.
+    """
+    return _reconstruct(paged_kv, kv_cache_config, block_tables, seq_len, int(batch_size), layout)
+
+
+def merge_tp_shards(per_rank_kv: Sequence[Mapping], total_num_kv_heads: int, tp_size: int) -> dict:
+    """Merge per-rank ``{layer: (k, v)}`` (``[batch, heads_per_rank, seq, head_dim]``) on the head axis.
+
+    Partitioned (total_num_kv_heads >= tp_size, divisible): every rank holds distinct heads,
+    concatenated in rank order. Replicated (total_num_kv_heads < tp_size, dividing it): ranks
+    ``0, s, 2s, ...`` with ``s = tp_size // total_num_kv_heads`` each contribute their one head.
+    """
+    tp_size, total = int(tp_size), int(total_num_kv_heads)
+    if tp_size < 1 or total < 1:
+        raise ValueError(f"tp_size ({tp_size}) and total_num_kv_heads ({total}) must be >= 1")
+    if len(per_rank_kv) != tp_size:
+        raise ValueError(f"got KV from {len(per_rank_kv)} ranks for tp_size={tp_size}")
+    if total >= tp_size:
+        if total % tp_size:
+            raise ValueError(f"total_num_kv_heads={total} is not divisible by tp_size={tp_size}")
+        ranks, per_rank = list(range(tp_size)), total // tp_size
+    else:
+        if tp_size % total:
+            raise ValueError(f"tp_size={tp_size} is not divisible by total_num_kv_heads={total}")
+        ranks, per_rank = list(range(0, tp_size, tp_size // total)), 1
+    layers = list(per_rank_kv[0].keys())
+    for r, kv in enumerate(per_rank_kv):
+        if set(kv.keys()) != set(layers):
+            raise ValueError(f"rank {r} has layers {sorted(set(kv) ^ set(layers))} that rank 0 "
+                             "does not share (or lacks them)")
+    out = {}
+    for layer in layers:
+        for r in ranks:
+            k, v = per_rank_kv[r][layer]
+            if k.shape[1] != per_rank or v.shape[1] != per_rank:
+                raise ValueError(f"layer {layer}, rank {r}: has {k.shape[1]} kv heads, expected "
+                                 f"{per_rank} (total {total}, tp_size {tp_size})")
+        out[layer] = (torch.cat([per_rank_kv[r][layer][0] for r in ranks], dim=1),
+                      torch.cat([per_rank_kv[r][layer][1] for r in ranks], dim=1))
+    return out
