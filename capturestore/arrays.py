@@ -1,0 +1,150 @@
+"""Zarr v3 arrays of one store: creation with our codecs, checked reads, chunk checksums.
+
+Every array is written with a fast lossless compressor followed by the crc32c checksum codec, so
+each chunk file ends in a CRC32C of its compressed bytes. ``verify`` checks that CRC straight from
+the file (no decompression); a read that hits a bad chunk raises CorruptChunkError naming the
+run, prompt, array and chunk.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import zarr
+from zarr.codecs import BloscCodec, Crc32cCodec
+
+from capturestore.errors import CorruptChunkError
+from capturestore.layout import chunk_keys, chunk_keys_in_region
+
+# Blosc/LZ4 with byte shuffle: bf16/fp16/fp32 exponent bytes are grouped so they compress,
+# and LZ4 stays well above disk speed (see benchmarks/bench_store.py for the measured ratio).
+CODEC_NAME = "blosc-lz4-shuffle-clevel5+crc32c"
+
+
+def compressors_for(itemsize: int) -> list[Any]:
+    return [
+        BloscCodec(cname="lz4", clevel=5, shuffle="shuffle" if itemsize > 1 else "bitshuffle", typesize=itemsize),
+        Crc32cCodec(),
+    ]
+
+
+@dataclass(frozen=True)
+class ArrayRef:
+    """Where one array lives and what it is, for error messages."""
+
+    run_id: str
+    prompt_id: str
+    name: str  # path below the prompt group, e.g. "kv_k" or "tensors/<module>/<phase>"
+
+    @property
+    def path(self) -> str:
+        return f"{self.run_id}/{self.prompt_id}/{self.name}"
+
+    def where(self) -> str:
+        return f"run {self.run_id}, prompt {self.prompt_id}, array {self.name}"
+
+
+def open_zarr_store(root: Path) -> zarr.storage.LocalStore:
+    return zarr.storage.LocalStore(str(root))
+
+
+def create_array(
+    zstore: zarr.storage.LocalStore,
+    ref: ArrayRef,
+    shape: tuple[int, ...],
+    storage_dtype: np.dtype,
+    chunks: tuple[int, ...],
+    dimension_names: list[str],
+    attributes: dict[str, Any],
+) -> zarr.Array:
+    return zarr.create_array(
+        store=zstore,
+        name=ref.path,
+        shape=shape,
+        dtype=storage_dtype,
+        chunks=chunks,
+        compressors=compressors_for(storage_dtype.itemsize),
+        fill_value=0,
+        dimension_names=dimension_names,
+        attributes=attributes,
+        config={"write_empty_chunks": True},  # every chunk exists on disk, so verify can see gaps
+        overwrite=False,
+    )
+
+
+def open_array(zstore: zarr.storage.LocalStore, ref: ArrayRef) -> zarr.Array:
+    try:
+        return zarr.open_array(store=zstore, path=ref.path, mode="r")
+    except (FileNotFoundError, KeyError) as e:
+        raise CorruptChunkError(f"{ref.where()}: array metadata is missing ({e})") from None
+    except Exception as e:  # noqa: BLE001 - zarr raises several types for a missing node
+        if type(e).__name__ in ("ArrayNotFoundError", "NodeNotFoundError", "GroupNotFoundError"):
+            raise CorruptChunkError(f"{ref.where()}: array is missing from arrays.zarr") from None
+        raise
+
+
+def chunk_problem(array_dir: Path, key: str) -> str | None:
+    """Why the chunk file ``key`` under ``array_dir`` is bad, or None if its CRC32C checks out."""
+    p = array_dir / key
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        return "chunk file is missing"
+    if len(data) < 4:
+        return f"chunk file is truncated ({len(data)} bytes)"
+    stored = struct.unpack("<I", data[-4:])[0]
+    computed = google_crc32c.value(data[:-4])
+    if stored != computed:
+        return f"checksum mismatch (stored crc32c {stored:#010x}, computed {computed:#010x})"
+    return None
+
+
+def bad_chunks(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...],
+               region: tuple[slice, ...] | None = None) -> list[tuple[str, str]]:
+    """(chunk key, problem) for every bad chunk of the array (or of ``region``)."""
+    keys = chunk_keys(shape, chunks) if region is None else chunk_keys_in_region(shape, chunks, region)
+    out = []
+    for _, key in keys:
+        why = chunk_problem(array_dir, key)
+        if why is not None:
+            out.append((key, why))
+    return out
+
+
+def checked_read(zstore_root: Path, arr: zarr.Array, ref: ArrayRef, region: tuple[slice, ...] | None = None) -> np.ndarray:
+    """arr[region], raising CorruptChunkError naming run, prompt, array and chunk on a bad chunk.
+
+    Missing chunk files would silently read as the fill value in zarr, so their presence is
+    checked first (cheap: one stat per chunk).
+    """
+    shape = tuple(arr.shape)
+    chunks = tuple(arr.chunks)
+    full = tuple(slice(0, s) for s in shape)
+    region = full if region is None else region + full[len(region):]
+    array_dir = zstore_root / ref.path
+    for _, key in chunk_keys_in_region(shape, chunks, region):
+        if not os.path.exists(array_dir / key):
+            raise CorruptChunkError(f"{ref.where()}, chunk {key}: chunk file is missing")
+    try:
+        return arr[region]
+    except Exception as e:  # noqa: BLE001 - locate the chunk, then report it
+        bad = bad_chunks(array_dir, shape, chunks, region)
+        if not bad:
+            raise
+        listing = "; ".join(f"chunk {k}: {why}" for k, why in bad[:8])
+        more = f" (+{len(bad) - 8} more)" if len(bad) > 8 else ""
+        raise CorruptChunkError(f"{ref.where()}: {len(bad)} corrupt chunk(s): {listing}{more}") from e
+
+
+def stored_bytes(array_dir: Path) -> int:
+    """Bytes on disk of all chunk files of one array."""
+    total = 0
+    for dirpath, _, files in os.walk(array_dir / "c"):
+        for f in files:
+            total += os.path.getsize(os.path.join(dirpath, f))
+    return total

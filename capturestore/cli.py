@@ -1,0 +1,201 @@
+"""``capturestore`` command line: each subcommand is a thin wrapper over one Store method.
+
+    capturestore runs                      Store.runs()
+    capturestore show RUN                  Store.show(RUN)
+    capturestore sql "SELECT ..."          Store.sql(...)   --format table|csv|json|parquet
+    capturestore verify                    Store.verify()   exit status 1 on problems
+    capturestore gc                        Store.gc()
+    capturestore rebuild-catalog           Store.rebuild_catalog()
+    capturestore demo                      capturestore.demo.run_demo(...)
+    capturestore calibrate RUN --out DIR   nki_fp8.calibration.calibrate_kv_scales(...)
+
+Every command takes ``--store PATH`` (default: $CAPTURESTORE, else ./capturestore-store).
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+import pyarrow as pa
+
+DEFAULT_STORE = "capturestore-store"
+
+
+def default_store() -> str:
+    return os.environ.get("CAPTURESTORE", DEFAULT_STORE)
+
+
+def _open(path: str, create: bool = False):
+    from capturestore.store import Store
+
+    return Store.open(path, create=create)
+
+
+# ---- output formatting ------------------------------------------------------------------------
+def _cell(v: Any, width: int = 40) -> str:
+    s = "NULL" if v is None else (json.dumps(v, default=str) if isinstance(v, (list, dict)) else str(v))
+    return s if len(s) <= width else s[: width - 1] + "…"
+
+
+def format_table(t: pa.Table, max_rows: int | None = None) -> str:
+    """A plain-text table of ``t`` (all rows unless ``max_rows``)."""
+    rows = t.to_pylist()
+    shown = rows if max_rows is None else rows[:max_rows]
+    cols = t.column_names
+    cells = [[_cell(r[c]) for c in cols] for r in shown]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    line = "  ".join(c.ljust(w) for c, w in zip(cols, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    more = len(rows) - len(shown)
+    out.append(f"({len(rows)} row{'s' if len(rows) != 1 else ''}{f', {more} not shown' if more else ''})")
+    return "\n".join(out)
+
+
+def write_result(t: pa.Table, fmt: str, output: str | None) -> None:
+    if fmt == "parquet":
+        if not output:
+            raise SystemExit("capturestore sql: --format parquet needs --output FILE")
+        import pyarrow.parquet as pq
+
+        pq.write_table(t, output)
+        return
+    if fmt == "csv":
+        import pyarrow.csv as pcsv
+
+        flat = t
+        for i, f in enumerate(t.schema):  # nested columns (lists) are written as JSON text
+            if pa.types.is_nested(f.type):
+                flat = flat.set_column(i, f.name, pa.array([json.dumps(v, default=str) if v is not None else None
+                                                            for v in t.column(i).to_pylist()], pa.string()))
+        buf = io.BytesIO()
+        pcsv.write_csv(flat, buf)
+        text = buf.getvalue().decode()
+    elif fmt == "json":
+        text = json.dumps(t.to_pylist(), default=str, indent=1) + "\n"
+    else:
+        text = format_table(t) + "\n"
+    if output:
+        with open(output, "w") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+
+
+# ---- subcommands ------------------------------------------------------------------------------
+def cmd_runs(args: argparse.Namespace) -> int:
+    t = _open(args.store).runs()
+    cols = [c for c in ("run_id", "status", "engine", "engine_version", "dtype", "device", "tp_degree", "release",
+                        "n_prompts", "model_path", "committed_at") if c in t.column_names]
+    write_result(t.select(cols) if args.format == "table" else t, args.format, args.output)
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    info = _open(args.store).show(args.run)
+    if args.format == "json":
+        sys.stdout.write(json.dumps(info, default=str, indent=1) + "\n")
+        return 0
+    for k, v in info["run"].items():
+        print(f"{k:>15}: {v}")
+    print()
+    caps = pa.Table.from_pylist(info["captures"])
+    if caps.num_rows:
+        print(format_table(caps.select(["prompt_id", "array_name", "shape", "dtype", "nbytes", "stored_bytes"])))
+    return 0
+
+
+def cmd_sql(args: argparse.Namespace) -> int:
+    write_result(_open(args.store).sql(args.query), args.format, args.output)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    report = _open(args.store).verify()
+    print(report.summary())
+    return 0 if report.ok else 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    removed = _open(args.store).gc(dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for r in removed:
+        print(f"{verb} {r}")
+    print(f"{verb} {len(removed)} item(s)")
+    return 0
+
+
+def cmd_rebuild_catalog(args: argparse.Namespace) -> int:
+    path = _open(args.store).rebuild_catalog()
+    print(f"rebuilt {path}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from capturestore.demo import run_demo
+
+    result = run_demo(store_path=args.store, arch=args.arch, num_tokens=args.num_tokens)
+    return int(result) if isinstance(result, int) else 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from nki_fp8.calibration import calibrate_kv_scales
+
+    result = calibrate_kv_scales(_open(args.store), args.run, method=args.method, out_dir=args.out)
+    if result is not None:
+        print(result)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="capturestore", description="Inspect and query a capture store.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, func, help_: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help_, description=help_)
+        sp.add_argument("--store", default=default_store(),
+                        help="store directory (default: $CAPTURESTORE or ./capturestore-store)")
+        sp.set_defaults(func=func)
+        return sp
+
+    sp = add("runs", cmd_runs, "list committed runs")
+    sp.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
+    sp.add_argument("--output", help="write to this file instead of stdout")
+    sp = add("show", cmd_show, "show one run: metadata and the arrays of each prompt")
+    sp.add_argument("run")
+    sp.add_argument("--format", choices=["table", "json"], default="table")
+    sp = add("sql", cmd_sql, "run SQL over the catalog views (runs, prompts, captures, metric tables)")
+    sp.add_argument("query")
+    sp.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
+    sp.add_argument("--output", help="write to this file instead of stdout (required for parquet)")
+    add("verify", cmd_verify, "check every chunk's checksum and catalog-vs-array consistency")
+    sp = add("gc", cmd_gc, "remove arrays and segments left by writers that died")
+    sp.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    add("rebuild-catalog", cmd_rebuild_catalog, "rebuild catalog.duckdb from the Parquet segments alone")
+    sp = add("demo", cmd_demo, "capture a tiny local model into the store and print what it holds")
+    sp.add_argument("--arch", default="llama-gqa")
+    sp.add_argument("--num-tokens", type=int, default=8)
+    sp = add("calibrate", cmd_calibrate, "calibrate FP8 KV cache scales from a run's KV captures")
+    sp.add_argument("run")
+    sp.add_argument("--out", required=True, help="output directory for the scales")
+    sp.add_argument("--method", choices=["absmax", "percentile"], default="absmax")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from capturestore.errors import StoreError
+
+    try:
+        return args.func(args)
+    except (StoreError, ValueError) as e:
+        print(f"capturestore {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

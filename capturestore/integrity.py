@@ -1,0 +1,221 @@
+"""verify (checksums, catalog-vs-array consistency) and gc (what dead writers left behind).
+
+A writer is alive while it holds the flock on its ``pending/<run_id>.json``; the kernel drops
+the lock when the process dies (SIGKILL included), so liveness needs no pid guessing.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from capturestore.arrays import bad_chunks
+from capturestore.layout import ARRAYS_DIR, PENDING_DIR, TABLES_DIR, TMP_SUFFIX
+from capturestore.tables import RUN_TABLES, SCHEMA_SEGMENT, committed_run_ids, segment_files, table_dir
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing verify found wrong; fields name where, ``message`` says what."""
+
+    kind: str  # corrupt-chunk | missing-array | shape-mismatch | bad-segment | orphan | missing-tokens
+    message: str
+    run_id: str | None = None
+    prompt_id: str | None = None
+    array: str | None = None
+    chunk: str | None = None
+
+    def __str__(self) -> str:
+        where = ", ".join(f"{k} {v}" for k, v in (("run", self.run_id), ("prompt", self.prompt_id),
+                                                  ("array", self.array), ("chunk", self.chunk)) if v)
+        return f"[{self.kind}] {where + ': ' if where else ''}{self.message}"
+
+
+class VerifyReport(list):
+    """A list of Problem; ``ok`` when empty. ``checked_chunks``: how many chunk CRCs were checked."""
+
+    checked_chunks: int = 0
+    checked_arrays: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return len(self) == 0
+
+    def summary(self) -> str:
+        head = f"{self.checked_arrays} arrays, {self.checked_chunks} chunks checked: "
+        return head + ("OK" if self.ok else f"{len(self)} problem(s)\n" + "\n".join(str(p) for p in self))
+
+
+def writer_is_alive(pending: Path) -> bool:
+    """True while the writer that created ``pending`` still holds its lock."""
+    try:
+        fd = os.open(pending, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return True
+        raise
+    finally:
+        os.close(fd)  # closing drops our lock if we got it
+    return False
+
+
+def pid_is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _run_is_live(root: Path, run_id: str) -> bool:
+    return writer_is_alive(root / PENDING_DIR / f"{run_id}.json")
+
+
+def _uncommitted_runs(root: Path) -> list[str]:
+    """Run ids with arrays or segments but no runs segment, whose writer is dead."""
+    committed = committed_run_ids(root)
+    seen: set[str] = set()
+    arrays = root / ARRAYS_DIR
+    if arrays.is_dir():
+        seen |= {p.name for p in arrays.iterdir() if p.is_dir()}
+    for t in ("prompts", "captures"):
+        seen |= {p.name.removesuffix(".parquet") for p in segment_files(root, t) if p.name != SCHEMA_SEGMENT}
+    pending = root / PENDING_DIR
+    if pending.is_dir():
+        seen |= {p.name.removesuffix(".json") for p in pending.iterdir() if p.name.endswith(".json")}
+    out = []
+    for run_id in sorted(seen - committed):
+        if _run_is_live(root, run_id):
+            continue
+        if run_id in committed_run_ids(root):  # committed while we looked
+            continue
+        out.append(run_id)
+    return out
+
+
+_TMP_PID = re.compile(r"\.(\d+)(?:\.[0-9a-f]+)?\.tmp$")
+
+
+def _dead_temp_files(root: Path) -> list[Path]:
+    """Temp files (segments, catalog, pending, format) whose writing process is gone."""
+    out = []
+    dirs = [root, root / PENDING_DIR]
+    tables = root / TABLES_DIR
+    if tables.is_dir():
+        dirs += [p for p in tables.iterdir() if p.is_dir()]
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for p in d.iterdir():
+            if not p.name.endswith(TMP_SUFFIX) and not p.name.endswith(".tmp.wal"):
+                continue
+            m = _TMP_PID.search(p.name.removesuffix(".wal"))
+            if m is None or not pid_is_alive(int(m.group(1))):
+                out.append(p)
+    return out
+
+
+def verify(root: Path) -> VerifyReport:
+    report = VerifyReport()
+    committed = committed_run_ids(root)
+    # 1. every segment must be readable Parquet
+    tables = root / TABLES_DIR
+    for tdir in sorted(p for p in tables.iterdir() if p.is_dir()) if tables.is_dir() else []:
+        for seg in segment_files(root, tdir.name):
+            try:
+                pq.read_metadata(seg)
+            except Exception as e:  # noqa: BLE001
+                run = seg.name.removesuffix(".parquet") if tdir.name in RUN_TABLES else None
+                report.append(Problem("bad-segment", f"table {tdir.name} segment {seg.name} is unreadable: {e}", run_id=run))
+    # 2. every capture of a committed run: array present, shape as catalogued, every chunk's CRC
+    zroot = root / ARRAYS_DIR
+    for run_id in sorted(committed):
+        cap_seg = table_dir(root, "captures") / f"{run_id}.parquet"
+        pr_seg = table_dir(root, "prompts") / f"{run_id}.parquet"
+        try:
+            caps = pq.read_table(cap_seg).to_pylist()
+            prompts = pq.read_table(pr_seg).to_pylist()
+        except Exception as e:  # noqa: BLE001
+            report.append(Problem("bad-segment", f"prompts/captures segment unreadable: {e}", run_id=run_id))
+            continue
+        have_tokens = {c["prompt_id"] for c in caps if c["array_name"] == "tokens"}
+        for p in prompts:
+            if p["prompt_id"] not in have_tokens:
+                report.append(Problem("missing-tokens", "prompt has no tokens capture", run_id=run_id, prompt_id=p["prompt_id"]))
+        for c in caps:
+            _verify_capture(zroot, c, report)
+    # 3. leftovers of dead writers (gc removes them)
+    for run_id in _uncommitted_runs(root):
+        report.append(Problem("orphan", "uncommitted run left by a dead writer (run `capturestore gc`)", run_id=run_id))
+    for p in _dead_temp_files(root):
+        report.append(Problem("orphan", f"temp file {p.relative_to(root)} left by a dead writer (run `capturestore gc`)"))
+    return report
+
+
+def _verify_capture(zroot: Path, c: dict, report: VerifyReport) -> None:
+    run_id, pid, name = c["run_id"], c["prompt_id"], c["array_name"]
+    adir = zroot / run_id / pid / name
+    meta_path = adir / "zarr.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        report.append(Problem("missing-array", "array is catalogued but missing from arrays.zarr",
+                              run_id=run_id, prompt_id=pid, array=name))
+        return
+    except (OSError, json.JSONDecodeError) as e:
+        report.append(Problem("missing-array", f"array metadata unreadable: {e}", run_id=run_id, prompt_id=pid, array=name))
+        return
+    shape = tuple(meta["shape"])
+    chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+    if list(shape) != list(c["shape"]):
+        report.append(Problem("shape-mismatch", f"catalog says shape {c['shape']}, array has {list(shape)}",
+                              run_id=run_id, prompt_id=pid, array=name))
+        return
+    report.checked_arrays += 1
+    from capturestore.layout import chunk_keys
+
+    report.checked_chunks += len(chunk_keys(shape, chunks))
+    for key, why in bad_chunks(adir, shape, chunks):
+        report.append(Problem("corrupt-chunk", why, run_id=run_id, prompt_id=pid, array=name, chunk=key))
+
+
+def gc(root: Path, dry_run: bool = False) -> list[str]:
+    """Remove arrays, segments and pending files of uncommitted runs whose writer is dead, and
+    temp files of dead processes. A live writer (lock held) is never touched."""
+    removed: list[str] = []
+    for run_id in _uncommitted_runs(root):
+        targets = [root / ARRAYS_DIR / run_id]
+        targets += [table_dir(root, t) / f"{run_id}.parquet" for t in ("prompts", "captures")]
+        targets.append(root / PENDING_DIR / f"{run_id}.json")
+        for t in targets:
+            if t.exists():
+                removed.append(str(t.relative_to(root)))
+                if not dry_run:
+                    shutil.rmtree(t) if t.is_dir() else t.unlink(missing_ok=True)
+    # pending files of committed runs whose writer died between commit and cleanup
+    committed = committed_run_ids(root)
+    pdir = root / PENDING_DIR
+    for p in sorted(pdir.iterdir()) if pdir.is_dir() else []:
+        rid = p.name.removesuffix(".json")
+        if p.name.endswith(".json") and rid in committed and not writer_is_alive(p):
+            removed.append(str(p.relative_to(root)))
+            if not dry_run:
+                p.unlink(missing_ok=True)
+    for p in _dead_temp_files(root):
+        removed.append(str(p.relative_to(root)))
+        if not dry_run:
+            p.unlink(missing_ok=True)
+    return removed

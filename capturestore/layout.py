@@ -1,0 +1,108 @@
+"""Where things live inside a store directory and how arrays are laid out on disk.
+
+This module is about bytes and paths only (chunking, codecs, file names); what a run or a
+capture means lives in writer.py / store.py.
+
+    <store>/capturestore.json                        format version
+    <store>/arrays.zarr/<run_id>/<prompt_id>/...     Zarr v3 arrays
+    <store>/tables/<table>/<segment>.parquet         append-only Parquet segments
+    <store>/pending/<run_id>.json                    lock file of a run being written
+    <store>/catalog.duckdb                           views over tables/, rebuildable
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+FORMAT_NAME = "capturestore"
+FORMAT_VERSION = 1
+FORMAT_FILE = "capturestore.json"
+ARRAYS_DIR = "arrays.zarr"
+TABLES_DIR = "tables"
+PENDING_DIR = "pending"
+CATALOG_FILE = "catalog.duckdb"
+CATALOG_ROOT_FILE = "catalog.root"  # the absolute store path the catalog views were built for
+TMP_SUFFIX = ".tmp"  # segments are written as <name>.parquet.<pid>.tmp, then renamed
+
+# Target bytes per chunk: large enough that per-chunk overhead is small against disk
+# throughput, small enough that streaming appends buffer little (one chunk per layer).
+TARGET_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_TOKENS = 4096
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_MODULE_RE = re.compile(r"^[A-Za-z0-9_.\-:\[\]]+$")
+
+
+def check_table_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"table name {name!r} must be an identifier ([A-Za-z_][A-Za-z0-9_]*)")
+    return name
+
+
+def check_module_name(module: str) -> str:
+    if not isinstance(module, str) or not _MODULE_RE.match(module) or module in (".", ".."):
+        raise ValueError(
+            f"module name {module!r} must be non-empty and use only letters, digits and . _ - : [ ]"
+        )
+    return module
+
+
+def check_component(name: str, what: str) -> str:
+    """A path component we create ourselves (group name, phase): an identifier."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"{what} {name!r} must be an identifier ([A-Za-z_][A-Za-z0-9_]*)")
+    return name
+
+
+def token_chunk(bytes_per_token: int, known_len: int | None) -> int:
+    """Tokens per chunk so that one chunk holds about TARGET_CHUNK_BYTES.
+
+    ``known_len``: the final length where it is known (one-shot writes), so that a short
+    sequence gets one chunk exactly its size instead of a mostly-padding chunk.
+    """
+    t = max(1, min(MAX_CHUNK_TOKENS, TARGET_CHUNK_BYTES // max(1, bytes_per_token)))
+    if t >= 16:
+        t = 1 << int(math.log2(t))  # power of two: appends fill chunks evenly
+    if known_len is not None:
+        t = max(1, min(t, known_len))
+    return t
+
+
+def chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> list[tuple[tuple[int, ...], str]]:
+    """Every (chunk index, relative key) of an array with Zarr v3 default chunk key encoding."""
+    grid = [max(1, math.ceil(s / c)) if s > 0 else 0 for s, c in zip(shape, chunks)]
+    if any(g == 0 for g in grid):
+        return []
+    out = []
+    for idx in _ndindex(grid):
+        out.append((idx, "c/" + "/".join(str(i) for i in idx) if idx else "c"))
+    return out
+
+
+def chunk_keys_in_region(
+    shape: tuple[int, ...], chunks: tuple[int, ...], region: tuple[slice, ...]
+) -> list[tuple[tuple[int, ...], str]]:
+    """Chunk (index, key) pairs that overlap ``region`` (a tuple of step-1 slices)."""
+    ranges = []
+    for s, c, r in zip(shape, chunks, region):
+        start, stop, _ = r.indices(s)
+        if stop <= start:
+            return []
+        ranges.append(range(start // c, (stop - 1) // c + 1))
+    return [(idx, "c/" + "/".join(str(i) for i in idx)) for idx in _product(ranges)]
+
+
+def _ndindex(grid: list[int]):
+    return _product([range(g) for g in grid])
+
+
+def _product(ranges):
+    import itertools
+
+    return itertools.product(*ranges)
+
+
+def segment_tmp_name(final: Path) -> Path:
+    return final.with_name(f"{final.name}.{os.getpid()}{TMP_SUFFIX}")

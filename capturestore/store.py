@@ -1,0 +1,279 @@
+"""Store: open a capture store directory, begin runs, read captures, query the catalog."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import zarr
+
+from capturestore import catalog, integrity
+from capturestore.arrays import ArrayRef, checked_read, open_array, open_zarr_store
+from capturestore.dtypes import from_storage
+from capturestore.errors import FormatVersionError, StoreError
+from capturestore.layout import (
+    ARRAYS_DIR,
+    FORMAT_FILE,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    PENDING_DIR,
+    TABLES_DIR,
+    check_component,
+    check_module_name,
+    check_table_name,
+)
+from capturestore.tables import RUN_TABLES, committed_run_ids, ensure_schema_segments, read_table, rows_to_table, table_dir, write_segment
+from capturestore.writer import RunWriter, new_run_id, run_meta
+
+
+def read_format(root: Path) -> dict[str, Any] | None:
+    p = root / FORMAT_FILE
+    if not p.exists():
+        return None
+    try:
+        info = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise StoreError(f"{p}: unreadable format file ({e})") from None
+    if info.get("format") != FORMAT_NAME or not isinstance(info.get("format_version"), int):
+        raise StoreError(f"{p}: not a capturestore format file: {info!r}")
+    return info
+
+
+class Store:
+    """A capture store directory. Open with ``Store.open(path)``."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._zstore = open_zarr_store(root / ARRAYS_DIR)
+        self._committed: set[str] = set()
+
+    # ---- opening ---------------------------------------------------------------------------
+    @classmethod
+    def open(cls, path: str | os.PathLike, create: bool = True) -> Store:
+        """Open (and by default create) the store at ``path``; refuses a newer format version."""
+        root = Path(path).expanduser().resolve()
+        info = read_format(root)
+        if info is None:
+            if not create:
+                raise StoreError(f"{root} is not a capture store (no {FORMAT_FILE}); pass create=True to create one")
+            if root.exists() and not root.is_dir():
+                raise StoreError(f"{root} exists and is not a directory")
+            if root.is_dir() and any(p.name != FORMAT_FILE for p in root.iterdir()):
+                raise StoreError(f"{root} is a non-empty directory without {FORMAT_FILE}; refusing to make it a store")
+            cls._create_layout(root)
+        elif info["format_version"] > FORMAT_VERSION:
+            raise FormatVersionError(
+                f"store {root} has format version {info['format_version']}, newer than the {FORMAT_VERSION} this "
+                f"capturestore reads; upgrade capturestore to open it"
+            )
+        store = cls(root)
+        store._committed = committed_run_ids(root)
+        try:
+            catalog.ensure_catalog_file(root)
+        except Exception:  # noqa: BLE001 - the file catalog is a convenience; queries never need it
+            pass
+        return store
+
+    @staticmethod
+    def _create_layout(root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        for d in (ARRAYS_DIR, TABLES_DIR, PENDING_DIR):
+            (root / d).mkdir(exist_ok=True)
+        zarr.open_group(store=zarr.storage.LocalStore(str(root / ARRAYS_DIR)), mode="a", zarr_format=3)
+        ensure_schema_segments(root)
+        tmp = root / f".{FORMAT_FILE}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"format": FORMAT_NAME, "format_version": FORMAT_VERSION}, indent=2) + "\n")
+        os.replace(tmp, root / FORMAT_FILE)  # written last: a half-created directory is not a store
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.root)!r})"
+
+    # ---- writing ---------------------------------------------------------------------------
+    def begin_run(self, engine: str, model_path: str, model_hash: str | None = None, dtype: str = "bfloat16",
+                  device: str = "cpu", engine_version: str | None = None, tp_degree: int = 1,
+                  release: str | None = None, config: Any = None, chunk_tokens: int | None = None) -> RunWriter:
+        """Start a run; write through the returned RunWriter, then commit (or use ``with``).
+
+        ``chunk_tokens`` overrides the tokens per chunk (default: about 1 MiB per chunk).
+        """
+        meta = run_meta(engine, str(model_path), model_hash, dtype, device, engine_version, tp_degree, release, config)
+        if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
+            raise ValueError(f"begin_run: chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+        return RunWriter(self, new_run_id(), meta, chunk_tokens=chunk_tokens)
+
+    def append_table(self, name: str, rows: Any) -> Path:
+        """Append rows (pyarrow.Table | list[dict] | dict of columns) as one atomically committed
+        Parquet segment of table ``name``; a catalog view ``name`` shows all its segments."""
+        check_table_name(name)
+        if name in RUN_TABLES:
+            raise ValueError(f"append_table: {name!r} is written by runs only; pick another table name")
+        table = rows_to_table(rows, f"append_table {name}")
+        if table.num_rows == 0:
+            raise ValueError(f"append_table {name}: no rows to append")
+        is_new = not table_dir(self.root, name).is_dir()
+        path = write_segment(self.root, name, table)
+        if is_new:
+            try:
+                catalog.ensure_catalog_file(self.root)
+            except Exception:  # noqa: BLE001 - the file catalog catches up on the next open
+                pass
+        return path
+
+    # ---- reading ---------------------------------------------------------------------------
+    def _require_run(self, run_id: str) -> None:
+        if not isinstance(run_id, str):
+            raise ValueError(f"run id must be a string, got {run_id!r}")
+        if run_id in self._committed:
+            return
+        self._committed = committed_run_ids(self.root)
+        if run_id not in self._committed:
+            known = sorted(self._committed)[-5:]
+            raise ValueError(f"unknown run id {run_id!r} in store {self.root} (latest committed runs: {known})")
+
+    def _ref(self, run_id: str, prompt_id: str, name: str) -> tuple[ArrayRef, zarr.Array]:
+        self._require_run(run_id)
+        ref = ArrayRef(run_id, prompt_id, name)
+        pdir = self.root / ARRAYS_DIR / run_id / str(prompt_id)
+        if not isinstance(prompt_id, str) or not pdir.is_dir():
+            raise ValueError(f"run {run_id} has no prompt {prompt_id!r}")
+        if not (pdir / name / "zarr.json").exists():
+            have = sorted(self._array_names(pdir))
+            raise ValueError(f"run {run_id}, prompt {prompt_id} has no array {name!r}; it has {have}")
+        return ref, open_array(self._zstore, ref)
+
+    @staticmethod
+    def _array_names(pdir: Path) -> list[str]:
+        out = []
+        for dirpath, _, files in os.walk(pdir):
+            if "zarr.json" in files and Path(dirpath) != pdir:
+                rel = Path(dirpath).relative_to(pdir).as_posix()
+                if json.loads((Path(dirpath) / "zarr.json").read_text()).get("node_type") == "array":
+                    out.append(rel)
+        return out
+
+    def _read(self, ref: ArrayRef, arr: zarr.Array, region: tuple[slice, ...] | None, as_torch: bool) -> Any:
+        bits = checked_read(self.root / ARRAYS_DIR, arr, ref, region)
+        return from_storage(bits, arr.attrs["logical_dtype"], as_torch, ref.where())
+
+    def read_tokens(self, run_id: str, prompt_id: str) -> np.ndarray:
+        """tokens: int32 [token]."""
+        ref, arr = self._ref(run_id, prompt_id, "tokens")
+        return self._read(ref, arr, None, False)
+
+    def read_logits(self, run_id: str, prompt_id: str, as_torch: bool = False) -> Any:
+        """logits: [gen_token, vocab] in the dtype they were written in."""
+        ref, arr = self._ref(run_id, prompt_id, "logits")
+        return self._read(ref, arr, None, as_torch)
+
+    def read_kv(self, run_id: str, prompt_id: str, layers: Any = None, as_torch: bool = False,
+                group: str | None = None) -> tuple[Any, Any]:
+        """(k, v): [layer, kv_head, seq, head_dim]; ``layers``: names or indices (None: all)."""
+        kname, vname = ("kv_k", "kv_v") if group is None else (f"kv_k_{check_component(group, 'kv group')}", f"kv_v_{group}")
+        out = []
+        for name in (kname, vname):
+            ref, arr = self._ref(run_id, prompt_id, name)
+            idx = self._layer_indices(arr, layers, ref)
+            if idx is None:
+                out.append(self._read(ref, arr, None, as_torch))
+                continue
+            parts = [self._read(ref, arr, (slice(i, i + 1),), False) for i in idx]
+            bits = np.concatenate(parts, axis=0)
+            out.append(bits if not as_torch else _numpy_to_torch(bits, ref))
+        return out[0], out[1]
+
+    @staticmethod
+    def _layer_indices(arr: zarr.Array, layers: Any, ref: ArrayRef) -> list[int] | None:
+        if layers is None:
+            return None
+        names = list(arr.attrs.get("layer_names", [str(i) for i in range(arr.shape[0])]))
+        if isinstance(layers, (int, str, np.integer)):
+            layers = [layers]
+        idx = []
+        for layer in layers:
+            if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+                if not -len(names) <= int(layer) < len(names):
+                    raise ValueError(f"{ref.where()}: layer index {layer} out of range for {len(names)} layers")
+                idx.append(int(layer) % len(names))
+            elif isinstance(layer, str) and layer in names:
+                idx.append(names.index(layer))
+            else:
+                raise ValueError(f"{ref.where()}: unknown layer {layer!r}; layers are {names[:8]}...")
+        if not idx:
+            raise ValueError(f"{ref.where()}: empty layer selection")
+        return idx
+
+    def read_tensor(self, run_id: str, prompt_id: str, module: str, step: int | None = None,
+                    phase: str | None = None, as_torch: bool = False) -> Any:
+        """A module tensor: [step, ...] of one phase (step=None), or one step's array."""
+        check_module_name(module)
+        self._require_run(run_id)
+        mdir = self.root / ARRAYS_DIR / run_id / str(prompt_id) / "tensors" / module
+        phases = sorted(p.name for p in mdir.iterdir() if (p / "zarr.json").exists()) if mdir.is_dir() else []
+        if not phases:
+            raise ValueError(f"run {run_id}, prompt {prompt_id} has no tensor for module {module!r}")
+        if phase is not None:
+            if phase not in phases:
+                raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no phase {phase!r}; it has {phases}")
+            phases = [phase]
+        for ph in phases:
+            ref, arr = self._ref(run_id, prompt_id, f"tensors/{module}/{ph}")
+            steps = list(arr.attrs.get("steps", []))
+            if step is None:
+                if len(phases) > 1:
+                    raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: several phases {phases}; "
+                                     "pass phase= or step=")
+                return self._read(ref, arr, None, as_torch)
+            if step in steps:
+                i = steps.index(step)
+                return self._read(ref, arr, (slice(i, i + 1),), as_torch)[0]
+        raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no step {step} in phases {phases}")
+
+    # ---- tables and queries ----------------------------------------------------------------
+    def runs(self) -> pa.Table:
+        return read_table(self.root, "runs")
+
+    def prompts(self, run_id: str | None = None) -> pa.Table:
+        if run_id is not None:
+            self._require_run(run_id)
+        return read_table(self.root, "prompts", run_id)
+
+    def captures(self, run_id: str | None = None) -> pa.Table:
+        if run_id is not None:
+            self._require_run(run_id)
+        return read_table(self.root, "captures", run_id)
+
+    def sql(self, query: str) -> pa.Table:
+        """Run SQL over the catalog views (runs, prompts, captures and every appended table)."""
+        return catalog.query(self.root, query)
+
+    def show(self, run_id: str) -> dict[str, Any]:
+        """One run: its runs row, and per prompt the arrays it holds."""
+        self._require_run(run_id)
+        run = self.runs().filter(pa.compute.equal(pa.compute.field("run_id"), run_id)).to_pylist()[0]
+        return {"run": run, "prompts": self.prompts(run_id).to_pylist(), "captures": self.captures(run_id).to_pylist()}
+
+    # ---- maintenance -----------------------------------------------------------------------
+    def verify(self) -> integrity.VerifyReport:
+        """Checksums of every chunk, and catalog-vs-array consistency; see integrity.verify."""
+        return integrity.verify(self.root)
+
+    def gc(self, dry_run: bool = False) -> list[str]:
+        """Remove what dead writers left (arrays, segments, temp files); returns what was removed."""
+        return integrity.gc(self.root, dry_run=dry_run)
+
+    def rebuild_catalog(self) -> Path:
+        """Rebuild catalog.duckdb from tables/ alone."""
+        ensure_schema_segments(self.root)
+        return catalog.rebuild_catalog_file(self.root)
+
+
+def _numpy_to_torch(bits: np.ndarray, ref: ArrayRef) -> Any:
+    # bits here are already the logical numpy dtype; go back to storage bits for the torch view
+    from capturestore.dtypes import LOGICAL_DTYPES, logical_dtype_name
+
+    name = logical_dtype_name(bits)
+    ld = LOGICAL_DTYPES[name]
+    return from_storage(bits.view(ld.storage), name, True, ref.where())

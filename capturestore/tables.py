@@ -1,0 +1,151 @@
+"""Parquet segments: the append-only tables of a store.
+
+Each writer commit adds one segment per table, written under a temporary name and renamed into
+place (``os.replace`` is atomic on POSIX), so a reader sees a segment whole or not at all.
+A run's ``runs`` segment is written last: it is the commit marker. ``prompts`` and ``captures``
+rows whose run has no ``runs`` row are invisible in the catalog views and removed by ``gc``.
+"""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from capturestore.layout import TABLES_DIR, segment_tmp_name
+
+RUN_TABLES = ("runs", "prompts", "captures")
+SCHEMA_SEGMENT = "_schema.parquet"  # zero-row segment so an empty table still has columns
+
+_TS = pa.timestamp("us", tz="UTC")
+
+RUNS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("status", pa.string()),
+    ("engine", pa.string()),
+    ("engine_version", pa.string()),
+    ("model_path", pa.string()),
+    ("model_hash", pa.string()),
+    ("dtype", pa.string()),
+    ("device", pa.string()),
+    ("tp_degree", pa.int32()),
+    ("release", pa.string()),
+    ("config", pa.string()),  # JSON text
+    ("n_prompts", pa.int32()),
+    ("created_at", _TS),
+    ("committed_at", _TS),
+    ("hostname", pa.string()),
+    ("pid", pa.int64()),
+    ("format_version", pa.int32()),
+])
+
+PROMPTS_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("prompt_id", pa.string()),
+    ("prompt_idx", pa.int32()),
+    ("n_tokens", pa.int32()),
+    ("text", pa.string()),
+    ("token_ids", pa.list_(pa.int32())),
+])
+
+CAPTURES_SCHEMA = pa.schema([
+    ("run_id", pa.string()),
+    ("prompt_id", pa.string()),
+    ("array_name", pa.string()),  # path below the prompt group: tokens, logits, kv_k, tensors/<m>/<phase>
+    ("kind", pa.string()),  # tokens | logits | kv_k | kv_v | tensor
+    ("kv_group", pa.string()),
+    ("module", pa.string()),
+    ("phase", pa.string()),
+    ("steps", pa.list_(pa.int64())),
+    ("shape", pa.list_(pa.int64())),
+    ("dimension_names", pa.list_(pa.string())),
+    ("chunks", pa.list_(pa.int64())),
+    ("dtype", pa.string()),  # logical dtype
+    ("storage_dtype", pa.string()),
+    ("codec", pa.string()),
+    ("nbytes", pa.int64()),  # logical bytes
+    ("stored_bytes", pa.int64()),  # bytes of the chunk files on disk
+    ("layer_names", pa.list_(pa.string())),
+    ("path", pa.string()),  # relative to the store root
+])
+
+SCHEMAS = {"runs": RUNS_SCHEMA, "prompts": PROMPTS_SCHEMA, "captures": CAPTURES_SCHEMA}
+
+
+def table_dir(root: Path, table: str) -> Path:
+    return root / TABLES_DIR / table
+
+
+def write_segment(root: Path, table: str, data: pa.Table, segment: str | None = None) -> Path:
+    """Write ``data`` as one segment of ``table`` atomically; returns the final path."""
+    d = table_dir(root, table)
+    d.mkdir(parents=True, exist_ok=True)
+    if segment is None:
+        segment = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    final = d / f"{segment}.parquet"
+    tmp = segment_tmp_name(final)
+    pq.write_table(data, tmp)
+    os.replace(tmp, final)
+    return final
+
+
+def ensure_schema_segments(root: Path) -> None:
+    for name, schema in SCHEMAS.items():
+        p = table_dir(root, name) / SCHEMA_SEGMENT
+        if not p.exists():
+            write_segment(root, name, schema.empty_table(), segment=SCHEMA_SEGMENT.removesuffix(".parquet"))
+
+
+def rows_to_table(rows: Any, what: str) -> pa.Table:
+    """pyarrow.Table from a Table, a list of dicts, or a dict of columns."""
+    if isinstance(rows, pa.Table):
+        return rows
+    if isinstance(rows, pa.RecordBatch):
+        return pa.Table.from_batches([rows])
+    if isinstance(rows, dict):
+        return pa.table(rows)
+    if isinstance(rows, list):
+        if not rows:
+            raise ValueError(f"{what}: no rows to append")
+        if not all(isinstance(r, dict) for r in rows):
+            raise ValueError(f"{what}: rows must be dicts")
+        return pa.Table.from_pylist(rows)
+    if hasattr(rows, "to_arrow"):  # polars / duckdb relations
+        return rows.to_arrow()
+    if type(rows).__name__ == "DataFrame":  # pandas, without importing it
+        return pa.Table.from_pandas(rows, preserve_index=False)
+    raise ValueError(f"{what}: expected a pyarrow.Table, a list of dicts or a dict of columns, got {type(rows).__name__}")
+
+
+def segment_files(root: Path, table: str) -> list[Path]:
+    d = table_dir(root, table)
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if p.name.endswith(".parquet"))
+
+
+def committed_run_ids(root: Path) -> set[str]:
+    """Run ids with a runs segment (the commit marker); segments are named after the run."""
+    return {p.name.removesuffix(".parquet") for p in segment_files(root, "runs") if p.name != SCHEMA_SEGMENT}
+
+
+def read_table(root: Path, table: str, run_id: str | None = None) -> pa.Table:
+    """All rows of one run table (committed runs only for prompts/captures)."""
+    schema = SCHEMAS[table]
+    files = segment_files(root, table)
+    if table != "runs":
+        ok = committed_run_ids(root)
+        files = [f for f in files if f.name.removesuffix(".parquet") in ok]
+    if run_id is not None:
+        files = [f for f in files if f.name == f"{run_id}.parquet"]
+    else:
+        files = [f for f in files if f.name != SCHEMA_SEGMENT]
+    parts = [pq.read_table(f) for f in files]
+    parts = [p.select([n for n in schema.names if n in p.column_names]) for p in parts]
+    if not parts:
+        return schema.empty_table()
+    return pa.concat_tables(parts, promote_options="default")

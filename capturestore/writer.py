@@ -1,0 +1,590 @@
+"""RunWriter: writes one run's arrays, then commits its table rows in one step.
+
+Commit protocol (what makes a SIGKILL at any point safe):
+1. ``begin_run`` creates ``pending/<run_id>.json`` already locked (flock; written under a temp
+   name, locked, renamed), then the run's Zarr group. The lock is released by the kernel when
+   the writer dies, which is how ``gc`` tells a dead writer from a live one.
+2. Arrays are written (streamed appends are buffered to whole chunks).
+3. ``commit`` flushes the last partial chunks, writes the ``prompts`` and ``captures``
+   segments, and last the ``runs`` segment: the commit marker. Catalog views only show rows
+   of runs that have a ``runs`` row, so no catalog row ever points at missing data.
+4. The pending file is removed.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import zarr
+
+from capturestore.arrays import CODEC_NAME, ArrayRef, create_array, stored_bytes
+from capturestore.dtypes import (
+    FLOAT_DTYPES,
+    LOGICAL_DTYPES,
+    LogicalDtype,
+    check_dtype,
+    to_numpy,
+    to_storage,
+)
+from capturestore.layout import (
+    ARRAYS_DIR,
+    FORMAT_VERSION,
+    PENDING_DIR,
+    check_component,
+    check_module_name,
+    token_chunk,
+)
+from capturestore.tables import CAPTURES_SCHEMA, PROMPTS_SCHEMA, RUNS_SCHEMA, table_dir, write_segment
+
+if TYPE_CHECKING:
+    from capturestore.store import Store
+
+KV_DIMS = ["layer", "kv_head", "seq", "head_dim"]
+LOGITS_DIMS = ["gen_token", "vocab"]
+TOKENS_DIMS = ["token"]
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+def prompt_id(token_ids: Any) -> str:
+    """Stable id of a prompt: a hash of its integer token ids (same tokens => same id anywhere)."""
+    ids = _check_token_ids(token_ids, "prompt_id")
+    return hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()[:16]
+
+
+def _check_token_ids(token_ids: Any, where: str) -> np.ndarray:
+    """token_ids: [token] integers in [0, 2**31) -> int32 array; ValueError otherwise."""
+    arr = to_numpy(token_ids, f"{where}: token_ids")
+    if arr.dtype == object or arr.dtype.kind not in "iu":
+        raise ValueError(f"{where}: token ids must be integers, got dtype {arr.dtype}")
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"{where}: token ids must be a non-empty 1-d sequence [token], got shape {arr.shape}")
+    if arr.min() < 0 or arr.max() > _INT32_MAX:
+        raise ValueError(f"{where}: token ids must lie in [0, 2**31), got min {arr.min()} max {arr.max()}")
+    return arr.astype(np.int32)
+
+
+def _normalise_dtype_name(dtype: Any, where: str) -> str:
+    name = str(dtype).removeprefix("torch.")
+    try:
+        name = np.dtype(dtype).name if not isinstance(dtype, str) or name not in LOGICAL_DTYPES else name
+    except TypeError:
+        pass
+    if name not in LOGICAL_DTYPES or name not in FLOAT_DTYPES:
+        raise ValueError(f"{where}: dtype {dtype} is not supported; supported: {', '.join(FLOAT_DTYPES)}")
+    return name
+
+
+@dataclass
+class _Buffer:
+    """Whole-chunk staging area for a streamed array growing along ``axis``."""
+
+    axis: int
+    data: np.ndarray  # storage dtype, chunk-sized along axis
+    fill: int = 0
+
+
+@dataclass
+class _ArrayState:
+    ref: ArrayRef
+    arr: zarr.Array
+    kind: str
+    ld: LogicalDtype
+    dims: list[str]
+    kv_group: str | None = None
+    module: str | None = None
+    phase: str | None = None
+    steps: list[int] = field(default_factory=list)
+    layer_names: list[str] | None = None
+    length: int = 0  # rows flushed along the growing axis (streamed arrays)
+    buffer: _Buffer | None = None
+    layers_written: set[int] | None = None  # for create_kv + write_kv_layer
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        shape = list(self.arr.shape)
+        if self.buffer is not None:
+            shape[self.buffer.axis] = self.length + self.buffer.fill
+        return tuple(shape)
+
+
+class RunWriter:
+    """Writes one run. Use as a context manager (commit on success, abort on exception)."""
+
+    def __init__(self, store: Store, run_id: str, meta: dict[str, Any], chunk_tokens: int | None = None):
+        self.store = store
+        self.run_id = run_id
+        self._meta = meta
+        self._chunk_tokens = chunk_tokens
+        self._created_at = datetime.now(timezone.utc)
+        self._prompts: dict[str, dict[str, Any]] = {}
+        self._arrays: dict[tuple[str, str], _ArrayState] = {}
+        self._kv_geometry: dict[str, tuple] = {}  # group -> (layers, kv_heads, head_dim, dtype, names)
+        self._logits_geometry: tuple[int, str] | None = None  # (vocab, dtype)
+        self._closed = False
+        self._lock_fd: int | None = None
+        self._pending = store.root / PENDING_DIR / f"{run_id}.json"
+        self._take_pending_lock()
+        zarr.create_group(store=store._zstore, path=run_id, attributes={"run_id": run_id})
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def _take_pending_lock(self) -> None:
+        self._pending.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._pending.with_name(self._pending.name + f".{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # locked before anyone can see the file
+        info = {"run_id": self.run_id, "pid": os.getpid(), "hostname": socket.gethostname(),
+                "started_at": self._created_at.isoformat(), "status": "running"}
+        os.write(fd, json.dumps(info).encode())
+        os.replace(tmp, self._pending)
+        self._lock_fd = fd
+
+    def _release_pending_lock(self) -> None:
+        try:
+            self._pending.unlink(missing_ok=True)
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
+
+    def __enter__(self) -> RunWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._closed:
+            return
+        if exc_type is not None:
+            self.abort()
+            return
+        try:
+            self.commit()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError(f"run {self.run_id} is already committed or aborted")
+
+    @property
+    def prompt_ids(self) -> list[str]:
+        return list(self._prompts)
+
+    def abort(self) -> None:
+        """Drop everything this run wrote; nothing of it is catalogued."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._lock_fd is not None:
+                os.lseek(self._lock_fd, 0, os.SEEK_SET)
+                os.ftruncate(self._lock_fd, 0)
+                os.write(self._lock_fd, json.dumps({"run_id": self.run_id, "status": "aborted"}).encode())
+            for t in ("prompts", "captures"):
+                (table_dir(self.store.root, t) / f"{self.run_id}.parquet").unlink(missing_ok=True)
+            shutil.rmtree(self.store.root / ARRAYS_DIR / self.run_id, ignore_errors=True)
+        finally:
+            self._release_pending_lock()
+
+    def commit(self) -> None:
+        """Flush the arrays, then commit prompts, captures and (last) runs segments."""
+        self._check_open()
+        self._check_complete()
+        for st in self._arrays.values():
+            self._finalise(st)
+        root = self.store.root
+        write_segment(root, "prompts", self._prompts_table(), segment=self.run_id)
+        write_segment(root, "captures", self._captures_table(), segment=self.run_id)
+        write_segment(root, "runs", self._runs_table(), segment=self.run_id)  # the commit marker
+        self._closed = True
+        self._release_pending_lock()
+        self.store._committed.add(self.run_id)
+
+    def _check_complete(self) -> None:
+        for (pid, name), st in self._arrays.items():
+            if st.layers_written is not None:
+                n = st.arr.shape[0]
+                missing = sorted(set(range(n)) - st.layers_written)
+                if missing:
+                    raise ValueError(
+                        f"run {self.run_id}, prompt {pid}, array {name}: layers {missing} were created "
+                        "with create_kv but never written with write_kv_layer"
+                    )
+
+    # ---- prompts ---------------------------------------------------------------------------
+    def add_prompt(self, token_ids: Any, text: str | None = None) -> str:
+        """Register a prompt and write its tokens int32 [token]; returns its prompt_id."""
+        self._check_open()
+        ids = _check_token_ids(token_ids, f"run {self.run_id}: add_prompt")
+        pid = hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()[:16]
+        if pid in self._prompts:
+            return pid
+        if text is not None and not isinstance(text, str):
+            raise ValueError(f"run {self.run_id}: add_prompt text must be a str, got {type(text).__name__}")
+        zarr.create_group(store=self.store._zstore, path=f"{self.run_id}/{pid}", attributes={"prompt_id": pid})
+        ld = LOGICAL_DTYPES["int32"]
+        st = self._new_array(pid, "tokens", "tokens", ld, ids.shape, (max(1, min(ids.size, 1 << 20)),), TOKENS_DIMS, {})
+        st.arr[:] = ids
+        self._prompts[pid] = {"idx": len(self._prompts), "tokens": ids, "text": text}
+        return pid
+
+    def _check_prompt(self, pid: str, what: str) -> None:
+        self._check_open()
+        if pid not in self._prompts:
+            raise ValueError(f"run {self.run_id}: {what}: prompt {pid!r} was not added to this run (add_prompt first)")
+
+    # ---- generic array plumbing -----------------------------------------------------------
+    def _new_array(self, pid: str, name: str, kind: str, ld: LogicalDtype, shape: tuple[int, ...],
+                   chunks: tuple[int, ...], dims: list[str], attrs: dict[str, Any], **state: Any) -> _ArrayState:
+        if (pid, name) in self._arrays:
+            raise ValueError(f"run {self.run_id}, prompt {pid}: array {name} was already written")
+        ref = ArrayRef(self.run_id, pid, name)
+        attributes = {"logical_dtype": ld.name, "kind": kind, "run_id": self.run_id, "prompt_id": pid, **attrs}
+        arr = create_array(self.store._zstore, ref, tuple(int(s) for s in shape), ld.storage, chunks, dims, attributes)
+        st = _ArrayState(ref=ref, arr=arr, kind=kind, ld=ld, dims=dims, **state)
+        self._arrays[(pid, name)] = st
+        return st
+
+    def _tokens_per_chunk(self, bytes_per_token: int, known_len: int | None) -> int:
+        if self._chunk_tokens is not None:
+            return max(1, self._chunk_tokens if known_len is None else min(self._chunk_tokens, max(1, known_len)))
+        return token_chunk(bytes_per_token, known_len)
+
+    def _append_rows(self, st: _ArrayState, bits: np.ndarray) -> None:
+        """Stage ``bits`` (storage dtype) along the buffer axis, flushing whole chunks."""
+        buf = st.buffer
+        assert buf is not None
+        ax = buf.axis
+        cap = buf.data.shape[ax]
+        n = bits.shape[ax]
+        done = 0
+        while done < n:
+            take = min(cap - buf.fill, n - done)
+            dst = [slice(None)] * bits.ndim
+            dst[ax] = slice(buf.fill, buf.fill + take)
+            src = [slice(None)] * bits.ndim
+            src[ax] = slice(done, done + take)
+            buf.data[tuple(dst)] = bits[tuple(src)]
+            buf.fill += take
+            done += take
+            if buf.fill == cap:
+                self._flush(st)
+
+    def _flush(self, st: _ArrayState) -> None:
+        buf = st.buffer
+        if buf is None or buf.fill == 0:
+            return
+        ax = buf.axis
+        new_shape = list(st.arr.shape)
+        new_shape[ax] = st.length + buf.fill
+        st.arr.resize(tuple(new_shape))
+        region = [slice(None)] * len(new_shape)
+        region[ax] = slice(st.length, st.length + buf.fill)
+        src = [slice(None)] * len(new_shape)
+        src[ax] = slice(0, buf.fill)
+        st.arr[tuple(region)] = buf.data[tuple(src)]
+        st.length += buf.fill
+        buf.fill = 0
+
+    def _finalise(self, st: _ArrayState) -> None:
+        if st.buffer is not None:
+            self._flush(st)
+            st.buffer = None
+        if st.kind == "tensor":
+            st.arr.update_attributes({"steps": st.steps})
+
+    # ---- logits ----------------------------------------------------------------------------
+    def _check_logits(self, pid: str, x: Any, what: str, allow_1d: bool) -> tuple[np.ndarray, LogicalDtype]:
+        self._check_prompt(pid, what)
+        where = f"run {self.run_id}, prompt {pid}: {what}"
+        arr = to_numpy(x, where)
+        if allow_1d and arr.ndim == 1:
+            arr = arr[None, :]
+        if arr.ndim != 2:
+            raise ValueError(f"{where}: logits must be [gen_token, vocab], got shape {arr.shape}")
+        ld = check_dtype(arr, where, FLOAT_DTYPES)
+        if self._logits_geometry is not None:
+            vocab, dt = self._logits_geometry
+            if (arr.shape[1], ld.name) != (vocab, dt):
+                raise ValueError(
+                    f"{where}: logits [gen_token, vocab={arr.shape[1]}] {ld.name} disagree with what run "
+                    f"{self.run_id} already holds (vocab={vocab}, {dt})"
+                )
+        return arr, ld
+
+    def write_logits(self, pid: str, logits: Any) -> None:
+        """logits: [gen_token, vocab], written in one go."""
+        arr, ld = self._check_logits(pid, logits, "write_logits", allow_1d=False)
+        t = self._tokens_per_chunk(arr.shape[1] * ld.storage.itemsize, arr.shape[0])
+        st = self._new_array(pid, "logits", "logits", ld, arr.shape, (t, arr.shape[1]), LOGITS_DIMS, {})
+        st.arr[:] = to_storage(np.ascontiguousarray(arr), ld)
+        self._logits_geometry = (arr.shape[1], ld.name)
+
+    def append_logits(self, pid: str, step_logits: Any) -> None:
+        """step_logits: [n, vocab] (or [vocab]) for the next n decode steps."""
+        arr, ld = self._check_logits(pid, step_logits, "append_logits", allow_1d=True)
+        st = self._arrays.get((pid, "logits"))
+        if st is None:
+            t = self._tokens_per_chunk(arr.shape[1] * ld.storage.itemsize, None)
+            st = self._new_array(pid, "logits", "logits", ld, (0, arr.shape[1]), (t, arr.shape[1]), LOGITS_DIMS, {})
+            st.buffer = _Buffer(axis=0, data=np.empty((t, arr.shape[1]), ld.storage))
+            self._logits_geometry = (arr.shape[1], ld.name)
+        elif st.buffer is None:
+            raise ValueError(f"run {self.run_id}, prompt {pid}: append_logits after write_logits; logits already written")
+        self._append_rows(st, to_storage(arr, ld))
+
+    # ---- KV --------------------------------------------------------------------------------
+    def _kv_names(self, group: str | None) -> tuple[str, str, str]:
+        if group is None:
+            return "kv_k", "kv_v", ""
+        check_component(group, "kv group")
+        return f"kv_k_{group}", f"kv_v_{group}", group
+
+    def _check_kv_geometry(self, pid: str, what: str, group: str, n_layers: int, kv_heads: int,
+                           head_dim: int, ld: LogicalDtype, layer_names: list[str]) -> None:
+        geo = (n_layers, kv_heads, head_dim, ld.name, tuple(layer_names))
+        held = self._kv_geometry.get(group)
+        if held is not None and held != geo:
+            raise ValueError(
+                f"run {self.run_id}, prompt {pid}: {what}: KV [layer={n_layers}, kv_head={kv_heads}, "
+                f"head_dim={head_dim}] {ld.name} layers {list(layer_names)[:4]}... disagree with what the run "
+                f"already holds{' in group ' + group if group else ''}: [layer={held[0]}, kv_head={held[1]}, "
+                f"head_dim={held[2]}] {held[3]} layers {list(held[4])[:4]}..."
+            )
+
+    @staticmethod
+    def _layer_names(layer_names: Any, n_layers: int, where: str) -> list[str]:
+        if layer_names is None:
+            return [str(i) for i in range(n_layers)]
+        names = [str(n) for n in layer_names]
+        if len(names) != n_layers:
+            raise ValueError(f"{where}: {len(names)} layer_names for {n_layers} layers")
+        if len(set(names)) != len(names):
+            raise ValueError(f"{where}: layer_names are not unique: {names}")
+        return names
+
+    def _kv_pair(self, pid: str, k: Any, v: Any, where: str, ndim: int, dims_doc: str) -> tuple[np.ndarray, np.ndarray, LogicalDtype]:
+        ka = to_numpy(k, f"{where}: k")
+        va = to_numpy(v, f"{where}: v")
+        if ka.ndim != ndim or va.ndim != ndim:
+            raise ValueError(f"{where}: k and v must be {dims_doc}, got k {ka.shape}, v {va.shape}")
+        if ka.shape != va.shape:
+            raise ValueError(f"{where}: k {ka.shape} and v {va.shape} differ in shape")
+        ld = check_dtype(ka, f"{where}: k", FLOAT_DTYPES)
+        if va.dtype != ka.dtype:
+            raise ValueError(f"{where}: k is {ka.dtype} but v is {va.dtype}")
+        return ka, va, ld
+
+    def _kv_chunks(self, kv_heads: int, head_dim: int, ld: LogicalDtype, seq: int | None) -> tuple[int, int, int, int]:
+        t = self._tokens_per_chunk(kv_heads * head_dim * ld.storage.itemsize, seq)
+        return (1, kv_heads, t, head_dim)
+
+    def _create_kv_arrays(self, pid: str, group: str | None, shape: tuple[int, int, int, int], ld: LogicalDtype,
+                          names: list[str], chunks: tuple[int, ...], **state: Any) -> tuple[_ArrayState, _ArrayState]:
+        kname, vname, g = self._kv_names(group)
+        for n in (kname, vname):
+            if (pid, n) in self._arrays:
+                raise ValueError(f"run {self.run_id}, prompt {pid}: array {n} was already written")
+        attrs = {"layer_names": names, "kv_group": g}
+        sk = self._new_array(pid, kname, "kv_k", ld, shape, chunks, KV_DIMS, attrs, kv_group=g, layer_names=names, **state)
+        state = {k: (set() if isinstance(v, set) else v) for k, v in state.items()}
+        sv = self._new_array(pid, vname, "kv_v", ld, shape, chunks, KV_DIMS, attrs, kv_group=g, layer_names=names, **state)
+        self._kv_geometry[g] = (shape[0], shape[1], shape[3], ld.name, tuple(names))
+        return sk, sv
+
+    def write_kv(self, pid: str, k: Any, v: Any, layer_names: Any = None, group: str | None = None) -> None:
+        """k, v: [layer, kv_head, seq, head_dim], written in one go."""
+        self._check_prompt(pid, "write_kv")
+        where = f"run {self.run_id}, prompt {pid}: write_kv"
+        ka, va, ld = self._kv_pair(pid, k, v, where, 4, "[layer, kv_head, seq, head_dim]")
+        L, H, S, D = ka.shape
+        names = self._layer_names(layer_names, L, where)
+        g = self._kv_names(group)[2]
+        self._check_kv_geometry(pid, "write_kv", g, L, H, D, ld, names)
+        sk, sv = self._create_kv_arrays(pid, group, ka.shape, ld, names, self._kv_chunks(H, D, ld, S))
+        sk.arr[:] = to_storage(np.ascontiguousarray(ka), ld)
+        sv.arr[:] = to_storage(np.ascontiguousarray(va), ld)
+
+    def create_kv(self, pid: str, layer_names: Any, num_kv_heads: int, seq_len: int, head_dim: int,
+                  dtype: Any, group: str | None = None) -> None:
+        """Create empty K and V [layer, kv_head, seq, head_dim] to be filled by write_kv_layer."""
+        self._check_prompt(pid, "create_kv")
+        where = f"run {self.run_id}, prompt {pid}: create_kv"
+        if isinstance(layer_names, int):
+            layer_names = None if layer_names < 0 else [str(i) for i in range(layer_names)]
+        if layer_names is None or len(layer_names) == 0:
+            raise ValueError(f"{where}: layer_names must name at least one layer (or be the layer count)")
+        for what, val in (("num_kv_heads", num_kv_heads), ("seq_len", seq_len), ("head_dim", head_dim)):
+            if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{where}: {what} must be a positive integer, got {val!r}")
+        ld = LOGICAL_DTYPES[_normalise_dtype_name(dtype, where)]
+        names = self._layer_names(layer_names, len(layer_names), where)
+        g = self._kv_names(group)[2]
+        self._check_kv_geometry(pid, "create_kv", g, len(names), int(num_kv_heads), int(head_dim), ld, names)
+        shape = (len(names), int(num_kv_heads), int(seq_len), int(head_dim))
+        self._create_kv_arrays(pid, group, shape, ld, names, self._kv_chunks(shape[1], shape[3], ld, shape[2]),
+                               layers_written=set())
+
+    def write_kv_layer(self, pid: str, layer: int | str, k: Any, v: Any, group: str | None = None) -> None:
+        """k, v: [kv_head, seq, head_dim] of one layer (by index or name) of a create_kv array."""
+        self._check_prompt(pid, "write_kv_layer")
+        where = f"run {self.run_id}, prompt {pid}: write_kv_layer {layer!r}"
+        kname, vname, _ = self._kv_names(group)
+        sk, sv = self._arrays.get((pid, kname)), self._arrays.get((pid, vname))
+        if sk is None or sk.layers_written is None:
+            raise ValueError(f"{where}: call create_kv for this prompt first")
+        idx = self._layer_index(layer, sk.layer_names or [], where)
+        ka, va, ld = self._kv_pair(pid, k, v, where, 3, "[kv_head, seq, head_dim]")
+        expect = tuple(sk.arr.shape[1:])
+        if ka.shape != expect or ld.name != sk.ld.name:
+            raise ValueError(f"{where}: got [kv_head, seq, head_dim] {ka.shape} {ld.name}, "
+                             f"the run holds {expect} {sk.ld.name} for this prompt")
+        sk.arr[idx] = to_storage(np.ascontiguousarray(ka), ld)
+        sv.arr[idx] = to_storage(np.ascontiguousarray(va), ld)
+        sk.layers_written.add(idx)
+        sv.layers_written.add(idx)
+
+    @staticmethod
+    def _layer_index(layer: int | str, names: list[str], where: str) -> int:
+        if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+            if not 0 <= int(layer) < len(names):
+                raise ValueError(f"{where}: layer index out of range [0, {len(names)})")
+            return int(layer)
+        if isinstance(layer, str) and layer in names:
+            return names.index(layer)
+        raise ValueError(f"{where}: unknown layer; layers are {names[:8]}{'...' if len(names) > 8 else ''}")
+
+    def append_kv(self, pid: str, k_step: Any, v_step: Any, layer_names: Any = None, group: str | None = None) -> None:
+        """k_step, v_step: [layer, kv_head, n, head_dim] (or [layer, kv_head, head_dim]) for n more tokens."""
+        self._check_prompt(pid, "append_kv")
+        where = f"run {self.run_id}, prompt {pid}: append_kv"
+        ka, va = to_numpy(k_step, f"{where}: k"), to_numpy(v_step, f"{where}: v")
+        if ka.ndim == 3:
+            ka = ka[:, :, None, :]
+        if va.ndim == 3:
+            va = va[:, :, None, :]
+        ka, va, ld = self._kv_pair(pid, ka, va, where, 4, "[layer, kv_head, n, head_dim]")
+        L, H, _, D = ka.shape
+        kname, vname, g = self._kv_names(group)
+        sk = self._arrays.get((pid, kname))
+        if sk is None:
+            names = self._layer_names(layer_names, L, where)
+            self._check_kv_geometry(pid, "append_kv", g, L, H, D, ld, names)
+            chunks = self._kv_chunks(H, D, ld, None)
+            sk, sv = self._create_kv_arrays(pid, group, (L, H, 0, D), ld, names, chunks)
+            for st in (sk, sv):
+                st.buffer = _Buffer(axis=2, data=np.empty((L, H, chunks[2], D), ld.storage))
+        else:
+            sv = self._arrays[(pid, vname)]
+            if sk.buffer is None:
+                raise ValueError(f"{where}: KV of this prompt was written with write_kv/create_kv, not appendable")
+            held = (sk.arr.shape[0], sk.arr.shape[1], sk.arr.shape[3], sk.ld.name)
+            if (L, H, D, ld.name) != held:
+                raise ValueError(f"{where}: step [layer={L}, kv_head={H}, head_dim={D}] {ld.name} disagrees with "
+                                 f"what the run holds [layer={held[0]}, kv_head={held[1]}, head_dim={held[2]}] {held[3]}")
+        self._append_rows(sk, to_storage(ka, ld))
+        self._append_rows(sv, to_storage(va, ld))
+
+    # ---- module tensors --------------------------------------------------------------------
+    def write_tensor(self, pid: str, module: str, array: Any, step: int = 0, phase: str = "prefill",
+                     dims: list[str] | None = None) -> None:
+        """array: one step of a module's tensor, stored as ``tensors/<module>/<phase>`` [step, ...].
+
+        ``dims`` names the array's own axes (default ``<module>.dim<i>``); steps of one
+        (module, phase) must share shape and dtype.
+        """
+        self._check_prompt(pid, "write_tensor")
+        check_module_name(module)
+        check_component(phase, "phase")
+        where = f"run {self.run_id}, prompt {pid}: write_tensor {module} ({phase}, step {step})"
+        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"{where}: step must be a non-negative integer, got {step!r}")
+        arr = to_numpy(array, where)
+        ld = check_dtype(arr, where)
+        name = f"tensors/{module}/{phase}"
+        st = self._arrays.get((pid, name))
+        if st is None:
+            if dims is not None and len(dims) != arr.ndim:
+                raise ValueError(f"{where}: {len(dims)} dims for an array of shape {arr.shape}")
+            own = list(dims) if dims is not None else [f"{module}.dim{i}" for i in range(arr.ndim)]
+            row_bytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * ld.storage.itemsize if arr.ndim else 0
+            rest = list(arr.shape)
+            if arr.ndim >= 1:
+                rest[0] = self._tokens_per_chunk(max(1, row_bytes), max(1, arr.shape[0]))
+            chunks = (1, *[max(1, c) for c in rest])
+            st = self._new_array(pid, name, "tensor", ld, (0, *arr.shape), chunks, ["step", *own],
+                                 {"module": module, "phase": phase}, module=module, phase=phase)
+        else:
+            if tuple(st.arr.shape[1:]) != arr.shape or st.ld.name != ld.name:
+                raise ValueError(f"{where}: shape {arr.shape} {ld.name} disagrees with earlier steps of this "
+                                 f"module/phase in the run: {tuple(st.arr.shape[1:])} {st.ld.name}")
+            if int(step) in st.steps:
+                raise ValueError(f"{where}: step {step} was already written")
+        n = st.arr.shape[0]
+        st.arr.resize((n + 1, *arr.shape))
+        st.arr[n] = to_storage(np.ascontiguousarray(arr), ld)
+        st.steps.append(int(step))
+
+    # ---- table rows ------------------------------------------------------------------------
+    def _prompts_table(self) -> pa.Table:
+        rows = [{"run_id": self.run_id, "prompt_id": pid, "prompt_idx": p["idx"], "n_tokens": int(p["tokens"].size),
+                 "text": p["text"], "token_ids": p["tokens"].tolist()} for pid, p in self._prompts.items()]
+        return pa.Table.from_pylist(rows, schema=PROMPTS_SCHEMA)
+
+    def _captures_table(self) -> pa.Table:
+        rows = []
+        zroot = self.store.root / ARRAYS_DIR
+        for (pid, name), st in self._arrays.items():
+            shape = [int(s) for s in st.arr.shape]
+            rows.append({
+                "run_id": self.run_id, "prompt_id": pid, "array_name": name, "kind": st.kind,
+                "kv_group": st.kv_group, "module": st.module, "phase": st.phase,
+                "steps": st.steps if st.kind == "tensor" else None,
+                "shape": shape, "dimension_names": st.dims, "chunks": [int(c) for c in st.arr.chunks],
+                "dtype": st.ld.name, "storage_dtype": st.ld.storage.name, "codec": CODEC_NAME,
+                "nbytes": int(np.prod(shape, dtype=np.int64)) * st.ld.numpy.itemsize,
+                "stored_bytes": stored_bytes(zroot / st.ref.path), "layer_names": st.layer_names,
+                "path": f"{ARRAYS_DIR}/{st.ref.path}",
+            })
+        return pa.Table.from_pylist(rows, schema=CAPTURES_SCHEMA)
+
+    def _runs_table(self) -> pa.Table:
+        m = self._meta
+        row = {**m, "run_id": self.run_id, "status": "complete", "n_prompts": len(self._prompts),
+               "created_at": self._created_at, "committed_at": datetime.now(timezone.utc),
+               "hostname": socket.gethostname(), "pid": os.getpid(), "format_version": FORMAT_VERSION}
+        return pa.Table.from_pylist([row], schema=RUNS_SCHEMA)
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + os.urandom(4).hex()
+
+
+def run_meta(engine: str, model_path: str, model_hash: str | None, dtype: str, device: str,
+             engine_version: str | None, tp_degree: int, release: str | None, config: Any) -> dict[str, Any]:
+    """Validated metadata of a run; ValueError naming the bad field."""
+    for what, val in (("engine", engine), ("model_path", model_path), ("dtype", dtype), ("device", device)):
+        if not isinstance(val, str) or not val:
+            raise ValueError(f"begin_run: {what} must be a non-empty string, got {val!r}")
+    for what, val in (("model_hash", model_hash), ("engine_version", engine_version), ("release", release)):
+        if val is not None and not isinstance(val, str):
+            raise ValueError(f"begin_run: {what} must be a string or None, got {val!r}")
+    if not isinstance(tp_degree, (int, np.integer)) or isinstance(tp_degree, bool) or tp_degree < 1:
+        raise ValueError(f"begin_run: tp_degree must be a positive integer, got {tp_degree!r}")
+    try:
+        config_json = json.dumps(config if config is not None else {}, sort_keys=True)
+    except TypeError as e:
+        raise ValueError(f"begin_run: config must be JSON-serialisable ({e})") from None
+    return {"engine": engine, "engine_version": engine_version, "model_path": str(model_path),
+            "model_hash": model_hash, "dtype": dtype, "device": device, "tp_degree": int(tp_degree),
+            "release": release, "config": config_json}
