@@ -1,0 +1,595 @@
+"""KV cache comparison: per token x layer x head errors and per token x layer BC, vectorised.
+
+Inputs are ``{layer_name: (k, v)}`` with ``k, v: [batch, kv_head, seq, head_dim]`` (torch or
+numpy, any float dtype incl. bfloat16; computed in float32 like the upstream). Roles as in
+reference/000 and ``logit_validation``:
+
+- two-way (no baseline): errors of ``actual`` relative to ``expected``;
+- three-way: ``ref = baseline`` (FP32 ground truth); ``k_linf`` etc. are actual vs baseline
+  (target error), ``base_k_linf`` etc. expected vs baseline (dtype-only error), and
+  ``{layer}._bc`` is the BC between the two absolute-error samples of one token and layer
+  (all heads x head_dim values), i.e. whether the target's errors look like dtype noise.
+
+Where this differs from the upstream ``compare_kv_caches`` on purpose:
+- every position is compared, including the last (upstream stops at ``seq_len - 1``);
+- every batch row is compared (upstream reads row 0 only); ``result[t]`` is row 0 as upstream,
+  ``result.row(b)[t]`` any other row, and the arrays hold all rows;
+- a position that is NaN (sliding-window fill) is excluded element-wise; a token x layer x head
+  with nothing left gives NaN metrics (never 0, never a crash); BC excludes NaN errors and is
+  NaN when a token x layer has no valid error at all;
+- two-way ``base_*`` fields and BCs are NaN ("not measured") rather than 0.0.
+
+The result is a thin view: the numbers live in arrays ``[batch, token, layer, head]``
+(``result.k_linf`` ...) and ``[batch, token, layer]`` (``result.k_bc``, ``result.v_bc``);
+``result[t][layer][h]`` builds a ``HeadMetrics`` on access.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .bc import DEFAULT_BINS, bhattacharyya_batched
+from .errors import COS_EPS, EPS, as_float, cosine, rel_l2, rel_linf, to_numpy
+
+__all__ = [
+    "HeadMetrics",
+    "TokenKVMetrics",
+    "TokenKVErrors",
+    "KVComparison",
+    "KVRawErrors",
+    "HEAD_METRIC_NAMES",
+    "compare_kv_caches",
+    "aggregate_kv_bc_across_prompts",
+    "aggregate_kv_bc_arrays",
+    "compute_combined_bc_per_layer",
+    "natural_sort_key",
+]
+
+HEAD_METRIC_NAMES = (
+    "k_cos", "v_cos", "k_linf", "v_linf", "k_l2", "v_l2",
+    "base_k_linf", "base_v_linf", "base_k_l2", "base_v_l2",
+)
+
+
+@dataclass(frozen=True)
+class HeadMetrics:
+    """One token x layer x KV head. ``*_linf``/``*_l2`` relative to the reference
+    (baseline in three-way mode, else expected); ``base_*`` expected vs baseline (three-way)."""
+
+    k_cos: float
+    v_cos: float
+    k_linf: float
+    v_linf: float
+    k_l2: float
+    v_l2: float
+    base_k_linf: float
+    base_v_linf: float
+    base_k_l2: float
+    base_v_l2: float
+
+
+@dataclass(frozen=True)
+class TokenKVMetrics:
+    """BC between expected and actual absolute errors (vs baseline) of one token x layer."""
+
+    k_bc: float
+    v_bc: float
+
+
+@dataclass(frozen=True)
+class TokenKVErrors:
+    """Absolute errors of one token x layer, each ``[kv_head * head_dim]`` float32."""
+
+    base_k: np.ndarray
+    base_v: np.ndarray
+    tgt_k: np.ndarray
+    tgt_v: np.ndarray
+
+
+def natural_sort_key(name: str):
+    """'layers.10' sorts after 'layers.9'."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+# ----------------------------------------------------------------------------- result views
+
+
+class _HeadsView(Sequence):
+    __slots__ = ("_m", "_b", "_t", "_l", "_n")
+
+    def __init__(self, metrics, b, t, l, n):
+        self._m, self._b, self._t, self._l, self._n = metrics, b, t, l, n
+
+    def __len__(self):
+        return self._n
+
+    def __getitem__(self, h):
+        if isinstance(h, slice):
+            return [self[i] for i in range(*h.indices(self._n))]
+        if h < 0:
+            h += self._n
+        if not 0 <= h < self._n:
+            raise IndexError(f"head {h} out of range (layer has {self._n} KV heads)")
+        m = self._m
+        return HeadMetrics(*(float(m[name][self._b, self._t, self._l, h]) for name in HEAD_METRIC_NAMES))
+
+
+class _TokenView(Mapping):
+    """``{layer: [HeadMetrics per head], f"{layer}._bc": TokenKVMetrics}`` for one row/token."""
+
+    __slots__ = ("_c", "_b", "_t")
+
+    def __init__(self, comparison, b, t):
+        self._c, self._b, self._t = comparison, b, t
+
+    def _keys(self):
+        c = self._c
+        keys = list(c.layers)
+        if c.three_way:
+            keys += [f"{layer}._bc" for layer in c.layers]
+        return keys
+
+    def __iter__(self):
+        return iter(self._keys())
+
+    def __len__(self):
+        return len(self._keys())
+
+    def __getitem__(self, key):
+        c = self._c
+        if key.endswith("._bc") and c.three_way and key[:-4] in c._layer_idx:
+            li = c._layer_idx[key[:-4]]
+            return TokenKVMetrics(float(c.k_bc[self._b, self._t, li]), float(c.v_bc[self._b, self._t, li]))
+        if key in c._layer_idx:
+            li = c._layer_idx[key]
+            return _HeadsView(c.arrays, self._b, self._t, li, int(c.num_heads[li]))
+        raise KeyError(f"{key!r}: not a compared layer (layers: {list(c.layers)[:4]}...)")
+
+
+class _RowView(Sequence):
+    __slots__ = ("_c", "_b")
+
+    def __init__(self, comparison, b):
+        self._c, self._b = comparison, b
+
+    def __len__(self):
+        return self._c.num_tokens
+
+    def __getitem__(self, t):
+        n = self._c.num_tokens
+        if isinstance(t, slice):
+            return [self[i] for i in range(*t.indices(n))]
+        if t < 0:
+            t += n
+        if not 0 <= t < n:
+            raise IndexError(f"token {t} out of range ({n} positions)")
+        return _TokenView(self._c, self._b, t)
+
+
+class KVComparison(Sequence):
+    """Result of ``compare_kv_caches``.
+
+    Arrays: ``arrays[name]: [batch, token, layer, head]`` for each of ``HEAD_METRIC_NAMES``
+    (also reachable as attributes, e.g. ``result.k_linf``), ``k_bc, v_bc: [batch, token, layer]``.
+    Heads beyond a layer's own count (layers with fewer KV heads) are NaN.
+    ``result[t][layer][h]`` / ``result[t][f"{layer}._bc"]`` view batch row 0 like the upstream;
+    ``result.row(b)`` views any row.
+    """
+
+    def __init__(self, layers, arrays, k_bc, v_bc, num_heads, three_way):
+        self.layers = tuple(layers)
+        self.arrays = arrays
+        self.k_bc = k_bc
+        self.v_bc = v_bc
+        self.num_heads = np.asarray(num_heads, dtype=np.int64)
+        self.three_way = bool(three_way)
+        self._layer_idx = {name: i for i, name in enumerate(self.layers)}
+
+    def __getattr__(self, name):
+        arrays = self.__dict__.get("arrays")
+        if arrays is not None and name in arrays:
+            return arrays[name]
+        raise AttributeError(name)
+
+    @property
+    def shape(self):
+        """(batch, token, layer, head)."""
+        return self.arrays["k_linf"].shape
+
+    @property
+    def batch_size(self):
+        return self.shape[0]
+
+    @property
+    def num_tokens(self):
+        return self.shape[1]
+
+    def row(self, b: int) -> Sequence:
+        if not -self.batch_size <= b < self.batch_size:
+            raise IndexError(f"batch row {b} out of range (batch {self.batch_size})")
+        return _RowView(self, b % self.batch_size)
+
+    def __len__(self):
+        return self.num_tokens
+
+    def __getitem__(self, t):
+        return self.row(0)[t]
+
+    def layer_index(self, layer: str) -> int:
+        return self._layer_idx[layer]
+
+    def to_columns(self) -> dict:
+        """Long-format columns (one entry per batch x token x layer x head), for tables such as
+        ``kv_head_metrics``: ``batch, token, layer, head`` plus every metric, and the layer's
+        ``k_bc``/``v_bc`` repeated on its heads. Heads a layer does not have are left out."""
+        B, T, L, H = self.shape
+        b, t, li, h = np.meshgrid(np.arange(B), np.arange(T), np.arange(L), np.arange(H), indexing="ij")
+        keep = (h < self.num_heads[li]).ravel()
+        cols = {
+            "batch": b.ravel()[keep],
+            "token": t.ravel()[keep],
+            "layer": np.asarray(self.layers, dtype=object)[li.ravel()[keep]],
+            "head": h.ravel()[keep],
+        }
+        for name in HEAD_METRIC_NAMES:
+            cols[name] = self.arrays[name].ravel()[keep]
+        cols["k_bc"] = np.broadcast_to(self.k_bc[..., None], (B, T, L, H)).ravel()[keep]
+        cols["v_bc"] = np.broadcast_to(self.v_bc[..., None], (B, T, L, H)).ravel()[keep]
+        return cols
+
+
+class _RawTokenView(Mapping):
+    __slots__ = ("_r", "_b", "_t")
+
+    def __init__(self, raw, b, t):
+        self._r, self._b, self._t = raw, b, t
+
+    def __iter__(self):
+        return iter(self._r.layers)
+
+    def __len__(self):
+        return len(self._r.layers)
+
+    def __getitem__(self, layer):
+        r = self._r
+        li = r._layer_idx[layer]
+        n = int(r.widths[li])
+        at = (self._b, self._t, li, slice(0, n))
+        return TokenKVErrors(r.base_k[at], r.base_v[at], r.tgt_k[at], r.tgt_v[at])
+
+
+class KVRawErrors(Sequence):
+    """Absolute errors vs baseline, ``base_k, base_v, tgt_k, tgt_v: [batch, token, layer,
+    kv_head*head_dim]`` float32. ``raw[t][layer]`` -> ``TokenKVErrors`` of row 0 (upstream
+    shape: a list over tokens of ``{layer: TokenKVErrors}``); ``raw.row(b)`` for other rows."""
+
+    def __init__(self, layers, base_k, base_v, tgt_k, tgt_v, widths):
+        self.layers = tuple(layers)
+        self.base_k, self.base_v, self.tgt_k, self.tgt_v = base_k, base_v, tgt_k, tgt_v
+        self.widths = np.asarray(widths, dtype=np.int64)
+        self._layer_idx = {name: i for i, name in enumerate(self.layers)}
+
+    @property
+    def num_tokens(self):
+        return self.base_k.shape[1]
+
+    def __len__(self):
+        return self.num_tokens
+
+    def __getitem__(self, t):
+        return self.row(0)[t]
+
+    def row(self, b: int) -> Sequence:
+        raw = self
+
+        class _Row(Sequence):
+            def __len__(self):
+                return raw.num_tokens
+
+            def __getitem__(self, t):
+                if isinstance(t, slice):
+                    return [self[i] for i in range(*t.indices(raw.num_tokens))]
+                if t < 0:
+                    t += raw.num_tokens
+                if not 0 <= t < raw.num_tokens:
+                    raise IndexError(f"token {t} out of range ({raw.num_tokens} positions)")
+                return _RawTokenView(raw, b, t)
+
+        return _Row()
+
+
+# ----------------------------------------------------------------------------- the kernel
+
+
+def _layer_sources(name, expected_kv, actual_kv, baseline_kv):
+    """Fetch one layer from each source (a lazy Mapping loads it here) and check shapes."""
+    srcs = {"expected": expected_kv, "actual": actual_kv}
+    if baseline_kv is not None:
+        srcs["baseline"] = baseline_kv
+    out = {}
+    for role, kv in srcs.items():
+        try:
+            pair = kv[name]
+        except KeyError:
+            raise KeyError(f"layer {name!r} missing from {role}_kv") from None
+        if len(pair) != 2:
+            raise ValueError(f"layer {name!r} of {role}_kv: expected a (k, v) pair, got {len(pair)} items")
+        k, v = to_numpy(pair[0]), to_numpy(pair[1])
+        if k.ndim != 4 or v.ndim != 4:
+            raise ValueError(
+                f"layer {name!r} of {role}_kv: k and v must be [batch, kv_head, seq, head_dim], "
+                f"got k {k.shape}, v {v.shape}"
+            )
+        if k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"layer {name!r} of {role}_kv: k {k.shape} and v {v.shape} disagree on batch/head/seq")
+        out[role] = (k, v)
+    first_role = "expected"
+    for role, (k, v) in out.items():
+        for which, x, y in (("k", k, out[first_role][0]), ("v", v, out[first_role][1])):
+            if x.shape != y.shape:
+                raise ValueError(
+                    f"shape mismatch at layer {name!r} ({which}): {first_role} {y.shape} vs {role} {x.shape}; "
+                    "inputs must agree exactly (pad a window-trimmed cache with NaN first)"
+                )
+    return out
+
+
+def _one_tensor(ref, act, exp, want_raw):
+    """Metrics of one layer's K (or V). ref/act/exp: [B, H, S, D] (exp None in two-way).
+
+    Returns dict of [B, S, H] arrays (cos, linf, l2, base_linf, base_l2) and, when asked or
+    three-way, the absolute errors as [B, S, H*D] float32 (tgt, base).
+    """
+    r = as_float(ref)
+    a = as_float(act)
+    B, H, S, D = r.shape
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        d = a - r
+        np.abs(d, out=d)
+        num_inf = d.max(axis=-1)
+        num_l2 = np.sqrt(np.einsum("bhsd,bhsd->bhs", d, d))
+        den_inf = np.maximum(np.maximum(r.max(axis=-1), -r.min(axis=-1)), EPS)
+        rr = np.einsum("bhsd,bhsd->bhs", r, r)
+        den_l2 = np.maximum(np.sqrt(rr), EPS)
+        aa = np.einsum("bhsd,bhsd->bhs", a, a)
+        ra = np.einsum("bhsd,bhsd->bhs", r, a)
+        out = {
+            "linf": num_inf / den_inf,
+            "l2": num_l2 / den_l2,
+            "cos": ra / (np.maximum(np.sqrt(rr), COS_EPS) * np.maximum(np.sqrt(aa), COS_EPS)),
+        }
+        tgt_err = d
+        base_err = None
+        if exp is not None:
+            e = as_float(exp)
+            db = e - r
+            np.abs(db, out=db)
+            out["base_linf"] = db.max(axis=-1) / den_inf
+            out["base_l2"] = np.sqrt(np.einsum("bhsd,bhsd->bhs", db, db)) / den_l2
+            base_err = db
+    # NaN anywhere in a head vector shows up in these reductions; only those vectors are
+    # recomputed with the NaN positions masked out (sliding-window fill is whole positions).
+    bad = np.isnan(out["linf"]) | np.isnan(out["cos"])
+    if exp is not None:
+        bad |= np.isnan(out["base_linf"])
+    if bad.any():
+        idx = np.nonzero(bad)
+        rv, av = r[idx].astype(np.float64), a[idx].astype(np.float64)
+        out["linf"][idx] = rel_linf(rv, av)
+        out["l2"][idx] = rel_l2(rv, av)
+        out["cos"][idx] = cosine(rv, av)
+        if exp is not None:
+            ev = as_float(exp)[idx].astype(np.float64)
+            out["base_linf"][idx] = rel_linf(rv, ev)
+            out["base_l2"][idx] = rel_l2(rv, ev)
+    res = {k: np.ascontiguousarray(v.transpose(0, 2, 1)) for k, v in out.items()}  # [B, S, H]
+    if want_raw or exp is not None:
+        res["tgt_err"] = np.ascontiguousarray(tgt_err.transpose(0, 2, 1, 3)).reshape(B, S, H * D)
+        if base_err is not None:
+            res["base_err"] = np.ascontiguousarray(base_err.transpose(0, 2, 1, 3)).reshape(B, S, H * D)
+    return res
+
+
+def compare_kv_caches(
+    expected_kv: Mapping,
+    actual_kv: Mapping,
+    layers: Sequence[str] | None = None,
+    baseline_kv: Mapping | None = None,
+    return_raw_errors: bool = False,
+    bins: int = DEFAULT_BINS,
+):
+    """Compare KV caches token x layer x head (see module docstring for definitions).
+
+    expected_kv, actual_kv, baseline_kv: ``{layer: (k, v)}``, ``k, v: [batch, kv_head, seq,
+    head_dim]``; any Mapping works, so a store can hand layers over lazily: each layer is read,
+    compared and released before the next (peak memory ~ one layer of every source).
+    layers: names to compare, in order (default: the layers all sources share, natural order).
+    return_raw_errors: three-way only; also return ``KVRawErrors`` (absolute errors of every
+    token x layer, for ``aggregate_kv_bc_across_prompts``).
+
+    Returns ``KVComparison`` or ``(KVComparison, KVRawErrors)``.
+    Raises ValueError naming the layer and both shapes on any shape mismatch, and when the
+    layers disagree on batch or sequence length.
+    """
+    three_way = baseline_kv is not None
+    if return_raw_errors and not three_way:
+        raise ValueError("return_raw_errors needs baseline_kv: raw errors are measured against the baseline")
+    if layers is None:
+        common = set(expected_kv.keys()) & set(actual_kv.keys())
+        if three_way:
+            common &= set(baseline_kv.keys())
+        layers = sorted(common, key=natural_sort_key)
+    layers = list(layers)
+    if not layers:
+        raise ValueError("no layers to compare (the sources share no layer name)")
+
+    per_layer = []
+    raw = None
+    bs_shape = None
+    for li, name in enumerate(layers):
+        src = _layer_sources(name, expected_kv, actual_kv, baseline_kv)
+        ek, ev = src["expected"]
+        ak, av = src["actual"]
+        if three_way:
+            rk, rv = src["baseline"]
+        else:
+            rk, rv = ek, ev
+        B, H, S, _ = rk.shape
+        if bs_shape is None:
+            bs_shape = (B, S)
+        elif (B, S) != bs_shape:
+            raise ValueError(
+                f"layer {name!r} has batch x seq {(B, S)} but layer {layers[0]!r} has {bs_shape}; "
+                "all layers must cover the same positions (pad with NaN)"
+            )
+        mk = _one_tensor(rk, ak, ek if three_way else None, return_raw_errors)
+        mv = _one_tensor(rv, av, ev if three_way else None, return_raw_errors)
+        del src, ek, ev, ak, av, rk, rv
+        entry = {"H": H}
+        for kv_name, m in (("k", mk), ("v", mv)):
+            entry[f"{kv_name}_cos"] = m["cos"]
+            entry[f"{kv_name}_linf"] = m["linf"]
+            entry[f"{kv_name}_l2"] = m["l2"]
+            if three_way:
+                entry[f"base_{kv_name}_linf"] = m["base_linf"]
+                entry[f"base_{kv_name}_l2"] = m["base_l2"]
+        if three_way:
+            k_bc = bhattacharyya_batched(mk["base_err"], mk["tgt_err"], bins=bins)  # [B, S]
+            v_bc = bhattacharyya_batched(mv["base_err"], mv["tgt_err"], bins=bins)
+            # A token x layer with no valid error at all (sliding-window fill) has no BC.
+            k_bc[np.all(np.isnan(mk["tgt_err"]) | np.isnan(mk["base_err"]), axis=-1)] = np.nan
+            v_bc[np.all(np.isnan(mv["tgt_err"]) | np.isnan(mv["base_err"]), axis=-1)] = np.nan
+            entry["k_bc"], entry["v_bc"] = k_bc, v_bc
+        if return_raw_errors:
+            wk, wv = mk["tgt_err"].shape[-1], mv["tgt_err"].shape[-1]
+            if raw is None:
+                raw = {
+                    "base_k": np.full((B, S, len(layers), wk), np.nan, np.float32),
+                    "tgt_k": np.full((B, S, len(layers), wk), np.nan, np.float32),
+                    "base_v": np.full((B, S, len(layers), wv), np.nan, np.float32),
+                    "tgt_v": np.full((B, S, len(layers), wv), np.nan, np.float32),
+                    "widths": [],
+                }
+            if wk > raw["base_k"].shape[-1] or wv > raw["base_v"].shape[-1]:
+                raise ValueError(
+                    f"layer {name!r} has {wk} K values per token, more than layer {layers[0]!r} "
+                    f"({raw['base_k'].shape[-1]}); raw errors need the widest layer first"
+                )
+            raw["base_k"][:, :, li, :wk] = mk["base_err"]
+            raw["tgt_k"][:, :, li, :wk] = mk["tgt_err"]
+            raw["base_v"][:, :, li, :wv] = mv["base_err"]
+            raw["tgt_v"][:, :, li, :wv] = mv["tgt_err"]
+            raw["widths"].append(wk)
+        per_layer.append(entry)
+        del mk, mv
+
+    B, S = bs_shape
+    L = len(layers)
+    Hmax = max(e["H"] for e in per_layer)
+    arrays = {name: np.full((B, S, L, Hmax), np.nan) for name in HEAD_METRIC_NAMES}
+    k_bc = np.full((B, S, L), np.nan)
+    v_bc = np.full((B, S, L), np.nan)
+    for li, e in enumerate(per_layer):
+        for name in HEAD_METRIC_NAMES:
+            if name in e:
+                arrays[name][:, :, li, : e["H"]] = e[name]
+        if three_way:
+            k_bc[:, :, li] = e["k_bc"]
+            v_bc[:, :, li] = e["v_bc"]
+    result = KVComparison(layers, arrays, k_bc, v_bc, [e["H"] for e in per_layer], three_way)
+    if return_raw_errors:
+        raw_obj = KVRawErrors(layers, raw["base_k"], raw["base_v"], raw["tgt_k"], raw["tgt_v"], raw["widths"])
+        return result, raw_obj
+    return result
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def _raw_arrays(raw, layers, row):
+    """(base_k, base_v, tgt_k, tgt_v) as [token, layer, width] for one prompt's raw errors.
+
+    Accepts ``KVRawErrors`` or the upstream shape: a list over tokens of
+    ``{layer: TokenKVErrors}``.
+    """
+    if isinstance(raw, KVRawErrors):
+        idx = [raw._layer_idx[name] for name in layers]
+        return tuple(np.asarray(getattr(raw, f)[row][:, idx, :]) for f in ("base_k", "base_v", "tgt_k", "tgt_v"))
+    out = []
+    for field in ("base_k", "base_v", "tgt_k", "tgt_v"):
+        if len(raw) == 0:
+            out.append(np.zeros((0, len(layers), 0), np.float32))
+            continue
+        out.append(np.stack([np.stack([as_float(getattr(tok[name], field)).ravel() for name in layers]) for tok in raw]))
+    return tuple(out)
+
+
+def _layers_of(raw):
+    if isinstance(raw, KVRawErrors):
+        return list(raw.layers)
+    return sorted(raw[0].keys(), key=natural_sort_key) if len(raw) else []
+
+
+def aggregate_kv_bc_arrays(all_raw_errors, prompt_lens, layers=None, row: int = 0, bins: int = DEFAULT_BINS):
+    """Cross-prompt BC per generation token and layer, as arrays.
+
+    all_raw_errors: one entry per prompt (``KVRawErrors`` or upstream list-of-dicts);
+    prompt_lens: each prompt's length, so that generation token g is position
+    ``prompt_len + g`` of that prompt (0 = first decode token). Only generation indices every
+    prompt has are aggregated (upstream: ``min(len - prompt_len)``).
+    Returns ``(layers, k_bc [gen_token, layer], v_bc [gen_token, layer])``: for each
+    (g, layer) the BC over the errors of all prompts concatenated.
+    """
+    if len(all_raw_errors) != len(prompt_lens):
+        raise ValueError(f"{len(all_raw_errors)} raw-error entries but {len(prompt_lens)} prompt lengths")
+    if not all_raw_errors:
+        return [], np.zeros((0, 0)), np.zeros((0, 0))
+    if layers is None:
+        layers = _layers_of(all_raw_errors[0])
+    layers = list(layers)
+    n_gen = min(len(r) - p for r, p in zip(all_raw_errors, prompt_lens))
+    if n_gen <= 0:
+        return layers, np.zeros((0, len(layers))), np.zeros((0, len(layers)))
+    per_prompt = [_raw_arrays(r, layers, row) for r in all_raw_errors]
+    k_bc = np.empty((n_gen, len(layers)))
+    v_bc = np.empty((n_gen, len(layers)))
+    for li in range(len(layers)):  # one layer at a time bounds the temporaries
+        cols = []
+        for f in range(4):
+            # [prompt, gen, width] -> [gen, prompt * width]
+            stack = np.stack([arrs[f][p : p + n_gen, li, :] for arrs, p in zip(per_prompt, prompt_lens)])
+            cols.append(stack.transpose(1, 0, 2).reshape(n_gen, -1))
+        base_k, base_v, tgt_k, tgt_v = cols
+        k_bc[:, li] = bhattacharyya_batched(base_k, tgt_k, bins=bins)
+        v_bc[:, li] = bhattacharyya_batched(base_v, tgt_v, bins=bins)
+    return layers, k_bc, v_bc
+
+
+def aggregate_kv_bc_across_prompts(all_raw_errors, prompt_lens, layers=None, row: int = 0, bins: int = DEFAULT_BINS):
+    """Upstream-shaped cross-prompt BC: ``agg[gen_token_idx][layer].k_bc`` (see
+    ``aggregate_kv_bc_arrays`` for the definition; this wraps its arrays in a dict)."""
+    names, k_bc, v_bc = aggregate_kv_bc_arrays(all_raw_errors, prompt_lens, layers, row, bins)
+    return {
+        g: {name: TokenKVMetrics(float(k_bc[g, li]), float(v_bc[g, li])) for li, name in enumerate(names)}
+        for g in range(k_bc.shape[0])
+    }
+
+
+def compute_combined_bc_per_layer(all_raw_errors, layers=None, row: int = 0, bins: int = DEFAULT_BINS):
+    """One BC per layer over every token of every prompt: ``{layer: TokenKVMetrics}``."""
+    if not all_raw_errors:
+        return {}
+    if layers is None:
+        layers = _layers_of(all_raw_errors[0])
+    layers = list(layers)
+    per_prompt = [_raw_arrays(r, layers, row) for r in all_raw_errors]
+    out = {}
+    for li, name in enumerate(layers):
+        cols = [np.concatenate([arrs[f][:, li, :].ravel() for arrs in per_prompt])[None, :] for f in range(4)]
+        k = bhattacharyya_batched(cols[0], cols[2], bins=bins)[0]
+        v = bhattacharyya_batched(cols[1], cols[3], bins=bins)[0]
+        out[name] = TokenKVMetrics(float(k), float(v))
+    return out
