@@ -69,7 +69,10 @@ def query(root: Path, sql: str) -> pa.Table:
     con = connect_memory(root)
     try:
         rel = con.sql(sql)
-        return pa.table({}) if rel is None else rel.fetch_arrow_table()
+        if rel is None:  # a statement without a result (SET, CREATE ...)
+            return pa.table({})
+        to_table = getattr(rel, "to_arrow_table", None) or rel.fetch_arrow_table  # duckdb >= 1.4 / older
+        return to_table()
     finally:
         con.close()
 

@@ -1,0 +1,189 @@
+"""Crash safety, concurrent writers, corruption detection, format versioning: real processes, real files."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from capturestore import CorruptChunkError, FormatVersionError, Store, StoreError
+from capturestore.layout import ARRAYS_DIR, FORMAT_FILE, FORMAT_VERSION
+from tests.capturestore.conftest import start_writer
+from tests.capturestore.writer_proc import prompt_data
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(f"u{a.dtype.itemsize}")
+
+
+def assert_store_consistent(store: Store) -> None:
+    """Every catalogued capture reads; every runs row has its prompts and captures."""
+    for row in store.captures().to_pylist():
+        if row["kind"] in ("kv_k", "kv_v"):
+            k, v = store.read_kv(row["run_id"], row["prompt_id"], group=row["kv_group"] or None)
+            assert list(k.shape) == row["shape"]
+        elif row["kind"] == "logits":
+            assert list(store.read_logits(row["run_id"], row["prompt_id"]).shape) == row["shape"]
+        elif row["kind"] == "tokens":
+            assert list(store.read_tokens(row["run_id"], row["prompt_id"]).shape) == row["shape"]
+    for run in store.runs().to_pylist():
+        assert store.prompts(run["run_id"]).num_rows == run["n_prompts"]
+
+
+def assert_run_holds_writer_data(store: Store, run_id: str, seed: int, n_prompts: int) -> None:
+    """The oracle is writer_proc.prompt_data, recomputed here independently of the store."""
+    prompts = {r["prompt_idx"]: r["prompt_id"] for r in store.prompts(run_id).to_pylist()}
+    assert sorted(prompts) == list(range(n_prompts))
+    for i, pid in prompts.items():
+        d = prompt_data(seed, i)
+        np.testing.assert_array_equal(store.read_tokens(run_id, pid), d["tokens"])
+        k, v = store.read_kv(run_id, pid)
+        assert np.array_equal(bits(k), bits(d["k"])) and np.array_equal(bits(v), bits(d["v"]))
+        assert np.array_equal(bits(store.read_logits(run_id, pid)), bits(d["logits"]))
+
+
+def test_sigkilled_writer_leaves_a_readable_store_and_gc_makes_verify_pass(tmp_path):
+    path = tmp_path / "store"
+    store = Store.open(path)
+    # a committed run first, which the crashes must not disturb
+    p = start_writer(path, "stream", "2", "7")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    good = out.split()[-1]
+    rng = random.Random(1234)
+    killed = []
+    for attempt in range(3):
+        p = start_writer(path, "stream", "6", str(attempt))
+        begun = p.stdout.readline().split()
+        assert begun[0] == "begun", p.stderr.read()
+        lines = rng.randint(0, 5)  # kill after a random number of finished prompts, at a random moment
+        for _ in range(lines):
+            p.stdout.readline()
+        time.sleep(rng.uniform(0.0, 0.05))
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(timeout=30)
+        killed.append(begun[1])
+
+    store = Store.open(path)
+    committed = set(store.runs().column("run_id").to_pylist())
+    assert good in committed
+    assert set(killed) - committed, "at least one kill should land mid-run (6 prompts, <= 5 awaited)"
+    for attempt, rid in enumerate(killed):
+        if rid in committed:  # the kill landed after the commit marker: then the run is whole
+            assert_run_holds_writer_data(store, rid, seed=attempt, n_prompts=6)
+            continue
+        assert store.sql(f"SELECT count(*) AS n FROM captures WHERE run_id = '{rid}'").to_pylist() == [{"n": 0}]
+        with pytest.raises(ValueError, match="unknown run id"):
+            store.read_tokens(rid, "0" * 16)
+    assert_store_consistent(store)
+    assert_run_holds_writer_data(store, good, seed=7, n_prompts=2)
+
+    before = store.verify()
+    assert all(p.kind == "orphan" for p in before), before.summary()
+    assert {p.run_id for p in before if p.run_id} <= set(killed)
+    removed = store.gc()
+    assert any(r.startswith(f"{ARRAYS_DIR}/") for r in removed) or set(killed) <= committed
+    for rid in set(killed) - committed:
+        assert not (path / ARRAYS_DIR / rid).exists()
+        assert not (path / "pending" / f"{rid}.json").exists()
+    after = store.verify()
+    assert after.ok, after.summary()
+    assert_run_holds_writer_data(store, good, seed=7, n_prompts=2)
+
+
+def test_gc_never_touches_a_live_writer(tmp_path):
+    path = tmp_path / "store"
+    store = Store.open(path)
+    p = start_writer(path, "hold")
+    ready = p.stdout.readline().split()
+    assert ready[0] == "ready", p.stderr.read()
+    rid = ready[1]
+    assert store.gc() == []
+    assert store.verify().ok  # a live writer's arrays are not orphans
+    assert (path / ARRAYS_DIR / rid).is_dir()
+    out, err = p.communicate("go\n", timeout=60)
+    assert p.returncode == 0, err
+    assert f"committed {rid}" in out
+    d = prompt_data(0, 0)
+    pid = store.prompts(rid).column("prompt_id")[0].as_py()
+    assert np.array_equal(bits(store.read_kv(rid, pid)[0]), bits(d["k"]))
+    assert store.verify().ok
+
+
+def test_two_processes_writing_different_runs_at_once_lose_nothing(tmp_path):
+    path = tmp_path / "store"
+    Store.open(path)
+    procs = [start_writer(path, "stream", "4", str(seed)) for seed in (11, 12)]
+    outs = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        outs.append(out.split()[-1])
+    store = Store.open(path)
+    assert sorted(store.runs().column("run_id").to_pylist()) == sorted(outs)
+    for rid, seed in zip(outs, (11, 12)):
+        assert_run_holds_writer_data(store, rid, seed=seed, n_prompts=4)
+    n = store.sql("SELECT seed, count(*) AS n FROM writer_metrics GROUP BY seed ORDER BY seed").to_pylist()
+    assert n == [{"seed": 11, "n": 4}, {"seed": 12, "n": 4}]
+    assert store.verify().ok
+
+
+def _one_run(store: Store):
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((2, 2, 16, 32)).astype(np.float32)
+    with store.begin_run(engine="hf", model_path="m", chunk_tokens=4) as run:
+        pid = run.add_prompt(list(range(16)))
+        run.write_kv(pid, k, k)
+    return run.run_id, pid
+
+
+def test_flipped_byte_is_reported_by_verify_and_on_read_naming_the_chunk(store):
+    rid, pid = _one_run(store)
+    chunk = store.root / ARRAYS_DIR / rid / pid / "kv_v" / "c" / "1" / "0" / "2" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    chunk.write_bytes(bytes(data))
+
+    report = store.verify()
+    assert len(report) == 1
+    (prob,) = report
+    assert (prob.kind, prob.run_id, prob.prompt_id, prob.array, prob.chunk) == ("corrupt-chunk", rid, pid, "kv_v", "c/1/0/2/0")
+    assert "checksum mismatch" in str(prob)
+    with pytest.raises(CorruptChunkError) as e:
+        store.read_kv(rid, pid)
+    msg = str(e.value)
+    assert rid in msg and pid in msg and "kv_v" in msg and "c/1/0/2/0" in msg
+    # the untouched layer still reads
+    k0, v0 = store.read_kv(rid, pid, layers=[0])
+    assert k0.shape == (1, 2, 16, 32)
+
+
+def test_missing_chunk_file_is_reported_not_read_as_zeros(store):
+    rid, pid = _one_run(store)
+    (store.root / ARRAYS_DIR / rid / pid / "kv_k" / "c" / "0" / "0" / "3" / "0").unlink()
+    with pytest.raises(CorruptChunkError, match="chunk c/0/0/3/0: chunk file is missing"):
+        store.read_kv(rid, pid)
+    assert [(p.kind, p.chunk) for p in store.verify()] == [("corrupt-chunk", "c/0/0/3/0")]
+
+
+def test_newer_format_version_is_refused_with_a_message(tmp_path):
+    path = tmp_path / "store"
+    Store.open(path)
+    (path / FORMAT_FILE).write_text(json.dumps({"format": "capturestore", "format_version": FORMAT_VERSION + 1}))
+    with pytest.raises(FormatVersionError, match=rf"format version {FORMAT_VERSION + 1}, newer than .*upgrade capturestore"):
+        Store.open(path)
+
+
+def test_open_refuses_a_foreign_directory_and_missing_store(tmp_path):
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "x.txt").write_text("not a store")
+    with pytest.raises(StoreError, match="non-empty directory"):
+        Store.open(tmp_path / "other")
+    with pytest.raises(StoreError, match="not a capture store"):
+        Store.open(tmp_path / "nothing", create=False)
+    assert not Path(tmp_path / "nothing").exists()
