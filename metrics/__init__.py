@@ -13,8 +13,20 @@ from .kv import (
     compare_kv_caches,
     compute_combined_bc_per_layer,
 )
+from .logits import (
+    DEFAULT_TOLERANCE_MAP,
+    LogitValidationResult,
+    ThreeWayTokenMetrics,
+    TokenLogitResult,
+    ValidationStatus,
+    logit_validation,
+    validate_logits,
+    validate_token_logits,
+)
 
 __all__ = [
+    "DEFAULT_TOLERANCE_MAP", "LogitValidationResult", "ThreeWayTokenMetrics", "TokenLogitResult",
+    "ValidationStatus", "logit_validation", "validate_logits", "validate_token_logits",
     "bhattacharyya_batched", "bhattacharyya_coefficient", "cosine", "rel_l2", "rel_linf",
     "HeadMetrics", "KVComparison", "KVRawErrors", "TokenKVErrors", "TokenKVMetrics",
     "aggregate_kv_bc_across_prompts", "aggregate_kv_bc_arrays", "compare_kv_caches",
