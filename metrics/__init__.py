@@ -23,8 +23,16 @@ from .logits import (
     validate_logits,
     validate_token_logits,
 )
+from .verdict import (
+    KVVerdict,
+    KVVerdictConfig,
+    LogitVerdict,
+    aggregate_kv_verdict,
+    aggregate_logit_verdict,
+)
 
 __all__ = [
+    "KVVerdict", "KVVerdictConfig", "LogitVerdict", "aggregate_kv_verdict", "aggregate_logit_verdict",
     "DEFAULT_TOLERANCE_MAP", "LogitValidationResult", "ThreeWayTokenMetrics", "TokenLogitResult",
     "ValidationStatus", "logit_validation", "validate_logits", "validate_token_logits",
     "bhattacharyya_batched", "bhattacharyya_coefficient", "cosine", "rel_l2", "rel_linf",

@@ -1,0 +1,347 @@
+"""Verdicts over prompts: one pass/fail record that says which check decided, with its numbers.
+
+Why aggregate (DESIGN.md, "Verdicts and localisation"): one token x one layer of a small model
+is ~100 error values in 100 bins, so a per-token ``BC >= 0.90`` rule fails most checks on a
+correct BF16 engine. Both verdicts pool errors over tokens and prompts before thresholding, and
+the KV verdict also measures how far the BF16-vs-FP32 noise agrees *with itself* at that sample
+size, so the bar is never stricter than the noise allows.
+
+Logits (``aggregate_logit_verdict``, rules as reference/002, in priority order):
+1. sigma-ratio ``RMS(target errors) / RMS(BF16 errors)`` over every token of every prompt
+   ``<= 1.0``: the target is at least as accurate as BF16 on CPU;
+2. aggregate BC per generation index (errors of all prompts and rows at that index
+   concatenated) ``>= 0.99`` at every index;
+3. every token meets the static top-k thresholds and divergence rule (two-way).
+Passes if any holds. (Upstream pools only batch row 0 and the first prompt's token count; here
+every row and every generation index any prompt reached.)
+
+KV (``aggregate_kv_verdict``), per layer and per K / V, over every token of every prompt:
+- ``sigma_ratio = RMS(|actual - baseline|) / RMS(|expected - baseline|)``;
+- ``bc`` between the pooled target and BF16 absolute errors;
+- ``noise_bc``: BC between two halves (even / odd positions) of the BF16 errors themselves:
+  what two samples of pure dtype noise reach at this size;
+- ``linf_ratio``: per position (token x prompt) take the L-inf, the max absolute error over the
+  layer's heads x head_dim; the ratio of the ``linf_quantile`` (0.75) quantile of the target's
+  to the BF16's. ``noise_linf_spread``: the same ratio between the two BF16 halves (>= 1).
+  A quantile, not the single largest error: the max of thousands of values is itself so noisy
+  that a 1.5x max-ratio rule failed a third of simulated correct engines. The largest
+  per-position L-inf still has a loose bar, ``max_linf_ratio`` <= ``max_linf_ratio_threshold``
+  (4x), so one broken position among many (stale cache slot) cannot hide behind the quantile.
+A tensor passes if ``sigma_ratio <= sigma_ratio_threshold`` or (``bc >= min(bc_threshold,
+noise_bc - bc_noise_margin)`` and ``linf_ratio <= max(linf_ratio_threshold,
+noise_linf_spread)`` and ``max_linf_ratio <= max_linf_ratio_threshold``). A layer passes if K and V pass; the verdict names the first failing
+layer (a bug inside layer L first shows in the KV of layer L+1, since K/V come from its input).
+With ``prompt_lens`` the same verdict is also given for prefill and decode positions apart.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .bc import DEFAULT_BINS, bhattacharyya_coefficient
+from .kv import KVRawErrors, _layers_of, _raw_arrays
+from .logits import DEFAULT_TOLERANCE_MAP, LogitValidationResult
+
+__all__ = [
+    "LogitVerdict",
+    "aggregate_logit_verdict",
+    "KVVerdictConfig",
+    "KVTensorVerdict",
+    "KVLayerVerdict",
+    "KVVerdict",
+    "aggregate_kv_verdict",
+]
+
+
+# ----------------------------------------------------------------------------- logits
+
+
+@dataclass(frozen=True)
+class LogitVerdict:
+    passed: bool
+    decided_by: str | None  # "sigma_ratio" | "aggregate_bc" | "static_topk" | None (failed)
+    three_way: bool
+    sigma_ratio: float
+    sigma_ratio_threshold: float
+    per_token_bc: tuple  # aggregate BC per generation index
+    min_bc: float
+    min_bc_gen_idx: int | None
+    bc_threshold: float
+    static_passed: bool
+    n_prompts: int
+    n_tokens: int
+    n_failed_tokens: int
+    first_failed: tuple | None  # (prompt, batch_row, gen_idx) of the first failing token
+    max_topk_errors: dict = field(default_factory=dict)
+    per_token_max_linf_ratio: tuple = ()
+    per_token_max_l2_ratio: tuple = ()
+
+    def summary(self) -> str:
+        head = "PASS" if self.passed else "FAIL"
+        why = {
+            "sigma_ratio": f"sigma-ratio {self.sigma_ratio:.4f} <= {self.sigma_ratio_threshold}",
+            "aggregate_bc": f"aggregate BC min {self.min_bc:.4f} >= {self.bc_threshold}",
+            "static_topk": "every token met the static top-k thresholds",
+            None: (
+                f"sigma-ratio {self.sigma_ratio:.4f} > {self.sigma_ratio_threshold}, aggregate BC min "
+                f"{self.min_bc:.4f} < {self.bc_threshold} at gen token {self.min_bc_gen_idx}, "
+                f"{self.n_failed_tokens}/{self.n_tokens} tokens failed static checks (first: {self.first_failed})"
+            ),
+        }[self.decided_by]
+        return f"{head}: {why}"
+
+
+def _prompt_rows(p):
+    if isinstance(p, LogitValidationResult):
+        return p.results
+    if isinstance(p, tuple):  # (passed, results[, merged_kv]) as logit_validation returns
+        return p[1]
+    return p
+
+
+def aggregate_logit_verdict(
+    per_prompt_results,
+    tol_map=None,
+    sigma_ratio_threshold: float = 1.0,
+    bc_threshold: float = 0.99,
+    bins: int = DEFAULT_BINS,
+) -> LogitVerdict:
+    """Verdict over prompts. per_prompt_results: one entry per prompt, each the
+    ``results[batch_row][gen_token]`` of ``logit_validation`` (or its return tuple, or a
+    ``LogitValidationResult``). Three-way checks run when every token carries three-way metrics."""
+    tol_map = DEFAULT_TOLERANCE_MAP if tol_map is None else tol_map
+    prompts = [_prompt_rows(p) for p in per_prompt_results]
+    tokens = [(pi, r.batch_row, r.gen_idx, r) for pi, rows in enumerate(prompts) for row in rows for r in row]
+    n_tokens = len(tokens)
+    failed = [(pi, b, g) for pi, b, g, r in tokens if not r.passed]
+    static_passed = n_tokens > 0 and not failed
+    max_topk = {}
+    for _, _, _, r in tokens:
+        for k, err in r.error_map.items():
+            max_topk[k] = max(max_topk.get(k, -math.inf), err) if not math.isnan(err) else math.nan
+    three_way = n_tokens > 0 and all(r.three_way is not None and r.three_way.base_errors is not None for *_, r in tokens)
+
+    sigma = math.inf
+    per_bc, lr, l2r = [], [], []
+    if three_way:
+        sq_b = sum(float(np.sum(np.square(r.three_way.base_errors, dtype=np.float64))) for *_, r in tokens)
+        sq_t = sum(float(np.sum(np.square(r.three_way.tgt_errors, dtype=np.float64))) for *_, r in tokens)
+        n_b = sum(r.three_way.base_errors.size for *_, r in tokens)
+        n_t = sum(r.three_way.tgt_errors.size for *_, r in tokens)
+        base_rms, tgt_rms = math.sqrt(sq_b / max(n_b, 1)), math.sqrt(sq_t / max(n_t, 1))
+        sigma = tgt_rms / base_rms if base_rms > 0 else (0.0 if tgt_rms == 0 else math.inf)
+        n_gen = max(g for _, _, g, _ in tokens) + 1
+        by_g = [[] for _ in range(n_gen)]
+        for _, _, g, r in tokens:
+            by_g[g].append(r.three_way)
+        for ms in by_g:
+            if not ms:
+                per_bc.append(math.nan)
+                lr.append(math.nan)
+                l2r.append(math.nan)
+                continue
+            per_bc.append(
+                bhattacharyya_coefficient(
+                    np.concatenate([m.base_errors for m in ms]), np.concatenate([m.tgt_errors for m in ms]), bins=bins
+                )
+            )
+            mb, mt = max(m.base_linf for m in ms), max(m.tgt_linf for m in ms)
+            lr.append(mt / mb if mb > 0 else math.inf)
+            mb, mt = max(m.base_l2 for m in ms), max(m.tgt_l2 for m in ms)
+            l2r.append(mt / mb if mb > 0 else math.inf)
+    valid_bc = [(b, g) for g, b in enumerate(per_bc) if not math.isnan(b)]
+    min_bc, min_g = min(valid_bc) if valid_bc else (math.nan, None)
+    sigma_ok = three_way and sigma <= sigma_ratio_threshold
+    bc_ok = three_way and bool(valid_bc) and min_bc >= bc_threshold
+    decided = "sigma_ratio" if sigma_ok else "aggregate_bc" if bc_ok else "static_topk" if static_passed else None
+    return LogitVerdict(
+        passed=decided is not None,
+        decided_by=decided,
+        three_way=three_way,
+        sigma_ratio=sigma,
+        sigma_ratio_threshold=sigma_ratio_threshold,
+        per_token_bc=tuple(per_bc),
+        min_bc=min_bc,
+        min_bc_gen_idx=min_g,
+        bc_threshold=bc_threshold,
+        static_passed=static_passed,
+        n_prompts=len(prompts),
+        n_tokens=n_tokens,
+        n_failed_tokens=len(failed),
+        first_failed=min(failed, key=lambda f: (f[2], f[0], f[1])) if failed else None,
+        max_topk_errors=max_topk,
+        per_token_max_linf_ratio=tuple(lr),
+        per_token_max_l2_ratio=tuple(l2r),
+    )
+
+
+# ----------------------------------------------------------------------------- KV
+
+
+@dataclass(frozen=True)
+class KVVerdictConfig:
+    bc_threshold: float = 0.99
+    bc_noise_margin: float = 0.02
+    linf_ratio_threshold: float = 1.5
+    sigma_ratio_threshold: float = 1.0
+    linf_quantile: float = 0.75
+    max_linf_ratio_threshold: float = 4.0
+    bins: int = DEFAULT_BINS
+
+
+@dataclass(frozen=True)
+class KVTensorVerdict:
+    """K or V of one layer, pooled over tokens and prompts."""
+
+    passed: bool | None  # None: no valid error at all
+    decided_by: str | None  # "sigma_ratio" | "bc_and_linf" | None
+    n_values: int
+    sigma_ratio: float
+    bc: float
+    noise_bc: float
+    bc_threshold_used: float
+    linf_ratio: float
+    noise_linf_spread: float
+    linf_threshold_used: float
+    max_linf_ratio: float = math.nan
+
+
+@dataclass(frozen=True)
+class KVLayerVerdict:
+    layer: str
+    passed: bool | None
+    k: KVTensorVerdict
+    v: KVTensorVerdict
+
+
+@dataclass(frozen=True)
+class KVVerdict:
+    passed: bool
+    first_failing_layer: str | None
+    layers: tuple
+    config: KVVerdictConfig
+    n_prompts: int
+    n_positions: int
+    prefill: "KVVerdict | None" = None
+    decode: "KVVerdict | None" = None
+
+    def summary(self) -> str:
+        if self.passed:
+            return f"PASS: {len(self.layers)} layers within BF16 noise over {self.n_positions} positions"
+        lv = next(v for v in self.layers if v.layer == self.first_failing_layer)
+        t = lv.k if lv.k.passed is False else lv.v
+        which = "K" if t is lv.k else "V"
+        return (
+            f"FAIL: first deviating KV layer {lv.layer} ({which}): BC {t.bc:.4f} vs bar {t.bc_threshold_used:.4f} "
+            f"(noise BC {t.noise_bc:.4f}), L-inf ratio {t.linf_ratio:.2f} vs bar {t.linf_threshold_used:.2f}, "
+            f"sigma-ratio {t.sigma_ratio:.3f}"
+        )
+
+
+def _tensor_verdict(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict:
+    """base_chunks/tgt_chunks: lists of [positions, width] arrays (one per prompt/row)."""
+    base = np.concatenate([c.ravel() for c in base_chunks]) if base_chunks else np.zeros(0, np.float32)
+    tgt = np.concatenate([c.ravel() for c in tgt_chunks]) if tgt_chunks else np.zeros(0, np.float32)
+    ok = ~(np.isnan(base) | np.isnan(tgt))
+    n = int(np.count_nonzero(ok))
+    if n == 0:
+        nan = math.nan
+        return KVTensorVerdict(None, None, 0, nan, nan, nan, nan, nan, nan, nan)
+    b, t = base[ok].astype(np.float64), tgt[ok].astype(np.float64)
+    b_rms, t_rms = math.sqrt(float(np.mean(b * b))), math.sqrt(float(np.mean(t * t)))
+    sigma = t_rms / b_rms if b_rms > 0 else (0.0 if t_rms == 0 else math.inf)
+    bc = bhattacharyya_coefficient(base[ok], tgt[ok], bins=cfg.bins)
+    # Per-position L-inf (max over width), pooled over chunks; positions with no value dropped.
+    def pos_linf(chunks):
+        out = [np.fmax.reduce(c.reshape(c.shape[0], -1), axis=1) for c in chunks if c.size]
+        out = np.concatenate(out) if out else np.zeros(0)
+        return out[~np.isnan(out)]
+
+    def qratio(x, y):
+        if x.size == 0 or y.size == 0:
+            return math.nan
+        qx, qy = float(np.quantile(x, cfg.linf_quantile)), float(np.quantile(y, cfg.linf_quantile))
+        return qx / qy if qy > 0 else (0.0 if qx == 0 else math.inf)
+
+    with np.errstate(invalid="ignore"):
+        base_pos, tgt_pos = pos_linf(base_chunks), pos_linf(tgt_chunks)
+        linf_ratio = qratio(tgt_pos, base_pos)
+        max_ratio = math.nan
+        if base_pos.size and tgt_pos.size:
+            bm, tm = float(base_pos.max()), float(tgt_pos.max())
+            max_ratio = tm / bm if bm > 0 else (0.0 if tm == 0 else math.inf)
+        # The BF16 noise against itself: even vs odd positions of every chunk.
+        even_pos, odd_pos = pos_linf([c[0::2] for c in base_chunks]), pos_linf([c[1::2] for c in base_chunks])
+    r = qratio(even_pos, odd_pos)
+    spread = 1.0 if math.isnan(r) or r == 0 else max(r, 1.0 / r)
+    even = np.concatenate([c[0::2].ravel() for c in base_chunks]) if base_chunks else np.zeros(0)
+    odd = np.concatenate([c[1::2].ravel() for c in base_chunks]) if base_chunks else np.zeros(0)
+    even, odd = even[~np.isnan(even)], odd[~np.isnan(odd)]
+    noise_bc = bhattacharyya_coefficient(even, odd, bins=cfg.bins) if even.size and odd.size else math.nan
+    bc_bar = cfg.bc_threshold if math.isnan(noise_bc) else min(cfg.bc_threshold, noise_bc - cfg.bc_noise_margin)
+    linf_bar = max(cfg.linf_ratio_threshold, spread)
+    if sigma <= cfg.sigma_ratio_threshold:
+        passed, why = True, "sigma_ratio"
+    elif bc >= bc_bar and linf_ratio <= linf_bar and max_ratio <= cfg.max_linf_ratio_threshold:
+        passed, why = True, "bc_and_linf"
+    else:
+        passed, why = False, None
+    return KVTensorVerdict(passed, why, n, sigma, bc, noise_bc, bc_bar, linf_ratio, spread, linf_bar, max_ratio)
+
+
+def _kv_verdict_over(chunks, layers, cfg, n_prompts, n_positions) -> KVVerdict:
+    """chunks: list of (base_k, base_v, tgt_k, tgt_v) each [positions, layer, width]."""
+    lvs = []
+    for li, name in enumerate(layers):
+        k = _tensor_verdict([c[0][:, li] for c in chunks], [c[2][:, li] for c in chunks], cfg)
+        v = _tensor_verdict([c[1][:, li] for c in chunks], [c[3][:, li] for c in chunks], cfg)
+        states = [s for s in (k.passed, v.passed) if s is not None]
+        lvs.append(KVLayerVerdict(name, (all(states) if states else None), k, v))
+    first = next((lv.layer for lv in lvs if lv.passed is False), None)
+    return KVVerdict(first is None, first, tuple(lvs), cfg, n_prompts, n_positions)
+
+
+def aggregate_kv_verdict(
+    all_raw_errors,
+    prompt_lens=None,
+    layers=None,
+    config: KVVerdictConfig | None = None,
+    rows=None,
+) -> KVVerdict:
+    """KV verdict over prompts (see module docstring for the rule).
+
+    all_raw_errors: one entry per prompt from ``compare_kv_caches(..., return_raw_errors=True)``
+    (``KVRawErrors`` or the upstream list over tokens of ``{layer: TokenKVErrors}``), or a single
+    ``KVRawErrors``. prompt_lens: optional, one per prompt; adds ``.prefill`` (positions before
+    the prompt end) and ``.decode`` verdicts. rows: batch rows of ``KVRawErrors`` to pool
+    (default: all; upstream-shaped lists have one).
+    """
+    cfg = config or KVVerdictConfig()
+    if isinstance(all_raw_errors, KVRawErrors):
+        all_raw_errors = [all_raw_errors]
+    if not all_raw_errors:
+        raise ValueError("no raw errors to judge")
+    if prompt_lens is not None and len(prompt_lens) != len(all_raw_errors):
+        raise ValueError(f"{len(all_raw_errors)} raw-error entries but {len(prompt_lens)} prompt lengths")
+    if layers is None:
+        layers = _layers_of(all_raw_errors[0])
+    layers = list(layers)
+    chunks, plens = [], []
+    for pi, raw in enumerate(all_raw_errors):
+        use_rows = (rows if rows is not None else range(raw.base_k.shape[0])) if isinstance(raw, KVRawErrors) else [0]
+        for r in use_rows:
+            chunks.append(_raw_arrays(raw, layers, r))
+            plens.append(None if prompt_lens is None else int(prompt_lens[pi]))
+    n_pos = sum(c[0].shape[0] for c in chunks)
+    verdict = _kv_verdict_over(chunks, layers, cfg, len(all_raw_errors), n_pos)
+    if prompt_lens is None:
+        return verdict
+    pre = [tuple(a[:p] for a in c) for c, p in zip(chunks, plens)]
+    dec = [tuple(a[p:] for a in c) for c, p in zip(chunks, plens)]
+    prefill = _kv_verdict_over(pre, layers, cfg, len(all_raw_errors), sum(c[0].shape[0] for c in pre))
+    decode = _kv_verdict_over(dec, layers, cfg, len(all_raw_errors), sum(c[0].shape[0] for c in dec))
+    return KVVerdict(
+        verdict.passed, verdict.first_failing_layer, verdict.layers, cfg, verdict.n_prompts, n_pos, prefill, decode
+    )

@@ -1,0 +1,150 @@
+"""Verdicts: quiet on a simulated correct BF16 engine, loud (and localised) on injected bugs."""
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from metrics.kv import compare_kv_caches
+from metrics.logits import logit_validation
+from metrics.verdict import KVVerdictConfig, aggregate_kv_verdict, aggregate_logit_verdict
+
+BF16 = ml_dtypes.bfloat16
+
+
+def bf16(x):
+    return np.asarray(x, np.float32).astype(BF16)
+
+
+def bf16_engine(x, rng):
+    """A correct BF16 engine: its own accumulated bf16 noise (~1 ulp), then bf16 storage.
+    Expected (HF BF16) and actual are two independent draws of the same noise."""
+    return bf16(x * (1 + rng.normal(size=x.shape) * 2e-3))
+
+
+def kv_prompt(rng, layers=4, H=2, S=12, D=32, bug=None):
+    base = {f"layers.{i}": (rng.normal(size=(1, H, S, D)).astype(np.float32), rng.normal(size=(1, H, S, D)).astype(np.float32)) for i in range(layers)}
+    exp = {n: (bf16_engine(k, rng), bf16_engine(v, rng)) for n, (k, v) in base.items()}
+    act = {n: (bf16_engine(k, rng), bf16_engine(v, rng)) for n, (k, v) in base.items()}
+    if bug:
+        act = bug(base, act)
+    return compare_kv_caches(exp, act, baseline_kv=base, return_raw_errors=True)
+
+
+def test_kv_verdict_quiet_on_correct_engine_where_per_token_bc_rule_is_not():
+    rng = np.random.default_rng(0)
+    outs = [kv_prompt(rng) for _ in range(6)]
+    # the naive rule: every token x layer BC >= 0.90 (64 values per histogram here)
+    naive_fail = np.mean([np.mean(res.k_bc < 0.90) for res, _ in outs])
+    assert naive_fail > 0.3
+    v = aggregate_kv_verdict([raw for _, raw in outs], prompt_lens=[8] * 6)
+    assert v.passed, v.summary()
+    assert v.first_failing_layer is None and v.prefill.passed and v.decode.passed
+    lk = v.layers[0].k
+    assert lk.n_values == 6 * 12 * 64 and 0.8 < lk.sigma_ratio < 1.25 and lk.noise_bc > 0.9
+
+
+def test_kv_verdict_names_first_deviating_layer():
+    rng = np.random.default_rng(1)
+
+    def bug(base, act):  # layers 2 and 3 carry 4 % excess error in V
+        for i in (2, 3):
+            k, _ = act[f"layers.{i}"]
+            act[f"layers.{i}"] = (k, bf16(base[f"layers.{i}"][1] * 1.04))
+        return act
+
+    v = aggregate_kv_verdict([kv_prompt(rng, bug=bug)[1] for _ in range(4)])
+    assert not v.passed and v.first_failing_layer == "layers.2"
+    lv = v.layers[2]
+    assert lv.k.passed and lv.v.passed is False and lv.v.sigma_ratio > 3
+    assert "layers.2 (V)" in v.summary()
+    assert all(v.layers[i].passed for i in (0, 1))
+
+
+def test_kv_verdict_fp32_target_passes_on_sigma_ratio():
+    rng = np.random.default_rng(2)
+    v = aggregate_kv_verdict([kv_prompt(rng, bug=lambda base, act: base)[1] for _ in range(2)])
+    assert v.passed and all(lv.k.decided_by == "sigma_ratio" and lv.k.sigma_ratio == 0 for lv in v.layers)
+
+
+def test_kv_verdict_decode_only_bug_splits_by_phase():
+    rng = np.random.default_rng(3)
+
+    def stale_decode(base, act):  # positions >= 8 hold garbage in layer 1 K
+        k, vv = act["layers.1"]
+        k = k.copy()
+        k[:, :, 8:] = bf16(rng.normal(size=k[:, :, 8:].shape))
+        act["layers.1"] = (k, vv)
+        return act
+
+    v = aggregate_kv_verdict([kv_prompt(rng, bug=stale_decode)[1] for _ in range(3)], prompt_lens=[8, 8, 8])
+    assert not v.passed and v.first_failing_layer == "layers.1"
+    assert v.prefill.passed and not v.decode.passed
+
+
+def test_kv_thresholds_are_configurable():
+    rng = np.random.default_rng(4)
+    raws = [kv_prompt(rng)[1] for _ in range(3)]
+    strict = KVVerdictConfig(bc_threshold=1.0, bc_noise_margin=-1.0, linf_ratio_threshold=0.5, sigma_ratio_threshold=0.0)
+    v = aggregate_kv_verdict(raws, config=strict)
+    assert not v.passed and v.layers[0].k.bc_threshold_used == 1.0
+
+
+# ----------------------------------------------------------------------------- logits
+
+V, T = 4096, 4
+
+
+def run_prompt(rng, scale_err=1.0):
+    base = (rng.normal(size=(T, 1, V)) * 3).astype(np.float32)
+    exp = bf16(base).astype(np.float32)
+    noise = rng.normal(size=base.shape) * 2e-4
+    tgt = (base * (1 + noise * scale_err)).astype(np.float32)
+    tgt = bf16(tgt).astype(np.float32) if scale_err <= 1 else tgt + (rng.normal(size=base.shape) * 0.05 * scale_err).astype(np.float32)
+
+    def gen(ids):
+        start = len(ids[0]) - 3
+        return tgt[start:]
+
+    return logit_validation([[1, 2, 3]], gen, exp, baseline_logits=base)
+
+
+def test_logit_verdict_passes_bf16_like_target_and_says_why():
+    rng = np.random.default_rng(5)
+    prompts = [run_prompt(rng) for _ in range(6)]
+    v = aggregate_logit_verdict(prompts)
+    assert v.passed and v.decided_by in ("sigma_ratio", "aggregate_bc")
+    assert v.three_way and len(v.per_token_bc) == T and v.min_bc > 0.95
+    assert 0.7 < v.sigma_ratio < 1.4
+    assert v.summary().startswith("PASS")
+
+
+def test_logit_verdict_fails_with_numbers_when_target_is_noisier():
+    rng = np.random.default_rng(6)
+    v = aggregate_logit_verdict([run_prompt(rng, scale_err=5.0) for _ in range(3)])
+    assert not v.passed and v.decided_by is None and v.sigma_ratio > 3
+    assert v.first_failed is not None and "sigma-ratio" in v.summary()
+
+
+def test_logit_verdict_two_way_falls_back_to_static_thresholds():
+    x = np.random.default_rng(7).normal(size=(3, 1, 50)).astype(np.float32)
+    passed = logit_validation([[1]], lambda ids: x[len(ids[0]) - 1 :], x, kv_extract_fn=lambda n: {})
+    v = aggregate_logit_verdict([passed])
+    assert v.passed and v.decided_by == "static_topk" and not v.three_way and math.isinf(v.sigma_ratio)
+
+
+def test_kv_verdict_catches_one_stale_position_among_many():
+    rng = np.random.default_rng(8)
+
+    def one_stale(base, act):
+        k, vv = act["layers.3"]
+        k = k.copy()
+        k[:, :, 5] = bf16(rng.normal(size=k[:, :, 5].shape))  # one slot of another request
+        act["layers.3"] = (k, vv)
+        return act
+
+    raws = [kv_prompt(rng)[1] for _ in range(5)] + [kv_prompt(rng, bug=one_stale)[1]]
+    v = aggregate_kv_verdict(raws)
+    assert not v.passed and v.first_failing_layer == "layers.3"
+    t = v.layers[3].k
+    assert t.linf_ratio < t.linf_threshold_used and t.max_linf_ratio > 10  # caught by the max bar
