@@ -174,3 +174,6 @@ def test_lut_codec_equals_reference_on_all_65536_bf16_patterns(platform, scale):
     np.testing.assert_array_equal(q.view(np.uint8)[~nan], ref.view(np.uint8)[~nan])
     d = codec.dequantize(q)
     np.testing.assert_array_equal(d.view(np.uint16)[~nan], dequantize(ref, scale, out_dtype=BF16).view(np.uint16)[~nan])
+    q2, d2 = codec.round_trip(xb)
+    np.testing.assert_array_equal(q2.view(np.uint8), q.view(np.uint8))
+    np.testing.assert_array_equal(d2.view(np.uint16), d.view(np.uint16))
