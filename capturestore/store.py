@@ -12,6 +12,7 @@ import zarr
 
 from capturestore import catalog, integrity
 from capturestore.arrays import ArrayRef, checked_read, open_array, open_zarr_store
+from capturestore.chunkio import read_region
 from capturestore.dtypes import from_storage
 from capturestore.errors import FormatVersionError, StoreError
 from capturestore.layout import (
@@ -133,16 +134,19 @@ class Store:
             known = sorted(self._committed)[-5:]
             raise ValueError(f"unknown run id {run_id!r} in store {self.root} (latest committed runs: {known})")
 
-    def _ref(self, run_id: str, prompt_id: str, name: str) -> tuple[ArrayRef, zarr.Array]:
+    def _ref(self, run_id: str, prompt_id: str, name: str) -> tuple[ArrayRef, dict[str, Any]]:
+        """The array's ref and its zarr.json metadata; ValueError for an unknown run/prompt/array."""
         self._require_run(run_id)
         ref = ArrayRef(run_id, prompt_id, name)
         pdir = self.root / ARRAYS_DIR / run_id / str(prompt_id)
         if not isinstance(prompt_id, str) or not pdir.is_dir():
             raise ValueError(f"run {run_id} has no prompt {prompt_id!r}")
-        if not (pdir / name / "zarr.json").exists():
+        try:
+            meta = json.loads((pdir / name / "zarr.json").read_text())
+        except FileNotFoundError:
             have = sorted(self._array_names(pdir))
-            raise ValueError(f"run {run_id}, prompt {prompt_id} has no array {name!r}; it has {have}")
-        return ref, open_array(self._zstore, ref)
+            raise ValueError(f"run {run_id}, prompt {prompt_id} has no array {name!r}; it has {have}") from None
+        return ref, meta
 
     @staticmethod
     def _array_names(pdir: Path) -> list[str]:
@@ -154,19 +158,28 @@ class Store:
                     out.append(rel)
         return out
 
-    def _read(self, ref: ArrayRef, arr: zarr.Array, region: tuple[slice, ...] | None, as_torch: bool) -> Any:
-        bits = checked_read(self.root / ARRAYS_DIR, arr, ref, region)
-        return from_storage(bits, arr.attrs["logical_dtype"], as_torch, ref.where())
+    def _read(self, ref: ArrayRef, meta: dict[str, Any], region: tuple[slice, ...] | None, as_torch: bool) -> Any:
+        shape = tuple(meta["shape"])
+        chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+        full = tuple(slice(0, n) for n in shape)
+        region = full if region is None else tuple(region) + full[len(region):]
+        codecs = [c["name"] for c in meta.get("codecs", [])]
+        if codecs == ["bytes", "blosc", "crc32c"]:
+            bits = read_region(self.root / ARRAYS_DIR / ref.path, shape, chunks, np.dtype(meta["data_type"]),
+                               region, ref.where())
+        else:  # not our codec chain: let zarr decode, still naming corrupt chunks
+            bits = checked_read(self.root / ARRAYS_DIR, open_array(self._zstore, ref), ref, region)
+        return from_storage(bits, meta["attributes"]["logical_dtype"], as_torch, ref.where())
 
     def read_tokens(self, run_id: str, prompt_id: str) -> np.ndarray:
         """tokens: int32 [token]."""
-        ref, arr = self._ref(run_id, prompt_id, "tokens")
-        return self._read(ref, arr, None, False)
+        ref, meta = self._ref(run_id, prompt_id, "tokens")
+        return self._read(ref, meta, None, False)
 
     def read_logits(self, run_id: str, prompt_id: str, as_torch: bool = False) -> Any:
         """logits: [gen_token, vocab] in the dtype they were written in."""
-        ref, arr = self._ref(run_id, prompt_id, "logits")
-        return self._read(ref, arr, None, as_torch)
+        ref, meta = self._ref(run_id, prompt_id, "logits")
+        return self._read(ref, meta, None, as_torch)
 
     def read_kv(self, run_id: str, prompt_id: str, layers: Any = None, as_torch: bool = False,
                 group: str | None = None) -> tuple[Any, Any]:
@@ -174,21 +187,21 @@ class Store:
         kname, vname = ("kv_k", "kv_v") if group is None else (f"kv_k_{check_component(group, 'kv group')}", f"kv_v_{group}")
         out = []
         for name in (kname, vname):
-            ref, arr = self._ref(run_id, prompt_id, name)
-            idx = self._layer_indices(arr, layers, ref)
+            ref, meta = self._ref(run_id, prompt_id, name)
+            idx = self._layer_indices(meta, layers, ref)
             if idx is None:
-                out.append(self._read(ref, arr, None, as_torch))
+                out.append(self._read(ref, meta, None, as_torch))
                 continue
-            parts = [self._read(ref, arr, (slice(i, i + 1),), False) for i in idx]
+            parts = [self._read(ref, meta, (slice(i, i + 1),), False) for i in idx]
             bits = np.concatenate(parts, axis=0)
             out.append(bits if not as_torch else _numpy_to_torch(bits, ref))
         return out[0], out[1]
 
     @staticmethod
-    def _layer_indices(arr: zarr.Array, layers: Any, ref: ArrayRef) -> list[int] | None:
+    def _layer_indices(meta: dict[str, Any], layers: Any, ref: ArrayRef) -> list[int] | None:
         if layers is None:
             return None
-        names = list(arr.attrs.get("layer_names", [str(i) for i in range(arr.shape[0])]))
+        names = list(meta["attributes"].get("layer_names", [str(i) for i in range(meta["shape"][0])]))
         if isinstance(layers, (int, str, np.integer)):
             layers = [layers]
         idx = []
@@ -219,16 +232,16 @@ class Store:
                 raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no phase {phase!r}; it has {phases}")
             phases = [phase]
         for ph in phases:
-            ref, arr = self._ref(run_id, prompt_id, f"tensors/{module}/{ph}")
-            steps = list(arr.attrs.get("steps", []))
+            ref, meta = self._ref(run_id, prompt_id, f"tensors/{module}/{ph}")
+            steps = list(meta["attributes"].get("steps", []))
             if step is None:
                 if len(phases) > 1:
                     raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: several phases {phases}; "
                                      "pass phase= or step=")
-                return self._read(ref, arr, None, as_torch)
+                return self._read(ref, meta, None, as_torch)
             if step in steps:
                 i = steps.index(step)
-                return self._read(ref, arr, (slice(i, i + 1),), as_torch)[0]
+                return self._read(ref, meta, (slice(i, i + 1),), as_torch)[0]
         raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no step {step} in phases {phases}")
 
     # ---- tables and queries ----------------------------------------------------------------

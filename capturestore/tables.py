@@ -47,7 +47,8 @@ PROMPTS_SCHEMA = pa.schema([
     ("run_id", pa.string()),
     ("prompt_id", pa.string()),
     ("prompt_idx", pa.int32()),
-    ("n_tokens", pa.int32()),
+    ("n_tokens", pa.int32()),  # prompt + continuation (teacher / generated tokens)
+    ("n_prompt_tokens", pa.int32()),
     ("text", pa.string()),
     ("token_ids", pa.list_(pa.int32())),
 ])

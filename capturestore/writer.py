@@ -29,6 +29,7 @@ import pyarrow as pa
 import zarr
 
 from capturestore.arrays import CODEC_NAME, ArrayRef, create_array, stored_bytes
+from capturestore.chunkio import write_block
 from capturestore.dtypes import (
     FLOAT_DTYPES,
     LOGICAL_DTYPES,
@@ -222,20 +223,33 @@ class RunWriter:
                     )
 
     # ---- prompts ---------------------------------------------------------------------------
-    def add_prompt(self, token_ids: Any, text: str | None = None) -> str:
-        """Register a prompt and write its tokens int32 [token]; returns its prompt_id."""
+    def add_prompt(self, token_ids: Any, text: str | None = None, continuation: Any = None) -> str:
+        """Register a prompt and write its tokens int32 [token]; returns its prompt_id.
+
+        The prompt_id hashes the prompt alone, so one prompt lines up across runs whatever was
+        generated after it. ``continuation``: the teacher / generated tokens captured after the
+        prompt; the ``tokens`` array then holds prompt + continuation (the positions of the KV
+        and the rows of the logits), and the prompts table records ``n_prompt_tokens``.
+        """
         self._check_open()
-        ids = _check_token_ids(token_ids, f"run {self.run_id}: add_prompt")
-        pid = hashlib.sha256(ids.astype("<i8").tobytes()).hexdigest()[:16]
+        where = f"run {self.run_id}: add_prompt"
+        ids = _check_token_ids(token_ids, where)
+        pid = prompt_id(ids)
+        seq = ids
+        if continuation is not None and len(continuation):
+            seq = np.concatenate([ids, _check_token_ids(continuation, f"{where} continuation")])
         if pid in self._prompts:
+            if not np.array_equal(self._prompts[pid]["tokens"], seq):
+                raise ValueError(f"{where}: prompt {pid} was already added with another continuation")
             return pid
         if text is not None and not isinstance(text, str):
             raise ValueError(f"run {self.run_id}: add_prompt text must be a str, got {type(text).__name__}")
         zarr.create_group(store=self.store._zstore, path=f"{self.run_id}/{pid}", attributes={"prompt_id": pid})
         ld = LOGICAL_DTYPES["int32"]
-        st = self._new_array(pid, "tokens", "tokens", ld, ids.shape, (max(1, min(ids.size, 1 << 20)),), TOKENS_DIMS, {})
-        st.arr[:] = ids
-        self._prompts[pid] = {"idx": len(self._prompts), "tokens": ids, "text": text}
+        st = self._new_array(pid, "tokens", "tokens", ld, seq.shape, (max(1, min(seq.size, 1 << 20)),), TOKENS_DIMS,
+                             {"n_prompt_tokens": int(ids.size)})
+        self._write(st, seq)
+        self._prompts[pid] = {"idx": len(self._prompts), "tokens": seq, "n_prompt": int(ids.size), "text": text}
         return pid
 
     def _check_prompt(self, pid: str, what: str) -> None:
@@ -254,6 +268,13 @@ class RunWriter:
         st = _ArrayState(ref=ref, arr=arr, kind=kind, ld=ld, dims=dims, **state)
         self._arrays[(pid, name)] = st
         return st
+
+    def _write(self, st: _ArrayState, block: np.ndarray, offset: tuple[int, ...] | None = None) -> None:
+        """Write ``block`` (storage dtype) at ``offset`` (default: origin) of the array."""
+        offset = offset or (0,) * block.ndim
+        adir = self.store.root / ARRAYS_DIR / st.ref.path
+        if not write_block(adir, tuple(st.arr.shape), tuple(st.arr.chunks), block, offset):
+            st.arr[tuple(slice(o, o + n) for o, n in zip(offset, block.shape))] = block  # unaligned: zarr
 
     def _tokens_per_chunk(self, bytes_per_token: int, known_len: int | None) -> int:
         if self._chunk_tokens is not None:
@@ -292,7 +313,9 @@ class RunWriter:
         region[ax] = slice(st.length, st.length + buf.fill)
         src = [slice(None)] * len(new_shape)
         src[ax] = slice(0, buf.fill)
-        st.arr[tuple(region)] = buf.data[tuple(src)]
+        offset = [0] * len(new_shape)
+        offset[ax] = st.length
+        self._write(st, buf.data[tuple(src)], tuple(offset))
         st.length += buf.fill
         buf.fill = 0
 
@@ -327,7 +350,7 @@ class RunWriter:
         arr, ld = self._check_logits(pid, logits, "write_logits", allow_1d=False)
         t = self._tokens_per_chunk(arr.shape[1] * ld.storage.itemsize, arr.shape[0])
         st = self._new_array(pid, "logits", "logits", ld, arr.shape, (t, arr.shape[1]), LOGITS_DIMS, {})
-        st.arr[:] = to_storage(np.ascontiguousarray(arr), ld)
+        self._write(st, to_storage(np.ascontiguousarray(arr), ld))
         self._logits_geometry = (arr.shape[1], ld.name)
 
     def append_logits(self, pid: str, step_logits: Any) -> None:
@@ -412,8 +435,8 @@ class RunWriter:
         g = self._kv_names(group)[2]
         self._check_kv_geometry(pid, "write_kv", g, L, H, D, ld, names)
         sk, sv = self._create_kv_arrays(pid, group, ka.shape, ld, names, self._kv_chunks(H, D, ld, S))
-        sk.arr[:] = to_storage(np.ascontiguousarray(ka), ld)
-        sv.arr[:] = to_storage(np.ascontiguousarray(va), ld)
+        self._write(sk, to_storage(np.ascontiguousarray(ka), ld))
+        self._write(sv, to_storage(np.ascontiguousarray(va), ld))
 
     def create_kv(self, pid: str, layer_names: Any, num_kv_heads: int, seq_len: int, head_dim: int,
                   dtype: Any, group: str | None = None) -> None:
@@ -449,8 +472,8 @@ class RunWriter:
         if ka.shape != expect or ld.name != sk.ld.name:
             raise ValueError(f"{where}: got [kv_head, seq, head_dim] {ka.shape} {ld.name}, "
                              f"the run holds {expect} {sk.ld.name} for this prompt")
-        sk.arr[idx] = to_storage(np.ascontiguousarray(ka), ld)
-        sv.arr[idx] = to_storage(np.ascontiguousarray(va), ld)
+        self._write(sk, to_storage(np.ascontiguousarray(ka), ld)[None], (idx, 0, 0, 0))
+        self._write(sv, to_storage(np.ascontiguousarray(va), ld)[None], (idx, 0, 0, 0))
         sk.layers_written.add(idx)
         sv.layers_written.add(idx)
 
@@ -532,13 +555,13 @@ class RunWriter:
                 raise ValueError(f"{where}: step {step} was already written")
         n = st.arr.shape[0]
         st.arr.resize((n + 1, *arr.shape))
-        st.arr[n] = to_storage(np.ascontiguousarray(arr), ld)
+        self._write(st, to_storage(np.ascontiguousarray(arr), ld)[None], (n,) + (0,) * arr.ndim)
         st.steps.append(int(step))
 
     # ---- table rows ------------------------------------------------------------------------
     def _prompts_table(self) -> pa.Table:
         rows = [{"run_id": self.run_id, "prompt_id": pid, "prompt_idx": p["idx"], "n_tokens": int(p["tokens"].size),
-                 "text": p["text"], "token_ids": p["tokens"].tolist()} for pid, p in self._prompts.items()]
+                 "n_prompt_tokens": p["n_prompt"], "text": p["text"], "token_ids": p["tokens"].tolist()} for pid, p in self._prompts.items()]
         return pa.Table.from_pylist(rows, schema=PROMPTS_SCHEMA)
 
     def _captures_table(self) -> pa.Table:

@@ -1,0 +1,147 @@
+"""Fast chunk I/O for our own Zarr v3 arrays, byte-compatible with zarr-python.
+
+zarr-python's generic pipeline (asyncio, a temp file + rename per chunk, copies for the
+checksum) runs at a fraction of disk speed here. Our arrays all use one codec chain
+(bytes little-endian -> blosc -> crc32c) and our writes are chunk-aligned, so this module
+encodes and decodes chunks directly on a thread pool (blosc and file I/O release the GIL) and
+writes the exact bytes zarr would. Zarr, xarray and dask read the result unchanged; the tests
+read our chunks back through zarr to pin that.
+
+A chunk file is written in place, without a rename: only arrays of a run that has not yet
+committed are ever written, and a torn chunk of a writer that died is never catalogued.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import crc32c
+import numpy as np
+from numcodecs import Blosc
+
+from capturestore.errors import CorruptChunkError
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="capturestore-io")
+    return _POOL
+
+
+def _blosc(itemsize: int) -> Blosc:
+    # Must match arrays.compressors_for: blosc lz4, clevel 5, bitshuffle, typesize = itemsize.
+    return Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE, typesize=itemsize)
+
+
+def chunk_key(idx: tuple[int, ...]) -> str:
+    return "c/" + "/".join(str(i) for i in idx)
+
+
+def _encode_and_write(path: Path, block: np.ndarray, itemsize: int) -> int:
+    raw = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+    enc = _blosc(itemsize).encode(raw)
+    crc = struct.pack("<I", crc32c.crc32c(enc))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.writev(fd, [enc, crc])
+    finally:
+        os.close(fd)
+    return len(enc) + 4
+
+
+def write_block(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...], block: np.ndarray,
+                offset: tuple[int, ...]) -> bool:
+    """Write ``block`` (storage dtype) at ``offset`` of the array; True if done.
+
+    Returns False (nothing written) when the block does not start on chunk boundaries or ends
+    inside a chunk that is not the array's last along that axis: such writes need a
+    read-modify-write and are left to zarr.
+    """
+    if block.ndim != len(shape) or len(offset) != len(shape):
+        return False
+    ranges = []
+    for s, c, o, n in zip(shape, chunks, offset, block.shape):
+        end = o + n
+        if o % c or end > s or (end % c and end != s) or n == 0:
+            return False
+        ranges.append(range(o // c, (end + c - 1) // c))
+    itemsize = block.dtype.itemsize
+    jobs = []
+    for idx in itertools.product(*ranges):
+        src = tuple(slice(i * c - o, min((i + 1) * c, o + n) - o) for i, c, o, n in zip(idx, chunks, offset, block.shape))
+        part = block[src]
+        if part.shape != tuple(chunks):  # edge chunk: zarr stores it padded to the full chunk shape with the fill value 0
+            full = np.zeros(chunks, block.dtype)
+            full[tuple(slice(0, p) for p in part.shape)] = part
+            part = full
+        jobs.append((array_dir / chunk_key(idx), part))
+    if len(jobs) == 1:
+        _encode_and_write(jobs[0][0], jobs[0][1], itemsize)
+    else:
+        for f in [_pool().submit(_encode_and_write, p, b, itemsize) for p, b in jobs]:
+            f.result()
+    return True
+
+
+def _read_chunk(path: Path, chunks: tuple[int, ...], dtype: np.dtype, where: str, key: str) -> np.ndarray:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CorruptChunkError(f"{where}, chunk {key}: chunk file is missing") from None
+    if len(data) < 4:
+        raise CorruptChunkError(f"{where}, chunk {key}: chunk file is truncated ({len(data)} bytes)")
+    mv = memoryview(data)
+    stored = struct.unpack("<I", data[-4:])[0]
+    computed = crc32c.crc32c(mv[:-4])
+    if stored != computed:
+        raise CorruptChunkError(
+            f"{where}, chunk {key}: checksum mismatch (stored crc32c {stored:#010x}, computed {computed:#010x})"
+        )
+    out = np.empty(chunks, dtype)
+    try:
+        Blosc().decode(mv[:-4], out=out.reshape(-1).view(np.uint8))
+    except Exception as e:  # noqa: BLE001 - a valid CRC over an undecodable frame
+        raise CorruptChunkError(f"{where}, chunk {key}: cannot decode ({e})") from None
+    return out
+
+
+def read_region(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype,
+                region: tuple[slice, ...], where: str) -> np.ndarray:
+    """array[region] (step-1 slices), checking every chunk's CRC32C; errors name the chunk."""
+    bounds = [r.indices(s)[:2] for r, s in zip(region, shape)]
+    out = np.empty(tuple(max(0, b - a) for a, b in bounds), dtype)
+    if out.size == 0:
+        return out
+    ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(bounds, chunks)]
+
+    def one(idx: tuple[int, ...]) -> None:
+        key = chunk_key(idx)
+        chunk = _read_chunk(array_dir / key, chunks, dtype, where, key)
+        src, dst = [], []
+        for i, c, (a, b) in zip(idx, chunks, bounds):
+            lo, hi = max(a, i * c), min(b, (i + 1) * c)
+            src.append(slice(lo - i * c, hi - i * c))
+            dst.append(slice(lo - a, hi - a))
+        out[tuple(dst)] = chunk[tuple(src)]
+
+    idxs = list(itertools.product(*ranges))
+    if len(idxs) == 1:
+        one(idxs[0])
+    else:
+        errors = []
+        for f in [_pool().submit(one, i) for i in idxs]:
+            try:
+                f.result()
+            except CorruptChunkError as e:
+                errors.append(str(e))
+        if errors:
+            more = f" (+{len(errors) - 8} more)" if len(errors) > 8 else ""
+            raise CorruptChunkError(f"{len(errors)} corrupt chunk(s): " + "; ".join(errors[:8]) + more)
+    return out
