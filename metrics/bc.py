@@ -58,113 +58,121 @@ def bhattacharyya_batched(a, b, bins: int = DEFAULT_BINS) -> np.ndarray:
     nrows = int(np.prod(lead, dtype=np.int64))
     a2 = a.reshape(nrows, a.shape[-1]).astype(dtype, copy=False)
     b2 = b.reshape(nrows, b.shape[-1]).astype(dtype, copy=False)
-    rows = a2.shape[0]
-    out = np.zeros(rows, dtype=np.float64)
-    if rows == 0:
+    out = np.zeros(nrows, dtype=np.float64)
+    if nrows == 0:
         return out.reshape(lead)
     per_row = max(1, a2.shape[1] + b2.shape[1])
-    # Row offsets ride in the float bin index: keep them exact in float32 (< 2**24).
-    step = max(1, min(_CHUNK_ELEMS // per_row, (1 << 24) // bins - 1))
-    for r0 in range(0, rows, step):
-        r1 = min(rows, r0 + step)
-        out[r0:r1] = _bc_rows(a2[r0:r1], b2[r0:r1], bins)
+    step = max(1, _CHUNK_ELEMS // per_row)
+    for r0 in range(0, nrows, step):
+        r1 = min(nrows, r0 + step)
+        out[r0:r1] = bc_grouped(a2[r0:r1], b2[r0:r1], (1,), bins)
     return out.reshape(lead)
 
 
-def _bc_rows(a: np.ndarray, b: np.ndarray, bins: int) -> np.ndarray:
-    """a: [R, n_a], b: [R, n_b] same float dtype -> BC [R]."""
-    dtype = a.dtype.type
-    R = a.shape[0]
-    with np.errstate(invalid="ignore"):
-        a_min, a_nan = _row_nanmin(a)
-        b_min, b_nan = _row_nanmin(b)
-        ok = ~np.isnan(a_min) & ~np.isnan(b_min)  # both sides hold at least one value
-        if not ok.any():
-            return np.zeros(R)
-        lo = np.fmin(a_min, b_min).astype(dtype)
-        hi = np.fmax(_row_nanmax(a, a_nan), _row_nanmax(b, b_nan)).astype(dtype)
-    finite = np.isfinite(lo) & np.isfinite(hi)
-    lo = np.where(ok & finite, lo, dtype(0))
-    hi = np.where(ok & finite, hi, dtype(0))
-    ha = _row_hist(a, a_nan, lo, hi, bins)
-    hb = _row_hist(b, b_nan, lo, hi, bins)
-    p = ha / (ha.sum(axis=1, keepdims=True) + _NORM_EPS)
-    q = hb / (hb.sum(axis=1, keepdims=True) + _NORM_EPS)
-    bc = np.clip(np.sqrt(p * q).sum(axis=1), 0.0, 1.0)
-    # An infinite error has no finite bin range (np.histogram raises on it): report NaN.
-    return np.where(ok, np.where(finite, bc, np.nan), 0.0)
+def bc_grouped(a: np.ndarray, b: np.ndarray, sample_axes, bins: int = DEFAULT_BINS) -> np.ndarray:
+    """BC per group, where a group is one index of the axes *not* in ``sample_axes``.
 
-
-def _row_nanmin(x):
-    """Row minimum ignoring NaN, and which rows hold a NaN at all."""
-    if x.shape[1] == 0:
-        return np.full(x.shape[0], np.nan, x.dtype), np.zeros(x.shape[0], bool)
-    m = np.min(x, axis=1)
-    has_nan = np.isnan(m)  # np.min propagates NaN, so only these rows need the slow path
-    if has_nan.any():
-        with np.errstate(all="ignore"):
-            m[has_nan] = np.fmin.reduce(x[has_nan], axis=1)
-    return m, has_nan
-
-
-def _row_nanmax(x, has_nan):
-    if x.shape[1] == 0:
-        return np.full(x.shape[0], np.nan, x.dtype)
-    m = np.max(x, axis=1)
-    if has_nan.any():
-        with np.errstate(all="ignore"):
-            m[has_nan] = np.fmax.reduce(x[has_nan], axis=1)
-    return m
-
-
-def _row_hist(x: np.ndarray, has_nan: np.ndarray, lo: np.ndarray, hi: np.ndarray, bins: int) -> np.ndarray:
-    """Counts ``[R, bins]`` of each row of ``x: [R, n]`` over its own edges ``linspace(lo, hi)``.
-
-    Edge k is ``k*step + lo`` with ``step = (hi - lo) / bins`` in x's dtype, which is what
-    np.linspace computes; bin = last edge <= x, the last bin closed (np.histogram's rule).
+    a, b: float32/float64 arrays of one dtype that agree on every non-sample axis, e.g.
+    errors ``[batch, kv_head, seq, head_dim]`` with ``sample_axes=(1, 3)`` -> BC ``[batch, seq]``
+    over heads x head_dim, with no transposed copy. Same definition and edge cases as
+    ``bhattacharyya_batched``.
     """
-    R, n = x.shape
-    if n == 0:
-        return np.zeros((R, bins), dtype=np.int64)
-    dtype = x.dtype.type
+    axes = tuple(ax % a.ndim for ax in sample_axes)
+    kept = tuple(n for i, n in enumerate(a.shape) if i not in axes)
+    if tuple(n for i, n in enumerate(b.shape) if i not in axes) != kept:
+        raise ValueError(f"BC groups differ: a {a.shape} vs b {b.shape} outside sample axes {axes}")
+    dtype = np.result_type(a.dtype, b.dtype).type
+    a = a.astype(dtype, copy=False)
+    b = b.astype(dtype, copy=False)
+    nrows = int(np.prod(kept, dtype=np.int64))
+    if nrows == 0:
+        return np.zeros(kept)
+    with np.errstate(invalid="ignore"):
+        a_min, a_max, a_nan = _minmax(a, axes)
+        b_min, b_max, b_nan = _minmax(b, axes)
+        ok = ~np.isnan(a_min) & ~np.isnan(b_min)  # both sides hold at least one value
+        lo = np.fmin(a_min, b_min)
+        hi = np.fmax(a_max, b_max)
+    finite = np.isfinite(lo) & np.isfinite(hi)
+    good = ok & finite
+    lo = np.where(good, lo, 0).astype(dtype)
+    hi = np.where(good, hi, 0).astype(dtype)
+    # Bin edges exactly as np.linspace(lo, hi, bins + 1) in this dtype: edge_k = k*step + lo.
     width = (hi - lo).astype(dtype)
     step = (width / dtype(bins)).astype(dtype)
     flat = step == 0  # lo == hi: np.histogram puts every value in the last bin
-    # A range only a few ulps wide has edges that collapse onto each other; the one-step
-    # correction below is exact only when a bin spans many ulps, so such rows go the slow way.
-    tiny = ~flat & (step < 64 * np.spacing(np.maximum(np.abs(lo), np.abs(hi))))
-    with np.errstate(all="ignore"):
-        scale = np.where(flat, dtype(0), dtype(bins) / np.where(flat, dtype(1), width)).astype(dtype)
-        lo_c, step_c = lo[:, None], step[:, None]
-        t = x - lo_c
-        t *= scale[:, None]
-        np.floor(t, out=t)
-        np.clip(t, 0, bins - 1, out=t)  # estimate, at most one bin off
-        e = t * step_c
-        e += lo_c
-        dec = x < e  # never true in bin 0, whose edge is lo itself
-        np.add(t, 1, out=e)
-        e *= step_c
-        e += lo_c
-        inc = x >= e
-        t -= dec
-        t += inc
-        np.minimum(t, bins - 1, out=t)  # hi belongs to the last (closed) bin
-    t[flat] = bins - 1
-    t += (np.arange(R, dtype=dtype) * bins)[:, None]
-    nan = np.isnan(x) if has_nan.any() else None
-    if nan is not None:
-        t[nan] = 0
-    flat_idx = t.astype(np.intp)
-    if nan is not None:
-        flat_idx = flat_idx[~nan]
-    counts = np.bincount(flat_idx.ravel(), minlength=R * bins).reshape(R, bins)
-    for r in np.nonzero(tiny)[0]:
-        counts[r] = _exact_row_hist(x[r], lo[r], hi[r], bins)
-    return counts
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(flat, 0, dtype(bins) / np.where(flat, 1, width)).astype(dtype)
+        # How far (in bins) rounding can move an edge or the estimate: values closer than this
+        # to an integer bin position are checked against the real edges.
+        ulp = np.spacing(np.maximum(np.abs(lo), np.abs(hi))).astype(np.float64)
+        eps = np.where(flat, 0.0, 4 * ulp / np.where(flat, 1, step) + 1e-4).astype(dtype)
+    off_dtype = dtype if nrows * bins < (1 << 24) else np.float64
+    row_off = (np.arange(nrows, dtype=off_dtype) * bins).reshape(lo.shape)
+    bad_rows = not good.all()
+    ha = _counts(a, lo, step, scale, flat, eps, row_off, bins, nrows, bool(a_nan) or bad_rows)
+    hb = _counts(b, lo, step, scale, flat, eps, row_off, bins, nrows, bool(b_nan) or bad_rows)
+    p = ha / (ha.sum(axis=1, keepdims=True) + _NORM_EPS)
+    q = hb / (hb.sum(axis=1, keepdims=True) + _NORM_EPS)
+    bc = np.clip(np.sqrt(p * q).sum(axis=1), 0.0, 1.0).reshape(kept)
+    # An infinite error has no finite bin range (np.histogram raises on it): report NaN.
+    ok, finite = ok.reshape(kept), finite.reshape(kept)
+    return np.where(ok, np.where(finite, bc, np.nan), 0.0)
 
 
-def _exact_row_hist(x, lo, hi, bins):
-    edges = np.linspace(lo, hi, bins + 1)
-    x = x[~np.isnan(x)]
-    return np.histogram(x, bins=edges)[0]
+def _minmax(x, axes):
+    """Group min/max ignoring NaN (keepdims), and whether any NaN was seen."""
+    if any(x.shape[ax] == 0 for ax in axes):
+        shape = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
+        return np.full(shape, np.nan, x.dtype), np.full(shape, np.nan, x.dtype), False
+    m = np.min(x, axis=axes, keepdims=True)
+    M = np.max(x, axis=axes, keepdims=True)
+    has_nan = bool(np.isnan(m).any())  # np.min propagates NaN: only then pay for fmin
+    if has_nan:
+        with np.errstate(all="ignore"):
+            m = np.fmin.reduce(x, axis=axes, keepdims=True)
+            M = np.fmax.reduce(x, axis=axes, keepdims=True)
+    return m, M, has_nan
+
+
+def _counts(x, lo, step, scale, flat, eps, row_off, bins, nrows, maybe_bad):
+    """Histogram counts ``[nrows, bins]`` of every group of x (np.histogram's bin rule:
+    bin = last edge <= x, the last bin closed)."""
+    if x.size == 0:
+        return np.zeros((nrows, bins), np.int64)
+    dtype = x.dtype.type
+    with np.errstate(invalid="ignore", over="ignore"):
+        t = x - lo
+        t *= scale
+        fl = np.floor(t)
+        t -= fl  # fractional bin position
+        t -= dtype(0.5)
+        np.abs(t, out=t)
+        cand = t > (dtype(0.5) - eps)  # within eps of an edge: check against the real edges
+        np.clip(fl, 0, bins - 1, out=fl)
+    if flat.any():
+        fl = np.where(flat, dtype(bins - 1), fl)
+    bad = ~np.isfinite(x) if maybe_bad else None
+    if bad is not None:
+        cand &= ~bad
+    fi = np.flatnonzero(cand)  # rare; np.nonzero on N-d arrays is several times slower
+    if fi.size:
+        mi = np.unravel_index(fi, x.shape)
+        gi = tuple(m if lo.shape[d] != 1 else np.zeros_like(m) for d, m in enumerate(mi))
+        xs, lo_s, st_s = x[mi], lo[gi], step[gi]
+        k = fl[mi]
+        for _ in range(bins + 1):  # one step almost always; more only when edges collapse
+            with np.errstate(invalid="ignore"):
+                dec = (xs < k * st_s + lo_s) & (k > 0)
+                inc = ~dec & (k < bins - 1) & (xs >= (k + 1) * st_s + lo_s)
+            if not (dec.any() or inc.any()):
+                break
+            k = k - dec + inc
+        fl[mi] = k
+    fl += row_off
+    if bad is not None:
+        fl[bad] = 0
+    ids = fl.astype(np.intp).ravel()
+    if bad is not None:
+        ids = ids[~bad.ravel()]
+    return np.bincount(ids, minlength=nrows * bins).reshape(nrows, bins)

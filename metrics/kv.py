@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .bc import DEFAULT_BINS, bhattacharyya_batched
+from .bc import DEFAULT_BINS, bc_grouped, bhattacharyya_batched
 from .errors import COS_EPS, EPS, as_float, cosine, rel_l2, rel_linf, to_numpy
 
 __all__ = [
@@ -337,43 +337,33 @@ def _layer_sources(name, expected_kv, actual_kv, baseline_kv):
     return out
 
 
-def _one_tensor(ref, act, exp, want_raw):
-    """Metrics of one layer's K (or V). ref/act/exp: [B, H, S, D] (exp None in two-way).
+_CHUNK_ELEMS = 1 << 17  # values per position chunk: temporaries stay cache-sized
 
-    Returns dict of [B, S, H] arrays (cos, linf, l2, base_linf, base_l2) and, when asked or
-    three-way, the absolute errors as [B, S, H*D] float32 (tgt, base).
-    """
-    r = as_float(ref)
-    a = as_float(act)
-    B, H, S, D = r.shape
+
+def _chunk_metrics(r, a, e, bins):
+    """r, a, e: float arrays [B, H, s, D] of one position chunk (e None in two-way)."""
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         d = a - r
         np.abs(d, out=d)
-        num_inf = d.max(axis=-1)
-        num_l2 = np.sqrt(np.einsum("bhsd,bhsd->bhs", d, d))
         den_inf = np.maximum(np.maximum(r.max(axis=-1), -r.min(axis=-1)), EPS)
-        rr = np.einsum("bhsd,bhsd->bhs", r, r)
-        den_l2 = np.maximum(np.sqrt(rr), EPS)
-        aa = np.einsum("bhsd,bhsd->bhs", a, a)
-        ra = np.einsum("bhsd,bhsd->bhs", r, a)
+        rr = np.sqrt(np.einsum("bhsd,bhsd->bhs", r, r))
+        den_l2 = np.maximum(rr, EPS)
+        aa = np.sqrt(np.einsum("bhsd,bhsd->bhs", a, a))
         out = {
-            "linf": num_inf / den_inf,
-            "l2": num_l2 / den_l2,
-            "cos": ra / (np.maximum(np.sqrt(rr), COS_EPS) * np.maximum(np.sqrt(aa), COS_EPS)),
+            "linf": d.max(axis=-1) / den_inf,
+            "l2": np.sqrt(np.einsum("bhsd,bhsd->bhs", d, d)) / den_l2,
+            "cos": np.einsum("bhsd,bhsd->bhs", r, a) / (np.maximum(rr, COS_EPS) * np.maximum(aa, COS_EPS)),
         }
-        tgt_err = d
-        base_err = None
-        if exp is not None:
-            e = as_float(exp)
+        db = None
+        if e is not None:
             db = e - r
             np.abs(db, out=db)
             out["base_linf"] = db.max(axis=-1) / den_inf
             out["base_l2"] = np.sqrt(np.einsum("bhsd,bhsd->bhs", db, db)) / den_l2
-            base_err = db
     # NaN anywhere in a head vector shows up in these reductions; only those vectors are
     # recomputed with the NaN positions masked out (sliding-window fill is whole positions).
     bad = np.isnan(out["linf"]) | np.isnan(out["cos"])
-    if exp is not None:
+    if e is not None:
         bad |= np.isnan(out["base_linf"])
     if bad.any():
         idx = np.nonzero(bad)
@@ -381,15 +371,50 @@ def _one_tensor(ref, act, exp, want_raw):
         out["linf"][idx] = rel_linf(rv, av)
         out["l2"][idx] = rel_l2(rv, av)
         out["cos"][idx] = cosine(rv, av)
-        if exp is not None:
-            ev = as_float(exp)[idx].astype(np.float64)
+        if e is not None:
+            ev = e[idx].astype(np.float64)
             out["base_linf"][idx] = rel_linf(rv, ev)
             out["base_l2"][idx] = rel_l2(rv, ev)
-    res = {k: np.ascontiguousarray(v.transpose(0, 2, 1)) for k, v in out.items()}  # [B, S, H]
-    if want_raw or exp is not None:
-        res["tgt_err"] = np.ascontiguousarray(tgt_err.transpose(0, 2, 1, 3)).reshape(B, S, H * D)
-        if base_err is not None:
-            res["base_err"] = np.ascontiguousarray(base_err.transpose(0, 2, 1, 3)).reshape(B, S, H * D)
+    if e is not None:
+        bc = bc_grouped(db, d, (1, 3), bins)  # [B, s]: over heads x head_dim, no transpose
+        # A token x layer with no valid error at all (sliding-window fill) has no BC.
+        if bad.any():
+            none_valid = np.all(np.isnan(d) | np.isnan(db), axis=(1, 3))
+            bc[none_valid] = np.nan
+        out["bc"] = bc
+    return out, d, db
+
+
+def _one_tensor(ref, act, exp, want_raw, bins=DEFAULT_BINS):
+    """Metrics of one layer's K (or V). ref/act/exp: [B, H, S, D] (exp None in two-way).
+
+    Returns dict of [B, S, H] arrays (cos, linf, l2, base_linf, base_l2), ``bc`` [B, S]
+    (three-way) and, when asked, absolute errors ``tgt_err``/``base_err`` as [B, S, H*D]
+    float32. Works through chunks of positions so temporaries stay small.
+    """
+    B, H, S, D = ref.shape
+    names = ["linf", "l2", "cos"] + (["base_linf", "base_l2"] if exp is not None else [])
+    res = {n: np.empty((B, S, H)) for n in names}
+    if exp is not None:
+        res["bc"] = np.empty((B, S))
+    if want_raw:
+        res["tgt_err"] = np.empty((B, S, H * D), np.float32)
+        res["base_err"] = np.empty((B, S, H * D), np.float32)
+    cs = max(1, _CHUNK_ELEMS // max(1, B * H * D))
+    for s0 in range(0, S, cs):
+        s1 = min(S, s0 + cs)
+        sl = (slice(None), slice(None), slice(s0, s1))
+        r = as_float(ref[sl])
+        a = as_float(act[sl])
+        e = as_float(exp[sl]) if exp is not None else None
+        out, d, db = _chunk_metrics(r, a, e, bins)
+        for n in names:
+            res[n][:, s0:s1] = out[n].transpose(0, 2, 1)
+        if exp is not None:
+            res["bc"][:, s0:s1] = out["bc"]
+        if want_raw:
+            res["tgt_err"][:, s0:s1] = d.transpose(0, 2, 1, 3).reshape(B, s1 - s0, H * D)
+            res["base_err"][:, s0:s1] = db.transpose(0, 2, 1, 3).reshape(B, s1 - s0, H * D)
     return res
 
 
@@ -426,9 +451,12 @@ def compare_kv_caches(
     if not layers:
         raise ValueError("no layers to compare (the sources share no layer name)")
 
-    per_layer = []
+    arrays = None
+    k_bc = v_bc = None
+    num_heads = []
     raw = None
     bs_shape = None
+    L = len(layers)
     for li, name in enumerate(layers):
         src = _layer_sources(name, expected_kv, actual_kv, baseline_kv)
         ek, ev = src["expected"]
@@ -445,32 +473,36 @@ def compare_kv_caches(
                 f"layer {name!r} has batch x seq {(B, S)} but layer {layers[0]!r} has {bs_shape}; "
                 "all layers must cover the same positions (pad with NaN)"
             )
-        mk = _one_tensor(rk, ak, ek if three_way else None, return_raw_errors)
-        mv = _one_tensor(rv, av, ev if three_way else None, return_raw_errors)
+        mk = _one_tensor(rk, ak, ek if three_way else None, return_raw_errors, bins)
+        mv = _one_tensor(rv, av, ev if three_way else None, return_raw_errors, bins)
         del src, ek, ev, ak, av, rk, rv
-        entry = {"H": H}
+        # Results go straight into the [batch, token, layer, head] arrays, layer by layer.
+        if arrays is None:
+            arrays = {n: np.full((B, S, L, H), np.nan) for n in HEAD_METRIC_NAMES}
+            k_bc, v_bc = np.full((B, S, L), np.nan), np.full((B, S, L), np.nan)
+        elif H > arrays["k_linf"].shape[-1]:  # a layer with more KV heads: widen (NaN-padded)
+            grown = {n: np.full((B, S, L, H), np.nan) for n in HEAD_METRIC_NAMES}
+            for n, arr in arrays.items():
+                grown[n][..., : arr.shape[-1]] = arr
+            arrays = grown
+        num_heads.append(H)
         for kv_name, m in (("k", mk), ("v", mv)):
-            entry[f"{kv_name}_cos"] = m["cos"]
-            entry[f"{kv_name}_linf"] = m["linf"]
-            entry[f"{kv_name}_l2"] = m["l2"]
+            arrays[f"{kv_name}_cos"][:, :, li, :H] = m["cos"]
+            arrays[f"{kv_name}_linf"][:, :, li, :H] = m["linf"]
+            arrays[f"{kv_name}_l2"][:, :, li, :H] = m["l2"]
             if three_way:
-                entry[f"base_{kv_name}_linf"] = m["base_linf"]
-                entry[f"base_{kv_name}_l2"] = m["base_l2"]
+                arrays[f"base_{kv_name}_linf"][:, :, li, :H] = m["base_linf"]
+                arrays[f"base_{kv_name}_l2"][:, :, li, :H] = m["base_l2"]
         if three_way:
-            k_bc = bhattacharyya_batched(mk["base_err"], mk["tgt_err"], bins=bins)  # [B, S]
-            v_bc = bhattacharyya_batched(mv["base_err"], mv["tgt_err"], bins=bins)
-            # A token x layer with no valid error at all (sliding-window fill) has no BC.
-            k_bc[np.all(np.isnan(mk["tgt_err"]) | np.isnan(mk["base_err"]), axis=-1)] = np.nan
-            v_bc[np.all(np.isnan(mv["tgt_err"]) | np.isnan(mv["base_err"]), axis=-1)] = np.nan
-            entry["k_bc"], entry["v_bc"] = k_bc, v_bc
+            k_bc[:, :, li], v_bc[:, :, li] = mk["bc"], mv["bc"]
         if return_raw_errors:
             wk, wv = mk["tgt_err"].shape[-1], mv["tgt_err"].shape[-1]
             if raw is None:
                 raw = {
-                    "base_k": np.full((B, S, len(layers), wk), np.nan, np.float32),
-                    "tgt_k": np.full((B, S, len(layers), wk), np.nan, np.float32),
-                    "base_v": np.full((B, S, len(layers), wv), np.nan, np.float32),
-                    "tgt_v": np.full((B, S, len(layers), wv), np.nan, np.float32),
+                    "base_k": np.full((B, S, L, wk), np.nan, np.float32),
+                    "tgt_k": np.full((B, S, L, wk), np.nan, np.float32),
+                    "base_v": np.full((B, S, L, wv), np.nan, np.float32),
+                    "tgt_v": np.full((B, S, L, wv), np.nan, np.float32),
                     "widths": [],
                 }
             if wk > raw["base_k"].shape[-1] or wv > raw["base_v"].shape[-1]:
@@ -483,23 +515,9 @@ def compare_kv_caches(
             raw["base_v"][:, :, li, :wv] = mv["base_err"]
             raw["tgt_v"][:, :, li, :wv] = mv["tgt_err"]
             raw["widths"].append(wk)
-        per_layer.append(entry)
         del mk, mv
 
-    B, S = bs_shape
-    L = len(layers)
-    Hmax = max(e["H"] for e in per_layer)
-    arrays = {name: np.full((B, S, L, Hmax), np.nan) for name in HEAD_METRIC_NAMES}
-    k_bc = np.full((B, S, L), np.nan)
-    v_bc = np.full((B, S, L), np.nan)
-    for li, e in enumerate(per_layer):
-        for name in HEAD_METRIC_NAMES:
-            if name in e:
-                arrays[name][:, :, li, : e["H"]] = e[name]
-        if three_way:
-            k_bc[:, :, li] = e["k_bc"]
-            v_bc[:, :, li] = e["v_bc"]
-    result = KVComparison(layers, arrays, k_bc, v_bc, [e["H"] for e in per_layer], three_way)
+    result = KVComparison(layers, arrays, k_bc, v_bc, num_heads, three_way)
     if return_raw_errors:
         raw_obj = KVRawErrors(layers, raw["base_k"], raw["base_v"], raw["tgt_k"], raw["tgt_v"], raw["widths"])
         return result, raw_obj
