@@ -1,0 +1,661 @@
+"""Real vLLM KV extraction through a worker extension, plus teacher-forced logprobs.
+
+Use it as ``LLM(..., worker_extension_cls="extractors.vllm_rpc.KVCaptureWorkerExtension")``;
+the extension adds the RPC contract of reference/000 (``get_kv_caches``, ``get_kv_cache_config``,
+``get_block_tables``) to any vLLM worker, reached with ``llm.collective_rpc(name)``. It works
+with the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and in a separate engine
+process (scripts then need an ``if __name__ == "__main__":`` guard).
+
+Request lifetime (ENGINES.md): a request's blocks are freed when it finishes and reused, and
+zeroed, by the next request at once. The extension therefore snapshots a finishing request's
+blocks when the worker learns it finished (wrapping the model runner's ``_update_states``,
+before the step that may overwrite them). Snapshotting starts on the first call of any
+method of the extension (``extract_vllm_kv_cache_config`` is the natural first call, before
+``generate``) and costs nothing before. Requests that finished before it started are lost.
+
+Values cross the process boundary as ``{"dtype", "shape", "data": bytes}`` (tensors in RPC
+results come back undecoded); in-process they are passed as tensors, with no copy.
+
+vLLM is imported lazily: this module imports without it.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from extractors.paged import reconstruct_contiguous_kv, reconstruct_contiguous_kv_batch
+
+EXTENSION_QUALNAME = "extractors.vllm_rpc.KVCaptureWorkerExtension"
+DEFAULT_MAX_FINISHED = 64
+
+# ---------------------------------------------------------------------------------- transport
+
+
+def _encode(t: torch.Tensor, transport: str):
+    """A tensor as it crosses the RPC boundary: itself in-process, bytes + dtype + shape across."""
+    if transport == "tensor":
+        return t
+    t = t.detach().contiguous()
+    raw = t.view(torch.uint8) if t.dim() and t.element_size() > 1 else t
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "data": raw.numpy().tobytes()}
+
+
+def _decode(obj) -> torch.Tensor:
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if not isinstance(obj, dict) or "data" not in obj:
+        raise ValueError(f"RPC result is neither a tensor nor an encoded tensor: {type(obj).__name__}")
+    dtype = getattr(torch, obj["dtype"])
+    with warnings.catch_warnings():  # read-only bytes: we only ever gather from them
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(obj["data"], dtype=torch.uint8) if obj["data"] else torch.empty(0, dtype=torch.uint8)
+    return flat.view(dtype).reshape(obj["shape"])
+
+
+# ---------------------------------------------------------------------------------- index maps
+
+_INDEX_MAP_CACHE: dict[tuple, tuple[list[int], list[int]]] = {}
+_DIGIT = 64  # small integers are exact in every float dtype the CPU backend stores
+
+
+def derive_cpu_index_maps(dtype: torch.dtype, block_size: int, head_dim: int, isa: str,
+                          num_kv_heads: int = 2) -> tuple[list[int], list[int]]:
+    """In-block orders of the vLLM CPU cache, found by writing known values through the real
+    cache-write op (``cpu_attn_reshape_and_cache``) once. Cached per (dtype, block_size,
+    head_dim, isa).
+
+    Returns (k_index, v_index), flat lists of ``block_size*head_dim`` offsets: element
+    (token t, dim d) of K (V) sits at ``k_index[t*head_dim + d]`` inside one (block, head) row of
+    ``2*block_size*head_dim`` values. Each token carries its id in base-64 digits, one write per
+    digit, K positive and V negative, into a cache of two blocks and ``num_kv_heads`` heads; the
+    maps must agree across heads and stay inside each head's row, or this raises.
+    """
+    key = (str(dtype), block_size, head_dim, isa)
+    if key in _INDEX_MAP_CACHE:
+        return _INDEX_MAP_CACHE[key]
+    from vllm import _custom_ops as ops
+
+    h, bs, d = num_kv_heads, block_size, head_dim
+    region = 2 * bs * d
+    n_ids = bs * h * d
+    ids = torch.arange(n_ids, dtype=torch.int64).view(bs, h, d)  # [token, kv_head, head_dim]
+    slots = torch.arange(bs, dtype=torch.int64) + bs  # all of block 1; block 0 must stay untouched
+    k_pos = torch.zeros(2 * h * region, dtype=torch.int64)
+    v_pos = torch.zeros_like(k_pos)
+    written_k = written_v = None
+    for j in range(max(1, math.ceil(math.log(n_ids, _DIGIT)))):
+        digit = (ids // _DIGIT ** j) % _DIGIT
+        cache = torch.full((2, h, bs, 2 * d), float("nan"), dtype=dtype)
+        key_cache, value_cache = cache.view(2, h, 2 * bs, d).chunk(2, dim=2)
+        vals = (digit + 1).to(dtype)
+        ops.cpu_attn_reshape_and_cache(vals, -vals, key_cache, value_cache, slots, isa)
+        flat = cache.reshape(-1).to(torch.float64)
+        wk, wv = flat > 0, flat < 0
+        if written_k is None:
+            written_k, written_v = wk, wv
+        elif not (torch.equal(wk, written_k) and torch.equal(wv, written_v)):
+            raise RuntimeError(f"cpu_attn_reshape_and_cache ({isa}, {dtype}) wrote different slots per pass")
+        k_pos[wk] += (flat[wk].round().long() - 1) * _DIGIT ** j
+        v_pos[wv] += (-flat[wv].round().long() - 1) * _DIGIT ** j
+    if int(written_k.sum()) != n_ids or int(written_v.sum()) != n_ids:
+        raise RuntimeError(f"cpu_attn_reshape_and_cache ({isa}, {dtype}, block {bs}, head {d}) wrote "
+                           f"{int(written_k.sum())} K / {int(written_v.sum())} V values, expected {n_ids} each")
+    maps = []
+    for written, pos in ((written_k, k_pos), (written_v, v_pos)):
+        offsets = torch.nonzero(written).flatten()
+        elem_ids = pos[offsets]
+        where = torch.empty(n_ids, dtype=torch.int64)
+        where[elem_ids] = offsets
+        where = where.view(bs, h, d).permute(1, 0, 2)  # [kv_head, token, head_dim] -> flat offset
+        local = where - (h * region) - torch.arange(h).view(h, 1, 1) * region  # block 1, own head row
+        if bool((local < 0).any() or (local >= region).any()):
+            raise RuntimeError(f"cpu_attn_reshape_and_cache ({isa}) wrote outside a (block, head) row")
+        if not all(torch.equal(local[0], local[i]) for i in range(h)):
+            raise RuntimeError(f"cpu_attn_reshape_and_cache ({isa}) uses different in-block orders per head")
+        maps.append(local[0].reshape(-1).tolist())
+    _INDEX_MAP_CACHE[key] = (maps[0], maps[1])
+    return maps[0], maps[1]
+
+
+# ---------------------------------------------------------------------------------- worker side
+
+
+def _spec_dict(spec) -> dict:
+    return {
+        "spec_type": type(spec).__name__,
+        "block_size": int(spec.block_size),
+        "num_kv_heads": int(getattr(spec, "num_kv_heads", 0)),
+        "head_size": int(getattr(spec, "head_size", 0)),
+        "sliding_window": getattr(spec, "sliding_window", None),
+        "dtype": str(getattr(spec, "dtype", "")).removeprefix("torch."),
+    }
+
+
+class KVCaptureWorkerExtension:
+    """Mixed into the vLLM worker (``worker_extension_cls``); ``self`` is the worker.
+
+    RPC methods (all via ``llm.collective_rpc(name, kwargs=...)``, one result per rank):
+      get_kv_cache_config()            -> dict, see extractors.paged (groups, layout, TP info)
+      get_kv_caches(request_id=None)   -> {layer: tensor}: the whole paged cache, or the
+                                          request's own blocks only (live or snapshotted)
+      get_block_tables(request_id=None)-> list per group: the live batch's rows
+                                          ``[max_num_reqs, max_blocks]``, or the request's table
+                                          renumbered to index its own blocks (0..n-1)
+      get_kv_requests()                -> {engine request id: {num_tokens, finished, ...}}
+      get_request_kv(request_id)       -> the request's blocks, tables and token count at once
+    State lives in attributes prefixed ``_kvcap_`` (the worker must not already have them).
+    """
+
+    # -------------------------------------------------------------- state
+
+    def _kvcap_state(self) -> dict:
+        state = getattr(self, "_kvcap", None)
+        if state is None:
+            state = self._kvcap_enable()
+        return state
+
+    def _kvcap_enable(self, max_finished: int = DEFAULT_MAX_FINISHED) -> dict:
+        runner = self.model_runner
+        state = {"lengths": {}, "finished": OrderedDict(), "max_finished": max_finished}
+        self._kvcap = state
+        original = runner._update_states
+
+        def update_states_with_capture(scheduler_output, *args, **kwargs):
+            # Finished requests' blocks may be reused (and zeroed) in this very step: copy first.
+            for req_id in scheduler_output.finished_req_ids:
+                if req_id in runner.requests and req_id not in state["finished"]:
+                    self._kvcap_snapshot(req_id)
+            result = original(scheduler_output, *args, **kwargs)
+            lengths = state["lengths"]
+            for req_id, n in scheduler_output.num_scheduled_tokens.items():
+                req = runner.requests.get(req_id)
+                if req is not None:
+                    lengths[req_id] = int(req.num_computed_tokens) + int(n)
+            return result
+
+        runner._update_states = update_states_with_capture
+        return state
+
+    def _kvcap_layers(self) -> dict[str, torch.Tensor]:
+        """{layer: paged cache tensor} in KV cache group order."""
+        ctx = self.model_runner.compilation_config.static_forward_context
+        out = {}
+        for group in self.model_runner.kv_cache_config.kv_cache_groups:
+            for name in group.layer_names:
+                kv = ctx[name].kv_cache
+                if isinstance(kv, (list, tuple)):  # older vLLM: one tensor per virtual engine
+                    kv = kv[0]
+                out[name] = kv
+        return out
+
+    def _kvcap_num_tokens(self, req_id: str) -> int:
+        state = self._kvcap
+        if req_id in state["lengths"]:
+            return state["lengths"][req_id]
+        # Not seen since capture started: num_computed_tokens lags the last step by its tokens.
+        req = self.model_runner.requests[req_id]
+        return int(req.num_computed_tokens)
+
+    def _kvcap_snapshot(self, req_id: str) -> None:
+        state = self._kvcap
+        req = self.model_runner.requests[req_id]
+        block_ids = [list(ids) for ids in req.block_ids]
+        layers = {}
+        groups = self.model_runner.kv_cache_config.kv_cache_groups
+        all_layers = self._kvcap_layers()
+        for gi, group in enumerate(groups):
+            idx = torch.as_tensor(block_ids[gi], dtype=torch.int64)
+            for name in group.layer_names:
+                layers[name] = all_layers[name].index_select(0, idx)
+        state["finished"][req_id] = {"num_tokens": self._kvcap_num_tokens(req_id), "block_ids": block_ids,
+                                     "layers": layers}
+        state["lengths"].pop(req_id, None)
+        while len(state["finished"]) > state["max_finished"]:
+            state["finished"].popitem(last=False)
+
+    def _kvcap_resolve(self, request_id: str) -> str:
+        """Engine request id for a user id: exact, or the unique id with a '-suffix' added."""
+        known = list(self._kvcap["finished"]) + [r for r in self.model_runner.requests
+                                                 if r not in self._kvcap["finished"]]
+        if request_id in known:
+            return request_id
+        matches = [r for r in known if r.startswith(f"{request_id}-")]
+        if len(matches) == 1:
+            return matches[0]
+        if not matches:
+            raise ValueError(f"request {request_id!r} is neither live nor snapshotted on this worker "
+                             f"(known: {known[:8]}{'...' if len(known) > 8 else ''}); did it finish "
+                             "before capture was enabled, or was it evicted?")
+        raise ValueError(f"request id {request_id!r} is ambiguous: {matches}")
+
+    def _kvcap_request(self, request_id: str) -> dict:
+        """{num_tokens, block_ids (per group), layers: {layer: own blocks}, finished}."""
+        state = self._kvcap_state()
+        req_id = self._kvcap_resolve(request_id)
+        if req_id in state["finished"]:
+            return {"request_id": req_id, "finished": True, **state["finished"][req_id]}
+        req = self.model_runner.requests[req_id]
+        block_ids = [list(ids) for ids in req.block_ids]
+        all_layers = self._kvcap_layers()
+        layers = {}
+        for gi, group in enumerate(self.model_runner.kv_cache_config.kv_cache_groups):
+            idx = torch.as_tensor(block_ids[gi], dtype=torch.int64)
+            for name in group.layer_names:
+                layers[name] = all_layers[name].index_select(0, idx)
+        return {"request_id": req_id, "finished": False, "num_tokens": self._kvcap_num_tokens(req_id),
+                "block_ids": block_ids, "layers": layers}
+
+    # -------------------------------------------------------------- RPC methods
+
+    def enable_kv_capture(self, max_finished: int = DEFAULT_MAX_FINISHED) -> bool:
+        """Start snapshotting finished requests (keeps the newest ``max_finished``)."""
+        state = self._kvcap_state()
+        state["max_finished"] = int(max_finished)
+        return True
+
+    def get_kv_cache_config(self) -> dict:
+        self._kvcap_state()
+        runner = self.model_runner
+        cfg = runner.kv_cache_config
+        layers = self._kvcap_layers()
+        ctx = runner.compilation_config.static_forward_context
+        groups = []
+        for group in cfg.kv_cache_groups:
+            g = {"layer_names": list(group.layer_names), **_spec_dict(group.kv_cache_spec)}
+            first = layers[group.layer_names[0]]
+            if first.dim() != 4 or first.shape[-1] != 2 * g["head_size"]:
+                raise RuntimeError(f"group of {group.layer_names[0]}: paged cache {tuple(first.shape)} is not the "
+                                   "vLLM CPU layout [num_blocks, kv_head, block_size, 2*head_dim]")
+            if first.shape[2] != g["block_size"]:
+                raise RuntimeError(f"group of {group.layer_names[0]}: kernel block size {first.shape[2]} differs "
+                                   f"from the manager's {g['block_size']}; not supported")
+            if first.dtype == torch.uint8:
+                raise NotImplementedError("quantized (fp8) vLLM CPU KV caches are not supported")
+            g["num_kv_heads"] = int(first.shape[1])
+            isa = getattr(ctx[group.layer_names[0]], "isa", None)
+            if isa is None:
+                from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+                isa = _get_attn_isa(first.dtype, g["block_size"], g["head_size"])
+            k_index, v_index = derive_cpu_index_maps(first.dtype, g["block_size"], g["head_size"], isa)
+            g["dtype"] = str(first.dtype).removeprefix("torch.")
+            g["layout"] = {"name": "vllm_cpu", "isa": isa, "k_index": k_index, "v_index": v_index}
+            groups.append(g)
+        vcfg = self.vllm_config
+        return {
+            "num_blocks": int(cfg.num_blocks),
+            "groups": groups,
+            "layout": "vllm_cpu",
+            "total_num_kv_heads": int(vcfg.model_config.get_total_num_kv_heads()),
+            "tp_size": int(vcfg.parallel_config.tensor_parallel_size),
+            "tp_rank": int(getattr(self, "rank", 0)),
+            "pp_size": int(vcfg.parallel_config.pipeline_parallel_size),
+            "dcp_size": int(getattr(vcfg.parallel_config, "decode_context_parallel_size", 1)),
+            "kv_cache_dtype": str(vcfg.cache_config.cache_dtype),
+            "hybrid_kv_cache_manager": not bool(vcfg.scheduler_config.disable_hybrid_kv_cache_manager),
+        }
+
+    def get_kv_caches(self, request_id: str | None = None, transport: str = "bytes") -> dict:
+        if request_id is not None:
+            return {k: _encode(v, transport) for k, v in self._kvcap_request(request_id)["layers"].items()}
+        self._kvcap_state()
+        return {k: _encode(v, transport) for k, v in self._kvcap_layers().items()}
+
+    def get_block_tables(self, request_id: str | None = None, transport: str = "bytes") -> list:
+        state = self._kvcap_state()
+        if request_id is not None:
+            req_id = self._kvcap_resolve(request_id)
+            if req_id in state["finished"]:
+                ids = state["finished"][req_id]["block_ids"]
+            else:
+                ids = self.model_runner.requests[req_id].block_ids
+            return [_encode(torch.arange(len(g), dtype=torch.int64), transport) for g in ids]
+        tables = self.model_runner.input_batch.block_table
+        return [_encode(tables[i].get_cpu_tensor().clone(), transport)
+                for i in range(len(self.model_runner.kv_cache_config.kv_cache_groups))]
+
+    def get_kv_requests(self) -> dict:
+        state = self._kvcap_state()
+        out = {}
+        for req_id, snap in state["finished"].items():
+            out[req_id] = {"num_tokens": snap["num_tokens"], "finished": True,
+                           "num_blocks": [len(b) for b in snap["block_ids"]]}
+        for req_id, req in self.model_runner.requests.items():
+            if req_id not in out:
+                out[req_id] = {"num_tokens": self._kvcap_num_tokens(req_id), "finished": False,
+                               "num_blocks": [len(b) for b in req.block_ids],
+                               "row": self.model_runner.input_batch.req_id_to_index.get(req_id)}
+        return out
+
+    def get_request_kv(self, request_id: str, transport: str = "bytes") -> dict:
+        snap = self._kvcap_request(request_id)
+        return {"request_id": snap["request_id"], "finished": snap["finished"], "num_tokens": snap["num_tokens"],
+                "block_tables": [list(range(len(b))) for b in snap["block_ids"]],
+                "physical_block_ids": snap["block_ids"],
+                "layers": {k: _encode(v, transport) for k, v in snap["layers"].items()}}
+
+    def clear_kv_snapshots(self) -> int:
+        state = self._kvcap_state()
+        n = len(state["finished"])
+        state["finished"].clear()
+        return n
+
+
+# ---------------------------------------------------------------------------------- client side
+
+
+def _transport(llm) -> str:
+    """'tensor' when the worker lives in this process (no serialisation), else 'bytes'."""
+    try:
+        engine = llm.llm_engine
+        inproc = type(engine.engine_core).__name__ == "InprocClient"
+        backend = engine.vllm_config.parallel_config.distributed_executor_backend
+        return "tensor" if inproc and backend in (None, "uni") else "bytes"
+    except AttributeError:
+        return "bytes"
+
+
+def _rpc(llm, method: str, **kwargs) -> list:
+    try:
+        return llm.collective_rpc(method, kwargs=kwargs)
+    except AttributeError as e:  # the worker was built without the extension
+        raise RuntimeError(f"vLLM worker has no {method!r}: build the LLM with "
+                           f"worker_extension_cls={EXTENSION_QUALNAME!r}") from e
+
+
+def extract_vllm_kv_cache_config(llm) -> dict:
+    """The KV cache config of rank 0 as a plain dict (see extractors.paged for the fields).
+
+    Also starts block snapshotting on every worker, so call it before ``generate``.
+    """
+    configs = _rpc(llm, "get_kv_cache_config")
+    cfg = configs[0]
+    for r, other in enumerate(configs[1:], start=1):
+        if [g["layer_names"] for g in other["groups"]] != [g["layer_names"] for g in cfg["groups"]]:
+            raise RuntimeError(f"rank {r} reports KV cache groups that differ from rank 0's")
+    return cfg
+
+
+def _per_rank(results: list, kv_config: dict):
+    tp = int(kv_config.get("tp_size", 1))
+    if len(results) != tp:  # e.g. pipeline parallel: not supported
+        raise RuntimeError(f"{len(results)} workers answered for tp_size={tp}; only TP is supported")
+    return results[0] if tp == 1 else results
+
+
+def extract_vllm_kv_caches(llm, kv_config: dict, request_id: str | None = None):
+    """Paged KV ``{layer: [num_blocks, kv_head, block_size, 2*head_dim]}`` (a list per rank when TP > 1).
+
+    request_id: None gives the whole paged cache; an id (the ``RequestOutput.request_id`` or
+    the engine id with its suffix) gives only that request's blocks, live or snapshotted after
+    it finished, to be read with ``extract_vllm_block_tables(llm, request_id)``.
+    """
+    transport = _transport(llm)
+    results = _rpc(llm, "get_kv_caches", request_id=request_id, transport=transport)
+    decoded = [{k: _decode(v) for k, v in r.items()} for r in results]
+    return _per_rank(decoded, kv_config)
+
+
+def extract_vllm_block_tables(llm, request_id: str | None = None) -> list[torch.Tensor]:
+    """Block tables, one per KV cache group (rank 0's: the scheduler is shared).
+
+    request_id None: the live batch rows, each ``[max_num_reqs, max_blocks]`` (row order is the
+    worker's input batch; see ``extract_vllm_requests``). With a request id: ``[logical_block]``
+    indexing the blocks ``extract_vllm_kv_caches(llm, cfg, request_id)`` returns.
+    Starts block snapshotting on the first call (no cost before).
+    """
+    results = _rpc(llm, "get_block_tables", request_id=request_id, transport=_transport(llm))
+    return [_decode(t).to(torch.int64) for t in results[0]]
+
+
+def extract_vllm_requests(llm) -> dict:
+    """``{engine request id: {"num_tokens", "finished", "num_blocks", ...}}`` known to rank 0."""
+    return _rpc(llm, "get_kv_requests")[0]
+
+
+def extract_vllm_request_kv(llm, kv_config: dict, request_id: str, seq_len: int | None = None) -> dict:
+    """Contiguous KV of one request: ``{layer: (k, v)}`` each ``[1, kv_head, seq, head_dim]``.
+
+    seq defaults to the tokens the engine computed for the request (prompt + generated - 1:
+    the last sampled token is never fed back). Works after the request finished and its blocks
+    were reused, provided capture was enabled before it finished.
+    """
+    return extract_vllm_batch_kv(llm, kv_config, [request_id], seq_len)
+
+
+def extract_vllm_batch_kv(llm, kv_config: dict, request_ids: Sequence[str], seq_len: int | None = None) -> dict:
+    """Contiguous KV of several requests: ``{layer: (k, v)}`` each ``[batch, kv_head, seq, head_dim]``.
+
+    Rows follow ``request_ids``; each row holds that request's own computed tokens, rows
+    shorter than the seq axis are NaN at the end. ``seq_len`` (optional) fixes the seq axis:
+    longer rows are cut, shorter ones NaN-padded.
+    """
+    transport = _transport(llm)
+    rows = []  # per request: per rank answers
+    for rid in request_ids:
+        rows.append(_rpc(llm, "get_request_kv", request_id=str(rid), transport=transport))
+    lens = [int(r[0]["num_tokens"]) for r in rows]
+    if min(lens) < 1:
+        raise ValueError(f"requests {list(request_ids)} have {lens} computed tokens; nothing to read")
+    per_rank = []
+    n_ranks = len(rows[0])
+    for rank in range(n_ranks):
+        # Stack each request's own blocks; offset its renumbered table by the blocks before it.
+        layers, tables = {}, [[] for _ in kv_config["groups"]]
+        offsets = [0] * len(kv_config["groups"])
+        for r in rows:
+            ans = r[rank]
+            for gi, t in enumerate(ans["block_tables"]):
+                tables[gi].append([offsets[gi] + b for b in t])
+                offsets[gi] += len(t)
+            for name, blob in ans["layers"].items():
+                layers.setdefault(name, []).append(_decode(blob))
+        paged = {name: (ts[0] if len(ts) == 1 else torch.cat(ts)) for name, ts in layers.items()}
+        per_rank.append(paged)
+    paged_kv = per_rank[0] if len(per_rank) == 1 else per_rank
+    out = reconstruct_contiguous_kv_batch(paged_kv, kv_config, tables, lens, len(rows))
+    if seq_len is not None:
+        out = {name: (_fit_seq(k, seq_len), _fit_seq(v, seq_len)) for name, (k, v) in out.items()}
+    return out
+
+
+def _fit_seq(x: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Cut or NaN-pad the seq axis of [batch, kv_head, seq, head_dim] to seq_len."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if x.shape[2] >= seq_len:
+        return x[:, :, :seq_len]
+    pad = torch.full((*x.shape[:2], seq_len - x.shape[2], x.shape[3]), float("nan"), dtype=x.dtype)
+    return torch.cat([x, pad], dim=2)
+
+
+# ---------------------------------------------------------------------------------- logprobs
+
+
+def _vocab_size(llm) -> int:
+    return int(llm.llm_engine.model_config.get_vocab_size())
+
+
+def _dense_logprobs(entries, positions: Sequence[int], vocab: int, where: str) -> torch.Tensor:
+    """Full-vocab rows ``[len(positions), vocab]`` float32 from vLLM logprobs (flat or dicts)."""
+    out = np.full((len(positions), vocab), -np.inf, dtype=np.float32)
+    if hasattr(entries, "start_indices"):  # FlatLogprobs
+        tok = np.asarray(entries.token_ids, dtype=np.int64)
+        lp = np.asarray(entries.logprobs, dtype=np.float32)
+        for i, p in enumerate(positions):
+            s, e = entries.start_indices[p], entries.end_indices[p]
+            if e - s < vocab:
+                raise ValueError(f"{where}, position {p}: {e - s} logprobs for a vocab of {vocab}; build the "
+                                 "engine with max_logprobs=-1")
+            out[i, tok[s:e]] = lp[s:e]
+    else:
+        for i, p in enumerate(positions):
+            d = entries[p]
+            if d is None or len(d) < vocab:
+                raise ValueError(f"{where}, position {p}: {0 if d is None else len(d)} logprobs for a vocab of "
+                                 f"{vocab}; build the engine with max_logprobs=-1")
+            out[i, np.fromiter(d.keys(), np.int64)] = np.fromiter((x.logprob for x in d.values()), np.float32)
+    return torch.from_numpy(out)
+
+
+def _sampling_params(**kw):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, detokenize=False, flat_logprobs=True, **kw)
+
+
+def vllm_teacher_forced_logprobs(llm, prompts: Sequence[Sequence[int]], teacher_tokens: Sequence[Sequence[int]]):
+    """Teacher-forced full-vocab log-softmax from vLLM in one prefill per prompt.
+
+    Each prompt + its teacher tokens is fed as the prompt with ``prompt_logprobs=-1`` (the
+    engine needs ``max_logprobs=-1``). Row i of a prompt's result is the distribution that
+    predicts teacher token i (position ``len(prompt) + i - 1``), the same rows as HF logits for
+    the generated positions. These are log-softmax values: they differ from raw logits by a
+    per-token constant (the log partition function), which the logit metrics' shift removal
+    (least-squares ``actual ~ a*expected + b``, subtract b) absorbs.
+
+    Returns (logprobs: list of ``[teacher_token, vocab]`` float32, request_ids: list of str);
+    the KV of each request then covers ``len(prompt) + len(teacher)`` tokens.
+    """
+    if len(prompts) != len(teacher_tokens):
+        raise ValueError(f"{len(prompts)} prompts but {len(teacher_tokens)} teacher token lists")
+    for i, (p, t) in enumerate(zip(prompts, teacher_tokens)):
+        if len(p) < 1 or len(t) < 1:
+            raise ValueError(f"prompt {i}: needs >= 1 prompt token and >= 1 teacher token, got {len(p)} and {len(t)}")
+    vocab = _vocab_size(llm)
+    params = _sampling_params(max_tokens=1, prompt_logprobs=-1)
+    outs = llm.generate([{"prompt_token_ids": [int(x) for x in p] + [int(x) for x in t]}
+                         for p, t in zip(prompts, teacher_tokens)], params, use_tqdm=False)
+    logprobs = []
+    for i, (o, p, t) in enumerate(zip(outs, prompts, teacher_tokens)):
+        positions = range(len(p), len(p) + len(t))
+        logprobs.append(_dense_logprobs(o.prompt_logprobs, positions, vocab, f"prompt {i} (request {o.request_id})"))
+    return logprobs, [o.request_id for o in outs]
+
+
+def make_vllm_generate_fn(llm, num_tokens: int, prompt_lens: Sequence[int] | None = None):
+    """A ``generate_fn`` for ``metrics.logits.logit_validation`` backed by vLLM.
+
+    ``generate_fn(input_ids: list[list[int]]) -> [n_new, batch, vocab]`` float32 full-vocab
+    log-softmax of vLLM's greedy continuation (``logprobs=-1``; the engine needs
+    ``max_logprobs=-1``), EOS ignored so every row generates its count. The first call's row
+    lengths are the original prompt lengths (or pass ``prompt_lens``); on later calls the
+    rows carry teacher tokens fed after a divergence, and each row generates
+    ``num_tokens - (len(row) - prompt_len)`` tokens. Rows asking fewer than the longest are
+    NaN at the end. Log-softmax differs from logits by a per-token constant that the logit
+    metrics' shift removal absorbs.
+
+    ``generate_fn.request_ids`` holds the last call's request ids (for the KV extractor).
+    """
+    state = {"prompt_lens": list(prompt_lens) if prompt_lens is not None else None}
+    vocab = _vocab_size(llm)
+
+    def generate_fn(input_ids):
+        rows = [[int(x) for x in r] for r in input_ids]
+        if state["prompt_lens"] is None:
+            state["prompt_lens"] = [len(r) for r in rows]
+        if len(rows) != len(state["prompt_lens"]):
+            raise ValueError(f"generate_fn: {len(rows)} rows, but the first call had {len(state['prompt_lens'])}")
+        n_new = [num_tokens - (len(r) - p) for r, p in zip(rows, state["prompt_lens"])]
+        for b, n in enumerate(n_new):
+            if n < 1:
+                raise ValueError(f"generate_fn row {b}: {len(rows[b])} tokens are {len(rows[b]) - state['prompt_lens'][b]} "
+                                 f"past the prompt, nothing left of num_tokens={num_tokens}")
+        params = [_sampling_params(max_tokens=n, logprobs=-1, ignore_eos=True) for n in n_new]
+        outs = llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
+        out = torch.full((max(n_new), len(rows), vocab), float("nan"), dtype=torch.float32)
+        for b, (o, n) in enumerate(zip(outs, n_new)):
+            out[:n, b] = _dense_logprobs(o.outputs[0].logprobs, range(n), vocab, f"generate_fn row {b}")
+        generate_fn.request_ids = [o.request_id for o in outs]
+        generate_fn.token_ids = [list(o.outputs[0].token_ids) for o in outs]
+        return out
+
+    generate_fn.request_ids = []
+    generate_fn.token_ids = []
+    return generate_fn
+
+
+def make_vllm_kv_extract_fn(llm, kv_config: dict, generate_fn):
+    """``kv_extract_fn(seq_len) -> {layer: (k, v)}`` ``[batch, kv_head, seq_len, head_dim]`` of the
+    requests of ``generate_fn``'s last call (positions past a row's computed tokens are NaN)."""
+
+    def kv_extract_fn(seq_len: int):
+        if not generate_fn.request_ids:
+            raise ValueError("kv_extract_fn called before generate_fn")
+        return extract_vllm_batch_kv(llm, kv_config, generate_fn.request_ids, seq_len)
+
+    return kv_extract_fn
+
+
+# ---------------------------------------------------------------------------------- store
+
+
+def _layer_order(names: Sequence[str]) -> list[str]:
+    import re
+
+    def key(name):
+        m = re.search(r"layers\.(\d+)\.", name)
+        return (int(m.group(1)) if m else 1 << 30, name)
+
+    return sorted(names, key=key)
+
+
+def capture_vllm_run(store, llm, model_path, prompts: Sequence[Sequence[int]],
+                     teacher_tokens: Sequence[Sequence[int]], *, model_hash: str | None = None,
+                     release: str | None = None, config: dict | None = None, kv: bool = True,
+                     kv_config: dict | None = None) -> str:
+    """Teacher-forced vLLM capture of ``prompts`` into ``store``; returns the run id.
+
+    Per prompt: tokens = the prompt; logits ``[teacher_token, vocab]`` = full-vocab log-softmax
+    predicting each teacher token (see ``vllm_teacher_forced_logprobs``); KV ``[layer, kv_head,
+    seq, head_dim]`` over prompt + teacher tokens, layers in model order, NaN outside the window
+    of SlidingWindowSpec layers. The run records engine version, dtype, TP degree, block size,
+    KV layout, in-block order (ISA) and KV cache groups.
+    """
+    import vllm
+
+    kv_config = kv_config or extract_vllm_kv_cache_config(llm)
+    logprobs, request_ids = vllm_teacher_forced_logprobs(llm, prompts, teacher_tokens)
+    mc = llm.llm_engine.model_config
+    groups = kv_config["groups"]
+    meta = {
+        "block_size": groups[0]["block_size"] if len({g["block_size"] for g in groups}) == 1
+        else [g["block_size"] for g in groups],
+        "kv_layout": kv_config["layout"],
+        "kv_isa": groups[0]["layout"].get("isa"),
+        "kv_cache_dtype": kv_config.get("kv_cache_dtype"),
+        "num_blocks": kv_config["num_blocks"],
+        "hybrid_kv_cache_manager": kv_config.get("hybrid_kv_cache_manager"),
+        "kv_cache_groups": [{k: g[k] for k in ("spec_type", "block_size", "sliding_window", "layer_names")}
+                            for g in groups],
+        "logits_kind": "log_softmax",
+        "teacher_forced": True,
+        **(config or {}),
+    }
+    dtype = str(mc.dtype).removeprefix("torch.")
+    run = store.begin_run(engine="vllm", model_path=str(model_path), model_hash=model_hash, dtype=dtype,
+                          device="cpu", engine_version=vllm.__version__, tp_degree=int(kv_config.get("tp_size", 1)),
+                          release=release, config=meta)
+    with run:
+        for i, prompt in enumerate(prompts):
+            pid = run.add_prompt([int(x) for x in prompt], continuation=[int(x) for x in teacher_tokens[i]])
+            run.write_logits(pid, logprobs[i])
+            if kv:
+                per_layer = extract_vllm_request_kv(llm, kv_config, request_ids[i])
+                names = _layer_order(list(per_layer))
+                shapes = {tuple(per_layer[n][0].shape) for n in names}
+                if len(shapes) == 1:
+                    k = torch.cat([per_layer[n][0] for n in names])  # [layer, kv_head, seq, head_dim]
+                    v = torch.cat([per_layer[n][1] for n in names])
+                    run.write_kv(pid, k, v, layer_names=names)
+                else:  # heads or head_dim differ between groups: one KV array per group
+                    for gi, g in enumerate(groups):
+                        gn = _layer_order(g["layer_names"])
+                        run.write_kv(pid, torch.cat([per_layer[n][0] for n in gn]),
+                                     torch.cat([per_layer[n][1] for n in gn]), layer_names=gn, group=f"g{gi}")
+        return run.run_id

