@@ -1,0 +1,317 @@
+"""HuggingFace references: teacher-forced and greedy logits + KV caches from a transformers model.
+
+Conventions shared by every function here (and by the vLLM extractors, so dicts compare directly):
+
+- KV dicts are ``{layer_name: (k, v)}`` keyed by vLLM's attention layer names
+  ``model.layers.{i}.self_attn.attn``; ``k, v: [batch, kv_head, seq, head_dim]`` in the model's
+  dtype (bf16 stays bf16).
+- **seq index == token position.** Row ``b`` holds its own tokens at indices ``0 .. len_b - 1``
+  (``len_b`` = prompt + teacher/generated tokens of that row); indices ``>= len_b`` of shorter rows
+  are padding and are NaN. ``seq`` = the longest row.
+- Sliding-window layers: HF's cache keeps only the last ``window - 1`` positions. Positions it
+  dropped come back as NaN (``[0, len_b - window + 1)``), the kept ones at their own positions.
+- Logits: ``[gen_token, batch, vocab]``; ``logits[j, b]`` is the model's output at position
+  ``prompt_len_b - 1 + j``, i.e. the distribution that predicts token ``j`` after the prompt
+  (teacher token ``j``, or generated token ``j``). This is the layout ``metrics.logits`` takes as
+  ``expected_logits``. Rows with fewer teacher tokens are NaN past their end.
+- Batches of prompts of different lengths are run left-padded (so sliding-window caches of every
+  row end at the same column) with an attention mask and explicit ``position_ids`` starting at 0
+  per row; padding is masked out of attention and returned as NaN, never as a real token.
+
+transformers and torch are imported lazily so the package imports without them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+LAYER_NAME = "model.layers.{i}.self_attn.attn"
+
+
+def hf_layer_names(model) -> list[str]:
+    """vLLM-style attention layer names for ``model``'s decoder layers, in order."""
+    n = _text_config(model).num_hidden_layers
+    return [LAYER_NAME.format(i=i) for i in range(n)]
+
+
+def load_hf_model(path, dtype: str = "float32"):
+    """Load a causal LM from a local directory on CPU in eval mode.
+
+    ``dtype``: ``"float32"`` or ``"bfloat16"`` (also ``"float16"``). Attention is ``"eager"`` so
+    sliding windows and masks are applied exactly as written (no fused-kernel shortcuts).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise ValueError(f"load_hf_model({path}): dtype {dtype!r} not one of {sorted(dtypes)}")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtypes[dtype], attn_implementation="eager", device_map=None
+    )
+    return model.to("cpu").eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# input normalisation
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _to_rows(x, what: str) -> list[list[int]]:
+    """Token ids as a list of rows: accepts [seq] / [batch, seq] tensors, arrays or lists."""
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    if not isinstance(x, (list, tuple)):
+        raise ValueError(f"{what}: expected token ids (list, tensor or array), got {type(x).__name__}")
+    if len(x) == 0:
+        return [[]]
+    if all(isinstance(t, (list, tuple)) for t in x):
+        rows = [list(r) for r in x]
+    elif any(isinstance(t, (list, tuple)) for t in x):
+        raise ValueError(f"{what}: mixes token ids and lists of token ids")
+    else:
+        rows = [list(x)]
+    for b, row in enumerate(rows):
+        for j, t in enumerate(row):
+            if isinstance(t, bool) or not isinstance(t, int):
+                if isinstance(t, float) and t.is_integer():
+                    raise ValueError(f"{what}[{b}][{j}]: token id {t!r} is a float, not an int")
+                raise ValueError(f"{what}[{b}][{j}]: token id {t!r} is not an int")
+    return rows
+
+
+def _check_rows(rows: list[list[int]], vocab: int, what: str, allow_empty: bool) -> None:
+    for b, row in enumerate(rows):
+        if not row and not allow_empty:
+            raise ValueError(f"{what}[{b}]: empty; a prompt needs at least one token")
+        for j, t in enumerate(row):
+            if not 0 <= t < vocab:
+                raise ValueError(f"{what}[{b}][{j}]: token id {t} outside the vocabulary [0, {vocab})")
+
+
+def _left_pad(rows: list[list[int]], pad_id: int):
+    """``ids, mask, pos: [batch, seq]`` left-padded; position ids count from 0 in each row."""
+    import torch
+
+    T = max(len(r) for r in rows)
+    B = len(rows)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    pos = torch.zeros((B, T), dtype=torch.long)
+    for b, r in enumerate(rows):
+        n = len(r)
+        ids[b, T - n:] = torch.tensor(r, dtype=torch.long)
+        mask[b, T - n:] = 1
+        pos[b, T - n:] = torch.arange(n)
+    return ids, mask, pos
+
+
+def _pad_id(model) -> int:
+    cfg = _text_config(model)
+    for attr in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        v = getattr(cfg, attr, None)
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if v is not None:
+            return int(v)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# cache -> position-aligned KV
+
+
+def _cache_layers(cache) -> list[tuple[Any, Any]]:
+    """``[(keys, values)]`` per layer from a transformers 5.x Cache (``.layers[i].keys/.values``)."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(k, v) for k, v, *_ in cache]  # legacy tuple-of-tuples
+
+
+def _align_kv(cache, lengths: Sequence[int], names: list[str]) -> dict:
+    """Cache of a left-padded batch -> ``{layer: (k, v)}``, ``[batch, kv_head, seq, head_dim]``.
+
+    ``lengths[b]``: real tokens of row ``b``; the padded width is ``max(lengths)``. A layer whose
+    cache holds ``S < width`` columns (sliding window) holds the last ``S`` columns.
+    """
+    import torch
+
+    width = max(lengths)
+    layers = _cache_layers(cache)
+    if len(layers) != len(names):
+        raise ValueError(f"HF cache has {len(layers)} layers, model has {len(names)} decoder layers")
+    out = {}
+    for name, (k, v) in zip(names, layers):
+        B, H, S, D = k.shape
+        if S > width:
+            raise ValueError(f"{name}: cache holds {S} positions, more than the {width} fed")
+        ko = torch.full((B, H, width, D), float("nan"), dtype=k.dtype)
+        vo = torch.full((B, H, width, v.shape[-1]), float("nan"), dtype=v.dtype)
+        for b, n in enumerate(lengths):
+            # column c of the padded batch is position c - (width - n) of row b; the cache
+            # starts at column width - S.
+            first = max(0, n - S)  # first position of row b still in the cache
+            src0 = (width - n + first) - (width - S)
+            ko[b, :, first:n] = k[b, :, src0:S]
+            vo[b, :, first:n] = v[b, :, src0:S]
+        out[name] = (ko, vo)
+    return out
+
+
+def _gather_logits(logits, lengths, starts, counts):
+    """``[batch, width, vocab]`` padded-batch logits -> ``[gen_token, batch, vocab]``.
+
+    Row ``b``'s gen token ``j`` comes from its position ``starts[b] - 1 + j``.
+    """
+    import torch
+
+    B, width, V = logits.shape
+    G = max(counts) if counts else 0
+    out = torch.full((G, B, V), float("nan"), dtype=logits.dtype)
+    for b in range(B):
+        c0 = width - lengths[b] + starts[b] - 1
+        out[: counts[b], b] = logits[b, c0 : c0 + counts[b]]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# public extractors
+
+
+def extract_hf_kv_caches_teacher_forced(model, input_ids, teacher_tokens, return_logits: bool = False):
+    """KV (and logits) of prompt + teacher tokens in ONE forward pass.
+
+    input_ids: one prompt ``[seq]`` or several ``[batch][seq_b]`` (lists may differ in length).
+    teacher_tokens: tokens to force after each prompt, same nesting as ``input_ids``.
+    Returns ``kv`` or, with ``return_logits``, ``(logits, kv)``:
+      kv: ``{layer_name: (k, v)}``, k, v ``[batch, kv_head, seq, head_dim]``, seq index == position,
+          ``seq = max(prompt_len_b + teacher_len_b)``; padding and dropped sliding positions NaN.
+      logits: ``[gen_token, batch, vocab]``, ``logits[j, b]`` from position ``prompt_len_b - 1 + j``
+          (the distribution that predicts teacher token ``j``); NaN past row ``b``'s teacher tokens.
+    See the module docstring for the full convention.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    prompts = _to_rows(input_ids, "input_ids")
+    teachers = _to_rows(teacher_tokens, "teacher_tokens")
+    if len(teachers) != len(prompts):
+        raise ValueError(f"teacher_tokens has {len(teachers)} rows, input_ids has {len(prompts)}")
+    vocab = _text_config(model).vocab_size
+    _check_rows(prompts, vocab, "input_ids", allow_empty=False)
+    _check_rows(teachers, vocab, "teacher_tokens", allow_empty=True)
+
+    rows = [p + t for p, t in zip(prompts, teachers)]
+    lengths = [len(r) for r in rows]
+    ids, mask, pos = _left_pad(rows, _pad_id(model))
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True, **({} if return_logits else {"logits_to_keep": 1}))
+    kv = _align_kv(out.past_key_values, lengths, hf_layer_names(model))
+    if not return_logits:
+        return kv
+    logits = _gather_logits(out.logits, lengths, [len(p) for p in prompts], [len(t) for t in teachers])
+    return logits, kv
+
+
+def generate_hf_logits_and_kv(model, input_ids, num_tokens: int):
+    """Greedy decoding of ``num_tokens`` tokens with the KV of every position.
+
+    input_ids: one prompt ``[seq]`` or several ``[batch][seq_b]``. No early stop at EOS: every row
+    gets exactly ``num_tokens`` tokens. Returns ``(logits, kv)``:
+      logits: ``[gen_token, batch, vocab]``, step ``j``'s logits; the generated tokens are
+          ``logits.argmax(-1)`` (first maximum, as used while decoding).
+      kv: as in :func:`extract_hf_kv_caches_teacher_forced` with ``seq = max(prompt_len_b) + num_tokens``.
+          After the last token an extra forward pass runs so the KV also covers it.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"generate_hf_logits_and_kv: num_tokens must be an int >= 1, got {num_tokens!r}")
+    prompts = _to_rows(input_ids, "input_ids")
+    _check_rows(prompts, _text_config(model).vocab_size, "input_ids", allow_empty=False)
+    ids, mask, pos = _left_pad(prompts, _pad_id(model))
+    cache = DynamicCache(config=model.config)
+    steps = []
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        next_pos = pos[:, -1:] + 1
+        for step in range(num_tokens):
+            last = out.logits[:, -1]  # [batch, vocab]
+            steps.append(last)
+            tok = last.argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
+            # the last step's forward is the "extra" one: it only writes that token's KV
+            out = model(input_ids=tok, attention_mask=mask, position_ids=next_pos,
+                        past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+            next_pos = next_pos + 1
+    lengths = [len(p) + num_tokens for p in prompts]
+    kv = _align_kv(out.past_key_values, lengths, hf_layer_names(model))
+    return torch.stack(steps), kv
+
+
+# ----------------------------------------------------------------------------------------------
+# into the store
+
+
+def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: int = 8,
+                   dtype: str = "float32", release=None, model=None) -> str:
+    """Capture HF logits + KV for ``prompts`` into ``store``; returns the run id.
+
+    prompts: list of token-id lists. With ``teacher_tokens`` (one list per prompt) the run is
+    teacher-forced in one forward pass per prompt; without, ``num_tokens`` greedy tokens are
+    generated. Per prompt the store gets tokens (prompt + forced/generated), logits
+    ``[gen_token, vocab]`` and KV ``[layer, kv_head, seq, head_dim]`` (sliding layers NaN outside
+    HF's window). Prompts are captured one at a time so memory stays bounded by one prompt.
+    ``model``: an already loaded model of ``model_path`` in ``dtype`` (skips loading).
+    """
+    import torch
+    import transformers
+
+    from extractors.models import model_content_hash
+
+    prompt_rows = [_to_rows(p, f"prompts[{i}]")[0] for i, p in enumerate(prompts)]
+    if teacher_tokens is not None:
+        teacher_rows = [_to_rows(t, f"teacher_tokens[{i}]")[0] if len(t) else []
+                        for i, t in enumerate(teacher_tokens)]
+        if len(teacher_rows) != len(prompt_rows):
+            raise ValueError(f"capture_hf_run: {len(teacher_rows)} teacher rows for {len(prompt_rows)} prompts")
+    if model is None:
+        model = load_hf_model(model_path, dtype)
+    names = hf_layer_names(model)
+    cfg = _text_config(model)
+    config = {
+        "mode": "teacher_forced" if teacher_tokens is not None else "greedy",
+        "num_tokens": None if teacher_tokens is not None else num_tokens,
+        "attn_implementation": "eager",
+        "layer_names": names,
+        "sliding_window": getattr(cfg, "sliding_window", None),
+        "layer_types": list(getattr(cfg, "layer_types", None) or []) or None,
+        "kv_layout": "[layer, kv_head, seq, head_dim]; seq index == position; NaN where HF's "
+                     "sliding-window cache dropped positions",
+        "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j",
+    }
+    run = store.begin_run(engine="hf", model_path=str(Path(model_path)), model_hash=model_content_hash(model_path),
+                          dtype=dtype, device="cpu", engine_version=transformers.__version__,
+                          release=release, config=config)
+    with run:
+        for i, prompt in enumerate(prompt_rows):
+            if teacher_tokens is not None:
+                logits, kv = extract_hf_kv_caches_teacher_forced(model, [prompt], [teacher_rows[i]], return_logits=True)
+                gen = teacher_rows[i]
+            else:
+                logits, kv = generate_hf_logits_and_kv(model, [prompt], num_tokens)
+                gen = logits[:, 0].argmax(-1).tolist()
+            pid = run.add_prompt(prompt + gen)
+            run.write_logits(pid, logits[:, 0])
+            k = torch.stack([kv[n][0][0] for n in names])  # [layer, kv_head, seq, head_dim]
+            v = torch.stack([kv[n][1][0] for n in names])
+            run.write_kv(pid, k, v, layer_names=names)
+    return run.run_id
