@@ -309,7 +309,7 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
             else:
                 logits, kv = generate_hf_logits_and_kv(model, [prompt], num_tokens)
                 gen = logits[:, 0].argmax(-1).tolist()
-            pid = run.add_prompt(prompt + gen)
+            pid = run.add_prompt(prompt, continuation=gen)
             run.write_logits(pid, logits[:, 0])
             k = torch.stack([kv[n][0][0] for n in names])  # [layer, kv_head, seq, head_dim]
             v = torch.stack([kv[n][1][0] for n in names])
