@@ -250,12 +250,13 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     if logit_rows:
         store.append_table("logit_token_metrics", logit_rows)
 
-    first_fail, phase = _first_failure(logit_rows, kv_verdict)
+    passed = all(v.passed for v in (logit_verdict, kv_verdict) if v is not None)
+    first_fail, phase = (None, None) if passed else _first_failure(logit_rows, kv_verdict)
     store.append_table("comparisons", [{
         "comparison_id": cid, "label": label, "created_at": datetime.now(timezone.utc),
         "baseline_run": baseline_run, "expected_run": expected_run, "actual_run": actual_run,
         "three_way": three_way, "n_prompts": len(prompt_ids),
-        "passed": all(v.passed for v in (logit_verdict, kv_verdict) if v is not None),
+        "passed": passed,
         "logit_passed": None if logit_verdict is None else bool(logit_verdict.passed),
         "logit_decided_by": None if logit_verdict is None else logit_verdict.decided_by,
         "logit_sigma_ratio": None if logit_verdict is None else _f(logit_verdict.sigma_ratio),

@@ -75,6 +75,7 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the demo prints its own progress
     from capturestore import Store
     from capturestore.analysis import compare_runs, find_reference_run, prompt_split
     from capturestore.capture import capture_teacher_forced_run
