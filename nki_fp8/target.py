@@ -1,0 +1,284 @@
+"""FP8 KV cache as an engine under test: an HF model whose cache quantizes on write.
+
+`Fp8KVCache` is a transformers `DynamicCache` whose layers quantize every incoming K/V with the
+layer's kernel scale (`clamp(x * s, +-max)` -> FP8, torch `float8_e4m3fn` as vLLM Neuron does;
+on trn2 the 240 clamp makes its bits the E4M3 ones) and hold / return the dequantized values
+`q / s` in the model dtype. Attention therefore reads quantized K/V at every position,
+including the token being processed — the decode-path numerics of reference/001 (the Neuron
+prefill kernels read fresh BF16 K/V instead; a teacher-forced single pass models decode).
+
+`analyze_fp8_kv_target` runs the three-way analysis: FP32 baseline, BF16 expected, BF16 model
+with the FP8 cache as actual. It gives two verdicts (metrics.verdict.aggregate_kv_verdict):
+
+- against BF16 noise: FP8 keeps 4 significant bits to BF16's 8, so even perfect FP8 fails here;
+  it says "this is not BF16-equivalent", nothing more;
+- against the FP8 rounding floor: the "expected" role is taken by the BF16 KV rounded through
+  FP8 with ideal per-layer absmax scales (the error FP8 per-tensor quantization cannot avoid).
+  Calibrated scales pass it; wrong scales (1.0 on K/V outside FP8's range) fail it, and the
+  worst layers are named.
+
+Per-layer numbers go to the store table `fp8_kv_layer_metrics`.
+
+torch / transformers are imported lazily; `extractors.hf` provides the teacher-forced pass.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .formats import resolve_platform
+from .quant import dequantize_torch, quantize_torch
+from .scales import absmax, kernel_scale_from_absmax
+
+
+def fake_quantize_torch(x, scale: float, platform: str | None = None):
+    """`dequantize(quantize(x, s), s)` in torch, returned in x's dtype. x: any shape."""
+    return dequantize_torch(quantize_torch(x, scale, platform=platform), scale, out_dtype=x.dtype)
+
+
+def _fp8_update(layer, base_update):
+    """An `update` for one cache layer: quantize-on-write with the layer's scales, then the base update."""
+
+    def update(key_states, value_states, *args, **kwargs):
+        k = fake_quantize_torch(key_states, layer.fp8_k_scale, layer.fp8_platform)
+        v = fake_quantize_torch(value_states, layer.fp8_v_scale, layer.fp8_platform)
+        return base_update(k, v, *args, **kwargs)
+
+    update.fp8 = True
+    return update
+
+
+def convert_cache_to_fp8(cache, k_scales, v_scales, platform: str | None = None):
+    """Make every layer of a transformers Cache (built with a config) quantize on write.
+
+    k_scales, v_scales: kernel scales [layer] (e.g. `load_kv_scales(...).k_scale`). The layer
+    keeps its class (full or sliding window); only its `update` is wrapped.
+    """
+    plat = resolve_platform(platform)
+    ks = [float(s) for s in np.asarray(k_scales, np.float64).reshape(-1)]
+    vs = [float(s) for s in np.asarray(v_scales, np.float64).reshape(-1)]
+    if len(cache.layers) != len(ks) or len(vs) != len(ks):
+        raise ValueError(
+            f"FP8 KV cache: the model has {len(cache.layers)} cache layers but {len(ks)} k_scales and "
+            f"{len(vs)} v_scales were given"
+        )
+    for i, layer in enumerate(cache.layers):
+        layer.fp8_k_scale, layer.fp8_v_scale, layer.fp8_platform = ks[i], vs[i], plat
+        if not getattr(layer.update, "fp8", False):
+            layer.update = _fp8_update(layer, layer.update)
+    return cache
+
+
+def make_fp8_kv_cache(config, k_scales, v_scales, platform: str | None = None):
+    """A `DynamicCache(config=config)` whose layers quantize on write (see module docstring)."""
+    from transformers import DynamicCache
+
+    return convert_cache_to_fp8(DynamicCache(config=config), k_scales, v_scales, platform)
+
+
+@contextlib.contextmanager
+def fp8_kv_caches(k_scales, v_scales, platform: str | None = None):
+    """Within the block, `transformers.DynamicCache(config=...)` builds FP8 caches.
+
+    For extractors that create their own cache (extractors.hf does `DynamicCache(config=...)`).
+    Process-global while active: not for concurrent threads.
+    """
+    import transformers
+
+    base = transformers.DynamicCache
+
+    class Fp8KVCache(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            convert_cache_to_fp8(self, k_scales, v_scales, platform)
+
+    transformers.DynamicCache = Fp8KVCache
+    try:
+        yield Fp8KVCache
+    finally:
+        transformers.DynamicCache = base
+
+
+def extract_fp8_kv_teacher_forced(model, input_ids, teacher_tokens, k_scales, v_scales, *,
+                                  platform: str | None = None, return_logits: bool = False):
+    """`extractors.hf.extract_hf_kv_caches_teacher_forced` with the FP8 cache as the model's cache.
+
+    Same inputs and outputs (kv: {layer: (k, v)} [batch, kv_head, seq, head_dim], dequantized
+    values in the model dtype; logits [gen_token, batch, vocab] with return_logits).
+    """
+    from extractors.hf import extract_hf_kv_caches_teacher_forced as extract
+
+    if "cache_factory" in inspect.signature(extract).parameters:
+        factory = lambda config: make_fp8_kv_cache(config, k_scales, v_scales, platform)  # noqa: E731
+        return extract(model, input_ids, teacher_tokens, return_logits=return_logits, cache_factory=factory)
+    with fp8_kv_caches(k_scales, v_scales, platform):
+        return extract(model, input_ids, teacher_tokens, return_logits=return_logits)
+
+
+def rescale_kv_magnitudes(model, k_factors, v_factors):
+    """Function-preserving reparametrisation that sets each layer's K and V range (in place).
+
+    Layer i: q_proj / kf, k_proj * kf (scores unchanged), v_proj * vf, o_proj / vf (output
+    unchanged). With powers of two the change is exact in every dtype, so the model computes
+    bit-identical logits while its cache holds K/V of the chosen magnitude — e.g. K beyond 240
+    or V below FP8's normal range, as real checkpoints have. Llama-style attention only.
+    """
+    import torch
+
+    layers = model.model.layers
+    if len(k_factors) != len(layers) or len(v_factors) != len(layers):
+        raise ValueError(f"rescale_kv_magnitudes: {len(layers)} layers, got {len(k_factors)} k and {len(v_factors)} v factors")
+    with torch.no_grad():
+        for layer, kf, vf in zip(layers, k_factors, v_factors):
+            at = layer.self_attn
+            for lin, f in ((at.q_proj, 1.0 / kf), (at.k_proj, kf), (at.v_proj, vf)):
+                lin.weight.mul_(f)
+                if lin.bias is not None:
+                    lin.bias.mul_(f)
+            at.o_proj.weight.mul_(1.0 / vf)
+    return model
+
+
+# ----------------------------------------------------------------------------------- analysis
+@dataclass(frozen=True)
+class Fp8LayerResult:
+    """One layer. *_vs_floor: sigma-ratio RMS|actual - base| / RMS|floor - base|; *_vs_bf16: the same over BF16 errors."""
+
+    layer: str
+    k_scale: float
+    v_scale: float
+    k_vs_floor: float
+    v_vs_floor: float
+    k_vs_bf16: float
+    v_vs_bf16: float
+    k_rel_l2: float  # ||actual - baseline|| / ||baseline|| over all finite values
+    v_rel_l2: float
+    floor_k_rel_l2: float
+    floor_v_rel_l2: float
+    passed_floor: bool | None
+    passed_bf16: bool | None
+
+    @property
+    def worst_vs_floor(self) -> float:
+        return max(self.k_vs_floor, self.v_vs_floor)
+
+
+@dataclass(frozen=True)
+class Fp8KVAnalysis:
+    label: str
+    platform: str
+    layers: tuple[Fp8LayerResult, ...]
+    floor_verdict: object  # metrics.verdict.KVVerdict, actual judged against the FP8 floor
+    bf16_verdict: object  # metrics.verdict.KVVerdict, actual judged against BF16 noise
+
+    @property
+    def passed(self) -> bool:
+        """Within the FP8 rounding floor (the verdict that can pass for FP8)."""
+        return bool(self.floor_verdict.passed)
+
+    @property
+    def worst_layers(self) -> tuple[str, ...]:
+        """Layers failing the floor verdict, worst sigma-ratio first."""
+        bad = [r for r in self.layers if r.passed_floor is False]
+        return tuple(r.layer for r in sorted(bad, key=lambda r: -r.worst_vs_floor))
+
+    def rows(self) -> list[dict]:
+        return [dict(label=self.label, platform=self.platform, **r.__dict__) for r in self.layers]
+
+    def summary(self) -> str:
+        head = (
+            f"FP8 KV target '{self.label}' ({self.platform}): vs FP8 floor "
+            f"{'PASS' if self.passed else 'FAIL, worst layers ' + ', '.join(self.worst_layers)}; "
+            f"vs BF16 noise {'PASS' if self.bf16_verdict.passed else 'FAIL'}"
+        )
+        lines = [head, f"{'layer':<32} {'k_scale':>10} {'v_scale':>10} {'k/floor':>8} {'v/floor':>8} {'k/bf16':>8} {'v/bf16':>8} {'k_relL2':>9} {'v_relL2':>9}"]
+        for r in self.layers:
+            lines.append(
+                f"{r.layer:<32} {r.k_scale:>10.4g} {r.v_scale:>10.4g} {r.k_vs_floor:>8.2f} {r.v_vs_floor:>8.2f} "
+                f"{r.k_vs_bf16:>8.1f} {r.v_vs_bf16:>8.1f} {r.k_rel_l2:>9.2e} {r.v_rel_l2:>9.2e}"
+            )
+        return "\n".join(lines)
+
+
+def floor_kv(expected_kv: dict, platform: str | None = None) -> tuple[dict, dict]:
+    """The FP8 rounding floor: expected K/V fake-quantized with ideal per-layer absmax scales.
+
+    expected_kv: {layer: (k, v)} [batch, kv_head, seq, head_dim]. Returns (floor_kv, scales)
+    with scales {layer: (k_scale, v_scale)} (kernel convention).
+    """
+    out, scales = {}, {}
+    for name, (k, v) in expected_kv.items():
+        sk = float(kernel_scale_from_absmax(absmax(k.float().numpy()), platform).item())
+        sv = float(kernel_scale_from_absmax(absmax(v.float().numpy()), platform).item())
+        out[name] = (fake_quantize_torch(k, sk, platform), fake_quantize_torch(v, sv, platform))
+        scales[name] = (sk, sv)
+    return out, scales
+
+
+def _rel_l2(x, ref) -> float:
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    ok = np.isfinite(x) & np.isfinite(ref)
+    den = float(np.linalg.norm(ref[ok]))
+    return float(np.linalg.norm((x - ref)[ok]) / den) if den > 0 else math.nan
+
+
+def analyze_fp8_kv_target(
+    model_path,
+    prompts,
+    teacher_tokens,
+    k_scales,
+    v_scales,
+    *,
+    platform: str | None = None,
+    label: str = "fp8_kv",
+    store=None,
+    model_transform=None,
+    models=None,
+) -> Fp8KVAnalysis:
+    """Three-way KV analysis of the FP8-cache target (module docstring).
+
+    prompts, teacher_tokens: token-id lists, one per prompt. k_scales, v_scales: kernel scales
+    [layer]. model_transform: applied to both loaded models (e.g. `rescale_kv_magnitudes`).
+    models: (fp32_model, bf16_model) already loaded (and transformed). store: append per-layer
+    rows to `fp8_kv_layer_metrics`.
+    """
+    from extractors.hf import extract_hf_kv_caches_teacher_forced, load_hf_model
+    from metrics.kv import compare_kv_caches
+    from metrics.verdict import aggregate_kv_verdict
+
+    plat = resolve_platform(platform)
+    if models is None:
+        models = (load_hf_model(model_path, "float32"), load_hf_model(model_path, "bfloat16"))
+        if model_transform is not None:
+            models = tuple(model_transform(m) for m in models)
+    m32, m16 = models
+    baseline = extract_hf_kv_caches_teacher_forced(m32, prompts, teacher_tokens)
+    expected = extract_hf_kv_caches_teacher_forced(m16, prompts, teacher_tokens)
+    actual = extract_fp8_kv_teacher_forced(m16, prompts, teacher_tokens, k_scales, v_scales, platform=plat)
+    floor, _ = floor_kv(expected, plat)
+    names = list(expected)
+    _, raw_bf16 = compare_kv_caches(expected, actual, layers=names, baseline_kv=baseline, return_raw_errors=True)
+    _, raw_floor = compare_kv_caches(floor, actual, layers=names, baseline_kv=baseline, return_raw_errors=True)
+    v_bf16 = aggregate_kv_verdict(raw_bf16, layers=names)
+    v_floor = aggregate_kv_verdict(raw_floor, layers=names)
+    ks = np.asarray(k_scales, np.float64).reshape(-1)
+    vs = np.asarray(v_scales, np.float64).reshape(-1)
+    rows = []
+    for i, (name, lf, lb) in enumerate(zip(names, v_floor.layers, v_bf16.layers)):
+        b = baseline[name]
+        rows.append(Fp8LayerResult(
+            name, float(ks[i]), float(vs[i]),
+            lf.k.sigma_ratio, lf.v.sigma_ratio, lb.k.sigma_ratio, lb.v.sigma_ratio,
+            _rel_l2(actual[name][0].float(), b[0].float()), _rel_l2(actual[name][1].float(), b[1].float()),
+            _rel_l2(floor[name][0].float(), b[0].float()), _rel_l2(floor[name][1].float(), b[1].float()),
+            lf.passed, lb.passed,
+        ))
+    res = Fp8KVAnalysis(label, plat, tuple(rows), v_floor, v_bf16)
+    if store is not None:
+        store.append_table("fp8_kv_layer_metrics", res.rows())
+    return res
