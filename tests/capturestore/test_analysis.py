@@ -1,0 +1,183 @@
+"""compare_runs on synthetic captures written to a real store: metrics match a hand oracle,
+verdicts localise injected bugs (layer, phase), bad input is refused before anything is stored."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from capturestore import Store
+from capturestore.analysis import compare_runs, find_reference_run, prompt_split
+
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+H, D, V = 2, 32, 300
+
+
+def _prompts(rng):
+    """Two prompts of different lengths, each with 6 continuation tokens."""
+    return [(rng.integers(4, V, n).tolist(), rng.integers(4, V, 6).tolist()) for n in (9, 14)]
+
+
+def _bf16(x):
+    return x.astype(ml_dtypes.bfloat16)
+
+
+def _write_run(store, dtype, prompts, kv_fn, logit_fn):
+    with store.begin_run(engine="synthetic", model_path="/m", model_hash="h0", dtype=dtype) as run:
+        for i, (p, c) in enumerate(prompts):
+            pid = run.add_prompt(p, continuation=c)
+            k, v = kv_fn(i, len(p) + len(c))
+            run.write_kv(pid, k, v, layer_names=LAYERS)
+            run.write_logits(pid, logit_fn(i, len(c)))
+    return run.run_id
+
+
+@pytest.fixture
+def synthetic(tmp_path):
+    """An FP32 baseline, its BF16 rounding as expected, and a factory for actual runs."""
+    rng = np.random.default_rng(0)
+    prompts = _prompts(rng)
+    kv = [
+        (rng.standard_normal((3, H, len(p) + len(c), D)).astype(np.float32),
+         rng.standard_normal((3, H, len(p) + len(c), D)).astype(np.float32))
+        for p, c in prompts
+    ]
+    logits = [rng.standard_normal((len(c), V)).astype(np.float32) * 3 for _, c in prompts]
+    store = Store.open(tmp_path / "s")
+    base = _write_run(store, "float32", prompts, lambda i, s: kv[i], lambda i, n: logits[i])
+    exp = _write_run(store, "bfloat16", prompts, lambda i, s: (_bf16(kv[i][0]), _bf16(kv[i][1])),
+                     lambda i, n: _bf16(logits[i]))
+
+    def actual(kv_fn=None, logit_fn=None):
+        return _write_run(
+            store, "bfloat16", prompts,
+            kv_fn or (lambda i, s: (_bf16(kv[i][0]), _bf16(kv[i][1]))),
+            logit_fn or (lambda i, n: _bf16(logits[i])),
+        )
+
+    return store, prompts, kv, logits, base, exp, actual
+
+
+def test_metrics_match_a_hand_oracle_and_reach_sql(synthetic):
+    store, prompts, kv, logits, base, exp, actual = synthetic
+    rng = np.random.default_rng(1)
+    noise = [(k + rng.standard_normal(k.shape).astype(np.float32) * 0.01, v) for k, v in kv]
+    act = actual(kv_fn=lambda i, s: (_bf16(noise[i][0]), _bf16(noise[i][1])))
+    res = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base)
+
+    # Oracle: relative L-inf of K per (prompt, position, layer, head), computed directly.
+    got = store.sql(
+        f"SELECT prompt_id, position, layer, head, k_linf, base_k_linf, phase, gen_token_idx FROM kv_head_metrics "
+        f"WHERE comparison_id = '{res.comparison_id}'"
+    ).to_pylist()
+    assert len(got) == sum(3 * H * (len(p) + len(c)) for p, c in prompts)
+    pids = list(res.prompt_ids)
+    for row in got[:: 7]:
+        i = pids.index(row["prompt_id"])
+        li = LAYERS.index(row["layer"])
+        ref = kv[i][0][li, row["head"], row["position"]].astype(np.float64)
+        tgt = _bf16(noise[i][0])[li, row["head"], row["position"]].astype(np.float64)
+        bf = _bf16(kv[i][0])[li, row["head"], row["position"]].astype(np.float64)
+        assert row["k_linf"] == pytest.approx(np.max(np.abs(tgt - ref)) / np.max(np.abs(ref)), rel=1e-5)
+        assert row["base_k_linf"] == pytest.approx(np.max(np.abs(bf - ref)) / np.max(np.abs(ref)), rel=1e-5)
+        plen = len(prompts[i][0])
+        assert row["gen_token_idx"] == row["position"] - plen
+        assert row["phase"] == ("prefill" if row["position"] < plen else "decode")
+
+    n_logit_rows = store.sql(
+        f"SELECT count(*) AS n FROM logit_token_metrics WHERE comparison_id = '{res.comparison_id}'"
+    ).to_pylist()[0]["n"]
+    assert n_logit_rows == sum(len(c) for _, c in prompts)
+    cmp = store.sql(f"SELECT * FROM comparisons WHERE comparison_id = '{res.comparison_id}'").to_pylist()[0]
+    assert (cmp["baseline_run"], cmp["expected_run"], cmp["actual_run"]) == (base, exp, act)
+    assert cmp["three_way"] and cmp["n_prompts"] == 2
+
+
+def test_a_target_identical_to_bf16_passes_quietly(synthetic):
+    store, *_, base, exp, actual = synthetic
+    res = compare_runs(store, expected_run=exp, actual_run=actual(), baseline_run=base)
+    assert res.passed and res.phase is None and res.first_failing_token is None
+    assert res.kv_verdict.passed and res.logit_verdict.passed
+    # Identical errors: every pooled BC is 1 and every sigma-ratio exactly 1.
+    for layer in res.kv_layers:
+        assert layer["k_bc"] == pytest.approx(1.0, abs=1e-9) and layer["k_sigma_ratio"] == pytest.approx(1.0)
+
+
+def test_a_kv_bug_in_one_layer_is_named_as_the_first_deviating_layer(synthetic):
+    store, prompts, kv, logits, base, exp, actual = synthetic
+
+    def broken(i, s):
+        k = kv[i][0].copy()
+        k[1] *= 1.05  # a 5% scale error in layer 1's K: far beyond bf16 rounding (~0.4%)
+        return _bf16(k), _bf16(kv[i][1])
+
+    res = compare_runs(store, expected_run=exp, actual_run=actual(kv_fn=broken), baseline_run=base)
+    assert not res.kv_verdict.passed
+    assert res.kv_verdict.first_failing_layer == LAYERS[1]
+    by_layer = {r["layer"]: r for r in res.kv_layers}
+    assert by_layer[LAYERS[0]]["passed"] and by_layer[LAYERS[2]]["passed"]
+    assert by_layer[LAYERS[1]]["k_passed"] is False and by_layer[LAYERS[1]]["v_passed"] is True
+    row = store.sql(
+        f"SELECT kv_passed, kv_first_failing_layer FROM comparisons WHERE comparison_id = '{res.comparison_id}'"
+    ).to_pylist()[0]
+    assert row == {"kv_passed": False, "kv_first_failing_layer": LAYERS[1]}
+
+
+@pytest.mark.parametrize("bad_token, phase", [(0, "prefill"), (3, "decode")])
+def test_a_logit_bug_names_its_token_and_phase(synthetic, bad_token, phase):
+    store, prompts, kv, logits, base, exp, actual = synthetic
+
+    def broken(i, n):
+        x = logits[i].copy()
+        if i == 1:
+            x[bad_token:] = np.random.default_rng(5).standard_normal(x[bad_token:].shape) * 3
+        return _bf16(x)
+
+    res = compare_runs(store, expected_run=exp, actual_run=actual(logit_fn=broken), baseline_run=base)
+    assert not res.logit_verdict.passed and not res.passed
+    assert res.first_failing_token["gen_token_idx"] == bad_token
+    assert res.first_failing_token["prompt_id"] == res.prompt_ids[1]
+    assert res.phase == phase
+
+
+def test_two_way_comparison_stores_no_three_way_columns(synthetic):
+    store, *_, base, exp, actual = synthetic
+    res = compare_runs(store, expected_run=exp, actual_run=actual())
+    assert res.kv_verdict is None  # a KV verdict needs the baseline's noise
+    row = store.sql(f"SELECT three_way, baseline_run FROM comparisons WHERE comparison_id = '{res.comparison_id}'")
+    assert row.to_pylist() == [{"three_way": False, "baseline_run": None}]
+    n = store.sql(f"SELECT count(*) AS n FROM kv_head_metrics WHERE comparison_id = '{res.comparison_id}' "
+                  f"AND base_k_linf IS NOT NULL AND NOT isnan(base_k_linf)").to_pylist()[0]["n"]
+    assert n == 0
+
+
+def test_runs_captured_on_other_tokens_are_refused_before_anything_is_stored(synthetic):
+    store, prompts, kv, logits, base, exp, _ = synthetic
+    other = [(p, [c[0] + 1] + c[1:]) for p, c in prompts]
+    odd = _write_run(store, "bfloat16", other, lambda i, s: (_bf16(kv[i][0]), _bf16(kv[i][1])),
+                     lambda i, n: _bf16(logits[i]))
+    with pytest.raises(ValueError, match=r"captured other tokens.*first difference at position 9"):
+        compare_runs(store, expected_run=exp, actual_run=odd, baseline_run=base)
+    for table in ("comparisons", "kv_head_metrics", "logit_token_metrics", "kv_token_bc"):
+        assert not (store.root / "tables" / table).exists(), table
+
+
+def test_unknown_run_is_named(synthetic):
+    store, *_, base, exp, actual = synthetic
+    with pytest.raises(ValueError, match="actual run 'nope'"):
+        compare_runs(store, expected_run=exp, actual_run="nope")
+
+
+def test_reference_runs_are_found_for_reuse_only_when_model_dtype_and_tokens_agree(synthetic):
+    from capturestore.writer import prompt_id
+
+    store, prompts, kv, logits, base, exp, _ = synthetic
+    pids = [prompt_id(p) for p, _ in prompts]
+    kw = dict(model_hash="h0", prompt_ids=pids, engine="synthetic")
+    assert find_reference_run(store, dtype="float32", **kw) == base
+    assert find_reference_run(store, dtype="float16", **kw) is None
+    assert find_reference_run(store, dtype="float32", **{**kw, "model_hash": "h1"}) is None
+    teacher = {pid: np.asarray(p + c) for pid, (p, c) in zip(pids, prompts)}
+    assert find_reference_run(store, dtype="bfloat16", teacher_tokens=teacher, **kw) == exp
+    teacher[pids[0]] = teacher[pids[0]] + 1
+    assert find_reference_run(store, dtype="bfloat16", teacher_tokens=teacher, **kw) is None
+    tokens, plen = prompt_split(store, base, pids[1])
+    assert plen == len(prompts[1][0]) and tokens.tolist() == prompts[1][0] + prompts[1][1]
