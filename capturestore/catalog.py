@@ -11,9 +11,12 @@ from __future__ import annotations
 import os
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import duckdb
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    import duckdb
 
 from capturestore.layout import CATALOG_FILE, CATALOG_ROOT_FILE, TABLES_DIR
 from capturestore.tables import RUN_TABLES, SCHEMA_SEGMENT, table_dir
@@ -60,6 +63,8 @@ def create_views(con: duckdb.DuckDBPyConnection, root: Path) -> list[str]:
 
 
 def connect_memory(root: Path) -> duckdb.DuckDBPyConnection:
+    import duckdb  # lazily: a writer that never queries does not pay for it
+
     con = duckdb.connect(":memory:")
     create_views(con, root)
     return con
@@ -79,6 +84,8 @@ def query(root: Path, sql: str) -> pa.Table:
 
 def rebuild_catalog_file(root: Path) -> Path:
     """Write catalog.duckdb afresh (views only) and rename it into place."""
+    import duckdb
+
     final = root / CATALOG_FILE
     tmp = root / f".{CATALOG_FILE}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     con = duckdb.connect(str(tmp))

@@ -88,10 +88,15 @@ def write_result(t: pa.Table, fmt: str, output: str | None) -> None:
 
 # ---- subcommands ------------------------------------------------------------------------------
 def cmd_runs(args: argparse.Namespace) -> int:
-    t = _open(args.store).runs()
+    store = _open(args.store)
+    t = store.runs()
     cols = [c for c in ("run_id", "status", "engine", "engine_version", "dtype", "device", "tp_degree", "release",
                         "n_prompts", "model_path", "committed_at") if c in t.column_names]
     write_result(t.select(cols) if args.format == "table" else t, args.format, args.output)
+    if args.format == "table":
+        for p in store.pending():
+            state = "writing" if p["alive"] else "dead writer, not committed (capturestore gc removes it)"
+            print(f"pending {p['run_id']}: pid {p['pid']} on {p['hostname']} since {p['started_at']}: {state}")
     return 0
 
 

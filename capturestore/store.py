@@ -95,15 +95,18 @@ class Store:
     # ---- writing ---------------------------------------------------------------------------
     def begin_run(self, engine: str, model_path: str, model_hash: str | None = None, dtype: str = "bfloat16",
                   device: str = "cpu", engine_version: str | None = None, tp_degree: int = 1,
-                  release: str | None = None, config: Any = None, chunk_tokens: int | None = None) -> RunWriter:
+                  release: str | None = None, config: Any = None, chunk_tokens: int | None = None,
+                  durable: bool = False) -> RunWriter:
         """Start a run; write through the returned RunWriter, then commit (or use ``with``).
 
         ``chunk_tokens`` overrides the tokens per chunk (default: about 1 MiB per chunk).
+        ``durable``: commit fsyncs the run's arrays and segments, so a committed run also
+        survives power loss (a crashed process never loses committed data either way).
         """
         meta = run_meta(engine, str(model_path), model_hash, dtype, device, engine_version, tp_degree, release, config)
         if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
             raise ValueError(f"begin_run: chunk_tokens must be a positive integer, got {chunk_tokens!r}")
-        return RunWriter(self, new_run_id(), meta, chunk_tokens=chunk_tokens)
+        return RunWriter(self, new_run_id(), meta, chunk_tokens=chunk_tokens, durable=bool(durable))
 
     def append_table(self, name: str, rows: Any) -> Path:
         """Append rows (pyarrow.Table | list[dict] | dict of columns) as one atomically committed
@@ -267,6 +270,25 @@ class Store:
         self._require_run(run_id)
         run = self.runs().filter(pa.compute.equal(pa.compute.field("run_id"), run_id)).to_pylist()[0]
         return {"run": run, "prompts": self.prompts(run_id).to_pylist(), "captures": self.captures(run_id).to_pylist()}
+
+    def pending(self) -> list[dict[str, Any]]:
+        """Runs begun but not committed: run_id, pid, hostname, started_at, alive (writer holds its lock).
+
+        A dead one (alive False) is what ``gc`` removes; none of them is in the catalog."""
+        out = []
+        pdir = self.root / PENDING_DIR
+        for p in sorted(pdir.glob("*.json")) if pdir.is_dir() else []:
+            rid = p.name.removesuffix(".json")
+            if rid in committed_run_ids(self.root):
+                continue
+            try:
+                info = json.loads(p.read_text() or "{}")
+            except (OSError, json.JSONDecodeError):
+                info = {}
+            out.append({"run_id": rid, "pid": info.get("pid"), "hostname": info.get("hostname"),
+                        "started_at": info.get("started_at"), "status": info.get("status"),
+                        "alive": integrity.writer_is_alive(p)})
+        return out
 
     # ---- maintenance -----------------------------------------------------------------------
     def verify(self) -> integrity.VerifyReport:

@@ -81,8 +81,27 @@ def table_dir(root: Path, table: str) -> Path:
     return root / TABLES_DIR / table
 
 
-def write_segment(root: Path, table: str, data: pa.Table, segment: str | None = None) -> Path:
-    """Write ``data`` as one segment of ``table`` atomically; returns the final path."""
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and directory under ``root`` (power-loss durability, not needed for crashes)."""
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            fsync_path(Path(dirpath) / f)
+        fsync_path(Path(dirpath))
+
+
+def write_segment(root: Path, table: str, data: pa.Table, segment: str | None = None, durable: bool = False) -> Path:
+    """Write ``data`` as one segment of ``table`` atomically; returns the final path.
+
+    ``durable``: fsync the segment before the rename and the directory after it.
+    """
     d = table_dir(root, table)
     d.mkdir(parents=True, exist_ok=True)
     if segment is None:
@@ -90,7 +109,11 @@ def write_segment(root: Path, table: str, data: pa.Table, segment: str | None = 
     final = d / f"{segment}.parquet"
     tmp = segment_tmp_name(final)
     pq.write_table(data, tmp)
+    if durable:
+        fsync_path(tmp)
     os.replace(tmp, final)
+    if durable:
+        fsync_path(d)
     return final
 
 

@@ -46,7 +46,7 @@ from capturestore.layout import (
     check_module_name,
     token_chunk,
 )
-from capturestore.tables import CAPTURES_SCHEMA, PROMPTS_SCHEMA, RUNS_SCHEMA, table_dir, write_segment
+from capturestore.tables import CAPTURES_SCHEMA, PROMPTS_SCHEMA, RUNS_SCHEMA, fsync_tree, table_dir, write_segment
 
 if TYPE_CHECKING:
     from capturestore.store import Store
@@ -122,8 +122,10 @@ class _ArrayState:
 class RunWriter:
     """Writes one run. Use as a context manager (commit on success, abort on exception)."""
 
-    def __init__(self, store: Store, run_id: str, meta: dict[str, Any], chunk_tokens: int | None = None):
+    def __init__(self, store: Store, run_id: str, meta: dict[str, Any], chunk_tokens: int | None = None,
+                 durable: bool = False):
         self.store = store
+        self.durable = durable
         self.run_id = run_id
         self._meta = meta
         self._chunk_tokens = chunk_tokens
@@ -204,9 +206,12 @@ class RunWriter:
         for st in self._arrays.values():
             self._finalise(st)
         root = self.store.root
-        write_segment(root, "prompts", self._prompts_table(), segment=self.run_id)
-        write_segment(root, "captures", self._captures_table(), segment=self.run_id)
-        write_segment(root, "runs", self._runs_table(), segment=self.run_id)  # the commit marker
+        if self.durable:  # arrays on disk before any row that points at them
+            fsync_tree(root / ARRAYS_DIR / self.run_id)
+        d = self.durable
+        write_segment(root, "prompts", self._prompts_table(), segment=self.run_id, durable=d)
+        write_segment(root, "captures", self._captures_table(), segment=self.run_id, durable=d)
+        write_segment(root, "runs", self._runs_table(), segment=self.run_id, durable=d)  # the commit marker
         self._closed = True
         self._release_pending_lock()
         self.store._committed.add(self.run_id)

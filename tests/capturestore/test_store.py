@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import ml_dtypes
 import numpy as np
@@ -254,3 +255,13 @@ def test_chunks_written_by_the_fast_path_read_back_through_zarr_python(store):
                           (pid, "tokens", np.arange(13, dtype=np.int32))):
         arr = zarr.open_array(store=zroot, path=f"{run.run_id}/{p}/{name}", mode="r")
         assert np.array_equal(np.ascontiguousarray(arr[...]).view(want.dtype), want), name
+
+
+def test_durable_commit_and_pending_runs(store):
+    run = store.begin_run(engine="hf", model_path="m", durable=True)
+    pid = run.add_prompt([1, 2])
+    pend = store.pending()
+    assert [(p["run_id"], p["alive"], p["pid"]) for p in pend] == [(run.run_id, True, os.getpid())]
+    run.commit()
+    assert store.pending() == []
+    np.testing.assert_array_equal(store.read_tokens(run.run_id, pid), [1, 2])
