@@ -150,7 +150,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from nki_fp8.calibration import calibrate_kv_scales
 
-    result = calibrate_kv_scales(_open(args.store), args.run, method=args.method, out_dir=args.out)
+    result = calibrate_kv_scales(_open(args.store), args.run, method=args.method, percentile=args.percentile,
+                                 platform=args.platform, out_dir=args.out)
     if result is not None:
         print(result)
     return 0
@@ -188,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("run")
     sp.add_argument("--out", required=True, help="output directory for the scales")
     sp.add_argument("--method", choices=["absmax", "percentile"], default="absmax")
+    sp.add_argument("--percentile", type=float, default=99.99, help="for --method percentile (default 99.99)")
+    sp.add_argument("--platform", choices=["trn2", "trn3"], default=None,
+                    help="FP8 clamp of the target (default: $NKI_FP8_PLATFORM or trn2)")
     return p
 
 

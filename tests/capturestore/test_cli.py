@@ -97,3 +97,4 @@ def test_demo_and_calibrate_are_registered(capsys):
         assert e.value.code == 0
     out = capsys.readouterr().out
     assert "--num-tokens" in out and "--arch" in out and "--method" in out and "--out" in out
+    assert "--platform" in out and "--percentile" in out

@@ -265,3 +265,17 @@ def test_durable_commit_and_pending_runs(store):
     run.commit()
     assert store.pending() == []
     np.testing.assert_array_equal(store.read_tokens(run.run_id, pid), [1, 2])
+
+
+def test_continuation_is_stored_after_the_prompt_but_not_hashed(store):
+    ids = {}
+    for cont in ([7, 8], [9]):
+        with store.begin_run(engine="hf", model_path="m") as run:
+            pid = run.add_prompt([1, 2, 3], continuation=cont)
+            with pytest.raises(ValueError, match="already added with another continuation"):
+                run.add_prompt([1, 2, 3], continuation=[0])
+        ids[run.run_id] = pid
+        np.testing.assert_array_equal(store.read_tokens(run.run_id, pid), [1, 2, 3, *cont])
+    assert set(ids.values()) == {prompt_id([1, 2, 3])}
+    rows = store.sql("SELECT n_tokens, n_prompt_tokens FROM prompts ORDER BY n_tokens").to_pylist()
+    assert rows == [{"n_tokens": 4, "n_prompt_tokens": 3}, {"n_tokens": 5, "n_prompt_tokens": 3}]
