@@ -349,8 +349,9 @@ def _chunk_metrics(r, a, e, bins):
         rr = np.sqrt(np.einsum("bhsd,bhsd->bhs", r, r))
         den_l2 = np.maximum(rr, EPS)
         aa = np.sqrt(np.einsum("bhsd,bhsd->bhs", a, a))
+        d_max = d.max(axis=-1)
         out = {
-            "linf": d.max(axis=-1) / den_inf,
+            "linf": d_max / den_inf,
             "l2": np.sqrt(np.einsum("bhsd,bhsd->bhs", d, d)) / den_l2,
             "cos": np.einsum("bhsd,bhsd->bhs", r, a) / (np.maximum(rr, COS_EPS) * np.maximum(aa, COS_EPS)),
         }
@@ -358,7 +359,8 @@ def _chunk_metrics(r, a, e, bins):
         if e is not None:
             db = e - r
             np.abs(db, out=db)
-            out["base_linf"] = db.max(axis=-1) / den_inf
+            db_max = db.max(axis=-1)
+            out["base_linf"] = db_max / den_inf
             out["base_l2"] = np.sqrt(np.einsum("bhsd,bhsd->bhs", db, db)) / den_l2
     # NaN anywhere in a head vector shows up in these reductions; only those vectors are
     # recomputed with the NaN positions masked out (sliding-window fill is whole positions).
@@ -376,7 +378,15 @@ def _chunk_metrics(r, a, e, bins):
             out["base_linf"][idx] = rel_linf(rv, ev)
             out["base_l2"][idx] = rel_l2(rv, ev)
     if e is not None:
-        bc = bc_grouped(db, d, (1, 3), bins)  # [B, s]: over heads x head_dim, no transpose
+        minmax = None
+        if not bad.any():  # group min/max from per-head ones: no strided reductions
+            def grp(x):
+                return x.max(axis=1)[:, None, :, None]
+            minmax = (
+                db.min(axis=-1).min(axis=1)[:, None, :, None], grp(db_max),
+                d.min(axis=-1).min(axis=1)[:, None, :, None], grp(d_max),
+            )
+        bc = bc_grouped(db, d, (1, 3), bins, minmax)  # [B, s]: over heads x head_dim, no transpose
         # A token x layer with no valid error at all (sliding-window fill) has no BC.
         if bad.any():
             none_valid = np.all(np.isnan(d) | np.isnan(db), axis=(1, 3))
@@ -535,6 +545,8 @@ def _raw_arrays(raw, layers, row):
     """
     if isinstance(raw, KVRawErrors):
         idx = [raw._layer_idx[name] for name in layers]
+        if idx == list(range(len(raw.layers))):  # all layers in stored order: views, no copy
+            return tuple(getattr(raw, f)[row] for f in ("base_k", "base_v", "tgt_k", "tgt_v"))
         return tuple(np.asarray(getattr(raw, f)[row][:, idx, :]) for f in ("base_k", "base_v", "tgt_k", "tgt_v"))
     out = []
     for field in ("base_k", "base_v", "tgt_k", "tgt_v"):
@@ -575,14 +587,13 @@ def aggregate_kv_bc_arrays(all_raw_errors, prompt_lens, layers=None, row: int = 
     k_bc = np.empty((n_gen, len(layers)))
     v_bc = np.empty((n_gen, len(layers)))
     for li in range(len(layers)):  # one layer at a time bounds the temporaries
-        cols = []
-        for f in range(4):
-            # [prompt, gen, width] -> [gen, prompt * width]
-            stack = np.stack([arrs[f][p : p + n_gen, li, :] for arrs, p in zip(per_prompt, prompt_lens)])
-            cols.append(stack.transpose(1, 0, 2).reshape(n_gen, -1))
-        base_k, base_v, tgt_k, tgt_v = cols
-        k_bc[:, li] = bhattacharyya_batched(base_k, tgt_k, bins=bins)
-        v_bc[:, li] = bhattacharyya_batched(base_v, tgt_v, bins=bins)
+        # [prompt, gen, width]; BC per gen over prompt x width, no transposed copy
+        base_k, base_v, tgt_k, tgt_v = (
+            np.stack([as_float(arrs[f][p : p + n_gen, li, :]) for arrs, p in zip(per_prompt, prompt_lens)])
+            for f in range(4)
+        )
+        k_bc[:, li] = bc_grouped(base_k, tgt_k, (0, 2), bins)
+        v_bc[:, li] = bc_grouped(base_v, tgt_v, (0, 2), bins)
     return layers, k_bc, v_bc
 
 

@@ -293,3 +293,17 @@ def test_to_columns_long_format():
     assert len(cols["head"]) == 1 * 3 * 2 * 2
     i = np.nonzero((cols["token"] == 2) & (cols["layer"] == "model.layers.1.self_attn") & (cols["head"] == 1))[0][0]
     assert cols["k_linf"][i] == res[2]["model.layers.1.self_attn"][1].k_linf
+
+
+def test_layers_with_different_kv_head_counts_are_nan_padded():
+    rng = np.random.default_rng(12)
+    a = make_kv(rng, 1, B=1, H=2, S=3, D=4)
+    b = make_kv(rng, 1, B=1, H=4, S=3, D=4)
+    exp = {"l0": a["model.layers.0.self_attn"], "l1": b["model.layers.0.self_attn"]}
+    act = perturb(exp, rng, 1e-2, np.float32)
+    res = compare_kv_caches(exp, act)
+    assert res.shape == (1, 3, 2, 4) and list(res.num_heads) == [2, 4]
+    assert np.isnan(res.k_linf[0, :, 0, 2:]).all() and np.isfinite(res.k_linf[0, :, 1]).all()
+    assert len(res[0]["l0"]) == 2 and len(res[0]["l1"]) == 4
+    assert len(res.to_columns()["head"]) == 3 * (2 + 4)
+    assert_matches_oracle(res, exp, act)

@@ -292,3 +292,25 @@ def test_kv_merge_takes_only_teacher_positions_and_passes_written_length():
         np.testing.assert_array_equal(got[:n_written], np.asarray(want[:n_written], np.float32))
         assert np.isnan(got[n_written:]).all()
         np.testing.assert_array_equal(v[b, 0, :n_written, 0], got[:n_written] * 10)
+
+
+def test_torch_generate_fn_and_client_sampled_tokens():
+    torch = pytest.importorskip("torch")
+    x = make_expected(10)
+    teacher = teacher_of(x)
+
+    def gen(ids):  # returns (logits, sequences [batch, n_new]) as a sampling client would
+        start = len(ids[0]) - len(PROMPTS[0])
+        logits = torch.tensor(x[start:]).to(torch.bfloat16)
+        seqs = torch.tensor(teacher[:, start:])
+        return logits, seqs
+
+    r = validate_logits([list(PROMPTS[0])], gen, torch.tensor(x))
+    assert r.passed and len(r.results[0]) == T and len(r.calls) == 1
+    assert all(res.actual_token == teacher[0, i] for i, res in enumerate(r.results[0]))
+
+
+def test_generate_fn_returning_nothing_raises_instead_of_looping():
+    x = make_expected(11)
+    with pytest.raises(RuntimeError, match="no tokens"):
+        validate_logits([list(PROMPTS[0])], lambda ids: np.zeros((0, 1, V), np.float32), x)

@@ -1,0 +1,272 @@
+"""Benchmark of metrics/: three-way KV comparison, streaming memory, cross-prompt BC.
+
+Run: ``python benchmarks/bench_metrics.py`` (full sizes from issue 3, ~2-3 min on 2 cores) or
+``--quick`` (smaller cache, for a smoke run). Prints one table; every figure is a ratio to a
+reference measured in the same run:
+
+1. ``compare_kv_caches`` three-way on a Llama-70B-shaped cache (80 layers, 8 KV heads,
+   head_dim 128, 1024 positions, batch 1; baseline FP32, expected and actual BF16) against
+   (a) the limit: one numpy pass reading the same bytes (a max-reduction over every array), and
+   (b) a per-token/per-layer/per-head loop written like the upstream ``compare_kv_caches``
+   (torch ops per head, np.histogram BC per token x layer). The loop is timed on a subset of
+   token x layer pairs and extrapolated linearly to the full cache (stated in the table).
+2. Streaming: the same comparison over a lazy Mapping that builds one layer per access, in a
+   fresh child process; peak RSS above the pre-comparison RSS, minus the result arrays, is
+   compared with 3x one layer's working set (the three sources' K and V of one layer).
+3. Cross-prompt BC aggregation (1000 prompts x 32 layers x 64 generation tokens, 32 error
+   values per token x layer, prompt lengths 4..12): ``aggregate_kv_bc_across_prompts`` against
+   the upstream loop (per generation token and layer: gather, concatenate, np.histogram),
+   timed on a subset and extrapolated.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from metrics.kv import KVRawErrors, aggregate_kv_bc_across_prompts, compare_kv_caches  # noqa: E402
+
+BF16 = ml_dtypes.bfloat16
+
+
+def make_layer(i, heads, seq, dim, seed=0):
+    """(baseline fp32, expected bf16, actual bf16) K and V of layer i, deterministic."""
+    rng = np.random.default_rng(seed * 1000 + i)
+    out = []
+    for _ in range(2):
+        base = rng.standard_normal((1, heads, seq, dim), dtype=np.float32)
+        exp = base.astype(BF16)
+        act = (base * (1 + rng.standard_normal(base.shape, dtype=np.float32) * np.float32(2e-3))).astype(BF16)
+        out.append((base, exp, act))
+    (bk, ek, ak), (bv, ev, av) = out
+    return (bk, bv), (ek, ev), (ak, av)
+
+
+class LazyKV(dict):
+    """``{layer: (k, v)}`` that builds a layer on access; the three roles share one builder
+    that keeps only the layer built last (compare reads all three roles of a layer together)."""
+
+    def __init__(self, role, n_layers, builder):
+        super().__init__({f"model.layers.{i}.self_attn.attn": None for i in range(n_layers)})
+        self.role, self.builder = role, builder
+
+    def __getitem__(self, name):
+        return self.builder(int(name.split(".")[2]))[{"baseline": 0, "expected": 1, "actual": 2}[self.role]]
+
+
+class LastLayer:
+    def __init__(self, heads, seq, dim):
+        self.shape, self.i, self.data = (heads, seq, dim), None, None
+
+    def __call__(self, i):
+        if i != self.i:
+            self.data = None  # drop the previous layer before building the next
+            self.i, self.data = i, make_layer(i, *self.shape)
+        return self.data
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def limit_pass(sources):
+    """One numpy pass over every byte: max of each array (bf16 read as uint16)."""
+    t = time.perf_counter()
+    for src in sources:
+        for k, v in src.values():
+            for x in (k, v):
+                (x.view(np.uint16) if x.dtype == BF16 else x).max()
+    return time.perf_counter() - t
+
+
+def upstream_bc(e1, e2, num_bins=100):
+    if len(e1) == 0 or len(e2) == 0:
+        return 0.0
+    lo, hi = min(e1.min(), e2.min()), max(e1.max(), e2.max())
+    edges = np.linspace(lo, hi, num_bins + 1)
+    h1, _ = np.histogram(e1, bins=edges)
+    h2, _ = np.histogram(e2, bins=edges)
+    p1, p2 = h1 / (h1.sum() + 1e-10), h2 / (h2.sum() + 1e-10)
+    return float(np.clip(np.sum(np.sqrt(p1 * p2)), 0.0, 1.0))
+
+
+def upstream_loop(expected, actual, baseline, layers, tokens):
+    """Per token / layer / head, as the upstream compare_kv_caches does (torch ops per head)."""
+    import torch
+
+    def t(x):
+        return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16) if x.dtype == BF16 else torch.from_numpy(x)
+
+    ex = {n: tuple(t(x) for x in expected[n]) for n in layers}
+    ac = {n: tuple(t(x) for x in actual[n]) for n in layers}
+    ba = {n: tuple(t(x) for x in baseline[n]) for n in layers}
+    start = time.perf_counter()
+    for tok in tokens:
+        for layer in layers:
+            r_k, r_v = ba[layer]
+            a_k, a_v = ac[layer]
+            e_k, e_v = ex[layer]
+            bk, tk, bv, tv = [], [], [], []
+            for h in range(r_k.shape[1]):
+                rk, rv = r_k[0, h, tok].float(), r_v[0, h, tok].float()
+                ak, av = a_k[0, h, tok].float(), a_v[0, h, tok].float()
+                ek, ev = e_k[0, h, tok].float(), e_v[0, h, tok].float()
+                rk_max, rv_max = rk.abs().max().clamp(min=1e-10), rv.abs().max().clamp(min=1e-10)
+                rk_n, rv_n = rk.norm().clamp(min=1e-10), rv.norm().clamp(min=1e-10)
+                torch.nn.functional.cosine_similarity(rk.unsqueeze(0), ak.unsqueeze(0)).item()
+                torch.nn.functional.cosine_similarity(rv.unsqueeze(0), av.unsqueeze(0)).item()
+                ((rk - ak).abs().max() / rk_max).item()
+                ((rv - av).abs().max() / rv_max).item()
+                ((rk - ak).norm() / rk_n).item()
+                ((rv - av).norm() / rv_n).item()
+                tk.append((rk - ak).abs().numpy())
+                tv.append((rv - av).abs().numpy())
+                ((rk - ek).abs().max() / rk_max).item()
+                ((rv - ev).abs().max() / rv_max).item()
+                ((rk - ek).norm() / rk_n).item()
+                ((rv - ev).norm() / rv_n).item()
+                bk.append((rk - ek).abs().numpy())
+                bv.append((rv - ev).abs().numpy())
+            upstream_bc(np.concatenate(bk), np.concatenate(tk))
+            upstream_bc(np.concatenate(bv), np.concatenate(tv))
+    return time.perf_counter() - start
+
+
+def upstream_aggregate_loop(raws, prompt_lens, gens, layer_idx):
+    start = time.perf_counter()
+    for g in gens:
+        for li in layer_idx:
+            parts = {f: [] for f in ("base_k", "base_v", "tgt_k", "tgt_v")}
+            for raw, plen in zip(raws, prompt_lens):
+                for f in parts:
+                    parts[f].append(getattr(raw, f)[0, plen + g, li])
+            upstream_bc(np.concatenate(parts["base_k"]), np.concatenate(parts["tgt_k"]))
+            upstream_bc(np.concatenate(parts["base_v"]), np.concatenate(parts["tgt_v"]))
+    return time.perf_counter() - start
+
+
+# ----------------------------------------------------------------------------- child
+
+
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mib():
+    # VmHWM belongs to this process image; getrusage's ru_maxrss survives exec and would
+    # report the parent's peak at fork time.
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def streaming_child(n_layers, heads, seq, dim):
+    builder = LastLayer(heads, seq, dim)
+    srcs = {r: LazyKV(r, n_layers, builder) for r in ("baseline", "expected", "actual")}
+    make_layer(0, heads, seq, dim)  # warm up imports and allocator
+    before = rss_mib()
+    t = time.perf_counter()
+    res = compare_kv_caches(srcs["expected"], srcs["actual"], baseline_kv=srcs["baseline"])
+    dt = time.perf_counter() - t
+    peak = peak_rss_mib()
+    result_mib = (sum(a.nbytes for a in res.arrays.values()) + res.k_bc.nbytes + res.v_bc.nbytes) / 2**20
+    print(json.dumps({"before": before, "peak": peak, "result": result_mib, "seconds": dt}))
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="8 layers x 256 positions, 200 prompts")
+    ap.add_argument("--layers", type=int, default=80)
+    ap.add_argument("--positions", type=int, default=1024)
+    ap.add_argument("--prompts", type=int, default=1000)
+    ap.add_argument("--child-streaming", nargs=4, type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child_streaming:
+        streaming_child(*args.child_streaming)
+        return
+    if args.quick:
+        args.layers, args.positions, args.prompts = 8, 256, 200
+    L, H, S, D = args.layers, 8, args.positions, 128
+    rows = []
+
+    # 1. three-way compare on the 70B-shaped cache
+    base, exp, act = {}, {}, {}
+    for i in range(L):
+        name = f"model.layers.{i}.self_attn.attn"
+        base[name], exp[name], act[name] = make_layer(i, H, S, D)
+    nbytes = sum(x.nbytes for src in (base, exp, act) for kv in src.values() for x in kv)
+    t_limit = min(limit_pass((base, exp, act)) for _ in range(3))
+    t0 = time.perf_counter()
+    res = compare_kv_caches(exp, act, baseline_kv=base)
+    t_ours = time.perf_counter() - t0
+    assert res.shape == (1, S, L, H) and np.isfinite(res.k_bc).all()
+    sub_layers = list(base)[:2]
+    sub_tokens = list(range(0, S, max(1, S // 16)))[:16]
+    t_sub = upstream_loop(exp, act, base, sub_layers, sub_tokens)
+    t_loop = t_sub * (L * S) / (len(sub_layers) * len(sub_tokens))
+    gb = nbytes / 1e9
+    rows.append((f"compare_kv_caches 3-way, {L}x{H}x{S}x{D}, {gb:.2f} GB", f"{t_ours:.2f} s", f"{gb / t_ours:.2f} GB/s", "", ""))
+    rows.append(("  (a) limit: one numpy pass over the same bytes", f"{t_limit:.3f} s", f"{gb / t_limit:.2f} GB/s",
+                 f"{t_limit / t_ours:.3f}x limit", ">= 0.25x"))
+    rows.append((f"  (b) upstream-style loop, {len(sub_layers) * len(sub_tokens)} token x layer timed, extrapolated x{L * S // (len(sub_layers) * len(sub_tokens))}",
+                 f"{t_loop:.0f} s", "", f"{t_loop / t_ours:.1f}x loop", ">= 30x"))
+    del base, exp, act, res
+
+    # 2. streaming by layer, in a fresh process
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child-streaming", str(L), str(H), str(S), str(D)],
+        capture_output=True, text=True, check=True,
+    )
+    st = json.loads(out.stdout.strip().splitlines()[-1])
+    layer_ws = (2 * H * S * D * (4 + 2 + 2)) / 2**20  # K and V of one layer, all three sources
+    extra = st["peak"] - st["before"] - st["result"]
+    rows.append((f"streaming (lazy layers), peak RSS {st['peak']:.0f} MiB", f"{st['seconds']:.2f} s",
+                 f"+{extra:.0f} MiB over start+result", f"{extra / layer_ws:.2f}x layer",
+                 f"< 3x layer ({layer_ws:.0f} MiB); start {st['before']:.0f}, result {st['result']:.0f} MiB"))
+
+    # 3. cross-prompt BC aggregation
+    P, LA, G, W = args.prompts, 32, 64, 32
+    rng = np.random.default_rng(1)
+    plens = [int(p) for p in rng.integers(4, 13, size=P)]
+    Tmax = max(plens) + G
+    big = {f: np.abs(rng.standard_normal((P, Tmax, LA, W), dtype=np.float32)) for f in ("base_k", "base_v", "tgt_k", "tgt_v")}
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(LA)]
+    raws = [
+        KVRawErrors(names, *(big[f][p, None, : plens[p] + G] for f in ("base_k", "base_v", "tgt_k", "tgt_v")), [W] * LA)
+        for p in range(P)
+    ]
+    t0 = time.perf_counter()
+    agg = aggregate_kv_bc_across_prompts(raws, plens)
+    t_agg = time.perf_counter() - t0
+    assert len(agg) == G and len(agg[0]) == LA
+    gens, lis = [0, G // 2], [0, LA // 2]
+    t_sub = upstream_aggregate_loop(raws, plens, gens, lis)
+    t_aloop = t_sub * (G * LA) / (len(gens) * len(lis))
+    rows.append((f"aggregate_kv_bc_across_prompts {P} prompts x {LA} layers x {G} gen", f"{t_agg:.2f} s", "",
+                 f"{t_aloop / t_agg:.1f}x loop", f"loop {t_aloop:.0f} s (4 pairs timed, x{G * LA // 4})"))
+
+    w = [max(len(r[i]) for r in rows) for i in range(5)]
+    head = ("case", "time", "throughput / memory", "ratio", "goal / note")
+    w = [max(wi, len(h)) for wi, h in zip(w, head)]
+    print(" | ".join(h.ljust(wi) for h, wi in zip(head, w)))
+    print("-+-".join("-" * wi for wi in w))
+    for r in rows:
+        print(" | ".join(c.ljust(wi) for c, wi in zip(r, w)))
+
+
+if __name__ == "__main__":
+    main()
