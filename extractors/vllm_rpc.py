@@ -611,7 +611,7 @@ def capture_vllm_run(store, llm, model_path, prompts: Sequence[Sequence[int]],
                      kv_config: dict | None = None) -> str:
     """Teacher-forced vLLM capture of ``prompts`` into ``store``; returns the run id.
 
-    Per prompt: tokens = the prompt; logits ``[teacher_token, vocab]`` = full-vocab log-softmax
+    Per prompt: tokens = prompt + teacher tokens (the prompt id hashes the prompt alone); logits ``[teacher_token, vocab]`` = full-vocab log-softmax
     predicting each teacher token (see ``vllm_teacher_forced_logprobs``); KV ``[layer, kv_head,
     seq, head_dim]`` over prompt + teacher tokens, layers in model order, NaN outside the window
     of SlidingWindowSpec layers. The run records engine version, dtype, TP degree, block size,

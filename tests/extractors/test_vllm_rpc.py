@@ -268,6 +268,7 @@ def test_capture_vllm_run_writes_logits_and_kv_through_the_store(engine, tmp_pat
     if engine["arch"] != "gemma3-sliding" or engine["dtype"] != "float32":
         pytest.skip("one engine with two KV cache groups suffices for the store round trip")
     from capturestore import Store
+    from capturestore.writer import prompt_id
 
     store = Store.open(tmp_path / "store")
     run_id = R.capture_vllm_run(store, engine["llm"], engine["path"], PROMPTS, TEACHER)
@@ -275,9 +276,9 @@ def test_capture_vllm_run_writes_logits_and_kv_through_the_store(engine, tmp_pat
     assert "vllm" in text and "vllm_cpu" in text and "SlidingWindowSpec" in text
     rows = store.prompts(run_id).to_pylist()
     assert len(rows) == 3
-    by_tokens = {tuple(int(x) for x in store.read_tokens(run_id, r["prompt_id"])): r["prompt_id"] for r in rows}
     for i, p in enumerate(PROMPTS):
-        pid = by_tokens[tuple(p)]
+        pid = prompt_id(p)
+        assert store.read_tokens(run_id, pid).tolist() == p + TEACHER[i]
         logits = np.asarray(store.read_logits(run_id, pid))
         want = engine["ref"][i]["logprobs"][len(p) - 1:len(p) - 1 + len(TEACHER[i])].numpy()
         assert logits.shape == want.shape == (len(TEACHER[i]), 1024)
