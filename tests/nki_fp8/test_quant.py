@@ -177,3 +177,22 @@ def test_lut_codec_equals_reference_on_all_65536_bf16_patterns(platform, scale):
     q2, d2 = codec.round_trip(xb)
     np.testing.assert_array_equal(q2.view(np.uint8), q.view(np.uint8))
     np.testing.assert_array_equal(d2.view(np.uint16), d.view(np.uint16))
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    platform=st.sampled_from(["trn2", "trn3"]),
+    values=st.lists(st.floats(width=32, allow_nan=False), min_size=1, max_size=40),
+    scale=st.floats(min_value=2.0**-20, max_value=2.0**20, width=32),
+)
+def test_quantize_equals_the_oracle_for_any_float32_and_scale(platform, values, scale):
+    x = np.array(values, np.float32)
+    m = fp8_format(platform).max_finite
+    with np.errstate(over="ignore"):
+        y = np.clip(x * np.float32(scale), -m, m)  # the clamp the oracle assumes, in float32
+    want = [encode_rne(float(v), FORMATS[platform]) for v in y]
+    assert codes(quantize(x, scale, platform=platform)) == want
