@@ -4,6 +4,7 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from metrics.logits import (
     ValidationStatus,
@@ -314,3 +315,32 @@ def test_generate_fn_returning_nothing_raises_instead_of_looping():
     x = make_expected(11)
     with pytest.raises(RuntimeError, match="no tokens"):
         validate_logits([list(PROMPTS[0])], lambda ids: np.zeros((0, 1, V), np.float32), x)
+
+
+def test_loop_with_log_softmax_target_validates_like_raw_logits():
+    """The vLLM helper returns full-vocab log-softmax (prompt/sample logprobs), HF raw logits."""
+    torch = pytest.importorskip("torch")
+    x = make_expected(12, batch=2)
+    noisy = x + np.random.default_rng(3).normal(size=x.shape).astype(np.float32) * 1e-3
+    lsm = torch.log_softmax(torch.tensor(noisy), dim=-1)
+    teacher = teacher_of(x)
+    raw = validate_logits([list(p) for p in PROMPTS], FakeEngine(noisy, teacher, PROMPTS), x)
+    ls = validate_logits([list(p) for p in PROMPTS], FakeEngine(lsm.numpy(), teacher, PROMPTS), x)
+    assert raw.passed and ls.passed
+    for b in range(2):
+        for r1, r2 in zip(raw.results[b], ls.results[b]):
+            assert r1.status == r2.status
+            assert r2.error_map["all"] == pytest.approx(r1.error_map["all"], abs=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(vocab=st.integers(2, 300), shift=st.floats(-50, 50), seed=st.integers(0, 2**31))
+def test_hypothesis_shift_is_absorbed_and_small_vocab_never_crashes(vocab, shift, seed):
+    rng = np.random.default_rng(seed)
+    e = rng.normal(size=vocab) * 3
+    e[rng.integers(vocab)] += 4.0  # a clear greedy token
+    r = validate_token_logits(e, e + shift)
+    assert r.passed and r.status is ValidationStatus.MATCHED
+    assert r.shift == pytest.approx(shift, abs=1e-9 * max(1, abs(shift)))
+    for err in r.error_map.values():
+        assert err <= 1e-9
