@@ -70,14 +70,19 @@ def connect_memory(root: Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
+def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> pa.Table:
+    rel = con.sql(sql)
+    if rel is None:  # a statement without a result (SET, CREATE ...)
+        return pa.table({})
+    to_table = getattr(rel, "to_arrow_table", None) or rel.fetch_arrow_table  # duckdb >= 1.4 / older
+    return to_table()
+
+
 def query(root: Path, sql: str) -> pa.Table:
+    """One query on a fresh in-memory connection (Store.sql keeps one per store instead)."""
     con = connect_memory(root)
     try:
-        rel = con.sql(sql)
-        if rel is None:  # a statement without a result (SET, CREATE ...)
-            return pa.table({})
-        to_table = getattr(rel, "to_arrow_table", None) or rel.fetch_arrow_table  # duckdb >= 1.4 / older
-        return to_table()
+        return run_query(con, sql)
     finally:
         con.close()
 

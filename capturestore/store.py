@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,14 @@ def read_format(root: Path) -> dict[str, Any] | None:
     return info
 
 
+_LAYOUT_ENTRIES = {ARRAYS_DIR, TABLES_DIR, PENDING_DIR, "catalog.duckdb", "catalog.root"}
+
+
+def _is_layout_entry(name: str) -> bool:
+    """Entries a store creation leaves, so a creation cut short (or racing another) resumes."""
+    return name in _LAYOUT_ENTRIES or name.startswith(".")
+
+
 class Store:
     """A capture store directory. Open with ``Store.open(path)``."""
 
@@ -50,6 +59,10 @@ class Store:
         self.root = root
         self._zstore = open_zarr_store(root / ARRAYS_DIR)
         self._committed: set[str] = set()
+        self._con = None  # in-memory DuckDB connection with the catalog views, made on first sql()
+        self._con_tables: list[str] = []
+        self._con_pid = -1
+        self._con_lock = threading.Lock()
 
     # ---- opening ---------------------------------------------------------------------------
     @classmethod
@@ -62,7 +75,7 @@ class Store:
                 raise StoreError(f"{root} is not a capture store (no {FORMAT_FILE}); pass create=True to create one")
             if root.exists() and not root.is_dir():
                 raise StoreError(f"{root} exists and is not a directory")
-            if root.is_dir() and any(p.name != FORMAT_FILE for p in root.iterdir()):
+            if root.is_dir() and any(not _is_layout_entry(p.name) for p in root.iterdir()):
                 raise StoreError(f"{root} is a non-empty directory without {FORMAT_FILE}; refusing to make it a store")
             cls._create_layout(root)
         elif info["format_version"] > FORMAT_VERSION:
@@ -263,7 +276,17 @@ class Store:
 
     def sql(self, query: str) -> pa.Table:
         """Run SQL over the catalog views (runs, prompts, captures and every appended table)."""
-        return catalog.query(self.root, query)
+        with self._con_lock:
+            names = catalog.table_names(self.root)
+            if self._con is None or self._con_pid != os.getpid():
+                self._con = catalog.connect_memory(self.root)
+                self._con_pid = os.getpid()
+                self._con_tables = names
+            elif names != self._con_tables:  # a table appeared since: add its view
+                for t in set(names) - set(self._con_tables):
+                    self._con.execute(catalog.view_sql(self.root, t))
+                self._con_tables = names
+            return catalog.run_query(self._con, query)
 
     def show(self, run_id: str) -> dict[str, Any]:
         """One run: its runs row, and per prompt the arrays it holds."""

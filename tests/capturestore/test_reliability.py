@@ -187,3 +187,22 @@ def test_open_refuses_a_foreign_directory_and_missing_store(tmp_path):
     with pytest.raises(StoreError, match="not a capture store"):
         Store.open(tmp_path / "nothing", create=False)
     assert not Path(tmp_path / "nothing").exists()
+
+
+def test_store_creation_cut_short_resumes_and_concurrent_opens_agree(tmp_path):
+    path = tmp_path / "store"
+    Store.open(path)
+    (path / FORMAT_FILE).unlink()  # as if killed before the format file, which is written last
+    store = Store.open(path)
+    assert (path / FORMAT_FILE).exists() and store.runs().num_rows == 0
+    import subprocess, sys
+
+    from tests.capturestore.conftest import REPO
+
+    fresh = tmp_path / "fresh"
+    code = f"import sys; sys.path.insert(0, {str(REPO)!r}); from capturestore import Store; Store.open({str(fresh)!r})"
+    procs = [subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+    assert Store.open(fresh, create=False).verify().ok
