@@ -25,7 +25,7 @@ from capturestore.tables import RUN_TABLES, SCHEMA_SEGMENT, committed_run_ids, s
 class Problem:
     """One thing verify found wrong; fields name where, ``message`` says what."""
 
-    kind: str  # corrupt-chunk | missing-array | shape-mismatch | bad-segment | orphan | missing-tokens
+    kind: str  # corrupt-chunk | missing-array | shape-mismatch | dtype-mismatch | bad-segment | orphan | missing-tokens
     message: str
     run_id: str | None = None
     prompt_id: str | None = None
@@ -182,6 +182,13 @@ def _verify_capture(zroot: Path, c: dict, report: VerifyReport) -> None:
     chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
     if list(shape) != list(c["shape"]):
         report.append(Problem("shape-mismatch", f"catalog says shape {c['shape']}, array has {list(shape)}",
+                              run_id=run_id, prompt_id=pid, array=name))
+        return
+    attrs = meta.get("attributes", {})
+    if attrs.get("logical_dtype") != c["dtype"] or meta.get("data_type") != c["storage_dtype"]:
+        report.append(Problem("dtype-mismatch",
+                              f"catalog says {c['dtype']} stored as {c['storage_dtype']}, array has "
+                              f"{attrs.get('logical_dtype')} stored as {meta.get('data_type')}",
                               run_id=run_id, prompt_id=pid, array=name))
         return
     report.checked_arrays += 1

@@ -162,6 +162,8 @@ class Store:
         except FileNotFoundError:
             have = sorted(self._array_names(pdir))
             raise ValueError(f"run {run_id}, prompt {prompt_id} has no array {name!r}; it has {have}") from None
+        except (OSError, json.JSONDecodeError) as e:
+            raise StoreError(f"{ref.where()}: array metadata zarr.json is unreadable ({e})") from None
         return ref, meta
 
     @staticmethod
