@@ -400,26 +400,36 @@ def _nan_like(x, shape):
 
 
 def _merge_kv(merged, snapshot, merged_upto, ends, total_len):
-    """Copy positions ``[merged_upto[b], ends[b])`` of each row from this call's KV snapshot."""
+    """Copy positions ``[merged_upto[b], ends[b])`` of each row from this call's KV snapshot.
+    Returns ``(merged, new merged_upto)``; a snapshot shorter than asked copies what it has
+    and the rest is taken from a later call."""
     for name, (k, v) in snapshot.items():
         if merged is not None and name not in merged:
             raise ValueError(f"kv_extract_fn returned new layer {name!r} after the first call")
-        if k.ndim != 4:
-            raise ValueError(f"kv_extract_fn layer {name!r}: k must be [batch, kv_head, seq, head_dim], got {tuple(k.shape)}")
+        if k.ndim != 4 or v.ndim != 4:
+            raise ValueError(
+                f"kv_extract_fn layer {name!r}: k and v must be [batch, kv_head, seq, head_dim], "
+                f"got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
+        if k.shape[0] != len(ends):
+            raise ValueError(f"kv_extract_fn layer {name!r}: batch {k.shape[0]} but input_ids has {len(ends)} rows")
+    if not snapshot:
+        return merged, merged_upto
     if merged is None:
         merged = {}
         for name, (k, v) in snapshot.items():
             B, H, _, D = k.shape
             merged[name] = (_nan_like(k, (B, H, total_len, D)), _nan_like(v, (B, v.shape[1], total_len, v.shape[3])))
+    seq = min(min(k.shape[2], v.shape[2]) for k, v in snapshot.values())
+    his = [min(e, seq, total_len) for e in ends]
     for name, (k, v) in snapshot.items():
         mk, mv = merged[name]
-        seq = k.shape[2]
-        for b in range(len(ends)):
-            lo, hi = merged_upto[b], min(ends[b], seq, total_len)
+        for b, hi in enumerate(his):
+            lo = merged_upto[b]
             if hi > lo:
                 mk[b, :, lo:hi] = k[b, :, lo:hi]
                 mv[b, :, lo:hi] = v[b, :, lo:hi]
-    return merged
+    return merged, [max(u, hi) for u, hi in zip(merged_upto, his)]
 
 
 def validate_logits(
@@ -460,7 +470,8 @@ def validate_logits(
     ``[0, len(prompt_b))`` and generation token g at ``len(prompt_b) + g``; anything never
     written stays NaN (upstream: 0, and it copies the divergent position from the wrong token).
     """
-    ids = [list(map(int, row)) for row in (to_numpy(input_ids).tolist() if not isinstance(input_ids, list) else input_ids)]
+    rows_src = input_ids.tolist() if hasattr(input_ids, "tolist") else input_ids
+    ids = [[int(t) for t in (row.tolist() if hasattr(row, "tolist") else row)] for row in rows_src]
     batch = len(ids)
     if batch == 0:
         raise ValueError("input_ids is empty: need one token list per batch row")
@@ -520,8 +531,7 @@ def validate_logits(
             snapshot = kv_extract_fn(max(input_lens) + fed)
             clean = div_col if div_col is not None else n
             ends = [il + min(clean, fed) for il in input_lens]
-            merged = _merge_kv(merged, snapshot, merged_upto, ends, total_kv_len)
-            merged_upto = [max(u, min(e, total_kv_len)) for u, e in zip(merged_upto, ends)]
+            merged, merged_upto = _merge_kv(merged, snapshot, merged_upto, ends, total_kv_len)
 
         for b in range(batch):
             for j in range(n_val):

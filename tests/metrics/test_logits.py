@@ -344,3 +344,25 @@ def test_hypothesis_shift_is_absorbed_and_small_vocab_never_crashes(vocab, shift
     assert r.shift == pytest.approx(shift, abs=1e-9 * max(1, abs(shift)))
     for err in r.error_map.values():
         assert err <= 1e-9
+
+
+def test_kv_positions_a_short_snapshot_missed_come_from_the_next_call():
+    x = make_expected(13)
+    teacher = teacher_of(x)
+    tgt = x.copy()
+    tgt[2, 0, (teacher[0, 2] + 1) % V] = x[2, 0].max() + 2.0  # diverge at generation index 2
+    eng = FakeEngine(tgt, teacher, PROMPTS[:1])
+    calls = []
+
+    def short_first(seq_len):
+        snap = eng.kv(seq_len)
+        calls.append(seq_len)
+        if len(calls) == 1:  # first snapshot holds only 2 positions
+            return {n: (k[:, :, :2], v[:, :, :2]) for n, (k, v) in snap.items()}
+        return snap
+
+    _, _, merged = logit_validation([list(PROMPTS[0])], eng, x, kv_extract_fn=short_first)
+    k = merged["layers.0"][0][0, 0, :, 0]
+    want = PROMPTS[0] + [int(t) for t in teacher[0]]
+    n_written = len(PROMPTS[0]) + T - 1
+    np.testing.assert_array_equal(k[:n_written], np.asarray(want[:n_written], np.float32))
