@@ -307,3 +307,17 @@ def test_layers_with_different_kv_head_counts_are_nan_padded():
     assert len(res[0]["l0"]) == 2 and len(res[0]["l1"]) == 4
     assert len(res.to_columns()["head"]) == 3 * (2 + 4)
     assert_matches_oracle(res, exp, act)
+
+
+def test_one_minus_cos_is_accurate_at_bf16_noise_level():
+    """1 - cos ~ 1e-6 for bf16 rounding; a float32 r.a/(|r||a|) gets it wrong by ~4 %."""
+    rng = np.random.default_rng(13)
+    base = make_kv(rng, 1, B=1, H=4, S=64, D=128)
+    act = {n: tuple(x.astype(ml_dtypes.bfloat16) for x in kv) for n, kv in base.items()}
+    res = compare_kv_caches(act, act, baseline_kv=base)
+    r = base["model.layers.0.self_attn"][0][0].astype(np.float64)  # [H, S, D]
+    a = f64(act["model.layers.0.self_attn"][0][0])
+    want = 1 - np.sum(r * a, -1) / np.sqrt(np.sum(r * r, -1) * np.sum(a * a, -1))  # [H, S]
+    got = 1 - res.k_cos[0, :, 0, :].T
+    assert np.median(want) < 1e-5
+    np.testing.assert_allclose(got, want, rtol=1e-3)
