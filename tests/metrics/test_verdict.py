@@ -148,3 +148,13 @@ def test_kv_verdict_catches_one_stale_position_among_many():
     assert not v.passed and v.first_failing_layer == "layers.3"
     t = v.layers[3].k
     assert t.linf_ratio < t.linf_threshold_used and t.max_linf_ratio > 10  # caught by the max bar
+
+
+def test_logit_verdict_static_check_can_rejudge_with_another_map():
+    x = np.random.default_rng(9).normal(size=(3, 1, 50)).astype(np.float32)
+    y = x.copy()
+    y[1, 0, np.argsort(-x[1, 0])[1]] += 0.02 * np.abs(x[1, 0]).max()  # a 2 % top-5 error
+    res = logit_validation([[1]], lambda ids: y[len(ids[0]) - 1 :], x, kv_extract_fn=lambda n: {})
+    assert not aggregate_logit_verdict([res]).passed  # default K5 rtol 0.01
+    v = aggregate_logit_verdict([res], tol_map={5: (1e-5, 0.03), "all": (1e-5, 0.05)})
+    assert v.passed and v.decided_by == "static_topk"
