@@ -26,9 +26,19 @@ from capturestore.layout import chunk_keys, chunk_keys_in_region
 # encodes at ~1 GB/s and decodes at ~1.5 GB/s per core. zstd-1 + shuffle compresses bf16 KV
 # ~8% better but at half the speed; benchmarks/bench_store.py measures the ratio.
 CODEC_NAME = "blosc-lz4-bitshuffle-clevel5+crc32c"
+# compression=None: checksum only, for when CPU, not disk, is the bottleneck.
+CODEC_NAMES = {"lz4": CODEC_NAME, None: "crc32c"}
 
 
-def compressors_for(itemsize: int) -> list[Any]:
+def check_compression(compression: str | None) -> str | None:
+    if compression not in CODEC_NAMES:
+        raise ValueError(f"compression must be one of {list(CODEC_NAMES)}, got {compression!r}")
+    return compression
+
+
+def compressors_for(itemsize: int, compression: str | None = "lz4") -> list[Any]:
+    if compression is None:
+        return [Crc32cCodec()]
     return [
         BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle", typesize=itemsize),
         Crc32cCodec(),
@@ -63,6 +73,7 @@ def create_array(
     chunks: tuple[int, ...],
     dimension_names: list[str],
     attributes: dict[str, Any],
+    compression: str | None = "lz4",
 ) -> zarr.Array:
     return zarr.create_array(
         store=zstore,
@@ -70,7 +81,7 @@ def create_array(
         shape=shape,
         dtype=storage_dtype,
         chunks=chunks,
-        compressors=compressors_for(storage_dtype.itemsize),
+        compressors=compressors_for(storage_dtype.itemsize, compression),
         fill_value=0,
         dimension_names=dimension_names,
         attributes=attributes,

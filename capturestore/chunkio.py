@@ -43,9 +43,9 @@ def chunk_key(idx: tuple[int, ...]) -> str:
     return "c/" + "/".join(str(i) for i in idx)
 
 
-def _encode_and_write(path: Path, block: np.ndarray, itemsize: int) -> int:
+def _encode_and_write(path: Path, block: np.ndarray, itemsize: int, compressed: bool) -> int:
     raw = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
-    enc = _blosc(itemsize).encode(raw)
+    enc = _blosc(itemsize).encode(raw) if compressed else raw
     crc = struct.pack("<I", crc32c.crc32c(enc))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -57,8 +57,10 @@ def _encode_and_write(path: Path, block: np.ndarray, itemsize: int) -> int:
 
 
 def write_block(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...], block: np.ndarray,
-                offset: tuple[int, ...]) -> bool:
+                offset: tuple[int, ...], compressed: bool = True) -> bool:
     """Write ``block`` (storage dtype) at ``offset`` of the array; True if done.
+
+    ``compressed``: the array's codecs are bytes+blosc+crc32c (else bytes+crc32c).
 
     Returns False (nothing written) when the block does not start on chunk boundaries or ends
     inside a chunk that is not the array's last along that axis: such writes need a
@@ -83,14 +85,15 @@ def write_block(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...]
             part = full
         jobs.append((array_dir / chunk_key(idx), part))
     if len(jobs) == 1:
-        _encode_and_write(jobs[0][0], jobs[0][1], itemsize)
+        _encode_and_write(jobs[0][0], jobs[0][1], itemsize, compressed)
     else:
-        for f in [_pool().submit(_encode_and_write, p, b, itemsize) for p, b in jobs]:
+        for f in [_pool().submit(_encode_and_write, p, b, itemsize, compressed) for p, b in jobs]:
             f.result()
     return True
 
 
-def _read_chunk(path: Path, chunks: tuple[int, ...], dtype: np.dtype, where: str, key: str) -> np.ndarray:
+def _read_chunk(path: Path, chunks: tuple[int, ...], dtype: np.dtype, where: str, key: str,
+                compressed: bool) -> np.ndarray:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -105,6 +108,11 @@ def _read_chunk(path: Path, chunks: tuple[int, ...], dtype: np.dtype, where: str
             f"{where}, chunk {key}: checksum mismatch (stored crc32c {stored:#010x}, computed {computed:#010x})"
         )
     out = np.empty(chunks, dtype)
+    if not compressed:
+        if len(mv) - 4 != out.nbytes:
+            raise CorruptChunkError(f"{where}, chunk {key}: {len(mv) - 4} bytes where {out.nbytes} were expected")
+        out.reshape(-1).view(np.uint8)[:] = np.frombuffer(mv[:-4], np.uint8)
+        return out
     try:
         Blosc().decode(mv[:-4], out=out.reshape(-1).view(np.uint8))
     except Exception as e:  # noqa: BLE001 - a valid CRC over an undecodable frame
@@ -113,7 +121,7 @@ def _read_chunk(path: Path, chunks: tuple[int, ...], dtype: np.dtype, where: str
 
 
 def read_region(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype,
-                region: tuple[slice, ...], where: str) -> np.ndarray:
+                region: tuple[slice, ...], where: str, compressed: bool = True) -> np.ndarray:
     """array[region] (step-1 slices), checking every chunk's CRC32C; errors name the chunk."""
     bounds = [r.indices(s)[:2] for r, s in zip(region, shape)]
     out = np.empty(tuple(max(0, b - a) for a, b in bounds), dtype)
@@ -123,7 +131,7 @@ def read_region(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...]
 
     def one(idx: tuple[int, ...]) -> None:
         key = chunk_key(idx)
-        chunk = _read_chunk(array_dir / key, chunks, dtype, where, key)
+        chunk = _read_chunk(array_dir / key, chunks, dtype, where, key, compressed)
         src, dst = [], []
         for i, c, (a, b) in zip(idx, chunks, bounds):
             lo, hi = max(a, i * c), min(b, (i + 1) * c)

@@ -12,7 +12,7 @@ import pyarrow as pa
 import zarr
 
 from capturestore import catalog, integrity
-from capturestore.arrays import ArrayRef, checked_read, open_array, open_zarr_store
+from capturestore.arrays import ArrayRef, check_compression, checked_read, open_array, open_zarr_store
 from capturestore.chunkio import read_region
 from capturestore.dtypes import from_storage
 from capturestore.errors import FormatVersionError, StoreError
@@ -109,17 +109,21 @@ class Store:
     def begin_run(self, engine: str, model_path: str, model_hash: str | None = None, dtype: str = "bfloat16",
                   device: str = "cpu", engine_version: str | None = None, tp_degree: int = 1,
                   release: str | None = None, config: Any = None, chunk_tokens: int | None = None,
-                  durable: bool = False) -> RunWriter:
+                  durable: bool = False, compression: str | None = "lz4") -> RunWriter:
         """Start a run; write through the returned RunWriter, then commit (or use ``with``).
 
         ``chunk_tokens`` overrides the tokens per chunk (default: about 1 MiB per chunk).
         ``durable``: commit fsyncs the run's arrays and segments, so a committed run also
         survives power loss (a crashed process never loses committed data either way).
+        ``compression``: "lz4" (blosc lz4 + bitshuffle) or None (checksum only, for CPU-bound
+        writers); readers handle either.
         """
         meta = run_meta(engine, str(model_path), model_hash, dtype, device, engine_version, tp_degree, release, config)
         if chunk_tokens is not None and (not isinstance(chunk_tokens, int) or chunk_tokens < 1):
             raise ValueError(f"begin_run: chunk_tokens must be a positive integer, got {chunk_tokens!r}")
-        return RunWriter(self, new_run_id(), meta, chunk_tokens=chunk_tokens, durable=bool(durable))
+        check_compression(compression)
+        return RunWriter(self, new_run_id(), meta, chunk_tokens=chunk_tokens, durable=bool(durable),
+                         compression=compression)
 
     def append_table(self, name: str, rows: Any) -> Path:
         """Append rows (pyarrow.Table | list[dict] | dict of columns) as one atomically committed
@@ -182,9 +186,9 @@ class Store:
         full = tuple(slice(0, n) for n in shape)
         region = full if region is None else tuple(region) + full[len(region):]
         codecs = [c["name"] for c in meta.get("codecs", [])]
-        if codecs == ["bytes", "blosc", "crc32c"]:
+        if codecs in (["bytes", "blosc", "crc32c"], ["bytes", "crc32c"]):
             bits = read_region(self.root / ARRAYS_DIR / ref.path, shape, chunks, np.dtype(meta["data_type"]),
-                               region, ref.where())
+                               region, ref.where(), compressed=len(codecs) == 3)
         else:  # not our codec chain: let zarr decode, still naming corrupt chunks
             bits = checked_read(self.root / ARRAYS_DIR, open_array(self._zstore, ref), ref, region)
         return from_storage(bits, meta["attributes"]["logical_dtype"], as_torch, ref.where())

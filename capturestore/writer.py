@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import zarr
 
-from capturestore.arrays import CODEC_NAME, ArrayRef, create_array, stored_bytes
+from capturestore.arrays import CODEC_NAMES, ArrayRef, create_array, stored_bytes
 from capturestore.chunkio import write_block
 from capturestore.dtypes import (
     FLOAT_DTYPES,
@@ -123,9 +123,10 @@ class RunWriter:
     """Writes one run. Use as a context manager (commit on success, abort on exception)."""
 
     def __init__(self, store: Store, run_id: str, meta: dict[str, Any], chunk_tokens: int | None = None,
-                 durable: bool = False):
+                 durable: bool = False, compression: str | None = "lz4"):
         self.store = store
         self.durable = durable
+        self.compression = compression
         self.run_id = run_id
         self._meta = meta
         self._chunk_tokens = chunk_tokens
@@ -269,7 +270,8 @@ class RunWriter:
             raise ValueError(f"run {self.run_id}, prompt {pid}: array {name} was already written")
         ref = ArrayRef(self.run_id, pid, name)
         attributes = {"logical_dtype": ld.name, "kind": kind, "run_id": self.run_id, "prompt_id": pid, **attrs}
-        arr = create_array(self.store._zstore, ref, tuple(int(s) for s in shape), ld.storage, chunks, dims, attributes)
+        arr = create_array(self.store._zstore, ref, tuple(int(s) for s in shape), ld.storage, chunks, dims, attributes,
+                           compression=self.compression)
         st = _ArrayState(ref=ref, arr=arr, kind=kind, ld=ld, dims=dims, **state)
         self._arrays[(pid, name)] = st
         return st
@@ -278,7 +280,8 @@ class RunWriter:
         """Write ``block`` (storage dtype) at ``offset`` (default: origin) of the array."""
         offset = offset or (0,) * block.ndim
         adir = self.store.root / ARRAYS_DIR / st.ref.path
-        if not write_block(adir, tuple(st.arr.shape), tuple(st.arr.chunks), block, offset):
+        if not write_block(adir, tuple(st.arr.shape), tuple(st.arr.chunks), block, offset,
+                           compressed=self.compression is not None):
             st.arr[tuple(slice(o, o + n) for o, n in zip(offset, block.shape))] = block  # unaligned: zarr
 
     def _tokens_per_chunk(self, bytes_per_token: int, known_len: int | None) -> int:
@@ -579,7 +582,7 @@ class RunWriter:
                 "kv_group": st.kv_group, "module": st.module, "phase": st.phase,
                 "steps": st.steps if st.kind == "tensor" else None,
                 "shape": shape, "dimension_names": st.dims, "chunks": [int(c) for c in st.arr.chunks],
-                "dtype": st.ld.name, "storage_dtype": st.ld.storage.name, "codec": CODEC_NAME,
+                "dtype": st.ld.name, "storage_dtype": st.ld.storage.name, "codec": CODEC_NAMES[self.compression],
                 "nbytes": int(np.prod(shape, dtype=np.int64)) * st.ld.numpy.itemsize,
                 "stored_bytes": stored_bytes(zroot / st.ref.path), "layer_names": st.layer_names,
                 "path": f"{ARRAYS_DIR}/{st.ref.path}",

@@ -151,6 +151,8 @@ def test_bad_run_metadata_and_table_names(store):
         store.begin_run(engine="hf", model_path="m", tp_degree=0)
     with pytest.raises(ValueError, match="engine must be a non-empty string"):
         store.begin_run(engine="", model_path="m")
+    with pytest.raises(ValueError, match="compression must be one of"):
+        store.begin_run(engine="hf", model_path="m", compression="gzip")
     with pytest.raises(ValueError, match="config must be JSON-serialisable"):
         store.begin_run(engine="hf", model_path="m", config={"x": object()})
     with pytest.raises(ValueError, match="is written by runs only"):

@@ -133,17 +133,18 @@ def test_two_processes_writing_different_runs_at_once_lose_nothing(tmp_path):
     assert store.verify().ok
 
 
-def _one_run(store: Store):
+def _one_run(store: Store, compression="lz4"):
     rng = np.random.default_rng(0)
     k = rng.standard_normal((2, 2, 16, 32)).astype(np.float32)
-    with store.begin_run(engine="hf", model_path="m", chunk_tokens=4) as run:
+    with store.begin_run(engine="hf", model_path="m", chunk_tokens=4, compression=compression) as run:
         pid = run.add_prompt(list(range(16)))
         run.write_kv(pid, k, k)
     return run.run_id, pid
 
 
-def test_flipped_byte_is_reported_by_verify_and_on_read_naming_the_chunk(store):
-    rid, pid = _one_run(store)
+@pytest.mark.parametrize("compression", ["lz4", None])
+def test_flipped_byte_is_reported_by_verify_and_on_read_naming_the_chunk(store, compression):
+    rid, pid = _one_run(store, compression)
     chunk = store.root / ARRAYS_DIR / rid / pid / "kv_v" / "c" / "1" / "0" / "2" / "0"
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0x40

@@ -34,16 +34,17 @@ def kv_cases(draw):
     k, v = draw(raw), draw(raw)
     chunk = draw(st.one_of(st.none(), st.integers(1, 9)))
     steps = draw(st.lists(st.integers(1, 5), min_size=1, max_size=8))
-    return name, k, v, chunk, steps
+    compression = draw(st.sampled_from(["lz4", None]))
+    return name, k, v, chunk, steps, compression
 
 
 @SETTINGS
 @given(case=kv_cases())
 def test_kv_round_trips_bit_exact_for_every_write_path(shared_store, case):
-    name, kb, vb, chunk, steps = case
+    name, kb, vb, chunk, steps, compression = case
     k, v = _as_dtype(kb, name), _as_dtype(vb, name)
     L, H, S, D = k.shape
-    with shared_store.begin_run(engine="prop", model_path="m", chunk_tokens=chunk) as run:
+    with shared_store.begin_run(engine="prop", model_path="m", chunk_tokens=chunk, compression=compression) as run:
         one = run.add_prompt([1])
         run.write_kv(one, k, v)
         streamed = run.add_prompt([2])

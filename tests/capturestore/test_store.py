@@ -233,7 +233,8 @@ def test_xarray_opens_a_prompt_group_with_named_dims(store):
     assert np.array_equal(ds["kv_k"].values, bits(k))  # bf16 bits; view with the logical dtype
 
 
-def test_chunks_written_by_the_fast_path_read_back_through_zarr_python(store):
+@pytest.mark.parametrize("compression", ["lz4", None])
+def test_chunks_written_by_the_fast_path_read_back_through_zarr_python(store, compression):
     """chunkio writes chunk files itself; zarr must decode them to the same bits (edge chunks
     padded, streamed arrays, layer-by-layer writes)."""
     import zarr
@@ -241,7 +242,7 @@ def test_chunks_written_by_the_fast_path_read_back_through_zarr_python(store):
     rng = np.random.default_rng(7)
     k = bf16(rng, (2, 3, 13, 32))
     logits = rng.standard_normal((13, 7)).astype(np.float32)
-    with store.begin_run(engine="hf", model_path="m", chunk_tokens=4) as run:
+    with store.begin_run(engine="hf", model_path="m", chunk_tokens=4, compression=compression) as run:
         pid = run.add_prompt(np.arange(13))
         run.write_kv(pid, k, k)
         for t in range(13):
@@ -255,6 +256,12 @@ def test_chunks_written_by_the_fast_path_read_back_through_zarr_python(store):
                           (pid, "tokens", np.arange(13, dtype=np.int32))):
         arr = zarr.open_array(store=zroot, path=f"{run.run_id}/{p}/{name}", mode="r")
         assert np.array_equal(np.ascontiguousarray(arr[...]).view(want.dtype), want), name
+        assert [c["name"] for c in arr.metadata.to_dict()["codecs"]] == (
+            ["bytes", "blosc", "crc32c"] if compression else ["bytes", "crc32c"])
+    k2, _ = store.read_kv(run.run_id, other)
+    assert np.array_equal(bits(k2), bits(k))
+    codecs = set(store.captures(run.run_id).column("codec").to_pylist())
+    assert codecs == {"blosc-lz4-bitshuffle-clevel5+crc32c" if compression else "crc32c"}
 
 
 def test_durable_commit_and_pending_runs(store):
