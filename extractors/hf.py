@@ -162,19 +162,20 @@ def _align_kv(cache, lengths: Sequence[int], names: list[str]) -> dict:
     return out
 
 
-def _gather_logits(logits, lengths, starts, counts):
-    """``[batch, width, vocab]`` padded-batch logits -> ``[gen_token, batch, vocab]``.
+def _gather_logits(kept, teacher_lens):
+    """Last-columns logits of a left-padded batch -> ``[gen_token, batch, vocab]``.
 
-    Row ``b``'s gen token ``j`` comes from its position ``starts[b] - 1 + j``.
+    kept: ``[batch, K, vocab]``, the last ``K = max(teacher_lens) + 1`` columns. Row ``b``'s gen
+    token ``j`` comes from its position ``prompt_len_b - 1 + j``, which is kept column
+    ``K - 1 - teacher_lens[b] + j`` (every row ends at the last column).
     """
     import torch
 
-    B, width, V = logits.shape
-    G = max(counts) if counts else 0
-    out = torch.full((G, B, V), float("nan"), dtype=logits.dtype)
-    for b in range(B):
-        c0 = width - lengths[b] + starts[b] - 1
-        out[: counts[b], b] = logits[b, c0 : c0 + counts[b]]
+    B, K, V = kept.shape
+    G = K - 1
+    out = torch.full((G, B, V), float("nan"), dtype=kept.dtype)
+    for b, n in enumerate(teacher_lens):
+        out[:n, b] = kept[b, G - n : G]
     return out
 
 
@@ -208,15 +209,17 @@ def extract_hf_kv_caches_teacher_forced(model, input_ids, teacher_tokens, return
     rows = [p + t for p, t in zip(prompts, teachers)]
     lengths = [len(r) for r in rows]
     ids, mask, pos = _left_pad(rows, _pad_id(model))
+    teacher_lens = [len(t) for t in teachers]
+    # Only the last max(teacher_len) + 1 columns hold logits we return: skip the LM head elsewhere.
+    keep = max(teacher_lens) + 1 if return_logits else 1
     cache = DynamicCache(config=model.config)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                    use_cache=True, **({} if return_logits else {"logits_to_keep": 1}))
+                    use_cache=True, logits_to_keep=keep)
     kv = _align_kv(out.past_key_values, lengths, hf_layer_names(model))
     if not return_logits:
         return kv
-    logits = _gather_logits(out.logits, lengths, [len(p) for p in prompts], [len(t) for t in teachers])
-    return logits, kv
+    return _gather_logits(out.logits, teacher_lens), kv
 
 
 def generate_hf_logits_and_kv(model, input_ids, num_tokens: int):
@@ -267,7 +270,8 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
 
     prompts: list of token-id lists. With ``teacher_tokens`` (one list per prompt) the run is
     teacher-forced in one forward pass per prompt; without, ``num_tokens`` greedy tokens are
-    generated. Per prompt the store gets tokens (prompt + forced/generated), logits
+    generated. Per prompt the store gets tokens = prompt + forced/generated tokens (the prompt
+    id hashes the prompt alone; the forced/generated tokens are its ``continuation``), logits
     ``[gen_token, vocab]`` and KV ``[layer, kv_head, seq, head_dim]`` (sliding layers NaN outside
     HF's window). Prompts are captured one at a time so memory stays bounded by one prompt.
     ``model``: an already loaded model of ``model_path`` in ``dtype`` (skips loading).
@@ -279,12 +283,14 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
 
     prompt_rows = [_to_rows(p, f"prompts[{i}]")[0] for i, p in enumerate(prompts)]
     if teacher_tokens is not None:
-        teacher_rows = [_to_rows(t, f"teacher_tokens[{i}]")[0] if len(t) else []
-                        for i, t in enumerate(teacher_tokens)]
+        teacher_rows = [_to_rows(t, f"teacher_tokens[{i}]")[0] for i, t in enumerate(teacher_tokens)]
         if len(teacher_rows) != len(prompt_rows):
             raise ValueError(f"capture_hf_run: {len(teacher_rows)} teacher rows for {len(prompt_rows)} prompts")
     if model is None:
         model = load_hf_model(model_path, dtype)
+    model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if model_dtype != dtype:
+        raise ValueError(f"capture_hf_run: the model passed is {model_dtype}, the run says dtype={dtype!r}")
     names = hf_layer_names(model)
     cfg = _text_config(model)
     config = {
@@ -292,6 +298,7 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
         "num_tokens": None if teacher_tokens is not None else num_tokens,
         "attn_implementation": "eager",
         "layer_names": names,
+        "prompt_lens": [len(p) for p in prompt_rows],
         "sliding_window": getattr(cfg, "sliding_window", None),
         "layer_types": list(getattr(cfg, "layer_types", None) or []) or None,
         "kv_layout": "[layer, kv_head, seq, head_dim]; seq index == position; NaN where HF's "

@@ -222,6 +222,8 @@ def test_capture_hf_run_writes_what_the_extractors_return(models, tiny_model, tm
 
     tf_run = capture_hf_run(store, path, PROMPTS, teacher_tokens=TEACHERS, model=model, release="r1")
     gen_run = capture_hf_run(store, path, PROMPTS[:2], num_tokens=6, model=model)
+    with pytest.raises(ValueError, match="model passed is float32, the run says dtype='bfloat16'"):
+        capture_hf_run(store, path, PROMPTS[:1], num_tokens=2, model=model, dtype="bfloat16")
 
     runs = {r["run_id"]: r for r in store.runs().to_pylist()}
     assert runs[tf_run]["engine"] == "hf" and runs[tf_run]["dtype"] == "float32"
@@ -230,9 +232,12 @@ def test_capture_hf_run_writes_what_the_extractors_return(models, tiny_model, tm
     cfg = json.loads(cfg) if isinstance(cfg, str) else cfg
     assert cfg["mode"] == "teacher_forced" and cfg["layer_names"] == names
 
+    prompt_rows = {r["prompt_id"]: r for r in store.prompts(tf_run).to_pylist()}
+    assert sorted((r["n_prompt_tokens"], r["n_tokens"]) for r in prompt_rows.values()) == \
+        sorted((len(p), len(p) + len(t)) for p, t in zip(PROMPTS, TEACHERS))
     for p, t in zip(PROMPTS, TEACHERS):
         logits, kv = extract_hf_kv_caches_teacher_forced(model, [p], [t], return_logits=True)
-        pid = store_mod.prompt_id(p + t)
+        pid = store_mod.prompt_id(p)
         assert store.read_tokens(tf_run, pid).tolist() == p + t
         torch.testing.assert_close(store.read_logits(tf_run, pid, as_torch=True), logits[:, 0], atol=0, rtol=0)
         k, v = store.read_kv(tf_run, pid, as_torch=True)
@@ -244,6 +249,6 @@ def test_capture_hf_run_writes_what_the_extractors_return(models, tiny_model, tm
     for p in PROMPTS[:2]:
         logits, kv = generate_hf_logits_and_kv(model, [p], 6)
         toks = p + logits[:, 0].argmax(-1).tolist()
-        pid = store_mod.prompt_id(toks)
+        pid = store_mod.prompt_id(p)
         assert store.read_tokens(gen_run, pid).tolist() == toks
         torch.testing.assert_close(store.read_logits(gen_run, pid, as_torch=True), logits[:, 0], atol=0, rtol=0)
