@@ -98,6 +98,11 @@ def _prompt_rows(p):
         return p.results
     if isinstance(p, tuple):  # (passed, results[, merged_kv]) as logit_validation returns
         return p[1]
+    if isinstance(p, bool):
+        raise ValueError(
+            "a bare bool has no per-token results (two-way logit_validation without KV returns only "
+            "passed); pass validate_logits(...) results instead"
+        )
     return p
 
 
