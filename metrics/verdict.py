@@ -78,6 +78,14 @@ class LogitVerdict:
     per_token_max_linf_ratio: tuple = ()
     per_token_max_l2_ratio: tuple = ()
 
+    @property
+    def phase(self) -> str | None:
+        """Where a failure starts (reference/002 triage): "prefill" when generation token 0
+        fails a static check, else "decode"; None when passed or no token failed."""
+        if self.passed or self.first_failed is None:
+            return None
+        return "prefill" if self.first_failed[2] == 0 else "decode"
+
     def summary(self) -> str:
         head = "PASS" if self.passed else "FAIL"
         why = {

@@ -158,3 +158,13 @@ def test_logit_verdict_static_check_can_rejudge_with_another_map():
     assert not aggregate_logit_verdict([res]).passed  # default K5 rtol 0.01
     v = aggregate_logit_verdict([res], tol_map={5: (1e-5, 0.03), "all": (1e-5, 0.05)})
     assert v.passed and v.decided_by == "static_topk"
+
+
+def test_logit_verdict_phase_points_at_prefill_or_decode():
+    x = np.random.default_rng(10).normal(size=(3, 1, 50)).astype(np.float32)
+    for bad_token, phase in ((0, "prefill"), (2, "decode")):
+        y = x.copy()
+        y[bad_token, 0, np.argsort(-x[bad_token, 0])[1]] += 0.2 * np.abs(x[bad_token, 0]).max()
+        res = logit_validation([[1]], lambda ids, y=y: y[len(ids[0]) - 1 :], x, kv_extract_fn=lambda n: {})
+        v = aggregate_logit_verdict([res])
+        assert not v.passed and v.first_failed == (0, 0, bad_token) and v.phase == phase
