@@ -26,7 +26,7 @@ error" while still failing the token; here both say failed).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
