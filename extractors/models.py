@@ -229,11 +229,13 @@ def _cache_root() -> Path:
 
 
 def tiny_model_key(arch: str, seed: int = 0) -> str:
-    """Cache key: hash of the arch spec, seed, generator version and transformers version."""
+    """Cache key: hash of the arch spec, seed, generator version, this module's source (so an
+    edited generator never reuses an old build) and the transformers version."""
     import transformers
 
     blob = json.dumps(
         {"spec": tiny_model_spec(arch), "seed": seed, "generator": GENERATOR_VERSION,
+         "source": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
          "transformers": transformers.__version__},
         sort_keys=True,
     )
