@@ -7,7 +7,8 @@ Limits measured in the same run, on the same disk (the --dir, default .bench-tmp
   see the same machine load. Goal: >= 0.5x raw. Store writes are CPU-bound (compression on a
   thread pool, one chunk per task), so the page-cache ratio grows with cores.
 - compression: logical bytes / bytes of chunk files on disk (checksums included), for BF16 KV
-  and FP32 logits from a forward pass of the tiny random-initialised llama-gqa model (when
+  from a bf16 forward of the tiny random-initialised llama-gqa model and FP32 logits from its
+  fp32 forward (when
   torch + transformers + extractors.models are importable) and for synthetic data: BF16 KV
   with log-normal per-channel scales (the outlier channels of real K caches), FP32 logits
   N(0, 3^2). The codec is named in the table.
@@ -66,22 +67,27 @@ def tiny_model_tensors(seq: int = 256):
         print(f"(tiny model unavailable: {e}; synthetic data only)")
         return None
     path = tiny_model("llama-gqa")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
-    ids = torch.randint(4, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        out = model(ids, use_cache=True)
+    ids = None
+    outs = {}
+    for dtype in (torch.bfloat16, torch.float32):  # KV from the bf16 model, logits from the fp32 one
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+        if ids is None:
+            ids = torch.randint(4, model.config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            outs[dtype] = (model(ids, use_cache=True), model.config.num_hidden_layers)
+    out, n_layers = outs[torch.bfloat16]
     cache = out.past_key_values
     ks, vs = [], []
-    for layer in range(model.config.num_hidden_layers):
+    for layer in range(n_layers):
         if hasattr(cache, "layers"):
             k, v = cache.layers[layer].keys, cache.layers[layer].values
         else:
             k, v = cache[layer]
         ks.append(k[0])
         vs.append(v[0])
-    k = torch.stack(ks)  # [layer, kv_head, seq, head_dim]
+    k = torch.stack(ks)  # [layer, kv_head, seq, head_dim] bf16
     v = torch.stack(vs)
-    logits = out.logits[0].float()  # [gen_token, vocab] fp32
+    logits = outs[torch.float32][0].logits[0]  # [gen_token, vocab] fp32 (a bf16 model's would be upcast bf16)
     return k, v, logits
 
 
@@ -184,8 +190,8 @@ def compression(workdir: Path, quick: bool) -> list[tuple]:
             pid = run.add_prompt([1])
             run.write_kv(pid, tiny[0], tiny[1])
             run.write_logits(pid, tiny[2])
-        cases.append((run.run_id, ["kv_k", "kv_v"], "BF16 KV, tiny llama-gqa forward"))
-        cases.append((run.run_id, ["logits"], "FP32 logits, tiny llama-gqa forward"))
+        cases.append((run.run_id, ["kv_k", "kv_v"], "BF16 KV, tiny llama-gqa bf16 forward"))
+        cases.append((run.run_id, ["logits"], "FP32 logits, tiny llama-gqa fp32 forward"))
     with store.begin_run(engine="bench", model_path="synthetic") as run:
         pid = run.add_prompt([2])
         run.write_kv(pid, k, v)
