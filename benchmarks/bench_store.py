@@ -8,8 +8,8 @@ Limits measured in the same run, on the same disk (the --dir, default .bench-tmp
   thread pool, one chunk per task), so the page-cache ratio grows with cores.
 - compression: logical bytes / bytes of chunk files on disk (checksums included), for BF16 KV
   from a bf16 forward of the tiny random-initialised llama-gqa model and FP32 logits from its
-  fp32 forward (when
-  torch + transformers + extractors.models are importable) and for synthetic data: BF16 KV
+  fp32 forward (when torch + transformers + extractors.models are importable), and for
+  synthetic data: BF16 KV
   with log-normal per-channel scales (the outlier channels of real K caches), FP32 logits
   N(0, 3^2). The codec is named in the table.
 - RSS: a subprocess appends --rss-gb of BF16 KV one decode token at a time
