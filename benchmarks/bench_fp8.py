@@ -4,14 +4,16 @@ Limit measured in the same run: `np.copyto` of the same bytes (one read + one wr
 fastest thing numpy can do over them). Paths timed (best of --repeat, outputs preallocated and
 touched first so page faults are not counted):
 
-- lut round trip: `Fp8Codec.round_trip` (bit-identical to the reference, tested exhaustively),
+- lut round trip: `Fp8Codec(backend="numpy").round_trip` (two table gathers per element),
+- fused (numba): `Fp8Codec(backend="numba").round_trip`, one vectorised pass (when numba imports),
+  both bit-identical to the reference on all 65536 bf16 patterns (tested),
 - reference: `quantize` + `dequantize` (float32 element-wise numpy), on a slice (--ref-mb),
 - torch: `quantize_torch` + `dequantize_torch`, chunked, on the same slice.
 A bf16 -> float32 conversion pass and a bf16 `x * s` ufunc pass are shown for context (the
 limit is the copy). The LUT path is gather-bound: two table lookups per element (np.take, about
 1 ns each when the machine is quiet) against the copy's ~0.2 ns per element.
 
-Throughput = input bf16 bytes / second. Goal: lut round trip >= 0.2x the copy.
+Throughput = input bf16 bytes / second. Goal: the faster round trip >= 0.2x the copy.
 Usage: python benchmarks/bench_fp8.py [--size-mb 1024] [--ref-mb 16] [--repeat 3]
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 import ml_dtypes
 import numpy as np
 
+from nki_fp8 import fastpath
 from nki_fp8.quant import Fp8Codec, dequantize, dequantize_torch, quantize, quantize_torch
 
 GOAL = 0.2
@@ -65,10 +68,15 @@ def main(argv=None) -> int:
     t_mul = best_of(lambda: np.multiply(xb, s_bf16, out=prod), args.repeat)  # one bf16 arithmetic pass
     del prod
 
-    codec = Fp8Codec(scale, platform=args.platform)
     q = np.ones(n, np.uint8)
     d = np.ones(n, np.uint16)
+    codec = Fp8Codec(scale, platform=args.platform, backend="numpy")
     t_lut = best_of(lambda: codec.round_trip(xb, q, d), args.repeat)
+    t_fused = None
+    if fastpath.available():
+        fused = Fp8Codec(scale, platform=args.platform, backend="numba")
+        fused.round_trip(xb[:16])  # compile outside the timing
+        t_fused = best_of(lambda: fused.round_trip(xb, q, d), args.repeat)
 
     m = min(n, args.ref_mb * (1 << 20) // 2)
     xs = xb[:m]
@@ -90,6 +98,7 @@ def main(argv=None) -> int:
         ("bf16->f32 pass", t_f32, args.size_mb),
         ("bf16 x*s pass", t_mul, args.size_mb),
         ("lut round trip", t_lut, args.size_mb),
+        *([("fused (numba)", t_fused, args.size_mb)] if t_fused else []),
         ("reference numpy", t_ref, args.ref_mb),
         ("torch chunked", t_torch, args.ref_mb),
     ]
@@ -97,9 +106,10 @@ def main(argv=None) -> int:
     print(f"{'path':<20} {'measured MiB':>12} {'s per tensor':>13} {'GB/s':>8} {'x limit':>8}")
     for name, t, mb in rows:
         print(f"{name:<20} {mb:>12} {t:>13.3f} {gbs(t):>8.2f} {t_copy / t:>8.3f}")
-    ratio = t_copy / t_lut
-    print(f"goal: lut round trip >= {GOAL}x the copy: {'met' if ratio >= GOAL else 'NOT met'} ({ratio:.3f}x); "
-          f"vs one bf16 arithmetic pass (x*s): {t_mul / t_lut:.2f}x")
+    best_name, best = ("fused (numba)", t_fused) if t_fused and t_fused < t_lut else ("lut round trip", t_lut)
+    ratio = t_copy / best
+    print(f"goal: {best_name} >= {GOAL}x the copy: {'met' if ratio >= GOAL else 'NOT met'} ({ratio:.3f}x); "
+          f"vs one bf16 arithmetic pass (x*s): {t_mul / best:.2f}x")
     return 0
 
 

@@ -130,9 +130,19 @@ class Fp8Codec:
     exhaustively). It processes `chunk` elements at a time to stay in cache; indices are in
     range by construction (uint16 into 65536 entries, uint8 into 256), so `mode="clip"` only
     skips numpy's bounds check.
+
+    `round_trip` uses the fused numba kernel of `fastpath` when `backend` is "numba" (or "auto"
+    and numba imports): same bits, one vectorised pass instead of two table gathers.
     """
 
-    def __init__(self, scale: float, *, platform: str | None = None, chunk: int = 1 << 17):
+    def __init__(self, scale: float, *, platform: str | None = None, chunk: int = 1 << 17, backend: str = "auto"):
+        from . import fastpath
+
+        if backend not in ("auto", "numpy", "numba"):
+            raise ValueError(f"Fp8Codec backend must be 'auto', 'numpy' or 'numba', got {backend!r}")
+        if backend == "numba" and not fastpath.available():
+            raise ValueError("Fp8Codec backend='numba' but numba is not importable (it comes with the vllm extra)")
+        self.backend = "numba" if backend == "numba" or (backend == "auto" and fastpath.available()) else "numpy"
         self.platform = platform
         self.fmt = fp8_format(platform)
         self.scale = np.float32(scale)
@@ -163,6 +173,12 @@ class Fp8Codec:
         src = np.ascontiguousarray(x_bf16).view(np.uint16).reshape(-1)
         q = np.empty(src.size, np.uint8) if q_out is None else q_out.view(np.uint8).reshape(-1)
         d = np.empty(src.size, np.uint16) if out is None else out.view(np.uint16).reshape(-1)
+        if self.backend == "numba":
+            from . import fastpath
+
+            fastpath.round_trip(src, self.scale, self.fmt.max_finite, q, d)
+            shape = np.shape(x_bf16)
+            return q.view(self.fmt.numpy_dtype).reshape(shape), d.view(_BF16).reshape(shape)
         for i in range(0, src.size, self.chunk):
             j = i + self.chunk
             np.take(self.q_lut, src[i:j], out=q[i:j], mode="clip")

@@ -166,7 +166,7 @@ def test_dequantize_divides_by_the_kernel_scale():
 @pytest.mark.parametrize("scale", [1.0, 3.3, 1e-4, 2.0**20])
 def test_lut_codec_equals_reference_on_all_65536_bf16_patterns(platform, scale):
     xb = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(BF16)
-    codec = Fp8Codec(scale, platform=platform, chunk=5000)  # chunk not dividing the size
+    codec = Fp8Codec(scale, platform=platform, chunk=5000, backend="numpy")  # chunk not dividing the size
     q = codec.quantize(xb)
     ref = quantize(xb, scale, platform=platform)
     nan = np.isnan(ref.astype(np.float32))
@@ -177,6 +177,20 @@ def test_lut_codec_equals_reference_on_all_65536_bf16_patterns(platform, scale):
     q2, d2 = codec.round_trip(xb)
     np.testing.assert_array_equal(q2.view(np.uint8), q.view(np.uint8))
     np.testing.assert_array_equal(d2.view(np.uint16), d.view(np.uint16))
+
+
+@pytest.mark.parametrize("platform", ["trn2", "trn3"])
+@pytest.mark.parametrize("scale", [1.0, 3.3, 1e-4, 2.0**20, 12.0, 240 / 1e-3])
+def test_fused_numba_round_trip_equals_reference_on_all_65536_bf16_patterns(platform, scale):
+    pytest.importorskip("numba")
+    xb = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(BF16)
+    q, d = Fp8Codec(scale, platform=platform, backend="numba").round_trip(xb)
+    ref = quantize(xb, scale, platform=platform)
+    nan = np.isnan(ref.astype(np.float32))
+    assert (np.isnan(q.astype(np.float32)) == nan).all() and (np.isnan(d.astype(np.float32)) == nan).all()
+    np.testing.assert_array_equal(q.view(np.uint8)[~nan], ref.view(np.uint8)[~nan])
+    want_d = dequantize(ref, scale, out_dtype=BF16)
+    np.testing.assert_array_equal(d.view(np.uint16)[~nan], want_d.view(np.uint16)[~nan])
 
 
 from hypothesis import given, settings  # noqa: E402
