@@ -186,8 +186,10 @@ def _gather_logits(kept, teacher_lens):
 def extract_hf_kv_caches_teacher_forced(model, input_ids, teacher_tokens, return_logits: bool = False):
     """KV (and logits) of prompt + teacher tokens in ONE forward pass.
 
-    input_ids: one prompt ``[seq]`` or several ``[batch][seq_b]`` (lists may differ in length).
-    teacher_tokens: tokens to force after each prompt, same nesting as ``input_ids``.
+    input_ids: one prompt ``[seq]`` or several ``[batch][seq_b]`` (lists may differ in length;
+        a 2-D tensor is read as rows of real tokens, so pass ragged prompts as lists, not padded).
+    teacher_tokens: tokens to force after each prompt, same nesting as ``input_ids`` (a row may
+        be empty: its KV is then the prompt's alone).
     Returns ``kv`` or, with ``return_logits``, ``(logits, kv)``:
       kv: ``{layer_name: (k, v)}``, k, v ``[batch, kv_head, seq, head_dim]``, seq index == position,
           ``seq = max(prompt_len_b + teacher_len_b)``; padding and dropped sliding positions NaN.
