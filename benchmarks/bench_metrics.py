@@ -18,17 +18,20 @@ reference measured in the same run:
    the upstream loop (per generation token and layer: gather, concatenate, np.histogram),
    timed on a subset and extrapolated.
 
-Reading the figures: the three-way time is ~80% BC (the "two-way" row is the rest). Each BC is
+Reading the figures: half or more of the three-way time is BC (the "two-way" row, which has
+neither baseline errors nor BC, is the rest; runs measured 50-80 %). Each BC is
 a histogram of one token x layer (heads x head_dim errors, 100 bins, 2 samples): about a dozen
 elementwise passes plus a scatter-add (np.bincount) per value, against the limit's single
 streaming read. NumPy cannot fuse those passes, so the issue's 0.25x-of-limit goal is out of
 reach without a compiled kernel; the figure is printed as measured. Times are wall clock on a
-shared 2-core machine: the ratios come from one run but not from one instant of its load.
+shared 2-core machine, best of two (limit: best of three): the ratios come from one run but
+not from one instant of its load.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import subprocess
@@ -217,16 +220,20 @@ def main():
         base[name], exp[name], act[name] = make_layer(i, H, S, D)
     nbytes = sum(x.nbytes for src in (base, exp, act) for kv in src.values() for x in kv)
     t_limit = min(limit_pass((base, exp, act)) for _ in range(3))
-    t0 = time.perf_counter()
-    res = compare_kv_caches(exp, act, baseline_kv=base)
-    t_ours = time.perf_counter() - t0
+    t_ours = math.inf
+    for _ in range(2):  # best of two, as for every timing here: the machine is shared
+        t0 = time.perf_counter()
+        res = compare_kv_caches(exp, act, baseline_kv=base)
+        t_ours = min(t_ours, time.perf_counter() - t0)
     assert res.shape == (1, S, L, H) and np.isfinite(res.k_bc).all()
-    t0 = time.perf_counter()
-    compare_kv_caches(exp, act)  # where the time goes: no baseline errors, no BC
-    t_two = time.perf_counter() - t0
+    t_two = math.inf
+    for _ in range(2):  # where the time goes: no baseline errors, no BC
+        t0 = time.perf_counter()
+        compare_kv_caches(exp, act)
+        t_two = min(t_two, time.perf_counter() - t0)
     sub_layers = list(base)[:2]
     sub_tokens = list(range(0, S, max(1, S // 16)))[:16]
-    t_sub = upstream_loop(exp, act, base, sub_layers, sub_tokens)
+    t_sub = min(upstream_loop(exp, act, base, sub_layers, sub_tokens) for _ in range(2))
     t_loop = t_sub * (L * S) / (len(sub_layers) * len(sub_tokens))
     gb = nbytes / 1e9
     rows.append((f"compare_kv_caches 3-way, {L}x{H}x{S}x{D}, {gb:.2f} GB", f"{t_ours:.2f} s", f"{gb / t_ours:.2f} GB/s", "", ""))
@@ -261,12 +268,14 @@ def main():
         KVRawErrors(names, *(big[f][p, None, : plens[p] + G] for f in ("base_k", "base_v", "tgt_k", "tgt_v")), [W] * LA)
         for p in range(P)
     ]
-    t0 = time.perf_counter()
-    agg = aggregate_kv_bc_across_prompts(raws, plens)
-    t_agg = time.perf_counter() - t0
+    t_agg = math.inf
+    for _ in range(2):
+        t0 = time.perf_counter()
+        agg = aggregate_kv_bc_across_prompts(raws, plens)
+        t_agg = min(t_agg, time.perf_counter() - t0)
     assert len(agg) == G and len(agg[0]) == LA
     gens, lis = [0, G // 2], [0, LA // 2]
-    t_sub = upstream_aggregate_loop(raws, plens, gens, lis)
+    t_sub = min(upstream_aggregate_loop(raws, plens, gens, lis) for _ in range(2))
     t_aloop = t_sub * (G * LA) / (len(gens) * len(lis))
     rows.append((f"aggregate_kv_bc_across_prompts {P} prompts x {LA} layers x {G} gen", f"{t_agg:.2f} s", "",
                  f"{t_aloop / t_agg:.1f}x loop", f"loop {t_aloop:.0f} s (4 pairs timed, x{G * LA // 4})"))
