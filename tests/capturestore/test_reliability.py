@@ -207,3 +207,29 @@ def test_store_creation_cut_short_resumes_and_concurrent_opens_agree(tmp_path):
         _, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
     assert Store.open(fresh, create=False).verify().ok
+
+
+def test_a_run_killed_just_before_its_commit_marker_is_invisible_and_collected(store):
+    """Deterministic version of the worst SIGKILL point: prompts and captures segments written,
+    runs segment (the commit marker) not, writer gone."""
+    rid, pid = _one_run(store)
+    (store.root / "tables" / "runs" / f"{rid}.parquet").unlink()
+    fresh = Store.open(store.root)
+    assert fresh.runs().num_rows == 0
+    for table in ("prompts", "captures"):
+        assert fresh.sql(f"SELECT count(*) AS n FROM {table}").to_pylist() == [{"n": 0}]
+    assert fresh.captures().num_rows == 0 and fresh.prompts().num_rows == 0
+    with pytest.raises(ValueError, match="unknown run id"):
+        fresh.read_kv(rid, pid)
+    assert [p.kind for p in fresh.verify()] == ["orphan"]
+    removed = fresh.gc()
+    assert sorted(removed) == sorted([f"{ARRAYS_DIR}/{rid}", f"tables/prompts/{rid}.parquet", f"tables/captures/{rid}.parquet"])
+    assert fresh.verify().ok
+
+
+def test_gc_in_the_writing_process_leaves_its_open_run_alone(store):
+    run = store.begin_run(engine="hf", model_path="m")
+    pid = run.add_prompt([1, 2, 3])
+    assert store.gc() == [] and store.verify().ok
+    run.commit()
+    np.testing.assert_array_equal(store.read_tokens(run.run_id, pid), [1, 2, 3])
