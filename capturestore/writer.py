@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from capturestore.store import Store
 
 KV_DIMS = ["layer", "kv_head", "seq", "head_dim"]
+STREAM_BUFFER_BYTES = 64 << 20  # K + V staging of one streamed prompt: peak RSS stays flat
 LOGITS_DIMS = ["gen_token", "vocab"]
 TOKENS_DIMS = ["token"]
 _INT32_MAX = np.iinfo(np.int32).max
@@ -512,6 +513,8 @@ class RunWriter:
             names = self._layer_names(layer_names, L, where)
             self._check_kv_geometry(pid, "append_kv", g, L, H, D, ld, names)
             chunks = self._kv_chunks(H, D, ld, None)
+            if self._chunk_tokens is None:  # staging holds one chunk per layer for K and V: bound it
+                chunks = (1, H, stream_chunk_tokens(chunks[2], 2 * L * H * D * ld.storage.itemsize), D)
             sk, sv = self._create_kv_arrays(pid, group, (L, H, 0, D), ld, names, chunks)
             for st in (sk, sv):
                 st.buffer = _Buffer(axis=2, data=np.empty((L, H, chunks[2], D), ld.storage))
@@ -595,6 +598,14 @@ class RunWriter:
                "created_at": self._created_at, "committed_at": datetime.now(timezone.utc),
                "hostname": socket.gethostname(), "pid": os.getpid(), "format_version": FORMAT_VERSION}
         return pa.Table.from_pylist([row], schema=RUNS_SCHEMA)
+
+
+def stream_chunk_tokens(tokens: int, staged_bytes_per_token: int) -> int:
+    """Tokens per chunk of a streamed array, so its staging buffers stay within
+    STREAM_BUFFER_BYTES (a power of two, at least 16 tokens)."""
+    cap = max(16, STREAM_BUFFER_BYTES // max(1, staged_bytes_per_token))
+    cap = 1 << int(np.log2(cap))
+    return max(1, min(tokens, cap))
 
 
 def new_run_id() -> str:

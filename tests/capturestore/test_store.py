@@ -286,3 +286,17 @@ def test_continuation_is_stored_after_the_prompt_but_not_hashed(store):
     assert set(ids.values()) == {prompt_id([1, 2, 3])}
     rows = store.sql("SELECT n_tokens, n_prompt_tokens FROM prompts ORDER BY n_tokens").to_pylist()
     assert rows == [{"n_tokens": 4, "n_prompt_tokens": 3}, {"n_tokens": 5, "n_prompt_tokens": 3}]
+
+
+def test_streamed_kv_staging_is_bounded_for_deep_models(store):
+    from capturestore.writer import STREAM_BUFFER_BYTES
+
+    L, H, D = 80, 8, 128  # 320 KiB of K+V per token: 1 MiB chunks would stage 160 MiB
+    with store.begin_run(engine="hf", model_path="m") as run:
+        pid = run.add_prompt([1])
+        step = np.ones((L, H, 1, D), ml_dtypes.bfloat16)
+        run.append_kv(pid, step, step)
+        staged = sum(st.buffer.data.nbytes for st in run._arrays.values() if st.buffer is not None)
+        assert staged <= STREAM_BUFFER_BYTES
+    (chunks,) = store.sql("SELECT chunks FROM captures WHERE array_name = 'kv_k'").column("chunks").to_pylist()
+    assert chunks == [1, H, 128, D]  # 2 * 80 * 8 * 128 * 2 B * 128 tokens = 40 MiB staged
