@@ -252,3 +252,54 @@ def test_capture_hf_run_writes_what_the_extractors_return(models, tiny_model, tm
         pid = store_mod.prompt_id(p)
         assert store.read_tokens(gen_run, pid).tolist() == toks
         torch.testing.assert_close(store.read_logits(gen_run, pid, as_torch=True), logits[:, 0], atol=0, rtol=0)
+
+
+def test_repeated_calls_share_no_state(models):
+    # A stale cache carried between calls would change the second capture of the same input.
+    model = models("gemma3-sliding")
+    first = extract_hf_kv_caches_teacher_forced(model, PROMPTS, TEACHERS, return_logits=True)
+    extract_hf_kv_caches_teacher_forced(model, [PROMPTS[1][:3]], [[9] * 30], return_logits=True)
+    generate_hf_logits_and_kv(model, [PROMPTS[0]], 3)
+    again = extract_hf_kv_caches_teacher_forced(model, PROMPTS, TEACHERS, return_logits=True)
+    torch.testing.assert_close(again[0], first[0], atol=0, rtol=0, equal_nan=True)
+    for name in first[1]:
+        for a, b in zip(first[1][name], again[1][name]):
+            torch.testing.assert_close(a, b, atol=0, rtol=0, equal_nan=True)
+
+
+def _ragged_batches():
+    from hypothesis import strategies as st
+
+    row = st.tuples(st.integers(1, 30), st.integers(0, 8))  # (prompt_len, teacher_len)
+    return st.tuples(st.sampled_from(["llama-mha", "llama-gqa", "gemma3-sliding"]),
+                     st.lists(row, min_size=1, max_size=4), st.integers(0, 2**16))
+
+
+def test_random_ragged_batches_match_plain_forwards(models):
+    """Property: any batch of (prompt_len, teacher_len) rows, including 1-token prompts and empty
+    teacher rows, gives each row exactly its own unbatched forward (logits + kept KV)."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=12, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(_ragged_batches())
+    def check(case):
+        arch, shape, seed = case
+        model = models(arch)
+        rng = np.random.default_rng(seed)
+        prompts = [[1] + rng.integers(4, 1024, p - 1).tolist() for p, _ in shape]
+        teachers = [rng.integers(4, 1024, t).tolist() for _, t in shape]
+        logits, kv = extract_hf_kv_caches_teacher_forced(model, prompts, teachers, return_logits=True)
+        for b, (p, t) in enumerate(zip(prompts, teachers)):
+            ref_logits, ref_layers = _plain_forward(model, p + t)
+            n = len(p) + len(t)
+            if t:
+                torch.testing.assert_close(logits[: len(t), b], ref_logits[len(p) - 1 : n - 1], atol=2e-5, rtol=0)
+            for i, (k, v) in enumerate(kv.values()):
+                rk, rv = ref_layers[i]
+                kept = rk.shape[1]
+                torch.testing.assert_close(k[b, :, n - kept : n], rk, atol=2e-5, rtol=0)
+                torch.testing.assert_close(v[b, :, n - kept : n], rv, atol=2e-5, rtol=0)
+                assert k[b, :, : n - kept].isnan().all() and k[b, :, n:].isnan().all()
+
+    check()
