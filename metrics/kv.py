@@ -595,13 +595,14 @@ def aggregate_kv_bc_arrays(all_raw_errors, prompt_lens, layers=None, row: int = 
     k_bc = np.empty((n_gen, len(layers)))
     v_bc = np.empty((n_gen, len(layers)))
     for li in range(len(layers)):  # one layer at a time bounds the temporaries
-        # [prompt, gen, width]; BC per gen over prompt x width, no transposed copy
+        # stacked as [gen, prompt, width]: each gen index's sample is one contiguous row
         base_k, base_v, tgt_k, tgt_v = (
-            np.stack([as_float(arrs[f][p : p + n_gen, li, :]) for arrs, p in zip(per_prompt, prompt_lens)])
+            np.stack([as_float(arrs[f][p : p + n_gen, li, :]) for arrs, p in zip(per_prompt, prompt_lens)], axis=1)
+            .reshape(n_gen, -1)
             for f in range(4)
         )
-        k_bc[:, li] = bc_grouped(base_k, tgt_k, (0, 2), bins)
-        v_bc[:, li] = bc_grouped(base_v, tgt_v, (0, 2), bins)
+        k_bc[:, li] = bhattacharyya_batched(base_k, tgt_k, bins=bins)
+        v_bc[:, li] = bhattacharyya_batched(base_v, tgt_v, bins=bins)
     return layers, k_bc, v_bc
 
 
