@@ -143,6 +143,59 @@ def rescale_kv_magnitudes(model, k_factors, v_factors):
     return model
 
 
+def capture_fp8_kv_run(store, model_path, prompts, teacher_tokens, k_scales, v_scales, *,
+                       platform: str | None = None, model=None, release: str | None = None) -> str:
+    """Capture the FP8-cache target into `store` as a run (engine "hf-fp8kv"); returns its run id.
+
+    Same layout as `extractors.hf.capture_hf_run` (teacher-forced, one prompt at a time, KV
+    `[layer, kv_head, seq, head_dim]` in bf16 holding the dequantized cache, logits
+    `[gen_token, vocab]`), so the run can be the `actual` of any stored comparison. The run's
+    config records platform, FP8 max and the per-layer kernel scales.
+    model: the BF16 model already loaded (and transformed), else loaded from model_path.
+    """
+    import torch
+    import transformers
+
+    from extractors.hf import hf_layer_names, load_hf_model
+    from extractors.models import model_content_hash
+
+    from .formats import fp8_clamp_max
+
+    plat = resolve_platform(platform)
+    if model is None:
+        model = load_hf_model(model_path, "bfloat16")
+    names = hf_layer_names(model)
+    rows = [list(map(int, p)) for p in prompts]
+    teach = [list(map(int, t)) for t in teacher_tokens]
+    if len(rows) != len(teach):
+        raise ValueError(f"capture_fp8_kv_run: {len(teach)} teacher rows for {len(rows)} prompts")
+    config = {
+        "mode": "teacher_forced",
+        "kv_cache_dtype": "fp8",
+        "platform": plat,
+        "fp8_max": fp8_clamp_max(plat),
+        "k_scale": [float(x) for x in np.asarray(k_scales, np.float64).reshape(-1)],
+        "v_scale": [float(x) for x in np.asarray(v_scales, np.float64).reshape(-1)],
+        "scale_convention": "kernel (x_fp8 = clamp(x * s)); checkpoint scale = 1 / s",
+        "layer_names": names,
+        "prompt_lens": [len(p) for p in rows],
+        "kv_layout": "[layer, kv_head, seq, head_dim]; dequantized FP8 cache values in bfloat16",
+        "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j",
+    }
+    run = store.begin_run(engine="hf-fp8kv", model_path=str(model_path), model_hash=model_content_hash(model_path),
+                          dtype="bfloat16", device="cpu", engine_version=transformers.__version__,
+                          release=release, config=config)
+    with run:
+        for prompt, t in zip(rows, teach):
+            logits, kv = extract_fp8_kv_teacher_forced(model, [prompt], [t], k_scales, v_scales,
+                                                       platform=plat, return_logits=True)
+            pid = run.add_prompt(prompt, continuation=t)
+            run.write_logits(pid, logits[:, 0])
+            run.write_kv(pid, torch.stack([kv[n][0][0] for n in names]), torch.stack([kv[n][1][0] for n in names]),
+                         layer_names=names)
+    return run.run_id
+
+
 # ----------------------------------------------------------------------------------- analysis
 @dataclass(frozen=True)
 class Fp8LayerResult:

@@ -1,4 +1,6 @@
 """The FP8 KV cache target on tiny local models: quantize-on-write and the three-way verdicts."""
+import json
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ from nki_fp8.checkpoint import load_kv_scales  # noqa: E402
 from nki_fp8.quant import dequantize, quantize  # noqa: E402
 from nki_fp8.target import (  # noqa: E402
     analyze_fp8_kv_target,
+    capture_fp8_kv_run,
     extract_fp8_kv_teacher_forced,
     make_fp8_kv_cache,
     rescale_kv_magnitudes,
@@ -132,3 +135,21 @@ def test_sliding_window_layers_quantize_too():
         fin = np.isfinite(b)
         np.testing.assert_array_equal(quantize(b[fin], 1.0).astype(np.float32), b[fin])
         assert not np.array_equal(a[fin], b[fin])
+
+
+def test_fp8_target_is_stored_as_a_run_with_its_scales(gqa, prompts, tmp_path):
+    path, _, m16 = gqa
+    store = Store.open(tmp_path / "store")
+    ks, vs = [2.0, 0.125, 4.0], [8.0, 16.0, 4096.0]
+    run = capture_fp8_kv_run(store, path, *prompts, ks, vs, platform="trn2", model=m16)
+    info = store.show(run)
+    assert info["run"]["engine"] == "hf-fp8kv"
+    cfg = json.loads(info["run"]["config"])
+    assert cfg["k_scale"] == ks and cfg["v_scale"] == vs and cfg["platform"] == "trn2" and cfg["fp8_max"] == 240.0
+    direct = extract_fp8_kv_teacher_forced(m16, [prompts[0][1]], [prompts[1][1]], ks, vs, platform="trn2")
+    pid = store.prompts(run).column("prompt_id").to_pylist()[1]
+    k, v = store.read_kv(run, pid)
+    names = list(direct)
+    for i, n in enumerate(names):
+        np.testing.assert_array_equal(np.asarray(k[i]).view(np.uint16), _bits(direct[n][0][0]).view(np.uint16))
+        np.testing.assert_array_equal(np.asarray(v[i]).view(np.uint16), _bits(direct[n][1][0]).view(np.uint16))
