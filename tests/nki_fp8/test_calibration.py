@@ -88,3 +88,18 @@ def test_cli_calibrate_writes_loadable_scales(captured, tmp_path, capsys, monkey
     loaded = load_kv_scales(tmp_path / "cli")
     want = _loop_layer_absmax([k for k, _ in kvs], 1) / 448.0
     assert loaded.checkpoint_k_scale[1] == pytest.approx(want, rel=1e-6)
+
+
+def test_scales_calibrated_for_448_saturate_on_trn2_above_240_over_448_of_absmax(captured):
+    # llm-compressor divides by 448; served on TRN2 the 240 clamp cuts everything above
+    # 240/448 = 53.6% of the calibrated absmax.
+    store, run, kvs = captured
+    res = calibrate_kv_scales(store, run, platform="trn3", record=False)
+    k0 = np.concatenate([k[0].ravel() for k, _ in kvs])
+    k0 = k0[np.isfinite(k0)]
+    s = float(res.kernel_k_scale[0])
+    back = quantize(k0, s, platform="trn2").astype(np.float32) / s
+    cut = np.abs(k0) > res.k_stat[0] * 240 / 448 * (1 + 2**-4)  # beyond the clamp by more than a rounding step
+    assert cut.any()
+    assert np.abs(back).max() == pytest.approx(res.k_stat[0] * 240 / 448, rel=1e-6)
+    assert (np.abs(back[cut]) < np.abs(k0[cut])).all()
