@@ -11,6 +11,8 @@ Scales are kernel scales (multipliers, see `scales`): the cache holds `q(x * s)`
 - `attention_decode_reference`: the `NF.attention_decode` contract: the cache is FP8, the active
   token's K/V arrive in BF16 and are quantized with `k_scale` / `v_scale` (clamp to the
   platform max) before being attended to; softmax_scale and W_out arrive already folded.
+- `check_kernel`: any candidate implementation of either reference on a grid of shapes, scales
+  and platforms, with its max error.
 - `fp8_attention_decode`: Q also in FP8, `bmm1_scale = 1 / (q_s * k_s * sqrt(d))` and
   `bmm2_scale = 1 / v_s`. reference/001 writes these as `q_scale * k_scale / sqrt(d)` and
   `v_scale` in the checkpoint (divisor) convention — the same numbers.
@@ -180,6 +182,7 @@ class KernelCheckRow:
     max_rel_err: float  # max|candidate - reference| / max|reference|
     passed: bool
     error: str = ""  # exception text when the candidate raised
+    variant: str = "fp8_kv_decode"
 
 
 @dataclass(frozen=True)
@@ -257,29 +260,70 @@ def make_decode_case(q_heads, kv_heads, seq_prev, head_dim, scales: str, platfor
     )
 
 
+def make_fp8_attention_case(q_heads, kv_heads, seq, head_dim, scales: str, platform: str, seed: int = 0) -> dict:
+    """Inputs of one FP8-attention case (the keyword arguments of `fp8_attention_decode`).
+
+    scales: "calibrated" (absmax of q, k, v), "unit" (all 1.0), "active_outlier" (q_scale 4x
+    too large: the Q clamp engages, where a wrong platform max shows).
+    """
+    rng = np.random.default_rng(seed)
+    bf = lambda a: np.asarray(a, np.float32).astype(_BF16).astype(np.float32)  # noqa: E731
+    q = bf(rng.standard_normal((q_heads, head_dim)))
+    k = bf(rng.standard_normal((kv_heads, seq, head_dim)) * 3.0)
+    v = bf(rng.standard_normal((kv_heads, seq, head_dim)) * 0.5)
+    w = bf(rng.standard_normal((q_heads * head_dim, q_heads * head_dim)) / np.sqrt(q_heads * head_dim))
+    m = fp8_format(platform).max_finite
+    if scales == "unit":
+        qs = ks = vs = 1.0
+    elif scales in ("calibrated", "active_outlier"):
+        qs, ks, vs = (m / float(np.abs(a).max()) for a in (q, k, v))
+        qs = qs * 4 if scales == "active_outlier" else qs
+    else:
+        raise ValueError(f"unknown scales {scales!r}; valid: {list(DEFAULT_SCALES)}")
+    qs, ks, vs = (float(np.float32(x)) for x in (qs, ks, vs))
+    return dict(q=q, k_fp8=quantize(k, ks, platform=platform), v_fp8=quantize(v, vs, platform=platform),
+                q_scale=qs, k_scale=ks, v_scale=vs, w_out=w, platform=platform)
+
+
+VARIANTS = {
+    # name: (case maker, reference, default rtol)
+    "fp8_kv_decode": (make_decode_case, attention_decode_reference, 1e-5),
+    # float32 reassociation can flip the FP8 rounding of a probability near a midpoint
+    # (one FP8 step, 2^-4 relative, on one P entry): hence the looser default.
+    "fp8_attention": (make_fp8_attention_case, fp8_attention_decode, 2e-2),
+}
+
+
 def check_kernel(
     candidate_fn,
     *,
+    variant: str = "fp8_kv_decode",
     shapes=DEFAULT_SHAPES,
     scales=DEFAULT_SCALES,
     platforms=DEFAULT_PLATFORMS,
-    rtol: float = 1e-5,
+    rtol: float | None = None,
     seed: int = 0,
 ) -> KernelCheckReport:
     """Run `candidate_fn(**case)` on every shape x scales x platform; compare to the reference.
 
-    candidate_fn takes the keyword arguments of `attention_decode_reference` (q, k_cache,
-    v_cache, k_active, v_active, softmax_scale, w_out, k_scale, v_scale, platform) and returns
-    out: [hidden]. A case passes when max|cand - ref| <= rtol * max|ref| (rtol allows float32
-    reassociation, not FP8 rounding differences: one FP8 step is ~6e-2 relative).
-    A candidate that raises fails that case with the exception text.
+    variant "fp8_kv_decode": candidate_fn takes the keyword arguments of
+    `attention_decode_reference` (q, k_cache, v_cache, k_active, v_active, softmax_scale, w_out,
+    k_scale, v_scale, platform); default rtol 1e-5 (float32 reassociation only — one FP8 step is
+    ~6e-2 relative). variant "fp8_attention": those of `fp8_attention_decode` (q, k_fp8, v_fp8,
+    q_scale, k_scale, v_scale, w_out, platform); default rtol 2e-2. Both return out: [hidden].
+    A case passes when max|cand - ref| <= rtol * max|ref|; a candidate that raises fails that
+    case with the exception text.
     """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; valid: {list(VARIANTS)}")
+    make_case, reference, default_rtol = VARIANTS[variant]
+    rtol = default_rtol if rtol is None else rtol
     rows = []
     for i, (hq, hkv, seq, d) in enumerate(shapes):
         for sc in scales:
             for plat in platforms:
-                case = make_decode_case(hq, hkv, seq, d, sc, plat, seed=seed + i)
-                ref = attention_decode_reference(**case)
+                case = make_case(hq, hkv, seq, d, sc, plat, seed=seed + i)
+                ref = reference(**case)
                 err, abs_e, rel_e = "", float("inf"), float("inf")
                 try:
                     got = np.asarray(candidate_fn(**case), np.float64)
@@ -292,5 +336,6 @@ def check_kernel(
                 except Exception as e:  # noqa: BLE001 - a crashing candidate is a failing case
                     err = f"{type(e).__name__}: {e}"
                 ok = not err and np.isfinite(rel_e) and rel_e <= rtol
-                rows.append(KernelCheckRow(hq, hkv, seq, d, sc, plat, case["k_scale"], case["v_scale"], abs_e, rel_e, bool(ok), err))
+                rows.append(KernelCheckRow(hq, hkv, seq, d, sc, plat, case["k_scale"], case["v_scale"], abs_e, rel_e,
+                                           bool(ok), err, variant))
     return KernelCheckReport(tuple(rows), rtol)

@@ -172,3 +172,26 @@ def test_check_kernel_reports_a_missing_active_quantization_and_a_crash():
 
     rep = check_kernel(crash, shapes=((4, 2, 8, 32),), platforms=("trn2",))
     assert not rep.passed and all("kernel launch failed" in r.error for r in rep.rows)
+
+
+def test_check_kernel_fp8_attention_variant_passes_the_loop_formula_and_catches_bugs():
+    def loop(q, k_fp8, v_fp8, q_scale, k_scale, v_scale, w_out, platform):
+        return loop_fp8_attention(q, k_fp8, v_fp8, q_scale, k_scale, v_scale, w_out, platform)
+
+    shapes = ((4, 2, 9, 16), (2, 1, 20, 32))
+    rep = check_kernel(loop, variant="fp8_attention", shapes=shapes)
+    assert rep.passed, rep.table()
+    assert rep.rows[0].variant == "fp8_attention" and len(rep.rows) == 12
+
+    def no_bmm2_scale(**c):
+        return fp8_attention_decode(**c) * c["v_scale"]  # forgot bmm2_scale = 1 / v_scale
+
+    assert check_kernel(no_bmm2_scale, variant="fp8_attention", shapes=shapes, scales=("calibrated",)).max_rel_err > 1
+
+    def clamp448(**c):
+        return fp8_attention_decode(**{**c, "platform": "trn3"})
+
+    rep = check_kernel(clamp448, variant="fp8_attention", shapes=shapes)
+    assert {(r.scales, r.platform) for r in rep.failures} == {("active_outlier", "trn2")}, rep.table()
+    with pytest.raises(ValueError, match="unknown variant"):
+        check_kernel(loop, variant="mla")
