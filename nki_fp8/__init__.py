@@ -6,6 +6,7 @@ The numerical reference an NKI / Neuron FP8 KV kernel is checked against, runnab
 - `formats`: TRN2 E4M3 (240) / TRN3 E4M3FN (448), `FP8_CLAMP_MAX`, `kv_cache_dtype` strings
 - `scales`: absmax scales per tensor / channel / token / group (kernel vs checkpoint convention)
 - `quant`: quantize `clamp(x * s)` -> FP8, dequantize `/ s`, torch twins, `Fp8Codec` fast path
+- `fastpath`: optional fused numba round trip used by `Fp8Codec` (bit-identical, tested)
 - `attention`: scale-folded decode attention, FP8 attention, `check_kernel`
 - `checkpoint`: llm-compressor KV scale layout (save / load as reciprocals)
 - `calibration`: per-layer scales from KV captures in a store

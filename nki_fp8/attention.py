@@ -11,11 +11,11 @@ Scales are kernel scales (multipliers, see `scales`): the cache holds `q(x * s)`
 - `attention_decode_reference`: the `NF.attention_decode` contract: the cache is FP8, the active
   token's K/V arrive in BF16 and are quantized with `k_scale` / `v_scale` (clamp to the
   platform max) before being attended to; softmax_scale and W_out arrive already folded.
-- `check_kernel`: any candidate implementation of either reference on a grid of shapes, scales
-  and platforms, with its max error.
 - `fp8_attention_decode`: Q also in FP8, `bmm1_scale = 1 / (q_s * k_s * sqrt(d))` and
   `bmm2_scale = 1 / v_s`. reference/001 writes these as `q_scale * k_scale / sqrt(d)` and
   `v_scale` in the checkpoint (divisor) convention — the same numbers.
+- `check_kernel`: any candidate implementation of either reference on a grid of shapes, scales
+  and platforms, with its max error.
 
 Dims: q: [q_head, head_dim] (one decode token); k, v: [kv_head, seq, head_dim];
 w_out: [hidden, q_head * head_dim]; out: [hidden] (or [q_head, head_dim] without w_out).

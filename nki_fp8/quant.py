@@ -117,7 +117,9 @@ def dequantize_torch(q, scale, *, out_dtype=None):
 
 def fp8_codes_to_numpy(q, platform: str | None = None) -> np.ndarray:
     """Reinterpret torch FP8 codes (uint8 bits) as the platform's ml_dtypes FP8 array."""
-    bits = q.contiguous().view(__import__("torch").uint8).cpu().numpy()
+    import torch
+
+    bits = q.contiguous().view(torch.uint8).cpu().numpy()
     return bits.view(fp8_format(platform).numpy_dtype)
 
 
