@@ -57,10 +57,12 @@ def _encode_and_write(path: Path, block: np.ndarray, itemsize: int, compressed: 
 
 
 def write_block(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...], block: np.ndarray,
-                offset: tuple[int, ...], compressed: bool = True) -> bool:
-    """Write ``block`` (storage dtype) at ``offset`` of the array; True if done.
+                offset: tuple[int, ...], compressed: bool = True, pending: list | None = None) -> bool:
+    """Write ``block`` (storage dtype) at ``offset`` of the array; True if done (or queued).
 
     ``compressed``: the array's codecs are bytes+blosc+crc32c (else bytes+crc32c).
+    ``pending``: if given, the chunk jobs are queued on the pool and their futures appended to
+    it instead of awaited; ``block`` must then stay unchanged until they are done.
 
     Returns False (nothing written) when the block does not start on chunk boundaries or ends
     inside a chunk that is not the array's last along that axis: such writes need a
@@ -84,12 +86,28 @@ def write_block(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...]
             full[tuple(slice(0, p) for p in part.shape)] = part
             part = full
         jobs.append((array_dir / chunk_key(idx), part))
-    if len(jobs) == 1:
+    if pending is None and len(jobs) == 1:
         _encode_and_write(jobs[0][0], jobs[0][1], itemsize, compressed)
+        return True
+    futures = [_pool().submit(_encode_and_write, p, b, itemsize, compressed) for p, b in jobs]
+    if pending is not None:
+        pending.extend(futures)
     else:
-        for f in [_pool().submit(_encode_and_write, p, b, itemsize, compressed) for p, b in jobs]:
-            f.result()
+        wait_all(futures)
     return True
+
+
+def wait_all(futures: list) -> None:
+    """Wait for every future (all of them, even after a failure), then raise the first error."""
+    first = None
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as e:  # noqa: BLE001
+            first = first or e
+    futures.clear()
+    if first is not None:
+        raise first
 
 
 def _read_chunk(path: Path, chunks: tuple[int, ...], dtype: np.dtype, where: str, key: str,

@@ -29,7 +29,7 @@ import pyarrow as pa
 import zarr
 
 from capturestore.arrays import CODEC_NAMES, ArrayRef, create_array, stored_bytes
-from capturestore.chunkio import write_block
+from capturestore.chunkio import wait_all, write_block
 from capturestore.dtypes import (
     FLOAT_DTYPES,
     LOGICAL_DTYPES,
@@ -94,6 +94,7 @@ class _Buffer:
     axis: int
     data: np.ndarray  # storage dtype, chunk-sized along axis
     fill: int = 0
+    pending: list = field(default_factory=list)  # chunk writes still reading ``data``
 
 
 @dataclass
@@ -190,6 +191,12 @@ class RunWriter:
         if self._closed:
             return
         self._closed = True
+        for st in self._arrays.values():  # queued chunk writes must land before the rmtree
+            if st.buffer is not None:
+                try:
+                    wait_all(st.buffer.pending)
+                except Exception:  # noqa: BLE001 - the run is being dropped anyway
+                    pass
         try:
             if self._lock_fd is not None:
                 os.lseek(self._lock_fd, 0, os.SEEK_SET)
@@ -277,12 +284,14 @@ class RunWriter:
         self._arrays[(pid, name)] = st
         return st
 
-    def _write(self, st: _ArrayState, block: np.ndarray, offset: tuple[int, ...] | None = None) -> None:
-        """Write ``block`` (storage dtype) at ``offset`` (default: origin) of the array."""
+    def _write(self, st: _ArrayState, block: np.ndarray, offset: tuple[int, ...] | None = None,
+               pending: list | None = None) -> None:
+        """Write ``block`` (storage dtype) at ``offset`` (default: origin) of the array; with
+        ``pending``, queue the chunk writes and collect their futures there."""
         offset = offset or (0,) * block.ndim
         adir = self.store.root / ARRAYS_DIR / st.ref.path
         if not write_block(adir, tuple(st.arr.shape), tuple(st.arr.chunks), block, offset,
-                           compressed=self.compression is not None):
+                           compressed=self.compression is not None, pending=pending):
             st.arr[tuple(slice(o, o + n) for o, n in zip(offset, block.shape))] = block  # unaligned: zarr
 
     def _tokens_per_chunk(self, bytes_per_token: int, known_len: int | None) -> int:
@@ -299,6 +308,8 @@ class RunWriter:
         n = bits.shape[ax]
         done = 0
         while done < n:
+            if buf.fill == 0 and buf.pending:  # the last flush may still be reading the buffer
+                wait_all(buf.pending)
             take = min(cap - buf.fill, n - done)
             dst = [slice(None)] * bits.ndim
             dst[ax] = slice(buf.fill, buf.fill + take)
@@ -324,13 +335,14 @@ class RunWriter:
         src[ax] = slice(0, buf.fill)
         offset = [0] * len(new_shape)
         offset[ax] = st.length
-        self._write(st, buf.data[tuple(src)], tuple(offset))
+        self._write(st, buf.data[tuple(src)], tuple(offset), pending=buf.pending)
         st.length += buf.fill
         buf.fill = 0
 
     def _finalise(self, st: _ArrayState) -> None:
         if st.buffer is not None:
             self._flush(st)
+            wait_all(st.buffer.pending)
             st.buffer = None
         if st.kind == "tensor":
             st.arr.update_attributes({"steps": st.steps})
@@ -444,8 +456,10 @@ class RunWriter:
         g = self._kv_names(group)[2]
         self._check_kv_geometry(pid, "write_kv", g, L, H, D, ld, names)
         sk, sv = self._create_kv_arrays(pid, group, ka.shape, ld, names, self._kv_chunks(H, D, ld, S))
-        self._write(sk, to_storage(np.ascontiguousarray(ka), ld))
-        self._write(sv, to_storage(np.ascontiguousarray(va), ld))
+        pending: list = []  # K and V chunks encode together
+        self._write(sk, to_storage(np.ascontiguousarray(ka), ld), pending=pending)
+        self._write(sv, to_storage(np.ascontiguousarray(va), ld), pending=pending)
+        wait_all(pending)
 
     def create_kv(self, pid: str, layer_names: Any, num_kv_heads: int, seq_len: int, head_dim: int,
                   dtype: Any, group: str | None = None) -> None:
