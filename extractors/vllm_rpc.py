@@ -333,9 +333,22 @@ class KVCaptureWorkerExtension:
         return out
 
     def get_request_kv(self, request_id: str, transport: str = "bytes") -> dict:
-        snap = self._kvcap_request(request_id)
+        """One request's KV blocks: ``layers`` + ``block_tables`` (per group) + ``num_tokens``.
+
+        In-process (transport "tensor") a live request is answered with the whole cache tensors
+        and its physical block ids, no copy (``full_cache`` True); otherwise with copies of its
+        own blocks and tables renumbered 0..n-1.
+        """
+        state = self._kvcap_state()
+        req_id = self._kvcap_resolve(request_id)
+        if transport == "tensor" and req_id not in state["finished"]:
+            block_ids = [list(ids) for ids in self.model_runner.requests[req_id].block_ids]
+            return {"request_id": req_id, "finished": False, "num_tokens": self._kvcap_num_tokens(req_id),
+                    "full_cache": True, "block_tables": block_ids, "physical_block_ids": block_ids,
+                    "layers": self._kvcap_layers()}
+        snap = self._kvcap_request(req_id)
         return {"request_id": snap["request_id"], "finished": snap["finished"], "num_tokens": snap["num_tokens"],
-                "block_tables": [list(range(len(b))) for b in snap["block_ids"]],
+                "full_cache": False, "block_tables": [list(range(len(b))) for b in snap["block_ids"]],
                 "physical_block_ids": snap["block_ids"],
                 "layers": {k: _encode(v, transport) for k, v in snap["layers"].items()}}
 
@@ -445,18 +458,25 @@ def extract_vllm_batch_kv(llm, kv_config: dict, request_ids: Sequence[str], seq_
     per_rank = []
     n_ranks = len(rows[0])
     for rank in range(n_ranks):
+        answers = [r[rank] for r in rows]
+        if all(a.get("full_cache") for a in answers):  # in-process, all live: read the cache itself
+            per_rank.append(answers[0]["layers"])
+            tables = [[a["block_tables"][gi] for a in answers] for gi in range(len(kv_config["groups"]))]
+            continue
         # Stack each request's own blocks; offset its renumbered table by the blocks before it.
         layers, tables = {}, [[] for _ in kv_config["groups"]]
         offsets = [0] * len(kv_config["groups"])
-        for r in rows:
-            ans = r[rank]
+        group_of = {n: gi for gi, g in enumerate(kv_config["groups"]) for n in g["layer_names"]}
+        for ans in answers:
             for gi, t in enumerate(ans["block_tables"]):
-                tables[gi].append([offsets[gi] + b for b in t])
+                tables[gi].append([offsets[gi] + j for j in range(len(t))])
                 offsets[gi] += len(t)
             for name, blob in ans["layers"].items():
-                layers.setdefault(name, []).append(_decode(blob))
-        paged = {name: (ts[0] if len(ts) == 1 else torch.cat(ts)) for name, ts in layers.items()}
-        per_rank.append(paged)
+                x = _decode(blob)
+                if ans.get("full_cache"):
+                    x = x.index_select(0, torch.as_tensor(ans["block_tables"][group_of[name]], dtype=torch.int64))
+                layers.setdefault(name, []).append(x)
+        per_rank.append({name: (ts[0] if len(ts) == 1 else torch.cat(ts)) for name, ts in layers.items()})
     paged_kv = per_rank[0] if len(per_rank) == 1 else per_rank
     out = reconstruct_contiguous_kv_batch(paged_kv, kv_config, tables, lens, len(rows))
     if seq_len is not None:

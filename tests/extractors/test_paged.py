@@ -295,3 +295,18 @@ def test_explicit_layout_object_overrides_config():
     cfg = _one_group_cfg(layout="flash_attn")
     out = reconstruct_contiguous_kv({"a": (k, k)}, cfg, [[3]], 4, layout=neuron_layout(2, 4, 3))["a"][0]
     assert torch.equal(out[0], k[3])
+
+
+def test_layouts_with_affine_in_block_maps_take_the_strided_fast_path():
+    from extractors.paged import flash_attn_layout
+
+    k_index, v_index = vllm_cpu_vec_index_maps(32, 64)
+    vec = vllm_cpu_layout(2, 32, 64, k_index, v_index)
+    # K (transposed) tile of head 1 starts at its row 2*32*64, then dim stride 32, token stride 1
+    assert vec.k_affine == (2 * 32 * 64 * 0, 2 * 32 * 64, 1, 32)
+    assert vec.v_affine == (32 * 64, 2 * 32 * 64, 64, 1)
+    assert neuron_layout(4, 16, 8).k_affine == (0, 16 * 8, 8, 1)
+    assert flash_attn_layout(4, 16, 8).k_affine == (0, 8, 4 * 8, 1)
+    perm = np.random.default_rng(0).permutation(2 * 32 * 64)
+    scrambled = vllm_cpu_layout(2, 32, 64, perm[:2048], perm[2048:])
+    assert scrambled.k_affine is None and scrambled.v_affine is None

@@ -220,10 +220,17 @@ def test_whole_cache_and_live_block_table_rows_agree_with_request_view(engine):
     assert len(rows) == len(cfg["groups"]) and rows[0].dim() == 2
     for rid, info in live.items():
         full = reconstruct_contiguous_kv(paged, cfg, [t[info["row"]] for t in rows], info["num_tokens"])
-        own = R.extract_vllm_request_kv(llm, cfg, rid)
+        own = R.extract_vllm_request_kv(llm, cfg, rid)  # in-process: reads the cache in place
+        real = R._transport
+        try:
+            R._transport = lambda _llm: "bytes"  # worker copies the request's blocks, as across processes
+            copied = R.extract_vllm_request_kv(llm, cfg, rid)
+        finally:
+            R._transport = real
         for name in full:
-            for a, b in zip(full[name], own[name]):
+            for a, b, c in zip(full[name], own[name], copied[name]):
                 assert torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(), b.nan_to_num())
+                assert torch.equal(torch.isnan(a), torch.isnan(c)) and torch.equal(a.nan_to_num(), c.nan_to_num())
 
 
 @pytest.mark.vllm
