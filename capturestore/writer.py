@@ -77,12 +77,15 @@ def _check_token_ids(token_ids: Any, where: str) -> np.ndarray:
 
 
 def _normalise_dtype_name(dtype: Any, where: str) -> str:
-    name = str(dtype).removeprefix("torch.")
-    try:
-        name = np.dtype(dtype).name if not isinstance(dtype, str) or name not in LOGICAL_DTYPES else name
-    except TypeError:
-        pass
-    if name not in LOGICAL_DTYPES or name not in FLOAT_DTYPES:
+    """Logical float dtype name from a name, a numpy/ml_dtypes dtype or a torch dtype."""
+    if isinstance(dtype, str) or type(dtype).__module__.startswith("torch"):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = str(dtype)
+    if name not in FLOAT_DTYPES:
         raise ValueError(f"{where}: dtype {dtype} is not supported; supported: {', '.join(FLOAT_DTYPES)}")
     return name
 
