@@ -105,6 +105,9 @@ class Store:
     def __repr__(self) -> str:
         return f"Store({str(self.root)!r})"
 
+    def __reduce__(self):  # picklable (multiprocessing): reopen by path in the other process
+        return (Store.open, (str(self.root), False))
+
     # ---- writing ---------------------------------------------------------------------------
     def begin_run(self, engine: str, model_path: str, model_hash: str | None = None, dtype: str = "bfloat16",
                   device: str = "cpu", engine_version: str | None = None, tp_degree: int = 1,

@@ -300,3 +300,13 @@ def test_streamed_kv_staging_is_bounded_for_deep_models(store):
         assert staged <= STREAM_BUFFER_BYTES
     (chunks,) = store.sql("SELECT chunks FROM captures WHERE array_name = 'kv_k'").column("chunks").to_pylist()
     assert chunks == [1, H, 128, D]  # 2 * 80 * 8 * 128 * 2 B * 128 tokens = 40 MiB staged
+
+
+def test_store_pickles_by_path(store):
+    import pickle
+
+    with store.begin_run(engine="hf", model_path="m") as run:
+        pid = run.add_prompt([3, 4])
+    other = pickle.loads(pickle.dumps(store))
+    assert other.root == store.root
+    np.testing.assert_array_equal(other.read_tokens(run.run_id, pid), [3, 4])
