@@ -201,23 +201,26 @@ class Store:
         ref, meta = self._ref(run_id, prompt_id, "tokens")
         return self._read(ref, meta, None, False)
 
-    def read_logits(self, run_id: str, prompt_id: str, as_torch: bool = False) -> Any:
-        """logits: [gen_token, vocab] in the dtype they were written in."""
+    def read_logits(self, run_id: str, prompt_id: str, as_torch: bool = False, tokens: slice | None = None) -> Any:
+        """logits: [gen_token, vocab] in the dtype they were written in; ``tokens``: a slice of
+        gen_token (only the chunks it touches are read)."""
         ref, meta = self._ref(run_id, prompt_id, "logits")
-        return self._read(ref, meta, None, as_torch)
+        return self._read(ref, meta, None if tokens is None else (_token_slice(tokens, ref),), as_torch)
 
     def read_kv(self, run_id: str, prompt_id: str, layers: Any = None, as_torch: bool = False,
-                group: str | None = None) -> tuple[Any, Any]:
-        """(k, v): [layer, kv_head, seq, head_dim]; ``layers``: names or indices (None: all)."""
+                group: str | None = None, tokens: slice | None = None) -> tuple[Any, Any]:
+        """(k, v): [layer, kv_head, seq, head_dim]; ``layers``: names or indices (None: all);
+        ``tokens``: a slice of seq (only the chunks it touches are read)."""
         kname, vname = ("kv_k", "kv_v") if group is None else (f"kv_k_{check_component(group, 'kv group')}", f"kv_v_{group}")
         out = []
         for name in (kname, vname):
             ref, meta = self._ref(run_id, prompt_id, name)
+            seq = slice(None) if tokens is None else _token_slice(tokens, ref)
             idx = self._layer_indices(meta, layers, ref)
             if idx is None:
-                out.append(self._read(ref, meta, None, as_torch))
+                out.append(self._read(ref, meta, (slice(None), slice(None), seq), as_torch))
                 continue
-            parts = [self._read(ref, meta, (slice(i, i + 1),), False) for i in idx]
+            parts = [self._read(ref, meta, (slice(i, i + 1), slice(None), seq), False) for i in idx]
             bits = np.concatenate(parts, axis=0)
             out.append(bits if not as_torch else _numpy_to_torch(bits, ref))
         return out[0], out[1]
@@ -335,6 +338,14 @@ class Store:
         """Rebuild catalog.duckdb from tables/ alone."""
         ensure_schema_segments(self.root)
         return catalog.rebuild_catalog_file(self.root)
+
+
+def _token_slice(tokens: Any, ref: ArrayRef) -> slice:
+    if isinstance(tokens, tuple) and len(tokens) == 2:
+        tokens = slice(*tokens)
+    if not isinstance(tokens, slice) or tokens.step not in (None, 1):
+        raise ValueError(f"{ref.where()}: tokens must be a step-1 slice or (start, stop), got {tokens!r}")
+    return tokens
 
 
 def _numpy_to_torch(bits: np.ndarray, ref: ArrayRef) -> Any:

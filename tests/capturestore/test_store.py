@@ -310,3 +310,24 @@ def test_store_pickles_by_path(store):
     other = pickle.loads(pickle.dumps(store))
     assert other.root == store.root
     np.testing.assert_array_equal(other.read_tokens(run.run_id, pid), [3, 4])
+
+
+def test_token_slices_read_only_what_they_ask_for(store):
+    rng = np.random.default_rng(8)
+    k = bf16(rng, (3, 2, 20, 32))
+    logits = rng.standard_normal((20, 9)).astype(np.float32)
+    with store.begin_run(engine="hf", model_path="m", chunk_tokens=4) as run:
+        pid = run.add_prompt([1])
+        run.write_kv(pid, k, k)
+        run.write_logits(pid, logits)
+    k2, _ = store.read_kv(run.run_id, pid, tokens=slice(5, 13))
+    assert np.array_equal(bits(k2), bits(k[:, :, 5:13]))
+    k3, _ = store.read_kv(run.run_id, pid, layers=[2], tokens=(18, 20))
+    assert np.array_equal(bits(k3), bits(k[2:3, :, 18:20]))
+    assert np.array_equal(store.read_logits(run.run_id, pid, tokens=slice(-3, None)), logits[-3:])
+    # a corrupt chunk outside the slice does not stop it
+    (store.root / ARRAYS_DIR / run.run_id / pid / "kv_k" / "c" / "0" / "0" / "0" / "0").write_bytes(b"garbage!")
+    k4, _ = store.read_kv(run.run_id, pid, tokens=slice(4, 8))
+    assert np.array_equal(bits(k4), bits(k[:, :, 4:8]))
+    with pytest.raises(ValueError, match="step-1 slice"):
+        store.read_logits(run.run_id, pid, tokens=slice(0, 10, 2))
