@@ -558,41 +558,45 @@ def vllm_teacher_forced_logprobs(llm, prompts: Sequence[Sequence[int]], teacher_
     return logprobs, [o.request_id for o in outs]
 
 
-def make_vllm_generate_fn(llm, num_tokens: int, prompt_lens: Sequence[int] | None = None):
+def make_vllm_generate_fn(llm, num_tokens: int, prompt_lens: Sequence[int] | None = None,
+                          return_sequences: bool = False):
     """A ``generate_fn`` for ``metrics.logits.logit_validation`` backed by vLLM.
 
     ``generate_fn(input_ids: list[list[int]]) -> [n_new, batch, vocab]`` float32 full-vocab
     log-softmax of vLLM's greedy continuation (``logprobs=-1``; the engine needs
     ``max_logprobs=-1``), EOS ignored so every row generates its count. The first call's row
-    lengths are the original prompt lengths (or pass ``prompt_lens``); on later calls the
-    rows carry teacher tokens fed after a divergence, and each row generates
-    ``num_tokens - (len(row) - prompt_len)`` tokens. Rows asking fewer than the longest are
-    NaN at the end. Log-softmax differs from logits by a per-token constant that the logit
-    metrics' shift removal absorbs.
+    lengths are the original prompt lengths (or pass ``prompt_lens``); later calls carry the
+    teacher tokens fed after a divergence, and generate ``n_new = num_tokens - fed`` tokens
+    (the largest over rows; a row fed more returns surplus tokens, which the loop ignores).
+    Log-softmax differs from logits by a per-token constant (the log partition function) that
+    the logit metrics' shift removal absorbs. With ``return_sequences`` it returns
+    ``(logprobs, tokens [batch, n_new])``, vLLM's own greedy tokens.
 
-    ``generate_fn.request_ids`` holds the last call's request ids (for the KV extractor).
+    ``generate_fn.request_ids`` / ``.token_ids`` hold the last call's request ids and tokens.
     """
     state = {"prompt_lens": list(prompt_lens) if prompt_lens is not None else None}
     vocab = _vocab_size(llm)
 
     def generate_fn(input_ids):
-        rows = [[int(x) for x in r] for r in input_ids]
+        rows = [[int(x) for x in (r.tolist() if hasattr(r, "tolist") else r)] for r in input_ids]
         if state["prompt_lens"] is None:
             state["prompt_lens"] = [len(r) for r in rows]
         if len(rows) != len(state["prompt_lens"]):
             raise ValueError(f"generate_fn: {len(rows)} rows, but the first call had {len(state['prompt_lens'])}")
-        n_new = [num_tokens - (len(r) - p) for r, p in zip(rows, state["prompt_lens"])]
-        for b, n in enumerate(n_new):
-            if n < 1:
-                raise ValueError(f"generate_fn row {b}: {len(rows[b])} tokens are {len(rows[b]) - state['prompt_lens'][b]} "
-                                 f"past the prompt, nothing left of num_tokens={num_tokens}")
-        params = [_sampling_params(max_tokens=n, logprobs=-1, ignore_eos=True) for n in n_new]
+        fed = [len(r) - p for r, p in zip(rows, state["prompt_lens"])]
+        n_new = num_tokens - min(fed)
+        if n_new < 1:
+            raise ValueError(f"generate_fn: every row is >= {min(fed)} tokens past its prompt, nothing left of "
+                             f"num_tokens={num_tokens}")
+        params = _sampling_params(max_tokens=n_new, logprobs=-1, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": r} for r in rows], params, use_tqdm=False)
-        out = torch.full((max(n_new), len(rows), vocab), float("nan"), dtype=torch.float32)
-        for b, (o, n) in enumerate(zip(outs, n_new)):
-            out[:n, b] = _dense_logprobs(o.outputs[0].logprobs, range(n), vocab, f"generate_fn row {b}")
+        out = torch.empty((n_new, len(rows), vocab), dtype=torch.float32)
+        for b, o in enumerate(outs):
+            out[:, b] = _dense_logprobs(o.outputs[0].logprobs, range(n_new), vocab, f"generate_fn row {b}")
         generate_fn.request_ids = [o.request_id for o in outs]
         generate_fn.token_ids = [list(o.outputs[0].token_ids) for o in outs]
+        if return_sequences:
+            return out, torch.tensor(generate_fn.token_ids, dtype=torch.int64)
         return out
 
     generate_fn.request_ids = []
@@ -602,7 +606,9 @@ def make_vllm_generate_fn(llm, num_tokens: int, prompt_lens: Sequence[int] | Non
 
 def make_vllm_kv_extract_fn(llm, kv_config: dict, generate_fn):
     """``kv_extract_fn(seq_len) -> {layer: (k, v)}`` ``[batch, kv_head, seq_len, head_dim]`` of the
-    requests of ``generate_fn``'s last call (positions past a row's computed tokens are NaN)."""
+    requests of ``generate_fn``'s last call, row b from its position 0 (positions past a row's
+    computed tokens, ``len(row) + n_new - 1``, are NaN; so are positions outside the window of
+    SlidingWindowSpec layers)."""
 
     def kv_extract_fn(seq_len: int):
         if not generate_fn.request_ids:

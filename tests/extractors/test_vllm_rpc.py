@@ -261,13 +261,47 @@ def test_generate_fn_and_kv_extract_fn_follow_teacher_forcing(engine):
         assert float((out[:, b] - want).abs().max()) < 1e-4
     kv = kv_fn(len(prompts[0]) + 4)
     assert kv["model.layers.0.self_attn.attn"][0].shape == (2, 2, len(prompts[0]) + 4, 32)
-    # re-feed two teacher tokens in row 0 only: it generates 2, row 1 generates 4
-    out2 = gen([prompts[0] + gen.token_ids[0][:2], prompts[1]])
-    assert out2.shape == (4, 2, 1024)
-    assert not torch.isnan(out2[:2, 0]).any() and torch.isnan(out2[2:, 0]).all()
+    # re-feed two teacher tokens in row 0 only: row 1 still needs 4, row 0 returns 2 surplus
+    out2, seqs = R.make_vllm_generate_fn(llm, 4, prompt_lens=[len(p) for p in prompts], return_sequences=True)(
+        [prompts[0] + gen.token_ids[0][:2], prompts[1]])
+    assert out2.shape == (4, 2, 1024) and seqs.shape == (2, 4)
+    assert seqs[0, :2].tolist() == gen.token_ids[0][2:] and seqs[1].tolist() == gen.token_ids[1]
     assert torch.allclose(out2[:, 1], out[:, 1], atol=1e-5)
+    assert torch.allclose(out2[:2, 0], out[2:, 0], atol=1e-5)
     with pytest.raises(ValueError, match="nothing left of num_tokens=4"):
-        gen([prompts[0] + [1, 2, 3, 4], prompts[1]])
+        gen([prompts[0] + [1, 2, 3, 4], prompts[1] + [1, 2, 3, 4]])
+
+
+@pytest.mark.vllm
+def test_logit_validation_loop_refeeds_after_divergence_and_merges_hf_equal_kv(engine):
+    if engine["dtype"] != "float32" or engine["arch"] != "llama-gqa":
+        pytest.skip("one engine suffices for the teacher-forcing loop")
+    from metrics.logits import logit_validation
+
+    llm, cfg = engine["llm"], engine["cfg"]
+    prompts, T = [PROMPTS[0], PROMPTS[1]], 4
+    ref = hf_reference(engine["path"], "float32", prompts, n_greedy=T)
+    greedy = [r["greedy"] for r in ref]
+    ref_lp = hf_reference(engine["path"], "float32", [p + g for p, g in zip(prompts, greedy)])
+    expected = torch.stack([r["logprobs"][len(p) - 1:len(p) - 1 + T] for r, p in zip(ref_lp, prompts)], dim=1)
+    forced = 999  # the reference insists on token 999 at generation index 2: vLLM must diverge there
+    expected[2, :, forced] = expected[2].max() + 5.0
+    teacher = [g[:2] + [forced] + g[3:] for g in greedy]
+
+    gen = R.make_vllm_generate_fn(llm, T)
+    passed, results, merged = logit_validation([list(p) for p in prompts], gen, expected,
+                                               kv_extract_fn=R.make_vllm_kv_extract_fn(llm, cfg, gen))
+    assert passed is False
+    hf_kv = hf_reference(engine["path"], "float32", [p + t for p, t in zip(prompts, teacher)])
+    for b, p in enumerate(prompts):
+        written = len(p) + 3  # the last teacher token is never fed back: its KV stays NaN
+        for li, name in enumerate(R._layer_order(list(merged))):
+            for got, want in zip(merged[name], hf_kv[b]["kv"][li]):
+                row = got[b, :, :written]
+                assert not torch.isnan(row).any(), f"row {b} {name}: unmerged positions"
+                assert torch.isnan(got[b, :, written:]).all()
+                diff = float((row - want[0, :, :written]).abs().max())
+                assert diff <= 1e-4, f"row {b} {name}: merged KV vs HF over the teacher sequence {diff:.3g}"
 
 
 @pytest.mark.vllm
