@@ -14,6 +14,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from capturestore.arrays import bad_chunks
@@ -25,7 +26,8 @@ from capturestore.tables import RUN_TABLES, SCHEMA_SEGMENT, committed_run_ids, s
 class Problem:
     """One thing verify found wrong; fields name where, ``message`` says what."""
 
-    kind: str  # corrupt-chunk | missing-array | shape-mismatch | dtype-mismatch | bad-segment | orphan | missing-tokens
+    kind: str  # corrupt-chunk | missing-array | shape-mismatch | dtype-mismatch | bad-segment | orphan |
+    #       missing-tokens | tokens-mismatch
     message: str
     run_id: str | None = None
     prompt_id: str | None = None
@@ -155,8 +157,12 @@ def verify(root: Path) -> VerifyReport:
         for p in prompts:
             if p["prompt_id"] not in have_tokens:
                 report.append(Problem("missing-tokens", "prompt has no tokens capture", run_id=run_id, prompt_id=p["prompt_id"]))
+        n_before = len(report)
         for c in caps:
             _verify_capture(zroot, c, report)
+        if len(report) == n_before:  # arrays sound: do the tokens agree with the catalog?
+            for p in prompts:
+                _verify_prompt_tokens(zroot, p, report)
     # 3. leftovers of dead writers (gc removes them)
     for run_id in _uncommitted_runs(root):
         report.append(Problem("orphan", "uncommitted run left by a dead writer (run `capturestore gc`)", run_id=run_id))
@@ -197,6 +203,30 @@ def _verify_capture(zroot: Path, c: dict, report: VerifyReport) -> None:
     report.checked_chunks += len(chunk_keys(shape, chunks))
     for key, why in bad_chunks(adir, shape, chunks):
         report.append(Problem("corrupt-chunk", why, run_id=run_id, prompt_id=pid, array=name, chunk=key))
+
+
+def _verify_prompt_tokens(zroot: Path, p: dict, report: VerifyReport) -> None:
+    """The tokens array equals the prompts row's token_ids, and prompt_id hashes its prompt part."""
+    from capturestore.chunkio import read_region
+    from capturestore.writer import prompt_id
+
+    run_id, pid = p["run_id"], p["prompt_id"]
+    adir = zroot / run_id / pid / "tokens"
+    meta = json.loads((adir / "zarr.json").read_text())
+    shape = tuple(meta["shape"])
+    chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+    codecs = [c["name"] for c in meta["codecs"]]
+    tokens = read_region(adir, shape, chunks, np.dtype(meta["data_type"]), (slice(0, shape[0]),),
+                         f"run {run_id}, prompt {pid}, array tokens", compressed="blosc" in codecs)
+    want = p.get("token_ids")
+    if want is not None and list(tokens) != list(want):
+        report.append(Problem("tokens-mismatch", "tokens array differs from the prompts row's token_ids",
+                              run_id=run_id, prompt_id=pid, array="tokens"))
+        return
+    n_prompt = p.get("n_prompt_tokens") or len(tokens)
+    if prompt_id(tokens[:n_prompt]) != pid:
+        report.append(Problem("tokens-mismatch", f"prompt_id is not the hash of the first {n_prompt} tokens",
+                              run_id=run_id, prompt_id=pid, array="tokens"))
 
 
 def gc(root: Path, dry_run: bool = False) -> list[str]:

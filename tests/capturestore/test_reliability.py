@@ -233,3 +233,17 @@ def test_gc_in_the_writing_process_leaves_its_open_run_alone(store):
     assert store.gc() == [] and store.verify().ok
     run.commit()
     np.testing.assert_array_equal(store.read_tokens(run.run_id, pid), [1, 2, 3])
+
+
+def test_verify_catches_tokens_that_disagree_with_the_catalog(store):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with store.begin_run(engine="hf", model_path="m") as run:
+        pid = run.add_prompt([1, 2, 3], continuation=[4])
+    assert store.verify().ok
+    seg = store.root / "tables" / "prompts" / f"{run.run_id}.parquet"
+    t = pq.read_table(seg)
+    t = t.set_column(t.column_names.index("token_ids"), "token_ids", pa.array([[1, 2, 9, 4]], t.schema.field("token_ids").type))
+    pq.write_table(t, seg)
+    assert [(p.kind, p.prompt_id) for p in store.verify()] == [("tokens-mismatch", pid)]
