@@ -183,7 +183,8 @@ def _gather_logits(kept, teacher_lens):
 # public extractors
 
 
-def extract_hf_kv_caches_teacher_forced(model, input_ids, teacher_tokens, return_logits: bool = False):
+def extract_hf_kv_caches_teacher_forced(model, input_ids, teacher_tokens, return_logits: bool = False,
+                                         cache_factory=None):
     """KV (and logits) of prompt + teacher tokens in ONE forward pass.
 
     input_ids: one prompt ``[seq]`` or several ``[batch][seq_b]`` (lists may differ in length;
@@ -195,10 +196,11 @@ def extract_hf_kv_caches_teacher_forced(model, input_ids, teacher_tokens, return
           ``seq = max(prompt_len_b + teacher_len_b)``; padding and dropped sliding positions NaN.
       logits: ``[gen_token, batch, vocab]``, ``logits[j, b]`` from position ``prompt_len_b - 1 + j``
           (the distribution that predicts teacher token ``j``); NaN past row ``b``'s teacher tokens.
+    cache_factory: ``config -> Cache`` for the pass (default ``DynamicCache(config=config)``), e.g.
+        an FP8 cache that quantizes on write (``nki_fp8.target``).
     See the module docstring for the full convention.
     """
     import torch
-    from transformers import DynamicCache
 
     prompts = _to_rows(input_ids, "input_ids")
     teachers = _to_rows(teacher_tokens, "teacher_tokens")
@@ -214,7 +216,7 @@ def extract_hf_kv_caches_teacher_forced(model, input_ids, teacher_tokens, return
     teacher_lens = [len(t) for t in teachers]
     # Only the last max(teacher_len) + 1 columns hold logits we return: skip the LM head elsewhere.
     keep = max(teacher_lens) + 1 if return_logits else 1
-    cache = DynamicCache(config=model.config)
+    cache = _new_cache(model, cache_factory)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                     use_cache=True, logits_to_keep=keep)
@@ -224,7 +226,13 @@ def extract_hf_kv_caches_teacher_forced(model, input_ids, teacher_tokens, return
     return _gather_logits(out.logits, teacher_lens), kv
 
 
-def generate_hf_logits_and_kv(model, input_ids, num_tokens: int):
+def _new_cache(model, cache_factory):
+    from transformers import DynamicCache
+
+    return (cache_factory or (lambda config: DynamicCache(config=config)))(model.config)
+
+
+def generate_hf_logits_and_kv(model, input_ids, num_tokens: int, cache_factory=None):
     """Greedy decoding of ``num_tokens`` tokens with the KV of every position.
 
     input_ids: one prompt ``[seq]`` or several ``[batch][seq_b]``. No early stop at EOS: every row
@@ -233,16 +241,16 @@ def generate_hf_logits_and_kv(model, input_ids, num_tokens: int):
           ``logits.argmax(-1)`` (first maximum, as used while decoding).
       kv: as in :func:`extract_hf_kv_caches_teacher_forced` with ``seq = max(prompt_len_b) + num_tokens``.
           After the last token an extra forward pass runs so the KV also covers it.
+    cache_factory: as in :func:`extract_hf_kv_caches_teacher_forced`.
     """
     import torch
-    from transformers import DynamicCache
 
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
         raise ValueError(f"generate_hf_logits_and_kv: num_tokens must be an int >= 1, got {num_tokens!r}")
     prompts = _to_rows(input_ids, "input_ids")
     _check_rows(prompts, _text_config(model).vocab_size, "input_ids", allow_empty=False)
     ids, mask, pos = _left_pad(prompts, _pad_id(model))
-    cache = DynamicCache(config=model.config)
+    cache = _new_cache(model, cache_factory)
     steps = []
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
