@@ -381,6 +381,12 @@ def _rpc(llm, method: str, **kwargs) -> list:
                            f"worker_extension_cls={EXTENSION_QUALNAME!r}") from e
 
 
+def enable_vllm_kv_capture(llm, max_finished: int = DEFAULT_MAX_FINISHED) -> None:
+    """Start snapshotting finishing requests on every worker, keeping the newest ``max_finished``
+    (each snapshot holds a copy of the request's blocks in every layer: size it to memory)."""
+    _rpc(llm, "enable_kv_capture", max_finished=int(max_finished))
+
+
 def extract_vllm_kv_cache_config(llm) -> dict:
     """The KV cache config of rank 0 as a plain dict (see extractors.paged for the fields).
 

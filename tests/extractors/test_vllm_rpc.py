@@ -339,6 +339,23 @@ def test_unknown_request_id_is_refused_with_known_ids(engine):
         R.extract_vllm_request_kv(engine["llm"], engine["cfg"], "no-such-request")
 
 
+@pytest.mark.vllm
+def test_snapshots_are_bounded_and_an_evicted_request_is_refused(engine):
+    if engine["arch"] != "llama-mha":
+        pytest.skip("one engine suffices for snapshot eviction")
+    llm = engine["llm"]
+    R.enable_vllm_kv_capture(llm, max_finished=1)
+    try:
+        R.vllm_teacher_forced_logprobs(llm, [[11, 12, 13]], [[14]])
+        R.vllm_teacher_forced_logprobs(llm, [[21, 22, 23]], [[24]])  # finishes the one before
+        finished = [r for r, info in R.extract_vllm_requests(llm).items() if info["finished"]]
+        assert len(finished) == 1
+        with pytest.raises(Exception, match="neither live nor snapshotted"):
+            R.extract_vllm_request_kv(llm, engine["cfg"], engine["rids"][0])
+    finally:
+        R.enable_vllm_kv_capture(llm, max_finished=R.DEFAULT_MAX_FINISHED)
+
+
 # ---------------------------------------------------------------- index maps
 
 
