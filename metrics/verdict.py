@@ -252,7 +252,7 @@ class KVVerdict:
 
     def summary(self) -> str:
         if self.passed:
-            return f"PASS: {len(self.layers)} layers within BF16 noise over {self.n_positions} positions"
+            return f"PASS: {len(self.layers)} layers within the expected source's noise (BF16 vs FP32 in three-way mode) over {self.n_positions} positions"
         lv = next(v for v in self.layers if v.layer == self.first_failing_layer)
         t = lv.k if lv.k.passed is False else lv.v
         which = "K" if t is lv.k else "V"
