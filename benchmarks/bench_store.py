@@ -2,7 +2,8 @@
 
 Limits measured in the same run, on the same disk (the --dir, default .bench-tmp/ in the repo):
 - write: `ndarray.tofile` of the same K and V bytes; read: `np.fromfile` of them. Both sides
-  go through the page cache; the "+ fsync" row also fsyncs every file written (the bytes are
+  go through the page cache, each timed write starting after an os.sync() (no dirty pages of
+  an earlier write being flushed under it); the "+ fsync" row also fsyncs every file written (the bytes are
   on the disk). Each figure is the best of --repeat, raw and store runs interleaved so both
   see the same machine load. Goal: >= 0.5x raw. Store writes are CPU-bound (compression on a
   thread pool, one chunk per task), so the page-cache ratio grows with cores.
@@ -111,6 +112,7 @@ def throughput(workdir: Path, shape, repeat: int) -> list[tuple]:
     for _ in range(repeat):
         shutil.rmtree(raw_dir, ignore_errors=True)
         raw_dir.mkdir(parents=True)
+        os.sync()  # every timed write starts with no dirty pages waiting for writeback
         t = time.perf_counter()
         k.tofile(raw_dir / "k.bin")
         v.tofile(raw_dir / "v.bin")
@@ -120,6 +122,7 @@ def throughput(workdir: Path, shape, repeat: int) -> list[tuple]:
 
         shutil.rmtree(store_root, ignore_errors=True)
         store = Store.open(store_root)
+        os.sync()
         t = time.perf_counter()
         with store.begin_run(engine="bench", model_path="synthetic") as run:
             pid = run.add_prompt([1, 2, 3])
@@ -140,6 +143,7 @@ def throughput(workdir: Path, shape, repeat: int) -> list[tuple]:
         assert np.array_equal(sk.view(np.uint16), k.view(np.uint16)) and np.array_equal(sv.view(np.uint16), v.view(np.uint16))
         del sk, sv
 
+        os.sync()
         t = time.perf_counter()  # checksum-only chunks: compression=None
         with store.begin_run(engine="bench", model_path="synthetic", compression=None) as run3:
             pid3 = run3.add_prompt([5])
@@ -150,6 +154,7 @@ def throughput(workdir: Path, shape, repeat: int) -> list[tuple]:
         times["nc_r"].append(time.perf_counter() - t)
 
         step = 16  # streamed decode: 16 tokens per append
+        os.sync()
         t = time.perf_counter()
         with store.begin_run(engine="bench", model_path="synthetic") as run2:
             pid2 = run2.add_prompt([4])

@@ -43,16 +43,68 @@ def chunk_key(idx: tuple[int, ...]) -> str:
     return "c/" + "/".join(str(i) for i in idx)
 
 
-def _encode_and_write(path: Path, block: np.ndarray, itemsize: int, compressed: bool) -> int:
-    raw = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
-    enc = _blosc(itemsize).encode(raw) if compressed else raw
-    crc = struct.pack("<I", crc32c.crc32c(enc))
+_IOV_MAX = 1024
+_MAX_SLABS = 4096
+
+
+def _slabs(part: np.ndarray, chunk_shape: tuple[int, ...]) -> list[np.ndarray] | None:
+    """The bytes of ``part`` zero-padded to ``chunk_shape``, in C order, as contiguous views of
+    the caller's array (no copy), or None when that takes too many pieces.
+
+    A chunk [1, kv_head, t, head_dim] of a C-ordered [layer, kv_head, seq, head_dim] array is
+    kv_head contiguous [t, head_dim] slabs; an edge chunk pads each slab along t."""
+    j = 0
+    while j < part.ndim and not part[(0,) * j].flags.c_contiguous:
+        j += 1
+    if j == part.ndim or any(part.shape[i] != chunk_shape[i] for i in range(part.ndim) if i != j):
+        return None
+    n_slabs = int(np.prod(part.shape[:j], dtype=np.int64))
+    pad_elems = (chunk_shape[j] - part.shape[j]) * int(np.prod(chunk_shape[j + 1:], dtype=np.int64))
+    if n_slabs * (2 if pad_elems else 1) > _MAX_SLABS:
+        return None
+    pad = np.zeros(pad_elems * part.dtype.itemsize, np.uint8) if pad_elems else None
+    out = []
+    for idx in np.ndindex(*part.shape[:j]):
+        out.append(part[idx].reshape(-1).view(np.uint8))
+        if pad is not None:
+            out.append(pad)
+    return out
+
+
+def _write_buffers(path: Path, bufs: list) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.writev(fd, [enc, crc])
+        for i in range(0, len(bufs), _IOV_MAX):
+            group = bufs[i : i + _IOV_MAX]
+            want = sum(memoryview(b).nbytes for b in group)
+            done = os.writev(fd, group)
+            if done != want:  # short write (rare on local disks): finish piecewise
+                rest = b"".join(bytes(memoryview(b).cast("B")) for b in group)[done:]
+                while rest:
+                    rest = rest[os.write(fd, rest):]
     finally:
         os.close(fd)
+
+
+def _encode_and_write(path: Path, block: np.ndarray, itemsize: int, compressed: bool,
+                      chunk_shape: tuple[int, ...] | None = None) -> int:
+    """Write one chunk: ``block`` is the chunk's data, padded to ``chunk_shape`` if given."""
+    if not compressed and chunk_shape is not None:
+        bufs = _slabs(block, chunk_shape)  # checksum-only chunks go straight from the caller's memory
+        if bufs is not None:
+            crc = 0
+            for b in bufs:
+                crc = crc32c.crc32c(b, crc)
+            _write_buffers(path, [*bufs, struct.pack("<I", crc)])
+            return sum(b.nbytes for b in bufs) + 4
+    if chunk_shape is not None and block.shape != chunk_shape:
+        full = np.zeros(chunk_shape, block.dtype)
+        full[tuple(slice(0, n) for n in block.shape)] = block
+        block = full
+    raw = np.ascontiguousarray(block).reshape(-1).view(np.uint8)
+    enc = _blosc(itemsize).encode(raw) if compressed else raw
+    _write_buffers(path, [enc, struct.pack("<I", crc32c.crc32c(enc))])
     return len(enc) + 4
 
 
@@ -80,16 +132,13 @@ def write_block(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...]
     jobs = []
     for idx in itertools.product(*ranges):
         src = tuple(slice(i * c - o, min((i + 1) * c, o + n) - o) for i, c, o, n in zip(idx, chunks, offset, block.shape))
-        part = block[src]
-        if part.shape != tuple(chunks):  # edge chunk: zarr stores it padded to the full chunk shape with the fill value 0
-            full = np.zeros(chunks, block.dtype)
-            full[tuple(slice(0, p) for p in part.shape)] = part
-            part = full
-        jobs.append((array_dir / chunk_key(idx), part))
+        # an edge chunk is stored padded to the full chunk shape with the fill value 0, as zarr does
+        jobs.append((array_dir / chunk_key(idx), block[src]))
+    cshape = tuple(chunks)
     if pending is None and len(jobs) == 1:
-        _encode_and_write(jobs[0][0], jobs[0][1], itemsize, compressed)
+        _encode_and_write(jobs[0][0], jobs[0][1], itemsize, compressed, cshape)
         return True
-    futures = [_pool().submit(_encode_and_write, p, b, itemsize, compressed) for p, b in jobs]
+    futures = [_pool().submit(_encode_and_write, p, b, itemsize, compressed, cshape) for p, b in jobs]
     if pending is not None:
         pending.extend(futures)
     else:

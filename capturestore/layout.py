@@ -26,9 +26,11 @@ CATALOG_FILE = "catalog.duckdb"
 CATALOG_ROOT_FILE = "catalog.root"  # the absolute store path the catalog views were built for
 TMP_SUFFIX = ".tmp"  # segments are written as <name>.parquet.<pid>.tmp, then renamed
 
-# Target bytes per chunk: large enough that per-chunk overhead is small against disk
-# throughput, small enough that streaming appends buffer little (one chunk per layer).
-TARGET_CHUNK_BYTES = 1 << 20
+# Target bytes per chunk: each chunk is a file, and creating a file costs ~0.3 ms on ext4
+# (measured here: 1 MiB files write at ~1.0 GB/s, 4 MiB files at ~1.4 GB/s, one big file at
+# ~1.4 GB/s). Streamed arrays use smaller chunks where needed to bound their staging buffers
+# (writer.STREAM_BUFFER_BYTES).
+TARGET_CHUNK_BYTES = 4 << 20
 MAX_CHUNK_TOKENS = 4096
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
