@@ -1,6 +1,6 @@
 """FP8 KV cache as an engine under test: an HF model whose cache quantizes on write.
 
-`Fp8KVCache` is a transformers `DynamicCache` whose layers quantize every incoming K/V with the
+`make_fp8_kv_cache` builds a transformers `DynamicCache` whose layers quantize every incoming K/V with the
 layer's kernel scale (`clamp(x * s, +-max)` -> FP8, torch `float8_e4m3fn` as vLLM Neuron does;
 on trn2 the 240 clamp makes its bits the E4M3 ones) and hold / return the dequantized values
 `q / s` in the model dtype. Attention therefore reads quantized K/V at every position,
@@ -23,8 +23,6 @@ torch / transformers are imported lazily; `extractors.hf` provides the teacher-f
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
 from dataclasses import dataclass
 
@@ -80,29 +78,6 @@ def make_fp8_kv_cache(config, k_scales, v_scales, platform: str | None = None):
     return convert_cache_to_fp8(DynamicCache(config=config), k_scales, v_scales, platform)
 
 
-@contextlib.contextmanager
-def fp8_kv_caches(k_scales, v_scales, platform: str | None = None):
-    """Within the block, `transformers.DynamicCache(config=...)` builds FP8 caches.
-
-    For extractors that create their own cache (extractors.hf does `DynamicCache(config=...)`).
-    Process-global while active: not for concurrent threads.
-    """
-    import transformers
-
-    base = transformers.DynamicCache
-
-    class Fp8KVCache(base):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            convert_cache_to_fp8(self, k_scales, v_scales, platform)
-
-    transformers.DynamicCache = Fp8KVCache
-    try:
-        yield Fp8KVCache
-    finally:
-        transformers.DynamicCache = base
-
-
 def extract_fp8_kv_teacher_forced(model, input_ids, teacher_tokens, k_scales, v_scales, *,
                                   platform: str | None = None, return_logits: bool = False):
     """`extractors.hf.extract_hf_kv_caches_teacher_forced` with the FP8 cache as the model's cache.
@@ -112,11 +87,8 @@ def extract_fp8_kv_teacher_forced(model, input_ids, teacher_tokens, k_scales, v_
     """
     from extractors.hf import extract_hf_kv_caches_teacher_forced as extract
 
-    if "cache_factory" in inspect.signature(extract).parameters:
-        factory = lambda config: make_fp8_kv_cache(config, k_scales, v_scales, platform)  # noqa: E731
-        return extract(model, input_ids, teacher_tokens, return_logits=return_logits, cache_factory=factory)
-    with fp8_kv_caches(k_scales, v_scales, platform):
-        return extract(model, input_ids, teacher_tokens, return_logits=return_logits)
+    factory = lambda config: make_fp8_kv_cache(config, k_scales, v_scales, platform)  # noqa: E731
+    return extract(model, input_ids, teacher_tokens, return_logits=return_logits, cache_factory=factory)
 
 
 def rescale_kv_magnitudes(model, k_factors, v_factors):
