@@ -207,7 +207,8 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
                                     return_raw_errors=three_way)
             res, raw = out if three_way else (out, None)
             cols = res.to_columns()
-            cols.pop("batch")
+            for repeated in ("batch", "k_bc", "v_bc"):  # one row per prompt; BCs live in kv_token_bc
+                cols.pop(repeated)
             pos = cols.pop("token")
             n_rows = len(pos)
             head_cols.append({
