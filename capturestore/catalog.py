@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import duckdb
 
 from capturestore.layout import CATALOG_FILE, CATALOG_ROOT_FILE, TABLES_DIR
-from capturestore.tables import RUN_TABLES, SCHEMA_SEGMENT, table_dir
+from capturestore.tables import table_dir
 
 
 def _quote_ident(name: str) -> str:
@@ -120,5 +120,3 @@ def ensure_catalog_file(root: Path) -> None:
     if not catalog_is_current(root):
         rebuild_catalog_file(root)
 
-
-__all__ = ["RUN_TABLES", "SCHEMA_SEGMENT", "connect_memory", "query", "rebuild_catalog_file", "ensure_catalog_file"]
