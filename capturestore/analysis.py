@@ -239,8 +239,8 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
         if G * L:
             store.append_table("kv_gen_bc", {
                 "comparison_id": [cid] * (G * L), "gen_token_idx": g_idx.ravel().tolist(),
-                "layer": [layers[i] for i in l_idx.ravel()], "k_bc": gk.ravel().tolist(),
-                "v_bc": gv.ravel().tolist(), "n_prompts": [len(raw_errors)] * (G * L),
+                "layer": [layers[i] for i in l_idx.ravel()], "k_bc": [_f(x) for x in gk.ravel()],
+                "v_bc": [_f(x) for x in gv.ravel()], "n_prompts": [len(raw_errors)] * (G * L),
             })
         kv_layers = _kv_layer_rows(cid, kv_verdict, head_cols)
         store.append_table("kv_layer_verdicts", kv_layers)
@@ -272,8 +272,11 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     return ComparisonResult(cid, runs, tuple(prompt_ids), logit_verdict, kv_verdict, tuple(kv_layers), first_fail, phase)
 
 
-def _concat_columns(parts: list[dict]) -> dict:
-    return {k: np.concatenate([p[k] for p in parts]).tolist() for k in parts[0]}
+def _concat_columns(parts: list[dict]):
+    """One Arrow table from per-prompt column dicts; NaN becomes NULL (see ``_f``)."""
+    import pyarrow as pa
+
+    return pa.table({k: pa.array(np.concatenate([p[k] for p in parts]), from_pandas=True) for k in parts[0]})
 
 
 def _kv_layer_rows(cid, verdict, head_cols) -> list[dict]:

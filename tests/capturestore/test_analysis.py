@@ -91,6 +91,28 @@ def test_metrics_match_a_hand_oracle_and_reach_sql(synthetic):
     assert cmp["three_way"] and cmp["n_prompts"] == 2
 
 
+def test_positions_outside_a_sliding_window_are_null_in_sql_not_nan(synthetic):
+    store, prompts, kv, logits, base, exp, actual = synthetic
+
+    def windowed(i, s):  # layer 0 keeps only its last 4 positions, as HF's sliding layers do
+        k, v = _bf16(kv[i][0]), _bf16(kv[i][1])
+        k[0, :, : s - 4] = np.nan
+        v[0, :, : s - 4] = np.nan
+        return k, v
+
+    res = compare_runs(store, expected_run=exp, actual_run=actual(kv_fn=windowed), baseline_run=base)
+    rows = store.sql(
+        f"SELECT count(*) AS n, count(k_linf) AS measured, max(k_linf) AS worst FROM kv_head_metrics "
+        f"WHERE comparison_id = '{res.comparison_id}' AND layer = '{LAYERS[0]}'"
+    ).to_pylist()[0]
+    assert rows["n"] == sum(H * (len(p) + len(c)) for p, c in prompts)
+    assert rows["measured"] == H * 4 * len(prompts)
+    assert np.isfinite(rows["worst"])
+    n_bc = store.sql(f"SELECT count(k_bc) AS n FROM kv_token_bc WHERE comparison_id = '{res.comparison_id}' "
+                     f"AND layer = '{LAYERS[0]}'").to_pylist()[0]["n"]
+    assert n_bc == 4 * len(prompts)
+
+
 def test_a_target_identical_to_bf16_passes_quietly(synthetic):
     store, *_, base, exp, actual = synthetic
     res = compare_runs(store, expected_run=exp, actual_run=actual(), baseline_run=base)
