@@ -14,7 +14,7 @@ import zarr
 from capturestore import catalog, integrity
 from capturestore.arrays import ArrayRef, check_compression, checked_read, open_array, open_zarr_store
 from capturestore.chunkio import read_region
-from capturestore.dtypes import from_storage
+from capturestore.dtypes import LOGICAL_DTYPES, from_storage
 from capturestore.errors import FormatVersionError, StoreError
 from capturestore.layout import (
     ARRAYS_DIR,
@@ -272,6 +272,27 @@ class Store:
                 return self._read(ref, meta, (slice(i, i + 1),), as_torch)[0]
         raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no step {step} in phases {phases}")
 
+    def open_xarray(self, run_id: str, prompt_id: str, decode_dtypes: bool = True):
+        """The prompt's arrays as an xarray.Dataset with their named dims (tokens, logits,
+        kv_k, kv_v, ...; module tensors are in the ``tensors/`` subgroups).
+
+        Zarr has no bf16/fp8 type, so xarray sees their bits (uint16/uint8); with
+        ``decode_dtypes`` those variables are loaded and viewed as their ml_dtypes dtype
+        (bit-exact); the others stay lazy."""
+        import xarray as xr
+
+        self._require_run(run_id)
+        pdir = self.root / ARRAYS_DIR / run_id / str(prompt_id)
+        if not isinstance(prompt_id, str) or not pdir.is_dir():
+            raise ValueError(f"run {run_id} has no prompt {prompt_id!r}")
+        ds = xr.open_zarr(str(pdir), consolidated=False, zarr_format=3)
+        if decode_dtypes:
+            for name, var in list(ds.data_vars.items()):
+                logical = var.attrs.get("logical_dtype")
+                if logical and np.dtype(LOGICAL_DTYPES[logical].numpy) != var.dtype:
+                    ds[name] = var.copy(data=from_storage(var.values, logical, False, f"{run_id}/{prompt_id}/{name}"))
+        return ds
+
     # ---- tables and queries ----------------------------------------------------------------
     def runs(self) -> pa.Table:
         return read_table(self.root, "runs")
@@ -350,7 +371,7 @@ def _token_slice(tokens: Any, ref: ArrayRef) -> slice:
 
 def _numpy_to_torch(bits: np.ndarray, ref: ArrayRef) -> Any:
     # bits here are already the logical numpy dtype; go back to storage bits for the torch view
-    from capturestore.dtypes import LOGICAL_DTYPES, logical_dtype_name
+    from capturestore.dtypes import logical_dtype_name
 
     name = logical_dtype_name(bits)
     ld = LOGICAL_DTYPES[name]

@@ -231,6 +231,10 @@ def test_xarray_opens_a_prompt_group_with_named_dims(store):
     assert ds["logits"].dims == ("gen_token", "vocab")
     assert ds["kv_k"].attrs["logical_dtype"] == "bfloat16"
     assert np.array_equal(ds["kv_k"].values, bits(k))  # bf16 bits; view with the logical dtype
+    decoded = store.open_xarray(run.run_id, pid)
+    assert decoded["kv_k"].dtype == ml_dtypes.bfloat16 and decoded["kv_k"].dims == ("layer", "kv_head", "seq", "head_dim")
+    assert np.array_equal(bits(decoded["kv_k"].values), bits(k))
+    assert decoded["logits"].dtype == np.float32
 
 
 @pytest.mark.parametrize("compression", ["lz4", None])
