@@ -22,7 +22,8 @@ Layout (see ../shared/DESIGN.md)::
 
 Arrays are Zarr v3 (xarray/dask open them) with ``dimension_names``, chunks of one layer x a
 token block (~4 MiB), blosc-lz4-bitshuffle + crc32c per chunk. bf16 and fp8 are stored as
-uint16/uint8 bits with the logical dtype in the ``logical_dtype`` attribute.
+uint16/uint8 bits with the logical dtype in the ``logical_dtype`` attribute
+(``Store.open_xarray(run_id, prompt_id)`` views them back as ml_dtypes).
 
 SQL views (the stable interface; ``Store.sql`` and ``capturestore sql``):
 
