@@ -131,7 +131,7 @@ def assert_kv_close(got, ref, dtype, where):
 # ---------------------------------------------------------------- engines (one LLM at a time)
 
 CASES = [("llama-mha", "float32", 16), ("llama-gqa", "float32", 16), ("llama-gqa", "bfloat16", 16),
-         ("gemma3-sliding", "float32", 24), ("gemma3-sliding", "bfloat16", 24)]
+         ("gemma3-sliding", "float32", 24), ("gemma3-sliding", "bfloat16", 24), ("mistral-sliding", "float32", 16)]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{a}-{d}" for a, d, _ in CASES])
@@ -160,6 +160,8 @@ def test_config_describes_groups_and_the_cpu_layout(engine):
     kinds = [(g["spec_type"], g["sliding_window"], len(g["layer_names"])) for g in cfg["groups"]]
     if engine["arch"] == "gemma3-sliding":
         assert sorted(kinds) == [("FullAttentionSpec", None, 2), ("SlidingWindowSpec", 16, 2)]
+    elif engine["arch"] == "mistral-sliding":
+        assert kinds == [("SlidingWindowSpec", 16, 3)]
     else:
         assert kinds == [("FullAttentionSpec", None, 3)]
     for g in cfg["groups"]:
