@@ -98,3 +98,13 @@ def test_demo_and_calibrate_are_registered(capsys):
     out = capsys.readouterr().out
     assert "--num-tokens" in out and "--arch" in out and "--method" in out and "--out" in out
     assert "--platform" in out and "--percentile" in out
+
+
+def test_runs_lists_uncommitted_runs_as_pending(filled, capsys):
+    store, _, _ = filled
+    run = store.begin_run(engine="hf", model_path="m")
+    assert main(["runs", "--store", str(store.root)]) == 0
+    assert f"pending {run.run_id}: pid {os.getpid()}" in capsys.readouterr().out
+    run.abort()
+    assert main(["runs", "--store", str(store.root)]) == 0
+    assert "pending" not in capsys.readouterr().out
