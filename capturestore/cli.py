@@ -6,7 +6,9 @@
     capturestore verify                    Store.verify()   exit status 1 on problems
     capturestore gc                        Store.gc()
     capturestore rebuild-catalog           Store.rebuild_catalog()
-    capturestore demo                      capturestore.demo.run_demo(...)
+    capturestore compare --expected RUN --actual RUN [--baseline RUN]
+                                           capturestore.analysis.compare_runs(...)
+    capturestore demo                      capturestore.demo.run_demo(...)  exit status 1 on FAIL
     capturestore calibrate RUN --out DIR   nki_fp8.calibration.calibrate_kv_scales(...)
 
 Every command takes ``--store PATH`` (default: $CAPTURESTORE, else ./capturestore-store).
@@ -140,11 +142,25 @@ def cmd_rebuild_catalog(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from capturestore.analysis import compare_runs
+
+    result = compare_runs(_open(args.store), expected_run=args.expected, actual_run=args.actual,
+                          baseline_run=args.baseline, label=args.label, kv=not args.no_kv)
+    print(f"comparison {result.comparison_id} over {len(result.prompt_ids)} prompts")
+    for name, verdict in (("logit verdict", result.logit_verdict), ("KV verdict", result.kv_verdict)):
+        if verdict is not None:
+            print(f"{name}: {verdict.summary()}")
+    print(f"overall: {'PASS' if result.passed else 'FAIL'}" + (f" (first failure in {result.phase})" if result.phase else ""))
+    return 0 if result.passed else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from capturestore.demo import run_demo
 
-    result = run_demo(store_path=args.store, arch=args.arch, num_tokens=args.num_tokens)
-    return int(result) if isinstance(result, int) else 0
+    result = run_demo(store_path=args.store, arch=args.arch, num_tokens=args.num_tokens, seed=args.seed,
+                      release=args.release)
+    return 0 if result.passed else 1
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -182,9 +198,18 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("gc", cmd_gc, "remove arrays and segments left by writers that died")
     sp.add_argument("--dry-run", action="store_true", help="list what would be removed")
     add("rebuild-catalog", cmd_rebuild_catalog, "rebuild catalog.duckdb from the Parquet segments alone")
-    sp = add("demo", cmd_demo, "capture a tiny local model into the store and print what it holds")
-    sp.add_argument("--arch", default="llama-gqa")
-    sp.add_argument("--num-tokens", type=int, default=8)
+    sp = add("compare", cmd_compare, "compare stored runs (two-way, or three-way with --baseline) and store the metrics")
+    sp.add_argument("--expected", required=True, help="reference run in the engine's dtype (e.g. HF BF16)")
+    sp.add_argument("--actual", required=True, help="run of the engine under test")
+    sp.add_argument("--baseline", help="ground-truth run (HF FP32): enables three-way mode")
+    sp.add_argument("--label", help="free-form label stored with the comparison")
+    sp.add_argument("--no-kv", action="store_true", help="compare logits only")
+    sp = add("demo", cmd_demo, "tiny local model: HF FP32 + BF16 references vs vLLM-CPU BF16, three-way verdict")
+    sp.set_defaults(store=os.environ.get("CAPTURESTORE", "demo-store"))
+    sp.add_argument("--arch", default="llama-gqa", help="tiny model architecture (llama-mha, llama-gqa, ...)")
+    sp.add_argument("--num-tokens", type=int, default=8, help="teacher-forced tokens per prompt")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
+    sp.add_argument("--release", help="release label recorded on the runs")
     sp = add("calibrate", cmd_calibrate, "calibrate FP8 KV cache scales from a run's KV captures")
     sp.add_argument("run")
     sp.add_argument("--out", required=True, help="output directory for the scales")

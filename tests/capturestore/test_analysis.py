@@ -203,3 +203,26 @@ def test_reference_runs_are_found_for_reuse_only_when_model_dtype_and_tokens_agr
     assert find_reference_run(store, dtype="bfloat16", teacher_tokens=teacher, **kw) is None
     tokens, plen = prompt_split(store, base, pids[1])
     assert plen == len(prompts[1][0]) and tokens.tolist() == prompts[1][0] + prompts[1][1]
+
+
+def test_cli_compare_mirrors_compare_runs_with_exit_status(synthetic, capsys):
+    from capturestore.cli import main
+
+    store, prompts, kv, logits, base, exp, actual = synthetic
+    good = actual()
+
+    def broken(i, s):
+        k = kv[i][0].copy()
+        k[2] *= 1.05
+        return _bf16(k), _bf16(kv[i][1])
+
+    bad = actual(kv_fn=broken)
+    args = ["compare", "--store", str(store.root), "--expected", exp, "--baseline", base]
+    assert main([*args, "--actual", good]) == 0
+    assert "overall: PASS" in capsys.readouterr().out
+    assert main([*args, "--actual", bad, "--label", "broken"]) == 1
+    assert f"first deviating KV layer {LAYERS[2]}" in capsys.readouterr().out
+    assert main([*args, "--actual", "missing"]) == 2
+    assert "actual run 'missing'" in capsys.readouterr().err
+    labels = store.sql("SELECT label, passed FROM comparisons ORDER BY created_at").to_pylist()
+    assert labels == [{"label": None, "passed": True}, {"label": "broken", "passed": False}]
