@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from extractors.paged import reconstruct_contiguous_kv, reconstruct_contiguous_kv_batch
+from extractors.paged import reconstruct_contiguous_kv_batch
 
 EXTENSION_QUALNAME = "extractors.vllm_rpc.KVCaptureWorkerExtension"
 DEFAULT_MAX_FINISHED = 64
