@@ -190,6 +190,30 @@ def test_teacher_forced_kv_matches_hf_after_blocks_were_reused(engine):
 
 
 @pytest.mark.vllm
+def test_request_served_from_the_prefix_cache_reads_the_shared_blocks(engine):
+    from vllm import SamplingParams
+
+    llm, cfg = engine["llm"], engine["cfg"]
+    seq = engine["seqs"][2]  # 75 tokens: two full blocks were cached by the fixture's request
+    out = llm.generate([{"prompt_token_ids": seq}], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    if not out.num_cached_tokens:
+        pytest.skip("prefix caching is off in this vLLM build")
+    kv = R.extract_vllm_request_kv(llm, cfg, out.request_id)
+    n = len(seq) + 1  # + the first generated token, fed back
+    window = {name: g["sliding_window"] for g in cfg["groups"] if g["spec_type"] == "SlidingWindowSpec"
+              for name in g["layer_names"]}
+    for li, name in enumerate(R._layer_order(list(kv))):
+        k, v = kv[name]
+        assert k.shape[2] == n
+        start = max(0, n - window[name] + 1) if name in window else 0  # window measured from n
+        assert torch.isnan(k[:, :, :start]).all() and not torch.isnan(k[:, :, start:]).any()
+        hk, hv = (x[:, :, start:] for x in engine["ref"][2]["kv"][li])
+        assert_kv_close((k[:, :, start:len(seq)], v[:, :, start:len(seq)]), (hk, hv), engine["dtype"],
+                        f"cache-hit request {name} ({out.num_cached_tokens} cached tokens)")
+
+
+@pytest.mark.vllm
 def test_teacher_forced_logprobs_match_hf_log_softmax(engine):
     tol = 1e-4 if engine["dtype"] == "float32" else 0.5
     for i, (p, lp) in enumerate(zip(PROMPTS, engine["logprobs"])):
