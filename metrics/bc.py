@@ -106,12 +106,18 @@ def bc_grouped(a: np.ndarray, b: np.ndarray, sample_axes, bins: int = DEFAULT_BI
     width = (hi - lo).astype(dtype)
     step = (width / dtype(bins)).astype(dtype)
     flat = step == 0  # lo == hi: np.histogram puts every value in the last bin
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         scale = np.where(flat, 0, dtype(bins) / np.where(flat, 1, width)).astype(dtype)
         # How far (in bins) rounding can move an edge or the estimate: values closer than this
         # to an integer bin position are checked against the real edges.
         ulp = np.spacing(np.maximum(np.abs(lo), np.abs(hi))).astype(np.float64)
         eps = np.where(flat, 0.0, 4 * ulp / np.where(flat, 1, step) + 1e-4).astype(dtype)
+    # A subnormal-wide range overflows bins / width: no estimate, every value walks the edges
+    # from bin 0 (eps 1 makes every value a candidate).
+    blind = ~np.isfinite(scale)
+    if blind.any():
+        scale = np.where(blind, 0, scale).astype(dtype)
+        eps = np.where(blind, 1, eps).astype(dtype)
     off_dtype = dtype if nrows * bins < (1 << 24) else np.float64
     row_off = (np.arange(nrows, dtype=off_dtype) * bins).reshape(lo.shape)
     bad_rows = not good.all()
