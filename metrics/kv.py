@@ -403,14 +403,24 @@ def _chunk_metrics(r, a, e, bins):
     return out, d, db
 
 
-def _one_tensor(ref, act, exp, want_raw, bins=DEFAULT_BINS):
+def _one_tensor(ref, act, exp, want_raw, bins=DEFAULT_BINS, backend="numpy"):
     """Metrics of one layer's K (or V). ref/act/exp: [B, H, S, D] (exp None in two-way).
 
     Returns dict of [B, S, H] arrays (cos, linf, l2, base_linf, base_l2), ``bc`` [B, S]
     (three-way) and, when asked, absolute errors ``tgt_err``/``base_err`` as [B, S, H*D]
-    float32. Works through chunks of positions so temporaries stay small.
+    float32. backend "numba": the fused kernel (``metrics._fused``), with positions holding a
+    NaN or infinity redone here; "numpy": chunks of positions so temporaries stay small.
     """
     B, H, S, D = ref.shape
+    if backend == "numba" and B * H * S * D > 0:
+        from . import _fused
+
+        res, redo = _fused.kv_tensor_metrics(ref, act, exp, want_raw, bins)
+        if redo.size:  # NaN / inf: the numpy path's exclusion rules, on those positions only
+            sub = _one_tensor(ref[:, :, redo], act[:, :, redo], None if exp is None else exp[:, :, redo], want_raw, bins)
+            for n, arr in sub.items():
+                res[n][:, redo] = arr
+        return res
     names = ["linf", "l2", "cos"] + (["base_linf", "base_l2"] if exp is not None else [])
     res = {n: np.empty((B, S, H)) for n in names}
     if exp is not None:
@@ -436,6 +446,37 @@ def _one_tensor(ref, act, exp, want_raw, bins=DEFAULT_BINS):
     return res
 
 
+_BACKENDS = ("auto", "numba", "numpy")
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """"numba" when asked for, or for "auto" when numba imports (the fused kernels of
+    ``metrics._fused``); else "numpy". Both give the same numbers: L-inf, BC and raw errors
+    bit for bit, L2 and cosine to float32 rounding of the sums."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "numpy":
+        return "numpy"
+    ok = _numba_available()
+    if backend == "numba" and not ok:
+        raise ValueError("backend='numba' but numba does not import (install the 'fast' extra)")
+    return "numba" if ok else "numpy"
+
+
+_NUMBA_OK = None
+
+
+def _numba_available() -> bool:
+    global _NUMBA_OK
+    if _NUMBA_OK is None:
+        try:
+            from . import _fused  # noqa: F401 - compiles nothing until first use
+            _NUMBA_OK = True
+        except Exception:  # noqa: BLE001 - a numba that fails to import is no numba
+            _NUMBA_OK = False
+    return _NUMBA_OK
+
+
 def compare_kv_caches(
     expected_kv: Mapping,
     actual_kv: Mapping,
@@ -443,6 +484,7 @@ def compare_kv_caches(
     baseline_kv: Mapping | None = None,
     return_raw_errors: bool = False,
     bins: int = DEFAULT_BINS,
+    backend: str = "auto",
 ):
     """Compare KV caches token x layer x head (see module docstring for definitions).
 
@@ -452,12 +494,15 @@ def compare_kv_caches(
     layers: names to compare, in order (default: the layers all sources share, natural order).
     return_raw_errors: three-way only; also return ``KVRawErrors`` (absolute errors of every
     token x layer, for ``aggregate_kv_bc_across_prompts``).
+    backend: "auto" (the fused numba kernel when numba imports, else numpy), "numba", "numpy";
+    see ``resolve_backend``.
 
     Returns ``KVComparison`` or ``(KVComparison, KVRawErrors)``.
     Raises ValueError naming the layer and both shapes on any shape mismatch, and when the
     layers disagree on batch or sequence length.
     """
     three_way = baseline_kv is not None
+    backend = resolve_backend(backend)
     if return_raw_errors and not three_way:
         raise ValueError("return_raw_errors needs baseline_kv: raw errors are measured against the baseline")
     if layers is None:
@@ -491,8 +536,8 @@ def compare_kv_caches(
                 f"layer {name!r} has batch x seq {(B, S)} but layer {layers[0]!r} has {bs_shape}; "
                 "all layers must cover the same positions (pad with NaN)"
             )
-        mk = _one_tensor(rk, ak, ek if three_way else None, return_raw_errors, bins)
-        mv = _one_tensor(rv, av, ev if three_way else None, return_raw_errors, bins)
+        mk = _one_tensor(rk, ak, ek if three_way else None, return_raw_errors, bins, backend)
+        mv = _one_tensor(rv, av, ev if three_way else None, return_raw_errors, bins, backend)
         del src, ek, ev, ak, av, rk, rv
         # Results go straight into the [batch, token, layer, head] arrays, layer by layer.
         if arrays is None:

@@ -1,0 +1,407 @@
+"""Optional fused KV-metrics kernel compiled with numba: one read of each source per token.
+
+``compare_kv_caches`` (``metrics.kv``) uses it when numba imports; without numba, or for inputs
+it does not take, the numpy path runs. Per batch row x position x KV head it reads the baseline
+(reference), actual and expected vectors ``[head_dim]`` once (bf16 read as uint16 and widened in
+registers by a shift, so no float32 copy of the cache is made) and produces:
+
+- the dot products ``|r|^2, r.d, |d|^2, |db|^2`` (float32, like the numpy path's einsum; the
+  order of additions differs, so L2 / cosine agree with the numpy path to float32 rounding);
+- ``max|r|``, ``max|d|``, ``min|d|``, ``max|db|``, ``min|db|`` as integer max/min over the
+  float bits with the sign cleared (exact, SIMD without fast-math; bits >= 0x7F800000 flag a
+  NaN or infinity), so relative L-inf is bit-identical to the numpy path;
+- three-way: per position, the 100-bin histograms of both absolute-error samples over all heads,
+  with the numpy path's bin rule exactly: edges ``k * step + lo`` in float32 (``np.linspace``),
+  bin = the last edge <= x (last bin closed), every value in the last bin when ``step == 0``.
+  An arithmetic estimate is always corrected against those edges (the numpy path corrects only
+  values near an edge), so counts are the rule's, and ``sqrt(p * q)`` per bin is written out for
+  numpy to sum: BC is bit-identical to ``metrics.bc``.
+
+A position whose inputs hold any NaN or infinity is flagged instead of measured; the caller
+recomputes it with the numpy path (NaN exclusion, NaN/0.0 BC rules live in one place).
+Work is split over positions across threads (the kernels release the GIL).
+"""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numba
+import numpy as np
+from numba.core import types
+from numba.extending import overload
+
+__all__ = ["kv_tensor_metrics", "hist_counts", "takes", "num_threads"]
+
+_F32 = np.float32
+_U32 = np.uint32
+_ABS = np.uint32(0x7FFFFFFF)
+_NONFINITE = np.uint32(0x7F800000)
+# per-head outputs: target L-inf, L2, cosine, base L-inf, base L2
+_OUT_FIELDS = ("linf", "l2", "cos", "base_linf", "base_l2")
+_MIN_SPLIT = 1 << 18  # values per tensor below which one thread does it all
+
+
+def _njit(**kw):
+    """numba.njit with a compile cache where one can be written; without a writable cache
+    location (read-only install, no home) numba refuses cache=True: compile per process."""
+    def deco(f):
+        try:
+            return numba.njit(cache=True, nogil=True, boundscheck=False, **kw)(f)
+        except Exception:  # noqa: BLE001 - numba raises RuntimeError for "no locator"
+            return numba.njit(cache=False, nogil=True, boundscheck=False, **kw)(f)
+    return deco
+
+
+def _widen(x):  # pragma: no cover - only its numba overload runs
+    raise NotImplementedError
+
+
+@overload(_widen, inline="always")
+def _widen_impl(x):
+    if isinstance(x, types.Integer):  # bf16 bits: exact widening by a shift
+        return lambda x: np.uint32(np.uint32(x) << np.uint32(16)).view(np.float32)
+    if isinstance(x, types.Float):
+        return lambda x: np.float32(x)
+    return None
+
+
+@_njit()
+def _lanes_total(acc, j):  # pragma: no cover - compiled
+    """acc[j, 0..7] summed in a fixed tree order."""
+    return ((acc[j, 0] + acc[j, 1]) + (acc[j, 2] + acc[j, 3])) + ((acc[j, 4] + acc[j, 5]) + (acc[j, 6] + acc[j, 7]))
+
+
+@_njit()
+def _head_sums(r, a, e, three, bi, h, s, td, bd, off, acc):  # pragma: no cover - compiled
+    """Sums and extrema of one head vector r[bi, h, s, :] (and a, e), errors to td/bd.
+
+    Float sums go to 8 explicit lanes (element i to lane i % 8, acc: float32 [4, 8]) and are
+    combined in a fixed order: SIMD without fast-math, and the same bits whatever the compiler
+    inlines or vectorises (a reassociating reduction changed results between compilations).
+    Max/min are integer reductions over the float bits with the sign cleared: exact in any order.
+    """
+    D = r.shape[3]
+    acc[:, :] = 0
+    rmax = _U32(0)
+    dmax = _U32(0)
+    dmin = _U32(0xFFFFFFFF)
+    bmax = _U32(0)
+    bmin = _U32(0xFFFFFFFF)
+    for i in range(D):
+        j = i & 7
+        rv = _F32(_widen(r[bi, h, s, i]))
+        d = _F32(_widen(a[bi, h, s, i]) - rv)
+        acc[0, j] += rv * rv
+        acc[1, j] += rv * d
+        acc[2, j] += d * d
+        rb = _U32(rv.view(np.uint32) & _ABS)
+        du = _U32(d.view(np.uint32) & _ABS)
+        rmax = rb if rb > rmax else rmax
+        dmax = du if du > dmax else dmax
+        if three:
+            db = _F32(_widen(e[bi, h, s, i]) - rv)
+            acc[3, j] += db * db
+            bu = _U32(db.view(np.uint32) & _ABS)
+            td[off + i] = _U32(du).view(np.float32)
+            bd[off + i] = _U32(bu).view(np.float32)
+            dmin = du if du < dmin else dmin
+            bmax = bu if bu > bmax else bmax
+            bmin = bu if bu < bmin else bmin
+    return (_lanes_total(acc, 0), _lanes_total(acc, 1), _lanes_total(acc, 2), _lanes_total(acc, 3),
+            rmax, dmax, dmin, bmax, bmin)
+
+
+@_njit()
+def _bin_of(x, lo, step, scale, last, zero, one):  # pragma: no cover - compiled
+    """np.histogram's bin of x over edges k * step + lo (computed in x's float type, no FMA),
+    k in [0, last]: the last edge <= x. last, zero, one: bins - 1, 0, 1 in that type."""
+    k = np.floor((x - lo) * scale)
+    if not k >= zero:  # also NaN (scale overflowed to inf at x == lo)
+        k = zero
+    if k > last:
+        k = last
+    while k > zero and x < k * step + lo:
+        k = k - one
+    while k < last and x >= (k + one) * step + lo:
+        k = k + one
+    return np.int32(k)
+
+
+@_njit()
+def _bin_row(x, n, lo, step, scale, last, zero, one, idx):  # pragma: no cover - compiled
+    """idx[:n] = _bin_of(x[:n]) for lo <= x <= hi, no NaN, finite scale, step > 0.
+
+    A branch-free estimate floor((x - lo) * scale), moved by one bin where the two edges around
+    it disagree (SIMD); only when some value moved is the row checked against its edges, and a
+    value that fails is binned by the exact loop (edges that collapse under rounding)."""
+    # float lanes and bools only: numba widens int32 arithmetic to int64, halving SIMD width
+    moved = False
+    for i in range(n):
+        v = x[i]
+        t = (v - lo) * scale
+        k = np.floor(t if t < last else last)
+        dn = (v < k * step + lo) & (k > zero)
+        up = (v >= (k + one) * step + lo) & (k < last)
+        k = k - one if dn else k
+        k = k + one if up else k
+        moved |= dn | up
+        idx[i] = np.int32(k)
+    if not moved:
+        return
+    wrong = False
+    for i in range(n):
+        v = x[i]
+        k = type(lo)(idx[i])
+        wrong |= ((v < k * step + lo) & (k > zero)) | ((v >= (k + one) * step + lo) & (k < last))
+    if not wrong:
+        return
+    for i in range(n):
+        idx[i] = _bin_of(x[i], lo, step, scale, last, zero, one)
+
+
+@_njit()
+def _scatter(idx, n, hist4):  # pragma: no cover - compiled
+    """hist4[j % 4, idx[j]] += 1: four interleaved histograms break the store->load chain on
+    runs of one bin."""
+    m = n - n % 4
+    for i in range(0, m, 4):
+        hist4[0, idx[i]] += 1
+        hist4[1, idx[i + 1]] += 1
+        hist4[2, idx[i + 2]] += 1
+        hist4[3, idx[i + 3]] += 1
+    for i in range(m, n):
+        hist4[0, idx[i]] += 1
+
+
+@_njit()
+def _bin_params(lo, hi, bins):  # pragma: no cover - compiled
+    """step and estimate scale exactly as metrics.bc computes them (float32)."""
+    width = _F32(hi - lo)
+    step = _F32(width / _F32(bins))
+    if step == _F32(0.0):
+        return step, _F32(0.0)
+    return step, _F32(_F32(bins) / width)
+
+
+@_njit()
+def _bc_terms(h4a, h4b, n_a, n_b, out):  # pragma: no cover - compiled
+    """out[j] = sqrt(p_j * q_j), p = ha / (n_a + 1e-10), as metrics.bc (float64)."""
+    da = np.float64(n_a) + 1e-10
+    db = np.float64(n_b) + 1e-10
+    for j in range(out.size):
+        ha = h4a[0, j] + h4a[1, j] + h4a[2, j] + h4a[3, j]
+        hb = h4b[0, j] + h4b[1, j] + h4b[2, j] + h4b[3, j]
+        out[j] = np.sqrt((np.float64(ha) / da) * (np.float64(hb) / db))
+
+
+@_njit()
+def _kv_kernel(r, a, e, three, want_raw, bins, s0, s1, out, sq, bad, raw_t, raw_b):  # pragma: no cover
+    """Positions [s0, s1) of one K or V tensor.
+
+    r, a, e: [batch, kv_head, seq, head_dim] (float32 or bf16 bits as uint16; e == r unused
+    when not three-way). out: float64 [batch, seq, kv_head, 5] (_OUT_FIELDS); sq: float64
+    [batch, seq, bins] sqrt(p q) terms (three-way); bad: uint8 [batch, seq] set to 1 where an
+    input is NaN/inf (nothing else written there); raw_t, raw_b: float32 [batch, seq,
+    kv_head * head_dim] absolute errors when want_raw.
+    """
+    B, H, S, D = r.shape
+    n = H * D
+    eps = _F32(1e-10)
+    td = np.empty(n, np.float32)
+    bd = np.empty(n, np.float32)
+    ti = np.empty(n, np.int32)
+    bi_ = np.empty(n, np.int32)
+    h4a = np.zeros((4, bins), np.int32)
+    h4b = np.zeros((4, bins), np.int32)
+    acc = np.zeros((4, 8), np.float32)
+    last = _F32(bins - 1)
+    zero = _F32(0.0)
+    one = _F32(1.0)
+    for b in range(B):
+        for s in range(s0, s1):
+            tmin = _U32(0xFFFFFFFF)
+            tmax = _U32(0)
+            bmin = _U32(0xFFFFFFFF)
+            bmax = _U32(0)
+            nonfinite = False
+            for h in range(H):
+                R, P, Q, QB, rmax, dmax, dmin, b_max, b_min = _head_sums(r, a, e, three, b, h, s, td, bd, h * D, acc)
+                if rmax >= _NONFINITE or dmax >= _NONFINITE or b_max >= _NONFINITE:
+                    nonfinite = True
+                    break
+                den_inf = _U32(rmax).view(np.float32)
+                den_inf = den_inf if den_inf > eps else eps
+                Rd = np.float64(R)
+                Pd = np.float64(P)
+                nr = np.sqrt(Rd)
+                na = np.sqrt(max(Rd + 2 * Pd + np.float64(Q), 0.0))
+                den_l2 = max(nr, 1e-10)
+                out[b, s, h, 0] = np.float64(_F32(_U32(dmax).view(np.float32) / den_inf))
+                out[b, s, h, 1] = np.sqrt(np.float64(Q)) / den_l2
+                out[b, s, h, 2] = (Rd + Pd) / (max(nr, 1e-8) * max(na, 1e-8))
+                if three:
+                    out[b, s, h, 3] = np.float64(_F32(_U32(b_max).view(np.float32) / den_inf))
+                    out[b, s, h, 4] = np.float64(np.sqrt(QB)) / den_l2
+                    tmin = dmin if dmin < tmin else tmin
+                    tmax = dmax if dmax > tmax else tmax
+                    bmin = b_min if b_min < bmin else bmin
+                    bmax = b_max if b_max > bmax else bmax
+            if nonfinite:
+                bad[b, s] = 1
+                continue
+            if not three:
+                continue
+            if want_raw:
+                raw_t[b, s, :] = td
+                raw_b[b, s, :] = bd
+            lo = _U32(bmin if bmin < tmin else tmin).view(np.float32)
+            hi = _U32(bmax if bmax > tmax else tmax).view(np.float32)
+            step, scale = _bin_params(lo, hi, bins)
+            h4a[:] = 0
+            h4b[:] = 0
+            if step == zero:  # lo == hi: np.histogram puts every value in the last bin
+                h4a[0, bins - 1] = n
+                h4b[0, bins - 1] = n
+            elif scale < np.inf:
+                _bin_row(bd, n, lo, step, scale, last, zero, one, bi_)
+                _bin_row(td, n, lo, step, scale, last, zero, one, ti)
+                _scatter(bi_, n, h4a)
+                _scatter(ti, n, h4b)
+            else:  # a range so narrow that bins / width overflows: exact loop only
+                for i in range(n):
+                    h4a[0, _bin_of(bd[i], lo, step, scale, last, zero, one)] += 1
+                    h4b[0, _bin_of(td[i], lo, step, scale, last, zero, one)] += 1
+            _bc_terms(h4a, h4b, n, n, sq[b, s])
+
+
+@_njit()
+def _hist_kernel(x, lo, step, scale, last, zero, one, r0, r1, counts):  # pragma: no cover - compiled
+    """counts[i] = histogram of row i of x [rows, n] (rows r0..r1; NaN skipped), metrics.bc's
+    bin rule; lo, step, scale: [rows], last, zero, one: bins - 1, 0, 1, all of x's dtype
+    (step 0: every value in the last bin)."""
+    bins = counts.shape[1]
+    n = x.shape[1]
+    idx = np.empty(n, np.int32)
+    h4 = np.zeros((4, bins), np.int64)
+    for i in range(r0, r1):
+        row = x[i]
+        st = step[i]
+        nnan = 0
+        for j in range(n):
+            nnan += np.int64(row[j] != row[j])
+        if st == zero:
+            counts[i, bins - 1] += n - nnan
+            continue
+        lo_i = lo[i]
+        sc = scale[i]
+        if nnan == 0 and sc < np.inf:
+            _bin_row(row, n, lo_i, st, sc, last, zero, one, idx)
+            h4[:] = 0
+            _scatter(idx, n, h4)
+            for j in range(bins):
+                counts[i, j] += h4[0, j] + h4[1, j] + h4[2, j] + h4[3, j]
+        else:
+            for j in range(n):
+                v = row[j]
+                if v == v:
+                    counts[i, _bin_of(v, lo_i, st, sc, last, zero, one)] += 1
+
+
+def takes(x) -> bool:
+    """Whether the kernel reads ``x`` (numpy) as it is: float32 or bf16 bits."""
+    return x.dtype == np.float32 or x.dtype.name == "bfloat16"
+
+
+def _kernel_view(x):
+    """float32 as is, bf16 as its uint16 bits, anything else widened to float32 (as the numpy
+    path computes); C-contiguous."""
+    if x.dtype.name == "bfloat16":
+        x = x.view(np.uint16)
+    elif x.dtype != np.float32:
+        x = x.astype(np.float32)
+    return np.ascontiguousarray(x)
+
+
+_POOL = None
+
+
+def num_threads() -> int:
+    """Threads the kernel splits a tensor over: the CPUs this process may use, at most 8
+    (``CAPTURESTORE_METRICS_THREADS`` overrides)."""
+    env = os.environ.get("CAPTURESTORE_METRICS_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        n = os.cpu_count() or 1
+    return max(1, min(8, n))
+
+
+def _run_split(fn, n_items, work):
+    """fn(i0, i1) over [0, n_items) in up to num_threads() contiguous parts."""
+    global _POOL
+    parts = min(num_threads(), n_items, max(1, work // _MIN_SPLIT))
+    if parts <= 1:
+        fn(0, n_items)
+        return
+    if _POOL is None or _POOL._max_workers < parts:
+        _POOL = ThreadPoolExecutor(max_workers=parts, thread_name_prefix="metrics-fused")
+    bounds = np.linspace(0, n_items, parts + 1).astype(int)
+    futs = [_POOL.submit(fn, int(bounds[i]), int(bounds[i + 1])) for i in range(1, parts)]
+    fn(int(bounds[0]), int(bounds[1]))
+    for f in futs:
+        f.result()
+
+
+def kv_tensor_metrics(ref, act, exp, want_raw: bool, bins: int):
+    """Metrics of one layer's K (or V), fused.
+
+    ref, act, exp: numpy ``[batch, kv_head, seq, head_dim]`` (exp None in two-way).
+    Returns ``(res, bad_positions)``: ``res`` as ``metrics.kv._one_tensor`` (``[batch, seq,
+    kv_head]`` arrays linf, l2, cos, base_linf, base_l2; ``bc [batch, seq]``; raw errors
+    ``[batch, seq, kv_head * head_dim]``), and the sorted positions (seq indices) the kernel
+    left to the numpy path because an input there is NaN or infinite.
+    """
+    three = exp is not None
+    r = _kernel_view(ref)
+    a = _kernel_view(act)
+    e = _kernel_view(exp) if three else r
+    B, H, S, D = r.shape
+    out = np.empty((B, S, H, 5))
+    sq = np.empty((B, S, bins) if three else (0, 0, 0))
+    bad = np.zeros((B, S), np.uint8)
+    if want_raw:
+        raw_t = np.empty((B, S, H * D), np.float32)
+        raw_b = np.empty((B, S, H * D), np.float32)
+    else:
+        raw_t = raw_b = np.empty((0, 0, 0), np.float32)
+
+    def part(s0, s1):
+        _kv_kernel(r, a, e, three, want_raw, bins, s0, s1, out, sq, bad, raw_t, raw_b)
+
+    _run_split(part, S, B * H * S * D)
+    res = {n: out[..., i] for i, n in enumerate(_OUT_FIELDS[: 5 if three else 3])}
+    if three:
+        res["bc"] = np.clip(sq.sum(axis=-1), 0.0, 1.0)
+    if want_raw:
+        res["tgt_err"], res["base_err"] = raw_t, raw_b
+    return res, np.flatnonzero(bad.any(axis=0))
+
+
+def hist_counts(x, lo, step, scale, bins):
+    """Counts ``[rows, bins]`` int64 of each row of ``x: [rows, n]`` (float32/float64, NaN
+    skipped) with metrics.bc's bin rule; lo, step, scale: ``[rows]`` of x's dtype."""
+    x = np.ascontiguousarray(x)
+    rows = x.shape[0]
+    counts = np.zeros((rows, bins), np.int64)
+    dt = x.dtype
+    t = dt.type
+    lo, step, scale = (np.ascontiguousarray(v, dtype=dt).reshape(rows) for v in (lo, step, scale))
+
+    def part(r0, r1):
+        _hist_kernel(x, lo, step, scale, t(bins - 1), t(0), t(1), r0, r1, counts)
+
+    _run_split(part, rows, x.size)
+    return counts

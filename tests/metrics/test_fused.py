@@ -1,0 +1,238 @@
+"""The fused numba path of compare_kv_caches against the numpy path and np.histogram.
+
+BC, relative L-inf and raw errors must be bit-identical between the two backends (same bins,
+same float32 errors); L2 / cosine agree to float32 rounding of the sums. Adversarial data puts
+errors exactly on, just below and just above np.linspace bin edges, on edges that collapse
+under rounding, and on subnormal-wide ranges."""
+import math
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from metrics.bc import bhattacharyya_batched
+from metrics.kv import compare_kv_caches, resolve_backend
+from tests.metrics.test_kv import assert_matches_oracle, make_kv, perturb, upstream_bc
+
+numba = pytest.importorskip("numba")
+from metrics import _fused  # noqa: E402
+
+EXACT = ("k_linf", "v_linf", "base_k_linf", "base_v_linf")
+CLOSE = ("k_l2", "v_l2", "base_k_l2", "base_v_l2", "k_cos", "v_cos")
+
+
+def assert_backends_agree(exp, act, base):
+    three = base is not None
+    out = {}
+    for be in ("numba", "numpy"):
+        out[be] = compare_kv_caches(exp, act, baseline_kv=base, return_raw_errors=three, backend=be)
+    if three:
+        (f, fraw), (n, nraw) = out["numba"], out["numpy"]
+        np.testing.assert_array_equal(f.k_bc, n.k_bc)
+        np.testing.assert_array_equal(f.v_bc, n.v_bc)
+        for name in ("base_k", "tgt_k", "base_v", "tgt_v"):
+            np.testing.assert_array_equal(getattr(fraw, name), getattr(nraw, name))
+    else:
+        f, n = out["numba"], out["numpy"]
+    for name in EXACT[: 4 if three else 2]:
+        np.testing.assert_array_equal(getattr(f, name), getattr(n, name), err_msg=name)
+    for name in CLOSE:
+        if three or not name.startswith("base"):
+            np.testing.assert_allclose(getattr(f, name), getattr(n, name), rtol=2e-6, atol=1e-7, err_msg=name)
+    return f
+
+
+# ----------------------------------------------------------------------------- adversarial rows
+
+
+def edge_rows(rng, n):
+    """Pairs of error samples (base, target), each [n] float32 >= 0, that sit on bin edges."""
+    f32 = np.float32
+    rows = []
+
+    def on_edges(lo, hi):
+        edges = np.linspace(f32(lo), f32(hi), 101).astype(f32)
+        cand = np.concatenate([edges, np.nextafter(edges, f32(-np.inf)), np.nextafter(edges, f32(np.inf))])
+        cand = cand[(cand >= edges[0]) & (cand <= edges[-1])]
+        x, y = rng.choice(cand, n), rng.choice(cand, n)
+        x[0], y[-1] = edges[0], edges[-1]  # the joint range is exactly [lo, hi]
+        return x, y
+
+    for lo, hi in ((0.0, 1.0), (0.0, 0.3), (0.125, 0.7), (0.0, 2.0**-9), (3e-5, 7.1e-3), (0.0, 100 * 2.0**-10)):
+        rows.append(on_edges(lo, hi))
+    lo, hi = f32(rng.uniform(0, 0.01)), f32(rng.uniform(0.02, 5))
+    rows.append(on_edges(lo, hi))
+    for m in (1, 3, 50, 99, 101, 150, 1000):  # edges closer than an ulp collapse
+        base = f32(1.0)
+        grid = base + np.arange(m + 1, dtype=f32) * np.spacing(base)
+        x, y = rng.choice(grid, n), rng.choice(grid, n)
+        x[0], y[-1] = grid[0], grid[-1]
+        rows.append((x, y))
+    for k in (1, 2, 60, 143, 700, 5000):  # subnormal-wide ranges: bins / width overflows
+        tiny = np.float32(1e-45)
+        grid = (np.arange(k + 1) * tiny).astype(f32)
+        x, y = rng.choice(grid, n), rng.choice(grid, n)
+        x[0], y[-1] = grid[0], grid[-1]
+        rows.append((x, y))
+    rows.append((np.full(n, f32(0.25)), np.full(n, f32(0.25))))  # lo == hi
+    rows.append((np.zeros(n, f32), np.zeros(n, f32)))
+    z = np.zeros(n, f32)
+    z[n // 2] = f32(3.0)
+    rows.append((z, np.zeros(n, f32)))
+    for q in (1 / 8, 1 / 64, 2**-20):  # bf16-like quantised errors
+        x = (np.round(np.abs(rng.normal(size=n)) / q) * q).astype(f32)
+        y = (np.round(np.abs(rng.normal(size=n)) * rng.uniform(0.3, 3) / q) * q).astype(f32)
+        rows.append((x, y))
+    return rows
+
+
+def test_fused_bc_identical_on_edge_valued_errors():
+    """Errors placed on linspace edges (and one float either side), collapsing edges,
+    subnormal ranges, flat ranges: fused == numpy == np.histogram, bit for bit."""
+    rng = np.random.default_rng(20)
+    H, D = 2, 40
+    rows = edge_rows(rng, H * D)
+    S = len(rows)
+    base_err = np.stack([r[0] for r in rows]).reshape(S, H, D).transpose(1, 0, 2)[None]  # [1, H, S, D]
+    tgt_err = np.stack([r[1] for r in rows]).reshape(S, H, D).transpose(1, 0, 2)[None]
+    zero = np.zeros_like(base_err)
+    # baseline 0, expected +base_err, actual -tgt_err: |x - baseline| are the samples exactly
+    base = {"l0": (zero, zero.copy())}
+    exp = {"l0": (base_err, tgt_err)}
+    act = {"l0": (-tgt_err, -base_err)}
+    res = assert_backends_agree(exp, act, base)
+    # np.histogram refuses edges that decrease (a subnormal step rounded up: 99 * step > hi),
+    # and when width / 100 underflows to 0 with width > 0 (a range of 1-2 subnormals) linspace
+    # spreads its edges where metrics.bc puts every value in the last bin; elsewhere all agree
+    ok = [i for i, (b, t) in enumerate(rows) if monotonic_edges(b, t) and not underflowing_step(b, t)]
+    assert len(ok) >= len(rows) - 4
+    want_k = [upstream_bc(*rows[i]) for i in ok]
+    want_v = [upstream_bc(*rows[i][::-1]) for i in ok]
+    np.testing.assert_array_equal(res.k_bc[0, ok, 0], want_k)
+    np.testing.assert_array_equal(res.v_bc[0, ok, 0], want_v)
+    # the numpy BC on its own (2-D batched form) agrees too
+    got = bhattacharyya_batched(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]))
+    np.testing.assert_array_equal(got, res.k_bc[0, :, 0])
+
+
+def underflowing_step(*samples):
+    lo = min(x.min() for x in samples)
+    hi = max(x.max() for x in samples)
+    return hi > lo and (hi - lo) / np.float32(100) == 0
+
+
+def monotonic_edges(*samples):
+    lo = min(x.min() for x in samples)
+    hi = max(x.max() for x in samples)
+    return bool(np.all(np.diff(np.linspace(lo, hi, 101)) >= 0))
+
+
+def test_fused_histogram_rows_match_np_histogram():
+    """metrics._fused.hist_counts (the kernel's bin rule on its own) == np.histogram counts."""
+    rng = np.random.default_rng(21)
+    rows = edge_rows(rng, 64)
+    x = np.stack([r[0] for r in rows] + [r[1] for r in rows])
+    lo, hi = x.min(axis=1), x.max(axis=1)
+    f32 = np.float32
+    step = ((hi - lo) / f32(100)).astype(f32)
+    with np.errstate(divide="ignore", over="ignore"):
+        scale = np.where(step == 0, 0, f32(100) / np.where(step == 0, 1, hi - lo)).astype(f32)
+    got = _fused.hist_counts(x, lo, step, scale, 100)
+    for i in range(len(x)):
+        if not monotonic_edges(x[i]) or underflowing_step(x[i]):
+            continue
+        want, _ = np.histogram(x[i], bins=np.linspace(lo[i], hi[i], 101))
+        np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    B=st.integers(1, 2), kv_heads=st.integers(1, 3), S=st.integers(1, 6), D=st.sampled_from([1, 3, 8, 64]),
+    dtype=st.sampled_from(["float32", "bfloat16", "float16", "float64"]), three=st.booleans(),
+    nan_frac=st.sampled_from([0.0, 0.0, 0.1]), inf=st.booleans(), rel=st.sampled_from([1e-2, 1e-5, 0.0]),
+    seed=st.integers(0, 2**31),
+)
+def test_fused_equals_numpy_backend(B, kv_heads, S, D, dtype, three, nan_frac, inf, rel, seed):
+    rng = np.random.default_rng(seed)
+    dt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    base = make_kv(rng, 2, B, kv_heads, S, D)
+    exp = {n: tuple(x.astype(dt) for x in kv) for n, kv in base.items()}
+    act = perturb(base, rng, rel, dt)
+    for kv in (act, base):
+        for k, v in kv.values():
+            if nan_frac:
+                k[rng.random(k.shape) < nan_frac] = np.nan
+            if inf:
+                v[rng.random(v.shape) < 0.05] = np.inf
+    with np.errstate(invalid="ignore", over="ignore"):
+        assert_backends_agree(exp, act, base if three else None)
+
+
+def test_numpy_backend_still_matches_loop_oracle():
+    """With numba installed, "auto" takes the fused path: pin the numpy path to the oracle too."""
+    rng = np.random.default_rng(22)
+    base = make_kv(rng, 2, B=2, H=3, S=5, D=16)
+    exp = {n: tuple(x.astype(ml_dtypes.bfloat16) for x in kv) for n, kv in base.items()}
+    act = perturb(base, rng, 5e-3, ml_dtypes.bfloat16)
+    act["model.layers.1.self_attn"][0][1, 2, 3, :] = np.nan
+    for be in ("numpy", "numba"):
+        res = compare_kv_caches(exp, act, baseline_kv=base, backend=be)
+        assert_matches_oracle(res, exp, act, base)
+
+
+def test_fused_kernel_splits_positions_across_threads(monkeypatch):
+    """Thread splits write disjoint positions: 1 and 3 threads give identical results."""
+    rng = np.random.default_rng(23)
+    base = make_kv(rng, 1, B=2, H=4, S=300, D=128)
+    exp = {n: tuple(x.astype(ml_dtypes.bfloat16) for x in kv) for n, kv in base.items()}
+    act = perturb(base, rng, 1e-2, ml_dtypes.bfloat16)
+    outs = []
+    for n in ("1", "3"):
+        monkeypatch.setenv("CAPTURESTORE_METRICS_THREADS", n)
+        outs.append(compare_kv_caches(exp, act, baseline_kv=base, backend="numba"))
+    for name in ("k_bc", "v_bc", "k_linf", "k_l2", "k_cos", "base_v_l2"):
+        np.testing.assert_array_equal(getattr(outs[0], name), getattr(outs[1], name))
+
+
+def test_backend_names_and_missing_numba(monkeypatch):
+    import metrics.kv as kv
+
+    assert resolve_backend("numpy") == "numpy"
+    assert resolve_backend("auto") == "numba"
+    with pytest.raises(ValueError, match="backend"):
+        resolve_backend("cuda")
+    monkeypatch.setattr(kv, "_NUMBA_OK", False)
+    assert resolve_backend("auto") == "numpy"
+    with pytest.raises(ValueError, match="numba"):
+        resolve_backend("numba")
+
+
+def test_without_numba_the_numpy_path_is_chosen():
+    """A process where numba cannot be imported still compares (numpy path)."""
+    code = (
+        "import sys; sys.modules['numba'] = None\n"
+        "import numpy as np\n"
+        "from metrics.kv import compare_kv_caches, resolve_backend\n"
+        "x = np.random.default_rng(0).normal(size=(1, 2, 3, 4)).astype(np.float32)\n"
+        "r = compare_kv_caches({'l': (x, x)}, {'l': (x * 1.01, x)}, baseline_kv={'l': (x, x)})\n"
+        "assert resolve_backend('auto') == 'numpy' and r.k_bc.shape == (1, 3, 1)\n"
+        "print('ok')\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_no_cache_location_compiles_without_cache():
+    """numba refuses cache=True when no cache directory can be written (here: a function with
+    no source file); the kernels then compile per process instead of failing."""
+    ns = {"np": np}
+    exec(compile("def f(x):\n    return x + 1\n", "<no-such-file>", "exec"), ns)
+    with pytest.raises(RuntimeError, match="cannot cache"):
+        numba.njit(cache=True)(ns["f"])
+    g = _fused._njit()(ns["f"])
+    assert g(41) == 42 and not math.isnan(g(1.5))
