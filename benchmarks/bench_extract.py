@@ -22,7 +22,7 @@ vLLM part (extractors/vllm_rpc.py, extractors/paged.py):
   per layer, vs one clone of the same number of bytes. Goal: <= 3x for the live request
   in-process (the engine's cache read in place). Informational rows: the same against the
   in-block reorder alone (vLLM CPU's 'vec' ISA stores each K tile transposed, so any reader
-  pays an element-strided copy, itself ~5x a clone on this CPU: the 3x goal is out of reach for
+  pays an element-strided copy, itself 3-5x a clone on this CPU: the 3x goal is out of reach for
   this layout, the extraction is ~2-2.5x that reorder), the bytes transport a separate engine
   process uses (worker-side copy + serialisation, IPC not included), and a finished request
   read from its snapshot.

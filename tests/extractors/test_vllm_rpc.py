@@ -2,6 +2,9 @@
 
 HF references are computed with plain transformers (one forward, ``past_key_values``) before
 the LLM is built in the same process, so they share nothing with the code under test.
+Engines (one LLM at a time, module-scoped): Llama MHA fp32, Llama GQA fp32/bf16, Gemma3 with
+sliding + full layers (two KV cache groups) fp32/bf16, Mistral all-sliding fp32; plus one run
+with a separate engine process. Tests that need only one engine skip the others (reason printed).
 """
 import gc
 import json
