@@ -40,6 +40,7 @@ _NONFINITE = np.uint32(0x7F800000)
 # per-head outputs: target L-inf, L2, cosine, base L-inf, base L2
 _OUT_FIELDS = ("linf", "l2", "cos", "base_linf", "base_l2")
 _MIN_SPLIT = 1 << 18  # values per tensor below which one thread does it all
+_BLOCK = 16  # positions per block: its errors (2 x 16 x heads x head_dim float32) stay in L2
 
 
 def _njit(**kw):
@@ -73,8 +74,9 @@ def _lanes_total(acc, j):  # pragma: no cover - compiled
 
 
 @_njit()
-def _head_sums(r, a, e, three, bi, h, s, td, bd, off, acc):  # pragma: no cover - compiled
-    """Sums and extrema of one head vector r[bi, h, s, :] (and a, e), errors to td/bd.
+def _head_sums(r, a, e, three, bi, h, s, td, bd, t, off, acc):  # pragma: no cover - compiled
+    """Sums and extrema of one head vector r[bi, h, s, :] (and a, e); its absolute errors
+    go to td[t, off:off + head_dim] (target) and bd[...] (base) when three-way.
 
     Float sums go to 8 explicit lanes (element i to lane i % 8, acc: float32 [4, 8]) and are
     combined in a fixed order: SIMD without fast-math, and the same bits whatever the compiler
@@ -103,8 +105,8 @@ def _head_sums(r, a, e, three, bi, h, s, td, bd, off, acc):  # pragma: no cover 
             db = _F32(_widen(e[bi, h, s, i]) - rv)
             acc[3, j] += db * db
             bu = _U32(db.view(np.uint32) & _ABS)
-            td[off + i] = _U32(du).view(np.float32)
-            bd[off + i] = _U32(bu).view(np.float32)
+            td[t, off + i] = _U32(du).view(np.float32)
+            bd[t, off + i] = _U32(bu).view(np.float32)
             dmin = du if du < dmin else dmin
             bmax = bu if bu > bmax else bmax
             bmin = bu if bu < bmin else bmin
@@ -207,9 +209,12 @@ def _kv_kernel(r, a, e, three, want_raw, bins, s0, s1, out, sq, bad, raw_t, raw_
     """
     B, H, S, D = r.shape
     n = H * D
+    T = _BLOCK
     eps = _F32(1e-10)
-    td = np.empty(n, np.float32)
-    bd = np.empty(n, np.float32)
+    td = np.empty((T, n), np.float32)  # absolute errors of a block of positions, all heads
+    bd = np.empty((T, n), np.float32)
+    ext = np.empty((T, 4), np.uint32)  # per position: target min, max, base min, max (bits)
+    nonfinite = np.zeros(T, np.bool_)
     ti = np.empty(n, np.int32)
     bi_ = np.empty(n, np.int32)
     h4a = np.zeros((4, bins), np.int32)
@@ -219,60 +224,70 @@ def _kv_kernel(r, a, e, three, want_raw, bins, s0, s1, out, sq, bad, raw_t, raw_
     zero = _F32(0.0)
     one = _F32(1.0)
     for b in range(B):
-        for s in range(s0, s1):
-            tmin = _U32(0xFFFFFFFF)
-            tmax = _U32(0)
-            bmin = _U32(0xFFFFFFFF)
-            bmax = _U32(0)
-            nonfinite = False
+        for sb in range(s0, s1, T):
+            nt = min(T, s1 - sb)
+            for t in range(nt):
+                ext[t, 0] = _U32(0xFFFFFFFF)
+                ext[t, 1] = _U32(0)
+                ext[t, 2] = _U32(0xFFFFFFFF)
+                ext[t, 3] = _U32(0)
+                nonfinite[t] = False
+            # head-major over the block: each source is read as H contiguous runs of nt * D
+            # values (a position-major walk would keep 3 * H strided streams open)
             for h in range(H):
-                R, P, Q, QB, rmax, dmax, dmin, b_max, b_min = _head_sums(r, a, e, three, b, h, s, td, bd, h * D, acc)
-                if rmax >= _NONFINITE or dmax >= _NONFINITE or b_max >= _NONFINITE:
-                    nonfinite = True
-                    break
-                den_inf = _U32(rmax).view(np.float32)
-                den_inf = den_inf if den_inf > eps else eps
-                Rd = np.float64(R)
-                Pd = np.float64(P)
-                nr = np.sqrt(Rd)
-                na = np.sqrt(max(Rd + 2 * Pd + np.float64(Q), 0.0))
-                den_l2 = max(nr, 1e-10)
-                out[b, s, h, 0] = np.float64(_F32(_U32(dmax).view(np.float32) / den_inf))
-                out[b, s, h, 1] = np.sqrt(np.float64(Q)) / den_l2
-                out[b, s, h, 2] = (Rd + Pd) / (max(nr, 1e-8) * max(na, 1e-8))
-                if three:
-                    out[b, s, h, 3] = np.float64(_F32(_U32(b_max).view(np.float32) / den_inf))
-                    out[b, s, h, 4] = np.float64(np.sqrt(QB)) / den_l2
-                    tmin = dmin if dmin < tmin else tmin
-                    tmax = dmax if dmax > tmax else tmax
-                    bmin = b_min if b_min < bmin else bmin
-                    bmax = b_max if b_max > bmax else bmax
-            if nonfinite:
-                bad[b, s] = 1
-                continue
-            if not three:
-                continue
-            if want_raw:
-                raw_t[b, s, :] = td
-                raw_b[b, s, :] = bd
-            lo = _U32(bmin if bmin < tmin else tmin).view(np.float32)
-            hi = _U32(bmax if bmax > tmax else tmax).view(np.float32)
-            step, scale = _bin_params(lo, hi, bins)
-            h4a[:] = 0
-            h4b[:] = 0
-            if step == zero:  # lo == hi: np.histogram puts every value in the last bin
-                h4a[0, bins - 1] = n
-                h4b[0, bins - 1] = n
-            elif scale < np.inf:
-                _bin_row(bd, n, lo, step, scale, last, zero, one, bi_)
-                _bin_row(td, n, lo, step, scale, last, zero, one, ti)
-                _scatter(bi_, n, h4a)
-                _scatter(ti, n, h4b)
-            else:  # a range so narrow that bins / width overflows: exact loop only
-                for i in range(n):
-                    h4a[0, _bin_of(bd[i], lo, step, scale, last, zero, one)] += 1
-                    h4b[0, _bin_of(td[i], lo, step, scale, last, zero, one)] += 1
-            _bc_terms(h4a, h4b, n, n, sq[b, s])
+                for t in range(nt):
+                    s = sb + t
+                    R, P, Q, QB, rmax, dmax, dmin, b_max, b_min = _head_sums(r, a, e, three, b, h, s, td, bd, t, h * D, acc)
+                    if rmax >= _NONFINITE or dmax >= _NONFINITE or b_max >= _NONFINITE:
+                        nonfinite[t] = True
+                        continue
+                    den_inf = _U32(rmax).view(np.float32)
+                    den_inf = den_inf if den_inf > eps else eps
+                    Rd = np.float64(R)
+                    Pd = np.float64(P)
+                    nr = np.sqrt(Rd)
+                    na = np.sqrt(max(Rd + 2 * Pd + np.float64(Q), 0.0))
+                    den_l2 = max(nr, 1e-10)
+                    out[b, s, h, 0] = np.float64(_F32(_U32(dmax).view(np.float32) / den_inf))
+                    out[b, s, h, 1] = np.sqrt(np.float64(Q)) / den_l2
+                    out[b, s, h, 2] = (Rd + Pd) / (max(nr, 1e-8) * max(na, 1e-8))
+                    if three:
+                        out[b, s, h, 3] = np.float64(_F32(_U32(b_max).view(np.float32) / den_inf))
+                        out[b, s, h, 4] = np.float64(np.sqrt(QB)) / den_l2
+                        ext[t, 0] = dmin if dmin < ext[t, 0] else ext[t, 0]
+                        ext[t, 1] = dmax if dmax > ext[t, 1] else ext[t, 1]
+                        ext[t, 2] = b_min if b_min < ext[t, 2] else ext[t, 2]
+                        ext[t, 3] = b_max if b_max > ext[t, 3] else ext[t, 3]
+            for t in range(nt):
+                s = sb + t
+                if nonfinite[t]:
+                    bad[b, s] = 1
+                    continue
+                if not three:
+                    continue
+                tdt = td[t]
+                bdt = bd[t]
+                if want_raw:
+                    raw_t[b, s, :] = tdt
+                    raw_b[b, s, :] = bdt
+                lo = _U32(ext[t, 2] if ext[t, 2] < ext[t, 0] else ext[t, 0]).view(np.float32)
+                hi = _U32(ext[t, 3] if ext[t, 3] > ext[t, 1] else ext[t, 1]).view(np.float32)
+                step, scale = _bin_params(lo, hi, bins)
+                h4a[:] = 0
+                h4b[:] = 0
+                if step == zero:  # lo == hi: np.histogram puts every value in the last bin
+                    h4a[0, bins - 1] = n
+                    h4b[0, bins - 1] = n
+                elif scale < np.inf:
+                    _bin_row(bdt, n, lo, step, scale, last, zero, one, bi_)
+                    _bin_row(tdt, n, lo, step, scale, last, zero, one, ti)
+                    _scatter(bi_, n, h4a)
+                    _scatter(ti, n, h4b)
+                else:  # a range so narrow that bins / width overflows: exact loop only
+                    for i in range(n):
+                        h4a[0, _bin_of(bdt[i], lo, step, scale, last, zero, one)] += 1
+                        h4b[0, _bin_of(tdt[i], lo, step, scale, last, zero, one)] += 1
+                _bc_terms(h4a, h4b, n, n, sq[b, s])
 
 
 @_njit()
