@@ -42,13 +42,18 @@ def bhattacharyya_coefficient(a, b, bins: int = DEFAULT_BINS) -> float:
     return float(bhattacharyya_batched(a, b, bins=bins)[0])
 
 
-def bhattacharyya_batched(a, b, bins: int = DEFAULT_BINS) -> np.ndarray:
+def bhattacharyya_batched(a, b, bins: int = DEFAULT_BINS, backend: str = "auto") -> np.ndarray:
     """Many BCs at once, one per leading index.
 
     a: ``[..., n_a]``, b: ``[..., n_b]`` with the same leading shape (e.g. ``[token, layer]``).
     Returns ``[...]`` float64. A row where either side has no value left (empty or all-NaN)
     gets 0.0, as the upstream does for empty samples; a row holding an infinite value gets NaN.
+    backend: "auto" counts bins with the numba kernel of ``metrics._fused`` when numba imports
+    (same counts, hence the same BC bit for bit), "numba" always, "numpy" never.
     """
+    if backend not in ("auto", "numba", "numpy"):
+        raise ValueError(f"backend must be 'auto', 'numba' or 'numpy', got {backend!r}")
+    fused = backend == "numba" or (backend == "auto" and numba_available())
     a = _float_samples(a)
     b = _float_samples(b)
     if a.shape[:-1] != b.shape[:-1]:
@@ -65,11 +70,26 @@ def bhattacharyya_batched(a, b, bins: int = DEFAULT_BINS) -> np.ndarray:
     step = max(1, _CHUNK_ELEMS // per_row)
     for r0 in range(0, nrows, step):
         r1 = min(nrows, r0 + step)
-        out[r0:r1] = bc_grouped(a2[r0:r1], b2[r0:r1], (1,), bins)
+        out[r0:r1] = bc_grouped(a2[r0:r1], b2[r0:r1], (1,), bins, fused=fused)
     return out.reshape(lead)
 
 
-def bc_grouped(a: np.ndarray, b: np.ndarray, sample_axes, bins: int = DEFAULT_BINS, minmax=None) -> np.ndarray:
+_NUMBA_OK = None
+
+
+def numba_available() -> bool:
+    """Whether the fused kernels (``metrics._fused``, numba) import; checked once."""
+    global _NUMBA_OK
+    if _NUMBA_OK is None:
+        try:
+            from . import _fused  # noqa: F401 - compiles nothing until first use
+            _NUMBA_OK = True
+        except Exception:  # noqa: BLE001 - a numba that fails to import is no numba
+            _NUMBA_OK = False
+    return _NUMBA_OK
+
+
+def bc_grouped(a: np.ndarray, b: np.ndarray, sample_axes, bins: int = DEFAULT_BINS, minmax=None, fused=False) -> np.ndarray:
     """BC per group, where a group is one index of the axes *not* in ``sample_axes``.
 
     a, b: float32/float64 arrays of one dtype that agree on every non-sample axis, e.g.
@@ -77,6 +97,7 @@ def bc_grouped(a: np.ndarray, b: np.ndarray, sample_axes, bins: int = DEFAULT_BI
     over heads x head_dim, with no transposed copy. Same definition and edge cases as
     ``bhattacharyya_batched``. minmax: optional ``(a_min, a_max, b_min, b_max)`` per group with
     the sample axes kept as size 1, when the caller already has them (NaN-free data only).
+    fused: count 2-D ``[group, sample]`` inputs with ``metrics._fused.hist_counts``.
     """
     axes = tuple(ax % a.ndim for ax in sample_axes)
     kept = tuple(n for i, n in enumerate(a.shape) if i not in axes)
@@ -121,8 +142,14 @@ def bc_grouped(a: np.ndarray, b: np.ndarray, sample_axes, bins: int = DEFAULT_BI
     off_dtype = dtype if nrows * bins < (1 << 24) else np.float64
     row_off = (np.arange(nrows, dtype=off_dtype) * bins).reshape(lo.shape)
     bad_rows = not good.all()
-    ha = _counts(a, lo, step, scale, flat, eps, row_off, bins, nrows, bool(a_nan) or bad_rows)
-    hb = _counts(b, lo, step, scale, flat, eps, row_off, bins, nrows, bool(b_nan) or bad_rows)
+    if fused and a.ndim == 2 and axes == (1,):
+        from . import _fused
+
+        ha = _fused.hist_counts(a, lo, step, scale, bins)
+        hb = _fused.hist_counts(b, lo, step, scale, bins)
+    else:
+        ha = _counts(a, lo, step, scale, flat, eps, row_off, bins, nrows, bool(a_nan) or bad_rows)
+        hb = _counts(b, lo, step, scale, flat, eps, row_off, bins, nrows, bool(b_nan) or bad_rows)
     p = ha / (ha.sum(axis=1, keepdims=True) + _NORM_EPS)
     q = hb / (hb.sum(axis=1, keepdims=True) + _NORM_EPS)
     bc = np.clip(np.sqrt(p * q).sum(axis=1), 0.0, 1.0).reshape(kept)

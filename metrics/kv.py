@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .bc import DEFAULT_BINS, bc_grouped, bhattacharyya_batched
+from .bc import DEFAULT_BINS, bc_grouped, bhattacharyya_batched, numba_available
 from .errors import COS_EPS, EPS, as_float, cosine, rel_l2, rel_linf, to_numpy
 
 __all__ = [
@@ -457,24 +457,10 @@ def resolve_backend(backend: str = "auto") -> str:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "numpy":
         return "numpy"
-    ok = _numba_available()
+    ok = numba_available()
     if backend == "numba" and not ok:
         raise ValueError("backend='numba' but numba does not import (install the 'fast' extra)")
     return "numba" if ok else "numpy"
-
-
-_NUMBA_OK = None
-
-
-def _numba_available() -> bool:
-    global _NUMBA_OK
-    if _NUMBA_OK is None:
-        try:
-            from . import _fused  # noqa: F401 - compiles nothing until first use
-            _NUMBA_OK = True
-        except Exception:  # noqa: BLE001 - a numba that fails to import is no numba
-            _NUMBA_OK = False
-    return _NUMBA_OK
 
 
 def compare_kv_caches(
@@ -616,7 +602,9 @@ def _layers_of(raw):
     return sorted(raw[0].keys(), key=natural_sort_key) if len(raw) else []
 
 
-def aggregate_kv_bc_arrays(all_raw_errors, prompt_lens, layers=None, row: int = 0, bins: int = DEFAULT_BINS):
+def aggregate_kv_bc_arrays(
+    all_raw_errors, prompt_lens, layers=None, row: int = 0, bins: int = DEFAULT_BINS, backend: str = "auto"
+):
     """Cross-prompt BC per generation token and layer, as arrays.
 
     all_raw_errors: one entry per prompt (``KVRawErrors`` or upstream list-of-dicts);
@@ -624,7 +612,8 @@ def aggregate_kv_bc_arrays(all_raw_errors, prompt_lens, layers=None, row: int = 
     ``prompt_len + g`` of that prompt (0 = first decode token). Only generation indices every
     prompt has are aggregated (upstream: ``min(len - prompt_len)``).
     Returns ``(layers, k_bc [gen_token, layer], v_bc [gen_token, layer])``: for each
-    (g, layer) the BC over the errors of all prompts concatenated.
+    (g, layer) the BC over the errors of all prompts concatenated. backend: how bins are
+    counted (``bhattacharyya_batched``; the same numbers either way).
     """
     if len(all_raw_errors) != len(prompt_lens):
         raise ValueError(f"{len(all_raw_errors)} raw-error entries but {len(prompt_lens)} prompt lengths")
@@ -646,15 +635,17 @@ def aggregate_kv_bc_arrays(all_raw_errors, prompt_lens, layers=None, row: int = 
             .reshape(n_gen, -1)
             for f in range(4)
         )
-        k_bc[:, li] = bhattacharyya_batched(base_k, tgt_k, bins=bins)
-        v_bc[:, li] = bhattacharyya_batched(base_v, tgt_v, bins=bins)
+        k_bc[:, li] = bhattacharyya_batched(base_k, tgt_k, bins=bins, backend=backend)
+        v_bc[:, li] = bhattacharyya_batched(base_v, tgt_v, bins=bins, backend=backend)
     return layers, k_bc, v_bc
 
 
-def aggregate_kv_bc_across_prompts(all_raw_errors, prompt_lens, layers=None, row: int = 0, bins: int = DEFAULT_BINS):
+def aggregate_kv_bc_across_prompts(
+    all_raw_errors, prompt_lens, layers=None, row: int = 0, bins: int = DEFAULT_BINS, backend: str = "auto"
+):
     """Upstream-shaped cross-prompt BC: ``agg[gen_token_idx][layer].k_bc`` (see
     ``aggregate_kv_bc_arrays`` for the definition; this wraps its arrays in a dict)."""
-    names, k_bc, v_bc = aggregate_kv_bc_arrays(all_raw_errors, prompt_lens, layers, row, bins)
+    names, k_bc, v_bc = aggregate_kv_bc_arrays(all_raw_errors, prompt_lens, layers, row, bins, backend)
     return {
         g: {name: TokenKVMetrics(float(k_bc[g, li]), float(v_bc[g, li])) for li, name in enumerate(names)}
         for g in range(k_bc.shape[0])

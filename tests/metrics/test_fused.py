@@ -114,9 +114,10 @@ def test_fused_bc_identical_on_edge_valued_errors():
     want_v = [upstream_bc(*rows[i][::-1]) for i in ok]
     np.testing.assert_array_equal(res.k_bc[0, ok, 0], want_k)
     np.testing.assert_array_equal(res.v_bc[0, ok, 0], want_v)
-    # the numpy BC on its own (2-D batched form) agrees too
-    got = bhattacharyya_batched(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]))
-    np.testing.assert_array_equal(got, res.k_bc[0, :, 0])
+    # the BC on its own (2-D batched form, both counting backends) agrees too
+    for be in ("numpy", "numba"):
+        got = bhattacharyya_batched(np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]), backend=be)
+        np.testing.assert_array_equal(got, res.k_bc[0, :, 0])
 
 
 def underflowing_step(*samples):
@@ -147,6 +148,32 @@ def test_fused_histogram_rows_match_np_histogram():
             continue
         want, _ = np.histogram(x[i], bins=np.linspace(lo[i], hi[i], 101))
         np.testing.assert_array_equal(got[i], want, err_msg=f"row {i}")
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 5), n=st.integers(0, 300), dtype=st.sampled_from(["float32", "float64"]),
+    nan_frac=st.sampled_from([0.0, 0.0, 0.3, 1.0]), inf=st.booleans(), quantum=st.sampled_from([0.0, 1 / 64, 2**-20]),
+    seed=st.integers(0, 2**31),
+)
+def test_batched_bc_fused_counts_equal_numpy(rows, n, dtype, nan_frac, inf, quantum, seed):
+    """bhattacharyya_batched (cross-prompt aggregation) counting with the kernel == numpy."""
+    rng = np.random.default_rng(seed)
+    a = np.abs(rng.normal(size=(rows, n)))
+    b = np.abs(rng.normal(size=(rows, n))) * rng.uniform(0.3, 3)
+    if quantum:
+        a, b = np.round(a / quantum) * quantum, np.round(b / quantum) * quantum
+    a, b = a.astype(dtype), b.astype(dtype)
+    a[rng.random(a.shape) < nan_frac] = np.nan
+    if inf and n:
+        b[0, 0] = np.inf
+    with np.errstate(invalid="ignore"):
+        got = bhattacharyya_batched(a, b, backend="numba")
+        want = bhattacharyya_batched(a, b, backend="numpy")
+    np.testing.assert_array_equal(got, want)
+    for i in range(rows):
+        if not (inf and i == 0) and not np.isnan(a[i]).all() and n:
+            assert got[i] == upstream_bc(a[i], b[i])
 
 
 @settings(max_examples=30, deadline=None)
@@ -205,7 +232,9 @@ def test_backend_names_and_missing_numba(monkeypatch):
     assert resolve_backend("auto") == "numba"
     with pytest.raises(ValueError, match="backend"):
         resolve_backend("cuda")
-    monkeypatch.setattr(kv, "_NUMBA_OK", False)
+    import metrics.bc as bc
+
+    monkeypatch.setattr(bc, "_NUMBA_OK", False)
     assert resolve_backend("auto") == "numpy"
     with pytest.raises(ValueError, match="numba"):
         resolve_backend("numba")
