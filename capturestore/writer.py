@@ -52,6 +52,10 @@ if TYPE_CHECKING:
 
 KV_DIMS = ["layer", "kv_head", "seq", "head_dim"]
 STREAM_BUFFER_BYTES = 64 << 20  # K + V staging of one streamed prompt: peak RSS stays flat
+# A one-shot KV layer up to this size is one chunk: a contiguous slice of the caller's
+# [layer, kv_head, seq, head_dim] array (compressed without a gather copy) and half the chunk
+# files of ~4 MiB token blocks. benchmarks/bench_store.py: ~15-25% less CPU per written byte.
+KV_LAYER_CHUNK_BYTES = 8 << 20
 LOGITS_DIMS = ["gen_token", "vocab"]
 TOKENS_DIMS = ["token"]
 _INT32_MAX = np.iinfo(np.int32).max
@@ -432,7 +436,12 @@ class RunWriter:
         return ka, va, ld
 
     def _kv_chunks(self, kv_heads: int, head_dim: int, ld: LogicalDtype, seq: int | None) -> tuple[int, int, int, int]:
-        t = self._tokens_per_chunk(kv_heads * head_dim * ld.storage.itemsize, seq)
+        """Chunk of K or V [layer, kv_head, seq, head_dim]: one layer by a block of tokens;
+        a whole layer when the length is known and the layer holds <= KV_LAYER_CHUNK_BYTES."""
+        per_token = kv_heads * head_dim * ld.storage.itemsize
+        if self._chunk_tokens is None and seq is not None and seq * per_token <= KV_LAYER_CHUNK_BYTES:
+            return (1, kv_heads, max(1, seq), head_dim)
+        t = self._tokens_per_chunk(per_token, seq)
         return (1, kv_heads, t, head_dim)
 
     def _create_kv_arrays(self, pid: str, group: str | None, shape: tuple[int, int, int, int], ld: LogicalDtype,

@@ -1,0 +1,59 @@
+"""RunWriter chunk geometry: which KV chunks a one-shot write gets, and that they round-trip."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from capturestore.layout import ARRAYS_DIR
+
+
+def _bf16(rng, shape):
+    return rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+
+
+# [layer, kv_head, seq, head_dim] bf16 = 2 KiB per token per layer (kv_head 8, head_dim 128):
+# 3072 tokens = 6 MiB per layer (<= 8 MiB: one chunk), 4097 tokens = 8 MiB + 2 KiB (too big:
+# power-of-two token blocks of 4 MiB / 2 KiB = 2048 tokens, the last one an edge chunk).
+@pytest.mark.parametrize("seq, want_tokens", [(3072, 3072), (4096, 4096), (4097, 2048), (5, 5)])
+def test_one_shot_kv_layer_up_to_8_mib_is_one_chunk(store, seq, want_tokens):
+    rng = np.random.default_rng(seq)
+    k = _bf16(rng, (2, 8, seq, 128))
+    v = _bf16(rng, (2, 8, seq, 128))
+    with store.begin_run(engine="hf", model_path="m") as run:
+        pid = run.add_prompt([1, 2, 3])
+        run.write_kv(pid, k, v)
+    chunks = {r["array_name"]: r["chunks"] for r in store.captures(run.run_id).to_pylist()}
+    assert chunks["kv_k"] == chunks["kv_v"] == [1, 8, want_tokens, 128]
+    n_files = sum(1 for p in (store.root / ARRAYS_DIR / run.run_id / pid / "kv_k" / "c").rglob("*") if p.is_file())
+    assert n_files == 2 * -(-seq // want_tokens)  # layers x token blocks, every chunk on disk
+    rk, rv = store.read_kv(run.run_id, pid)
+    assert np.array_equal(rk.view(np.uint16), k.view(np.uint16))
+    assert np.array_equal(rv.view(np.uint16), v.view(np.uint16))
+
+
+def test_chunk_tokens_override_still_wins_over_whole_layer_chunks(store):
+    rng = np.random.default_rng(0)
+    k = _bf16(rng, (1, 2, 10, 32))
+    with store.begin_run(engine="hf", model_path="m", chunk_tokens=4) as run:
+        pid = run.add_prompt([1])
+        run.write_kv(pid, k, k)
+        other = run.add_prompt([2])
+        run.create_kv(other, 1, num_kv_heads=2, seq_len=10, head_dim=32, dtype="bfloat16")
+        run.write_kv_layer(other, 0, k[0], k[0])
+    rows = store.captures(run.run_id).to_pylist()
+    assert {tuple(r["chunks"]) for r in rows if r["kind"] in ("kv_k", "kv_v")} == {(1, 2, 4, 32)}
+
+
+def test_layer_by_layer_kv_gets_whole_layer_chunks_too(store):
+    rng = np.random.default_rng(1)
+    k = _bf16(rng, (3, 2, 100, 32))
+    with store.begin_run(engine="hf", model_path="m") as run:
+        pid = run.add_prompt([1])
+        run.create_kv(pid, 3, num_kv_heads=2, seq_len=100, head_dim=32, dtype="bfloat16")
+        for layer in (2, 0, 1):
+            run.write_kv_layer(pid, layer, k[layer], k[layer])
+    (row,) = [r for r in store.captures(run.run_id).to_pylist() if r["array_name"] == "kv_k"]
+    assert row["chunks"] == [1, 2, 100, 32]
+    rk, _ = store.read_kv(run.run_id, pid)
+    assert np.array_equal(rk.view(np.uint16), k.view(np.uint16))
