@@ -25,8 +25,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
+# Every benchmark runs even when an earlier one misses its goal; the exit status says whether any did.
 bench: $(STAMP)
-	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@missed=""; for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || missed="$$missed $$b"; done; \
+	if [ -n "$$missed" ]; then echo "goal missed or failed:$$missed"; exit 1; fi
 
 clean:
 	rm -rf $(VENV) $(STORE)
