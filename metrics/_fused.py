@@ -1,25 +1,30 @@
-"""Optional fused KV-metrics kernel compiled with numba: one read of each source per token.
+"""Optional fused KV-metrics kernels compiled with numba: one read of each source per position.
 
-``compare_kv_caches`` (``metrics.kv``) uses it when numba imports; without numba, or for inputs
-it does not take, the numpy path runs. Per batch row x position x KV head it reads the baseline
-(reference), actual and expected vectors ``[head_dim]`` once (bf16 read as uint16 and widened in
-registers by a shift, so no float32 copy of the cache is made) and produces:
+``compare_kv_caches`` (``metrics.kv``) uses them when numba imports ("auto"); without numba
+the numpy path runs, and it stays the reference. Per batch row, a block of 16 positions is
+walked head-major (each source read as contiguous runs of positions x head_dim); per head vector
+``[head_dim]`` the baseline, actual and expected values are read once (bf16 as uint16, widened
+by a shift in registers, so no float32 copy of the cache is made) and give:
 
-- the dot products ``|r|^2, r.d, |d|^2, |db|^2`` (float32, like the numpy path's einsum; the
-  order of additions differs, so L2 / cosine agree with the numpy path to float32 rounding);
+- the sums ``|r|^2, r.d, |d|^2, |db|^2`` in float32 (as the numpy path's einsum), each over 8
+  explicit lanes combined in a fixed order, so the bits do not depend on how the compiler
+  vectorises; L2 / cosine agree with the numpy path to float32 rounding of these sums;
 - ``max|r|``, ``max|d|``, ``min|d|``, ``max|db|``, ``min|db|`` as integer max/min over the
-  float bits with the sign cleared (exact, SIMD without fast-math; bits >= 0x7F800000 flag a
-  NaN or infinity), so relative L-inf is bit-identical to the numpy path;
-- three-way: per position, the 100-bin histograms of both absolute-error samples over all heads,
-  with the numpy path's bin rule exactly: edges ``k * step + lo`` in float32 (``np.linspace``),
+  float bits with the sign cleared (exact in any order; bits >= 0x7F800000 flag a NaN or an
+  infinity), so relative L-inf is bit-identical to the numpy path;
+- three-way: per position, the 100-bin histograms of both absolute-error samples over all heads
+  with ``metrics.bc``'s bin rule exactly: edges ``k * step + lo`` in float32 (``np.linspace``),
   bin = the last edge <= x (last bin closed), every value in the last bin when ``step == 0``.
-  An arithmetic estimate is always corrected against those edges (the numpy path corrects only
-  values near an edge), so counts are the rule's, and ``sqrt(p * q)`` per bin is written out for
-  numpy to sum: BC is bit-identical to ``metrics.bc``.
+  A SIMD estimate moved by at most one bin, checked against those edges whenever any value
+  moved, falling back to an exact per-value walk, so counts are the rule's; ``sqrt(p * q)`` per
+  bin is written out for numpy to sum: BC is bit-identical to ``metrics.bc``. (Both differ
+  from np.histogram in one corner inherited from the numpy path: a range of one or two
+  subnormals, where ``width / bins`` underflows to 0, is binned as a flat range.)
 
 A position whose inputs hold any NaN or infinity is flagged instead of measured; the caller
-recomputes it with the numpy path (NaN exclusion, NaN/0.0 BC rules live in one place).
-Work is split over positions across threads (the kernels release the GIL).
+recomputes it with the numpy path (NaN exclusion and the NaN / 0.0 BC rules live in one place).
+Positions are split across threads (``num_threads``; the kernels release the GIL). Compiled code
+is cached on disk where numba finds a writable place, else compiled once per process.
 """
 from __future__ import annotations
 
@@ -390,10 +395,11 @@ def _run_split(fn, n_items, work):
     if parts <= 1:
         fn(0, n_items)
         return
-    if _POOL is None or _POOL._max_workers < parts:
-        _POOL = ThreadPoolExecutor(max_workers=parts, thread_name_prefix="metrics-fused")
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < parts:
+        # a forked child inherits the pool object but not its threads: make a new one
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=parts, thread_name_prefix="metrics-fused"))
     bounds = np.linspace(0, n_items, parts + 1).astype(int)
-    futs = [_POOL.submit(fn, int(bounds[i]), int(bounds[i + 1])) for i in range(1, parts)]
+    futs = [_POOL[1].submit(fn, int(bounds[i]), int(bounds[i + 1])) for i in range(1, parts)]
     fn(int(bounds[0]), int(bounds[1]))
     for f in futs:
         f.result()
