@@ -23,13 +23,14 @@ default) and the numpy path (the fallback without numba); they give the same BC 
 
 Reading the figures: per token x layer, BC is a 100-bin histogram of two samples of heads x
 head_dim errors. The numpy path spends about a dozen elementwise passes plus a scatter-add per
-value on it (the "two-way" row, without baseline errors or BC, is ~15 % of its three-way time).
-The fused kernel reads each source once per position, but still does per value: widen, two
-differences, four float sums in fixed lanes (deterministic, so no fast-math reassociation and
-scalar adds), an exact bin (estimate plus edge check, SIMD) and one histogram increment
-(~2 cycles, not vectorisable). That compute, ~5-9 ms of one core per 8 x 1024 x 128 tensor,
-bounds it: the limit reads the same tensor in ~0.6 ms, so 0.25x needs both cores free and a
-kernel ~2x leaner still. Threads split positions (CAPTURESTORE_METRICS_THREADS, default the
+value on it (its "two-way" row, without baseline errors or BC, is ~20 % of its three-way time).
+The fused kernel reads each source once per position, but per value it still widens, takes two
+differences, adds four float sums in fixed lanes (deterministic bits, hence no fast-math
+reassociation: scalar adds, ~2.5 ms of one core per 8 x 1024 x 128 tensor with its three
+sources), bins two errors exactly (SIMD estimate plus edge check, ~0.8 ms) and increments two
+histogram counters (~0.9 ms, not vectorisable). That compute, ~6 ms of one core per tensor,
+bounds it: the limit reads the same tensor in ~0.5 ms, so 0.25x needs both cores free and a
+kernel still ~1.5x leaner. Threads split positions (CAPTURESTORE_METRICS_THREADS, default the
 usable CPUs); on a shared, loaded machine the second thread gains little. Times are wall clock,
 best of two (limit: best of three): the ratios come from one run but not from one instant of
 the machine's load.
