@@ -24,6 +24,11 @@ Where this differs from the upstream ``compare_kv_caches`` on purpose:
 The result is a thin view: the numbers live in arrays ``[batch, token, layer, head]``
 (``result.k_linf`` ...) and ``[batch, token, layer]`` (``result.k_bc``, ``result.v_bc``);
 ``result[t][layer][h]`` builds a ``HeadMetrics`` on access.
+
+Two implementations give the same numbers (``backend``): a fused numba kernel
+(``metrics._fused``, the default when numba imports: one read of each source per position,
+bf16 widened in registers) and the numpy path below (the fallback, and the reference the fused
+one is tested against: BC, L-inf and raw errors bit for bit, L2 / cosine to float32 rounding).
 """
 from __future__ import annotations
 
@@ -48,6 +53,7 @@ __all__ = [
     "aggregate_kv_bc_arrays",
     "compute_combined_bc_per_layer",
     "natural_sort_key",
+    "resolve_backend",
 ]
 
 HEAD_METRIC_NAMES = (
