@@ -21,7 +21,8 @@ Layout (see ../shared/DESIGN.md)::
     <store>/catalog.duckdb                                  views only; ``duckdb <store>/catalog.duckdb``
 
 Arrays are Zarr v3 (xarray/dask open them) with ``dimension_names``, chunks of one layer x a
-token block (~4 MiB), blosc-lz4-bitshuffle + crc32c per chunk. bf16 and fp8 are stored as
+token block (~4 MiB; a one-shot KV layer of up to 8 MiB is one chunk), blosc-lz4-bitshuffle +
+crc32c per chunk. bf16 and fp8 are stored as
 uint16/uint8 bits with the logical dtype in the ``logical_dtype`` attribute
 (``Store.open_xarray(run_id, prompt_id)`` views them back as ml_dtypes).
 

@@ -115,7 +115,8 @@ class Store:
                   durable: bool = False, compression: str | None = "lz4") -> RunWriter:
         """Start a run; write through the returned RunWriter, then commit (or use ``with``).
 
-        ``chunk_tokens`` overrides the tokens per chunk (default: about 4 MiB per chunk).
+        ``chunk_tokens`` overrides the tokens per chunk (default: about 4 MiB per chunk;
+        a one-shot KV layer of up to 8 MiB is stored as one chunk).
         ``durable``: commit fsyncs the run's arrays and segments, so a committed run also
         survives power loss (a crashed process never loses committed data either way).
         ``compression``: "lz4" (blosc lz4 + bitshuffle) or None (checksum only, for CPU-bound
