@@ -643,6 +643,10 @@ def aggregate_kv_bc_arrays(
         )
         k_bc[:, li] = bhattacharyya_batched(base_k, tgt_k, bins=bins, backend=backend)
         v_bc[:, li] = bhattacharyya_batched(base_v, tgt_v, bins=bins, backend=backend)
+        # A generation index with no valid error in any prompt (e.g. the last teacher token, whose
+        # KV an engine never writes) has no BC, as in compare_kv_caches: NaN, not a failing 0.
+        k_bc[np.all(np.isnan(base_k) | np.isnan(tgt_k), axis=1), li] = np.nan
+        v_bc[np.all(np.isnan(base_v) | np.isnan(tgt_v), axis=1), li] = np.nan
     return layers, k_bc, v_bc
 
 

@@ -12,6 +12,7 @@ from metrics.kv import (
     KVComparison,
     TokenKVMetrics,
     aggregate_kv_bc_across_prompts,
+    aggregate_kv_bc_arrays,
     compare_kv_caches,
     compute_combined_bc_per_layer,
 )
@@ -283,6 +284,24 @@ def test_cross_prompt_aggregation_aligns_by_generation_index():
     bv = np.concatenate([raws[p][t][layer].base_v for p in range(2) for t in range(len(raws[p]))])
     tv = np.concatenate([raws[p][t][layer].tgt_v for p in range(2) for t in range(len(raws[p]))])
     assert comb[layer].v_bc == pytest.approx(upstream_bc(bv, tv), abs=1e-12)
+
+
+def test_cross_prompt_bc_of_a_generation_index_nobody_measured_is_nan_not_zero():
+    # Engines never feed the last teacher token back, so its KV is NaN in every prompt.
+    rng = np.random.default_rng(13)
+    raws, lens = [], [3, 4]
+    for plen in lens:
+        base = make_kv(rng, 2, B=1, H=2, S=plen + 3, D=8)
+        exp = perturb(base, rng, 1e-2, np.float32)
+        act = perturb(base, rng, 1e-2, np.float32)
+        for k, v in act.values():
+            k[:, :, -1] = np.nan
+            v[:, :, -1] = np.nan
+        raws.append(compare_kv_caches(exp, act, baseline_kv=base, return_raw_errors=True)[1])
+    layers, k_bc, v_bc = aggregate_kv_bc_arrays(raws, lens)
+    assert k_bc.shape == (3, 2)
+    assert np.isnan(k_bc[2]).all() and np.isnan(v_bc[2]).all()
+    assert np.isfinite(k_bc[:2]).all() and (k_bc[:2] > 0).all()
 
 
 def test_to_columns_long_format():
