@@ -226,10 +226,14 @@ class RunWriter:
         d = self.durable
         write_segment(root, "prompts", self._prompts_table(), segment=self.run_id, durable=d)
         write_segment(root, "captures", self._captures_table(), segment=self.run_id, durable=d)
-        write_segment(root, "runs", self._runs_table(), segment=self.run_id, durable=d)  # the commit marker
-        self._closed = True
-        self._release_pending_lock()
-        self.store._committed.add(self.run_id)
+        marker = table_dir(root, "runs") / f"{self.run_id}.parquet"
+        try:
+            write_segment(root, "runs", self._runs_table(), segment=self.run_id, durable=d)  # the commit marker
+        finally:
+            if marker.exists():  # renamed into place: committed, even if a later directory fsync failed,
+                self._closed = True  # so __exit__'s abort() must not delete what the marker points at
+                self._release_pending_lock()
+                self.store._committed.add(self.run_id)
 
     def _check_complete(self) -> None:
         for (pid, name), st in self._arrays.items():

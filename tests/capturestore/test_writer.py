@@ -57,3 +57,30 @@ def test_layer_by_layer_kv_gets_whole_layer_chunks_too(store):
     assert row["chunks"] == [1, 2, 100, 32]
     rk, _ = store.read_kv(run.run_id, pid)
     assert np.array_equal(rk.view(np.uint16), k.view(np.uint16))
+
+
+def test_a_failure_after_the_commit_marker_is_in_place_does_not_delete_the_committed_run(store, monkeypatch):
+    import capturestore.tables as tables
+
+    real = tables.fsync_path
+    runs_dir = store.root / "tables" / "runs"
+
+    def failing_dir_fsync(path):  # the directory fsync that follows the marker's rename
+        if str(path) == str(runs_dir):
+            raise OSError("simulated fsync failure on the runs directory")
+        return real(path)
+
+    monkeypatch.setattr(tables, "fsync_path", failing_dir_fsync)
+    k = np.arange(2 * 1 * 5 * 4, dtype=np.float32).reshape(2, 1, 5, 4)
+    with pytest.raises(OSError, match="simulated"):
+        with store.begin_run(engine="hf", model_path="/m", dtype="float32", durable=True) as run:
+            pid = run.add_prompt([1, 2, 3, 4, 5])
+            run.write_kv(pid, k, k + 1)
+    monkeypatch.setattr(tables, "fsync_path", real)
+    from capturestore import Store
+
+    again = Store.open(store.root)
+    assert [r["run_id"] for r in again.runs().to_pylist()] == [run.run_id]
+    got_k, got_v = again.read_kv(run.run_id, pid)
+    assert np.array_equal(got_k, k) and np.array_equal(got_v, k + 1)
+    assert again.verify().ok
