@@ -48,6 +48,7 @@ class ComparisonResult:
 
     @property
     def passed(self) -> bool:
+        """Every verdict that ran passed, and at least one ran (as the ``comparisons`` row says)."""
         checks = [v.passed for v in (self.logit_verdict, self.kv_verdict) if v is not None]
         return bool(checks) and all(checks)
 
@@ -251,7 +252,8 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     if logit_rows:
         store.append_table("logit_token_metrics", logit_rows)
 
-    passed = all(v.passed for v in (logit_verdict, kv_verdict) if v is not None)
+    checks = [v.passed for v in (logit_verdict, kv_verdict) if v is not None]
+    passed = bool(checks) and all(checks)  # nothing judged is not a pass
     first_fail, phase = (None, None) if passed else _first_failure(logit_rows, kv_verdict)
     store.append_table("comparisons", [{
         "comparison_id": cid, "label": label, "created_at": datetime.now(timezone.utc),

@@ -226,3 +226,11 @@ def test_cli_compare_mirrors_compare_runs_with_exit_status(synthetic, capsys):
     assert "actual run 'missing'" in capsys.readouterr().err
     labels = store.sql("SELECT label, passed FROM comparisons ORDER BY created_at").to_pylist()
     assert labels == [{"label": None, "passed": True}, {"label": "broken", "passed": False}]
+
+
+def test_a_comparison_that_judged_nothing_is_not_stored_as_passed(synthetic):
+    store, *_, base, exp, actual = synthetic
+    res = compare_runs(store, expected_run=exp, actual_run=actual(), baseline_run=base, logits=False, kv=False)
+    assert res.logit_verdict is None and res.kv_verdict is None and not res.passed
+    row = store.sql(f"SELECT passed FROM comparisons WHERE comparison_id = '{res.comparison_id}'").to_pylist()
+    assert row == [{"passed": False}]
