@@ -78,15 +78,6 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> pa.Table:
     return to_table()
 
 
-def query(root: Path, sql: str) -> pa.Table:
-    """One query on a fresh in-memory connection (Store.sql keeps one per store instead)."""
-    con = connect_memory(root)
-    try:
-        return run_query(con, sql)
-    finally:
-        con.close()
-
-
 def rebuild_catalog_file(root: Path) -> Path:
     """Write catalog.duckdb afresh (views only) and rename it into place."""
     import duckdb

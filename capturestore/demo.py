@@ -113,6 +113,7 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
     import vllm
 
     from extractors.vllm_rpc import extract_vllm_kv_cache_config, make_vllm_generate_fn, make_vllm_kv_extract_fn
+    from metrics.kv import natural_sort_key
 
     llm = make_vllm_engine(model_path, dtype="bfloat16")
     kv_config = extract_vllm_kv_cache_config(llm)  # first RPC: starts block-table snapshotting
@@ -123,7 +124,7 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
     act, loop = capture_teacher_forced_run(
         store, generate_fn=generate_fn, prompts=rows,
         expected_logits=_stacked_logits(store, exp, pids), baseline_logits=_stacked_logits(store, base, pids),
-        kv_extract_fn=kv_extract_fn, layer_names=sorted(layer_names, key=_layer_key),
+        kv_extract_fn=kv_extract_fn, layer_names=sorted(layer_names, key=natural_sort_key),
         run_kwargs=dict(engine="vllm", model_path=str(model_path), model_hash=model_hash, dtype="bfloat16",
                         device="cpu", engine_version=vllm.__version__, tp_degree=int(kv_config.get("tp_size", 1)),
                         release=release, config={"block_size": kv_config["groups"][0]["block_size"],
@@ -147,13 +148,6 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
     out(f"  capturestore sql --store {store_path} \"SELECT layer, max(k_linf), max(base_k_linf) FROM kv_head_metrics "
         f"WHERE comparison_id = '{result.comparison_id}' GROUP BY layer ORDER BY layer\"")
     return result
-
-
-def _layer_key(name: str):
-    import re
-
-    m = re.search(r"layers\.(\d+)\.", name)
-    return (int(m.group(1)) if m else 1 << 30, name)
 
 
 def format_layer_summary(result) -> str:

@@ -672,13 +672,10 @@ def make_vllm_kv_extract_fn(llm, kv_config: dict, generate_fn):
 
 
 def _layer_order(names: Sequence[str]) -> list[str]:
-    import re
+    """Model order: 'layers.10' after 'layers.9'."""
+    from metrics.kv import natural_sort_key
 
-    def key(name):
-        m = re.search(r"layers\.(\d+)\.", name)
-        return (int(m.group(1)) if m else 1 << 30, name)
-
-    return sorted(names, key=key)
+    return sorted(names, key=natural_sort_key)
 
 
 def capture_vllm_run(store, llm, model_path, prompts: Sequence[Sequence[int]],
