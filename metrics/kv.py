@@ -264,9 +264,9 @@ class _RawTokenView(Mapping):
     def __getitem__(self, layer):
         r = self._r
         li = r._layer_idx[layer]
-        n = int(r.widths[li])
-        at = (self._b, self._t, li, slice(0, n))
-        return TokenKVErrors(r.base_k[at], r.base_v[at], r.tgt_k[at], r.tgt_v[at])
+        k_at = (self._b, self._t, li, slice(0, int(r.widths[li])))
+        v_at = (self._b, self._t, li, slice(0, int(r.v_widths[li])))
+        return TokenKVErrors(r.base_k[k_at], r.base_v[v_at], r.tgt_k[k_at], r.tgt_v[v_at])
 
 
 class KVRawErrors(Sequence):
@@ -274,10 +274,11 @@ class KVRawErrors(Sequence):
     kv_head*head_dim]`` float32. ``raw[t][layer]`` -> ``TokenKVErrors`` of row 0 (upstream
     shape: a list over tokens of ``{layer: TokenKVErrors}``); ``raw.row(b)`` for other rows."""
 
-    def __init__(self, layers, base_k, base_v, tgt_k, tgt_v, widths):
+    def __init__(self, layers, base_k, base_v, tgt_k, tgt_v, widths, v_widths=None):
         self.layers = tuple(layers)
         self.base_k, self.base_v, self.tgt_k, self.tgt_v = base_k, base_v, tgt_k, tgt_v
-        self.widths = np.asarray(widths, dtype=np.int64)
+        self.widths = np.asarray(widths, dtype=np.int64)  # each layer's K values per token
+        self.v_widths = self.widths if v_widths is None else np.asarray(v_widths, dtype=np.int64)
         self._layer_idx = {name: i for i, name in enumerate(self.layers)}
 
     @property
@@ -553,28 +554,26 @@ def compare_kv_caches(
         if return_raw_errors:
             wk, wv = mk["tgt_err"].shape[-1], mv["tgt_err"].shape[-1]
             if raw is None:
-                raw = {
-                    "base_k": np.full((B, S, L, wk), np.nan, np.float32),
-                    "tgt_k": np.full((B, S, L, wk), np.nan, np.float32),
-                    "base_v": np.full((B, S, L, wv), np.nan, np.float32),
-                    "tgt_v": np.full((B, S, L, wv), np.nan, np.float32),
-                    "widths": [],
-                }
-            if wk > raw["base_k"].shape[-1] or wv > raw["base_v"].shape[-1]:
-                raise ValueError(
-                    f"layer {name!r} has {wk} K values per token, more than layer {layers[0]!r} "
-                    f"({raw['base_k'].shape[-1]}); raw errors need the widest layer first"
-                )
+                raw = {"widths": [], "v_widths": []}
+            for f, w in (("base_k", wk), ("tgt_k", wk), ("base_v", wv), ("tgt_v", wv)):
+                have = raw.get(f)
+                if have is None or w > have.shape[-1]:  # first layer, or a wider one: widen (NaN-padded)
+                    grown = np.full((B, S, L, w), np.nan, np.float32)
+                    if have is not None:
+                        grown[..., : have.shape[-1]] = have
+                    raw[f] = grown
             raw["base_k"][:, :, li, :wk] = mk["base_err"]
             raw["tgt_k"][:, :, li, :wk] = mk["tgt_err"]
             raw["base_v"][:, :, li, :wv] = mv["base_err"]
             raw["tgt_v"][:, :, li, :wv] = mv["tgt_err"]
             raw["widths"].append(wk)
+            raw["v_widths"].append(wv)
         del mk, mv
 
     result = KVComparison(layers, arrays, k_bc, v_bc, num_heads, three_way)
     if return_raw_errors:
-        raw_obj = KVRawErrors(layers, raw["base_k"], raw["base_v"], raw["tgt_k"], raw["tgt_v"], raw["widths"])
+        raw_obj = KVRawErrors(layers, raw["base_k"], raw["base_v"], raw["tgt_k"], raw["tgt_v"], raw["widths"],
+                              raw["v_widths"])
         return result, raw_obj
     return result
 

@@ -328,6 +328,24 @@ def test_layers_with_different_kv_head_counts_are_nan_padded():
     assert_matches_oracle(res, exp, act)
 
 
+def test_raw_errors_of_a_wider_later_layer_and_of_k_v_with_other_head_dims():
+    rng = np.random.default_rng(14)
+    narrow = make_kv(rng, 1, B=1, H=2, S=3, D=4)["model.layers.0.self_attn"]
+    wide = make_kv(rng, 1, B=1, H=4, S=3, D=4)["model.layers.0.self_attn"]
+    v_other = rng.standard_normal((1, 2, 3, 6)).astype(np.float32)  # V head_dim 6, K head_dim 4
+    base = {"l0": narrow, "l1": wide, "l2": (narrow[0], v_other)}
+    exp = perturb(base, rng, 1e-2, np.float32)
+    act = perturb(base, rng, 1e-2, np.float32)
+    _, raw = compare_kv_caches(exp, act, baseline_kv=base, return_raw_errors=True)
+    for t in range(3):
+        for name, (bk, bv) in base.items():
+            got = raw[t][name]
+            want_k = np.abs(act[name][0][0, :, t] - bk[0, :, t]).ravel()
+            want_v = np.abs(act[name][1][0, :, t] - bv[0, :, t]).ravel()
+            np.testing.assert_array_equal(got.tgt_k, want_k.astype(np.float32))
+            np.testing.assert_array_equal(got.tgt_v, want_v.astype(np.float32))
+
+
 def test_one_minus_cos_is_accurate_at_bf16_noise_level():
     """1 - cos ~ 1e-6 for bf16 rounding; a float32 r.a/(|r||a|) gets it wrong by ~4 %."""
     rng = np.random.default_rng(13)
