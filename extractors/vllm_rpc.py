@@ -77,6 +77,17 @@ def make_llm(model, **kwargs):
     return LLM(model=str(model), **{**defaults, **kwargs})
 
 
+def close_llm(llm) -> None:
+    """Shut the engine down now rather than whenever the garbage collector finds it.
+
+    The engine core's finalizer tears down vLLM's process-wide distributed state; run late, from
+    inside a later engine's start in the same process, it removes that engine's parallel groups
+    ("pipeline model parallel group is not initialized"). Idempotent."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()
+
+
 # ---------------------------------------------------------------------------------- transport
 
 

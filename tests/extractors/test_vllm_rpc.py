@@ -170,6 +170,7 @@ def engine(request):
     logprobs, rids = R.vllm_teacher_forced_logprobs(llm, PROMPTS, TEACHER)
     yield {"arch": arch, "dtype": dtype, "path": path, "llm": llm, "cfg": cfg, "ref": ref,
            "logprobs": logprobs, "rids": rids, "seqs": seqs}
+    R.close_llm(llm)
     del llm
     gc.collect()
 
