@@ -159,7 +159,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from capturestore.demo import run_demo
 
     result = run_demo(store_path=args.store, arch=args.arch, num_tokens=args.num_tokens, seed=args.seed,
-                      release=args.release)
+                      release=args.release, inject_bug_layer=args.inject_bug_layer)
     return 0 if result.passed else 1
 
 
@@ -210,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--num-tokens", type=int, default=8, help="teacher-forced tokens per prompt")
     sp.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
     sp.add_argument("--release", help="release label recorded on the runs")
+    sp.add_argument("--inject-bug-layer", type=int, default=None, metavar="L",
+                    help="scale layer L's attention output by 1.1 inside vLLM, to watch the verdict fail")
     sp = add("calibrate", cmd_calibrate, "calibrate FP8 KV cache scales from a run's KV captures")
     sp.add_argument("run")
     sp.add_argument("--out", required=True, help="output directory for the scales")

@@ -65,10 +65,28 @@ def make_vllm_engine(model_path, dtype: str = "bfloat16", block_size: int = 32, 
     return make_llm(model_path, dtype=dtype, max_model_len=max_model_len, block_size=block_size)
 
 
+def _scale_o_proj(worker, layer: int, factor: float) -> None:
+    """Runs on the vLLM worker (in-process ``collective_rpc``): scale one layer's attention output
+    projection, a stand-in for a kernel bug inside that layer."""
+    attn = worker.model_runner.model.model.layers[layer].self_attn
+    attn.o_proj.weight.data.mul_(factor)
+
+
+def inject_o_proj_bug(llm, layer: int, factor: float = 1.1) -> None:
+    """Make the engine under test wrong on purpose: layer ``layer``'s attention output is scaled
+    by ``factor`` (10% by default). Its own K/V are untouched; the
+    error first shows in the KV of layer ``layer + 1`` (a layer's K and V come from its input)."""
+    llm.collective_rpc(_scale_o_proj, args=(int(layer), float(factor)))
+
+
 def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int = 8, seed: int = 0,
              release: str | None = None, prompts: Sequence[str] = DEMO_PROMPTS,
-             out: Callable[[str], None] = print):
-    """Run the demo into ``store_path``; returns the ``ComparisonResult``."""
+             out: Callable[[str], None] = print, inject_bug_layer: int | None = None):
+    """Run the demo into ``store_path``; returns the ``ComparisonResult``.
+
+    inject_bug_layer: scale that layer's attention output projection in the vLLM engine by 10%
+    (``inject_o_proj_bug``) to watch the verdict fail and name the first deviating KV layer.
+    """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -122,6 +140,9 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
 
     llm = make_vllm_engine(model_path, dtype="bfloat16")
     try:
+        if inject_bug_layer is not None:
+            say(f"injecting a bug: layer {inject_bug_layer}'s attention output projection scaled by 1.1")
+            inject_o_proj_bug(llm, inject_bug_layer)
         kv_config = extract_vllm_kv_cache_config(llm)  # first RPC: starts block-table snapshotting
         generate_fn = make_vllm_generate_fn(llm, num_tokens, prompt_lens=[len(r) for r in rows])
         kv_extract_fn = make_vllm_kv_extract_fn(llm, kv_config, generate_fn)
@@ -134,7 +155,9 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
             run_kwargs=dict(engine="vllm", model_path=str(model_path), model_hash=model_hash, dtype="bfloat16",
                             device="cpu", engine_version=vllm.__version__, tp_degree=int(kv_config.get("tp_size", 1)),
                             release=release, config={"block_size": kv_config["groups"][0]["block_size"],
-                                                     "kv_layout": kv_config.get("layout")}),
+                                                     "kv_layout": kv_config.get("layout"),
+                                                     "injected_bug": None if inject_bug_layer is None else
+                                                     f"layer {inject_bug_layer} o_proj x 1.1"}),
         )
     finally:
         close_llm(llm)  # now, not at some later GC inside another engine's start

@@ -5,7 +5,7 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_demo_passes_on_a_correct_engine_stores_everything_and_reuses_references(tmp_path):
+def test_demo_passes_a_correct_engine_reuses_references_and_localises_an_injected_bug(tmp_path):
     import numba  # noqa: F401 - the engine must start in a process that already uses numba (metrics, nki_fp8)
 
     from capturestore import Store
@@ -36,8 +36,15 @@ def test_demo_passes_on_a_correct_engine_stores_everything_and_reuses_references
     con.close()
     assert n > 0
 
-    # Second run: references are reused, only the engine under test is captured again.
-    again = run_demo(store_path, num_tokens=6, prompts=DEMO_PROMPTS[:3], out=lines.append)
-    assert again.runs["baseline"] == result.runs["baseline"] and again.runs["expected"] == result.runs["expected"]
-    assert again.runs["actual"] != result.runs["actual"]
+    # Second run, with a bug injected into the engine: references are reused, only the engine
+    # under test is captured again, and the verdict fails where DESIGN.md says it must show: a
+    # 10% error in layer 1's attention output leaves layers 0 and 1's K/V alone and first shows
+    # in the KV of layer 2 (a layer's K and V come from its input).
+    bad = run_demo(store_path, num_tokens=6, prompts=DEMO_PROMPTS[:3], out=lines.append, inject_bug_layer=1)
+    assert bad.runs["baseline"] == result.runs["baseline"] and bad.runs["expected"] == result.runs["expected"]
+    assert bad.runs["actual"] != result.runs["actual"]
     assert any("reusing HF FP32 baseline" in line for line in lines)
+    assert not bad.passed and not bad.logit_verdict.passed
+    assert bad.kv_verdict.first_failing_layer == "model.layers.2.self_attn.attn"
+    assert [r["passed"] for r in bad.kv_layers] == [True, True, False]
+    assert bad.phase == "prefill"  # generation token 0 already fails
