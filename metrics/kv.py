@@ -158,23 +158,25 @@ class _TokenView(Mapping):
 
 
 class _RowView(Sequence):
-    __slots__ = ("_c", "_b")
+    """The tokens of one batch row; ``make(t)`` builds the view of token ``t``."""
 
-    def __init__(self, comparison, b):
-        self._c, self._b = comparison, b
+    __slots__ = ("_n", "_make")
+
+    def __init__(self, num_tokens, make):
+        self._n, self._make = num_tokens, make
 
     def __len__(self):
-        return self._c.num_tokens
+        return self._n
 
     def __getitem__(self, t):
-        n = self._c.num_tokens
+        n = self._n
         if isinstance(t, slice):
             return [self[i] for i in range(*t.indices(n))]
         if t < 0:
             t += n
         if not 0 <= t < n:
             raise IndexError(f"token {t} out of range ({n} positions)")
-        return _TokenView(self._c, self._b, t)
+        return self._make(t)
 
 
 class KVComparison(Sequence):
@@ -218,7 +220,8 @@ class KVComparison(Sequence):
     def row(self, b: int) -> Sequence:
         if not -self.batch_size <= b < self.batch_size:
             raise IndexError(f"batch row {b} out of range (batch {self.batch_size})")
-        return _RowView(self, b % self.batch_size)
+        b %= self.batch_size
+        return _RowView(self.num_tokens, lambda t: _TokenView(self, b, t))
 
     def __len__(self):
         return self.num_tokens
@@ -292,22 +295,7 @@ class KVRawErrors(Sequence):
         return self.row(0)[t]
 
     def row(self, b: int) -> Sequence:
-        raw = self
-
-        class _Row(Sequence):
-            def __len__(self):
-                return raw.num_tokens
-
-            def __getitem__(self, t):
-                if isinstance(t, slice):
-                    return [self[i] for i in range(*t.indices(raw.num_tokens))]
-                if t < 0:
-                    t += raw.num_tokens
-                if not 0 <= t < raw.num_tokens:
-                    raise IndexError(f"token {t} out of range ({raw.num_tokens} positions)")
-                return _RawTokenView(raw, b, t)
-
-        return _Row()
+        return _RowView(self.num_tokens, lambda t: _RawTokenView(self, b, t))
 
 
 # ----------------------------------------------------------------------------- the kernel
