@@ -245,11 +245,10 @@ def floor_kv(expected_kv: dict, platform: str | None = None) -> tuple[dict, dict
 
 
 def _rel_l2(x, ref) -> float:
-    x = np.asarray(x, np.float64)
-    ref = np.asarray(ref, np.float64)
-    ok = np.isfinite(x) & np.isfinite(ref)
-    den = float(np.linalg.norm(ref[ok]))
-    return float(np.linalg.norm((x - ref)[ok]) / den) if den > 0 else math.nan
+    """Relative L2 over every element, NaN positions (sliding-window fill) excluded."""
+    from metrics.errors import rel_l2
+
+    return float(rel_l2(np.asarray(ref, np.float64), np.asarray(x, np.float64), axis=None))
 
 
 def analyze_fp8_kv_target(
