@@ -23,7 +23,6 @@ torch / transformers are imported lazily; `extractors.hf` provides the teacher-f
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
