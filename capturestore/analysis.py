@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 

@@ -9,7 +9,6 @@ from hypothesis import given, settings, strategies as st
 
 from metrics.kv import (
     HeadMetrics,
-    KVComparison,
     TokenKVMetrics,
     aggregate_kv_bc_across_prompts,
     aggregate_kv_bc_arrays,

@@ -3,7 +3,6 @@ import math
 
 import ml_dtypes
 import numpy as np
-import pytest
 
 from metrics.kv import compare_kv_caches
 from metrics.logits import logit_validation
