@@ -15,6 +15,8 @@ patterns for several scales on both platforms. numba arrives with the vllm extra
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 _KERNEL = None
@@ -64,9 +66,40 @@ def _build():
     return round_trip
 
 
-def round_trip(x_bits: np.ndarray, scale: np.float32, max_finite: float, q_out: np.ndarray, d_out: np.ndarray) -> None:
-    """x_bits: bf16 bits uint16 [n] -> q_out uint8 [n] FP8 codes, d_out uint16 [n] bf16 bits."""
-    global _KERNEL
+# Below this many elements one thread does it: handing work to a pool costs more than it saves.
+PARALLEL_MIN_ELEMENTS = 1 << 20
+_POOL = None
+
+
+def num_threads() -> int:
+    """Threads for large round trips: ``$NKI_FP8_THREADS``, else every CPU this process may use."""
+    env = os.environ.get("NKI_FP8_THREADS")
+    if env:
+        return max(1, int(env))
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+def round_trip(x_bits: np.ndarray, scale: np.float32, max_finite: float, q_out: np.ndarray, d_out: np.ndarray,
+               threads: int | None = None) -> None:
+    """x_bits: bf16 bits uint16 [n] -> q_out uint8 [n] FP8 codes, d_out uint16 [n] bf16 bits.
+
+    Large inputs are split into contiguous slices run on a thread pool (the kernel releases the
+    GIL); every element is computed by the same kernel, so the bits do not depend on the split.
+    """
+    global _KERNEL, _POOL
     if _KERNEL is None:
         _KERNEL = _build()
-    _KERNEL(x_bits, np.float32(scale), np.float32(max_finite), q_out, d_out)
+    s, m = np.float32(scale), np.float32(max_finite)
+    n = x_bits.size
+    k = min(num_threads() if threads is None else max(1, int(threads)), max(1, n // PARALLEL_MIN_ELEMENTS))
+    if k == 1:
+        _KERNEL(x_bits, s, m, q_out, d_out)
+        return
+    if _POOL is None or _POOL._max_workers < k:
+        from concurrent.futures import ThreadPoolExecutor
+
+        _POOL = ThreadPoolExecutor(max_workers=k, thread_name_prefix="nki-fp8")
+    bounds = [n * i // k for i in range(k + 1)]
+    futures = [_POOL.submit(_KERNEL, x_bits[a:b], s, m, q_out[a:b], d_out[a:b]) for a, b in zip(bounds, bounds[1:])]
+    for f in futures:
+        f.result()

@@ -193,6 +193,27 @@ def test_fused_numba_round_trip_equals_reference_on_all_65536_bf16_patterns(plat
     np.testing.assert_array_equal(d.view(np.uint16)[~nan], want_d.view(np.uint16)[~nan])
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_threaded_round_trip_of_a_large_tensor_equals_the_numpy_tables_bit_for_bit(threads):
+    pytest.importorskip("numba")
+    from nki_fp8 import fastpath
+
+    n = 2 * fastpath.PARALLEL_MIN_ELEMENTS + 12345  # uneven slices
+    bits = np.random.default_rng(7).integers(0, 1 << 16, n, dtype=np.uint32).astype(np.uint16)
+    tables = Fp8Codec(12.0, platform="trn2", backend="numpy")
+    q_ref, d_ref = tables.round_trip(bits.view(BF16))  # the exhaustively tested lookup tables
+    q, d = np.empty(n, np.uint8), np.empty(n, np.uint16)
+    fastpath.round_trip(bits, np.float32(12.0), tables.fmt.max_finite, q, d, threads=threads)
+    q1, d1 = np.empty(n, np.uint8), np.empty(n, np.uint16)
+    fastpath.round_trip(bits, np.float32(12.0), tables.fmt.max_finite, q1, d1, threads=1)
+    np.testing.assert_array_equal(q, q1)  # the split changes no bit, NaN payloads included
+    np.testing.assert_array_equal(d, d1)
+    ok = ~np.isnan(bits.view(BF16).astype(np.float32))  # NaN: both NaN, codes may differ (see above)
+    assert np.isnan(d_ref[~ok].astype(np.float32)).all() and np.isnan(d.view(BF16)[~ok].astype(np.float32)).all()
+    np.testing.assert_array_equal(q[ok], q_ref.view(np.uint8)[ok])
+    np.testing.assert_array_equal(d[ok], d_ref.view(np.uint16)[ok])
+
+
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
