@@ -20,24 +20,15 @@ Usage: python benchmarks/bench_fp8.py [--size-mb 1024] [--ref-mb 16] [--repeat 3
 from __future__ import annotations
 
 import argparse
-import time
 
 import ml_dtypes
 import numpy as np
+from timing import best_of
 
 from nki_fp8 import fastpath
 from nki_fp8.quant import Fp8Codec, dequantize, dequantize_torch, quantize, quantize_torch
 
 GOAL = 0.2
-
-
-def best_of(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main(argv=None) -> int:

@@ -43,6 +43,7 @@ from capturestore.arrays import CODEC_NAME  # noqa: E402
 from capturestore.chunkio import _blosc, _pool, wait_all  # noqa: E402
 from capturestore.layout import token_chunk  # noqa: E402
 from capturestore.tables import fsync_tree  # noqa: E402
+from timing import best_of  # noqa: E402
 from capturestore.writer import KV_LAYER_CHUNK_BYTES  # noqa: E402
 
 GOAL = 0.5
@@ -95,15 +96,6 @@ def tiny_model_tensors(seq: int = 256):
     v = torch.stack(vs)
     logits = outs[torch.float32][0].logits[0]  # [gen_token, vocab] fp32 (a bf16 model's would be upcast bf16)
     return k, v, logits
-
-
-def best_of(fn, repeat: int) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def throughput(workdir: Path, shape, repeat: int) -> list[tuple]:
