@@ -106,26 +106,20 @@ def _common_prompts(store, runs: dict) -> list[str]:
     return [p for p in order if p in common]
 
 
-def _kv_dict(store, run_id, pid):
+def _kv_layer_names(store, runs: dict) -> dict:
+    """``{(run_id, prompt_id): layer names}`` of every KV capture of ``runs``, in one query."""
+    ids = ", ".join(f"'{rid}'" for rid in runs.values())
+    rows = store.sql(
+        f"SELECT run_id, prompt_id, layer_names FROM captures WHERE run_id IN ({ids}) AND kind = 'kv_k'"
+    ).to_pylist()
+    return {(r["run_id"], r["prompt_id"]): r["layer_names"] for r in rows}
+
+
+def _kv_dict(store, run_id, pid, names):
     """``{layer: (k, v)}`` with ``k, v: [1, kv_head, seq, head_dim]`` from a stored capture."""
     k, v = store.read_kv(run_id, pid)
-    names = _layer_names(store, run_id, pid, k.shape[0])
+    names = list(names) if names else [str(i) for i in range(k.shape[0])]
     return {n: (k[i][None], v[i][None]) for i, n in enumerate(names)}
-
-
-def _layer_names(store, run_id, pid, n_layers) -> list[str]:
-    rows = store.sql(
-        f"SELECT layer_names FROM captures WHERE run_id = '{run_id}' AND prompt_id = '{pid}' AND kind = 'kv_k'"
-    ).to_pylist()
-    names = rows[0]["layer_names"] if rows else None
-    return list(names) if names else [str(i) for i in range(n_layers)]
-
-
-def _has_kv(store, run_id, pid) -> bool:
-    rows = store.sql(
-        f"SELECT count(*) AS n FROM captures WHERE run_id = '{run_id}' AND prompt_id = '{pid}' AND kind = 'kv_k'"
-    ).to_pylist()
-    return rows[0]["n"] > 0
 
 
 def _f(x) -> float | None:
@@ -157,6 +151,7 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
             raise ValueError(f"compare_runs: {role} run {rid!r} is not a complete run of {store.root}")
     three_way = baseline_run is not None
     prompt_ids = _common_prompts(store, runs)
+    kv_names = _kv_layer_names(store, runs) if kv else {}
     cid = f"cmp-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
 
     logit_rows, head_cols, bc_rows = [], [], []
@@ -202,8 +197,8 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
                     "bc": _f(tw.bc) if tw else None,
                 })
             per_prompt_logits.append([token_results])
-        if kv and all(_has_kv(store, rid, pid) for rid in runs.values()):
-            kvs = {role: _kv_dict(store, rid, pid) for role, rid in runs.items()}
+        if kv and all((rid, pid) in kv_names for rid in runs.values()):
+            kvs = {role: _kv_dict(store, rid, pid, kv_names[(rid, pid)]) for role, rid in runs.items()}
             out = compare_kv_caches(kvs["expected"], kvs["actual"], baseline_kv=kvs.get("baseline"),
                                     return_raw_errors=three_way)
             res, raw = out if three_way else (out, None)
