@@ -412,7 +412,8 @@ def kv_tensor_metrics(ref, act, exp, want_raw: bool, bins: int):
     Returns ``(res, bad_positions)``: ``res`` as ``metrics.kv._one_tensor`` (``[batch, seq,
     kv_head]`` arrays linf, l2, cos, base_linf, base_l2; ``bc [batch, seq]``; raw errors
     ``[batch, seq, kv_head * head_dim]``), and the sorted positions (seq indices) the kernel
-    left to the numpy path because an input there is NaN or infinite.
+    left to the numpy path because an input there is NaN or infinite (their values here are
+    NaN, BC 0, until the caller redoes them).
     """
     three = exp is not None
     r = _kernel_view(ref)
@@ -432,6 +433,14 @@ def kv_tensor_metrics(ref, act, exp, want_raw: bool, bins: int):
         _kv_kernel(r, a, e, three, want_raw, bins, s0, s1, out, sq, bad, raw_t, raw_b)
 
     _run_split(part, S, B * H * S * D)
+    flagged = bad.view(np.bool_)
+    if flagged.any():  # the kernel wrote nothing there: keep uninitialised memory out of the sums
+        out[flagged] = np.nan
+        if three:
+            sq[flagged] = 0.0
+        if want_raw:
+            raw_t[flagged] = np.nan
+            raw_b[flagged] = np.nan
     res = {n: out[..., i] for i, n in enumerate(_OUT_FIELDS[: 5 if three else 3])}
     if three:
         res["bc"] = np.clip(sq.sum(axis=-1), 0.0, 1.0)

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 
 import ml_dtypes
 import numpy as np
@@ -211,18 +212,89 @@ def test_numpy_backend_still_matches_loop_oracle():
         assert_matches_oracle(res, exp, act, base)
 
 
-def test_fused_kernel_splits_positions_across_threads(monkeypatch):
-    """Thread splits write disjoint positions: 1 and 3 threads give identical results."""
-    rng = np.random.default_rng(23)
-    base = make_kv(rng, 1, B=2, H=4, S=300, D=128)
+def _bf16_kv(seed, B, H, S, D, nan_at=()):
+    """(expected, actual, baseline) one-layer KV, bf16 vs fp32 baseline; NaN written into the
+    actual K of batch row 0, head 1 at ``nan_at`` (positions the kernel leaves to numpy)."""
+    rng = np.random.default_rng(seed)
+    base = make_kv(rng, 1, B=B, H=H, S=S, D=D)
     exp = {n: tuple(x.astype(ml_dtypes.bfloat16) for x in kv) for n, kv in base.items()}
     act = perturb(base, rng, 1e-2, ml_dtypes.bfloat16)
-    outs = []
-    for n in ("1", "3"):
-        monkeypatch.setenv("CAPTURESTORE_METRICS_THREADS", n)
-        outs.append(compare_kv_caches(exp, act, baseline_kv=base, backend="numba"))
-    for name in ("k_bc", "v_bc", "k_linf", "k_l2", "k_cos", "base_v_l2"):
-        np.testing.assert_array_equal(getattr(outs[0], name), getattr(outs[1], name))
+    for s in nan_at:
+        act["model.layers.0.self_attn"][0][0, 1, s, :3] = np.nan
+    return exp, act, base
+
+
+def test_fused_kernel_splits_positions_across_threads(monkeypatch):
+    """3 threads really split one tensor into 3 position ranges (recorded at the kernel), the
+    ranges tile [0, S) without gaps or overlap, and the result equals 1 thread's bit for bit
+    and the numpy path's; NaN positions on and next to part boundaries are redone correctly."""
+    B, H, S, D = 2, 4, 1000, 128  # 1,024,000 values per tensor: 3 parts of >= _MIN_SPLIT
+    assert B * H * S * D // _fused._MIN_SPLIT >= 3
+    exp, act, base = _bf16_kv(23, B, H, S, D, nan_at=(0, 332, 333, 665, 999))
+    calls = []
+    kernel = _fused._kv_kernel
+
+    def recording_kernel(*args):
+        calls.append((args[6], args[7]))  # s0, s1
+        return kernel(*args)
+
+    monkeypatch.setattr(_fused, "_kv_kernel", recording_kernel)
+    outs = {}
+    for n in (1, 3):
+        monkeypatch.setenv("CAPTURESTORE_METRICS_THREADS", str(n))
+        calls.clear()
+        outs[n] = compare_kv_caches(exp, act, baseline_kv=base, return_raw_errors=True, backend="numba")
+        parts = sorted(calls)
+        want = [(0, 1000)] if n == 1 else [(0, 333), (333, 666), (666, 1000)]
+        assert parts == sorted(want * 2), (n, parts)  # K and V, each split into n ranges
+    (one, one_raw), (three, three_raw) = outs[1], outs[3]
+    for name in ("k_bc", "v_bc", "k_linf", "v_linf", "k_l2", "k_cos", "base_k_linf", "base_v_l2"):
+        np.testing.assert_array_equal(getattr(one, name), getattr(three, name), err_msg=name)
+    for name in ("tgt_k", "base_v"):
+        np.testing.assert_array_equal(getattr(one_raw, name), getattr(three_raw, name), err_msg=name)
+    ref, ref_raw = compare_kv_caches(exp, act, baseline_kv=base, return_raw_errors=True, backend="numpy")
+    for name in ("k_bc", "v_bc", "k_linf", "v_linf", "base_k_linf"):
+        np.testing.assert_array_equal(getattr(three, name), getattr(ref, name), err_msg=name)
+    np.testing.assert_array_equal(three_raw.tgt_k, ref_raw.tgt_k)
+    assert np.isfinite(three.k_linf[0, 333, 0, 1])  # NaN excluded, not propagated
+    assert np.isfinite(three.k_bc[0, [0, 332, 333, 665, 999], 0]).all()
+
+
+class _PoisonedNumpy:
+    """numpy, except that np.empty hands out memory full of huge finite values (what a
+    recycled allocation may hold): any read of an element nobody wrote overflows a sum."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(shape, dtype=float, **kw):
+        x = np.empty(shape, dtype, **kw)
+        if x.dtype.kind == "f":
+            x.fill(np.finfo(x.dtype).max / 4)
+        return x
+
+
+def test_positions_left_to_numpy_read_no_uninitialised_memory(monkeypatch):
+    """Positions holding NaN are skipped by the kernel and redone by the numpy path. Their
+    unwritten output slots were summed (sqrt(p q) terms): garbage there raised 'overflow
+    encountered in reduce'. With every np.empty buffer of the fused path full of huge values,
+    no warning is raised and every position equals the numpy path's bits."""
+    exp, act, base = _bf16_kv(24, 2, 3, 40, 32, nan_at=(5, 17, 39))
+    kw = dict(baseline_kv=base, return_raw_errors=True)
+    want, want_raw = compare_kv_caches(exp, act, backend="numpy", **kw)
+    compare_kv_caches(exp, act, backend="numba", **kw)  # compiled before numpy is swapped
+    monkeypatch.setattr(_fused, "np", _PoisonedNumpy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got, got_raw = compare_kv_caches(exp, act, backend="numba", **kw)
+    for name in ("k_bc", "v_bc", "k_linf", "v_linf", "base_k_linf", "base_v_linf"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+    for name in ("k_l2", "k_cos", "base_k_l2"):
+        np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=2e-6, atol=1e-7, err_msg=name)
+    for name in ("tgt_k", "base_k", "tgt_v", "base_v"):
+        np.testing.assert_array_equal(getattr(got_raw, name), getattr(want_raw, name), err_msg=name)
+    assert np.isfinite(got.k_bc[:, [5, 17, 39]]).all()
 
 
 def test_backend_names_and_missing_numba(monkeypatch):
