@@ -28,7 +28,6 @@ from .checkpoint import KVScales, load_kv_scales, save_kv_scales
 from .formats import (
     E4M3,
     E4M3FN,
-    FP8_CLAMP_MAX,
     VALID_KV_CACHE_DTYPES,
     fp8_clamp_max,
     fp8_format,
@@ -46,3 +45,11 @@ __all__ = [
     "fp8_attention_error_vs_bf16", "check_kernel", "KVScales", "load_kv_scales", "save_kv_scales",
     "calibrate_kv_scales", "kv_cache_bytes_per_token", "capacity_table",
 ]
+
+
+def __getattr__(name: str):
+    if name == "FP8_CLAMP_MAX":  # read from $NKI_FP8_PLATFORM when used, never at import
+        from . import formats
+
+        return formats.FP8_CLAMP_MAX
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

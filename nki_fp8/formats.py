@@ -14,8 +14,9 @@ vLLM Neuron can keep `torch.float8_e4m3fn` tensors on TRN2 (compiler flag
 cast: `FP8_CLAMP_MAX` is that clamp bound.
 
 The platform comes from an argument, else the environment variable ``NKI_FP8_PLATFORM``
-("trn2" | "trn3"), else "trn2". `FP8_CLAMP_MAX` is resolved once at import (as vLLM Neuron
-does); functions that take ``platform=`` resolve it per call.
+("trn2" | "trn3"), else "trn2", read each time it is used: `FP8_CLAMP_MAX` (a module attribute
+resolved on access) and functions without ``platform=`` read the variable then, so importing
+never fails on a bad value; the use does, naming the variable.
 """
 from __future__ import annotations
 
@@ -80,8 +81,12 @@ def fp8_clamp_max(platform: str | None = None) -> float:
     return fp8_format(platform).max_finite
 
 
-# Resolved once at import time, like vllm_neuron; an invalid env value fails the import loudly.
-FP8_CLAMP_MAX: float = fp8_clamp_max()
+def __getattr__(name: str):
+    """``FP8_CLAMP_MAX``: the clamp bound of $NKI_FP8_PLATFORM, read when it is used (not at
+    import, so a bad value fails the use, with the variable named, not ``import nki_fp8``)."""
+    if name == "FP8_CLAMP_MAX":
+        return fp8_clamp_max()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # --- kv_cache_dtype strings (vllm_neuron.utils.dtype_utils) ---------------------------------

@@ -34,7 +34,7 @@ def test_unknown_platform_is_refused_naming_the_source(monkeypatch):
 
 
 @pytest.mark.parametrize("env,want", [(None, "240.0"), ("trn3", "448.0")])
-def test_fp8_clamp_max_is_resolved_at_import_from_the_environment(env, want):
+def test_fp8_clamp_max_follows_the_environment_of_a_fresh_process(env, want):
     e = {k: v for k, v in os.environ.items() if k != PLATFORM_ENV_VAR}
     if env:
         e[PLATFORM_ENV_VAR] = env
@@ -43,6 +43,40 @@ def test_fp8_clamp_max_is_resolved_at_import_from_the_environment(env, want):
         env=e, capture_output=True, text=True, check=True, cwd=Path(__file__).parents[2],
     )
     assert out.stdout.strip() == want
+
+
+def test_a_bad_platform_variable_fails_its_use_not_the_import():
+    """``import nki_fp8`` (and everything that imports it, the CLI included) works whatever
+    $NKI_FP8_PLATFORM holds; reading FP8_CLAMP_MAX or resolving the platform then fails, naming
+    the variable, and an explicit platform= still works."""
+    e = {**os.environ, PLATFORM_ENV_VAR: "h100"}
+    code = (
+        "import nki_fp8, nki_fp8.formats as f, capturestore.cli\n"
+        "print(nki_fp8.fp8_clamp_max('trn3'))\n"
+        "for get in (lambda: nki_fp8.FP8_CLAMP_MAX, lambda: f.FP8_CLAMP_MAX, nki_fp8.resolve_platform):\n"
+        "    try:\n"
+        "        get()\n"
+        "    except ValueError as err:\n"
+        "        print(err)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+                         cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "448.0" and len(lines) == 4
+    assert all("$NKI_FP8_PLATFORM='h100'" in line for line in lines[1:]), lines
+
+
+def test_fp8_clamp_max_is_read_when_used(monkeypatch):
+    import nki_fp8
+    from nki_fp8 import formats
+
+    monkeypatch.setenv(PLATFORM_ENV_VAR, "trn3")
+    assert nki_fp8.FP8_CLAMP_MAX == formats.FP8_CLAMP_MAX == 448.0
+    monkeypatch.setenv(PLATFORM_ENV_VAR, "trn2")
+    assert nki_fp8.FP8_CLAMP_MAX == 240.0
+    with pytest.raises(AttributeError, match="no attribute 'FP8_CLAMP_MIN'"):
+        nki_fp8.FP8_CLAMP_MIN  # noqa: B018
 
 
 def test_kv_cache_dtype_strings_resolve_like_vllm_neuron():
