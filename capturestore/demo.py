@@ -65,27 +65,29 @@ def make_vllm_engine(model_path, dtype: str = "bfloat16", block_size: int = 32, 
     return make_llm(model_path, dtype=dtype, max_model_len=max_model_len, block_size=block_size)
 
 
-def _scale_o_proj(worker, layer: int, factor: float) -> None:
-    """Runs on the vLLM worker (in-process ``collective_rpc``): scale one layer's attention output
-    projection, a stand-in for a kernel bug inside that layer."""
-    attn = worker.model_runner.model.model.layers[layer].self_attn
-    attn.o_proj.weight.data.mul_(factor)
+def inject_o_proj_bug(llm, layer: int, probe: Sequence[int], factor: float = 1.1):
+    """Make the engine under test wrong on purpose: layer ``layer``'s attention output (its
+    ``o_proj``) is scaled by ``factor`` (10% by default), a stand-in for a kernel bug inside that
+    layer. Its own K/V are untouched; the error first shows in the KV of layer ``layer + 1`` (a
+    layer's K and V come from its input). Proven on the engine with ``probe`` before it is used
+    (``extractors.faults.inject_output_scale``): returns the ``InjectedFault``, or raises
+    ``ValueError`` when the fault changed nothing."""
+    from extractors.faults import inject_output_scale, o_proj_module
 
-
-def inject_o_proj_bug(llm, layer: int, factor: float = 1.1) -> None:
-    """Make the engine under test wrong on purpose: layer ``layer``'s attention output is scaled
-    by ``factor`` (10% by default). Its own K/V are untouched; the
-    error first shows in the KV of layer ``layer + 1`` (a layer's K and V come from its input)."""
-    llm.collective_rpc(_scale_o_proj, args=(int(layer), float(factor)))
+    return inject_output_scale(llm, o_proj_module(layer), factor, probe)
 
 
 def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int = 8, seed: int = 0,
              release: str | None = None, prompts: Sequence[str] = DEMO_PROMPTS,
-             out: Callable[[str], None] = print, inject_bug_layer: int | None = None):
+             out: Callable[[str], None] = print, inject_bug_layer: int | None = None,
+             inject_bug_factor: float = 1.1):
     """Run the demo into ``store_path``; returns the ``ComparisonResult``.
 
-    inject_bug_layer: scale that layer's attention output projection in the vLLM engine by 10%
-    (``inject_o_proj_bug``) to watch the verdict fail and name the first deviating KV layer.
+    inject_bug_layer: scale that layer's attention output in the vLLM engine by
+    ``inject_bug_factor`` (``inject_o_proj_bug``) to watch the verdict fail and name the first
+    deviating KV layer. The fault is first proven to change the engine's output on the first
+    prompt; a fault that changes nothing raises ``ValueError`` before anything is captured.
+    The vLLM run's config records the CPU kernels the engine ran (``cpu_paths``) and the fault.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -130,6 +132,7 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
     say("starting vLLM-CPU (bfloat16) with the KV capture worker extension")
     import vllm
 
+    from extractors.faults import engine_cpu_paths
     from extractors.vllm_rpc import (
         close_llm,
         extract_vllm_kv_cache_config,
@@ -140,9 +143,13 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
 
     llm = make_vllm_engine(model_path, dtype="bfloat16")
     try:
+        cpu_paths = engine_cpu_paths(llm)
+        say(f"vLLM-CPU kernels: attention {cpu_paths['attn_isa']}, linear {cpu_paths['linear_backends']}")
+        fault = None
         if inject_bug_layer is not None:
-            say(f"injecting a bug: layer {inject_bug_layer}'s attention output projection scaled by 1.1")
-            inject_o_proj_bug(llm, inject_bug_layer)
+            say(f"injecting a bug: layer {inject_bug_layer}'s attention output scaled by {inject_bug_factor:g}")
+            fault = inject_o_proj_bug(llm, inject_bug_layer, rows[0], inject_bug_factor)
+            say(f"the bug bites: {fault.summary()}")
         kv_config = extract_vllm_kv_cache_config(llm)  # first RPC: starts block-table snapshotting
         generate_fn = make_vllm_generate_fn(llm, num_tokens, prompt_lens=[len(r) for r in rows])
         kv_extract_fn = make_vllm_kv_extract_fn(llm, kv_config, generate_fn)
@@ -156,8 +163,8 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
                             device="cpu", engine_version=vllm.__version__, tp_degree=int(kv_config.get("tp_size", 1)),
                             release=release, config={"block_size": kv_config["groups"][0]["block_size"],
                                                      "kv_layout": kv_config.get("layout"),
-                                                     "injected_bug": None if inject_bug_layer is None else
-                                                     f"layer {inject_bug_layer} o_proj x 1.1"}),
+                                                     "cpu_paths": cpu_paths,
+                                                     "injected_bug": None if fault is None else fault.as_config()}),
         )
     finally:
         close_llm(llm)  # now, not at some later GC inside another engine's start

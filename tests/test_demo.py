@@ -1,4 +1,6 @@
 """The main job end to end on real engines: HF FP32 + HF BF16 references and vLLM-CPU BF16."""
+import json
+
 import duckdb
 import pytest
 
@@ -29,6 +31,11 @@ def test_demo_passes_a_correct_engine_reuses_references_and_localises_an_injecte
     assert runs == [{"engine": "hf", "dtype": "bfloat16"}, {"engine": "hf", "dtype": "float32"},
                     {"engine": "vllm", "dtype": "bfloat16"}]
     assert store.verify().ok
+    # The run records the CPU kernels it ran, whichever this machine chose, and no fault.
+    clean_cfg = json.loads(store.show(result.runs["actual"])["run"]["config"])
+    assert clean_cfg["injected_bug"] is None
+    assert isinstance(clean_cfg["cpu_paths"]["attn_isa"], str)
+    assert sum(clean_cfg["cpu_paths"]["linear_backends"].values()) >= 3 * 4  # qkv, o, gate_up, down per layer
 
     # The catalog file opens in a plain DuckDB client with the metric views.
     con = duckdb.connect(str(store_path / "catalog.duckdb"), read_only=True)
@@ -40,7 +47,18 @@ def test_demo_passes_a_correct_engine_reuses_references_and_localises_an_injecte
     # under test is captured again, and the verdict fails where DESIGN.md says it must show: a
     # 10% error in layer 1's attention output leaves layers 0 and 1's K/V alone and first shows
     # in the KV of layer 2 (a layer's K and V come from its input).
+    # The fault must first be shown to change the engine's output, on whatever kernels it runs.
     bad = run_demo(store_path, num_tokens=6, prompts=DEMO_PROMPTS[:3], out=lines.append, inject_bug_layer=1)
+    assert any("the bug bites" in line for line in lines), "\n".join(lines)
+    store = Store.open(store_path)
+    bad_cfg = json.loads(store.show(bad.runs["actual"])["run"]["config"])
+    fault = bad_cfg["injected_bug"]
+    assert fault["module"] == "model.layers.1.self_attn.o_proj" and fault["factor"] == 1.1
+    assert fault["hook_calls"] > 0 and fault["max_abs_dlogprob"] > fault["clean_spread"]
+    assert bad_cfg["cpu_paths"] == clean_cfg["cpu_paths"]
+    # The weights are untouched: the faulty run is of the same model.
+    hashes = store.sql("SELECT DISTINCT model_hash FROM runs").to_pylist()
+    assert len(hashes) == 1, hashes
     assert bad.runs["baseline"] == result.runs["baseline"] and bad.runs["expected"] == result.runs["expected"]
     assert bad.runs["actual"] != result.runs["actual"]
     assert any("reusing HF FP32 baseline" in line for line in lines)

