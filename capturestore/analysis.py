@@ -14,7 +14,8 @@ never points at metrics that are not there):
   ``metrics.kv.HeadMetrics``), ``gen_token_idx = position - prompt_len`` (negative = prefill).
 - ``kv_token_bc``: per prompt x position x layer BC of the target vs BF16 absolute errors.
 - ``kv_gen_bc``: cross-prompt BC per generation index and layer (errors of all prompts pooled).
-- ``kv_layer_verdicts``: the pooled per-layer KV verdict numbers (sigma-ratio, BC, noise BC...).
+- ``kv_layer_verdicts``: the pooled per-layer KV verdict numbers (sigma-ratio, BC, noise BC...,
+  ``*_nonfinite``: actual values non-finite where the references are finite).
 - ``comparisons``: run ids by role, both verdicts, which check decided, summaries.
 """
 from __future__ import annotations
@@ -45,12 +46,14 @@ class ComparisonResult:
     kv_layers: tuple = ()  # per-layer dicts: layer, max k/v L-inf of target and BF16, pooled BC, pass
     first_failing_token: dict | None = None
     phase: str | None = None  # "prefill" | "decode" | None (nothing failed)
+    models_differ: bool = False  # the runs' model_hash differ (compared because the user allowed it)
 
     @property
     def passed(self) -> bool:
-        """Every verdict that ran passed, and at least one ran (as the ``comparisons`` row says)."""
+        """Every verdict that ran passed, and at least one ran (as the ``comparisons`` row says).
+        A KV verdict that compared nothing (the actual run lacks the references' KV) never passes."""
         checks = [v.passed for v in (self.logit_verdict, self.kv_verdict) if v is not None]
-        return bool(checks) and all(checks)
+        return bool(checks) and all(c is True for c in checks)
 
 
 def _committed_runs(store) -> dict[str, dict]:
@@ -115,6 +118,59 @@ def _kv_layer_names(store, runs: dict) -> dict:
     return {(r["run_id"], r["prompt_id"]): r["layer_names"] for r in rows}
 
 
+def _check_models(known: dict, runs: dict, allow: bool) -> bool:
+    """Whether the runs' ``model_hash`` differ; ValueError if they do and ``allow`` is False.
+    An unknown hash (None) differs from a known one: nothing says the model is the same."""
+    hashes = {role: known[rid].get("model_hash") for role, rid in runs.items()}
+    if len(set(hashes.values())) <= 1:
+        return False
+    if not allow:
+        said = ", ".join(f"{role} run {runs[role]}: {h if h is not None else 'unknown'}" for role, h in hashes.items())
+        raise ValueError(
+            f"compare_runs: the runs are of different models (model_hash {said}); comparing them measures the "
+            f"model difference, not the engine: pass allow_different_models=True (CLI: --allow-different-models) "
+            f"if that is meant"
+        )
+    return True
+
+
+def _kv_coverage(runs: dict, prompt_ids, kv_names: dict) -> str | None:
+    """Check the KV layers of every prompt before anything is computed or stored.
+
+    The references are the expected run and (three-way) the baseline. Returns None when every
+    prompt the references hold KV of has KV in every run, or the reason the KV cannot be
+    compared (a run lacks a prompt's KV). Raises ValueError naming run, prompt and layers when a
+    run holds KV but lacks a layer the references hold."""
+    refs = [r for r in ("baseline", "expected") if r in runs]
+    missing = []
+    for pid in prompt_ids:
+        ref_layers = {}  # layer -> the reference roles holding it
+        for role in refs:
+            for name in kv_names.get((runs[role], pid)) or []:
+                ref_layers.setdefault(name, []).append(role)
+        if (runs["expected"], pid) not in kv_names:
+            continue  # the expected run holds no KV of this prompt: nothing to compare it with
+        for role, rid in runs.items():
+            if (rid, pid) not in kv_names:
+                missing.append((role, rid, pid))
+                continue
+            have = set(kv_names[(rid, pid)] or [])
+            lacks = [n for n in ref_layers if n not in have]
+            if lacks:
+                raise ValueError(
+                    f"compare_runs: {role} run {rid}, prompt {pid} lacks KV layer(s) {lacks[:4]}"
+                    f"{'...' if len(lacks) > 4 else ''} ({len(lacks)} of {len(ref_layers)}) that the references hold "
+                    f"({', '.join(f'{r} run {runs[r]}' for r in refs)}); a layer missing from the evidence is no pass"
+                )
+    if not missing:
+        return None
+    role, rid, _ = missing[0]
+    pids = [p for r, _, p in missing if r == role]
+    return (f"{role} run {rid} holds no KV for {len(pids)} prompt(s) ({', '.join(pids[:3])}"
+            f"{'...' if len(pids) > 3 else ''}) whose KV the expected run {runs['expected']} holds; "
+            f"compare logits only with kv=False (CLI: --no-kv)")
+
+
 def _kv_dict(store, run_id, pid, names):
     """``{layer: (k, v)}`` with ``k, v: [1, kv_head, seq, head_dim]`` from a stored capture."""
     k, v = store.read_kv(run_id, pid)
@@ -130,17 +186,26 @@ def _f(x) -> float | None:
 
 def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str | None = None,
                  label: str | None = None, logits: bool = True, kv: bool = True, tol_map=None,
-                 kv_verdict_config=None, progress=None) -> ComparisonResult:
+                 kv_verdict_config=None, progress=None, allow_different_models: bool = False) -> ComparisonResult:
     """Compare stored captures of ``actual_run`` against ``expected_run`` (and ``baseline_run``
     in three-way mode), store every metric, and return both verdicts.
 
     All runs must hold the same captured tokens for each shared prompt (teacher forcing), else
     ``ValueError`` names the prompt and the first differing position. Prompts are processed one
     at a time, so memory is bounded by one prompt's captures of the three runs.
+
+    Refused with ``ValueError`` before anything is stored: runs of different ``model_hash``
+    (unless ``allow_different_models``; the comparison row then records ``models_differ``), and
+    a run whose KV lacks a layer the references hold. When the references hold KV of a prompt
+    and another run does not, the KV verdict is "not compared" and the comparison does not pass
+    (``kv=False`` compares logits only). Non-finite actual KV where the references are finite
+    fails the KV verdict (``metrics.verdict``).
     """
     from metrics.kv import aggregate_kv_bc_arrays, compare_kv_caches
     from metrics.logits import validate_token_logits
-    from metrics.verdict import aggregate_kv_verdict, aggregate_logit_verdict
+    from metrics.verdict import KVVerdict, aggregate_kv_verdict, aggregate_logit_verdict
+
+    from capturestore.integrity import commit_comparison
 
     runs = {"expected": expected_run, "actual": actual_run}
     if baseline_run is not None:
@@ -150,12 +215,16 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
         if rid not in known:
             raise ValueError(f"compare_runs: {role} run {rid!r} is not a complete run of {store.root}")
     three_way = baseline_run is not None
+    models_differ = _check_models(known, runs, allow_different_models)
     prompt_ids = _common_prompts(store, runs)
     kv_names = _kv_layer_names(store, runs) if kv else {}
+    kv_not_compared = _kv_coverage(runs, prompt_ids, kv_names) if kv else None
+    if kv_not_compared is not None:
+        kv_names = {}  # judge no prompt's KV rather than some of them
     cid = f"cmp-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
 
     logit_rows, head_cols, bc_rows = [], [], []
-    per_prompt_logits, raw_errors, prompt_lens = [], [], []
+    per_prompt_logits, raw_errors, prompt_lens, kv_pids = [], [], [], []
     for n, pid in enumerate(prompt_ids):
         if progress:
             progress(f"comparing prompt {n + 1}/{len(prompt_ids)} ({pid})")
@@ -223,50 +292,56 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
                 })
                 raw_errors.append(raw)
                 prompt_lens.append(plen)
+                kv_pids.append(pid)
 
     logit_verdict = aggregate_logit_verdict(per_prompt_logits, tol_map=tol_map) if per_prompt_logits else None
     kv_verdict = None
     kv_layers: list[dict] = []
+    staged: dict = {}  # table -> rows; commit_comparison appends them, then the comparisons row (the commit marker)
+    if kv_not_compared is not None:
+        kv_verdict = KVVerdict.not_compared_because(kv_not_compared, kv_verdict_config)
     if raw_errors:
-        kv_verdict = aggregate_kv_verdict(raw_errors, prompt_lens=prompt_lens, config=kv_verdict_config)
+        kv_verdict = aggregate_kv_verdict(raw_errors, prompt_lens=prompt_lens, config=kv_verdict_config,
+                                          prompt_ids=kv_pids, run=actual_run)
         layers, gk, gv = aggregate_kv_bc_arrays(raw_errors, prompt_lens)
         G, L = gk.shape
         g_idx, l_idx = np.meshgrid(np.arange(G), np.arange(L), indexing="ij")
         if G * L:
-            store.append_table("kv_gen_bc", {
+            staged["kv_gen_bc"] = {
                 "comparison_id": [cid] * (G * L), "gen_token_idx": g_idx.ravel().tolist(),
                 "layer": [layers[i] for i in l_idx.ravel()], "k_bc": [_f(x) for x in gk.ravel()],
                 "v_bc": [_f(x) for x in gv.ravel()], "n_prompts": [len(raw_errors)] * (G * L),
-            })
+            }
         kv_layers = _kv_layer_rows(cid, kv_verdict, head_cols)
-        store.append_table("kv_layer_verdicts", kv_layers)
+        staged["kv_layer_verdicts"] = kv_layers
     if head_cols:
-        store.append_table("kv_head_metrics", _concat_columns(head_cols))
+        staged["kv_head_metrics"] = _concat_columns(head_cols)
     if bc_rows:
-        store.append_table("kv_token_bc", _concat_columns(bc_rows))
+        staged["kv_token_bc"] = _concat_columns(bc_rows)
     if logit_rows:
-        store.append_table("logit_token_metrics", logit_rows)
+        staged["logit_token_metrics"] = logit_rows
 
     checks = [v.passed for v in (logit_verdict, kv_verdict) if v is not None]
-    passed = bool(checks) and all(checks)  # nothing judged is not a pass
+    passed = bool(checks) and all(c is True for c in checks)  # nothing judged is not a pass
     first_fail, phase = (None, None) if passed else _first_failure(logit_rows, kv_verdict)
-    store.append_table("comparisons", [{
+    commit_comparison(store, cid, staged, [{
         "comparison_id": cid, "label": label, "created_at": datetime.now(timezone.utc),
         "baseline_run": baseline_run, "expected_run": expected_run, "actual_run": actual_run,
-        "three_way": three_way, "n_prompts": len(prompt_ids),
+        "three_way": three_way, "n_prompts": len(prompt_ids), "models_differ": models_differ,
         "passed": passed,
         "logit_passed": None if logit_verdict is None else bool(logit_verdict.passed),
         "logit_decided_by": None if logit_verdict is None else logit_verdict.decided_by,
         "logit_sigma_ratio": None if logit_verdict is None else _f(logit_verdict.sigma_ratio),
         "logit_min_bc": None if logit_verdict is None else _f(logit_verdict.min_bc),
         "logit_summary": None if logit_verdict is None else logit_verdict.summary(),
-        "kv_passed": None if kv_verdict is None else bool(kv_verdict.passed),
+        "kv_passed": None if kv_verdict is None or kv_verdict.not_compared is not None else bool(kv_verdict.passed),
         "kv_first_failing_layer": None if kv_verdict is None else kv_verdict.first_failing_layer,
         "kv_summary": None if kv_verdict is None else kv_verdict.summary(),
         "failure_phase": phase,
         "first_failing_token": json.dumps(first_fail) if first_fail else None,
     }])
-    return ComparisonResult(cid, runs, tuple(prompt_ids), logit_verdict, kv_verdict, tuple(kv_layers), first_fail, phase)
+    return ComparisonResult(cid, runs, tuple(prompt_ids), logit_verdict, kv_verdict, tuple(kv_layers), first_fail, phase,
+                            models_differ)
 
 
 def _concat_columns(parts: list[dict]):
@@ -296,7 +371,7 @@ def _kv_layer_rows(cid, verdict, head_cols) -> list[dict]:
                 f"{which}_passed": t.passed, f"{which}_decided_by": t.decided_by,
                 f"{which}_sigma_ratio": _f(t.sigma_ratio), f"{which}_bc": _f(t.bc),
                 f"{which}_noise_bc": _f(t.noise_bc), f"{which}_linf_ratio": _f(t.linf_ratio),
-                f"{which}_max_linf_ratio": _f(t.max_linf_ratio),
+                f"{which}_max_linf_ratio": _f(t.max_linf_ratio), f"{which}_nonfinite": int(t.n_nonfinite),
             })
         w = worst.get(lv.layer, {})
         row.update({f"max_{n}": _f(w.get(n, math.nan)) for n in ("k_linf", "v_linf", "base_k_linf", "base_v_linf")})
@@ -312,7 +387,7 @@ def _first_failure(logit_rows, kv_verdict):
         first = min(failed, key=lambda r: (r["gen_token_idx"], r["prompt_id"]))
         info = {k: first[k] for k in ("prompt_id", "gen_token_idx", "status")}
         return info, ("prefill" if first["gen_token_idx"] == 0 else "decode")
-    if kv_verdict is not None and not kv_verdict.passed:
+    if kv_verdict is not None and not kv_verdict.passed and kv_verdict.not_compared is None:
         pre = getattr(kv_verdict, "prefill", None)
         return None, ("prefill" if pre is not None and not pre.passed else "decode")
     return None, None

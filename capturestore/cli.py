@@ -146,7 +146,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from capturestore.analysis import compare_runs
 
     result = compare_runs(_open(args.store), expected_run=args.expected, actual_run=args.actual,
-                          baseline_run=args.baseline, label=args.label, kv=not args.no_kv)
+                          baseline_run=args.baseline, label=args.label, kv=not args.no_kv,
+                          allow_different_models=args.allow_different_models)
     print(f"comparison {result.comparison_id} over {len(result.prompt_ids)} prompts")
     for name, verdict in (("logit verdict", result.logit_verdict), ("KV verdict", result.kv_verdict)):
         if verdict is not None:
@@ -204,6 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--baseline", help="ground-truth run (HF FP32): enables three-way mode")
     sp.add_argument("--label", help="free-form label stored with the comparison")
     sp.add_argument("--no-kv", action="store_true", help="compare logits only")
+    sp.add_argument("--allow-different-models", action="store_true",
+                    help="compare runs whose model_hash differ (refused otherwise; recorded as models_differ)")
     sp = add("demo", cmd_demo, "tiny local model: HF FP32 + BF16 references vs vLLM-CPU BF16, three-way verdict")
     sp.set_defaults(store=os.environ.get("CAPTURESTORE", "demo-store"))
     sp.add_argument("--arch", default="llama-gqa", help="tiny model architecture (llama-mha, llama-gqa, ...)")

@@ -32,16 +32,26 @@ noise_bc - bc_noise_margin)`` and ``linf_ratio <= max(linf_ratio_threshold,
 noise_linf_spread)`` and ``max_linf_ratio <= max_linf_ratio_threshold``). A layer passes if K and V pass; the verdict names the first failing
 layer (a bug inside layer L first shows in the KV of layer L+1, since K/V come from its input).
 With ``prompt_lens`` the same verdict is also given for prefill and decode positions apart.
+
+Broken evidence never passes:
+- a value that is non-finite in the actual run where both references are finite (a finite BF16
+  error, a non-finite target error) fails its tensor, counted in ``n_nonfinite`` and named in
+  ``KVVerdict.nonfinite``; the one exemption is a prompt's last position when the actual holds
+  no finite value there (an engine never feeds the last teacher token back, so never writes its
+  KV). NaN where the references are NaN too (sliding-window fill) is excluded, not failed;
+- a tensor with no value finite in all three runs is unjudged (``passed`` None); a layer with
+  an unjudged or failing part does not pass, and neither does a verdict with such a layer.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .bc import DEFAULT_BINS, bhattacharyya_coefficient
-from .kv import KVRawErrors, _layers_of, _raw_arrays
+from .kv import KVRawErrors, _layers_of, _raw_arrays, natural_sort_key
 from .logits import LogitValidationResult
 
 __all__ = [
@@ -229,6 +239,7 @@ class KVTensorVerdict:
     noise_linf_spread: float
     linf_threshold_used: float
     max_linf_ratio: float = math.nan
+    n_nonfinite: int = 0  # values non-finite in the actual where both references are finite
 
 
 @dataclass(frozen=True)
@@ -249,10 +260,38 @@ class KVVerdict:
     n_positions: int
     prefill: "KVVerdict | None" = None
     decode: "KVVerdict | None" = None
+    # one dict per prompt x layer x K/V holding non-finite actual values where the references are
+    # finite: prompt (id or index), layer, tensor ("K"/"V"), n (values), first_position
+    nonfinite: tuple = ()
+    run: str | None = None  # the actual run, for messages
+    not_compared: str | None = None  # why no KV was compared (then passed is False, layers empty)
+
+    @classmethod
+    def not_compared_because(cls, reason: str, config: KVVerdictConfig | None = None) -> "KVVerdict":
+        """A KV verdict that judged nothing: it never passes, and its summary says why."""
+        return cls(False, None, (), config or KVVerdictConfig(), 0, 0, not_compared=reason)
+
+    @property
+    def unjudged_layers(self) -> tuple:
+        return tuple(lv.layer for lv in self.layers if lv.passed is None)
 
     def summary(self) -> str:
+        if self.not_compared is not None:
+            return f"not compared: {self.not_compared}"
         if self.passed:
             return f"PASS: {len(self.layers)} layers within the expected source's noise (BF16 vs FP32 in three-way mode) over {self.n_positions} positions"
+        if self.nonfinite:
+            r = self.nonfinite[0]
+            more = len(self.nonfinite) - 1
+            run = f"actual run {self.run}, " if self.run else "actual run, "
+            return (
+                f"FAIL: {run}prompt {r['prompt']}, layer {r['layer']} {r['tensor']}: {r['n']} non-finite values where "
+                f"the references are finite (first at position {r['first_position']})"
+                + (f"; {more} more prompt x layer x K/V like it" if more else "")
+            )
+        if self.first_failing_layer is None:
+            return (f"FAIL: layers {list(self.unjudged_layers)} not judged: no value is finite in all three runs "
+                    f"(actual, expected and baseline)")
         lv = next(v for v in self.layers if v.layer == self.first_failing_layer)
         t = lv.k if lv.k.passed is False else lv.v
         which = "K" if t is lv.k else "V"
@@ -263,8 +302,16 @@ class KVVerdict:
         )
 
 
-def _tensor_verdict(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict:
-    """base_chunks/tgt_chunks: lists of [positions, width] arrays (one per prompt/row)."""
+def _tensor_verdict(base_chunks, tgt_chunks, cfg: KVVerdictConfig, n_nonfinite: int = 0) -> KVTensorVerdict:
+    """base_chunks/tgt_chunks: lists of [positions, width] arrays (one per prompt/row).
+    n_nonfinite: values non-finite in the actual where the references are finite (any fails)."""
+    t = _tensor_numbers(base_chunks, tgt_chunks, cfg)
+    if n_nonfinite:
+        return dataclasses.replace(t, passed=False, decided_by=None, n_nonfinite=int(n_nonfinite))
+    return t
+
+
+def _tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict:
     base = np.concatenate([c.ravel() for c in base_chunks]) if base_chunks else np.zeros(0, np.float32)
     tgt = np.concatenate([c.ravel() for c in tgt_chunks]) if tgt_chunks else np.zeros(0, np.float32)
     ok = ~(np.isnan(base) | np.isnan(tgt))
@@ -314,16 +361,41 @@ def _tensor_verdict(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVe
     return KVTensorVerdict(passed, why, n, sigma, bc, noise_bc, bc_bar, linf_ratio, spread, linf_bar, max_ratio)
 
 
+def _both(a, b):
+    """Pass state of a whole from two parts: False if either failed, None (unjudged) if either
+    is unjudged, else True: a NULL part never reads as a pass."""
+    if a is False or b is False:
+        return False
+    if a is None or b is None:
+        return None
+    return True
+
+
+def _nonfinite_counts(base, tgt):
+    """[positions, layer] counts of non-finite target errors where the BF16 error is finite, i.e.
+    actual non-finite where expected and baseline are finite. A last position where the actual
+    holds no finite value is exempt (never fed back, so never written)."""
+    with np.errstate(invalid="ignore"):
+        counts = np.count_nonzero(~np.isfinite(tgt) & np.isfinite(base), axis=-1)
+    if counts.shape[0]:
+        unwritten = np.all(np.isnan(tgt[-1]), axis=-1)  # [layer]
+        counts[-1, unwritten] = 0
+    return counts
+
+
 def _kv_verdict_over(chunks, layers, cfg, n_prompts, n_positions) -> KVVerdict:
-    """chunks: list of (base_k, base_v, tgt_k, tgt_v) each [positions, layer, width]."""
+    """chunks: list of (base_k, base_v, tgt_k, tgt_v, bad_k, bad_v), the first four
+    [positions, layer, width], the non-finite counts [positions, layer]."""
     lvs = []
     for li, name in enumerate(layers):
-        k = _tensor_verdict([c[0][:, li] for c in chunks], [c[2][:, li] for c in chunks], cfg)
-        v = _tensor_verdict([c[1][:, li] for c in chunks], [c[3][:, li] for c in chunks], cfg)
-        states = [s for s in (k.passed, v.passed) if s is not None]
-        lvs.append(KVLayerVerdict(name, (all(states) if states else None), k, v))
+        k = _tensor_verdict([c[0][:, li] for c in chunks], [c[2][:, li] for c in chunks], cfg,
+                            sum(int(c[4][:, li].sum()) for c in chunks))
+        v = _tensor_verdict([c[1][:, li] for c in chunks], [c[3][:, li] for c in chunks], cfg,
+                            sum(int(c[5][:, li].sum()) for c in chunks))
+        lvs.append(KVLayerVerdict(name, _both(k.passed, v.passed), k, v))
     first = next((lv.layer for lv in lvs if lv.passed is False), None)
-    return KVVerdict(first is None, first, tuple(lvs), cfg, n_prompts, n_positions)
+    passed = bool(lvs) and all(lv.passed is True for lv in lvs)
+    return KVVerdict(passed, first, tuple(lvs), cfg, n_prompts, n_positions)
 
 
 def aggregate_kv_verdict(
@@ -332,6 +404,8 @@ def aggregate_kv_verdict(
     layers=None,
     config: KVVerdictConfig | None = None,
     rows=None,
+    prompt_ids=None,
+    run: str | None = None,
 ) -> KVVerdict:
     """KV verdict over prompts (see module docstring for the rule).
 
@@ -339,7 +413,8 @@ def aggregate_kv_verdict(
     (``KVRawErrors`` or the upstream list over tokens of ``{layer: TokenKVErrors}``), or a single
     ``KVRawErrors``. prompt_lens: optional, one per prompt; adds ``.prefill`` (positions before
     the prompt end) and ``.decode`` verdicts. rows: batch rows of ``KVRawErrors`` to pool
-    (default: all; upstream-shaped lists have one).
+    (default: all; upstream-shaped lists have one). prompt_ids (one per entry) and run (the
+    actual run) only name where non-finite values were found.
     """
     cfg = config or KVVerdictConfig()
     if isinstance(all_raw_errors, KVRawErrors):
@@ -351,20 +426,33 @@ def aggregate_kv_verdict(
     if layers is None:
         layers = _layers_of(all_raw_errors[0])
     layers = list(layers)
-    chunks, plens = [], []
+    if prompt_ids is not None and len(prompt_ids) != len(all_raw_errors):
+        raise ValueError(f"{len(all_raw_errors)} raw-error entries but {len(prompt_ids)} prompt ids")
+    chunks, plens, nonfinite = [], [], []
     for pi, raw in enumerate(all_raw_errors):
         use_rows = (rows if rows is not None else range(raw.base_k.shape[0])) if isinstance(raw, KVRawErrors) else [0]
         for r in use_rows:
-            chunks.append(_raw_arrays(raw, layers, r))
+            arrs = _raw_arrays(raw, layers, r)
+            bad = (_nonfinite_counts(arrs[0], arrs[2]), _nonfinite_counts(arrs[1], arrs[3]))
+            chunks.append((*arrs, *bad))
             plens.append(None if prompt_lens is None else int(prompt_lens[pi]))
+            label = prompt_ids[pi] if prompt_ids is not None else pi
+            if len(use_rows) > 1:
+                label = f"{label} row {r}"
+            for li, name in enumerate(layers):
+                for which, counts in zip("KV", bad):
+                    col = counts[:, li]
+                    if col.any():
+                        nonfinite.append({"prompt": label, "layer": name, "tensor": which, "n": int(col.sum()),
+                                          "first_position": int(np.flatnonzero(col)[0])})
+    nonfinite.sort(key=lambda f: (natural_sort_key(f["layer"]), f["tensor"]))  # first layer first: a bug's origin
     n_pos = sum(c[0].shape[0] for c in chunks)
-    verdict = _kv_verdict_over(chunks, layers, cfg, len(all_raw_errors), n_pos)
+    verdict = dataclasses.replace(_kv_verdict_over(chunks, layers, cfg, len(all_raw_errors), n_pos),
+                                  nonfinite=tuple(nonfinite), run=run)
     if prompt_lens is None:
         return verdict
     pre = [tuple(a[:p] for a in c) for c, p in zip(chunks, plens)]
     dec = [tuple(a[p:] for a in c) for c, p in zip(chunks, plens)]
     prefill = _kv_verdict_over(pre, layers, cfg, len(all_raw_errors), sum(c[0].shape[0] for c in pre))
     decode = _kv_verdict_over(dec, layers, cfg, len(all_raw_errors), sum(c[0].shape[0] for c in dec))
-    return KVVerdict(
-        verdict.passed, verdict.first_failing_layer, verdict.layers, cfg, verdict.n_prompts, n_pos, prefill, decode
-    )
+    return dataclasses.replace(verdict, prefill=prefill, decode=decode)

@@ -20,6 +20,12 @@ def _bf16(x):
     return x.astype(ml_dtypes.bfloat16)
 
 
+def _segments(store, table):
+    """The Parquet segments holding rows of ``table`` (none: nothing of it was stored); the
+    empty ``_schema`` segment a store may create up front holds no rows."""
+    return sorted(p for p in (store.root / "tables" / table).glob("*.parquet") if not p.name.startswith("_"))
+
+
 def _write_run(store, dtype, prompts, kv_fn, logit_fn):
     with store.begin_run(engine="synthetic", model_path="/m", model_hash="h0", dtype=dtype) as run:
         for i, (p, c) in enumerate(prompts):
@@ -179,7 +185,7 @@ def test_runs_captured_on_other_tokens_are_refused_before_anything_is_stored(syn
     with pytest.raises(ValueError, match=r"captured other tokens.*first difference at position 9"):
         compare_runs(store, expected_run=exp, actual_run=odd, baseline_run=base)
     for table in ("comparisons", "kv_head_metrics", "logit_token_metrics", "kv_token_bc"):
-        assert not (store.root / "tables" / table).exists(), table
+        assert not _segments(store, table), table
 
 
 def test_unknown_run_is_named(synthetic):
@@ -234,3 +240,133 @@ def test_a_comparison_that_judged_nothing_is_not_stored_as_passed(synthetic):
     assert res.logit_verdict is None and res.kv_verdict is None and not res.passed
     row = store.sql(f"SELECT passed FROM comparisons WHERE comparison_id = '{res.comparison_id}'").to_pylist()
     assert row == [{"passed": False}]
+
+
+# ----------------------------------------------------------------------------- broken evidence
+
+
+def _write_run_as(store, prompts, kv_fn, logit_fn, layers=LAYERS, model_hash="h0", with_kv=True):
+    with store.begin_run(engine="synthetic", model_path="/m", model_hash=model_hash, dtype="bfloat16") as run:
+        for i, (p, c) in enumerate(prompts):
+            pid = run.add_prompt(p, continuation=c)
+            if with_kv:
+                k, v = kv_fn(i, len(p) + len(c))
+                run.write_kv(pid, k, v, layer_names=layers)
+            run.write_logits(pid, logit_fn(i, len(c)))
+    return run.run_id
+
+
+def _stored(store, cid):
+    return {t: store.sql(f"SELECT * FROM {t} WHERE comparison_id = '{cid}'").to_pylist() if _segments(store, t) else []
+            for t in ("comparisons", "kv_layer_verdicts")}
+
+
+def test_actual_nan_where_the_references_are_finite_fails_and_is_named(synthetic):
+    store, prompts, kv, logits, base, exp, actual = synthetic
+
+    def nan_k1(i, s):  # the actual run's K of layer 1 all NaN (the issue's case: was PASS)
+        k = _bf16(kv[i][0])
+        k[1] = np.nan
+        return k, _bf16(kv[i][1])
+
+    act = actual(kv_fn=nan_k1)
+    res = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base)
+    assert not res.passed and not res.kv_verdict.passed
+    assert res.kv_verdict.first_failing_layer == LAYERS[1]
+    pid0 = res.prompt_ids[0]
+    n0 = H * D * (len(prompts[0][0]) + len(prompts[0][1]) - 1)  # all but the exempt last position
+    summary = res.kv_verdict.summary()
+    assert f"actual run {act}, prompt {pid0}, layer {LAYERS[1]} K: {n0} non-finite values" in summary
+    rows = {r["layer"]: r for r in _stored(store, res.comparison_id)["kv_layer_verdicts"]}
+    assert rows[LAYERS[1]]["k_passed"] is False and rows[LAYERS[1]]["passed"] is False
+    assert rows[LAYERS[1]]["k_nonfinite"] == sum(H * D * (len(p) + len(c) - 1) for p, c in prompts)
+    assert rows[LAYERS[0]]["passed"] is True and rows[LAYERS[0]]["k_nonfinite"] == 0
+    cmp = _stored(store, res.comparison_id)["comparisons"][0]
+    assert cmp["passed"] is False and cmp["kv_passed"] is False and cmp["kv_first_failing_layer"] == LAYERS[1]
+    assert "non-finite" in cmp["kv_summary"]
+
+
+def test_an_unwritten_last_position_alone_still_passes(synthetic):
+    store, prompts, kv, logits, base, exp, actual = synthetic
+
+    def never_fed(i, s):
+        k, v = _bf16(kv[i][0]), _bf16(kv[i][1])
+        k[:, :, -1] = np.nan
+        v[:, :, -1] = np.nan
+        return k, v
+
+    res = compare_runs(store, expected_run=exp, actual_run=actual(kv_fn=never_fed), baseline_run=base)
+    assert res.passed, res.kv_verdict.summary()
+
+
+def test_a_layer_the_actual_run_lacks_is_refused_by_name_before_anything_is_stored(synthetic):
+    store, prompts, kv, logits, base, exp, _ = synthetic
+    short = _write_run_as(store, prompts, lambda i, s: (_bf16(kv[i][0][:2]), _bf16(kv[i][1][:2])),
+                          lambda i, n: _bf16(logits[i]), layers=LAYERS[:2])
+    with pytest.raises(ValueError, match=rf"actual run {short}, prompt \w+ lacks KV layer.*{LAYERS[2]}.* the references hold"):
+        compare_runs(store, expected_run=exp, actual_run=short, baseline_run=base)
+    for table in ("comparisons", "kv_head_metrics", "kv_layer_verdicts", "logit_token_metrics"):
+        assert not _segments(store, table), table
+
+
+def test_an_actual_run_without_kv_is_not_compared_and_does_not_pass(synthetic, capsys):
+    from capturestore.cli import main
+
+    store, prompts, kv, logits, base, exp, _ = synthetic
+    no_kv = _write_run_as(store, prompts, None, lambda i, n: _bf16(logits[i]), with_kv=False)
+    res = compare_runs(store, expected_run=exp, actual_run=no_kv, baseline_run=base)
+    assert res.logit_verdict.passed and not res.passed
+    assert res.kv_verdict.summary().startswith("not compared") and no_kv in res.kv_verdict.summary()
+    cmp = _stored(store, res.comparison_id)["comparisons"][0]
+    assert cmp["passed"] is False and cmp["kv_passed"] is None and cmp["kv_summary"].startswith("not compared")
+    assert res.phase is None
+    args = ["compare", "--store", str(store.root), "--expected", exp, "--baseline", base, "--actual", no_kv]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "KV verdict: not compared" in out and "overall: FAIL" in out
+    assert main([*args, "--no-kv"]) == 0  # logits only, as asked
+    assert "overall: PASS" in capsys.readouterr().out
+    assert compare_runs(store, expected_run=exp, actual_run=no_kv, baseline_run=base, kv=False).passed
+
+
+def test_a_stored_pass_never_summarises_an_unjudged_part(synthetic):
+    store, prompts, kv, logits, base, exp, _ = synthetic
+
+    def v2_nan(i, s):  # V of layer 2 NaN in every run: nothing finite to judge there
+        k, v = kv[i][0], kv[i][1].copy()
+        v[2] = np.nan
+        return k, v
+
+    base2 = _write_run_as(store, prompts, v2_nan, lambda i, n: logits[i])
+    exp2 = _write_run_as(store, prompts, lambda i, s: tuple(_bf16(x) for x in v2_nan(i, s)), lambda i, n: _bf16(logits[i]))
+    act2 = _write_run_as(store, prompts, lambda i, s: tuple(_bf16(x) for x in v2_nan(i, s)), lambda i, n: _bf16(logits[i]))
+    res = compare_runs(store, expected_run=exp2, actual_run=act2, baseline_run=base2)
+    assert not res.passed and not res.kv_verdict.passed and res.kv_verdict.first_failing_layer is None
+    assert "not judged" in res.kv_verdict.summary()
+    rows = {r["layer"]: r for r in _stored(store, res.comparison_id)["kv_layer_verdicts"]}
+    assert rows[LAYERS[2]]["k_passed"] is True and rows[LAYERS[2]]["v_passed"] is None
+    assert rows[LAYERS[2]]["passed"] is None
+    bad = store.sql("SELECT count(*) AS n FROM kv_layer_verdicts WHERE passed AND (k_passed IS NULL OR v_passed IS NULL "
+                    "OR NOT k_passed OR NOT v_passed)").to_pylist()[0]["n"]
+    assert bad == 0
+
+
+def test_runs_of_different_models_are_refused_unless_asked_and_recorded(synthetic, capsys):
+    from capturestore.cli import main
+
+    store, prompts, kv, logits, base, exp, _ = synthetic
+    other = _write_run_as(store, prompts, lambda i, s: (_bf16(kv[i][0]), _bf16(kv[i][1])),
+                          lambda i, n: _bf16(logits[i]), model_hash="h1")
+    with pytest.raises(ValueError, match=rf"model_hash.*actual run {other}: h1.*allow_different_models=True"):
+        compare_runs(store, expected_run=exp, actual_run=other, baseline_run=base)
+    assert not _segments(store, "comparisons")
+    args = ["compare", "--store", str(store.root), "--expected", exp, "--baseline", base, "--actual", other]
+    assert main(args) == 2
+    assert "--allow-different-models" in capsys.readouterr().err
+    assert main([*args, "--allow-different-models"]) == 0
+    res = compare_runs(store, expected_run=exp, actual_run=other, baseline_run=base, allow_different_models=True)
+    assert res.passed and res.models_differ
+    same = compare_runs(store, expected_run=exp, actual_run=exp, baseline_run=base)
+    rows = store.sql("SELECT comparison_id, models_differ FROM comparisons").to_pylist()
+    got = {r["comparison_id"]: r["models_differ"] for r in rows}
+    assert got[res.comparison_id] is True and got[same.comparison_id] is False and sum(got.values()) == 2

@@ -167,3 +167,107 @@ def test_logit_verdict_phase_points_at_prefill_or_decode():
         res = logit_validation([[1]], lambda ids, y=y: y[len(ids[0]) - 1 :], x, kv_extract_fn=lambda n: {})
         v = aggregate_logit_verdict([res])
         assert not v.passed and v.first_failed == (0, 0, bad_token) and v.phase == phase
+
+
+# ----------------------------------------------------------------------------- broken evidence
+
+
+def _nan_layer(name, which, positions=slice(None)):
+    """A bug that leaves ``which`` ("k"/"v") of layer ``name`` NaN at ``positions`` in the actual run."""
+    def bug(base, act):
+        k, v = (x.copy() for x in act[name])
+        (k if which == "k" else v)[:, :, positions] = np.nan
+        act[name] = (k, v)
+        return act
+    return bug
+
+
+def test_kv_verdict_fails_when_the_actual_is_nan_where_the_references_are_finite():
+    rng = np.random.default_rng(11)
+    raws = [kv_prompt(rng, bug=_nan_layer("layers.1", "k"))[1] for _ in range(3)]
+    v = aggregate_kv_verdict(raws, prompt_lens=[8] * 3, prompt_ids=["p0", "p1", "p2"], run="RUN-A")
+    assert not v.passed and v.first_failing_layer == "layers.1"
+    lk = v.layers[1].k
+    # 2 heads x 32 values at 11 of each prompt's 12 positions: the wholly NaN last position is
+    # exempt (an engine never writes the last teacher token's KV), nothing else is.
+    assert lk.passed is False and lk.n_nonfinite == 3 * 2 * 11 * 32 and lk.n_values == 0
+    assert v.layers[1].v.passed and v.layers[1].passed is False
+    assert [(r["prompt"], r["layer"], r["tensor"], r["n"]) for r in v.nonfinite] == [
+        (p, "layers.1", "K", 2 * 11 * 32) for p in ("p0", "p1", "p2")]
+    s = v.summary()
+    assert s.startswith("FAIL") and "RUN-A" in s and "p0" in s and "layers.1" in s and " K" in s and "704" in s
+
+
+def test_kv_verdict_exempts_only_a_wholly_unwritten_last_position():
+    rng = np.random.default_rng(12)
+
+    def last_never_fed(base, act):  # an engine never writes the last teacher token's KV
+        for name in act:
+            act = _nan_layer(name, "k", -1)(base, act)
+            act = _nan_layer(name, "v", -1)(base, act)
+        return act
+
+    v = aggregate_kv_verdict([kv_prompt(rng, bug=last_never_fed)[1] for _ in range(4)], prompt_lens=[8] * 4)
+    assert v.passed, v.summary()
+    assert all(lv.k.n_nonfinite == 0 and lv.k.n_values == 4 * 11 * 64 for lv in v.layers)
+
+    def one_value_more(base, act):  # the same plus one NaN value at position 3 of layer 2's V
+        act = last_never_fed(base, act)
+        k, vv = act["layers.2"]
+        vv = vv.copy()
+        vv[0, 1, 3, 7] = np.nan
+        act["layers.2"] = (k, vv)
+        return act
+
+    v = aggregate_kv_verdict([kv_prompt(rng, bug=one_value_more)[1]], prompt_lens=[8])
+    assert not v.passed and v.first_failing_layer == "layers.2"
+    assert v.layers[2].v.n_nonfinite == 1 and v.nonfinite[0]["first_position"] == 3
+    assert not v.prefill.passed and v.decode.passed  # position 3 is prefill
+
+    def partly_written_last(base, act):  # half the last position's values: not "never fed"
+        k, vv = act["layers.0"]
+        k = k.copy()
+        k[:, 0, -1] = np.inf
+        act["layers.0"] = (k, vv)
+        return act
+
+    v = aggregate_kv_verdict([kv_prompt(rng, bug=partly_written_last)[1]])
+    assert not v.passed and v.layers[0].k.n_nonfinite == 32
+
+
+def test_kv_verdict_nan_where_the_references_are_nan_too_is_excluded_not_failed():
+    rng = np.random.default_rng(13)
+
+    def window(kv):  # sliding-window fill: the first 6 positions of layer 0 are NaN
+        k, v = (x.copy() for x in kv["layers.0"])
+        k[:, :, :6] = np.nan
+        v[:, :, :6] = np.nan
+        kv["layers.0"] = (k, v)
+        return kv
+
+    raws = []
+    for _ in range(3):
+        base = {f"layers.{i}": (rng.normal(size=(1, 2, 12, 32)).astype(np.float32),
+                                rng.normal(size=(1, 2, 12, 32)).astype(np.float32)) for i in range(2)}
+        exp = window({n: (bf16_engine(k, rng), bf16_engine(v, rng)) for n, (k, v) in base.items()})
+        act = window({n: (bf16_engine(k, rng), bf16_engine(v, rng)) for n, (k, v) in base.items()})
+        raws.append(compare_kv_caches(exp, act, baseline_kv=window(dict(base)), return_raw_errors=True)[1])
+    v = aggregate_kv_verdict(raws)
+    assert v.passed, v.summary()
+    assert v.layers[0].k.n_nonfinite == 0 and v.layers[0].k.n_values == 3 * 6 * 64
+
+
+def test_a_layer_or_verdict_with_an_unjudged_part_never_passes():
+    rng = np.random.default_rng(14)
+
+    def refs_nan_too(base, act):  # nothing finite in all three runs for layer 3's V: unjudged
+        for d in (base, act):
+            k, vv = d["layers.3"]
+            d["layers.3"] = (k, np.full_like(vv, np.nan))
+        return act
+
+    v = aggregate_kv_verdict([kv_prompt(rng, bug=refs_nan_too)[1]])
+    lv = v.layers[3]
+    assert lv.k.passed is True and lv.v.passed is None and lv.v.n_nonfinite == 0
+    assert lv.passed is None and not v.passed and v.first_failing_layer is None
+    assert "not judged" in v.summary() and "layers.3" in v.summary()
