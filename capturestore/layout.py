@@ -17,7 +17,12 @@ import re
 from pathlib import Path
 
 FORMAT_NAME = "capturestore"
-FORMAT_VERSION = 1
+# 1: KV arrays [layer, kv_head, seq, head_dim], tokens [token] (FORMAT1_POSITION_DIMS).
+# 2: the axis they share is named POSITION_DIM in both, as in the SQL views' `position`.
+# Every earlier version is read; each run records its own (runs.format_version).
+FORMAT_VERSION = 2
+POSITION_DIM = "position"
+FORMAT1_POSITION_DIMS = ("seq", "token")
 FORMAT_FILE = "capturestore.json"
 ARRAYS_DIR = "arrays.zarr"
 TABLES_DIR = "tables"

@@ -39,7 +39,9 @@ def read_format(root: Path) -> dict[str, Any] | None:
         info = json.loads(p.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise StoreError(f"{p}: unreadable format file ({e})") from None
-    if info.get("format") != FORMAT_NAME or not isinstance(info.get("format_version"), int):
+    version = info.get("format_version") if isinstance(info, dict) else None
+    if (not isinstance(info, dict) or info.get("format") != FORMAT_NAME or not isinstance(version, int)
+            or isinstance(version, bool) or version < 1):
         raise StoreError(f"{p}: not a capturestore format file: {info!r}")
     return info
 
@@ -275,18 +277,31 @@ class Store:
 
     def open_xarray(self, run_id: str, prompt_id: str, decode_dtypes: bool = True):
         """The prompt's arrays as an xarray.Dataset with their named dims (tokens, logits,
-        kv_k, kv_v, ...; module tensors are in the ``tensors/`` subgroups).
+        kv_k, kv_v, ...; module tensors are in the ``tensors/`` subgroups). KV and tokens share
+        the ``position`` dim, also for runs written in format 1 (which named it ``seq`` in KV,
+        ``token`` in tokens; renamed here where its length is the tokens').
 
         Zarr has no bf16/fp8 type, so xarray sees their bits (uint16/uint8); with
         ``decode_dtypes`` those variables are loaded and viewed as their ml_dtypes dtype
-        (bit-exact); the others stay lazy."""
+        (bit-exact); the others stay lazy. docs/reading.md: the same without this library."""
         import xarray as xr
+
+        from capturestore.layout import FORMAT1_POSITION_DIMS, POSITION_DIM
 
         self._require_run(run_id)
         pdir = self.root / ARRAYS_DIR / run_id / str(prompt_id)
         if not isinstance(prompt_id, str) or not pdir.is_dir():
             raise ValueError(f"run {run_id} has no prompt {prompt_id!r}")
         ds = xr.open_zarr(str(pdir), consolidated=False, zarr_format=3)
+        if any(d in ds.dims for d in FORMAT1_POSITION_DIMS) and POSITION_DIM not in ds.dims:
+            n = ds.sizes.get("token")
+            renamed = {}
+            for name, var in ds.variables.items():
+                v = var.copy(deep=False)
+                if n is None or all(ds.sizes[d] == n for d in v.dims if d in FORMAT1_POSITION_DIMS):
+                    v.dims = tuple(POSITION_DIM if d in FORMAT1_POSITION_DIMS else d for d in v.dims)
+                renamed[name] = v
+            ds = xr.Dataset(renamed, attrs=ds.attrs)
         if decode_dtypes:
             for name, var in list(ds.data_vars.items()):
                 logical = var.attrs.get("logical_dtype")

@@ -41,6 +41,7 @@ from capturestore.layout import (
     ARRAYS_DIR,
     FORMAT_VERSION,
     PENDING_DIR,
+    POSITION_DIM,
     check_component,
     check_module_name,
     token_chunk,
@@ -50,14 +51,14 @@ from capturestore.tables import CAPTURES_SCHEMA, PROMPTS_SCHEMA, RUNS_SCHEMA, fs
 if TYPE_CHECKING:
     from capturestore.store import Store
 
-KV_DIMS = ["layer", "kv_head", "seq", "head_dim"]
+KV_DIMS = ["layer", "kv_head", POSITION_DIM, "head_dim"]
 STREAM_BUFFER_BYTES = 64 << 20  # K + V staging of one streamed prompt: peak RSS stays flat
 # A one-shot KV layer up to this size is one chunk: a contiguous slice of the caller's
 # [layer, kv_head, seq, head_dim] array (compressed without a gather copy) and half the chunk
 # files of ~4 MiB token blocks. benchmarks/bench_store.py: ~15-25% less CPU per written byte.
 KV_LAYER_CHUNK_BYTES = 8 << 20
 LOGITS_DIMS = ["gen_token", "vocab"]
-TOKENS_DIMS = ["token"]
+TOKENS_DIMS = [POSITION_DIM]  # KV and tokens share it: xarray aligns them
 _INT32_MAX = np.iinfo(np.int32).max
 
 

@@ -64,7 +64,7 @@ def test_one_shot_write_reads_back_bit_exact_with_metadata(store):
     assert set(caps) == {"tokens", "logits", "kv_k", "kv_v"}
     assert caps["kv_k"]["shape"] == [2, 4, 9, 32] and caps["kv_k"]["dtype"] == "bfloat16"
     assert caps["kv_k"]["storage_dtype"] == "uint16" and caps["kv_k"]["nbytes"] == 2 * 4 * 9 * 32 * 2
-    assert caps["kv_k"]["dimension_names"] == ["layer", "kv_head", "seq", "head_dim"]
+    assert caps["kv_k"]["dimension_names"] == ["layer", "kv_head", "position", "head_dim"]
     assert caps["kv_k"]["chunks"][0] == 1  # one layer per chunk
     assert caps["kv_k"]["layer_names"] == ["model.layers.0", "model.layers.1"]
     assert caps["logits"]["dimension_names"] == ["gen_token", "vocab"]
@@ -227,12 +227,12 @@ def test_xarray_opens_a_prompt_group_with_named_dims(store):
         run.write_kv(pid, k, k)
         run.write_logits(pid, rng.standard_normal((5, 11)).astype(np.float32))
     ds = xr.open_zarr(store.root / ARRAYS_DIR / run.run_id / pid, consolidated=False, zarr_format=3)
-    assert ds["kv_k"].dims == ("layer", "kv_head", "seq", "head_dim")
+    assert ds["kv_k"].dims == ("layer", "kv_head", "position", "head_dim") and ds["tokens"].dims == ("position",)
     assert ds["logits"].dims == ("gen_token", "vocab")
     assert ds["kv_k"].attrs["logical_dtype"] == "bfloat16"
     assert np.array_equal(ds["kv_k"].values, bits(k))  # bf16 bits; view with the logical dtype
     decoded = store.open_xarray(run.run_id, pid)
-    assert decoded["kv_k"].dtype == ml_dtypes.bfloat16 and decoded["kv_k"].dims == ("layer", "kv_head", "seq", "head_dim")
+    assert decoded["kv_k"].dtype == ml_dtypes.bfloat16 and decoded["kv_k"].dims == ("layer", "kv_head", "position", "head_dim")
     assert np.array_equal(bits(decoded["kv_k"].values), bits(k))
     assert decoded["logits"].dtype == np.float32
 
