@@ -33,6 +33,7 @@ head_dim]`` inside one block. Reconstruction is then one vectorised gather per K
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -252,21 +253,31 @@ def _layer_to_group(kv_cache_config: Mapping) -> dict[str, int]:
     return out
 
 
+def _int_ids(x, group_idx: int) -> torch.Tensor:
+    """Block ids as int64, refusing anything that is not integer-typed: a cast would truncate
+    ``[0.9, 2.9]`` to blocks ``[0, 2]`` and read other blocks than the engine used."""
+    t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(np.asarray(x)))
+    if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
+        shown = t.reshape(-1)[:4].tolist()
+        raise ValueError(f"group {group_idx}: block ids must be integers, got {str(t.dtype).removeprefix('torch.')} "
+                         f"values {shown}{'...' if t.numel() > 4 else ''}")
+    return t.to(torch.int64)
+
+
 def _block_table_2d(table, group_idx: int, batch_size: int | None) -> torch.Tensor:
-    """One group's block table as int64 [batch, logical_block]."""
-    if isinstance(table, torch.Tensor):
-        t = table.to(torch.int64)
-    elif isinstance(table, np.ndarray):
-        t = torch.from_numpy(np.ascontiguousarray(table)).to(torch.int64)
+    """One group's block table as int64 [batch, logical_block]; ValueError for non-integer ids."""
+    if isinstance(table, (torch.Tensor, np.ndarray)):
+        t = _int_ids(table, group_idx)
     else:
         rows = list(table)
         if rows and not np.isscalar(rows[0]) and not isinstance(rows[0], (int, np.integer)):
             width = max((len(r) for r in rows), default=0)
             t = torch.full((len(rows), width), -1, dtype=torch.int64)
             for i, r in enumerate(rows):
-                t[i, :len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
+                ids = _int_ids(r if isinstance(r, (torch.Tensor, np.ndarray)) else list(r), group_idx).reshape(-1)
+                t[i, :ids.numel()] = ids
         else:
-            t = torch.as_tensor(rows, dtype=torch.int64)
+            t = _int_ids(rows, group_idx) if rows else torch.zeros(0, dtype=torch.int64)
     if batch_size is None:
         if t.dim() == 2 and t.shape[0] == 1:
             return t
@@ -387,14 +398,24 @@ def _nan_fill(k: torch.Tensor, v: torch.Tensor, group: Mapping, lens: list[int],
     v.masked_fill_(invalid, float("nan"))
 
 
+def _as_count(x, what: str) -> int:
+    """An integer (Python, numpy or a one-element integer tensor); ValueError for 2.5, True, "3"."""
+    if isinstance(x, (bool, np.bool_)) or isinstance(x, (str, bytes)):
+        raise ValueError(f"{what} must be an integer, got {x!r}")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {x!r} ({type(x).__name__})") from None
+
+
 def _seq_lens(seq_len, batch_size: int | None) -> list[int]:
     n = 1 if batch_size is None else batch_size
-    if isinstance(seq_len, (int, np.integer)):
-        lens = [int(seq_len)] * n
-    else:
-        lens = [int(x) for x in seq_len]
+    if isinstance(seq_len, (Sequence, np.ndarray)) or (isinstance(seq_len, torch.Tensor) and seq_len.dim() > 0):
+        lens = [_as_count(x, "seq_len") for x in seq_len]
         if len(lens) != n:
             raise ValueError(f"got {len(lens)} seq_lens for batch_size={n}")
+    else:
+        lens = [_as_count(seq_len, "seq_len")] * n
     if n < 1:
         raise ValueError(f"batch_size must be >= 1, got {n}")
     for i, x in enumerate(lens):
@@ -447,12 +468,28 @@ def reconstruct_contiguous_kv_batch(paged_kv, kv_cache_config: Mapping, block_ta
     return _reconstruct(paged_kv, kv_cache_config, block_tables, seq_len, int(batch_size), layout)
 
 
+def _check_replica(layer: str, a, b, ra: int, rb: int) -> None:
+    for which, x, y in zip("KV", a, b):
+        if x.shape != y.shape:
+            raise ValueError(f"layer {layer} {which}: replicated head of rank {rb} has shape {tuple(y.shape)}, "
+                             f"rank {ra} {tuple(x.shape)}")
+        differ = (x != y) & ~(torch.isnan(x) & torch.isnan(y)) if x.dtype.is_floating_point else x != y
+        n = int(differ.sum())
+        if n:
+            raise ValueError(f"layer {layer} {which}: ranks {ra} and {rb} hold the same replicated KV head but differ "
+                             f"at {n} of {x.numel()} values; the engine's ranks disagree")
+
+
 def merge_tp_shards(per_rank_kv: Sequence[Mapping], total_num_kv_heads: int, tp_size: int) -> dict:
     """Merge per-rank ``{layer: (k, v)}`` (``[batch, heads_per_rank, seq, head_dim]``) on the head axis.
 
     Partitioned (total_num_kv_heads >= tp_size, divisible): every rank holds distinct heads,
     concatenated in rank order. Replicated (total_num_kv_heads < tp_size, dividing it): ranks
     ``0, s, 2s, ...`` with ``s = tp_size // total_num_kv_heads`` each contribute their one head.
+    Every rank of a group ``[i*s, (i+1)*s)`` computes that same head from the same input, so
+    their copies must agree bit for bit (NaN where NaN); a rank that disagrees would be attending
+    over other KV than the one captured, so it is refused, naming the layer and both ranks.
+    All ranks must hold K and V of one dtype (mixing them would be cast silently by the merge).
     """
     tp_size, total = int(tp_size), int(total_num_kv_heads)
     if tp_size < 1 or total < 1:
@@ -474,11 +511,23 @@ def merge_tp_shards(per_rank_kv: Sequence[Mapping], total_num_kv_heads: int, tp_
                              "does not share (or lacks them)")
     out = {}
     for layer in layers:
-        for r in ranks:
+        dtypes = {(r, w): str(x.dtype).removeprefix("torch.") for r, kv in enumerate(per_rank_kv)
+                  for w, x in zip("kv", kv[layer])}
+        if len(set(dtypes.values())) > 1:
+            first = dtypes[(0, "k")]
+            odd = next(key for key, d in dtypes.items() if d != first)
+            raise ValueError(f"layer {layer}: rank {odd[0]} {odd[1].upper()} is {dtypes[odd]} but rank 0 K is {first}; "
+                             "TP shards of one cache must share a dtype")
+        for r in range(tp_size):
             k, v = per_rank_kv[r][layer]
             if k.shape[1] != per_rank or v.shape[1] != per_rank:
                 raise ValueError(f"layer {layer}, rank {r}: has {k.shape[1]} kv heads, expected "
                                  f"{per_rank} (total {total}, tp_size {tp_size})")
+        if total < tp_size:
+            for r in range(tp_size):
+                owner = r - r % (tp_size // total)
+                if r != owner:
+                    _check_replica(layer, per_rank_kv[owner][layer], per_rank_kv[r][layer], owner, r)
         out[layer] = (torch.cat([per_rank_kv[r][layer][0] for r in ranks], dim=1),
                       torch.cat([per_rank_kv[r][layer][1] for r in ranks], dim=1))
     return out

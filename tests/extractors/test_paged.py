@@ -124,6 +124,8 @@ def test_reconstruct_matches_per_token_oracle(case):
     cfg = {"groups": cfg_groups, "num_blocks": num_blocks, "total_num_kv_heads": total_heads, "tp_size": tp}
     ranks = [{name: make_entry(layout, num_blocks, per_rank_heads, specs[name][0], head_dim, gen) for name in specs}
              for _ in range(tp)]
+    if total_heads < tp:  # replicated heads: the ranks sharing a head hold the same copy of it
+        ranks = [ranks[r - r % (tp // total_heads)] for r in range(tp)]
 
     got = reconstruct_contiguous_kv_batch(ranks if tp > 1 else ranks[0], cfg, tables, seq_lens, len(seq_lens))
 
@@ -224,7 +226,8 @@ def _rank_kv(heads, tag):
 @pytest.mark.parametrize("total,tp,want", [(8, 8, list(range(8))), (2, 8, [0, 4]), (16, 8, None), (1, 4, [0])])
 def test_merge_tp_stride_rule(total, tp, want):
     per = max(1, total // tp)
-    ranks = [_rank_kv(per, r) for r in range(tp)]
+    # replicated (total < tp): ranks of one head hold the same copy, tagged by its first rank
+    ranks = [_rank_kv(per, r if total >= tp else r - r % (tp // total)) for r in range(tp)]
     k, v = merge_tp_shards(ranks, total, tp)["l"]
     assert k.shape == (1, total, 2, 1)
     expected = want if want is not None else [h // per for h in range(total)]
@@ -310,3 +313,61 @@ def test_layouts_with_affine_in_block_maps_take_the_strided_fast_path():
     perm = np.random.default_rng(0).permutation(2 * 32 * 64)
     scrambled = vllm_cpu_layout(2, 32, 64, perm[:2048], perm[2048:])
     assert scrambled.k_affine is None and scrambled.v_affine is None
+
+
+# ---------------------------------------------------------------- broken evidence
+
+
+@pytest.mark.parametrize("table", [[[0.9, 2.9]], [np.array([0.9, 2.9])], [torch.tensor([0.9, 2.9])],
+                                   [[[0, 1], [2.5]]], [np.array([True, False])]])
+def test_non_integer_block_ids_are_refused_not_truncated(table):
+    # [0.9, 2.9] used to become blocks [0, 2]: a silent read of other blocks than the engine's
+    with pytest.raises(ValueError, match=r"group 0: block ids must be integers, got (float|bool)"):
+        if isinstance(table[0], list) and isinstance(table[0][0], list):
+            reconstruct_contiguous_kv_batch(_kv(), _one_group_cfg(), table, [5, 2], 2)
+        else:
+            reconstruct_contiguous_kv(_kv(), _one_group_cfg(), table, 5)
+
+
+def test_integer_block_ids_of_any_integer_type_still_read_the_same_blocks():
+    k = torch.arange(8 * 2 * 4 * 3, dtype=torch.float32).view(8, 2, 4, 3)
+    want = reconstruct_contiguous_kv({"a": (k, k)}, _one_group_cfg(), [[5, 2]], 6)["a"][0]
+    assert torch.equal(want[0, :, :4], k[5]) and torch.equal(want[0, :, 4:], k[2, :, :2])
+    for table in (np.array([5, 2], np.int32), torch.tensor([5, 2], dtype=torch.int32), [np.int16(5), np.int16(2)]):
+        got = reconstruct_contiguous_kv({"a": (k, k)}, _one_group_cfg(), [table], 6)["a"][0]
+        assert torch.equal(got, want)
+    got = reconstruct_contiguous_kv({"a": (k, k)}, _one_group_cfg(), [[5, 2]], np.int64(6))["a"][0]
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("seq_len", [5.5, 6.0, True, "6", torch.tensor(6.0)])
+def test_non_integer_seq_len_is_refused(seq_len):
+    with pytest.raises(ValueError, match="seq_len must be an integer, got"):
+        reconstruct_contiguous_kv(_kv(), _one_group_cfg(), [[0, 1]], seq_len)
+    with pytest.raises(ValueError, match="seq_len must be an integer, got"):
+        reconstruct_contiguous_kv_batch(_kv(), _one_group_cfg(), [[[0, 1], [2, 3]]], [6, seq_len], 2)
+
+
+def test_merge_tp_refuses_mixed_dtypes_across_ranks():
+    a, b = _rank_kv(1, 0), _rank_kv(1, 1)
+    b["l"] = (b["l"][0].to(torch.bfloat16), b["l"][1].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="layer l: rank 1 K is bfloat16 but rank 0 K is float32"):
+        merge_tp_shards([a, b], 2, 2)
+    c = _rank_kv(1, 1)
+    c["l"] = (c["l"][0], c["l"][1].double())
+    with pytest.raises(ValueError, match="layer l: rank 1 V is float64 but rank 0 K is float32"):
+        merge_tp_shards([a, c], 2, 2)
+
+
+def test_merge_tp_refuses_replicated_ranks_that_disagree():
+    # total 2 heads over tp 4: ranks 0, 1 replicate head 0; ranks 2, 3 head 1
+    ranks = [_rank_kv(1, r // 2) for r in range(4)]
+    k, _ = merge_tp_shards(ranks, 2, 4)["l"]
+    assert k[0, :, 0, 0].tolist() == [0.0, 1.0]
+    nan_copy = [_rank_kv(1, r // 2) for r in range(4)]
+    for r in (2, 3):  # NaN at the same place in both replicas (e.g. padding) is agreement
+        nan_copy[r]["l"][0][0, 0, 1, 0] = float("nan")
+    assert torch.isnan(merge_tp_shards(nan_copy, 2, 4)["l"][0][0, 1, 1, 0])
+    ranks[3]["l"] = (ranks[3]["l"][0], ranks[3]["l"][1] + 1e-3)  # rank 3's copy of head 1's V is off
+    with pytest.raises(ValueError, match=r"layer l V: ranks 2 and 3 hold the same replicated KV head but differ at 2 of 2"):
+        merge_tp_shards(ranks, 2, 4)
