@@ -12,6 +12,12 @@
     capturestore calibrate RUN --out DIR   nki_fp8.calibration.calibrate_kv_scales(...)
 
 Every command takes ``--store PATH`` (default: $CAPTURESTORE, else ./capturestore-store).
+
+Errors: a user error (bad input, a refused or failing query, a missing or read-only store, a
+path that cannot be written) is one line on stderr, ``capturestore CMD: error: ...``, exit
+status 2, and nothing is left half-written: commands that write check first that they can.
+``--debug`` adds the Python traceback. Any other exception is a bug in capturestore and
+propagates with its traceback (exit status 1).
 """
 from __future__ import annotations
 
@@ -20,7 +26,9 @@ import io
 import json
 import os
 import sys
-from typing import Any, Sequence
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import pyarrow as pa
 
@@ -28,13 +36,68 @@ DEFAULT_STORE = "capturestore-store"
 
 
 def default_store() -> str:
-    return os.environ.get("CAPTURESTORE", DEFAULT_STORE)
+    return os.environ.get("CAPTURESTORE") or DEFAULT_STORE  # an empty $CAPTURESTORE counts as unset
 
 
 def _open(path: str, create: bool = False):
+    from capturestore.errors import StoreError
+    from capturestore.layout import FORMAT_FILE
     from capturestore.store import Store
 
-    return Store.open(path, create=create)
+    root = Path(path).expanduser().resolve()
+    if not create and not (root / FORMAT_FILE).exists():
+        raise StoreError(f"{root} is not a capture store (no {FORMAT_FILE}); name an existing store with "
+                         f"--store PATH or $CAPTURESTORE (`capturestore demo --store PATH` makes one)")
+    return Store.open(root, create=create)
+
+
+def _require_writable(store, command: str) -> None:
+    """Refuse before any work when the store cannot be written (a read-only mount, a directory
+    without write permission): the command would otherwise fail at its first write, midway."""
+    from capturestore.errors import StoreError
+    from capturestore.layout import ARRAYS_DIR, PENDING_DIR, TABLES_DIR
+
+    tables = store.root / TABLES_DIR
+    dirs = [store.root, tables, store.root / PENDING_DIR, store.root / ARRAYS_DIR]
+    dirs += sorted(p for p in tables.iterdir() if p.is_dir()) if tables.is_dir() else []
+    for d in dirs:
+        if d.exists() and not os.access(d, os.W_OK | os.X_OK):
+            raise StoreError(f"store {store.root} is not writable ({d}: {_why_unwritable(d)}); "
+                             f"`capturestore {command}` writes to the store")
+
+
+def _why_unwritable(d: Path) -> str:
+    try:
+        return "read-only file system" if os.statvfs(d).f_flag & os.ST_RDONLY else "permission denied"
+    except OSError as e:
+        return e.strerror or str(e)
+
+
+def _output_path(output: str | None, fmt: str) -> Path | None:
+    """``--output`` checked before any work: a writable file path (None: stdout)."""
+    if fmt == "parquet" and not output:
+        raise ValueError("--format parquet needs --output FILE")
+    if output is None:
+        return None
+    out = Path(output).expanduser()
+    if not output.strip() or out.is_dir():
+        raise ValueError(f"--output {output!r} is a directory; give a file path")
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise ValueError(f"--output {output}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"--output {output}: directory {parent} is not writable ({_why_unwritable(parent)})")
+    return out
+
+
+def _write_file(out: Path, write: Callable[[str], None]) -> None:
+    """``write(path)`` into a temporary file next to ``out``, renamed into place: never half a file."""
+    tmp = out.absolute().parent / f".{out.name}.{os.getpid()}.tmp"
+    try:
+        write(str(tmp))
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 # ---- output formatting ------------------------------------------------------------------------
@@ -59,12 +122,11 @@ def format_table(t: pa.Table, max_rows: int | None = None) -> str:
 
 
 def write_result(t: pa.Table, fmt: str, output: str | None) -> None:
+    out = _output_path(output, fmt)
     if fmt == "parquet":
-        if not output:
-            raise SystemExit("capturestore sql: --format parquet needs --output FILE")
         import pyarrow.parquet as pq
 
-        pq.write_table(t, output)
+        _write_file(out, lambda p: pq.write_table(t, p))
         return
     if fmt == "csv":
         import pyarrow.csv as pcsv
@@ -81,15 +143,15 @@ def write_result(t: pa.Table, fmt: str, output: str | None) -> None:
         text = json.dumps(t.to_pylist(), default=str, indent=1) + "\n"
     else:
         text = format_table(t) + "\n"
-    if output:
-        with open(output, "w") as f:
-            f.write(text)
+    if out is not None:
+        _write_file(out, lambda p: Path(p).write_text(text))
     else:
         sys.stdout.write(text)
 
 
 # ---- subcommands ------------------------------------------------------------------------------
 def cmd_runs(args: argparse.Namespace) -> int:
+    _output_path(args.output, args.format)
     store = _open(args.store)
     t = store.runs()
     cols = [c for c in ("run_id", "status", "engine", "engine_version", "dtype", "device", "tp_degree", "release",
@@ -117,6 +179,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_sql(args: argparse.Namespace) -> int:
+    _output_path(args.output, args.format)  # before the query: a bad --output fails at once
     write_result(_open(args.store).sql(args.query), args.format, args.output)
     return 0
 
@@ -128,7 +191,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    removed = _open(args.store).gc(dry_run=args.dry_run)
+    store = _open(args.store)
+    if not args.dry_run:
+        _require_writable(store, "gc")
+    removed = store.gc(dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for r in removed:
         print(f"{verb} {r}")
@@ -137,7 +203,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_rebuild_catalog(args: argparse.Namespace) -> int:
-    path = _open(args.store).rebuild_catalog()
+    store = _open(args.store)
+    _require_writable(store, "rebuild-catalog")
+    path = store.rebuild_catalog()
     print(f"rebuilt {path}")
     return 0
 
@@ -145,7 +213,9 @@ def cmd_rebuild_catalog(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from capturestore.analysis import compare_runs
 
-    result = compare_runs(_open(args.store), expected_run=args.expected, actual_run=args.actual,
+    store = _open(args.store)
+    _require_writable(store, "compare")
+    result = compare_runs(store, expected_run=args.expected, actual_run=args.actual,
                           baseline_run=args.baseline, label=args.label, kv=not args.no_kv,
                           allow_different_models=args.allow_different_models)
     print(f"comparison {result.comparison_id} over {len(result.prompt_ids)} prompts")
@@ -165,9 +235,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from nki_fp8.calibration import calibrate_kv_scales
+    from nki_fp8.calibration import calibrate_kv_scales, check_out_dir
 
-    result = calibrate_kv_scales(_open(args.store), args.run, method=args.method, percentile=args.percentile,
+    check_out_dir(args.out, "--out")
+    store = _open(args.store)
+    _require_writable(store, "calibrate")
+    result = calibrate_kv_scales(store, args.run, method=args.method, percentile=args.percentile,
                                  platform=args.platform, out_dir=args.out)
     if result is not None:
         print(result)
@@ -182,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help_, description=help_)
         sp.add_argument("--store", default=default_store(),
                         help="store directory (default: $CAPTURESTORE or ./capturestore-store)")
+        sp.add_argument("--debug", action="store_true", help="on an error, also print the Python traceback")
         sp.set_defaults(func=func)
         return sp
 
@@ -208,7 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--allow-different-models", action="store_true",
                     help="compare runs whose model_hash differ (refused otherwise; recorded as models_differ)")
     sp = add("demo", cmd_demo, "tiny local model: HF FP32 + BF16 references vs vLLM-CPU BF16, three-way verdict")
-    sp.set_defaults(store=os.environ.get("CAPTURESTORE", "demo-store"))
+    sp.set_defaults(store=os.environ.get("CAPTURESTORE") or "demo-store")
     sp.add_argument("--arch", default="llama-gqa", help="tiny model architecture (llama-mha, llama-gqa, ...)")
     sp.add_argument("--num-tokens", type=int, default=8, help="teacher-forced tokens per prompt")
     sp.add_argument("--seed", type=int, default=0, help="seed of the tiny model's weights")
@@ -225,14 +299,40 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """What a user can cause and fix: bad input, store problems, files that cannot be read or written."""
     from capturestore.errors import StoreError
 
+    errors: tuple[type[BaseException], ...] = (StoreError, ValueError, OSError)
+    if "duckdb" in sys.modules:  # a DuckDB file the user pointed at (catalog, output) cannot be opened
+        import duckdb
+
+        errors += (duckdb.IOException, duckdb.PermissionException)
+    return errors
+
+
+def error_line(e: BaseException) -> str:
+    """The one line a user error is reported in."""
+    if isinstance(e, OSError) and e.strerror and e.filename is not None:
+        msg = f"{e.strerror}: {e.filename}" + (f" -> {e.filename2}" if e.filename2 is not None else "")
+    else:
+        msg = str(e) or type(e).__name__
+    return " ".join(line.strip() for line in msg.splitlines() if line.strip())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
+        if not args.store.strip():
+            raise ValueError("--store is empty; give the store directory (--store PATH or $CAPTURESTORE)")
         return args.func(args)
-    except (StoreError, ValueError) as e:
-        print(f"capturestore {args.command}: error: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"capturestore {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as e:
+        if args.debug:
+            traceback.print_exc()
+        print(f"capturestore {args.command}: error: {error_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -11,3 +11,7 @@ class FormatVersionError(StoreError):
 
 class CorruptChunkError(StoreError):
     """A chunk failed its checksum or is missing; the message names run, prompt, array, chunk."""
+
+
+class QueryError(StoreError):
+    """A query through ``Store.sql`` was refused (not read-only, or outside the store) or failed; one line naming why."""

@@ -63,6 +63,7 @@ class Store:
         self._committed: set[str] = set()
         self._con = None  # in-memory DuckDB connection with the catalog views, made on first sql()
         self._con_tables: list[str] = []
+        self._con_broken: dict[str, str] = {}  # table -> why its segments cannot be read
         self._con_pid = -1
         self._con_lock = threading.Lock()
 
@@ -74,7 +75,7 @@ class Store:
         info = read_format(root)
         if info is None:
             if not create:
-                raise StoreError(f"{root} is not a capture store (no {FORMAT_FILE}); pass create=True to create one")
+                raise StoreError(f"{root} is not a capture store (no {FORMAT_FILE}); Store.open(path, create=True) makes a new one")
             if root.exists() and not root.is_dir():
                 raise StoreError(f"{root} exists and is not a directory")
             if root.is_dir() and any(not _is_layout_entry(p.name) for p in root.iterdir()):
@@ -324,18 +325,25 @@ class Store:
         return read_table(self.root, "captures", run_id)
 
     def sql(self, query: str) -> pa.Table:
-        """Run SQL over the catalog views (runs, prompts, captures and every appended table)."""
+        """Run a read-only query over the catalog views (runs, prompts, captures and every appended table).
+
+        Only queries run (SELECT, WITH, FROM, DESCRIBE, ...; several separated by ``;`` return the
+        last one's result), and they read only this store's ``tables/``: writing files, ATTACH,
+        INSTALL/LOAD, SET/PRAGMA and CREATE/DROP are refused (docs/sql.md). A refused statement, a
+        SQL error or an unreadable segment raises QueryError in one line naming why; a corrupt
+        segment fails only the queries that read its table.
+        """
         with self._con_lock:
             names = catalog.table_names(self.root)
             if self._con is None or self._con_pid != os.getpid():
                 self._con = catalog.connect_memory(self.root)
                 self._con_pid = os.getpid()
+                self._con_tables, self._con_broken = [], {}
+            todo = sorted(set(names) - set(self._con_tables) | set(self._con_broken))  # new tables, unreadable ones
+            if todo:  # views are created after the lockdown: they read only under tables/
+                self._con_broken = catalog.add_views(self._con, self.root, todo)
                 self._con_tables = names
-            elif names != self._con_tables:  # a table appeared since: add its view
-                for t in set(names) - set(self._con_tables):
-                    self._con.execute(catalog.view_sql(self.root, t))
-                self._con_tables = names
-            return catalog.run_query(self._con, query)
+            return catalog.run_query(self._con, query, names, self._con_broken)
 
     def show(self, run_id: str) -> dict[str, Any]:
         """One run: its runs row, and per prompt the arrays it holds."""

@@ -15,12 +15,13 @@ which `checkpoint.load_kv_scales` reads back.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import save_kv_scales
+from .checkpoint import KV_SCALES_FILE, save_kv_scales
 from .formats import fp8_clamp_max, resolve_platform
 from .scales import checkpoint_scale_from_absmax
 
@@ -135,6 +136,23 @@ def per_layer_statistic(kv_arrays, method: str = "absmax", percentile: float = 9
     return acc.result(), acc.nonfinite
 
 
+def check_out_dir(out_dir, name: str = "out_dir") -> Path:
+    """``out_dir`` as a Path, after checking it can be written: an existing directory, or one
+    that can be created (its nearest existing parent is a writable directory). ValueError names
+    ``name`` (the CLI passes ``--out``) and the reason, before anything is computed or written."""
+    out = Path(out_dir).expanduser()
+    if not str(out_dir).strip():
+        raise ValueError(f"{name} is empty; give the directory to write the scales to")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{name} {out} exists and is not a directory; give a directory for {KV_SCALES_FILE}")
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"{name} {out}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{name} {out}: {existing} is not writable")
+    return out
+
+
 def calibrate_kv_scales(
     store,
     run_id: str,
@@ -148,9 +166,20 @@ def calibrate_kv_scales(
 
     Reads `store.read_kv(run_id, prompt)` for every prompt of the run; with `out_dir`, writes
     `kv_scales.safetensors` + `quantization_config.json` there; with `record`, appends one row per
-    layer to the store table `kv_scales`.
+    layer to the store table `kv_scales`. Both destinations are checked before any KV is read, so
+    an unwritable one fails with nothing written.
     """
     plat = resolve_platform(platform)
+    if out_dir is not None:
+        out_dir = check_out_dir(out_dir)
+    if record:
+        from capturestore.layout import TABLES_DIR
+
+        tables = Path(store.root) / TABLES_DIR
+        for d in (tables, tables / "kv_scales"):
+            if d.exists() and not os.access(d, os.W_OK | os.X_OK):
+                raise ValueError(f"store {store.root} is not writable ({d}); pass record=False to calibrate "
+                                 f"without recording the kv_scales rows")
     m = fp8_clamp_max(plat)
     pids = store.prompts(run_id).column("prompt_id").to_pylist()
     if not pids:

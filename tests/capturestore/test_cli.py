@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Sequence
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -22,8 +23,8 @@ from tests.capturestore.conftest import REPO
 def filled(tmp_path):
     store = Store.open(tmp_path / "store")
     with store.begin_run(engine="hf", model_path="/models/tiny", dtype="bfloat16", release="r1") as run:
-        pid = run.add_prompt([1, 2, 3], text="abc")
-        run.write_logits(pid, np.arange(6, dtype=np.float32).reshape(2, 3))
+        pid = run.add_prompt([1, 2, 3], text="abc", continuation=[0, 2])  # logits rows: the 2 continuation tokens
+        run.write_logits(pid, np.arange(8, dtype=np.float32).reshape(2, 4))
     store.append_table("kv_head_metrics", [{"run_id": run.run_id, "layer": 0, "k_linf": 0.125}])
     return store, run.run_id, pid
 
@@ -35,7 +36,7 @@ def test_runs_and_show_print_the_run(filled, capsys):
     assert rid in out and "hf" in out and "r1" in out and "(1 row)" in out
     assert main(["show", rid, "--store", str(store.root)]) == 0
     out = capsys.readouterr().out
-    assert "/models/tiny" in out and pid in out and "logits" in out and "[2, 3]" in out
+    assert "/models/tiny" in out and pid in out and "logits" in out and "[2, 4]" in out
 
 
 def test_sql_formats(filled, capsys, tmp_path):
@@ -49,9 +50,9 @@ def test_sql_formats(filled, capsys, tmp_path):
     out = tmp_path / "r.parquet"
     assert main(["sql", "SELECT shape FROM captures ORDER BY array_name", "--store", str(store.root),
                  "--format", "parquet", "--output", str(out)]) == 0
-    assert pq.read_table(out).column("shape").to_pylist() == [[2, 3], [3]]
+    assert pq.read_table(out).column("shape").to_pylist() == [[2, 4], [5]]
     assert main(["sql", "SELECT shape FROM captures ORDER BY array_name", "--store", str(store.root), "--format", "csv"]) == 0
-    assert capsys.readouterr().out.splitlines()[1:] == ['"[2, 3]"', '"[3]"']
+    assert capsys.readouterr().out.splitlines()[1:] == ['"[2, 4]"', '"[5]"']
 
 
 def test_verify_gc_and_rebuild_catalog_exit_codes(filled, capsys):
@@ -77,7 +78,8 @@ def test_errors_exit_2_with_the_message(filled, capsys, tmp_path):
     assert main(["show", "nope", "--store", str(store.root)]) == 2
     assert "unknown run id 'nope'" in capsys.readouterr().err
     assert main(["runs", "--store", str(tmp_path / "absent")]) == 2
-    assert "not a capture store" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not a capture store" in err and "--store" in err and "create=True" not in err
     assert not (tmp_path / "absent").exists()
 
 
@@ -108,3 +110,177 @@ def test_runs_lists_uncommitted_runs_as_pending(filled, capsys):
     run.abort()
     assert main(["runs", "--store", str(store.root)]) == 0
     assert "pending" not in capsys.readouterr().out
+
+
+# ---- user errors: one line on stderr, exit 2, nothing written (issue 8 part 6) ------------------
+def _one_error_line(err: str, command: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"capturestore {command}: error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+def _cli(*args: str, cwd=None, prefix: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([*prefix, sys.executable, "-m", "capturestore.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=300, cwd=cwd)
+
+
+def _tree(root) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_sql_errors_are_one_line(filled, capsys):
+    store, rid, _ = filled
+    S = ["--store", str(store.root)]
+    assert main(["sql", "SELEC 1", *S]) == 2
+    line = _one_error_line(capsys.readouterr().err, "sql")
+    assert 'syntax error at or near "SELEC"' in line
+    assert main(["sql", "SELECT * FROM no_such_table", *S]) == 2
+    line = _one_error_line(capsys.readouterr().err, "sql")
+    assert "no_such_table does not exist" in line and "views: " in line and "runs" in line and "kv_head_metrics" in line
+    assert "pg_" not in line  # DuckDB's suggestion of its own system tables is dropped
+    assert main(["sql", "SELECT * FROM runz", *S]) == 2
+    assert 'Did you mean "runs"' in _one_error_line(capsys.readouterr().err, "sql")
+    assert main(["sql", "   ", *S]) == 2
+    _one_error_line(capsys.readouterr().err, "sql")
+    # the same through the console script: exit status 2, no traceback
+    r = _cli("sql", "SELECT * FROM no_such_table", *S)
+    assert r.returncode == 2 and r.stdout == ""
+    _one_error_line(r.stderr, "sql")
+
+
+def test_sql_output_that_cannot_be_written_fails_before_the_query(filled, capsys, tmp_path):
+    store, _, _ = filled
+    S = ["--store", str(store.root)]
+    for args, why in [
+        (["--output", "/nonexistent/x.csv", "--format", "csv"], "directory /nonexistent does not exist"),
+        (["--output", str(tmp_path), "--format", "csv"], "is a directory"),
+        (["--format", "parquet"], "--format parquet needs --output FILE"),
+    ]:
+        assert main(["sql", "SELECT 1 AS one", *S, *args]) == 2, args
+        assert why in _one_error_line(capsys.readouterr().err, "sql")
+        assert main(["runs", *S, *args]) == 2, args
+        assert why in _one_error_line(capsys.readouterr().err, "runs")
+    assert not os.path.exists("/nonexistent")
+    # a query that fails leaves an existing output file as it was, and no temporary file
+    out = tmp_path / "keep.csv"
+    out.write_text("old\n")
+    assert main(["sql", "SELECT * FROM nope", *S, "--output", str(out), "--format", "csv"]) == 2
+    capsys.readouterr()
+    assert out.read_text() == "old\n" and sorted(p.name for p in tmp_path.iterdir() if p.name != "store") == ["keep.csv"]
+    assert main(["sql", "SELECT 7 AS n", *S, "--output", str(out), "--format", "csv"]) == 0
+    assert out.read_text().splitlines() == ['"n"', "7"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "store") == ["keep.csv"]
+
+
+def test_an_empty_store_path_is_an_error_not_the_working_directory(filled, capsys, tmp_path, monkeypatch):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    for cmd in (["runs"], ["sql", "SELECT 1"], ["verify"], ["gc"], ["rebuild-catalog"], ["demo"]):
+        assert main([*cmd, "--store", ""]) == 2, cmd
+        assert "--store is empty" in _one_error_line(capsys.readouterr().err, cmd[0])
+    assert list(cwd.iterdir()) == []
+    # an empty $CAPTURESTORE counts as unset: the default ./capturestore-store, which is not a store here
+    monkeypatch.setenv("CAPTURESTORE", "")
+    assert main(["runs"]) == 2
+    assert "capturestore-store is not a capture store" in _one_error_line(capsys.readouterr().err, "runs")
+    assert list(cwd.iterdir()) == []
+
+
+@pytest.fixture
+def kv_store(tmp_path):
+    """Two runs of one prompt with logits [2, 8] and KV [layer=2, kv_head=1, seq=5, head_dim=4]."""
+    rng = np.random.default_rng(3)
+    store = Store.open(tmp_path / "store")
+    runs = []
+    for _ in range(2):
+        with store.begin_run(engine="hf", model_path="/models/tiny", dtype="float32") as run:
+            pid = run.add_prompt([1, 2, 3], continuation=[4, 5])
+            run.write_logits(pid, rng.standard_normal((2, 8)).astype(np.float32))
+            run.write_kv(pid, rng.standard_normal((2, 1, 5, 4)).astype(np.float32),
+                         rng.standard_normal((2, 1, 5, 4)).astype(np.float32))
+        runs.append(run.run_id)
+    return store, runs
+
+
+def test_calibrate_out_onto_an_existing_file_writes_nothing(kv_store, capsys, tmp_path):
+    store, (rid, _) = kv_store
+    target = tmp_path / "scales"
+    target.write_text("not a directory\n")
+    before = _tree(store.root)
+    assert main(["calibrate", rid, "--out", str(target), "--store", str(store.root)]) == 2
+    line = _one_error_line(capsys.readouterr().err, "calibrate")
+    assert f"--out {target} exists and is not a directory" in line
+    assert target.read_text() == "not a directory\n"
+    assert _tree(store.root) == before and not (store.root / "tables" / "kv_scales").exists()
+    assert main(["calibrate", rid, "--out", str(target / "sub"), "--store", str(store.root)]) == 2
+    assert f"{target} is not a directory" in _one_error_line(capsys.readouterr().err, "calibrate")
+    assert _tree(store.root) == before
+
+
+def _read_only_prefix(path) -> list[str]:
+    """Run a command with ``path`` bind-mounted read-only in a private mount namespace: unlike
+    chmod, this stops root too (the tests run as root here). Skips where user namespaces are off."""
+    prefix = ["unshare", "-rm", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(path)]
+    probe = subprocess.run([*prefix, "sh", "-c", 'touch "$0/.probe"', str(path)], capture_output=True, text=True)
+    if probe.returncode == 0 or "Read-only file system" not in probe.stderr:
+        if (path / ".probe").exists():
+            (path / ".probe").unlink()
+        pytest.skip(f"no read-only bind mount here (unshare -rm): {probe.stderr.strip()[:200]}")
+    return prefix
+
+
+def test_writing_commands_on_a_read_only_store_fail_in_one_line_with_nothing_written(kv_store, tmp_path):
+    store, (expected, actual) = kv_store
+    S = ["--store", str(store.root)]
+    ro = _read_only_prefix(store.root)
+    before = _tree(store.root)
+    out = tmp_path / "scales"
+    for cmd in (["compare", "--expected", expected, "--actual", actual], ["calibrate", expected, "--out", str(out)],
+                ["rebuild-catalog"], ["gc"]):
+        r = _cli(*cmd, *S, prefix=ro)
+        assert r.returncode == 2, (cmd, r.stdout, r.stderr)
+        line = _one_error_line(r.stderr, cmd[0])
+        assert f"store {store.root} is not writable" in line and "read-only file system" in line, line
+        assert _tree(store.root) == before
+    assert not out.exists()  # calibrate wrote no scales before finding the store read-only
+    # reading a read-only store works
+    r = _cli("sql", "SELECT count(*) AS n FROM runs", "--format", "csv", *S, prefix=ro)
+    assert r.returncode == 0 and r.stdout.splitlines() == ['"n"', "2"], r.stderr
+    for cmd in (["runs"], ["verify"], ["show", expected], ["gc", "--dry-run"]):
+        r = _cli(*cmd, *S, prefix=ro)
+        assert r.returncode == 0, (cmd, r.stderr)
+    assert _tree(store.root) == before
+
+
+def test_a_truncated_metric_segment_fails_only_the_queries_that_read_it(filled, capsys):
+    store, rid, _ = filled
+    seg, = (store.root / "tables" / "kv_head_metrics").glob("*.parquet")
+    data = seg.read_bytes()
+    seg.write_bytes(data[: len(data) // 2])
+    S = ["--store", str(store.root), "--format", "csv"]
+    assert main(["sql", "SELECT 1 AS one", *S]) == 0
+    assert capsys.readouterr().out.splitlines() == ['"one"', "1"]
+    assert main(["sql", "SELECT run_id FROM runs", *S]) == 0
+    assert capsys.readouterr().out.splitlines() == ['"run_id"', f'"{rid}"']
+    assert main(["sql", "SELECT max(k_linf) FROM kv_head_metrics", *S]) == 2
+    line = _one_error_line(capsys.readouterr().err, "sql")
+    assert "kv_head_metrics" in line and seg.name in line
+
+
+def test_debug_shows_the_traceback_and_internal_bugs_keep_theirs(filled, capsys, monkeypatch):
+    store, _, _ = filled
+    assert main(["sql", "SELEC 1", "--store", str(store.root), "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.strip().splitlines()[-1].startswith("capturestore sql: error: ")
+    # an exception that is no user error is a bug: it propagates with its traceback (exit status 1)
+    import capturestore.cli as cli
+
+    def broken(args):
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(cli, "cmd_runs", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        main(["runs", "--store", str(store.root)])
