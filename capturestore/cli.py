@@ -247,8 +247,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a usage error in one line (the usage itself is in --help), exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="capturestore", description="Inspect and query a capture store.")
+    p = _Parser(prog="capturestore", description="Inspect and query a capture store.")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, func, help_: str) -> argparse.ArgumentParser:

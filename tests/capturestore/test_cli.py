@@ -130,6 +130,17 @@ def _tree(root) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def test_usage_errors_are_one_line(capsys):
+    for argv, command, why in [(["sql"], "sql", "the following arguments are required: query"),
+                               (["nope"], "", "invalid choice: 'nope'"),
+                               (["sql", "SELECT 1", "--format", "xml"], "sql", "invalid choice: 'xml'")]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and why in err and err.startswith(f"capturestore {command}".strip()), err
+
+
 def test_sql_errors_are_one_line(filled, capsys):
     store, rid, _ = filled
     S = ["--store", str(store.root)]
