@@ -79,9 +79,11 @@ def _output_path(output: str | None, fmt: str) -> Path | None:
         raise ValueError("--format parquet needs --output FILE")
     if output is None:
         return None
+    if not output.strip():
+        raise ValueError("--output is empty; give a file path")
     out = Path(output).expanduser()
-    if not output.strip() or out.is_dir():
-        raise ValueError(f"--output {output!r} is a directory; give a file path")
+    if out.is_dir():
+        raise ValueError(f"--output {output} is a directory; give a file path")
     parent = out.absolute().parent
     if not parent.is_dir():
         raise ValueError(f"--output {output}: directory {parent} does not exist")

@@ -165,6 +165,11 @@ def test_extensions_and_settings_are_refused(filled):
                         "autoload_known_extensions": "false", "autoinstall_known_extensions": "false"}
 
 
+def test_several_queries_return_the_last_result(filled):
+    store, rid = filled
+    assert store.sql("SELECT 1 AS a; SELECT run_id FROM runs").to_pylist() == [{"run_id": rid}]
+
+
 def test_a_table_appearing_after_the_lockdown_gets_its_view(filled):
     store, rid = filled
     assert store.sql("SELECT count(*) AS n FROM runs").column("n").to_pylist() == [1]
