@@ -80,11 +80,17 @@ def connect_memory(root: Path) -> duckdb.DuckDBPyConnection:
     """A private in-memory connection, confined to ``root/tables`` and locked; no views yet (add_views)."""
     import duckdb  # lazily: a writer that never queries does not pay for it
 
-    con = duckdb.connect(":memory:", config=dict(_CONFINED_CONFIG))
-    # allowed_directories cannot be given to connect(); it must be set before access is switched off
-    con.execute(f"SET allowed_directories = [{_quote_str(str(root / TABLES_DIR) + os.sep)}]")
-    con.execute("SET enable_external_access = false")
-    con.execute("SET lock_configuration = true")
+    try:
+        con = duckdb.connect(":memory:", config=dict(_CONFINED_CONFIG))
+        # allowed_directories cannot be given to connect(); it must be set before access is switched off
+        con.execute(f"SET allowed_directories = [{_quote_str(str(root / TABLES_DIR) + os.sep)}]")
+        con.execute("SET enable_external_access = false")
+        con.execute("SET lock_configuration = true")
+    except duckdb.Error as e:  # fail closed: no query runs unconfined
+        from capturestore.errors import QueryError
+
+        raise QueryError(f"duckdb {duckdb.__version__} cannot confine queries to the store ({_duckdb_message(e)}); "
+                         f"upgrade duckdb (tested with 2.0.1)") from None
     return con
 
 
