@@ -1,16 +1,31 @@
 """The DuckDB catalog: one view per table directory under ``tables/``.
 
 The catalog holds nothing but views over the Parquet segments, so it is always rebuildable
-from ``tables/`` alone. Queries from this library run on a private in-memory DuckDB connection
-with the same views (no file lock is ever held, so any number of processes can read and write
-the store at once). ``catalog.duckdb`` is the same set of views in a file for people running
-``duckdb <store>/catalog.duckdb``; it is rebuilt into a temporary file and renamed into place.
+from ``tables/`` alone. Views show committed rows only: ``prompts``/``captures`` rows of runs with
+a ``runs`` row, and rows of tables with a ``comparison_id`` column of comparisons with a
+``comparisons`` row. Queries from this library run on a private in-memory DuckDB connection
+with the same views over absolute paths (no file lock is ever held, so any number of processes
+can read and write the store at once).
+
+``catalog.duckdb`` is the same set of views in a file for people running ``duckdb
+<store>/catalog.duckdb``. It travels with its store (``cp -a``, ``tar``, ``rsync``): its views
+find the segments relative to the catalog file itself, whatever the working directory. DuckDB
+resolves a relative path against the working directory (or ``file_search_path``), and a table
+function's arguments must be constants (no subquery of ``duckdb_databases()``), so a view reads
+the one constant that carries the database's own path: ``temp_directory``, which DuckDB sets to
+``<database file>.tmp`` when it opens a file (documented default, measured with duckdb 2.0.1).
+Where that does not hold (the file ATTACHed to another database, or ``temp_directory`` set) the
+views use ``file_search_path`` when it is set (``SET file_search_path = '<store>'``) and otherwise
+refuse in one line saying so. The file is rebuilt into a temporary file and renamed into place,
+only when ``catalog.stamp`` says its tables or view version changed (not on every open).
 """
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,8 +34,20 @@ import pyarrow as pa
 if TYPE_CHECKING:
     import duckdb
 
-from capturestore.layout import CATALOG_FILE, CATALOG_ROOT_FILE, TABLES_DIR
-from capturestore.tables import table_dir
+from capturestore.layout import CATALOG_FILE, CATALOG_STAMP_FILE, LEGACY_CATALOG_ROOT_FILE, TABLES_DIR
+from capturestore.tables import RUN_TABLES, has_column, table_dir
+
+# First line of catalog.stamp; a change to what view_sql writes changes it, so stores rebuild.
+CATALOG_STAMP = "capturestore catalog views 2: segments relative to catalog.duckdb, committed rows only"
+
+# The store directory with a trailing '/', as a constant DuckDB folds when it binds a view.
+_STORE_DIR_SQL = (
+    f"CASE WHEN suffix(current_setting('temp_directory'), '/{CATALOG_FILE}.tmp') "
+    "THEN parse_dirpath(current_setting('temp_directory')) || '/' "
+    "WHEN current_setting('file_search_path') <> '' THEN '' "
+    f"ELSE error('{CATALOG_FILE}: cannot tell which store this catalog belongs to; open it directly "
+    f"(duckdb <store>/{CATALOG_FILE}) or SET file_search_path to the store directory') END"
+)
 
 
 def _quote_ident(name: str) -> str:
@@ -43,24 +70,47 @@ def table_names(root: Path) -> list[str]:
     return out
 
 
-def view_sql(root: Path, table: str) -> str:
-    glob = str(table_dir(root, table) / "*.parquet")
-    src = f"read_parquet({_quote_str(glob)}, union_by_name = true)"
-    if table in ("prompts", "captures"):
-        # Only rows of committed runs: the runs segment is the commit marker.
-        runs_glob = str(table_dir(root, "runs") / "*.parquet")
-        return (
-            f"CREATE OR REPLACE VIEW {_quote_ident(table)} AS SELECT * FROM {src} "
-            f"WHERE run_id IN (SELECT run_id FROM read_parquet({_quote_str(runs_glob)}, union_by_name = true))"
-        )
-    return f"CREATE OR REPLACE VIEW {_quote_ident(table)} AS SELECT * FROM {src}"
+def _segments(root: Path, table: str, relative: bool, allow_empty: bool = False) -> str:
+    """``read_parquet`` of every segment of ``table``: by absolute path, or relative to the catalog file."""
+    if relative:
+        where = f"({_STORE_DIR_SQL}) || {_quote_str(f'{TABLES_DIR}/{table}/*.parquet')}"
+    else:
+        where = _quote_str(str(table_dir(root, table) / "*.parquet"))
+    return f"read_parquet({where}, union_by_name = true{', allow_empty = true' if allow_empty else ''})"
 
 
-def create_views(con: duckdb.DuckDBPyConnection, root: Path) -> list[str]:
-    names = table_names(root)
-    for t in names:
-        con.execute(view_sql(root, t))
-    return names
+def view_sql(root: Path, table: str, relative: bool = False) -> str:
+    """CREATE VIEW statement of ``table``: its committed rows (see the module docstring).
+
+    ``relative``: the catalog.duckdb form, whose paths follow the catalog file wherever it moves.
+    """
+    src = _segments(root, table, relative)
+    view = f"CREATE OR REPLACE VIEW {_quote_ident(table)} AS SELECT * FROM {src}"
+    if table in ("prompts", "captures"):  # the runs segment is the commit marker
+        return f"{view} WHERE run_id IN (SELECT run_id FROM {_segments(root, 'runs', relative)})"
+    if table not in (*RUN_TABLES, "comparisons") and has_column(root, table, "comparison_id"):
+        # the comparisons row is the commit marker; none yet (no segment, no column) hides every row
+        committed = (f"SELECT NULL::VARCHAR AS comparison_id WHERE false UNION ALL BY NAME "
+                     f"SELECT * FROM {_segments(root, 'comparisons', relative, allow_empty=True)}")
+        return f"{view} WHERE comparison_id IN (SELECT comparison_id FROM ({committed}))"
+    return view
+
+
+def create_views(con: duckdb.DuckDBPyConnection, root: Path, relative: bool = False) -> dict[str, str]:
+    """Create the view of every table on ``con``; returns {table: why} of those whose segments
+    DuckDB cannot read: their view raises that reason (naming the file) when a query reads it."""
+    import duckdb
+
+    broken = {}
+    for t in table_names(root):
+        try:
+            con.execute(view_sql(root, t, relative))
+        except duckdb.Error as e:
+            why = f"table {t} is unreadable: {_without_kind(_duckdb_message(e))}".replace(f"{root}{os.sep}", "")
+            broken[t] = why
+            con.execute(f"CREATE OR REPLACE VIEW {_quote_ident(t)} AS "
+                        f"SELECT * FROM range(1) WHERE error({_quote_str(why + '; run capturestore verify')}) IS NULL")
+    return broken
 
 
 # SQL through Store.sql is read-only and confined to the store (docs/sql.md), by DuckDB's own
@@ -210,36 +260,132 @@ def _catalog_message(e: BaseException, views: list[str] | None) -> str:
     return f"SQL error: {msg}"
 
 
-def rebuild_catalog_file(root: Path) -> Path:
-    """Write catalog.duckdb afresh (views only) and rename it into place."""
+def _connect_as_catalog(root: Path, path: str, **config):
+    """A DuckDB connection on ``path`` whose relative views bind as if it were root/catalog.duckdb."""
     import duckdb
 
+    return duckdb.connect(path, config={"temp_directory": str(root / f"{CATALOG_FILE}.tmp"), **config})
+
+
+@contextmanager
+def _rebuild_lock(root: Path, wait: bool):
+    """flock on tables/: one rebuild at a time, so the stamp always describes the file in place.
+    Yields False (without waiting) when another process holds it and ``wait`` is false."""
+    fd = os.open(root / TABLES_DIR, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def _stamp_lines(names: list[str], broken: dict[str, str]) -> list[str]:
+    # an unreadable table is stamped apart from its name: open retries until it reads again
+    return [CATALOG_STAMP, *(f"{t} (unreadable)" if t in broken else t for t in names)]
+
+
+def _rebuild_locked(root: Path) -> dict[str, str]:
     final = root / CATALOG_FILE
     tmp = root / f".{CATALOG_FILE}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    con = duckdb.connect(str(tmp))
+    wal = Path(f"{tmp}.wal")
     try:
-        create_views(con, root)
-        con.execute("CHECKPOINT")
+        names = table_names(root)
+        con = _connect_as_catalog(root, str(tmp))
+        try:
+            broken = create_views(con, root, relative=True)
+            con.execute("CHECKPOINT")
+        finally:
+            con.close()
+        wal.unlink(missing_ok=True)  # a clean close checkpoints; a leftover WAL would be lost by the rename
+        os.replace(tmp, final)
+    finally:  # nothing of a failed rebuild stays behind
+        tmp.unlink(missing_ok=True)
+        wal.unlink(missing_ok=True)
+    stamp = root / CATALOG_STAMP_FILE
+    stamp_tmp = stamp.with_name(f".{stamp.name}.{os.getpid()}.tmp")
+    try:
+        stamp_tmp.write_text("\n".join(_stamp_lines(names, broken)) + "\n")
+        os.replace(stamp_tmp, stamp)
     finally:
-        con.close()
-    wal = Path(str(tmp) + ".wal")
-    if wal.exists():  # a clean close checkpoints; a leftover WAL would be lost by the rename
-        wal.unlink()
-    os.replace(tmp, final)
-    (root / CATALOG_ROOT_FILE).write_text(str(root) + "\n" + "\n".join(table_names(root)) + "\n")
-    return final
+        stamp_tmp.unlink(missing_ok=True)
+    (root / LEGACY_CATALOG_ROOT_FILE).unlink(missing_ok=True)
+    return broken
+
+
+def rebuild_catalog_file(root: Path) -> tuple[Path, dict[str, str]]:
+    """Write catalog.duckdb afresh (views only) and rename it into place; returns its path and
+    {table: why} of tables whose view raises because their segments are unreadable."""
+    with _rebuild_lock(root, wait=True):
+        broken = _rebuild_locked(root)
+    return root / CATALOG_FILE, broken
 
 
 def catalog_is_current(root: Path) -> bool:
-    """True when catalog.duckdb exists and was built for this path and this set of tables."""
+    """True when catalog.duckdb exists and its stamp names this view version and these tables."""
     try:
-        lines = (root / CATALOG_ROOT_FILE).read_text().splitlines()
-    except FileNotFoundError:
+        lines = (root / CATALOG_STAMP_FILE).read_text().splitlines()
+    except OSError:
         return False
-    return (root / CATALOG_FILE).exists() and lines[:1] == [str(root)] and lines[1:] == table_names(root)
+    return lines == [CATALOG_STAMP, *table_names(root)] and (root / CATALOG_FILE).is_file()
 
 
 def ensure_catalog_file(root: Path) -> None:
-    if not catalog_is_current(root):
-        rebuild_catalog_file(root)
+    """Rebuild catalog.duckdb when its stamp is out of date; a rebuild under way elsewhere is left to finish."""
+    if catalog_is_current(root):
+        return
+    with _rebuild_lock(root, wait=False) as mine:
+        if mine and not catalog_is_current(root):
+            _rebuild_locked(root)
 
+
+def catalog_problems(root: Path) -> list[str]:
+    """How catalog.duckdb differs from what rebuild_catalog_file would write now: missing or
+    unreadable file, missing, extra or altered views, any other object. Empty when it matches."""
+    import duckdb
+
+    path = root / CATALOG_FILE
+    fix = "run `capturestore rebuild-catalog`"
+    if not path.is_file():
+        return [f"{CATALOG_FILE} is missing ({fix})"]
+    want_con = _connect_as_catalog(root, ":memory:")
+    try:
+        broken = create_views(want_con, root, relative=True)  # unreadable segments: verify reports those
+        want = {v: sql for v, sql in want_con.execute(_VIEWS_SQL).fetchall()}
+    finally:
+        want_con.close()
+    try:
+        con = duckdb.connect(str(path), read_only=True)
+    except duckdb.Error as e:
+        return [f"{CATALOG_FILE} is not a readable DuckDB database ({_duckdb_message(e)}; {fix})"]
+    try:
+        have = dict(con.execute(_VIEWS_SQL).fetchall())
+        others = [f"{kind} {name}" for kind, name in con.execute(_OTHER_OBJECTS_SQL).fetchall()]
+    except duckdb.Error as e:
+        return [f"{CATALOG_FILE} cannot be read ({_duckdb_message(e)}; {fix})"]
+    finally:
+        con.close()
+    out = [f"{CATALOG_FILE} lacks the view {v} ({fix})" for v in sorted(set(want) - set(have))]
+    out += [f"{CATALOG_FILE} has a view {v} of no table in tables/ ({fix})" for v in sorted(set(have) - set(want))]
+    out += [f"{CATALOG_FILE}: view {v} differs from what rebuild-catalog writes ({fix})"
+            for v in sorted(set(want) & set(have)) if want[v] != have[v] and v not in broken]
+    out += [f"{CATALOG_FILE} holds {o}, which rebuild-catalog does not write ({fix})" for o in others]
+    return out
+
+
+_VIEWS_SQL = ("SELECT view_name, sql FROM duckdb_views() "
+              "WHERE NOT internal AND database_name = current_database()")
+_OTHER_OBJECTS_SQL = """
+    SELECT 'table', schema_name || '.' || table_name FROM duckdb_tables() WHERE database_name = current_database()
+    UNION ALL SELECT 'macro', schema_name || '.' || function_name FROM duckdb_functions()
+        WHERE NOT internal AND database_name = current_database()
+    UNION ALL SELECT 'sequence', sequence_name FROM duckdb_sequences() WHERE database_name = current_database()
+    UNION ALL SELECT 'index', index_name FROM duckdb_indexes() WHERE database_name = current_database()
+    UNION ALL SELECT 'type', type_name FROM duckdb_types() WHERE NOT internal AND database_name = current_database()
+    UNION ALL SELECT 'schema', schema_name FROM duckdb_schemas()
+        WHERE NOT internal AND database_name = current_database() AND schema_name <> 'main'
+    ORDER BY 1, 2
+"""

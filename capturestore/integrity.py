@@ -1,7 +1,11 @@
 """verify (checksums, catalog-vs-array consistency) and gc (what dead writers left behind).
 
-A writer is alive while it holds the flock on its ``pending/<run_id>.json``; the kernel drops
-the lock when the process dies (SIGKILL included), so liveness needs no pid guessing.
+A writer is alive while it holds the flock on its ``pending/<id>.json``; the kernel drops
+the lock when the process dies (SIGKILL included), so liveness needs no pid guessing. Runs
+(writer.py) and comparisons (``commit_comparison``) share that protocol: the pending file is
+created locked before anything is written, the commit marker (a ``runs`` segment, a
+``comparisons`` row) is written last, and the pending file goes after it. What a dead writer
+left without a marker is invisible in the views, reported by ``verify`` and removed by ``gc``.
 """
 from __future__ import annotations
 
@@ -11,23 +15,35 @@ import json
 import os
 import re
 import shutil
+import socket
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from capturestore.arrays import bad_chunks
-from capturestore.layout import ARRAYS_DIR, PENDING_DIR, TABLES_DIR, TMP_SUFFIX
-from capturestore.tables import RUN_TABLES, SCHEMA_SEGMENT, committed_run_ids, segment_files, table_dir
+from capturestore.layout import ARRAYS_DIR, COMPARISON_ID_PREFIX, PENDING_DIR, TABLES_DIR, TMP_SUFFIX
+from capturestore.tables import (
+    RUN_TABLES,
+    SCHEMA_SEGMENT,
+    committed_comparison_ids,
+    committed_run_ids,
+    comparison_tables,
+    segment_comparison_ids,
+    segment_files,
+    table_dir,
+)
 
 
 @dataclass(frozen=True)
 class Problem:
     """One thing verify found wrong; fields name where, ``message`` says what."""
 
-    kind: str  # corrupt-chunk | missing-array | shape-mismatch | dtype-mismatch | bad-segment | orphan |
-    #       missing-tokens | tokens-mismatch
+    kind: str  # corrupt-chunk | missing-array | missing-group | shape-mismatch | dtype-mismatch | bad-segment |
+    #       bad-marker | orphan | missing-tokens | tokens-mismatch | catalog
     message: str
     run_id: str | None = None
     prompt_id: str | None = None
@@ -72,6 +88,72 @@ def writer_is_alive(pending: Path) -> bool:
     return False
 
 
+class PendingLock:
+    """``pending/<id>.json``, created already locked (written under a temp name, locked, renamed),
+    so from the moment anyone can see it ``writer_is_alive`` says True until ``release``."""
+
+    def __init__(self, root: Path, writer_id: str, info: dict[str, Any]):
+        self.path = root / PENDING_DIR / f"{writer_id}.json"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}{TMP_SUFFIX}")
+        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # locked before anyone can see the file
+            os.write(fd, json.dumps({"pid": os.getpid(), "hostname": socket.gethostname(),
+                                     "started_at": datetime.now(timezone.utc).isoformat(), **info}).encode())
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Remove the file, then drop the lock (a reader never sees it unlocked before it goes)."""
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+
+def is_comparison_id(writer_id: str) -> bool:
+    return writer_id.startswith(COMPARISON_ID_PREFIX)
+
+
+def commit_comparison(store, comparison_id: str, tables: dict[str, Any], comparisons_rows: Any) -> None:
+    """Append a comparison's tables, then its ``comparisons`` row last: the commit marker.
+
+    ``tables``: {table name: rows} (anything ``Store.append_table`` takes), every row with
+    ``comparison_id``. Until the marker is written the rows are invisible in the views; a
+    pending lock keeps ``gc`` away meanwhile. On an exception the segments written so far are
+    removed again (unless the marker made it), so a failed comparison leaves nothing; a killed
+    one leaves rows that verify reports and gc removes.
+    """
+    if not is_comparison_id(comparison_id):
+        raise ValueError(f"comparison id {comparison_id!r} must start with {COMPARISON_ID_PREFIX!r}")
+    lock = PendingLock(store.root, comparison_id, {"comparison_id": comparison_id, "status": "running"})
+    written: list[Path] = []
+    try:
+        for name, rows in tables.items():
+            written.append(store.append_table(name, rows))
+        store.append_table("comparisons", comparisons_rows)
+    except BaseException:
+        if written and comparison_id not in committed_comparison_ids(store.root):
+            for seg in written:
+                seg.unlink(missing_ok=True)
+            try:  # a table that got its first segment here has none again: its catalog view goes
+                from capturestore.catalog import ensure_catalog_file
+
+                ensure_catalog_file(store.root)
+            except Exception:  # noqa: BLE001 - the next open catches up; the first error is the one to raise
+                pass
+        raise
+    finally:
+        lock.release()
+
+
 def pid_is_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -86,6 +168,11 @@ def _run_is_live(root: Path, run_id: str) -> bool:
     return writer_is_alive(root / PENDING_DIR / f"{run_id}.json")
 
 
+def _pending_ids(root: Path) -> set[str]:
+    pending = root / PENDING_DIR
+    return {p.name.removesuffix(".json") for p in pending.iterdir() if p.name.endswith(".json")} if pending.is_dir() else set()
+
+
 def _uncommitted_runs(root: Path) -> list[str]:
     """Run ids with arrays or segments but no runs segment, whose writer is dead."""
     committed = committed_run_ids(root)
@@ -95,9 +182,7 @@ def _uncommitted_runs(root: Path) -> list[str]:
         seen |= {p.name for p in arrays.iterdir() if p.is_dir()}
     for t in ("prompts", "captures"):
         seen |= {p.name.removesuffix(".parquet") for p in segment_files(root, t) if p.name != SCHEMA_SEGMENT}
-    pending = root / PENDING_DIR
-    if pending.is_dir():
-        seen |= {p.name.removesuffix(".json") for p in pending.iterdir() if p.name.endswith(".json")}
+    seen |= {i for i in _pending_ids(root) if not is_comparison_id(i)}
     out = []
     for run_id in sorted(seen - committed):
         if _run_is_live(root, run_id):
@@ -106,6 +191,35 @@ def _uncommitted_runs(root: Path) -> list[str]:
             continue
         out.append(run_id)
     return out
+
+
+def _uncommitted_comparisons(root: Path) -> tuple[dict[str, list[Path]], list[Path]]:
+    """({comparison_id: its segments}, pending files) of comparisons without a ``comparisons``
+    row whose writer is dead, and pending files of dead comparison writers that did commit.
+
+    A segment counts when every row belongs to such a comparison (compare_runs writes one
+    comparison per segment); rows of a live writer are never counted."""
+    segments: dict[str, list[Path]] = {}
+    for t in comparison_tables(root):
+        for seg in segment_files(root, t):
+            try:
+                ids = segment_comparison_ids(seg)
+            except Exception:  # noqa: BLE001 - reported as a bad segment
+                continue
+            if ids and len(ids) == 1:
+                segments.setdefault(next(iter(ids)), []).append(seg)
+    pending = {i for i in _pending_ids(root) if is_comparison_id(i)}
+    committed = committed_comparison_ids(root)
+    dead = {}
+    for cid in sorted((set(segments) | pending) - committed):
+        if writer_is_alive(root / PENDING_DIR / f"{cid}.json"):
+            continue
+        dead[cid] = segments.get(cid, [])
+    committed = committed_comparison_ids(root)  # committed while we looked: not an orphan
+    dead = {cid: segs for cid, segs in dead.items() if cid not in committed}
+    stale = [root / PENDING_DIR / f"{cid}.json" for cid in sorted(pending) if cid in dead
+             or (cid in committed and not writer_is_alive(root / PENDING_DIR / f"{cid}.json"))]
+    return dead, stale
 
 
 _TMP_PID = re.compile(r"\.(\d+)(?:\.[0-9a-f]+)?\.tmp$")
@@ -144,7 +258,10 @@ def verify(root: Path) -> VerifyReport:
                 report.append(Problem("bad-segment", f"table {tdir.name} segment {seg.name} is unreadable: {e}", run_id=run))
     # 2. every capture of a committed run: array present, shape as catalogued, every chunk's CRC
     zroot = root / ARRAYS_DIR
+    _verify_group(zroot, "", report)
     for run_id in sorted(committed):
+        if not _verify_run_marker(root, run_id, report):
+            continue
         cap_seg = table_dir(root, "captures") / f"{run_id}.parquet"
         pr_seg = table_dir(root, "prompts") / f"{run_id}.parquet"
         try:
@@ -158,6 +275,12 @@ def verify(root: Path) -> VerifyReport:
             if p["prompt_id"] not in have_tokens:
                 report.append(Problem("missing-tokens", "prompt has no tokens capture", run_id=run_id, prompt_id=p["prompt_id"]))
         n_before = len(report)
+        groups = {run_id} | {f"{run_id}/{p['prompt_id']}" for p in prompts}
+        for c in caps:  # every group from the run down to each array: plain zarr needs their zarr.json
+            parts = f"{run_id}/{c['prompt_id']}/{c['array_name']}".split("/")
+            groups |= {"/".join(parts[:i]) for i in range(1, len(parts))}
+        for g in sorted(groups):
+            _verify_group(zroot, g, report)
         for c in caps:
             _verify_capture(zroot, c, report)
         if len(report) == n_before:  # arrays sound: do the tokens agree with the catalog?
@@ -166,9 +289,56 @@ def verify(root: Path) -> VerifyReport:
     # 3. leftovers of dead writers (gc removes them)
     for run_id in _uncommitted_runs(root):
         report.append(Problem("orphan", "uncommitted run left by a dead writer (run `capturestore gc`)", run_id=run_id))
+    dead, stale = _uncommitted_comparisons(root)
+    for cid, segs in dead.items():
+        where = ", ".join(str(s.relative_to(root)) for s in segs) or "no segment"
+        report.append(Problem("orphan", f"comparison {cid} never committed (no comparisons row), its writer is "
+                                        f"dead; its rows are hidden: {where} (run `capturestore gc`)"))
+    for p in stale:
+        if p.name.removesuffix(".json") not in dead:
+            report.append(Problem("orphan", f"pending file {p.relative_to(root)} of a dead comparison writer "
+                                            "(run `capturestore gc`)"))
     for p in _dead_temp_files(root):
         report.append(Problem("orphan", f"temp file {p.relative_to(root)} left by a dead writer (run `capturestore gc`)"))
+    # 4. catalog.duckdb holds exactly what rebuild-catalog would write
+    from capturestore.catalog import catalog_problems
+
+    for msg in catalog_problems(root):
+        report.append(Problem("catalog", msg))
     return report
+
+
+def _verify_run_marker(root: Path, run_id: str, report: VerifyReport) -> bool:
+    """The runs segment of a run is its commit marker: exactly one complete row naming it."""
+    seg = table_dir(root, "runs") / f"{run_id}.parquet"
+    try:
+        rows = pq.read_table(seg, columns=["run_id", "status"]).to_pylist()
+    except Exception:  # noqa: BLE001 - already reported as a bad segment
+        return False
+    if rows != [{"run_id": run_id, "status": "complete"}]:
+        what = "no row" if not rows else f"{len(rows)} rows {[r['run_id'] for r in rows][:3]}"
+        report.append(Problem("bad-marker", f"runs segment {seg.name} (the run's commit marker) holds {what}, "
+                                            "not one complete row of this run", run_id=run_id))
+        return False
+    return True
+
+
+def _verify_group(zroot: Path, path: str, report: VerifyReport) -> None:
+    """``arrays.zarr/<path>`` has group metadata; without it plain zarr/xarray cannot open the store."""
+    meta = zroot / path / "zarr.json"
+    parts = path.split("/") if path else []
+    where = {"run_id": parts[0] if parts else None, "prompt_id": parts[1] if len(parts) > 1 else None}
+    try:
+        node = json.loads(meta.read_text()).get("node_type")
+    except FileNotFoundError:
+        report.append(Problem("missing-group", f"group metadata {meta.relative_to(zroot.parent)} is missing; "
+                                               "plain zarr/xarray cannot open this group", **where))
+        return
+    except (OSError, ValueError) as e:
+        report.append(Problem("missing-group", f"group metadata {meta.relative_to(zroot.parent)} is unreadable: {e}", **where))
+        return
+    if node != "group":
+        report.append(Problem("missing-group", f"{meta.relative_to(zroot.parent)} is a {node!r} node, not a group", **where))
 
 
 def _verify_capture(zroot: Path, c: dict, report: VerifyReport) -> None:
@@ -230,8 +400,8 @@ def _verify_prompt_tokens(zroot: Path, p: dict, report: VerifyReport) -> None:
 
 
 def gc(root: Path, dry_run: bool = False) -> list[str]:
-    """Remove arrays, segments and pending files of uncommitted runs whose writer is dead, and
-    temp files of dead processes. A live writer (lock held) is never touched."""
+    """Remove arrays, segments and pending files of uncommitted runs and comparisons whose writer
+    is dead, and temp files of dead processes. A live writer (lock held) is never touched."""
     removed: list[str] = []
     for run_id in _uncommitted_runs(root):
         targets = [root / ARRAYS_DIR / run_id]
@@ -251,8 +421,19 @@ def gc(root: Path, dry_run: bool = False) -> list[str]:
             removed.append(str(p.relative_to(root)))
             if not dry_run:
                 p.unlink(missing_ok=True)
+    # comparisons without their comparisons row, then their pending files (segments first: a
+    # gc killed in between leaves a pending file, not segments without one)
+    dead, stale = _uncommitted_comparisons(root)
+    for p in [s for segs in dead.values() for s in segs] + stale:
+        removed.append(str(p.relative_to(root)))
+        if not dry_run:
+            p.unlink(missing_ok=True)
     for p in _dead_temp_files(root):
         removed.append(str(p.relative_to(root)))
         if not dry_run:
             p.unlink(missing_ok=True)
+    if removed and not dry_run:  # a table may have lost its last segment: its view goes too
+        from capturestore.catalog import ensure_catalog_file
+
+        ensure_catalog_file(root)
     return removed

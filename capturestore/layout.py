@@ -7,7 +7,9 @@ capture means lives in writer.py / store.py.
     <store>/arrays.zarr/<run_id>/<prompt_id>/...     Zarr v3 arrays
     <store>/tables/<table>/<segment>.parquet         append-only Parquet segments
     <store>/pending/<run_id>.json                    lock file of a run being written
-    <store>/catalog.duckdb                           views over tables/, rebuildable
+    <store>/pending/cmp-<...>.json                   lock file of a comparison being written
+    <store>/catalog.duckdb                           views over tables/, rebuildable, relocatable
+    <store>/catalog.stamp                            which views catalog.duckdb was built with
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ ARRAYS_DIR = "arrays.zarr"
 TABLES_DIR = "tables"
 PENDING_DIR = "pending"
 CATALOG_FILE = "catalog.duckdb"
-CATALOG_ROOT_FILE = "catalog.root"  # the absolute store path the catalog views were built for
+CATALOG_STAMP_FILE = "catalog.stamp"  # the view version and tables catalog.duckdb holds: open skips a rebuild
+LEGACY_CATALOG_ROOT_FILE = "catalog.root"  # stamp of older catalogs with absolute paths; removed on rebuild
+COMPARISON_ID_PREFIX = "cmp-"  # comparison ids (pending/cmp-*.json); run ids start with a timestamp
 TMP_SUFFIX = ".tmp"  # segments are written as <name>.parquet.<pid>.tmp, then renamed
 
 # Target bytes per chunk: each chunk is a file, and creating a file costs ~0.3 ms on ext4

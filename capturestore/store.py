@@ -46,7 +46,7 @@ def read_format(root: Path) -> dict[str, Any] | None:
     return info
 
 
-_LAYOUT_ENTRIES = {ARRAYS_DIR, TABLES_DIR, PENDING_DIR, "catalog.duckdb", "catalog.root"}
+_LAYOUT_ENTRIES = {ARRAYS_DIR, TABLES_DIR, PENDING_DIR, "catalog.duckdb", "catalog.stamp", "catalog.root"}
 
 
 def _is_layout_entry(name: str) -> bool:
@@ -89,7 +89,7 @@ class Store:
         store = cls(root)
         store._committed = committed_run_ids(root)
         try:
-            catalog.ensure_catalog_file(root)
+            catalog.ensure_catalog_file(root)  # only when catalog.stamp is out of date
         except Exception:  # noqa: BLE001 - the file catalog is a convenience; queries never need it
             pass
         return store
@@ -99,7 +99,10 @@ class Store:
         root.mkdir(parents=True, exist_ok=True)
         for d in (ARRAYS_DIR, TABLES_DIR, PENDING_DIR):
             (root / d).mkdir(exist_ok=True)
-        zarr.open_group(store=zarr.storage.LocalStore(str(root / ARRAYS_DIR)), mode="a", zarr_format=3)
+        try:
+            zarr.open_group(store=zarr.storage.LocalStore(str(root / ARRAYS_DIR)), mode="a", zarr_format=3)
+        except zarr.errors.ContainsGroupError:  # a concurrent creation made it between zarr's check and write
+            pass
         ensure_schema_segments(root)
         tmp = root / f".{FORMAT_FILE}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps({"format": FORMAT_NAME, "format_version": FORMAT_VERSION}, indent=2) + "\n")
@@ -359,7 +362,7 @@ class Store:
         pdir = self.root / PENDING_DIR
         for p in sorted(pdir.glob("*.json")) if pdir.is_dir() else []:
             rid = p.name.removesuffix(".json")
-            if rid in committed_run_ids(self.root):
+            if rid in committed_run_ids(self.root) or integrity.is_comparison_id(rid):
                 continue
             try:
                 info = json.loads(p.read_text() or "{}")
@@ -372,17 +375,28 @@ class Store:
 
     # ---- maintenance -----------------------------------------------------------------------
     def verify(self) -> integrity.VerifyReport:
-        """Checksums of every chunk, and catalog-vs-array consistency; see integrity.verify."""
+        """Checksums of every chunk, catalog-vs-array consistency, commit markers, Zarr group
+        metadata, catalog.duckdb against a rebuild, leftovers of dead writers; see integrity.verify."""
         return integrity.verify(self.root)
 
     def gc(self, dry_run: bool = False) -> list[str]:
-        """Remove what dead writers left (arrays, segments, temp files); returns what was removed."""
+        """Remove what dead writers left (arrays, segments of uncommitted runs and comparisons,
+        pending and temp files); returns what was removed. A live writer is never touched."""
         return integrity.gc(self.root, dry_run=dry_run)
 
     def rebuild_catalog(self) -> Path:
-        """Rebuild catalog.duckdb from tables/ alone."""
-        ensure_schema_segments(self.root)
-        return catalog.rebuild_catalog_file(self.root)
+        """Rebuild catalog.duckdb from tables/ alone. StoreError when it cannot be written, or
+        names the tables whose segments are unreadable (their views in the new file raise that)."""
+        import duckdb
+
+        try:
+            ensure_schema_segments(self.root)
+            path, broken = catalog.rebuild_catalog_file(self.root)
+        except (OSError, duckdb.Error) as e:
+            raise StoreError(f"cannot write {self.root / catalog.CATALOG_FILE}: {e}".splitlines()[0]) from None
+        if broken:
+            raise StoreError(f"rebuilt {path}, but {'; '.join(broken.values())} (run capturestore verify)")
+        return path
 
 
 def _token_slice(tokens: Any, ref: ArrayRef) -> slice:

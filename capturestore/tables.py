@@ -4,6 +4,8 @@ Each writer commit adds one segment per table, written under a temporary name an
 place (``os.replace`` is atomic on POSIX), so a reader sees a segment whole or not at all.
 A run's ``runs`` segment is written last: it is the commit marker. ``prompts`` and ``captures``
 rows whose run has no ``runs`` row are invisible in the catalog views and removed by ``gc``.
+Comparisons work alike: a ``comparisons`` row is written last, and rows of any other table with
+a ``comparison_id`` column are invisible until their comparison has its row (integrity.py).
 """
 from __future__ import annotations
 
@@ -160,6 +162,53 @@ def segment_files(root: Path, table: str) -> list[Path]:
 def committed_run_ids(root: Path) -> set[str]:
     """Run ids with a runs segment (the commit marker); segments are named after the run."""
     return {p.name.removesuffix(".parquet") for p in segment_files(root, "runs") if p.name != SCHEMA_SEGMENT}
+
+
+def comparison_tables(root: Path) -> list[str]:
+    """Tables whose rows belong to comparisons: a ``comparison_id`` column, other than ``comparisons``."""
+    d = root / TABLES_DIR
+    names = sorted(p.name for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
+    return [t for t in names if t not in (*RUN_TABLES, "comparisons") and has_column(root, t, "comparison_id")]
+
+
+def has_column(root: Path, table: str, column: str) -> bool:
+    """Whether any readable segment of ``table`` has ``column`` (footers only)."""
+    for seg in segment_files(root, table):
+        try:
+            if column in pq.read_schema(seg).names:
+                return True
+        except Exception:  # noqa: BLE001 - an unreadable segment is verify's to report
+            continue
+    return False
+
+
+def committed_comparison_ids(root: Path) -> set[str]:
+    """Comparison ids with a ``comparisons`` row (the commit marker)."""
+    out: set[str] = set()
+    for seg in segment_files(root, "comparisons"):
+        try:
+            out |= set(pq.read_table(seg, columns=["comparison_id"]).column(0).to_pylist())
+        except Exception:  # noqa: BLE001 - verify reports unreadable segments
+            continue
+    out.discard(None)
+    return out
+
+
+def segment_comparison_ids(seg: Path) -> set[str] | None:
+    """The comparison ids of one segment's rows (from the footer's statistics where they pin a
+    single id, else from the column); None when the segment has no ``comparison_id`` column."""
+    meta = pq.read_metadata(seg)
+    leaves = [meta.schema.column(j).path for j in range(meta.num_columns)]
+    if "comparison_id" not in leaves:
+        return None
+    col = leaves.index("comparison_id")
+    ids: set[str] = set()
+    for i in range(meta.num_row_groups):
+        st = meta.row_group(i).column(col).statistics
+        if st is None or not st.has_min_max or st.min != st.max or (st.has_null_count and st.null_count):
+            return set(pq.read_table(seg, columns=["comparison_id"]).column(0).to_pylist()) - {None}
+        ids.add(st.min if isinstance(st.min, str) else st.min.decode())
+    return ids
 
 
 def read_table(root: Path, table: str, run_id: str | None = None) -> pa.Table:

@@ -247,3 +247,78 @@ def test_verify_catches_tokens_that_disagree_with_the_catalog(store):
     t = t.set_column(t.column_names.index("token_ids"), "token_ids", pa.array([[1, 2, 9, 4]], t.schema.field("token_ids").type))
     pq.write_table(t, seg)
     assert [(p.kind, p.prompt_id) for p in store.verify()] == [("tokens-mismatch", pid)]
+
+
+def _run_with_tensor(store: Store) -> tuple[str, str]:
+    with store.begin_run(engine="hf", model_path="m") as run:
+        pid = run.add_prompt([1, 2, 3])
+        run.write_tensor(pid, "model.layers.0.mlp", np.arange(12, dtype=np.float32).reshape(3, 4))
+    return run.run_id, pid
+
+
+@pytest.mark.parametrize("group", ["root", "run", "prompt", "tensors"])
+def test_a_deleted_group_zarr_json_is_reported_by_verify(store, group):
+    import zarr
+
+    rid, pid = _run_with_tensor(store)
+    rel = {"root": "", "run": rid, "prompt": f"{rid}/{pid}", "tensors": f"{rid}/{pid}/tensors"}[group]
+    gdir = store.root / ARRAYS_DIR / rel
+    assert store.verify().ok
+    (gdir / "zarr.json").unlink()
+    with pytest.raises(zarr.errors.GroupNotFoundError):  # what a plain zarr reader meets
+        zarr.open_group(str(gdir), mode="r")
+    report = store.verify()
+    assert [(p.kind, p.run_id, p.prompt_id) for p in report] == [
+        ("missing-group", rid if group != "root" else None, pid if group in ("prompt", "tensors") else None)]
+    assert f"{ARRAYS_DIR}/{rel + '/' if rel else ''}zarr.json is missing" in str(report[0])
+
+
+def test_an_empty_runs_marker_is_reported_by_verify(store):
+    import pyarrow.parquet as pq
+
+    from capturestore.tables import RUNS_SCHEMA
+
+    rid, _ = _one_run(store)
+    marker = store.root / "tables" / "runs" / f"{rid}.parquet"
+    pq.write_table(RUNS_SCHEMA.empty_table(), marker)  # a marker with no row
+    assert [(p.kind, p.run_id) for p in store.verify()] == [("bad-marker", rid)]
+    assert "holds no row" in str(store.verify()[0])
+    marker.write_bytes(b"")  # a zero-byte marker
+    assert [(p.kind, p.run_id) for p in store.verify()] == [("bad-segment", rid)]
+
+
+def test_a_tampered_or_garbage_catalog_is_reported_by_verify_and_rebuild_repairs_it(store):
+    import duckdb
+
+    from capturestore.layout import CATALOG_FILE
+
+    _one_run(store)
+    store.append_table("user_metric", [{"x": 1}])
+    cat = store.root / CATALOG_FILE
+    assert store.verify().ok
+
+    def tamper(sql: str) -> list[tuple[str, str]]:
+        con = duckdb.connect(str(cat))
+        con.execute(sql)
+        con.close()
+        out = [(p.kind, p.message) for p in store.verify()]
+        store.rebuild_catalog()
+        assert store.verify().ok
+        return out
+
+    (kind, msg), = tamper("CREATE OR REPLACE VIEW runs AS SELECT 1 AS run_id")
+    assert kind == "catalog" and "view runs differs from what rebuild-catalog writes" in msg
+    (kind, msg), = tamper("DROP VIEW user_metric")
+    assert kind == "catalog" and "lacks the view user_metric" in msg
+    (kind, msg), = tamper("CREATE TABLE extra AS SELECT 42 AS answer")
+    assert kind == "catalog" and "holds table main.extra" in msg
+    (kind, msg), = tamper("CREATE MACRO runs_count() AS 1")
+    assert kind == "catalog" and "holds macro main.runs_count" in msg
+    cat.write_bytes(b"this is not a database" * 100)
+    (kind, msg), = [(p.kind, p.message) for p in store.verify()]
+    assert kind == "catalog" and "not a readable DuckDB database" in msg
+    store.rebuild_catalog()
+    cat.unlink()
+    assert [p.kind for p in store.verify()] == ["catalog"]
+    store.rebuild_catalog()
+    assert store.verify().ok

@@ -192,7 +192,7 @@ def test_catalog_file_opens_in_plain_duckdb_and_is_rebuilt_from_segments_alone(s
         run.add_prompt([1, 2, 3])
     store.append_table("logit_token_metrics", [{"run_id": run.run_id, "gen_token_idx": 0, "top5": 0.1}])
     (store.root / "catalog.duckdb").unlink()
-    (store.root / "catalog.root").unlink()
+    (store.root / "catalog.stamp").unlink()
     store.rebuild_catalog()
     con = duckdb.connect(str(store.root / "catalog.duckdb"), read_only=True)
     try:
