@@ -24,6 +24,8 @@ from __future__ import annotations
 import fcntl
 import os
 import re
+import shutil
+import tempfile
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -302,6 +304,9 @@ def _rebuild_locked(root: Path) -> dict[str, str]:
             con.close()
         wal.unlink(missing_ok=True)  # a clean close checkpoints; a leftover WAL would be lost by the rename
         os.replace(tmp, final)
+        # the WAL of the file just replaced (a client held it open for writing) belongs to the old
+        # file: DuckDB would refuse to open the new one beside it
+        Path(f"{final}.wal").unlink(missing_ok=True)
     finally:  # nothing of a failed rebuild stays behind
         tmp.unlink(missing_ok=True)
         wal.unlink(missing_ok=True)
@@ -357,17 +362,24 @@ def catalog_problems(root: Path) -> list[str]:
         want = {v: sql for v, sql in want_con.execute(_VIEWS_SQL).fetchall()}
     finally:
         want_con.close()
-    try:
-        con = duckdb.connect(str(path), read_only=True)
-    except duckdb.Error as e:
-        return [f"{CATALOG_FILE} is not a readable DuckDB database ({_duckdb_message(e)}; {fix})"]
-    try:
-        have = dict(con.execute(_VIEWS_SQL).fetchall())
-        others = [f"{kind} {name}" for kind, name in con.execute(_OTHER_OBJECTS_SQL).fetchall()]
-    except duckdb.Error as e:
-        return [f"{CATALOG_FILE} cannot be read ({_duckdb_message(e)}; {fix})"]
-    finally:
-        con.close()
+    # a copy is read: a DuckDB client holding the file open for writing (`duckdb <store>/catalog.duckdb`
+    # does) locks out even read-only connections, and the copy includes its not yet checkpointed WAL
+    with tempfile.TemporaryDirectory(prefix="capturestore-verify-") as tmp:
+        copy = Path(tmp) / CATALOG_FILE
+        shutil.copyfile(path, copy)
+        if Path(f"{path}.wal").is_file():
+            shutil.copyfile(f"{path}.wal", f"{copy}.wal")
+        try:
+            con = duckdb.connect(str(copy), read_only=True)
+        except duckdb.Error as e:
+            return [f"{CATALOG_FILE} is not a readable DuckDB database ({_duckdb_message(e)}; {fix})"]
+        try:
+            have = dict(con.execute(_VIEWS_SQL).fetchall())
+            others = [f"{kind} {name}" for kind, name in con.execute(_OTHER_OBJECTS_SQL).fetchall()]
+        except duckdb.Error as e:
+            return [f"{CATALOG_FILE} cannot be read ({_duckdb_message(e)}; {fix})"]
+        finally:
+            con.close()
     out = [f"{CATALOG_FILE} lacks the view {v} ({fix})" for v in sorted(set(want) - set(have))]
     out += [f"{CATALOG_FILE} has a view {v} of no table in tables/ ({fix})" for v in sorted(set(have) - set(want))]
     out += [f"{CATALOG_FILE}: view {v} differs from what rebuild-catalog writes ({fix})"

@@ -322,3 +322,30 @@ def test_a_tampered_or_garbage_catalog_is_reported_by_verify_and_rebuild_repairs
     assert [p.kind for p in store.verify()] == ["catalog"]
     store.rebuild_catalog()
     assert store.verify().ok
+
+
+def test_verify_checks_a_catalog_another_client_holds_open_for_writing(store):
+    """`duckdb <store>/catalog.duckdb` opens it read-write and locks out even read-only opens."""
+    import subprocess
+    import sys
+
+    from capturestore.layout import CATALOG_FILE
+
+    _one_run(store)
+    code = ("import duckdb, sys; c = duckdb.connect(sys.argv[1]); c.execute('CREATE VIEW extra AS SELECT 1'); "
+            "print('holding', flush=True); sys.stdin.readline()")
+    p = subprocess.Popen([sys.executable, "-c", code, str(store.root / CATALOG_FILE)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "holding\n", p.stderr.read()
+        (prob,) = store.verify()
+        assert prob.kind == "catalog" and "has a view extra of no table" in prob.message
+        store.rebuild_catalog()  # renamed into place beside the open file (whose WAL would not match it)
+        assert store.verify().ok
+        import duckdb
+
+        con = duckdb.connect(str(store.root / CATALOG_FILE), read_only=True)
+        assert con.sql("SELECT count(*) FROM runs").fetchall() == [(1,)]
+        con.close()
+    finally:
+        p.communicate("done\n", timeout=60)
