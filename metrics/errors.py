@@ -15,6 +15,8 @@ tensors; torch is never imported here, tensors are recognised by duck typing.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 EPS = 1e-10
@@ -100,6 +102,17 @@ def _empty_to_nan(out, nan, axis):
     return np.where(none_valid, np.nan, out)
 
 
+def _quiet_on_infinities(f):
+    """An infinity in an input gives an inf / NaN result (judged by the verdicts), not a numpy
+    RuntimeWarning (inf - inf, inf * 0 in the reductions)."""
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        with np.errstate(invalid="ignore", over="ignore"):
+            return f(*args, **kwargs)
+    return wrapper
+
+
+@_quiet_on_infinities
 def rel_linf(ref, x, axis=-1, dtype=np.float64):
     """Relative L-inf error of ``x`` against ``ref`` reduced over ``axis`` (int, tuple or None).
 
@@ -111,6 +124,7 @@ def rel_linf(ref, x, axis=-1, dtype=np.float64):
     return _empty_to_nan(num / den, nan, axis)
 
 
+@_quiet_on_infinities
 def rel_l2(ref, x, axis=-1, dtype=np.float64):
     """Relative L2 error ``||x - ref|| / max(||ref||, 1e-10)`` reduced over ``axis``."""
     r, a, nan = _pair(ref, x, dtype)
@@ -120,6 +134,7 @@ def rel_l2(ref, x, axis=-1, dtype=np.float64):
     return _empty_to_nan(num / den, nan, axis)
 
 
+@_quiet_on_infinities
 def cosine(ref, x, axis=-1, dtype=np.float64):
     """Cosine similarity between ``ref`` and ``x`` along ``axis`` (1.0 = same direction)."""
     r, a, nan = _pair(ref, x, dtype)
