@@ -5,16 +5,16 @@
     with store.begin_run(engine="hf", model_path=path, dtype="bfloat16") as run:
         pid = run.add_prompt(prompt_ids, continuation=teacher_ids)
         run.write_logits(pid, logits)                    # [gen_token, vocab]
-        run.write_kv(pid, k, v, layer_names=names)       # [layer, kv_head, seq, head_dim]
+        run.write_kv(pid, k, v, layer_names=names)       # [layer, kv_head, position, head_dim]
     k, v = store.read_kv(run.run_id, pid, as_torch=True)  # same dtype, bit for bit
     store.sql("SELECT * FROM captures WHERE dtype = 'bfloat16'")
 
 Layout (see ../shared/DESIGN.md)::
 
-    <store>/capturestore.json                              {"format": "capturestore", "format_version": 1}
-    <store>/arrays.zarr/<run_id>/<prompt_id>/tokens         int32 [token]  (prompt + continuation)
+    <store>/capturestore.json                              {"format": "capturestore", "format_version": 2}
+    <store>/arrays.zarr/<run_id>/<prompt_id>/tokens         int32 [position]  (prompt + continuation)
     <store>/arrays.zarr/<run_id>/<prompt_id>/logits         [gen_token, vocab]
-    <store>/arrays.zarr/<run_id>/<prompt_id>/kv_k, kv_v     [layer, kv_head, seq, head_dim]  (kv_k_<group> ...)
+    <store>/arrays.zarr/<run_id>/<prompt_id>/kv_k, kv_v     [layer, kv_head, position, head_dim]  (kv_k_<group> ...)
     <store>/arrays.zarr/<run_id>/<prompt_id>/tensors/<module>/<phase>   [step, ...]
     <store>/tables/<table>/<segment>.parquet                append-only segments
     <store>/pending/<run_id>.json                           lock file of a run being written
@@ -24,7 +24,9 @@ Arrays are Zarr v3 (xarray/dask open them) with ``dimension_names``, chunks of o
 token block (~4 MiB; a one-shot KV layer of up to 8 MiB is one chunk), blosc-lz4-bitshuffle +
 crc32c per chunk. bf16 and fp8 are stored as
 uint16/uint8 bits with the logical dtype in the ``logical_dtype`` attribute
-(``Store.open_xarray(run_id, prompt_id)`` views them back as ml_dtypes).
+(``Store.open_xarray(run_id, prompt_id)`` views them back as ml_dtypes). KV and tokens share
+the ``position`` dim, the ``position`` column of the SQL metric tables (format 1 said ``seq`` /
+``token``; such stores still read). docs/reading.md: reading a store without this library.
 
 SQL views (the stable interface; ``Store.sql`` and ``capturestore sql``):
 
