@@ -83,6 +83,8 @@ def test_format1_store_written_by_the_old_code_reads_bit_exactly(format1_store):
         assert ds["logits"].dims == ("gen_token", "vocab") and ds.sizes["position"] == 8
         assert np.array_equal(bits(ds["kv_v"].values), bits(want["kv_v"]))
     assert store.sql("SELECT count(*) AS n FROM captures").to_pylist() == [{"n": 10}]
+    report = store.verify()
+    assert report.ok and report.checked_arrays == 10, report.summary()
 
 
 def test_a_new_run_in_a_format1_store_is_written_in_format2_beside_the_old_ones(format1_store):
