@@ -126,7 +126,7 @@ def throughput(workdir: Path, shape, repeat: int) -> list[tuple]:
         os.sync()
         t = time.perf_counter()
         with store.begin_run(engine="bench", model_path="synthetic") as run:
-            pid = run.add_prompt([1, 2, 3])
+            pid = run.add_prompt([1] * shape[2])  # one token per KV position
             run.write_kv(pid, k, v)
         times["st_w"].append(time.perf_counter() - t)
         fsync_tree(store_root / "arrays.zarr" / run.run_id)
@@ -136,7 +136,7 @@ def throughput(workdir: Path, shape, repeat: int) -> list[tuple]:
             os.sync()
             t = time.perf_counter()
             with store.begin_run(engine="bench", model_path="synthetic", chunk_tokens=tokens_before) as run4:
-                pid4 = run4.add_prompt([6])
+                pid4 = run4.add_prompt([6] * shape[2])
                 run4.write_kv(pid4, k, v)
             times["st_w4"].append(time.perf_counter() - t)
 
@@ -164,7 +164,7 @@ def throughput(workdir: Path, shape, repeat: int) -> list[tuple]:
         os.sync()
         t = time.perf_counter()  # checksum-only chunks: compression=None
         with store.begin_run(engine="bench", model_path="synthetic", compression=None) as run3:
-            pid3 = run3.add_prompt([5])
+            pid3 = run3.add_prompt([5] * shape[2])
             run3.write_kv(pid3, k, v)
         times["nc_w"].append(time.perf_counter() - t)
         t = time.perf_counter()
@@ -175,7 +175,7 @@ def throughput(workdir: Path, shape, repeat: int) -> list[tuple]:
         os.sync()
         t = time.perf_counter()
         with store.begin_run(engine="bench", model_path="synthetic") as run2:
-            pid2 = run2.add_prompt([4])
+            pid2 = run2.add_prompt([4] * shape[2])
             for s in range(0, shape[2], step):
                 run2.append_kv(pid2, k[:, :, s : s + step], v[:, :, s : s + step])
         times["st_stream"].append(time.perf_counter() - t)
@@ -216,13 +216,14 @@ def compression(workdir: Path, quick: bool) -> list[tuple]:
     logits = (rng.standard_normal((64, 32000), dtype=np.float32) * 3).astype(np.float32)
     if tiny is not None:
         with store.begin_run(engine="bench", model_path="tiny llama-gqa") as run:
-            pid = run.add_prompt([1])
+            # one token per KV position, one logits row per continuation token (the prompt is 1 token)
+            pid = run.add_prompt([1], continuation=[1] * (tiny[0].shape[2] - 1))
             run.write_kv(pid, tiny[0], tiny[1])
-            run.write_logits(pid, tiny[2])
+            run.write_logits(pid, tiny[2][:-1])
         cases.append((run.run_id, ["kv_k", "kv_v"], "BF16 KV, tiny llama-gqa bf16 forward"))
         cases.append((run.run_id, ["logits"], "FP32 logits, tiny llama-gqa fp32 forward"))
     with store.begin_run(engine="bench", model_path="synthetic") as run:
-        pid = run.add_prompt([2])
+        pid = run.add_prompt([2] * (k.shape[2] - len(logits)), continuation=[2] * len(logits))
         run.write_kv(pid, k, v)
         run.write_logits(pid, logits)
     cases.append((run.run_id, ["kv_k", "kv_v"], "BF16 KV, synthetic log-normal channels"))

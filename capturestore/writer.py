@@ -238,6 +238,11 @@ class RunWriter:
 
     def _check_complete(self) -> None:
         for (pid, name), st in self._arrays.items():
+            where = f"run {self.run_id}, prompt {pid}, array {name}: commit"
+            if st.kind == "logits":
+                self._check_logit_rows(pid, st.logical_shape[0], where)
+            elif st.kind in ("kv_k", "kv_v"):
+                self._check_kv_seq(pid, st.logical_shape[2], where)
             if st.layers_written is not None:
                 n = st.arr.shape[0]
                 missing = sorted(set(range(n)) - st.layers_written)
@@ -269,6 +274,8 @@ class RunWriter:
             return pid
         if text is not None and not isinstance(text, str):
             raise ValueError(f"run {self.run_id}: add_prompt text must be a str, got {type(text).__name__}")
+        if self._logits_geometry is not None:
+            self._check_vocab(pid, seq, self._logits_geometry[0], where)
         zarr.create_group(store=self.store._zstore, path=f"{self.run_id}/{pid}", attributes={"prompt_id": pid})
         ld = LOGICAL_DTYPES["int32"]
         st = self._new_array(pid, "tokens", "tokens", ld, seq.shape, (max(1, min(seq.size, 1 << 20)),), TOKENS_DIMS,
@@ -281,6 +288,41 @@ class RunWriter:
         self._check_open()
         if pid not in self._prompts:
             raise ValueError(f"run {self.run_id}: {what}: prompt {pid!r} was not added to this run (add_prompt first)")
+
+    # Documented conventions (docs/tables.md): tokens = prompt + continuation; logits row j
+    # predicts continuation token j (one row per continuation token); KV seq index = position
+    # (one per token). Anything else would be stored and later compared against wrong positions.
+    def _counts(self, pid: str) -> str:
+        p = self._prompts[pid]
+        n, n_prompt = int(p["tokens"].size), p["n_prompt"]
+        return f"{n} tokens = prompt {n_prompt} + continuation {n - n_prompt}"
+
+    def _check_logit_rows(self, pid: str, rows: int, where: str, partial: bool = False) -> None:
+        p = self._prompts[pid]
+        n_cont = int(p["tokens"].size) - p["n_prompt"]
+        if rows > n_cont or (not partial and rows != n_cont):
+            raise ValueError(
+                f"{where}: {rows} logits rows{' so far' if partial else ''} but the prompt holds {self._counts(pid)}; "
+                f"logits [gen_token, vocab] hold one row per continuation token (row j predicts continuation "
+                f"token j; pass the teacher/generated tokens to add_prompt(..., continuation=...))"
+            )
+
+    def _check_kv_seq(self, pid: str, seq: int, where: str, partial: bool = False) -> None:
+        n = int(self._prompts[pid]["tokens"].size)
+        if seq > n or (not partial and seq != n):
+            raise ValueError(
+                f"{where}: KV seq {seq}{' so far' if partial else ''} but the prompt holds {self._counts(pid)}; "
+                f"KV [layer, kv_head, seq, head_dim] holds one position per token (NaN where a position was not "
+                f"written)"
+            )
+
+    def _check_vocab(self, pid: str, tokens: np.ndarray, vocab: int, where: str) -> None:
+        bad = np.flatnonzero(tokens >= vocab)
+        if bad.size:
+            raise ValueError(
+                f"{where}: token id {int(tokens[bad[0]])} at position {int(bad[0])} of prompt {pid} is >= the vocab "
+                f"size {vocab} (the logits width); {bad.size} token(s) out of range"
+            )
 
     # ---- generic array plumbing -----------------------------------------------------------
     def _new_array(self, pid: str, name: str, kind: str, ld: LogicalDtype, shape: tuple[int, ...],
@@ -375,11 +417,16 @@ class RunWriter:
                     f"{where}: logits [gen_token, vocab={arr.shape[1]}] {ld.name} disagree with what run "
                     f"{self.run_id} already holds (vocab={vocab}, {dt})"
                 )
+        else:  # the vocab becomes known: every prompt of the run must fit it
+            for other, p in self._prompts.items():
+                self._check_vocab(other, p["tokens"], arr.shape[1], where)
         return arr, ld
 
     def write_logits(self, pid: str, logits: Any) -> None:
-        """logits: [gen_token, vocab], written in one go."""
+        """logits: [gen_token, vocab], written in one go: one row per continuation token."""
         arr, ld = self._check_logits(pid, logits, "write_logits", allow_1d=False)
+        if (pid, "logits") not in self._arrays:
+            self._check_logit_rows(pid, arr.shape[0], f"run {self.run_id}, prompt {pid}: write_logits")
         t = self._tokens_per_chunk(arr.shape[1] * ld.storage.itemsize, arr.shape[0])
         st = self._new_array(pid, "logits", "logits", ld, arr.shape, (t, arr.shape[1]), LOGITS_DIMS, {})
         self._write(st, to_storage(np.ascontiguousarray(arr), ld))
@@ -390,12 +437,15 @@ class RunWriter:
         arr, ld = self._check_logits(pid, step_logits, "append_logits", allow_1d=True)
         st = self._arrays.get((pid, "logits"))
         if st is None:
+            self._check_logit_rows(pid, arr.shape[0], f"run {self.run_id}, prompt {pid}: append_logits", partial=True)
             t = self._tokens_per_chunk(arr.shape[1] * ld.storage.itemsize, None)
             st = self._new_array(pid, "logits", "logits", ld, (0, arr.shape[1]), (t, arr.shape[1]), LOGITS_DIMS, {})
             st.buffer = _Buffer(axis=0, data=np.empty((t, arr.shape[1]), ld.storage))
             self._logits_geometry = (arr.shape[1], ld.name)
         elif st.buffer is None:
             raise ValueError(f"run {self.run_id}, prompt {pid}: append_logits after write_logits; logits already written")
+        self._check_logit_rows(pid, st.length + st.buffer.fill + arr.shape[0],
+                               f"run {self.run_id}, prompt {pid}: append_logits", partial=True)
         self._append_rows(st, to_storage(arr, ld))
 
     # ---- KV --------------------------------------------------------------------------------
@@ -471,6 +521,7 @@ class RunWriter:
         names = self._layer_names(layer_names, L, where)
         g = self._kv_names(group)[2]
         self._check_kv_geometry(pid, "write_kv", g, L, H, D, ld, names)
+        self._check_kv_seq(pid, S, where)
         sk, sv = self._create_kv_arrays(pid, group, ka.shape, ld, names, self._kv_chunks(H, D, ld, S))
         pending: list = []  # K and V chunks encode together
         self._write(sk, to_storage(np.ascontiguousarray(ka), ld), pending=pending)
@@ -489,6 +540,7 @@ class RunWriter:
         for what, val in (("num_kv_heads", num_kv_heads), ("seq_len", seq_len), ("head_dim", head_dim)):
             if not isinstance(val, (int, np.integer)) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{where}: {what} must be a positive integer, got {val!r}")
+        self._check_kv_seq(pid, int(seq_len), where)
         ld = LOGICAL_DTYPES[_normalise_dtype_name(dtype, where)]
         names = self._layer_names(layer_names, len(layer_names), where)
         g = self._kv_names(group)[2]
@@ -536,12 +588,13 @@ class RunWriter:
         if va.ndim == 3:
             va = va[:, :, None, :]
         ka, va, ld = self._kv_pair(pid, ka, va, where, 4, "[layer, kv_head, n, head_dim]")
-        L, H, _, D = ka.shape
+        L, H, n_new, D = ka.shape
         kname, vname, g = self._kv_names(group)
         sk = self._arrays.get((pid, kname))
         if sk is None:
             names = self._layer_names(layer_names, L, where)
             self._check_kv_geometry(pid, "append_kv", g, L, H, D, ld, names)
+            self._check_kv_seq(pid, n_new, where, partial=True)
             chunks = self._kv_chunks(H, D, ld, None)
             if self._chunk_tokens is None:  # staging holds one chunk per layer for K and V: bound it
                 chunks = (1, H, stream_chunk_tokens(chunks[2], 2 * L * H * D * ld.storage.itemsize), D)
@@ -556,6 +609,7 @@ class RunWriter:
             if (L, H, D, ld.name) != held:
                 raise ValueError(f"{where}: step [layer={L}, kv_head={H}, head_dim={D}] {ld.name} disagrees with "
                                  f"what the run holds [layer={held[0]}, kv_head={held[1]}, head_dim={held[2]}] {held[3]}")
+            self._check_kv_seq(pid, sk.length + sk.buffer.fill + n_new, where, partial=True)
         self._append_rows(sk, to_storage(ka, ld))
         self._append_rows(sv, to_storage(va, ld))
 

@@ -62,7 +62,7 @@ def test_kv_shape_disagreeing_with_the_run_is_refused_and_nothing_committed(stor
 
 def test_bad_calls_outside_a_with_block_leave_the_run_usable(store):
     run = store.begin_run(engine="hf", model_path="m")
-    pid = run.add_prompt([1, 2])
+    pid = run.add_prompt([1, 2], continuation=[3, 4])
     run.write_logits(pid, np.zeros((2, 10), np.float32))
     other = run.add_prompt([3])
     with pytest.raises(ValueError, match=r"vocab=12\] float32 disagree with what run .* holds \(vocab=10, float32\)"):
@@ -86,7 +86,7 @@ def test_bad_calls_outside_a_with_block_leave_the_run_usable(store):
 
 def test_streaming_append_with_changed_geometry_is_refused(store):
     run = store.begin_run(engine="hf", model_path="m")
-    pid = run.add_prompt([1, 2])
+    pid = run.add_prompt([1])
     run.append_kv(pid, kv((2, 2, 1, 32)), kv((2, 2, 1, 32)))
     with pytest.raises(ValueError, match=r"step \[layer=3, kv_head=2, head_dim=32\] bfloat16 disagrees .* \[layer=2"):
         run.append_kv(pid, kv((3, 2, 1, 32)), kv((3, 2, 1, 32)))
@@ -119,7 +119,7 @@ def test_write_kv_layer_checks_layer_and_shape(store):
     with pytest.raises(ValueError, match=r"got \[kv_head, seq, head_dim\] \(1, 3, 32\) bfloat16, the run holds \(1, 2, 32\)"):
         run.write_kv_layer(pid, 0, kv((1, 3, 32)), kv((1, 3, 32)))
     with pytest.raises(ValueError, match="dtype float64 is not supported"):
-        run.create_kv(run.add_prompt([3]), ["a", "b"], 1, 2, 32, dtype="float64")
+        run.create_kv(run.add_prompt([3, 4]), ["a", "b"], 1, 2, 32, dtype="float64")
     run.abort()
     assert not (store.root / ARRAYS_DIR / run.run_id).exists()
 
@@ -176,3 +176,80 @@ def test_bad_module_names_and_tensor_shape_changes(store):
     with pytest.raises(ValueError, match="step 0 was already written"):
         run.write_tensor(pid, "m.a", np.zeros((2, 3), np.float32), step=0)
     run.abort()
+
+
+# ---------------------------------------------------------------- the documented conventions
+# tokens = prompt + continuation; logits: one row per continuation token; KV: one position per
+# token (docs/tables.md). Anything else is refused before it is written.
+
+
+def _arrays_of(store, run, pid):
+    d = store.root / ARRAYS_DIR / run.run_id / pid
+    return sorted(p.name for p in d.iterdir() if (p / "zarr.json").exists()) if d.is_dir() else []
+
+
+def test_kv_positions_must_match_the_prompts_tokens(store):
+    run = store.begin_run(engine="hf", model_path="m")
+    pid = run.add_prompt([1, 2, 3], continuation=[4, 5])  # 5 tokens
+    for bad in (4, 6):
+        with pytest.raises(ValueError, match=rf"run {run.run_id}, prompt {pid}: write_kv: KV seq {bad} but the prompt "
+                                             r"holds 5 tokens = prompt 3 \+ continuation 2"):
+            run.write_kv(pid, kv((2, 1, bad, 32)), kv((2, 1, bad, 32)))
+    with pytest.raises(ValueError, match=r"create_kv: KV seq 7 but the prompt holds 5 tokens"):
+        run.create_kv(pid, ["a", "b"], num_kv_heads=1, seq_len=7, head_dim=32, dtype="bfloat16")
+    assert _arrays_of(store, run, pid) == ["tokens"]  # nothing of the refused KV was written
+    run.append_kv(pid, kv((2, 1, 3, 32)), kv((2, 1, 3, 32)))
+    with pytest.raises(ValueError, match=r"append_kv: KV seq 6 so far but the prompt holds 5 tokens"):
+        run.append_kv(pid, kv((2, 1, 3, 32)), kv((2, 1, 3, 32)))
+    with pytest.raises(ValueError, match=rf"prompt {pid}, array kv_k: commit: KV seq 3 but the prompt holds 5 tokens"):
+        run.commit()  # 3 of 5 positions streamed: refused before any table row
+    run.abort()
+    assert store.runs().num_rows == 0 and not (store.root / ARRAYS_DIR / run.run_id).exists()
+    with store.begin_run(engine="hf", model_path="m") as ok:
+        pid = ok.add_prompt([1, 2, 3], continuation=[4, 5])
+        ok.append_kv(pid, kv((2, 1, 3, 32)), kv((2, 1, 3, 32)))
+        ok.append_kv(pid, kv((2, 1, 2, 32)), kv((2, 1, 2, 32)))
+    assert store.read_kv(ok.run_id, pid)[0].shape == (2, 1, 5, 32)
+
+
+def test_logits_rows_must_match_the_continuation(store):
+    run = store.begin_run(engine="hf", model_path="m")
+    pid = run.add_prompt([1, 2, 3], continuation=[4, 5])
+    for rows in (1, 3, 5):
+        with pytest.raises(ValueError, match=rf"run {run.run_id}, prompt {pid}: write_logits: {rows} logits rows but the "
+                                             r"prompt holds 5 tokens = prompt 3 \+ continuation 2; .*one row per continuation"):
+            run.write_logits(pid, np.zeros((rows, 10), np.float32))
+    assert _arrays_of(store, run, pid) == ["tokens"]
+    no_cont = run.add_prompt([7, 8])
+    with pytest.raises(ValueError, match=r"2 logits rows but the prompt holds 2 tokens = prompt 2 \+ continuation 0"):
+        run.write_logits(no_cont, np.zeros((2, 10), np.float32))  # prefill logits without their tokens
+    run.append_logits(pid, np.zeros((1, 10), np.float32))
+    with pytest.raises(ValueError, match=r"append_logits: 3 logits rows so far but .* continuation 2"):
+        run.append_logits(pid, np.zeros((2, 10), np.float32))
+    with pytest.raises(ValueError, match=r"array logits: commit: 1 logits rows but .* continuation 2"):
+        run.commit()
+    run.append_logits(pid, np.zeros(10, np.float32))
+    run.commit()
+    assert store.read_logits(run.run_id, pid).shape == (2, 10)
+
+
+def test_token_ids_must_lie_below_the_vocab_once_it_is_known(store):
+    run = store.begin_run(engine="hf", model_path="m")
+    early = run.add_prompt([1, 2, 30], continuation=[4])  # added before any logits: vocab unknown
+    pid = run.add_prompt([1, 2, 3], continuation=[4, 9])
+    with pytest.raises(ValueError, match=rf"write_logits: token id 30 at position 2 of prompt {early} is >= the vocab "
+                                         r"size 10 \(the logits width\); 1 token\(s\) out of range"):
+        run.write_logits(pid, np.zeros((2, 10), np.float32))
+    assert _arrays_of(store, run, pid) == ["tokens"]
+    run.abort()
+
+    with store.begin_run(engine="hf", model_path="m") as run:
+        pid = run.add_prompt([1, 2, 3], continuation=[4, 9])
+        run.write_logits(pid, np.zeros((2, 10), np.float32))  # 9 < 10: fine
+        with pytest.raises(ValueError, match=r"add_prompt: token id 10 at position 3 of prompt \w+ is >= the vocab size 10"):
+            run.add_prompt([5, 6], continuation=[7, 10])
+        with pytest.raises(ValueError, match=r"token id 12 at position 0 .* 2 token\(s\) out of range"):
+            run.add_prompt([12, 11])
+        assert run.prompt_ids == [pid]  # the refused prompts were not added
+    assert store.prompts(run.run_id).num_rows == 1
+    assert sorted(p.name for p in (store.root / ARRAYS_DIR / run.run_id).iterdir() if p.is_dir()) == [pid]

@@ -45,16 +45,16 @@ def test_kv_round_trips_bit_exact_for_every_write_path(shared_store, case):
     k, v = _as_dtype(kb, name), _as_dtype(vb, name)
     L, H, S, D = k.shape
     with shared_store.begin_run(engine="prop", model_path="m", chunk_tokens=chunk, compression=compression) as run:
-        one = run.add_prompt([1])
+        one = run.add_prompt([1] * S)  # one token per KV position
         run.write_kv(one, k, v)
-        streamed = run.add_prompt([2])
+        streamed = run.add_prompt([2] * S)
         t = 0
         for n in steps * (S // sum(steps) + 1):  # repeat the step pattern until seq is covered
             if t >= S:
                 break
             run.append_kv(streamed, k[:, :, t : t + n], v[:, :, t : t + n])
             t += n
-        layered = run.add_prompt([3])
+        layered = run.add_prompt([3] * S)
         run.create_kv(layered, L, num_kv_heads=H, seq_len=S, head_dim=D, dtype=name)
         for i in reversed(range(L)):
             run.write_kv_layer(layered, i, k[i], v[i])
@@ -78,9 +78,9 @@ def test_logits_round_trip_bit_exact_one_shot_and_streamed(shared_store, name, g
     raw = data.draw(hnp.arrays(np.dtype(f"u{itemsize}"), (gen, vocab), elements=st.integers(0, 2 ** (8 * itemsize) - 1)))
     logits = _as_dtype(raw, name)
     with shared_store.begin_run(engine="prop", model_path="m", chunk_tokens=chunk) as run:
-        a = run.add_prompt([1])
+        a = run.add_prompt([0], continuation=[0] * gen)  # one logits row per continuation token
         run.write_logits(a, logits)
-        b = run.add_prompt([2])
+        b = run.add_prompt([0, 0], continuation=[0] * gen)
         for t in range(0, gen, split):
             run.append_logits(b, logits[t : t + split])
     for pid in (a, b):

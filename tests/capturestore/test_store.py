@@ -38,10 +38,10 @@ def test_prompt_id_is_a_hash_of_token_ids_only(store):
 def test_one_shot_write_reads_back_bit_exact_with_metadata(store):
     rng = np.random.default_rng(1)
     k, v = bf16(rng, (2, 4, 9, 32)), bf16(rng, (2, 4, 9, 32))
-    logits = rng.standard_normal((9, 50)).astype(np.float32)
+    logits = rng.standard_normal((6, 50)).astype(np.float32)  # one row per continuation token
     with store.begin_run(engine="vllm", model_path="/m", model_hash="abc", dtype="bfloat16", device="cpu",
                          engine_version="0.32.0", tp_degree=2, release="r1", config={"a": [1, 2]}) as run:
-        pid = run.add_prompt(np.arange(9), text="hello")
+        pid = run.add_prompt(np.arange(3), text="hello", continuation=np.arange(3, 9))
         run.write_logits(pid, logits)
         run.write_kv(pid, k, v, layer_names=["model.layers.0", "model.layers.1"])
     rid = run.run_id
@@ -76,9 +76,9 @@ def test_as_torch_returns_the_same_torch_dtype_bit_exact(store):
     g = torch.Generator().manual_seed(0)
     k = torch.randn(2, 2, 5, 32, generator=g).to(torch.bfloat16)
     v = torch.randn(2, 2, 5, 32, generator=g).to(torch.float8_e4m3fn)
-    logits = torch.randn(5, 40, generator=g, dtype=torch.float16)
+    logits = torch.randn(3, 40, generator=g, dtype=torch.float16)  # one row per continuation token
     with store.begin_run(engine="hf", model_path="m") as run:
-        pid = run.add_prompt(torch.tensor([3, 1, 4, 1, 5]))
+        pid = run.add_prompt(torch.tensor([3, 1]), continuation=torch.tensor([4, 1, 5]))
         run.write_kv(pid, k, k.clone())
         run.write_logits(pid, logits)
         run.write_tensor(pid, "model.layers.0.self_attn.k_proj", v[0])
@@ -109,13 +109,13 @@ def test_e4m3_round_trips_in_numpy_and_refuses_torch_with_a_reason(store):
 def test_streaming_append_equals_one_shot_write(store, chunk_tokens):
     rng = np.random.default_rng(2)
     k, v = bf16(rng, (3, 2, 21, 32)), bf16(rng, (3, 2, 21, 32))
-    logits = rng.standard_normal((21, 30)).astype(np.float32)
+    logits = rng.standard_normal((20, 30)).astype(np.float32)  # one row per continuation token
     steps = [0, 1, 2, 5, 6, 13, 21]  # uneven step sizes, including 1-token and many-token steps
     with store.begin_run(engine="hf", model_path="m", chunk_tokens=chunk_tokens) as run:
-        one = run.add_prompt([1, 2])
+        one = run.add_prompt([1], continuation=[2] * 20)  # 21 tokens: one per KV position
         run.write_kv(one, k, v)
         run.write_logits(one, logits)
-        streamed = run.add_prompt([1, 2, 3])
+        streamed = run.add_prompt([3], continuation=[2] * 20)  # the last logits slice ends at row 20
         for a, b in zip(steps[:-1], steps[1:]):
             if b - a == 1:  # single decode step in its squeezed form
                 run.append_kv(streamed, k[:, :, a], v[:, :, a])
@@ -135,7 +135,7 @@ def test_layer_by_layer_write_equals_one_shot(store):
     k, v = bf16(rng, (4, 2, 7, 32)), bf16(rng, (4, 2, 7, 32))
     names = [f"model.layers.{i}" for i in range(4)]
     with store.begin_run(engine="hf", model_path="m") as run:
-        pid = run.add_prompt([9, 9])
+        pid = run.add_prompt([9] * 7)  # one token per KV position
         run.create_kv(pid, names, num_kv_heads=2, seq_len=7, head_dim=32, dtype="bfloat16")
         for i in (2, 0, 3):
             run.write_kv_layer(pid, i, k[i], v[i])
@@ -148,7 +148,7 @@ def test_kv_groups_hold_layers_of_different_shapes(store):
     rng = np.random.default_rng(4)
     full, sliding = bf16(rng, (2, 4, 6, 32)), bf16(rng, (1, 2, 6, 64))
     with store.begin_run(engine="vllm", model_path="m") as run:
-        pid = run.add_prompt([1, 2, 3])
+        pid = run.add_prompt([1, 2, 3, 4, 5, 6])  # one token per KV position
         run.write_kv(pid, full, full, layer_names=["l0", "l2"])
         run.write_kv(pid, sliding, sliding, layer_names=["l1"], group="sliding")
     assert np.array_equal(bits(store.read_kv(run.run_id, pid)[0]), bits(full))
@@ -223,9 +223,9 @@ def test_xarray_opens_a_prompt_group_with_named_dims(store):
     rng = np.random.default_rng(6)
     k = bf16(rng, (2, 2, 5, 32))
     with store.begin_run(engine="hf", model_path="m") as run:
-        pid = run.add_prompt([1, 2, 3, 4, 5])
+        pid = run.add_prompt([1, 2], continuation=[3, 4, 5])
         run.write_kv(pid, k, k)
-        run.write_logits(pid, rng.standard_normal((5, 11)).astype(np.float32))
+        run.write_logits(pid, rng.standard_normal((3, 11)).astype(np.float32))
     ds = xr.open_zarr(store.root / ARRAYS_DIR / run.run_id / pid, consolidated=False, zarr_format=3)
     assert ds["kv_k"].dims == ("layer", "kv_head", "position", "head_dim") and ds["tokens"].dims == ("position",)
     assert ds["logits"].dims == ("gen_token", "vocab")
@@ -245,13 +245,13 @@ def test_chunks_written_by_the_fast_path_read_back_through_zarr_python(store, co
 
     rng = np.random.default_rng(7)
     k = bf16(rng, (2, 3, 13, 32))
-    logits = rng.standard_normal((13, 7)).astype(np.float32)
+    logits = rng.standard_normal((12, 13)).astype(np.float32)  # one row per continuation token, vocab > ids
     with store.begin_run(engine="hf", model_path="m", chunk_tokens=4, compression=compression) as run:
-        pid = run.add_prompt(np.arange(13))
+        pid = run.add_prompt(np.arange(1), continuation=np.arange(1, 13))
         run.write_kv(pid, k, k)
-        for t in range(13):
+        for t in range(12):
             run.append_logits(pid, logits[t])
-        other = run.add_prompt([1])
+        other = run.add_prompt([1] * 13)
         run.create_kv(other, 2, num_kv_heads=3, seq_len=13, head_dim=32, dtype="bfloat16")
         run.write_kv_layer(other, 1, k[1], k[1])
         run.write_kv_layer(other, 0, k[0], k[0])
@@ -319,9 +319,9 @@ def test_store_pickles_by_path(store):
 def test_token_slices_read_only_what_they_ask_for(store):
     rng = np.random.default_rng(8)
     k = bf16(rng, (3, 2, 20, 32))
-    logits = rng.standard_normal((20, 9)).astype(np.float32)
+    logits = rng.standard_normal((19, 9)).astype(np.float32)  # one row per continuation token
     with store.begin_run(engine="hf", model_path="m", chunk_tokens=4) as run:
-        pid = run.add_prompt([1])
+        pid = run.add_prompt([1], continuation=[1] * 19)
         run.write_kv(pid, k, k)
         run.write_logits(pid, logits)
     k2, _ = store.read_kv(run.run_id, pid, tokens=slice(5, 13))

@@ -21,7 +21,7 @@ def test_one_shot_kv_layer_up_to_8_mib_is_one_chunk(store, seq, want_tokens):
     k = _bf16(rng, (2, 8, seq, 128))
     v = _bf16(rng, (2, 8, seq, 128))
     with store.begin_run(engine="hf", model_path="m") as run:
-        pid = run.add_prompt([1, 2, 3])
+        pid = run.add_prompt([1] * seq)  # one token per KV position
         run.write_kv(pid, k, v)
     chunks = {r["array_name"]: r["chunks"] for r in store.captures(run.run_id).to_pylist()}
     assert chunks["kv_k"] == chunks["kv_v"] == [1, 8, want_tokens, 128]
@@ -36,9 +36,9 @@ def test_chunk_tokens_override_still_wins_over_whole_layer_chunks(store):
     rng = np.random.default_rng(0)
     k = _bf16(rng, (1, 2, 10, 32))
     with store.begin_run(engine="hf", model_path="m", chunk_tokens=4) as run:
-        pid = run.add_prompt([1])
+        pid = run.add_prompt([1] * 10)  # one token per KV position
         run.write_kv(pid, k, k)
-        other = run.add_prompt([2])
+        other = run.add_prompt([2] * 10)
         run.create_kv(other, 1, num_kv_heads=2, seq_len=10, head_dim=32, dtype="bfloat16")
         run.write_kv_layer(other, 0, k[0], k[0])
     rows = store.captures(run.run_id).to_pylist()
@@ -49,7 +49,7 @@ def test_layer_by_layer_kv_gets_whole_layer_chunks_too(store):
     rng = np.random.default_rng(1)
     k = _bf16(rng, (3, 2, 100, 32))
     with store.begin_run(engine="hf", model_path="m") as run:
-        pid = run.add_prompt([1])
+        pid = run.add_prompt([1] * 100)  # one token per KV position
         run.create_kv(pid, 3, num_kv_heads=2, seq_len=100, head_dim=32, dtype="bfloat16")
         for layer in (2, 0, 1):
             run.write_kv_layer(pid, layer, k[layer], k[layer])

@@ -13,17 +13,20 @@ import ml_dtypes
 import numpy as np
 
 LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 3, 2, 32, 64
+PROMPT_LEN = 8  # the first tokens are the prompt, the rest its continuation
 
 
 def prompt_data(seed: int, i: int) -> dict[str, np.ndarray]:
-    """tokens [token], k/v [layer, kv_head, seq, head_dim] bf16, logits [gen_token, vocab] fp32."""
+    """tokens [token] (an 8-token prompt + its continuation, ids below VOCAB), k/v [layer, kv_head,
+    seq, head_dim] bf16 (one position per token), logits [gen_token, vocab] fp32 (one row per
+    continuation token)."""
     rng = np.random.default_rng([seed, i])
     seq = 24 + i
     return {
-        "tokens": rng.integers(0, 1000, size=seq),
+        "tokens": rng.integers(0, VOCAB, size=seq),
         "k": rng.standard_normal((LAYERS, KV_HEADS, seq, HEAD_DIM)).astype(ml_dtypes.bfloat16),
         "v": rng.standard_normal((LAYERS, KV_HEADS, seq, HEAD_DIM)).astype(ml_dtypes.bfloat16),
-        "logits": rng.standard_normal((seq, VOCAB)).astype(np.float32),
+        "logits": rng.standard_normal((seq - PROMPT_LEN, VOCAB)).astype(np.float32),
     }
 
 
@@ -35,10 +38,11 @@ def stream(store_path: str, n_prompts: int, seed: int) -> None:
         print("begun", run.run_id, flush=True)
         for i in range(n_prompts):
             d = prompt_data(seed, i)
-            pid = run.add_prompt(d["tokens"], text=f"prompt {i}")
+            pid = run.add_prompt(d["tokens"][:PROMPT_LEN], text=f"prompt {i}", continuation=d["tokens"][PROMPT_LEN:])
             for t in range(d["k"].shape[2]):  # one decode step at a time
                 run.append_kv(pid, d["k"][:, :, t : t + 1], d["v"][:, :, t : t + 1])
-                run.append_logits(pid, d["logits"][t : t + 1])
+                if t < len(d["logits"]):
+                    run.append_logits(pid, d["logits"][t : t + 1])
             print("prompt", i, flush=True)
     store.append_table("writer_metrics", [{"run_id": run.run_id, "prompt_idx": i, "seed": seed} for i in range(n_prompts)])
     print("committed", run.run_id, flush=True)
