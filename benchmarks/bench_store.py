@@ -261,7 +261,7 @@ base = vm("VmHWM")
 print("ready", flush=True)
 t = time.perf_counter()
 with store.begin_run(engine="bench", model_path="rss") as run:
-    pid = run.add_prompt([1])
+    pid = run.add_prompt([1] * steps)  # one token per KV position
     for s in range(steps):
         k, v = pool[s % len(pool)]
         run.append_kv(pid, k, v)
