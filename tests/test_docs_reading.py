@@ -30,6 +30,7 @@ def run(code, cwd, name):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_reading_doc_examples_run_without_the_library(tmp_path):
     pytest.importorskip("xarray")
     pytest.importorskip("torch")

