@@ -110,12 +110,21 @@ def _common_prompts(store, runs: dict) -> list[str]:
 
 
 def _kv_layer_names(store, runs: dict) -> dict:
-    """``{(run_id, prompt_id): layer names}`` of every KV capture of ``runs``, in one query."""
+    """``{(run_id, prompt_id): {kv group (None: the default array): layer names}}`` of every KV
+    capture of ``runs``, in one query. A run whose layers differ in shape holds one KV array per
+    group (``write_kv(..., group=)``); their layers are compared together."""
     ids = ", ".join(f"'{rid}'" for rid in runs.values())
     rows = store.sql(
-        f"SELECT run_id, prompt_id, layer_names FROM captures WHERE run_id IN ({ids}) AND kind = 'kv_k'"
+        f"SELECT run_id, prompt_id, kv_group, layer_names FROM captures WHERE run_id IN ({ids}) AND kind = 'kv_k'"
     ).to_pylist()
-    return {(r["run_id"], r["prompt_id"]): r["layer_names"] for r in rows}
+    out: dict = {}
+    for r in rows:
+        out.setdefault((r["run_id"], r["prompt_id"]), {})[r["kv_group"] or None] = r["layer_names"]
+    return out
+
+
+def _all_layers(groups: dict | None) -> list:
+    return [n for names in (groups or {}).values() for n in (names or [])]
 
 
 def _check_models(known: dict, runs: dict, allow: bool) -> bool:
@@ -146,7 +155,7 @@ def _kv_coverage(runs: dict, prompt_ids, kv_names: dict) -> str | None:
     for pid in prompt_ids:
         ref_layers = {}  # layer -> the reference roles holding it
         for role in refs:
-            for name in kv_names.get((runs[role], pid)) or []:
+            for name in _all_layers(kv_names.get((runs[role], pid))):
                 ref_layers.setdefault(name, []).append(role)
         if (runs["expected"], pid) not in kv_names:
             continue  # the expected run holds no KV of this prompt: nothing to compare it with
@@ -154,7 +163,7 @@ def _kv_coverage(runs: dict, prompt_ids, kv_names: dict) -> str | None:
             if (rid, pid) not in kv_names:
                 missing.append((role, rid, pid))
                 continue
-            have = set(kv_names[(rid, pid)] or [])
+            have = set(_all_layers(kv_names[(rid, pid)]))
             lacks = [n for n in ref_layers if n not in have]
             if lacks:
                 raise ValueError(
@@ -171,11 +180,15 @@ def _kv_coverage(runs: dict, prompt_ids, kv_names: dict) -> str | None:
             f"compare logits only with kv=False (CLI: --no-kv)")
 
 
-def _kv_dict(store, run_id, pid, names):
-    """``{layer: (k, v)}`` with ``k, v: [1, kv_head, seq, head_dim]`` from a stored capture."""
-    k, v = store.read_kv(run_id, pid)
-    names = list(names) if names else [str(i) for i in range(k.shape[0])]
-    return {n: (k[i][None], v[i][None]) for i, n in enumerate(names)}
+def _kv_dict(store, run_id, pid, groups: dict):
+    """``{layer: (k, v)}`` with ``k, v: [1, kv_head, seq, head_dim]`` from a stored capture (the
+    layers of every KV group of it)."""
+    out = {}
+    for group, names in groups.items():
+        k, v = store.read_kv(run_id, pid, group=group)
+        names = list(names) if names else [f"{group + '.' if group else ''}{i}" for i in range(k.shape[0])]
+        out.update({n: (k[i][None], v[i][None]) for i, n in enumerate(names)})
+    return out
 
 
 def _f(x) -> float | None:

@@ -370,3 +370,34 @@ def test_runs_of_different_models_are_refused_unless_asked_and_recorded(syntheti
     rows = store.sql("SELECT comparison_id, models_differ FROM comparisons").to_pylist()
     got = {r["comparison_id"]: r["models_differ"] for r in rows}
     assert got[res.comparison_id] is True and got[same.comparison_id] is False and sum(got.values()) == 2
+
+
+def test_layers_held_in_kv_groups_are_compared_and_judged_together(tmp_path):
+    """A run whose layers differ in shape holds one KV array per group; every group's layers
+    are compared (they used to be skipped or mixed up: one group's names for another's array)."""
+    rng = np.random.default_rng(3)
+    prompts = _prompts(rng)
+    full = [rng.standard_normal((2, H, len(p) + len(c), D)).astype(np.float32) for p, c in prompts]
+    wide = [rng.standard_normal((1, 1, len(p) + len(c), 2 * D)).astype(np.float32) for p, c in prompts]
+    logits = [rng.standard_normal((len(c), V)).astype(np.float32) for _, c in prompts]
+    store = Store.open(tmp_path / "s")
+
+    def write(dtype, cast, nan_wide=False):
+        with store.begin_run(engine="synthetic", model_path="/m", model_hash="h0", dtype=dtype) as run:
+            for i, (p, c) in enumerate(prompts):
+                pid = run.add_prompt(p, continuation=c)
+                run.write_kv(pid, cast(full[i]), cast(full[i]), layer_names=["l0", "l2"])
+                w = cast(wide[i])
+                if nan_wide:
+                    w[0, 0, 3] = np.nan
+                run.write_kv(pid, w, cast(wide[i]), layer_names=["l1"], group="wide")
+                run.write_logits(pid, cast(logits[i]))
+        return run.run_id
+
+    base, exp = write("float32", lambda x: x.copy()), write("bfloat16", _bf16)
+    res = compare_runs(store, expected_run=exp, actual_run=write("bfloat16", _bf16), baseline_run=base)
+    assert res.passed and [lv.layer for lv in res.kv_verdict.layers] == ["l0", "l1", "l2"]
+    assert res.kv_verdict.layers[1].k.n_values == sum(2 * D * (len(p) + len(c)) for p, c in prompts)
+    bad = compare_runs(store, expected_run=exp, actual_run=write("bfloat16", _bf16, nan_wide=True), baseline_run=base)
+    assert not bad.passed and bad.kv_verdict.first_failing_layer == "l1"
+    assert bad.kv_verdict.layers[1].k.n_nonfinite == 2 * 2 * D  # position 3 of both prompts
