@@ -66,7 +66,7 @@ def test_sigkilled_writer_leaves_a_readable_store_and_gc_makes_verify_pass(tmp_p
             p.stdout.readline()
         time.sleep(rng.uniform(0.0, 0.05))
         os.kill(p.pid, signal.SIGKILL)
-        p.wait(timeout=30)
+        p.communicate(timeout=30)  # reaps it and closes its pipes
         killed.append(begun[1])
 
     store = Store.open(path)

@@ -51,6 +51,7 @@ def _copy(how: str, src: Path, dst: Path) -> None:
         dst.mkdir()
         tar = subprocess.Popen(["tar", "-C", str(src), "-cf", "-", "."], stdout=subprocess.PIPE)
         subprocess.run(["tar", "-C", str(dst), "-xf", "-"], stdin=tar.stdout, check=True)
+        tar.stdout.close()
         assert tar.wait() == 0
     else:
         subprocess.run(["rsync", "-a", f"{src}/", f"{dst}/"], check=True)
