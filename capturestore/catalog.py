@@ -13,10 +13,12 @@ find the segments relative to the catalog file itself, whatever the working dire
 resolves a relative path against the working directory (or ``file_search_path``), and a table
 function's arguments must be constants (no subquery of ``duckdb_databases()``), so a view reads
 the one constant that carries the database's own path: ``temp_directory``, which DuckDB sets to
-``<database file>.tmp`` when it opens a file (documented default, measured with duckdb 2.0.1).
-Where that does not hold (the file ATTACHed to another database, or ``temp_directory`` set) the
-views use ``file_search_path`` when it is set (``SET file_search_path = '<store>'``) and otherwise
-refuse in one line saying so. The file is rebuilt into a temporary file and renamed into place,
+``<database file>.tmp`` when it opens a file (DuckDB's "files created by DuckDB" page; measured
+with duckdb 2.0.1; ``catalog.tmp`` is accepted too). Where that does not hold (the file ATTACHed to
+another database, ``temp_directory`` set, or a client with another default: duckdb-java 1.5.1 on
+Windows set ``.tmp``, duckdb/duckdb-java#622) the views use ``file_search_path`` when it is set
+(``SET file_search_path = '<store>'``) and otherwise refuse in one line saying so, never reading
+the segments of whatever store the working directory holds. The file is rebuilt into a temporary file and renamed into place,
 only when ``catalog.stamp`` says its tables or view version changed (not on every open).
 """
 from __future__ import annotations
@@ -40,11 +42,12 @@ from capturestore.layout import CATALOG_FILE, CATALOG_STAMP_FILE, LEGACY_CATALOG
 from capturestore.tables import RUN_TABLES, has_column, table_dir
 
 # First line of catalog.stamp; a change to what view_sql writes changes it, so stores rebuild.
-CATALOG_STAMP = "capturestore catalog views 2: segments relative to catalog.duckdb, committed rows only"
+CATALOG_STAMP = "capturestore catalog views 3: segments relative to catalog.duckdb, committed rows only"
 
 # The store directory with a trailing '/', as a constant DuckDB folds when it binds a view.
 _STORE_DIR_SQL = (
     f"CASE WHEN suffix(current_setting('temp_directory'), '/{CATALOG_FILE}.tmp') "
+    f"OR suffix(current_setting('temp_directory'), '/{CATALOG_FILE.removesuffix('.duckdb')}.tmp') "
     "THEN parse_dirpath(current_setting('temp_directory')) || '/' "
     "WHEN current_setting('file_search_path') <> '' THEN '' "
     f"ELSE error('{CATALOG_FILE}: cannot tell which store this catalog belongs to; open it directly "

@@ -200,3 +200,22 @@ def test_library_queries_work_from_any_working_directory(tmp_path, monkeypatch):
     fresh = Store.open(os.path.relpath(store.root, "/"))
     assert fresh.sql("SELECT run_id FROM runs").column("run_id").to_pylist() == [rid]
     assert np.array_equal(fresh.read_tokens(rid, fresh.prompts(rid).column("prompt_id")[0].as_py()), [5, 6])
+
+
+def test_a_client_with_another_temp_directory_default_is_refused_then_reads_via_file_search_path(tmp_path):
+    """Some clients do not default temp_directory to '<database>.tmp' (duckdb-java 1.5.1 on Windows)."""
+    store = Store.open(tmp_path / "s")
+    rid = _fill(store, [7, 9], 1.0)
+    other = Store.open(tmp_path / "cwd-store")  # a store in the working directory must never be read instead
+    _fill(other, [1], 2.0)
+    cwd = os.getcwd()
+    os.chdir(other.root)
+    try:
+        con = duckdb.connect(str(store.root / CATALOG_FILE), read_only=True, config={"temp_directory": ".tmp"})
+        with pytest.raises(duckdb.Error, match="cannot tell which store this catalog belongs to"):
+            con.sql("SELECT run_id FROM runs").fetchall()
+        con.execute(f"SET file_search_path = '{store.root}'")
+        assert con.sql("SELECT run_id FROM runs").fetchall() == [(rid,)]
+        con.close()
+    finally:
+        os.chdir(cwd)
