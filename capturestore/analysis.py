@@ -211,8 +211,10 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     (unless ``allow_different_models``; the comparison row then records ``models_differ``), and
     a run whose KV lacks a layer the references hold. When the references hold KV of a prompt
     and another run does not, the KV verdict is "not compared" and the comparison does not pass
-    (``kv=False`` compares logits only). Non-finite actual KV where the references are finite
-    fails the KV verdict (``metrics.verdict``).
+    (``kv=False`` compares logits only). A two-way comparison stores KV metrics but has no noise
+    to judge them against: its KV verdict is "not judged" and it does not pass unless
+    ``kv=False``. Non-finite actual KV where the references are finite fails the KV verdict
+    (``metrics.verdict``).
     """
     from metrics.kv import aggregate_kv_bc_arrays, compare_kv_caches
     from metrics.logits import validate_token_logits
@@ -313,6 +315,11 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     staged: dict = {}  # table -> rows; commit_comparison appends them, then the comparisons row (the commit marker)
     if kv_not_compared is not None:
         kv_verdict = KVVerdict.not_compared_because(kv_not_compared, kv_verdict_config)
+    elif head_cols and not three_way:
+        kv_verdict = KVVerdict.not_judged_because(
+            "two-way comparison: without a baseline (FP32) run there is no dtype noise to judge the KV against "
+            "(its metrics are in kv_head_metrics); pass baseline_run (CLI: --baseline) for a KV verdict, or "
+            "kv=False (CLI: --no-kv) to judge logits only", kv_verdict_config)
     if raw_errors:
         kv_verdict = aggregate_kv_verdict(raw_errors, prompt_lens=prompt_lens, config=kv_verdict_config,
                                           prompt_ids=kv_pids, run=actual_run)
@@ -347,7 +354,7 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
         "logit_sigma_ratio": None if logit_verdict is None else _f(logit_verdict.sigma_ratio),
         "logit_min_bc": None if logit_verdict is None else _f(logit_verdict.min_bc),
         "logit_summary": None if logit_verdict is None else logit_verdict.summary(),
-        "kv_passed": None if kv_verdict is None or kv_verdict.not_compared is not None else bool(kv_verdict.passed),
+        "kv_passed": None if kv_verdict is None or kv_verdict.unjudged is not None else bool(kv_verdict.passed),
         "kv_first_failing_layer": None if kv_verdict is None else kv_verdict.first_failing_layer,
         "kv_summary": None if kv_verdict is None else kv_verdict.summary(),
         "failure_phase": phase,
@@ -400,7 +407,7 @@ def _first_failure(logit_rows, kv_verdict):
         first = min(failed, key=lambda r: (r["gen_token_idx"], r["prompt_id"]))
         info = {k: first[k] for k in ("prompt_id", "gen_token_idx", "status")}
         return info, ("prefill" if first["gen_token_idx"] == 0 else "decode")
-    if kv_verdict is not None and not kv_verdict.passed and kv_verdict.not_compared is None:
+    if kv_verdict is not None and not kv_verdict.passed and kv_verdict.unjudged is None:
         pre = getattr(kv_verdict, "prefill", None)
         return None, ("prefill" if pre is not None and not pre.passed else "decode")
     return None, None

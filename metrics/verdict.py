@@ -264,20 +264,27 @@ class KVVerdict:
     # finite: prompt (id or index), layer, tensor ("K"/"V"), n (values), first_position
     nonfinite: tuple = ()
     run: str | None = None  # the actual run, for messages
-    not_compared: str | None = None  # why no KV was compared (then passed is False, layers empty)
+    # the summary of a verdict that judged nothing ("not compared: ..." / "not judged: ..."); it
+    # never passes and has no layers
+    unjudged: str | None = None
 
     @classmethod
     def not_compared_because(cls, reason: str, config: KVVerdictConfig | None = None) -> "KVVerdict":
-        """A KV verdict that judged nothing: it never passes, and its summary says why."""
-        return cls(False, None, (), config or KVVerdictConfig(), 0, 0, not_compared=reason)
+        """No KV was compared (e.g. the actual run lacks the references' KV)."""
+        return cls(False, None, (), config or KVVerdictConfig(), 0, 0, unjudged=f"not compared: {reason}")
+
+    @classmethod
+    def not_judged_because(cls, reason: str, config: KVVerdictConfig | None = None) -> "KVVerdict":
+        """KV was compared (its metrics exist) but there is nothing to judge it against."""
+        return cls(False, None, (), config or KVVerdictConfig(), 0, 0, unjudged=f"not judged: {reason}")
 
     @property
     def unjudged_layers(self) -> tuple:
         return tuple(lv.layer for lv in self.layers if lv.passed is None)
 
     def summary(self) -> str:
-        if self.not_compared is not None:
-            return f"not compared: {self.not_compared}"
+        if self.unjudged is not None:
+            return self.unjudged
         if self.passed:
             return f"PASS: {len(self.layers)} layers within the expected source's noise (BF16 vs FP32 in three-way mode) over {self.n_positions} positions"
         if self.nonfinite:

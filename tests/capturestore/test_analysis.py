@@ -168,10 +168,16 @@ def test_a_logit_bug_names_its_token_and_phase(synthetic, bad_token, phase):
 
 def test_two_way_comparison_stores_no_three_way_columns(synthetic):
     store, *_, base, exp, actual = synthetic
-    res = compare_runs(store, expected_run=exp, actual_run=actual())
-    assert res.kv_verdict is None  # a KV verdict needs the baseline's noise
-    row = store.sql(f"SELECT three_way, baseline_run FROM comparisons WHERE comparison_id = '{res.comparison_id}'")
-    assert row.to_pylist() == [{"three_way": False, "baseline_run": None}]
+    act = actual()
+    res = compare_runs(store, expected_run=exp, actual_run=act)
+    # a KV verdict needs the baseline's noise: the KV metrics are stored but not judged, so the
+    # comparison does not pass on its logits alone (it used to: PASS with the KV unjudged)
+    assert res.kv_verdict.summary().startswith("not judged: two-way comparison") and not res.kv_verdict.passed
+    assert res.logit_verdict.passed and not res.passed and res.phase is None
+    row = store.sql(f"SELECT three_way, baseline_run, passed, kv_passed FROM comparisons "
+                    f"WHERE comparison_id = '{res.comparison_id}'")
+    assert row.to_pylist() == [{"three_way": False, "baseline_run": None, "passed": False, "kv_passed": None}]
+    assert compare_runs(store, expected_run=exp, actual_run=act, kv=False).passed  # logits only, as asked
     n = store.sql(f"SELECT count(*) AS n FROM kv_head_metrics WHERE comparison_id = '{res.comparison_id}' "
                   f"AND base_k_linf IS NOT NULL AND NOT isnan(base_k_linf)").to_pylist()[0]["n"]
     assert n == 0
