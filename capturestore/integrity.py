@@ -140,7 +140,8 @@ def commit_comparison(store, comparison_id: str, tables: dict[str, Any], compari
             written.append(store.append_table(name, rows))
         store.append_table("comparisons", comparisons_rows)
     except BaseException:
-        if written and comparison_id not in committed_comparison_ids(store.root):
+        committed = committed_comparison_ids(store.root)  # None: unreadable, so the marker may be there
+        if written and committed is not None and comparison_id not in committed:
             for seg in written:
                 seg.unlink(missing_ok=True)
             try:  # a table that got its first segment here has none again: its catalog view goes
@@ -198,7 +199,8 @@ def _uncommitted_comparisons(root: Path) -> tuple[dict[str, list[Path]], list[Pa
     row whose writer is dead, and pending files of dead comparison writers that did commit.
 
     A segment counts when every row belongs to such a comparison (compare_runs writes one
-    comparison per segment); rows of a live writer are never counted."""
+    comparison per segment); rows of a live writer are never counted, and nothing counts while
+    a ``comparisons`` segment is unreadable (verify reports that segment)."""
     segments: dict[str, list[Path]] = {}
     for t in comparison_tables(root):
         for seg in segment_files(root, t):
@@ -210,12 +212,16 @@ def _uncommitted_comparisons(root: Path) -> tuple[dict[str, list[Path]], list[Pa
                 segments.setdefault(next(iter(ids)), []).append(seg)
     pending = {i for i in _pending_ids(root) if is_comparison_id(i)}
     committed = committed_comparison_ids(root)
+    if committed is None:
+        return {}, []
     dead = {}
     for cid in sorted((set(segments) | pending) - committed):
         if writer_is_alive(root / PENDING_DIR / f"{cid}.json"):
             continue
         dead[cid] = segments.get(cid, [])
     committed = committed_comparison_ids(root)  # committed while we looked: not an orphan
+    if committed is None:
+        return {}, []
     dead = {cid: segs for cid, segs in dead.items() if cid not in committed}
     stale = [root / PENDING_DIR / f"{cid}.json" for cid in sorted(pending) if cid in dead
              or (cid in committed and not writer_is_alive(root / PENDING_DIR / f"{cid}.json"))]

@@ -182,14 +182,15 @@ def has_column(root: Path, table: str, column: str) -> bool:
     return False
 
 
-def committed_comparison_ids(root: Path) -> set[str]:
-    """Comparison ids with a ``comparisons`` row (the commit marker)."""
+def committed_comparison_ids(root: Path) -> set[str] | None:
+    """Comparison ids with a ``comparisons`` row (the commit marker); None when a ``comparisons``
+    segment is unreadable (then nobody can tell which comparisons committed)."""
     out: set[str] = set()
     for seg in segment_files(root, "comparisons"):
         try:
             out |= set(pq.read_table(seg, columns=["comparison_id"]).column(0).to_pylist())
         except Exception:  # noqa: BLE001 - verify reports unreadable segments
-            continue
+            return None
     out.discard(None)
     return out
 
