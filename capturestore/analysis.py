@@ -61,7 +61,7 @@ def _committed_runs(store) -> dict[str, dict]:
 
 
 def prompt_split(store, run_id: str, prompt_id: str) -> tuple[np.ndarray, int]:
-    """(tokens int32 [seq], prompt_len) of one capture: the prompt is the first ``prompt_len``
+    """(tokens int32 [position], prompt_len) of one capture: the prompt is the first ``prompt_len``
     tokens, the rest are the teacher/generated tokens whose logits the run holds."""
     tokens = store.read_tokens(run_id, prompt_id)
     rows = store.sql(
@@ -181,7 +181,7 @@ def _kv_coverage(runs: dict, prompt_ids, kv_names: dict) -> str | None:
 
 
 def _kv_dict(store, run_id, pid, groups: dict):
-    """``{layer: (k, v)}`` with ``k, v: [1, kv_head, seq, head_dim]`` from a stored capture (the
+    """``{layer: (k, v)}`` with ``k, v: [1, kv_head, position, head_dim]`` from a stored capture (the
     layers of every KV group of it)."""
     out = {}
     for group, names in groups.items():

@@ -40,7 +40,7 @@ def capture_teacher_forced_run(
 
     Per prompt the run holds tokens = prompt + teacher tokens, logits ``[gen_token, vocab]``
     (the engine's output at each generation index, taken from the call that validated it) and,
-    with ``kv_extract_fn``, KV ``[layer, kv_head, seq, head_dim]`` (NaN where no call wrote a
+    with ``kv_extract_fn``, KV ``[layer, kv_head, position, head_dim]`` (NaN where no call wrote a
     teacher-token position, e.g. the last token, which is never fed back).
     Returns ``(run_id, LogitValidationResult)``.
     """

@@ -51,7 +51,7 @@ def _slabs(part: np.ndarray, chunk_shape: tuple[int, ...]) -> list[np.ndarray] |
     """The bytes of ``part`` zero-padded to ``chunk_shape``, in C order, as contiguous views of
     the caller's array (no copy), or None when that takes too many pieces.
 
-    A chunk [1, kv_head, t, head_dim] of a C-ordered [layer, kv_head, seq, head_dim] array is
+    A chunk [1, kv_head, t, head_dim] of a C-ordered [layer, kv_head, position, head_dim] array is
     kv_head contiguous [t, head_dim] slabs; an edge chunk pads each slab along t."""
     j = 0
     while j < part.ndim and not part[(0,) * j].flags.c_contiguous:

@@ -216,8 +216,8 @@ class Store:
 
     def read_kv(self, run_id: str, prompt_id: str, layers: Any = None, as_torch: bool = False,
                 group: str | None = None, tokens: slice | None = None) -> tuple[Any, Any]:
-        """(k, v): [layer, kv_head, seq, head_dim]; ``layers``: names or indices (None: all);
-        ``tokens``: a slice of seq (only the chunks it touches are read)."""
+        """(k, v): [layer, kv_head, position, head_dim]; ``layers``: names or indices (None: all);
+        ``tokens``: a slice of positions (only the chunks it touches are read)."""
         kname, vname = ("kv_k", "kv_v") if group is None else (f"kv_k_{check_component(group, 'kv group')}", f"kv_v_{group}")
         out = []
         for name in (kname, vname):
