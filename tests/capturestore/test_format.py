@@ -87,6 +87,25 @@ def test_format1_store_written_by_the_old_code_reads_bit_exactly(format1_store):
     assert report.ok and report.checked_arrays == 10, report.summary()
 
 
+def test_a_format1_array_whose_length_is_not_the_tokens_keeps_its_old_dim_name(format1_store):
+    """Format 1 did not check KV lengths: an array of another length than ``tokens`` cannot share
+    its axis, so open_xarray leaves that array's name (the others still get ``position``)."""
+    import zarr
+
+    store = Store.open(format1_store, create=False)
+    rid = _runs(store)["expected"]["run_id"]
+    pid = store.prompts(rid).column("prompt_id").to_pylist()[0]
+    for name in ("kv_k", "kv_v"):  # this prompt's KV becomes 5 positions long, its tokens 8
+        shutil.rmtree(format1_store / ARRAYS_DIR / rid / pid / name)
+        zarr.open_group(format1_store / ARRAYS_DIR / rid / pid, mode="a").create_array(
+            name, shape=(2, 2, 5, 32), dtype=np.uint16, fill_value=0,
+            dimension_names=["layer", "kv_head", "seq", "head_dim"], attributes={"logical_dtype": "bfloat16"})
+    ds = store.open_xarray(rid, pid)
+    assert ds["kv_k"].dims == ("layer", "kv_head", "seq", "head_dim") and ds.sizes["seq"] == 5
+    assert ds["tokens"].dims == ("position",) and ds.sizes["position"] == 8
+    assert ds["kv_v"].dtype == ml_dtypes.bfloat16
+
+
 def test_a_new_run_in_a_format1_store_is_written_in_format2_beside_the_old_ones(format1_store):
     store = Store.open(format1_store, create=False)
     a = F1.run_arrays("expected")
