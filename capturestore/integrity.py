@@ -108,6 +108,13 @@ class PendingLock:
             raise
         self._fd: int | None = fd
 
+    def rewrite(self, info: dict[str, Any]) -> None:
+        """Replace what the file says (``Store.pending`` shows it), keeping the lock."""
+        if self._fd is not None:
+            os.lseek(self._fd, 0, os.SEEK_SET)
+            os.ftruncate(self._fd, 0)
+            os.write(self._fd, json.dumps(info).encode())
+
     def release(self) -> None:
         """Remove the file, then drop the lock (a reader never sees it unlocked before it goes)."""
         try:

@@ -12,7 +12,6 @@ Commit protocol (what makes a SIGKILL at any point safe):
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
@@ -37,10 +36,10 @@ from capturestore.dtypes import (
     to_numpy,
     to_storage,
 )
+from capturestore.integrity import PendingLock
 from capturestore.layout import (
     ARRAYS_DIR,
     FORMAT_VERSION,
-    PENDING_DIR,
     POSITION_DIM,
     check_component,
     check_module_name,
@@ -145,31 +144,11 @@ class RunWriter:
         self._kv_geometry: dict[str, tuple] = {}  # group -> (layers, kv_heads, head_dim, dtype, names)
         self._logits_geometry: tuple[int, str] | None = None  # (vocab, dtype)
         self._closed = False
-        self._lock_fd: int | None = None
-        self._pending = store.root / PENDING_DIR / f"{run_id}.json"
-        self._take_pending_lock()
+        self._lock = PendingLock(store.root, run_id, {"run_id": run_id, "started_at": self._created_at.isoformat(),
+                                                      "status": "running"})  # pending/<run_id>.json, locked
         zarr.create_group(store=store._zstore, path=run_id, attributes={"run_id": run_id})
 
     # ---- lifecycle -------------------------------------------------------------------------
-    def _take_pending_lock(self) -> None:
-        self._pending.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._pending.with_name(self._pending.name + f".{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX)  # locked before anyone can see the file
-        info = {"run_id": self.run_id, "pid": os.getpid(), "hostname": socket.gethostname(),
-                "started_at": self._created_at.isoformat(), "status": "running"}
-        os.write(fd, json.dumps(info).encode())
-        os.replace(tmp, self._pending)
-        self._lock_fd = fd
-
-    def _release_pending_lock(self) -> None:
-        try:
-            self._pending.unlink(missing_ok=True)
-        finally:
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
-
     def __enter__(self) -> RunWriter:
         return self
 
@@ -205,15 +184,12 @@ class RunWriter:
                 except Exception:  # noqa: BLE001 - the run is being dropped anyway
                     pass
         try:
-            if self._lock_fd is not None:
-                os.lseek(self._lock_fd, 0, os.SEEK_SET)
-                os.ftruncate(self._lock_fd, 0)
-                os.write(self._lock_fd, json.dumps({"run_id": self.run_id, "status": "aborted"}).encode())
+            self._lock.rewrite({"run_id": self.run_id, "status": "aborted"})
             for t in ("prompts", "captures"):
                 (table_dir(self.store.root, t) / f"{self.run_id}.parquet").unlink(missing_ok=True)
             shutil.rmtree(self.store.root / ARRAYS_DIR / self.run_id, ignore_errors=True)
         finally:
-            self._release_pending_lock()
+            self._lock.release()
 
     def commit(self) -> None:
         """Flush the arrays, then commit prompts, captures and (last) runs segments."""
@@ -233,7 +209,7 @@ class RunWriter:
         finally:
             if marker.exists():  # renamed into place: committed, even if a later directory fsync failed,
                 self._closed = True  # so __exit__'s abort() must not delete what the marker points at
-                self._release_pending_lock()
+                self._lock.release()
                 self.store._committed.add(self.run_id)
 
     def _check_complete(self) -> None:
