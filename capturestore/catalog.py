@@ -102,20 +102,9 @@ def view_sql(root: Path, table: str, relative: bool = False) -> str:
 
 
 def create_views(con: duckdb.DuckDBPyConnection, root: Path, relative: bool = False) -> dict[str, str]:
-    """Create the view of every table on ``con``; returns {table: why} of those whose segments
-    DuckDB cannot read: their view raises that reason (naming the file) when a query reads it."""
-    import duckdb
-
-    broken = {}
-    for t in table_names(root):
-        try:
-            con.execute(view_sql(root, t, relative))
-        except duckdb.Error as e:
-            why = f"table {t} is unreadable: {_without_kind(_duckdb_message(e))}".replace(f"{root}{os.sep}", "")
-            broken[t] = why
-            con.execute(f"CREATE OR REPLACE VIEW {_quote_ident(t)} AS "
-                        f"SELECT * FROM range(1) WHERE error({_quote_str(why + '; run capturestore verify')}) IS NULL")
-    return broken
+    """Create the view of every table on ``con`` (see add_views); returns {table: why} of those
+    whose segments DuckDB cannot read."""
+    return add_views(con, root, table_names(root), relative)
 
 
 # SQL through Store.sql is read-only and confined to the store (docs/sql.md), by DuckDB's own
@@ -160,7 +149,7 @@ def _without_kind(msg: str) -> str:
     return re.sub(r"^[A-Z][A-Za-z ]{0,30} Error: ", "", msg, count=1)
 
 
-def add_views(con: duckdb.DuckDBPyConnection, root: Path, names: list[str]) -> dict[str, str]:
+def add_views(con: duckdb.DuckDBPyConnection, root: Path, names: list[str], relative: bool = False) -> dict[str, str]:
     """Create (or replace) the views of ``names`` on ``con``; returns {table: why} of unreadable ones.
 
     A table whose segments DuckDB cannot read (a truncated Parquet file) gets a view with the
@@ -172,7 +161,7 @@ def add_views(con: duckdb.DuckDBPyConnection, root: Path, names: list[str]) -> d
     broken = {}
     for t in names:
         try:
-            con.execute(view_sql(root, t))
+            con.execute(view_sql(root, t, relative))
         except duckdb.Error as e:
             broken[t] = why = f"table {t} is unreadable: {_without_kind(_duckdb_message(e))}"
             con.execute(f"CREATE OR REPLACE VIEW {_quote_ident(t)} AS SELECT {_readable_columns(con, root, t)} "
