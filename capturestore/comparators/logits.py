@@ -1,0 +1,123 @@
+"""The logits comparator: per-token logit checks of every generation token, and the logit verdict.
+
+``logit_token_metrics``: one row per prompt x generation token (status, top-k errors, divergence,
+three-way L-inf/L2 of BF16 and target vs FP32, their ratios and BC). Verdict:
+``metrics.verdict.aggregate_logit_verdict``; its evidence is the first failing token.
+"""
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+
+from capturestore.comparators.base import (
+    Comparator,
+    Localisation,
+    PromptCaptures,
+    TableSpec,
+    Verdict,
+    finite_or_null,
+    phase_at,
+)
+
+_f = finite_or_null
+_D, _I, _S, _B = pa.float64(), pa.int64(), pa.string(), pa.bool_()
+
+DEFAULT_TOPK = (5, 50, 1000, "all")  # metrics.logits.DEFAULT_TOLERANCE_MAP's keys
+
+LOGIT_TOKEN_METRICS = TableSpec(pa.schema([
+    ("comparison_id", _S), ("prompt_id", _S), ("gen_token_idx", _I), ("position", _I),
+    ("status", _S), ("passed", _B), ("divergence", _B), ("divergence_difference", _D),
+    ("divergence_threshold", _D), ("expected_token", _I), ("actual_token", _I), ("teacher_token", _I),
+    ("shift", _D), *((f"topk_{k}_error", _D) for k in DEFAULT_TOPK),
+    ("base_linf", _D), ("tgt_linf", _D), ("base_l2", _D), ("tgt_l2", _D),
+    ("linf_ratio", _D), ("l2_ratio", _D), ("bc", _D),
+]), 1)
+
+
+class LogitsComparator(Comparator):
+    """Every generation token of every prompt through ``metrics.logits.validate_token_logits``.
+
+    tol_map: the static top-k tolerances (``metrics.logits.DEFAULT_TOLERANCE_MAP`` when None); a
+    key other than the defaults adds a ``topk_<k>_error`` column after the declared ones."""
+
+    name = "logits"
+    tables = {"logit_token_metrics": LOGIT_TOKEN_METRICS}
+    needs = ("logits",)
+    localisation_rank = 10
+    comparison_fields = (
+        pa.field("logit_passed", _B), pa.field("logit_decided_by", _S), pa.field("logit_sigma_ratio", _D),
+        pa.field("logit_min_bc", _D), pa.field("logit_summary", _S),
+    )  # first_failing_token is a column of the comparisons tail; this comparator fills it
+
+    def __init__(self, tol_map=None):
+        self.tol_map = tol_map
+        self.per_prompt: list = []  # [[token results]] per prompt, as aggregate_logit_verdict takes them
+        self.failures: list[tuple] = []  # (gen_token_idx, prompt_id, status, prompt_len)
+
+    def compare(self, prompt: PromptCaptures) -> dict:
+        from metrics.logits import validate_token_logits
+
+        lg = {role: prompt.logits(role) for role in prompt.runs}
+        shapes = {role: tuple(x.shape) for role, x in lg.items()}
+        if len(set(shapes.values())) != 1:
+            raise ValueError(f"compare_runs: prompt {prompt.prompt_id}: logits shapes differ between roles: {shapes}")
+        three_way = "baseline" in lg
+        cid, pid, plen, tokens = prompt.comparison_id, prompt.prompt_id, prompt.prompt_len, prompt.tokens
+        rows, results = [], []
+        for g in range(lg["expected"].shape[0]):
+            r = validate_token_logits(lg["expected"][g], lg["actual"][g], tol_map=self.tol_map,
+                                      baseline=lg["baseline"][g] if three_way else None, gen_idx=g)
+            results.append(r)
+            tw = r.three_way
+            rows.append({
+                "comparison_id": cid, "prompt_id": pid, "gen_token_idx": g, "position": plen + g,
+                "status": r.status.name, "passed": r.passed, "divergence": r.divergence,
+                "divergence_difference": _f(r.divergence_difference),
+                "divergence_threshold": _f(r.divergence_threshold),
+                "expected_token": r.expected_token, "actual_token": r.actual_token,
+                "teacher_token": int(tokens[plen + g]) if plen + g < len(tokens) else None,
+                "shift": _f(r.shift),
+                **{f"topk_{k}_error": _f(e) for k, e in r.error_map.items()},
+                "base_linf": _f(tw.base_linf) if tw else None, "tgt_linf": _f(tw.tgt_linf) if tw else None,
+                "base_l2": _f(tw.base_l2) if tw else None, "tgt_l2": _f(tw.tgt_l2) if tw else None,
+                "linf_ratio": _f(tw.linf_ratio) if tw else None, "l2_ratio": _f(tw.l2_ratio) if tw else None,
+                "bc": _f(tw.bc) if tw else None,
+            })
+            if not r.passed:
+                self.failures.append((g, pid, r.status.name, plen))
+        self.per_prompt.append([results])
+        return {"logit_token_metrics": rows}
+
+    def first_failing_token(self) -> dict | None:
+        """The first failing token (lowest generation index, then prompt id), or None."""
+        if not self.failures:
+            return None
+        g, pid, status, _ = min(self.failures, key=lambda f: (f[0], f[1]))
+        return {"prompt_id": pid, "gen_token_idx": g, "status": status}
+
+    def verdict(self) -> Verdict | None:
+        from metrics.verdict import aggregate_logit_verdict
+
+        if not self.per_prompt:
+            return None
+        v = aggregate_logit_verdict(self.per_prompt, tol_map=self.tol_map)
+        loc = None
+        first = self.first_failing_token()
+        if first is not None:
+            plen = next(f[3] for f in self.failures if (f[0], f[1]) == (first["gen_token_idx"], first["prompt_id"]))
+            # a logit row j is computed at position prompt_len - 1 + j
+            loc = Localisation(phase=phase_at(plen - 1 + first["gen_token_idx"], plen), token=first["gen_token_idx"])
+        return Verdict(self.name, bool(v.passed), v.summary(), loc, v, self.localisation_rank)
+
+    def comparison_columns(self, verdict: Verdict | None, passed: bool) -> dict:
+        v = None if verdict is None else verdict.detail
+        first = None if passed else self.first_failing_token()
+        return {
+            "logit_passed": None if v is None else bool(v.passed),
+            "logit_decided_by": None if v is None else v.decided_by,
+            "logit_sigma_ratio": None if v is None else _f(v.sigma_ratio),
+            "logit_min_bc": None if v is None else _f(v.min_bc),
+            "logit_summary": None if v is None else v.summary(),
+            "first_failing_token": json.dumps(first) if first else None,
+        }
