@@ -10,6 +10,8 @@
                                            capturestore.analysis.compare_runs(...)
     capturestore demo                      capturestore.demo.run_demo(...)  exit status 1 on FAIL
     capturestore calibrate RUN --out DIR   nki_fp8.calibration.calibrate_kv_scales(...)
+    capturestore report COMPARISON --out DIR
+                                           reports.render_comparison(...)
 
 Every command takes ``--store PATH`` (default: $CAPTURESTORE, else ./capturestore-store).
 
@@ -249,6 +251,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from reports import check_out_dir, render_comparison, render_diff
+
+    check_out_dir(args.out)  # before opening the store: a bad --out fails at once
+    store = _open(args.store)
+    if args.diff_base:
+        print(render_diff(store, args.diff_base, args.comparison, args.out))
+    else:
+        print(render_comparison(store, args.comparison, args.out))
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a usage error in one line (the usage itself is in --help), exit status 2."""
 
@@ -305,6 +319,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--percentile", type=float, default=99.99, help="for --method percentile (default 99.99)")
     sp.add_argument("--platform", choices=["trn2", "trn3"], default=None,
                     help="FP8 clamp of the target (default: $NKI_FP8_PLATFORM or trn2)")
+    sp = add("report", cmd_report, "write the HTML report of a comparison (offline, from store queries alone)")
+    sp.add_argument("comparison", help="comparison id (capturestore sql \"SELECT comparison_id FROM comparisons\")")
+    sp.add_argument("--out", required=True, help="output directory (created; its index.html is printed)")
+    sp.add_argument("--diff-base", metavar="COMPARISON",
+                    help="write diff.html: COMPARISON (the base) against the positional one (the head)")
     return p
 
 

@@ -185,6 +185,10 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
     out(f"comparison {result.comparison_id} stored in {store.root}; try:")
     out(f"  capturestore sql --store {store_path} \"SELECT layer, max(k_linf), max(base_k_linf) FROM kv_head_metrics "
         f"WHERE comparison_id = '{result.comparison_id}' GROUP BY layer ORDER BY layer\"")
+    from reports import render_comparison  # the report sits beside the store, rendered from its queries
+
+    report = render_comparison(store, result.comparison_id, store.root.parent / f"{store.root.name}-report")
+    out(f"report: {report} (capturestore report {result.comparison_id} --store {store_path} --out DIR)")
     return result
 
 

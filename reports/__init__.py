@@ -1,1 +1,8 @@
-"""HTML reports rendered from store queries (Jinja2 + Plotly). Never recomputes metrics."""
+"""HTML reports rendered from store queries (Jinja2 + Plotly). Never recomputes metrics.
+
+``render_comparison(store, comparison_id, out_dir)`` writes an offline report (docs/reports.md);
+``render_diff(store, base_id, head_id, out_dir)`` writes the diff page of two comparisons.
+"""
+from reports.render import check_out_dir, render_comparison, render_diff
+
+__all__ = ["check_out_dir", "render_comparison", "render_diff"]

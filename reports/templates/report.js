@@ -1,0 +1,51 @@
+// capturestore report: tabs, lazy figures, on-demand prompt pages. Data is read with JSON.parse
+// and shown with textContent / Plotly only: nothing from the store is ever inserted as HTML.
+(function () {
+  "use strict";
+  function renderFigures(root) {
+    root.querySelectorAll("div.fig[data-fig]:not([data-done])").forEach(function (div) {
+      var spec = JSON.parse(document.getElementById(div.getAttribute("data-fig")).textContent);
+      div.setAttribute("data-done", "1");
+      Plotly.newPlot(div, spec.data, spec.layout, {displaylogo: false, responsive: true});
+    });
+  }
+  function showTab(name) {
+    var found = false;
+    document.querySelectorAll("nav.tabs button").forEach(function (b) {
+      var on = b.getAttribute("data-tab") === name;
+      found = found || on;
+      b.setAttribute("aria-selected", on ? "true" : "false");
+    });
+    if (!found) return false;
+    document.querySelectorAll("section.tab").forEach(function (s) {
+      s.hidden = s.id !== "tab-" + name;
+      if (!s.hidden) renderFigures(s);
+    });
+    return true;
+  }
+  function openPrompt(page) {
+    var link = document.querySelector('.sidebar a[data-page="' + page + '"]');
+    var frame = document.getElementById("prompt-frame");
+    if (!link || !frame) return;
+    showTab("prompts");
+    document.querySelectorAll(".sidebar a.active").forEach(function (a) { a.classList.remove("active"); });
+    link.classList.add("active");
+    if (frame.getAttribute("src") !== link.getAttribute("href")) frame.setAttribute("src", link.getAttribute("href"));
+  }
+  function route() {
+    var h = decodeURIComponent(location.hash.slice(1));
+    if (h.indexOf("prompt-") === 0) { openPrompt(h.slice(7)); return; }
+    if (h.indexOf("query-") === 0) { showTab("queries"); var q = document.getElementById(h); if (q) q.scrollIntoView(); return; }
+    if (!showTab(h)) showTab("overview");
+  }
+  document.addEventListener("DOMContentLoaded", function () {
+    document.querySelectorAll("nav.tabs button").forEach(function (b) {
+      b.addEventListener("click", function () { location.hash = b.getAttribute("data-tab"); });
+    });
+    document.querySelectorAll(".sidebar a[data-page]").forEach(function (a) {
+      a.addEventListener("click", function (ev) { ev.preventDefault(); location.hash = "prompt-" + a.getAttribute("data-page"); });
+    });
+    window.addEventListener("hashchange", route);
+    if (document.querySelector("nav.tabs")) route(); else renderFigures(document);
+  });
+})();
