@@ -125,7 +125,10 @@ def connect_memory(root: Path) -> duckdb.DuckDBPyConnection:
     import duckdb  # lazily: a writer that never queries does not pay for it
 
     try:
-        con = duckdb.connect(":memory:", config=dict(_CONFINED_CONFIG))
+        # DuckDB adds its temp_directory (default: '.tmp' in the working directory) to the allowed
+        # directories: a private one keeps spilling possible and the working directory out of reach
+        temp = Path(tempfile.gettempdir()) / f"capturestore-duckdb-{uuid.uuid4().hex}"
+        con = duckdb.connect(":memory:", config={**_CONFINED_CONFIG, "temp_directory": str(temp)})
         # allowed_directories cannot be given to connect(); it must be set before access is switched off
         con.execute(f"SET allowed_directories = [{_quote_str(str(root / TABLES_DIR) + os.sep)}]")
         con.execute("SET enable_external_access = false")
@@ -213,27 +216,67 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str, views: list[str] | None 
     for st in statements:
         if st.type != duckdb.StatementType.SELECT:
             kind = _STATEMENT_NAMES.get(st.type.name, st.type.name)
-            raise QueryError(
-                f"refused: {kind} statement; SQL on a capture store is read-only: only queries "
-                f"(SELECT, WITH, FROM, VALUES, DESCRIBE, SUMMARIZE, PIVOT ... IN) run (docs/sql.md)"
-            )
+            raise QueryError(f"refused: {kind} statement; {_READ_ONLY}")
+    for st in statements:  # a SELECT can still write: `WITH x AS (COPY ... TO f) SELECT 1` runs the COPY
+        with _query_errors(con, st.query, views, broken):
+            writes = _writing_operators(con, st.query)
+        if writes:
+            raise QueryError(f"refused: {writes[0]} inside a query (a COPY in a WITH clause); {_READ_ONLY}")
     table = pa.table({})
     for st in statements:  # the parsed statements themselves: exactly what was checked runs
-        try:
+        with _query_errors(con, st.query, views, broken):
             rel = con.sql(st)
             if rel is not None:
                 to_table = getattr(rel, "to_arrow_table", None) or rel.fetch_arrow_table  # duckdb >= 1.4 / older
                 table = to_table()
-        except duckdb.PermissionException as e:
-            allowed = con.execute("SELECT current_setting('allowed_directories')").fetchall()[0][0]
-            where = ", ".join(str(d).rstrip(os.sep) for d in allowed) if allowed else "nothing"
-            raise QueryError(f"refused: {_without_kind(_duckdb_message(e))}; SQL on a capture store reads only "
-                             f"its own segments under {where} (docs/sql.md)") from None
-        except duckdb.CatalogException as e:
-            raise QueryError(_with_broken(_catalog_message(e, views), st.query, broken)) from None
-        except duckdb.Error as e:
-            raise QueryError(_with_broken(f"SQL error: {_duckdb_message(e)}", st.query, broken)) from None
     return table
+
+
+_READ_ONLY = ("SQL on a capture store is read-only: only queries "
+              "(SELECT, WITH, FROM, VALUES, DESCRIBE, SUMMARIZE, PIVOT ... IN) run (docs/sql.md)")
+# Physical operators that write (DuckDB 2.0 names; every *COPY_TO_FILE form counts)
+_WRITING_OPERATORS = {"INSERT", "BATCH_INSERT", "UPDATE", "DELETE", "MERGE_INTO", "CREATE_TABLE_AS",
+                      "BATCH_CREATE_TABLE_AS", "EXPORT"}
+
+
+def _writing_operators(con: duckdb.DuckDBPyConnection, query: str) -> list[str]:
+    """The operators of ``query``'s physical plan that write, from DuckDB's own EXPLAIN (which
+    plans without running anything)."""
+    import json
+
+    names: list[str] = []
+
+    def walk(node: dict) -> None:
+        names.append(str(node.get("name", "")))
+        for child in node.get("children", []):
+            walk(child)
+
+    for row in con.execute(f"EXPLAIN (FORMAT json) {query}").fetchall():
+        for node in json.loads(row[-1]):
+            walk(node)
+    return [n for n in names if n.endswith("COPY_TO_FILE") or n in _WRITING_OPERATORS]
+
+
+@contextmanager
+def _query_errors(con: duckdb.DuckDBPyConnection, query: str, views: list[str] | None,
+                  broken: dict[str, str] | None):
+    """DuckDB's errors of planning or running ``query``, raised as one-line QueryErrors."""
+    import duckdb
+
+    from capturestore.errors import QueryError
+
+    try:
+        yield
+    except duckdb.PermissionException as e:
+        allowed, temp = con.execute("SELECT current_setting('allowed_directories'), "
+                                    "current_setting('temp_directory')").fetchall()[0]
+        where = ", ".join(d.rstrip(os.sep) for d in allowed if d.rstrip(os.sep) != temp.rstrip(os.sep)) or "nothing"
+        raise QueryError(f"refused: {_without_kind(_duckdb_message(e))}; SQL on a capture store reads only "
+                         f"its own segments under {where} (docs/sql.md)") from None
+    except duckdb.CatalogException as e:
+        raise QueryError(_with_broken(_catalog_message(e, views), query, broken)) from None
+    except duckdb.Error as e:
+        raise QueryError(_with_broken(f"SQL error: {_duckdb_message(e)}", query, broken)) from None
 
 
 def _with_broken(msg: str, query: str, broken: dict[str, str] | None) -> str:

@@ -233,3 +233,37 @@ def test_cli_refuses_each_attack_with_one_line_and_exit_2(filled, tmp_path):
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
     r = _cli(store.root, "show", rid)
     assert r.returncode == 0 and rid in r.stdout, r.stderr
+
+
+@pytest.mark.parametrize("cte", ["", "MATERIALIZED "])
+def test_copy_inside_a_cte_is_refused_and_the_run_stays(filled, tmp_path, cte):
+    # DuckDB's parser calls `WITH x AS (COPY ... TO ...) SELECT ...` a SELECT statement, and runs
+    # the COPY even when nothing reads x: with the segment as target it deleted the run (issue 8 part 3)
+    store, rid = filled
+    seg = store.root / TABLES_DIR / "runs" / f"{rid}.parquet"
+    before = _digest(store.root)
+    outside = tmp_path / "x.csv"
+    copy = "WITH x AS {}(COPY (SELECT * FROM runs WHERE false) TO '{}' (FORMAT parquet)) SELECT 1 AS one"
+    for target in (seg, store.root / TABLES_DIR / "runs" / "new.parquet"):
+        msg = _refused(store, copy.format(cte, target), "COPY_TO_FILE inside a query")
+        assert "read-only" in msg, msg
+    _refused(store, copy.format(cte, outside), "reads only")  # DuckDB refuses the path while planning
+    # nothing of a string runs when a later statement writes
+    _refused(store, f"SELECT 1; {copy.format(cte, seg)}", "COPY_TO_FILE")
+    assert _digest(store.root) == before and not outside.exists()
+    assert Store.open(store.root, create=False).runs().column("run_id").to_pylist() == [rid]
+
+
+def test_the_working_directory_temp_folder_is_not_readable(filled, tmp_path, monkeypatch):
+    # DuckDB allows its temp_directory (default: '.tmp' in the working directory) on top of
+    # allowed_directories: a query could read <cwd>/.tmp/* (and write there through a CTE COPY)
+    store, _ = filled
+    cwd = tmp_path / "cwd"
+    (cwd / ".tmp").mkdir(parents=True)
+    (cwd / ".tmp" / "secret.csv").write_text("secret\n")
+    monkeypatch.chdir(cwd)
+    fresh = Store.open(store.root, create=False)  # its connection is made in this working directory
+    _refused(fresh, f"SELECT * FROM read_text('{cwd / '.tmp' / 'secret.csv'}')", "reads only")
+    _refused(fresh, "SELECT * FROM read_text('.tmp/secret.csv')", "reads only")
+    allowed = fresh.sql("SELECT current_setting('allowed_directories') AS a").column("a").to_pylist()[0]
+    assert str(store.root / TABLES_DIR) + os.sep in allowed and not any(a.startswith(str(cwd)) for a in allowed), allowed
