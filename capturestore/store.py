@@ -351,8 +351,11 @@ class Store:
     def show(self, run_id: str) -> dict[str, Any]:
         """One run: its runs row, and per prompt the arrays it holds."""
         self._require_run(run_id)
-        run = self.runs().filter(pa.compute.equal(pa.compute.field("run_id"), run_id)).to_pylist()[0]
-        return {"run": run, "prompts": self.prompts(run_id).to_pylist(), "captures": self.captures(run_id).to_pylist()}
+        rows = self.runs().filter(pa.compute.equal(pa.compute.field("run_id"), run_id)).to_pylist()
+        if not rows:  # the marker file is there, its row is not: the catalog cannot describe the run
+            marker = table_dir(self.root, "runs") / f"{run_id}.parquet"
+            raise StoreError(f"run {run_id}: its commit marker {marker} holds no row of it (run `capturestore verify`)")
+        return {"run": rows[0], "prompts": self.prompts(run_id).to_pylist(), "captures": self.captures(run_id).to_pylist()}
 
     def pending(self) -> list[dict[str, Any]]:
         """Runs begun but not committed: run_id, pid, hostname, started_at, alive (writer holds its lock).

@@ -335,3 +335,21 @@ def test_token_slices_read_only_what_they_ask_for(store):
     assert np.array_equal(bits(k4), bits(k[:, :, 4:8]))
     with pytest.raises(ValueError, match="step-1 slice"):
         store.read_logits(run.run_id, pid, tokens=slice(0, 10, 2))
+
+
+def test_show_of_a_run_whose_commit_marker_holds_no_row_names_the_file(store):
+    # a runs segment emptied behind the store's back (the issue-8 COPY attack, a bad copy): the run
+    # is "committed" by its file name, but has no row to show; show said IndexError with a traceback
+    import pyarrow.parquet as pq
+
+    from capturestore.errors import StoreError
+    from capturestore.tables import RUNS_SCHEMA
+
+    with store.begin_run(engine="hf", model_path="/m", dtype="float32") as run:
+        run.add_prompt([1, 2, 3])
+    marker = store.root / "tables" / "runs" / f"{run.run_id}.parquet"
+    pq.write_table(RUNS_SCHEMA.empty_table(), marker)
+    with pytest.raises(StoreError) as e:
+        Store.open(store.root, create=False).show(run.run_id)
+    msg = str(e.value)
+    assert run.run_id in msg and str(marker) in msg and "verify" in msg and "\n" not in msg, msg
