@@ -92,13 +92,13 @@ def remove_shift(expected, actual):
     """
     e = np.asarray(expected, dtype=np.float64)
     a = np.asarray(actual, dtype=np.float64)
-    em = e.mean(axis=-1, keepdims=True)
-    am = a.mean(axis=-1, keepdims=True)
-    de = e - em
-    var = np.sum(de * de, axis=-1)
-    cov = np.sum(de * (a - am), axis=-1)
-    em, am = em[..., 0], am[..., 0]
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore"):  # +inf in an input: inf - inf, a NaN fit (the token fails)
+        em = e.mean(axis=-1, keepdims=True)
+        am = a.mean(axis=-1, keepdims=True)
+        de = e - em
+        var = np.sum(de * de, axis=-1)
+        cov = np.sum(de * (a - am), axis=-1)
+        em, am = em[..., 0], am[..., 0]
         slope = np.where(var > 0, cov / np.where(var > 0, var, 1.0), em * am / (em * em + 1.0))
         shift = np.where(var > 0, am - slope * em, am / (em * em + 1.0))
     if np.ndim(shift) == 0:

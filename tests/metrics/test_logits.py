@@ -369,3 +369,15 @@ def test_kv_positions_a_short_snapshot_missed_come_from_the_next_call():
     want = PROMPTS[0] + [int(t) for t in teacher[0]]
     n_written = len(PROMPTS[0]) + T - 1
     np.testing.assert_array_equal(k[:n_written], np.asarray(want[:n_written], np.float32))
+
+
+
+@pytest.mark.parametrize("where", ["actual", "expected"])
+def test_a_positive_infinity_fails_the_token_without_a_floating_point_warning(where):
+    # inf - inf in the least-squares shift raised "invalid value encountered in subtract" (an
+    # error under this suite's warnings-as-errors, a stray multi-line warning at the CLI)
+    e = np.array([1.0, 4.0, 2.0, 0.5])
+    arrays = {"expected": e.copy(), "actual": e + 0.001}
+    arrays[where][2] = np.inf
+    r = validate_token_logits(arrays["expected"], arrays["actual"], baseline=e - 0.001)
+    assert r.passed is False and r.status != ValidationStatus.MATCHED
