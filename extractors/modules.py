@@ -1,0 +1,277 @@
+"""Module tensors: capture chosen modules' outputs (and inputs on request), per phase, teacher-forced.
+
+Modules are chosen by patterns over dotted module names, one segment per dot:
+``*`` matches one segment, ``**`` any number of segments (zero included), ``a-b`` an integer
+segment in ``[a, b]`` (so ``model.layers.0-31`` is the decoder layers 0..31 themselves and
+``model.layers.*.mlp`` every layer's MLP), anything else matches literally. A pattern matching no
+module is refused with the names closest to it. ``DEFAULT_MODULES`` is every module of a
+decoder model whose output is an activation: the embedding, each decoder layer and everything
+inside it, the final norm and the LM head (not the rotary embedding, a function of positions).
+
+Phases (layout of what is stored, ``tensors/<module>/<phase>`` in the run):
+- ``prefill``: one forward over the prompt (positions ``0 .. P-1``); step 0, ``[P, ...]``.
+- ``decode``: step ``n`` feeds continuation token ``n`` at position ``P + n`` with the cache of
+  everything before it (teacher-forced: the continuation is given, not sampled); ``[1, ...]``
+  per step. By default ``n = 0 .. T-2`` for ``T`` continuation tokens: the forwards that
+  produce continuation logit rows ``1 .. T-1``, as a greedy engine asked for ``T`` tokens runs
+  them (the last token it samples is never fed back).
+The batch dimension is dropped (one prompt per forward); a module's trailing dims are its own.
+A tuple output (attention returns ``(output, weights)``) is captured as its first tensor. A
+module that runs several times in one forward (Gemma3's rotary embedding) keeps its first call.
+
+Capture is a copy: every captured tensor is cloned before the forward goes on, so a kernel
+that later reuses the buffer in place cannot change what was captured. Tensors go to a sink as
+they are produced (into the store: ``RunWriter.write_tensor``, one step at a time), so memory
+holds one module output at a time, not the run.
+
+transformers and torch are imported lazily.
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_MODULES",
+    "PHASES",
+    "resolve_modules",
+    "ModuleHooks",
+    "capture_hf_modules",
+    "capture_hf_module_run",
+    "collect_hf_modules",
+]
+
+DEFAULT_MODULES = ("model.embed_tokens", "model.layers.*", "model.layers.*.**", "model.norm", "lm_head")
+PHASES = ("prefill", "decode")
+_RANGE = re.compile(r"^(\d+)-(\d+)$")
+INPUT_SUFFIX = ":input"
+
+
+def _seg_match(pat: str, seg: str) -> bool:
+    if pat == "*":
+        return True
+    m = _RANGE.match(pat)
+    if m:
+        return seg.isdigit() and int(m.group(1)) <= int(seg) <= int(m.group(2))
+    return pat == seg
+
+
+def _match(pat: list[str], name: list[str]) -> bool:
+    if not pat:
+        return not name
+    if pat[0] == "**":
+        return any(_match(pat[1:], name[i:]) for i in range(len(name) + 1))
+    return bool(name) and _seg_match(pat[0], name[0]) and _match(pat[1:], name[1:])
+
+
+def resolve_modules(names: Sequence[str], patterns: Iterable[str] | str, where: str = "module capture") -> list[str]:
+    """The names (in the order given) matched by any pattern; ``ValueError`` naming a pattern that
+    matches none, with the closest names. ``names``: e.g. ``[n for n, _ in model.named_modules()]``."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    patterns = list(patterns)
+    if not patterns:
+        raise ValueError(f"{where}: no module patterns given")
+    split = [n.split(".") for n in names]
+    chosen: set[int] = set()
+    for p in patterns:
+        if not isinstance(p, str) or not p or any(s == "" for s in p.split(".")):
+            raise ValueError(f"{where}: module pattern {p!r} must be a non-empty dotted name")
+        pat = p.split(".")
+        hits = [i for i, s in enumerate(split) if _match(pat, s)]
+        if not hits:
+            close = difflib.get_close_matches(p, list(names), n=5, cutoff=0.5)
+            if not close:  # a wrong range/wildcard part: show names of the same depth
+                close = [n for n in names if n.count(".") == p.count(".")][:5]
+            raise ValueError(f"{where}: module pattern {p!r} matches no module of the model; closest: {close}")
+        chosen.update(hits)
+    return [names[i] for i in sorted(chosen)]
+
+
+def _first_tensor(x):
+    import torch
+
+    if torch.is_tensor(x):
+        return x
+    if isinstance(x, (tuple, list)) and x and torch.is_tensor(x[0]):
+        return x[0]
+    return None
+
+
+class ModuleHooks:
+    """Forward hooks on ``modules`` of ``model`` that hand each output (``[batch, token, ...]``,
+    batch row 0 kept) to ``sink(module, phase, step, tensor)`` as a clone. Set ``phase`` and
+    ``step`` before each forward. ``order``: modules in the order their outputs were first
+    produced (execution order: a parent finishes after its children). Use as a context manager."""
+
+    def __init__(self, model, modules: Sequence[str], sink: Callable, inputs: bool = False):
+        self.model, self.modules, self.sink, self.inputs = model, list(modules), sink, inputs
+        self.phase, self.step = "prefill", 0
+        self.order: list[str] = []
+        self._seen: set[str] = set()  # modules already captured in this forward
+        self._handles: list = []
+
+    def new_forward(self, phase: str, step: int) -> None:
+        self.phase, self.step = phase, int(step)
+        self._seen.clear()
+
+    def _hook(self, name: str):
+        def hook(module, args, output):
+            if name in self._seen:
+                return  # a second call in the same forward: keep the first
+            self._seen.add(name)
+            if name not in self.order:
+                self.order.append(name)
+            if self.inputs:
+                t = _first_tensor(args)
+                if t is not None:
+                    self.sink(name + INPUT_SUFFIX, self.phase, self.step, t.detach()[0].clone())
+            t = _first_tensor(output)
+            if t is not None:
+                self.sink(name, self.phase, self.step, t.detach()[0].clone())
+        return hook
+
+    def __enter__(self) -> "ModuleHooks":
+        mods = dict(self.model.named_modules())
+        for name in self.modules:
+            self._handles.append(mods[name].register_forward_hook(self._hook(name)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _modules_of(model, patterns) -> list[str]:
+    names = [n for n, _ in model.named_modules() if n]
+    return resolve_modules(names, patterns, where=f"module capture ({type(model).__name__})")
+
+
+def capture_hf_modules(model, prompt: Sequence[int], continuation: Sequence[int], sink: Callable,
+                       modules: Iterable[str] | str = DEFAULT_MODULES, inputs: bool = False,
+                       decode_steps: int | None = None):
+    """Run ``prompt`` then ``continuation`` through an HF causal LM step by step (module docstring:
+    prefill, then decode step n feeding continuation token n) and hand each chosen module's
+    output to ``sink(module, phase, step, tensor)``: prefill ``[P, ...]``, decode ``[1, ...]``.
+
+    Returns ``(logits, order)``: logits ``[gen_token, vocab]`` float of the same forwards (row j
+    predicts continuation token j; ``decode_steps + 1`` rows) and the modules in execution order.
+    decode_steps: default ``len(continuation) - 1``.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    from extractors.hf import _check_rows, _text_config, _to_rows
+
+    prompt = _to_rows(prompt, "prompt")[0]
+    continuation = _to_rows(continuation, "continuation")[0] if len(continuation) else []
+    vocab = _text_config(model).vocab_size
+    _check_rows([prompt], vocab, "prompt", allow_empty=False)
+    _check_rows([continuation], vocab, "continuation", allow_empty=True)
+    n_dec = max(0, len(continuation) - 1) if decode_steps is None else int(decode_steps)
+    if not 0 <= n_dec <= len(continuation):
+        raise ValueError(f"capture_hf_modules: decode_steps {decode_steps} outside [0, {len(continuation)}] "
+                         f"(continuation tokens)")
+    names = _modules_of(model, modules)
+    P = len(prompt)
+    cache = DynamicCache(config=model.config)
+    rows = []
+    with ModuleHooks(model, names, sink, inputs) as hooks, torch.inference_mode():
+        hooks.new_forward("prefill", 0)
+        out = model(input_ids=torch.tensor([prompt]), position_ids=torch.arange(P)[None],
+                    past_key_values=cache, use_cache=True)
+        rows.append(out.logits[0, -1].float().clone())
+        for n in range(n_dec):
+            hooks.new_forward("decode", n)
+            out = model(input_ids=torch.tensor([[continuation[n]]]), position_ids=torch.tensor([[P + n]]),
+                        past_key_values=cache, use_cache=True)
+            rows.append(out.logits[0, -1].float().clone())
+    return torch.stack(rows), list(hooks.order)
+
+
+def collect_hf_modules(model, prompts, continuations, modules: Iterable[str] | str = DEFAULT_MODULES,
+                       inputs: bool = False) -> tuple[list[dict], list[str]]:
+    """In memory: one dict per prompt ``{(module, phase): float32 numpy [token, ...]}`` (decode
+    steps stacked in step order) and the modules in execution order. For tests and small models;
+    ``capture_hf_module_run`` streams into a store instead."""
+    import numpy as np
+
+    from metrics.errors import as_float
+
+    out, order = [], []
+    for prompt, cont in zip(prompts, continuations):
+        got: dict = {}
+
+        def sink(module, phase, step, t):
+            got.setdefault((module, phase), []).append(as_float(t, np.float32))
+
+        _, order = capture_hf_modules(model, prompt, cont, sink, modules, inputs=inputs)
+        out.append({k: np.concatenate(v, axis=0) for k, v in got.items()})
+    return out, order
+
+
+def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: Iterable[str] | str = DEFAULT_MODULES,
+                          dtype: str = "float32", inputs: bool = False, release=None, model=None,
+                          config: dict | None = None) -> str:
+    """Capture module tensors (and the logits of the same forwards) of ``prompts`` teacher-forced
+    with ``teacher_tokens`` (one list per prompt, >= 1 token) into ``store``; returns the run id.
+
+    Per prompt the run holds tokens = prompt + teacher tokens, logits ``[gen_token, vocab]`` of
+    the forwards run (prefill + ``len(teacher) - 1`` decode steps: one row per teacher token) and
+    ``tensors/<module>/<phase>`` as in the module docstring. The run config records the patterns, the modules in execution order
+    (``module_order``) and the phase layout. ``model``: an already loaded model (e.g. with a
+    fault patched in) of ``model_path`` in ``dtype``. ``config``: extra entries for the run config.
+    """
+    import transformers
+
+    from extractors.hf import _to_rows, load_hf_model
+    from extractors.models import model_content_hash
+
+    prompt_rows = [_to_rows(p, f"prompts[{i}]")[0] for i, p in enumerate(prompts)]
+    if teacher_tokens is None or len(teacher_tokens) != len(prompt_rows):
+        raise ValueError(f"capture_hf_module_run: need one teacher-token list per prompt ({len(prompt_rows)}), "
+                         f"got {None if teacher_tokens is None else len(teacher_tokens)}")
+    teacher_rows = [_to_rows(t, f"teacher_tokens[{i}]")[0] for i, t in enumerate(teacher_tokens)]
+    for i, t in enumerate(teacher_rows):
+        if not t:
+            raise ValueError(f"capture_hf_module_run: teacher_tokens[{i}] is empty; module capture needs >= 1 "
+                             "continuation token per prompt")
+    if model is None:
+        model = load_hf_model(model_path, dtype)
+    model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if model_dtype != dtype:
+        raise ValueError(f"capture_hf_module_run: the model passed is {model_dtype}, the run says dtype={dtype!r}")
+    patterns = [modules] if isinstance(modules, str) else list(modules)
+    names = _modules_of(model, patterns)  # refuse a bad pattern before a run exists
+    # execution order, from a one-token forward (hooks fire as each module finishes)
+    _, order = capture_hf_modules(model, prompt_rows[0][:1], [], lambda *a: None, names, decode_steps=0)
+    cfg = {
+        "mode": "teacher_forced_stepwise",
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "module_patterns": patterns,
+        "modules": names,
+        "module_order": order,
+        "module_inputs": bool(inputs),
+        "prompt_lens": [len(p) for p in prompt_rows],
+        "tensor_layout": "tensors/<module>/prefill: step 0 [prompt_len, ...]; tensors/<module>/decode: step n "
+                         "[1, ...] feeding continuation token n at position prompt_len + n",
+        "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j",
+        **(config or {}),
+    }
+    run = store.begin_run(engine="hf", model_path=str(Path(model_path)), model_hash=model_content_hash(model_path),
+                          dtype=dtype, device="cpu", engine_version=transformers.__version__,
+                          release=release, config=cfg)
+    with run:
+        for prompt, teacher in zip(prompt_rows, teacher_rows):
+            pid = run.add_prompt(prompt, continuation=teacher)
+
+            def sink(module, phase, step, t, pid=pid):
+                run.write_tensor(pid, module, t, step=step, phase=phase,
+                                 dims=["position", *(f"dim{i}" for i in range(1, t.ndim))])
+
+            logits, _ = capture_hf_modules(model, prompt, teacher, sink, names, inputs=inputs)
+            run.write_logits(pid, logits)
+    return run.run_id

@@ -1,0 +1,380 @@
+"""Module tensors, three-way: per module and phase, is the target's error beyond BF16 noise, and
+which module is the first where it is.
+
+Roles as everywhere (DESIGN.md): baseline = FP32 reference, expected = BF16 reference, actual =
+the target. Per prompt, module and phase (``prefill`` / ``decode``) the tensors are
+``[token, ...]`` (trailing dims flattened to one width); per token:
+- ``base_*``: expected vs baseline, ``tgt_*``: actual vs baseline; ``linf`` / ``l2`` are the
+  relative errors of ``metrics.errors`` and ``cos`` the cosine, ``*_ratio = tgt / base``
+  (reference/002's L-inf and L2 ratios), ``bc``: BC of the token's target vs BF16 absolute errors.
+
+Verdict (``judge_modules``): the KV verdict's noise-relative rule, unchanged
+(``metrics.verdict._tensor_verdict``, see its docstring): the absolute errors of every token of
+every prompt of one module and phase are pooled before thresholding; sigma-ratio, pooled BC
+against the BF16 noise's own BC (even vs odd positions), 0.75-quantile per-position L-inf ratio
+against the noise's own spread, loose max L-inf ratio. With ``rule="max_l2_ratio"`` the static
+fallback of reference/002 decides instead: every token's L2 ratio ``< max_l2_ratio`` (3.0).
+Either way a module fails on
+- a shape that differs between the roles (named with the shapes),
+- a non-finite target value where both references are finite (NaN in the target),
+and is unjudged (``passed`` None: never a pass) when no value is finite in all three.
+
+Localisation: ``first_failing_module`` in execution order: phases in time order (prefill,
+then decode), modules within a phase in the order they finish (the capture's ``module_order``).
+``layer`` is the decoder-layer index from the name (``model.layers.3.mlp`` -> 3), None for
+modules outside the decoder layers (embedding, final norm, LM head); ``position`` the first
+position (smallest over prompts) whose target L2 error exceeds every BF16 L2 error of that
+module and phase, else the position of the largest L2 ratio; ``token`` the same as a generation
+token index, ``position - prompt_len`` (negative in the prompt; decode step n is token n), as
+the KV tables count it.
+
+numpy only; no store, no engine.
+"""
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .bc import DEFAULT_BINS, bhattacharyya_batched
+from .errors import as_float, cosine, rel_l2, rel_linf
+from .verdict import KVTensorVerdict, KVVerdictConfig, _tensor_verdict
+
+__all__ = [
+    "PHASE_ORDER",
+    "MODULE_KV_CONFIG",
+    "ModuleVerdictConfig",
+    "ModuleTokenMetrics",
+    "ModuleVerdict",
+    "ModulesVerdict",
+    "module_layer",
+    "compare_module_tensors",
+    "align_decode_captures",
+    "ModuleJudge",
+    "judge_modules",
+    "first_failing_module",
+    "compare_captures_three_way",
+]
+
+PHASE_ORDER = ("prefill", "decode")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|:|$)")
+
+
+def module_layer(module: str) -> int | None:
+    """Decoder-layer index in a module name (``model.layers.3.mlp`` -> 3); None outside the layers."""
+    m = _LAYER.search(module)
+    return int(m.group(1)) if m else None
+
+
+# The KV rule with a BC margin below the noise's own BC of 0.005, not 0.02: module outputs pool
+# thousands of values per token, so two halves of BF16 noise agree to ~0.995 and a margin of 0.02
+# let a 1% MLP-output error (BC 0.988, sigma-ratio 1.24 on the tiny Llama) pass; correct BF16
+# engines measured 0.997-0.998 (HF eager vs SDPA attention).
+MODULE_KV_CONFIG = KVVerdictConfig(bc_noise_margin=0.005)
+
+
+@dataclass(frozen=True)
+class ModuleVerdictConfig:
+    kv: KVVerdictConfig = MODULE_KV_CONFIG
+    rule: str = "noise"  # "noise" (the KV rule) | "max_l2_ratio" (reference/002's static fallback)
+    max_l2_ratio: float = 3.0
+    bins: int = DEFAULT_BINS
+
+    def __post_init__(self):
+        if self.rule not in ("noise", "max_l2_ratio"):
+            raise ValueError(f"module verdict rule must be 'noise' or 'max_l2_ratio', got {self.rule!r}")
+
+
+@dataclass(frozen=True)
+class ModuleTokenMetrics:
+    """One prompt x module x phase; every array ``[token]`` except the errors ``[token, width]``."""
+
+    module: str
+    phase: str
+    positions: np.ndarray
+    base_linf: np.ndarray
+    tgt_linf: np.ndarray
+    linf_ratio: np.ndarray
+    base_l2: np.ndarray
+    tgt_l2: np.ndarray
+    l2_ratio: np.ndarray
+    base_cos: np.ndarray
+    tgt_cos: np.ndarray
+    bc: np.ndarray
+    base_err: np.ndarray  # |expected - baseline| float32
+    tgt_err: np.ndarray  # |actual - baseline| float32
+
+    def to_columns(self) -> dict:
+        return {"position": self.positions.astype(np.int64), **{
+            k: getattr(self, k).astype(np.float64) for k in
+            ("base_linf", "tgt_linf", "linf_ratio", "base_l2", "tgt_l2", "l2_ratio", "base_cos", "tgt_cos", "bc")}}
+
+
+def _ratio(t, b):
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.where(b > 0, t / np.where(b > 0, b, 1.0), np.where(t == 0, 0.0, np.inf))
+    return np.where(np.isnan(t) | np.isnan(b), np.nan, r)
+
+
+def _as_tokens(x, what: str) -> np.ndarray:
+    a = as_float(x, np.float32)
+    if a.ndim == 0:
+        raise ValueError(f"{what}: a module tensor needs a token axis, got a scalar")
+    return a.reshape(a.shape[0], -1)
+
+
+def compare_module_tensors(baseline, expected, actual, module: str = "", phase: str = "",
+                           positions=None, bins: int = DEFAULT_BINS) -> ModuleTokenMetrics:
+    """Per-token three-way metrics of one module output. baseline, expected, actual:
+    ``[token, ...]`` (same shape; ``ValueError`` naming the module and the three shapes if not).
+    positions: ``[token]`` sequence positions of the rows (default ``0 .. token-1``)."""
+    shapes = [tuple(np.shape(x)) for x in (baseline, expected, actual)]
+    if len(set(shapes)) != 1:
+        raise ValueError(f"module {module} ({phase}): shapes differ: baseline {shapes[0]}, expected {shapes[1]}, "
+                         f"actual {shapes[2]}")
+    b, e, a = (_as_tokens(x, f"module {module} ({phase})") for x in (baseline, expected, actual))
+    pos = np.arange(b.shape[0]) if positions is None else np.asarray(positions, dtype=np.int64)
+    if pos.shape != (b.shape[0],):
+        raise ValueError(f"module {module} ({phase}): {pos.size} positions for {b.shape[0]} tokens")
+    with np.errstate(invalid="ignore", over="ignore"):
+        base_err, tgt_err = np.abs(e - b), np.abs(a - b)
+    bl, tl = rel_linf(b, e), rel_linf(b, a)
+    b2, t2 = rel_l2(b, e), rel_l2(b, a)
+    bcos, tcos = cosine(b, e), cosine(b, a)
+    bc = bhattacharyya_batched(base_err, tgt_err, bins=bins)
+    return ModuleTokenMetrics(module, phase, pos, bl, tl, _ratio(tl, bl), b2, t2, _ratio(t2, b2), bcos, tcos, bc,
+                              base_err, tgt_err)
+
+
+def align_decode_captures(ref_positions, target_positions):
+    """Index pairs that line up decode steps of two captures by position (reference/002: HF and the
+    engine may hold different or differently numbered steps). Returns ``(ref_idx, target_idx,
+    missing)``: the indices of the positions both hold, in position order, and the positions only
+    the reference holds (a target that skipped a step)."""
+    rp = np.asarray(ref_positions, dtype=np.int64)
+    tp = np.asarray(target_positions, dtype=np.int64)
+    common, ri, ti = np.intersect1d(rp, tp, assume_unique=False, return_indices=True)
+    missing = np.setdiff1d(rp, tp)
+    return ri, ti, missing
+
+
+@dataclass(frozen=True)
+class ModuleVerdict:
+    """One module and phase, pooled over tokens and prompts."""
+
+    module: str
+    phase: str
+    layer: int | None
+    passed: bool | None
+    decided_by: str | None  # "sigma_ratio" | "bc_and_linf" | "max_l2_ratio" | None
+    tensor: KVTensorVerdict | None  # the noise-relative numbers (None when no tensor was compared)
+    max_l2_ratio: float  # largest per-token L2 ratio
+    static_passed: bool | None  # max_l2_ratio < config.max_l2_ratio
+    n_prompts: int
+    n_tokens: int
+    position: int | None  # first position with target error beyond every BF16 error (module docstring)
+    token: int | None  # that position as a generation token index (position - prompt_len)
+    token_prompt: str | None
+    problem: str | None = None  # shape mismatch / non-finite target, in words
+
+    def summary(self) -> str:
+        head = {True: "PASS", False: "FAIL", None: "NOT JUDGED"}[self.passed]
+        where = f"{self.module} ({self.phase}, layer {self.layer})"
+        if self.problem:
+            return f"{head}: {where}: {self.problem}"
+        t = self.tensor
+        return (f"{head}: {where}: sigma-ratio {t.sigma_ratio:.3f}, BC {t.bc:.4f} vs bar {t.bc_threshold_used:.4f}, "
+                f"L-inf ratio {t.linf_ratio:.2f} vs bar {t.linf_threshold_used:.2f}, max L2 ratio "
+                f"{self.max_l2_ratio:.2f} over {self.n_tokens} tokens of {self.n_prompts} prompts")
+
+
+@dataclass(frozen=True)
+class ModulesVerdict:
+    passed: bool
+    modules: tuple  # ModuleVerdict, in execution order (phase, then module order)
+    first_failing: ModuleVerdict | None
+    config: ModuleVerdictConfig = field(default_factory=ModuleVerdictConfig)
+
+    @property
+    def localisation(self) -> dict | None:
+        """``{"phase", "layer", "module", "token"}`` of the first failing module, None if none failed."""
+        f = self.first_failing
+        if f is None:
+            return None
+        return {"phase": f.phase, "layer": f.layer, "module": f.module, "token": f.token}
+
+    @property
+    def unjudged(self) -> tuple:
+        return tuple(v for v in self.modules if v.passed is None)
+
+    def summary(self) -> str:
+        if not self.modules:
+            return "not compared: no module tensors held by all roles"
+        if self.passed:
+            return f"PASS: {len(self.modules)} module x phase outputs within BF16 noise"
+        if self.first_failing is not None:
+            n = sum(v.passed is False for v in self.modules)
+            return f"FAIL: first failing module {self.first_failing.summary()[6:]}; {n} module x phase outputs fail"
+        return f"FAIL: {len(self.unjudged)} module x phase outputs not judged (no value finite in all three roles)"
+
+
+class ModuleJudge:
+    """Accumulates per-prompt module metrics, then judges every module and phase.
+
+    ``add`` takes one prompt's tensors of one module and phase and returns its per-token metrics
+    (rows for a table); ``verdict`` pools what was added. Memory: the absolute errors of every
+    module added (two float32 copies of the captured tensors)."""
+
+    def __init__(self, config: ModuleVerdictConfig | None = None):
+        self.config = config or ModuleVerdictConfig()
+        self._acc: dict[tuple[str, str], dict] = {}
+
+    def _slot(self, module, phase):
+        return self._acc.setdefault((module, phase), {"metrics": [], "prompts": [], "plens": [], "problems": []})
+
+    def add(self, prompt: str, module: str, phase: str, baseline, expected, actual, positions=None,
+            prompt_len: int | None = None):
+        """One prompt's ``[token, ...]`` tensors of one module and phase; positions ``[token]`` (default
+        0..); prompt_len turns the failing position into a generation token index."""
+        slot = self._slot(module, phase)
+        shapes = [tuple(np.shape(x)) for x in (baseline, expected, actual)]
+        if len(set(shapes)) != 1:
+            slot["problems"].append(f"prompt {prompt}: shapes differ: baseline {shapes[0]}, expected {shapes[1]}, "
+                                    f"actual {shapes[2]}")
+            return None
+        m = compare_module_tensors(baseline, expected, actual, module, phase, positions, bins=self.config.bins)
+        slot["metrics"].append(m)
+        slot["prompts"].append(prompt)
+        slot["plens"].append(prompt_len)
+        return m
+
+    def add_problem(self, prompt: str, module: str, phase: str, problem: str) -> None:
+        """Record that a module could not be compared for a prompt (it fails)."""
+        self._slot(module, phase)["problems"].append(f"prompt {prompt}: {problem}")
+
+    def _judge(self, module, phase, slot) -> ModuleVerdict:
+        cfg = self.config
+        ms, prompts = slot["metrics"], slot["prompts"]
+        n_tok = sum(m.positions.size for m in ms)
+        layer = module_layer(module)
+        if not ms:
+            return ModuleVerdict(module, phase, layer, False, None, None, math.nan, None, 0, 0, None, None, None,
+                                 "; ".join(slot["problems"]))
+        with np.errstate(invalid="ignore"):
+            bad = [int(np.count_nonzero(~np.isfinite(m.tgt_err) & np.isfinite(m.base_err))) for m in ms]
+        # NaN where a reference is NaN too is excluded by the rule; a non-finite target error counts
+        tv = _tensor_verdict([m.base_err for m in ms], [np.where(np.isfinite(m.tgt_err), m.tgt_err, np.nan)
+                                                        for m in ms], cfg.kv, sum(bad))
+        l2r = np.concatenate([m.l2_ratio for m in ms])
+        max_l2 = float(np.nanmax(l2r)) if np.isfinite(l2r).any() or np.isinf(l2r).any() else math.nan
+        static = None if math.isnan(max_l2) else bool(max_l2 < cfg.max_l2_ratio)
+        if cfg.rule == "noise" or tv.passed is None:
+            passed, why = tv.passed, tv.decided_by
+        else:
+            passed, why = static, ("max_l2_ratio" if static else None)
+        problems = list(slot["problems"])
+        if sum(bad):
+            first = next(p for p, b in zip(prompts, bad) if b)
+            problems.append(f"{sum(bad)} non-finite target values where the references are finite (first in "
+                            f"prompt {first})")
+            passed, why = False, None
+        if slot["problems"]:
+            passed, why = False, None
+        # where: first position whose target L2 exceeds every BF16 L2 of this module and phase
+        position = token = token_prompt = None
+        if passed is False:
+            noise = max((float(np.nanmax(m.base_l2)) for m in ms if np.isfinite(m.base_l2).any()), default=0.0)
+            cands = []
+            for p, m, plen, nb in zip(prompts, ms, slot["plens"], bad):
+                with np.errstate(invalid="ignore"):
+                    if nb:  # a non-finite target is the failure: place it there
+                        over = np.flatnonzero((~np.isfinite(m.tgt_err) & np.isfinite(m.base_err)).any(axis=1))
+                    elif sum(bad):
+                        continue
+                    else:
+                        over = np.flatnonzero(~(m.tgt_l2 <= noise))
+                if over.size:
+                    cands.append((int(m.positions[over[0]]), p, plen))
+            if not cands:
+                best = max(((float(np.nanmax(m.l2_ratio)), int(m.positions[int(np.nanargmax(m.l2_ratio))]), p, plen)
+                            for p, m, plen in zip(prompts, ms, slot["plens"]) if not np.all(np.isnan(m.l2_ratio))),
+                           default=None)
+                cands = [best[1:]] if best else []
+            if cands:
+                position, token_prompt, plen = min(cands, key=lambda c: (c[0] - (c[2] or 0), c[1]))
+                token = position - plen if plen is not None else position
+        return ModuleVerdict(module, phase, layer, passed, why, tv, max_l2, static, len(ms), n_tok, position, token,
+                             token_prompt, "; ".join(problems) or None)
+
+    def verdict(self, order: Sequence[str] | None = None) -> ModulesVerdict:
+        """Judge every module and phase added. order: module names in execution order (modules
+        missing from it go last, by name)."""
+        rank = {m: i for i, m in enumerate(order or ())}
+        keys = sorted(self._acc, key=lambda k: (_phase_rank(k[1]), rank.get(k[0], len(rank)), k[0]))
+        vs = tuple(self._judge(m, ph, self._acc[(m, ph)]) for m, ph in keys)
+        first = first_failing_module(vs)
+        passed = bool(vs) and all(v.passed is True for v in vs)
+        return ModulesVerdict(passed, vs, first, self.config)
+
+
+def _phase_rank(phase: str) -> int:
+    return PHASE_ORDER.index(phase) if phase in PHASE_ORDER else len(PHASE_ORDER)
+
+
+def first_failing_module(verdicts: Iterable[ModuleVerdict], order: Sequence[str] | None = None) -> ModuleVerdict | None:
+    """The first failing module in execution order: phases in time order, then ``order`` (module
+    names as they finish; default: the order given)."""
+    vs = list(verdicts)
+    if order is not None:
+        rank = {m: i for i, m in enumerate(order)}
+        vs.sort(key=lambda v: (_phase_rank(v.phase), rank.get(v.module, len(rank))))
+    else:
+        vs.sort(key=lambda v: _phase_rank(v.phase))  # stable: the given order within a phase
+    return next((v for v in vs if v.passed is False), None)
+
+
+def judge_modules(per_prompt, order: Sequence[str] | None = None, prompt_lens: Sequence[int] | None = None,
+                  config: ModuleVerdictConfig | None = None) -> ModulesVerdict:
+    """Verdict over prompts. per_prompt: one dict per prompt ``{(module, phase): (baseline, expected,
+    actual)}`` of ``[token, ...]`` arrays. order: modules in execution order. prompt_lens: one per
+    prompt; then prefill rows are positions ``0..``, decode rows ``prompt_len + step`` (the capture
+    layout of ``extractors.modules``) and failures are placed as generation token indices."""
+    judge = ModuleJudge(config)
+    if prompt_lens is not None and len(prompt_lens) != len(per_prompt):
+        raise ValueError(f"judge_modules: {len(per_prompt)} prompts but {len(prompt_lens)} prompt lengths")
+    for i, caps in enumerate(per_prompt):
+        plen = None if prompt_lens is None else int(prompt_lens[i])
+        for (module, phase), (b, e, a) in caps.items():
+            pos = None
+            if plen is not None:
+                pos = np.arange(np.shape(b)[0]) + (plen if phase == "decode" else 0)
+            judge.add(str(i), module, phase, b, e, a, positions=pos, prompt_len=plen)
+    return judge.verdict(order)
+
+
+def compare_captures_three_way(baseline, expected, actual, order: Sequence[str] | None = None,
+                               max_l2_ratio: float = 3.0, rule: str = "noise") -> ModulesVerdict:
+    """reference/002's entry point: three captures, each one dict per prompt (or a single dict)
+    ``{module: {phase: [token, ...]}}``; every (module, phase) of the baseline is compared. A
+    module or phase the expected or actual capture lacks fails, named."""
+    cfg = ModuleVerdictConfig(rule=rule, max_l2_ratio=max_l2_ratio)
+    if isinstance(baseline, dict):
+        baseline, expected, actual = [baseline], [expected], [actual]
+    if not len(baseline) == len(expected) == len(actual):
+        raise ValueError(f"compare_captures_three_way: {len(baseline)} baseline, {len(expected)} expected, "
+                         f"{len(actual)} actual prompts")
+    judge = ModuleJudge(cfg)
+    for i, (b, e, a) in enumerate(zip(baseline, expected, actual)):
+        for module, phases in b.items():
+            for phase, bt in phases.items():
+                et, at = e.get(module, {}).get(phase), a.get(module, {}).get(phase)
+                if et is None or at is None:
+                    who = "expected" if et is None else "actual"
+                    judge.add_problem(str(i), module, phase, f"the {who} capture has no {module} ({phase})")
+                    continue
+                judge.add(str(i), module, phase, bt, et, at)
+    return judge.verdict(order)
+
