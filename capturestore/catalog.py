@@ -3,7 +3,10 @@
 The catalog holds nothing but views over the Parquet segments, so it is always rebuildable
 from ``tables/`` alone. Views show committed rows only: ``prompts``/``captures`` rows of runs with
 a ``runs`` row, and rows of tables with a ``comparison_id`` column of comparisons with a
-``comparisons`` row. Queries from this library run on a private in-memory DuckDB connection
+``comparisons`` row. A table whose columns are declared in code (the comparators' tables and
+``comparisons``, ``capturestore.comparators.declared_tables``) is a view of those columns by
+name and type, whatever its segments hold (a column older segments lack reads as NULL); the
+declared schema versions are part of ``catalog.stamp``. Queries from this library run on a private in-memory DuckDB connection
 with the same views over absolute paths (no file lock is ever held, so any number of processes
 can read and write the store at once).
 
@@ -42,7 +45,8 @@ from capturestore.layout import CATALOG_FILE, CATALOG_STAMP_FILE, LEGACY_CATALOG
 from capturestore.tables import RUN_TABLES, has_column, table_dir
 
 # First line of catalog.stamp; a change to what view_sql writes changes it, so stores rebuild.
-CATALOG_STAMP = "capturestore catalog views 3: segments relative to catalog.duckdb, committed rows only"
+CATALOG_STAMP = ("capturestore catalog views 4: segments relative to catalog.duckdb, committed rows only, "
+                 "declared tables by named columns")
 
 # The store directory with a trailing '/', as a constant DuckDB folds when it binds a view.
 _STORE_DIR_SQL = (
@@ -84,16 +88,62 @@ def _segments(root: Path, table: str, relative: bool, allow_empty: bool = False)
     return f"read_parquet({where}, union_by_name = true{', allow_empty = true' if allow_empty else ''})"
 
 
+def _declared() -> dict:
+    """{table: TableSpec} of the tables whose columns are declared in code (comparators)."""
+    from capturestore.comparators import declared_tables
+
+    return declared_tables()
+
+
+def catalog_stamp() -> str:
+    """First line of catalog.stamp: the view version and every declared table's schema version,
+    so a change to either rebuilds catalog.duckdb."""
+    versions = " ".join(f"{t}/{spec.version}" for t, spec in sorted(_declared().items()))
+    return f"{CATALOG_STAMP}; declared schemas {versions}"
+
+
+def _columns_sql(root: Path, table: str, relative: bool, spec) -> str:
+    """The declared columns of ``table``, by name and type; a declared column an older segment
+    lacks reads as NULL. Columns a segment holds beyond them are not shown (DuckDB's ``* EXCLUDE``
+    serialises in no fixed order, so the view would not be reproducible for verify)."""
+    typed = ", ".join(f"CAST(NULL AS {_duck_type(f.type)}) AS {_quote_ident(f.name)}" for f in spec.schema)
+    cols = ", ".join(f"CAST({_quote_ident(f.name)} AS {_duck_type(f.type)}) AS {_quote_ident(f.name)}"
+                     for f in spec.schema)
+    src = _segments(root, table, relative)
+    return f"SELECT {cols} FROM (SELECT {typed} WHERE false UNION ALL BY NAME SELECT * FROM {src})"
+
+
+_DUCK_TYPES = {"string": "VARCHAR", "large_string": "VARCHAR", "bool": "BOOLEAN", "double": "DOUBLE",
+               "float": "FLOAT", "int64": "BIGINT", "int32": "INTEGER", "int16": "SMALLINT", "int8": "TINYINT",
+               "uint64": "UBIGINT", "uint32": "UINTEGER", "timestamp[us, tz=UTC]": "TIMESTAMP WITH TIME ZONE",
+               "list<item: string>": "VARCHAR[]", "list<item: int64>": "BIGINT[]", "list<item: int32>": "INTEGER[]"}
+
+
+def _duck_type(t: pa.DataType) -> str:
+    try:
+        return _DUCK_TYPES[str(t)]
+    except KeyError:
+        raise ValueError(f"catalog: no DuckDB type for declared Arrow type {t}") from None
+
+
 def view_sql(root: Path, table: str, relative: bool = False) -> str:
     """CREATE VIEW statement of ``table``: its committed rows (see the module docstring).
 
+    A table declared in code (``capturestore.comparators.declared_tables``) and written by
+    comparisons (its segments have ``comparison_id``) is a view over its declared columns by name
+    and type; any other table shows the columns of its segments.
     ``relative``: the catalog.duckdb form, whose paths follow the catalog file wherever it moves.
     """
-    src = _segments(root, table, relative)
-    view = f"CREATE OR REPLACE VIEW {_quote_ident(table)} AS SELECT * FROM {src}"
+    spec = _declared().get(table)
+    has_cid = table not in RUN_TABLES and has_column(root, table, "comparison_id")
+    if spec is not None and has_cid:
+        body = _columns_sql(root, table, relative, spec)
+    else:  # not declared, or rows a user appended under a declared name (no comparison_id): as stored
+        body = f"SELECT * FROM {_segments(root, table, relative)}"
+    view = f"CREATE OR REPLACE VIEW {_quote_ident(table)} AS {body}"
     if table in ("prompts", "captures"):  # the runs segment is the commit marker
         return f"{view} WHERE run_id IN (SELECT run_id FROM {_segments(root, 'runs', relative)})"
-    if table not in (*RUN_TABLES, "comparisons") and has_column(root, table, "comparison_id"):
+    if table != "comparisons" and has_cid:
         # the comparisons row is the commit marker; none yet (no segment, no column) hides every row
         committed = (f"SELECT NULL::VARCHAR AS comparison_id WHERE false UNION ALL BY NAME "
                      f"SELECT * FROM {_segments(root, 'comparisons', relative, allow_empty=True)}")
@@ -322,7 +372,7 @@ def _rebuild_lock(root: Path, wait: bool):
 
 def _stamp_lines(names: list[str], broken: dict[str, str]) -> list[str]:
     # an unreadable table is stamped apart from its name: open retries until it reads again
-    return [CATALOG_STAMP, *(f"{t} (unreadable)" if t in broken else t for t in names)]
+    return [catalog_stamp(), *(f"{t} (unreadable)" if t in broken else t for t in names)]
 
 
 def _rebuild_locked(root: Path) -> dict[str, str]:
@@ -370,7 +420,7 @@ def catalog_is_current(root: Path) -> bool:
         lines = (root / CATALOG_STAMP_FILE).read_text().splitlines()
     except OSError:
         return False
-    return lines == [CATALOG_STAMP, *table_names(root)] and (root / CATALOG_FILE).is_file()
+    return lines == [catalog_stamp(), *table_names(root)] and (root / CATALOG_FILE).is_file()
 
 
 def ensure_catalog_file(root: Path) -> None:

@@ -23,9 +23,13 @@ torch / transformers are imported lazily; `extractors.hf` provides the teacher-f
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
+
+from capturestore.comparators import Comparator, Localisation, TableSpec, Verdict, decoder_layer_index
 
 from .formats import resolve_platform
 from .quant import dequantize_torch, quantize_torch
@@ -243,11 +247,149 @@ def floor_kv(expected_kv: dict, platform: str | None = None) -> tuple[dict, dict
     return out, scales
 
 
-def _rel_l2(x, ref) -> float:
-    """Relative L2 over every element, NaN positions (sliding-window fill) excluded."""
-    from metrics.errors import rel_l2
+def _rel_l2_parts(x, ref) -> tuple[float, float]:
+    """(sum (x - ref)^2, sum ref^2) over the positions finite in both (metrics.errors.rel_l2's
+    terms, so prompts pool by adding them)."""
+    r, a = np.asarray(ref, np.float64), np.asarray(x, np.float64)
+    ok = ~(np.isnan(r) | np.isnan(a))
+    d = np.where(ok, a - r, 0.0)
+    r = np.where(ok, r, 0.0)
+    return float(np.sum(d * d)), float(np.sum(r * r)) if ok.any() else math.nan
 
-    return float(rel_l2(np.asarray(ref, np.float64), np.asarray(x, np.float64), axis=None))
+
+def _rel_l2(parts: list) -> float:
+    """||x - ref|| / max(||ref||, 1e-10) from the per-prompt terms of ``_rel_l2_parts``; NaN when
+    no position was finite in both."""
+    from metrics.errors import EPS
+
+    num = sum(p[0] for p in parts if not math.isnan(p[1]))
+    den = [p[1] for p in parts if not math.isnan(p[1])]
+    if not den:
+        return math.nan
+    return math.sqrt(num) / max(math.sqrt(sum(den)), EPS)
+
+
+_D, _S, _B = pa.float64(), pa.string(), pa.bool_()
+FP8_KV_LAYER_METRICS = TableSpec(pa.schema([
+    ("comparison_id", _S), ("label", _S), ("platform", _S), ("layer", _S), ("k_scale", _D), ("v_scale", _D),
+    ("k_vs_floor", _D), ("v_vs_floor", _D), ("k_vs_bf16", _D), ("v_vs_bf16", _D), ("k_rel_l2", _D),
+    ("v_rel_l2", _D), ("floor_k_rel_l2", _D), ("floor_v_rel_l2", _D), ("passed_floor", _B), ("passed_bf16", _B),
+]), 2)  # 2: comparison_id (1: written by analyze_fp8_kv_target outside any comparison)
+
+
+class Fp8KVFloorComparator(Comparator):
+    """The FP8 KV cache judged against the FP8 rounding floor (module docstring), three-way.
+
+    The actual run is an FP8-cache run (``capture_fp8_kv_run``): its config names the platform
+    and the per-layer kernel scales. The floor is the expected (BF16) KV fake-quantized with ideal
+    per-layer absmax scales over every prompt; the verdict is ``aggregate_kv_verdict`` of the
+    actual's errors against the floor's. The same against the BF16 reference (``passed_bf16``)
+    says whether the cache is BF16-equivalent (FP8 is not). Writes ``fp8_kv_layer_metrics``."""
+
+    name = "fp8_kv_floor"
+    tables = {"fp8_kv_layer_metrics": FP8_KV_LAYER_METRICS}
+    needs = ("kv",)
+    localisation_rank = 30
+    comparison_fields = (pa.field("fp8_floor_passed", _B), pa.field("fp8_floor_summary", _S))
+
+    def prepare(self, context) -> None:
+        import json
+
+        from capturestore.comparators.kv import kv_layer_names
+
+        super().prepare(context)
+        store, runs = context.store, context.runs
+        if not context.three_way:
+            raise ValueError("fp8_kv_floor: the FP8 floor is judged three-way; pass baseline_run (the FP32 run)")
+        run = store.sql(f"SELECT config FROM runs WHERE run_id = '{runs['actual']}'").to_pylist()[0]
+        cfg = json.loads(run["config"] or "{}")
+        if "k_scale" not in cfg or "v_scale" not in cfg:
+            raise ValueError(f"fp8_kv_floor: actual run {runs['actual']} records no k_scale / v_scale in its config "
+                             f"(not an FP8-cache run: capture it with nki_fp8.target.capture_fp8_kv_run)")
+        self.platform = resolve_platform(cfg.get("platform"))
+        self.names = kv_layer_names(store, runs)
+        layers = None
+        for pid in context.prompt_ids:
+            for rid in runs.values():
+                groups = self.names.get((rid, pid))
+                if groups is None or len(groups) != 1 or None not in groups:
+                    raise ValueError(f"fp8_kv_floor: run {rid}, prompt {pid} holds no single KV array to judge")
+            layers = layers or list(self.names[(runs["expected"], pid)][None])
+        self.layers = layers
+        if len(cfg["k_scale"]) != len(layers) or len(cfg["v_scale"]) != len(layers):
+            raise ValueError(f"fp8_kv_floor: actual run {runs['actual']} records {len(cfg['k_scale'])} k_scale / "
+                             f"{len(cfg['v_scale'])} v_scale for {len(layers)} KV layers")
+        self.k_scales, self.v_scales = cfg["k_scale"], cfg["v_scale"]
+        # ideal per-layer floor scales: absmax of the expected KV over every prompt (one prompt in memory)
+        amax = np.zeros((len(layers), 2))
+        for pid in context.prompt_ids:
+            k, v = store.read_kv(runs["expected"], pid, as_torch=True)
+            for i in range(len(layers)):
+                amax[i] = np.maximum(amax[i], [absmax(k[i].float().numpy()).item(), absmax(v[i].float().numpy()).item()])
+        self.floor_scales = [(float(kernel_scale_from_absmax(np.float64(a), self.platform).item()),
+                              float(kernel_scale_from_absmax(np.float64(b), self.platform).item())) for a, b in amax]
+        self.raw_floor, self.raw_bf16 = [], []
+        self.l2 = {key: [] for key in ("k", "v", "floor_k", "floor_v")}
+
+    def compare(self, prompt) -> dict:
+        from metrics.kv import compare_kv_caches
+
+        store, runs, pid = prompt.context.store, prompt.runs, prompt.prompt_id
+        kv = {}
+        for role, rid in runs.items():
+            k, v = prompt.cached(("kv_torch", role), lambda rid=rid: store.read_kv(rid, pid, as_torch=True))
+            kv[role] = {n: (k[i][None], v[i][None]) for i, n in enumerate(self.layers)}
+        floor = {n: (fake_quantize_torch(k, sk, self.platform), fake_quantize_torch(v, sv, self.platform))
+                 for (n, (k, v)), (sk, sv) in zip(kv["expected"].items(), self.floor_scales)}
+        _, raw_bf16 = compare_kv_caches(kv["expected"], kv["actual"], layers=self.layers, baseline_kv=kv["baseline"],
+                                        return_raw_errors=True)
+        _, raw_floor = compare_kv_caches(floor, kv["actual"], layers=self.layers, baseline_kv=kv["baseline"],
+                                         return_raw_errors=True)
+        self.raw_bf16.append(raw_bf16)
+        self.raw_floor.append(raw_floor)
+        for i, n in enumerate(self.layers):
+            b, a, f = kv["baseline"][n], kv["actual"][n], floor[n]
+            self.l2["k"].append((i, _rel_l2_parts(a[0].float(), b[0].float())))
+            self.l2["v"].append((i, _rel_l2_parts(a[1].float(), b[1].float())))
+            self.l2["floor_k"].append((i, _rel_l2_parts(f[0].float(), b[0].float())))
+            self.l2["floor_v"].append((i, _rel_l2_parts(f[1].float(), b[1].float())))
+        return {}
+
+    def finish(self) -> dict:
+        from metrics.verdict import aggregate_kv_verdict
+
+        self.floor_verdict = aggregate_kv_verdict(self.raw_floor, layers=self.layers)
+        self.bf16_verdict = aggregate_kv_verdict(self.raw_bf16, layers=self.layers)
+        rel = {key: [_rel_l2([p for j, p in parts if j == i]) for i in range(len(self.layers))]
+               for key, parts in self.l2.items()}
+        self.results = tuple(
+            Fp8LayerResult(
+                name, float(self.k_scales[i]), float(self.v_scales[i]),
+                lf.k.sigma_ratio, lf.v.sigma_ratio, lb.k.sigma_ratio, lb.v.sigma_ratio,
+                rel["k"][i], rel["v"][i], rel["floor_k"][i], rel["floor_v"][i], lf.passed, lb.passed,
+            )
+            for i, (name, lf, lb) in enumerate(zip(self.layers, self.floor_verdict.layers, self.bf16_verdict.layers))
+        )
+        cid, label = self.context.comparison_id, self.context.label
+        return {"fp8_kv_layer_metrics": [
+            {"comparison_id": cid, "label": label, "platform": self.platform, **r.__dict__} for r in self.results
+        ]}
+
+    def analysis(self) -> Fp8KVAnalysis:
+        return Fp8KVAnalysis(self.context.label, self.platform, self.results, self.floor_verdict, self.bf16_verdict)
+
+    def verdict(self) -> Verdict:
+        v = self.floor_verdict
+        loc = None
+        if not v.passed:
+            loc = Localisation(layer=decoder_layer_index(v.first_failing_layer))
+        text = self.analysis().summary().splitlines()[0]
+        return Verdict(self.name, bool(v.passed) if v.unjudged is None else None, text, loc, self.analysis(),
+                       self.localisation_rank)
+
+    def comparison_columns(self, verdict, passed: bool) -> dict:
+        return {"fp8_floor_passed": None if verdict is None else verdict.passed,
+                "fp8_floor_summary": None if verdict is None else verdict.summary()}
 
 
 def analyze_fp8_kv_target(
@@ -263,16 +405,22 @@ def analyze_fp8_kv_target(
     model_transform=None,
     models=None,
 ) -> Fp8KVAnalysis:
-    """Three-way KV analysis of the FP8-cache target (module docstring).
+    """Three-way KV analysis of the FP8-cache target (module docstring), as an ordinary comparison.
 
     prompts, teacher_tokens: token-id lists, one per prompt. k_scales, v_scales: kernel scales
     [layer]. model_transform: applied to both loaded models (e.g. `rescale_kv_magnitudes`).
-    models: (fp32_model, bf16_model) already loaded (and transformed). store: append per-layer
-    rows to `fp8_kv_layer_metrics`.
+    models: (fp32_model, bf16_model) already loaded (and transformed). The FP32 and BF16 runs
+    and the FP8-cache run are captured teacher-forced into ``store`` (a temporary store when
+    None) and compared with ``compare_runs`` (KV and the ``fp8_kv_floor`` comparator; the
+    comparison's ``label`` is ``label``): the per-layer rows are in ``fp8_kv_layer_metrics``
+    under its ``comparison_id``. The FP8 run fails the BF16 KV verdict by design, so the
+    comparison's ``passed`` is False; its ``fp8_floor_passed`` is this analysis' ``passed``.
     """
-    from extractors.hf import extract_hf_kv_caches_teacher_forced, load_hf_model
-    from metrics.kv import compare_kv_caches
-    from metrics.verdict import aggregate_kv_verdict
+    import tempfile
+
+    from capturestore import Store
+    from capturestore.analysis import compare_runs
+    from extractors.hf import capture_hf_run, load_hf_model
 
     plat = resolve_platform(platform)
     if models is None:
@@ -280,28 +428,13 @@ def analyze_fp8_kv_target(
         if model_transform is not None:
             models = tuple(model_transform(m) for m in models)
     m32, m16 = models
-    baseline = extract_hf_kv_caches_teacher_forced(m32, prompts, teacher_tokens)
-    expected = extract_hf_kv_caches_teacher_forced(m16, prompts, teacher_tokens)
-    actual = extract_fp8_kv_teacher_forced(m16, prompts, teacher_tokens, k_scales, v_scales, platform=plat)
-    floor, _ = floor_kv(expected, plat)
-    names = list(expected)
-    _, raw_bf16 = compare_kv_caches(expected, actual, layers=names, baseline_kv=baseline, return_raw_errors=True)
-    _, raw_floor = compare_kv_caches(floor, actual, layers=names, baseline_kv=baseline, return_raw_errors=True)
-    v_bf16 = aggregate_kv_verdict(raw_bf16, layers=names)
-    v_floor = aggregate_kv_verdict(raw_floor, layers=names)
-    ks = np.asarray(k_scales, np.float64).reshape(-1)
-    vs = np.asarray(v_scales, np.float64).reshape(-1)
-    rows = []
-    for i, (name, lf, lb) in enumerate(zip(names, v_floor.layers, v_bf16.layers)):
-        b = baseline[name]
-        rows.append(Fp8LayerResult(
-            name, float(ks[i]), float(vs[i]),
-            lf.k.sigma_ratio, lf.v.sigma_ratio, lb.k.sigma_ratio, lb.v.sigma_ratio,
-            _rel_l2(actual[name][0].float(), b[0].float()), _rel_l2(actual[name][1].float(), b[1].float()),
-            _rel_l2(floor[name][0].float(), b[0].float()), _rel_l2(floor[name][1].float(), b[1].float()),
-            lf.passed, lb.passed,
-        ))
-    res = Fp8KVAnalysis(label, plat, tuple(rows), v_floor, v_bf16)
-    if store is not None:
-        store.append_table("fp8_kv_layer_metrics", res.rows())
-    return res
+    with tempfile.TemporaryDirectory(prefix="fp8-kv-target-") as tmp:
+        if store is None:
+            store = Store.open(tmp)
+        base = capture_hf_run(store, model_path, prompts, teacher_tokens=teacher_tokens, dtype="float32", model=m32)
+        exp = capture_hf_run(store, model_path, prompts, teacher_tokens=teacher_tokens, dtype="bfloat16", model=m16)
+        act = capture_fp8_kv_run(store, model_path, prompts, teacher_tokens, k_scales, v_scales, platform=plat, model=m16)
+        floor = Fp8KVFloorComparator()
+        compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, label=label, logits=False,
+                     comparators=[floor])
+        return floor.analysis()

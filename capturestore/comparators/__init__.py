@@ -2,7 +2,7 @@
 
 ``compare_runs`` (``capturestore.analysis``) keeps the run checks, the prompt loop and the
 ``comparisons`` row (written last); the comparators do the rest (``base`` has the protocol and
-the pass / phase / localisation rules). Built in: ``logits``, ``kv``, ``fp8_kv_floor``. Another
+the pass / phase / localisation rules). Built in: ``logits``, ``kv``, ``fp8_kv_floor`` (``nki_fp8.target``). Another
 package adds one by registering it (``register_comparator``) or through the Python entry-point
 group ``capturestore.comparators`` (``name = "package.module:ComparatorClass"``), loaded on the
 first lookup.
@@ -53,6 +53,7 @@ ENTRY_POINT_GROUP = "capturestore.comparators"
 _BUILTIN = {
     "logits": "capturestore.comparators.logits:LogitsComparator",
     "kv": "capturestore.comparators.kv:KVComparator",
+    "fp8_kv_floor": "nki_fp8.target:Fp8KVFloorComparator",
 }
 _registry: dict[str, type[Comparator]] = {}
 _loaded = False
