@@ -36,6 +36,9 @@ __all__ = ["render_comparison", "render_diff"]
 TEMPLATES = Path(__file__).parent / "templates"
 ROLE_ORDER = ("baseline", "expected", "actual")
 SIGMA_THRESHOLD, BC_THRESHOLD, RATIO_GUIDE = 1.0, 0.99, 1.5  # reference/002 check thresholds (guides only)
+# the per-token table of a prompt page (every column is in the logit_tokens query and its figures)
+TOKEN_TABLE_COLUMNS = ("gen_token_idx", "position", "status", "divergence", "teacher_token", "expected_token",
+                       "actual_token", "topk_5_error", "topk_all_error", "linf_ratio", "l2_ratio", "bc")
 TABLE_ROWS = 500  # rows of a module / task view shown; the query shown with it returns all
 
 
@@ -398,7 +401,7 @@ def render_comparison(store, comparison_id: str, out_dir) -> Path:
         token_rows = lt.to_pylist() if lt is not None else []
         _write(out / "prompts" / f"{p['page']}.html", prompt_tpl.render(
             prompt=p, comparison=row, logit_figs=figs, kv_figs=kv_figs, tokens=token_rows,
-            token_cols=[c for c in (lt.column_names if lt is not None else []) if c not in ("prompt_id",)],
+            token_cols=[c for c in (lt.column_names if lt is not None else []) if c in TOKEN_TABLE_COLUMNS],
             status=status, headline=headline))
         keep.add(f"{p['page']}.html")
     for f in (out / "prompts").glob("p*.html"):  # pages of an earlier render of another comparison

@@ -2,7 +2,21 @@
 // and shown with textContent / Plotly only: nothing from the store is ever inserted as HTML.
 (function () {
   "use strict";
+  // The overview holds no figure: index.html loads plotly.min.js (about 5 MB) only when a tab
+  // with figures opens, so the first page is usable before it is parsed.
+  var waiting = [];
+  function withPlotly(fn) {
+    if (window.Plotly) { fn(); return; }
+    waiting.push(fn);
+    if (waiting.length > 1) return;
+    var s = document.createElement("script");
+    s.src = document.body.getAttribute("data-plotly");
+    s.onload = function () { var w = waiting; waiting = []; w.forEach(function (f) { f(); }); };
+    document.head.appendChild(s);
+  }
   function renderFigures(root) {
+    if (!root.querySelector("div.fig[data-fig]:not([data-done])")) return;
+    if (!window.Plotly) { withPlotly(function () { renderFigures(root); }); return; }
     root.querySelectorAll("div.fig[data-fig]:not([data-done])").forEach(function (div) {
       var spec = JSON.parse(document.getElementById(div.getAttribute("data-fig")).textContent);
       div.setAttribute("data-done", "1");

@@ -81,6 +81,9 @@ def test_report_in_headless_chromium(browser, compared, tmp_path_factory, artifa
     assert page.get_attribute('nav.tabs button[data-tab="overview"]', "aria-selected") == "true"
     page.screenshot(path=str(artifacts / "overview.png"), full_page=True)
 
+    # the overview has no figure: plotly.min.js is not loaded until a tab with figures opens
+    assert page.evaluate("typeof window.Plotly") == "undefined"
+    assert not [u for u in browser.requests if u.endswith("/plotly.min.js")]
     page.click('nav.tabs button[data-tab="kv"]')
     assert page.is_visible("#tab-kv") and not page.is_visible("#tab-overview")
     hover = _hover_heatmap(page, "div-agg-k-bc")
