@@ -44,9 +44,9 @@ def default_store() -> str:
 def _open(path: str, create: bool = False):
     from capturestore.errors import StoreError
     from capturestore.layout import FORMAT_FILE
-    from capturestore.store import Store
+    from capturestore.store import Store, store_root
 
-    root = Path(path).expanduser().resolve()
+    root = store_root(path)
     if not create and not (root / FORMAT_FILE).exists():
         raise StoreError(f"{root} is not a capture store (no {FORMAT_FILE}); name an existing store with "
                          f"--store PATH or $CAPTURESTORE (`capturestore demo --store PATH` makes one)")

@@ -46,6 +46,14 @@ def read_format(root: Path) -> dict[str, Any] | None:
     return info
 
 
+def store_root(path: str | os.PathLike) -> Path:
+    """The absolute directory ``path`` names (``~`` expanded); StoreError for '~user' of no user."""
+    try:
+        return Path(path).expanduser().resolve()
+    except RuntimeError as e:  # Path.expanduser: "Could not determine home directory."
+        raise StoreError(f"store path {os.fspath(path)}: {e}") from None
+
+
 _LAYOUT_ENTRIES = {ARRAYS_DIR, TABLES_DIR, PENDING_DIR, "catalog.duckdb", "catalog.stamp", "catalog.root"}
 
 
@@ -71,7 +79,7 @@ class Store:
     @classmethod
     def open(cls, path: str | os.PathLike, create: bool = True) -> Store:
         """Open (and by default create) the store at ``path``; refuses a newer format version."""
-        root = Path(path).expanduser().resolve()
+        root = store_root(path)
         info = read_format(root)
         if info is None:
             if not create:

@@ -295,3 +295,12 @@ def test_debug_shows_the_traceback_and_internal_bugs_keep_theirs(filled, capsys,
     monkeypatch.setattr(cli, "cmd_runs", broken)
     with pytest.raises(TypeError, match="a bug"):
         main(["runs", "--store", str(store.root)])
+
+
+@pytest.mark.parametrize("command", ["runs", "demo"])
+def test_a_store_path_under_an_unknown_users_home_is_a_one_line_error(capsys, command):
+    # Path.expanduser raises RuntimeError for '~nosuchuser/...': it escaped as a traceback
+    assert main([command, "--store", "~no-such-user-capturestore/s"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"capturestore {command}: error: store path ~no-such-user-capturestore/s") \
+        and err.count("\n") == 1, err
