@@ -420,29 +420,37 @@ def render_comparison(store, comparison_id: str, out_dir) -> Path:
     return out / "index.html"
 
 
+LOCALISATION_LABELS = {"phase": "phase", "layer": "decoder layer", "module": "module", "token": "generation token"}
+
+
 def _localisation(row: dict, extra: dict) -> list[tuple[str, str]]:
-    """(what, where) pairs: phase, token, first deviating KV layer, module, and whatever the
-    comparisons row's ``localisation`` column holds."""
+    """(what, where) pairs: the comparisons row's ``localisation`` (phase, decoder layer, module,
+    generation token) where the store has that column, else what the older columns say; plus the
+    first deviating KV layer, which is a different claim (see its note)."""
     out = []
     loc = _json_field(row.get("localisation"))
     if isinstance(loc, dict):
-        out += [(str(k), json.dumps(v) if isinstance(v, (dict, list)) else _num(v)) for k, v in loc.items() if v is not None]
+        out += [(LOCALISATION_LABELS.get(k, str(k)), json.dumps(v) if isinstance(v, (dict, list)) else _num(v))
+                for k, v in loc.items() if v is not None]
     elif loc is not None:
         out.append(("localisation", str(loc)))
-    have = {k for k, _ in out}
-    if row.get("failure_phase") and "phase" not in have:
+    have = set(loc) if isinstance(loc, dict) else set()
+    if row.get("failure_phase") and not (have & {"phase"} and loc.get("phase")):
         out.append(("phase", row["failure_phase"]))
     ft = _json_field(row.get("first_failing_token"))
-    if ft and "token" not in have:
+    if ft:
         out.append(("first failing logit token", ", ".join(f"{k} {v}" for k, v in ft.items()) if isinstance(ft, dict) else str(ft)))
-    if row.get("kv_first_failing_layer") and "layer" not in have:
+    if row.get("kv_first_failing_layer"):
         out.append(("first deviating KV layer", f"{row['kv_first_failing_layer']} (a bug inside layer L first shows "
                                                 f"in the KV of layer L+1: the KV of a layer comes from its input)"))
-    for v, (cols, rows, _) in extra.items():
-        if v.startswith("module") and "verdict" in v and "module" in cols and "passed" in cols:
-            bad = [r for r in rows if r.get("passed") is False]
-            if bad and "module" not in have:
-                out.append(("first failing module", f"{bad[0]['module']}" + (f" ({bad[0]['phase']})" if bad[0].get("phase") else "")))
+    if not (isinstance(loc, dict) and loc.get("module")):
+        for v, (cols, rows, _) in extra.items():
+            if v.startswith("module") and "verdict" in v and "module" in cols and "passed" in cols:
+                bad = [r for r in rows if r.get("passed") is False]
+                if bad:
+                    out.append(("first failing module", f"{bad[0]['module']}"
+                                + (f" ({bad[0]['phase']})" if bad[0].get("phase") else "")))
+                    break
     return out
 
 

@@ -160,3 +160,20 @@ def test_diff_page_shows_both_verdicts_and_the_per_layer_change(compared, tmp_pa
     assert compared["ok"].comparison_id in page and compared["bug"].comparison_id in page
     assert re.search(r"<td>passed</td><td>yes</td><td>no</td>", page)
     assert "model.layers.2.self_attn" in page and (tmp_path / "plotly.min.js").is_file()
+
+
+@pytest.mark.parametrize("loc", [{"phase": "decode", "layer": 3, "module": "model.layers.3.mlp", "token": 2},
+                                 '{"phase": "decode", "layer": 3, "module": "model.layers.3.mlp", "token": 2}'])
+def test_localisation_column_is_shown_with_its_labels(loc):
+    from reports.render import _localisation
+
+    got = dict(_localisation({"localisation": loc, "failure_phase": "decode", "kv_first_failing_layer": "layers.4"}, {}))
+    assert got["phase"] == "decode" and got["decoder layer"] == "3" and got["module"] == "model.layers.3.mlp"
+    assert got["generation token"] == "2" and got["first deviating KV layer"].startswith("layers.4 (")
+
+
+def test_localisation_without_the_column_uses_the_older_ones():
+    from reports.render import _localisation
+
+    got = dict(_localisation({"failure_phase": "prefill", "first_failing_token": '{"prompt_id": "p", "gen_token_idx": 0}'}, {}))
+    assert got == {"phase": "prefill", "first failing logit token": "prompt_id p, gen_token_idx 0"}
