@@ -177,3 +177,23 @@ def test_localisation_without_the_column_uses_the_older_ones():
 
     got = dict(_localisation({"failure_phase": "prefill", "first_failing_token": '{"prompt_id": "p", "gen_token_idx": 0}'}, {}))
     assert got == {"phase": "prefill", "first failing logit token": "prompt_id p, gen_token_idx 0"}
+
+
+def test_two_way_and_logits_only_comparisons_render_what_they_hold(tmp_path):
+    from capturestore.analysis import compare_runs
+    from tests.reports.synthetic import add_runs
+
+    store = Store.open(tmp_path / "s")
+    runs = add_runs(store, n_prompts=2)
+    two = compare_runs(store, expected_run=runs["expected"], actual_run=runs["actual"], label="two-way")
+    logits_only = compare_runs(store, expected_run=runs["expected"], actual_run=runs["actual"],
+                               baseline_run=runs["baseline"], kv=False)
+    page = reports.render_comparison(store, two.comparison_id, tmp_path / "two").read_text()
+    assert 'id="verdict-headline">NOT JUDGED' in page  # two-way KV is not judged: no pass, no fail
+    prompt = (tmp_path / "two" / "prompts" / "p0000.html").read_text()
+    figs = _figure_specs(prompt)
+    assert "k-linf" in figs and "k-bc" not in figs and "k-ratio" not in figs and "ratios" not in figs
+    page = reports.render_comparison(store, logits_only.comparison_id, tmp_path / "lo").read_text()
+    assert 'id="verdict-headline">PASS' in page and "No cross-prompt BC" in page
+    figs = _figure_specs((tmp_path / "lo" / "prompts" / "p0000.html").read_text())
+    assert {"topk", "ratios", "bc"} <= set(figs) and not any(k.startswith(("k-", "v-")) for k in figs)
