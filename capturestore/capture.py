@@ -1,4 +1,10 @@
-"""Engine-agnostic teacher-forced decode capture into the store.
+"""The capture driver every extractor feeds, and engine-agnostic teacher-forced decode capture.
+
+``begin_capture_run`` begins a run with the run configuration every engine records the same
+way (``CAPTURE_CONFIG_KEYS``: how it was captured, prompt lengths, stored layer names and the
+stored layouts), merged over the engine's own keys (block size, scales, kernels, ...);
+``write_prompt_capture`` writes one prompt's tokens, logits and KV. ``extractors.hf``,
+``extractors.vllm_rpc``, ``nki_fp8.target`` and ``capture_teacher_forced_run`` go through them.
 
 ``capture_teacher_forced_run`` drives ``metrics.logits.validate_logits`` (the upstream
 teacher-forcing loop) with any engine's ``generate_fn`` / ``kv_extract_fn`` and stores what the
@@ -14,7 +20,53 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["capture_teacher_forced_run"]
+__all__ = ["CAPTURE_CONFIG_KEYS", "begin_capture_run", "capture_teacher_forced_run", "write_prompt_capture"]
+
+CAPTURE_MODES = ("teacher_forced_prefill", "teacher_forced_decode", "greedy")
+STORED_KV_LAYOUT = ("[layer, kv_head, position, head_dim]; NaN where the engine holds no value "
+                    "(outside a sliding window, a position never fed back)")
+STORED_LOGITS_LAYOUT = "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j"
+# The keys every run's config holds, whatever the engine (values from begin_capture_run).
+CAPTURE_CONFIG_KEYS = ("capture", "capture_config_version", "prompt_lens", "layer_names", "logits_kind",
+                       "stored_kv_layout", "stored_logits_layout")
+
+
+def begin_capture_run(store, *, engine: str, capture: str, prompts: Sequence[Sequence[int]],
+                      layer_names: Sequence[str] | None, logits_kind: str | None, config: dict | None = None,
+                      **run_kwargs):
+    """``store.begin_run`` with the common run config (``CAPTURE_CONFIG_KEYS``) over ``config``.
+
+    capture: ``teacher_forced_prefill`` (prompt + teacher tokens in one pass), ``teacher_forced_decode``
+    (the engine's decode path fed the teacher tokens) or ``greedy``; layer_names: the KV layers in
+    stored order (None: no KV or not known up front); logits_kind: ``logits``, ``raw_logits``,
+    ``log_softmax`` or None (not said). run_kwargs: the rest of ``begin_run`` (model_path,
+    model_hash, dtype, device, engine_version, tp_degree, release). Returns the ``RunWriter``.
+    """
+    if capture not in CAPTURE_MODES:
+        raise ValueError(f"begin_capture_run ({engine}): capture must be one of {CAPTURE_MODES}, got {capture!r}")
+    common = {
+        "capture": capture,
+        "capture_config_version": 1,
+        "prompt_lens": [len(p) for p in prompts],
+        "layer_names": None if layer_names is None else list(layer_names),
+        "logits_kind": logits_kind,
+        "stored_kv_layout": STORED_KV_LAYOUT,
+        "stored_logits_layout": STORED_LOGITS_LAYOUT,
+    }
+    return store.begin_run(engine=engine, config={**(config or {}), **common}, **run_kwargs)
+
+
+def write_prompt_capture(run, prompt, continuation, logits, kv: dict | None = None,
+                         layer_names: Sequence[str] | None = None) -> str:
+    """One prompt of a capture: tokens = prompt + continuation, ``logits [gen_token, vocab]`` and,
+    with ``kv`` (``{layer: (k, v)}``, ``[kv_head, position, head_dim]`` each), KV stacked in
+    ``layer_names`` order (default: ``kv``'s). Returns the prompt id."""
+    pid = run.add_prompt([int(t) for t in prompt], continuation=[int(t) for t in continuation])
+    run.write_logits(pid, logits)
+    if kv is not None:
+        names = list(layer_names) if layer_names is not None else list(kv)
+        run.write_kv(pid, _stack([kv[n][0] for n in names]), _stack([kv[n][1] for n in names]), layer_names=names)
+    return pid
 
 
 def capture_teacher_forced_run(
@@ -68,19 +120,21 @@ def capture_teacher_forced_run(
         actual[s : s + n] = out[:n]
 
     config = dict(run_kwargs.get("config") or {})
-    config.update({"capture": "teacher_forced_decode", "generate_calls": len(result.calls),
+    config.update({"generate_calls": len(result.calls),
                    "diverged_at": [c["diverged_at"] for c in result.calls if c["diverged_at"] is not None]})
-    run = store.begin_run(**{**run_kwargs, "config": config})
+    names = None
+    if result.merged_kv is not None:
+        names = list(layer_names) if layer_names is not None else list(result.merged_kv)
+    kwargs = {k: v for k, v in run_kwargs.items() if k not in ("config", "engine")}
+    run = begin_capture_run(store, engine=run_kwargs["engine"], capture="teacher_forced_decode", prompts=rows,
+                            layer_names=names, logits_kind=config.get("logits_kind"), config=config, **kwargs)
     with run:
         for b, prompt in enumerate(rows):
-            pid = run.add_prompt(prompt, continuation=teacher[b].tolist())
-            run.write_logits(pid, actual[:, b])
-            if result.merged_kv is not None:
-                names = list(layer_names) if layer_names is not None else list(result.merged_kv)
+            kv = None
+            if names is not None:
                 seq = len(prompt) + T
-                k = _stack([result.merged_kv[n][0][b, :, :seq] for n in names])
-                v = _stack([result.merged_kv[n][1][b, :, :seq] for n in names])
-                run.write_kv(pid, k, v, layer_names=names)
+                kv = {n: (result.merged_kv[n][0][b, :, :seq], result.merged_kv[n][1][b, :, :seq]) for n in names}
+            write_prompt_capture(run, prompt, teacher[b].tolist(), actual[:, b], kv, names)
     return run.run_id, result
 
 

@@ -286,9 +286,9 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     HF's window). Prompts are captured one at a time so memory stays bounded by one prompt.
     ``model``: an already loaded model of ``model_path`` in ``dtype`` (skips loading).
     """
-    import torch
     import transformers
 
+    from capturestore.capture import begin_capture_run, write_prompt_capture
     from extractors.models import model_content_hash
 
     prompt_rows = [_to_rows(p, f"prompts[{i}]")[0] for i, p in enumerate(prompts)]
@@ -315,9 +315,10 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
                      "sliding-window cache dropped positions",
         "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j",
     }
-    run = store.begin_run(engine="hf", model_path=str(Path(model_path)), model_hash=model_content_hash(model_path),
-                          dtype=dtype, device="cpu", engine_version=transformers.__version__,
-                          release=release, config=config)
+    run = begin_capture_run(store, engine="hf", capture="teacher_forced_prefill" if teacher_tokens is not None else "greedy",
+                            prompts=prompt_rows, layer_names=names, logits_kind="logits", config=config,
+                            model_path=str(Path(model_path)), model_hash=model_content_hash(model_path), dtype=dtype,
+                            device="cpu", engine_version=transformers.__version__, release=release)
     with run:
         for i, prompt in enumerate(prompt_rows):
             if teacher_tokens is not None:
@@ -326,9 +327,5 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
             else:
                 logits, kv = generate_hf_logits_and_kv(model, [prompt], num_tokens)
                 gen = logits[:, 0].argmax(-1).tolist()
-            pid = run.add_prompt(prompt, continuation=gen)
-            run.write_logits(pid, logits[:, 0])
-            k = torch.stack([kv[n][0][0] for n in names])  # [layer, kv_head, seq, head_dim]
-            v = torch.stack([kv[n][1][0] for n in names])
-            run.write_kv(pid, k, v, layer_names=names)
+            write_prompt_capture(run, prompt, gen, logits[:, 0], {n: (kv[n][0][0], kv[n][1][0]) for n in names}, names)
     return run.run_id

@@ -681,6 +681,8 @@ def capture_vllm_run(store, llm, model_path, prompts: Sequence[Sequence[int]],
     """
     import vllm
 
+    from capturestore.capture import begin_capture_run
+
     kv_config = kv_config or extract_vllm_kv_cache_config(llm)
     logprobs, request_ids = vllm_teacher_forced_logprobs(llm, prompts, teacher_tokens)
     mc = llm.llm_engine.model_config
@@ -700,9 +702,11 @@ def capture_vllm_run(store, llm, model_path, prompts: Sequence[Sequence[int]],
         **(config or {}),
     }
     dtype = str(mc.dtype).removeprefix("torch.")
-    run = store.begin_run(engine="vllm", model_path=str(model_path), model_hash=model_hash, dtype=dtype,
-                          device="cpu", engine_version=vllm.__version__, tp_degree=int(kv_config.get("tp_size", 1)),
-                          release=release, config=meta)
+    run = begin_capture_run(store, engine="vllm", capture="teacher_forced_prefill", prompts=prompts,
+                            layer_names=_layer_order([n for g in groups for n in g["layer_names"]]) if kv else None,
+                            logits_kind=meta["logits_kind"], config=meta, model_path=str(model_path),
+                            model_hash=model_hash, dtype=dtype, device="cpu", engine_version=vllm.__version__,
+                            tp_degree=int(kv_config.get("tp_size", 1)), release=release)
     with run:
         for i, prompt in enumerate(prompts):
             pid = run.add_prompt([int(x) for x in prompt], continuation=[int(x) for x in teacher_tokens[i]])

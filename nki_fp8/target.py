@@ -17,7 +17,10 @@ with the FP8 cache as actual. It gives two verdicts (metrics.verdict.aggregate_k
   Calibrated scales pass it; wrong scales (1.0 on K/V outside FP8's range) fail it, and the
   worst layers are named.
 
-Per-layer numbers go to the store table `fp8_kv_layer_metrics`.
+`analyze_fp8_kv_target` captures the three runs into a store and compares them as an ordinary
+comparison (`capturestore.analysis.compare_runs`), the FP8-cache run as its actual run;
+`Fp8KVFloorComparator` (registered as `fp8_kv_floor`) gives the floor verdict and writes the
+per-layer numbers to `fp8_kv_layer_metrics` under the comparison's id.
 
 torch / transformers are imported lazily; `extractors.hf` provides the teacher-forced pass.
 """
@@ -128,9 +131,9 @@ def capture_fp8_kv_run(store, model_path, prompts, teacher_tokens, k_scales, v_s
     config records platform, FP8 max and the per-layer kernel scales.
     model: the BF16 model already loaded (and transformed), else loaded from model_path.
     """
-    import torch
     import transformers
 
+    from capturestore.capture import begin_capture_run, write_prompt_capture
     from extractors.hf import hf_layer_names, load_hf_model
     from extractors.models import model_content_hash
 
@@ -157,17 +160,15 @@ def capture_fp8_kv_run(store, model_path, prompts, teacher_tokens, k_scales, v_s
         "kv_layout": "[layer, kv_head, seq, head_dim]; dequantized FP8 cache values in bfloat16",
         "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j",
     }
-    run = store.begin_run(engine="hf-fp8kv", model_path=str(model_path), model_hash=model_content_hash(model_path),
-                          dtype="bfloat16", device="cpu", engine_version=transformers.__version__,
-                          release=release, config=config)
+    run = begin_capture_run(store, engine="hf-fp8kv", capture="teacher_forced_prefill", prompts=rows, layer_names=names,
+                            logits_kind="logits", config=config, model_path=str(model_path),
+                            model_hash=model_content_hash(model_path), dtype="bfloat16", device="cpu",
+                            engine_version=transformers.__version__, release=release)
     with run:
         for prompt, t in zip(rows, teach):
             logits, kv = extract_fp8_kv_teacher_forced(model, [prompt], [t], k_scales, v_scales,
                                                        platform=plat, return_logits=True)
-            pid = run.add_prompt(prompt, continuation=t)
-            run.write_logits(pid, logits[:, 0])
-            run.write_kv(pid, torch.stack([kv[n][0][0] for n in names]), torch.stack([kv[n][1][0] for n in names]),
-                         layer_names=names)
+            write_prompt_capture(run, prompt, t, logits[:, 0], {n: (kv[n][0][0], kv[n][1][0]) for n in names}, names)
     return run.run_id
 
 
