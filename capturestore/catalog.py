@@ -456,13 +456,14 @@ def catalog_problems(root: Path) -> list[str]:
             shutil.copyfile(f"{path}.wal", f"{copy}.wal")
         try:
             con = duckdb.connect(str(copy), read_only=True)
-        except duckdb.Error as e:
-            return [f"{CATALOG_FILE} is not a readable DuckDB database ({_duckdb_message(e)}; {fix})"]
+        except duckdb.Error as e:  # DuckDB names the copy; the user has the store's file
+            return [f"{CATALOG_FILE} is not a readable DuckDB database "
+                    f"({_duckdb_message(e).replace(str(copy), str(path))}; {fix})"]
         try:
             have = dict(con.execute(_VIEWS_SQL).fetchall())
             others = [f"{kind} {name}" for kind, name in con.execute(_OTHER_OBJECTS_SQL).fetchall()]
         except duckdb.Error as e:
-            return [f"{CATALOG_FILE} cannot be read ({_duckdb_message(e)}; {fix})"]
+            return [f"{CATALOG_FILE} cannot be read ({_duckdb_message(e).replace(str(copy), str(path))}; {fix})"]
         finally:
             con.close()
     out = [f"{CATALOG_FILE} lacks the view {v} ({fix})" for v in sorted(set(want) - set(have))]

@@ -317,6 +317,8 @@ def test_a_tampered_or_garbage_catalog_is_reported_by_verify_and_rebuild_repairs
     cat.write_bytes(b"this is not a database" * 100)
     (kind, msg), = [(p.kind, p.message) for p in store.verify()]
     assert kind == "catalog" and "not a readable DuckDB database" in msg
+    # the message names the store's file, not the temporary copy verify reads
+    assert f'"{cat}"' in msg and "capturestore-verify-" not in msg, msg
     store.rebuild_catalog()
     cat.unlink()
     assert [p.kind for p in store.verify()] == ["catalog"]
