@@ -42,7 +42,7 @@ from extractors.vllm_transport import (
 )
 
 CAPTURE_KEY = "capturestore"
-DEFAULT_MAX_CAPTURED = 4096  # requests whose rows a worker holds before dropping the oldest
+DEFAULT_MAX_CAPTURED = 256  # requests whose rows a worker holds (untaken) before dropping the oldest
 
 __all__ = ["CAPTURE_KEY", "LogitsCaptureMixin", "VllmForcedLogits", "capture_sampling_params",
            "check_forcing_inputs", "take_vllm_request_logits", "vllm_teacher_forced_logits"]
@@ -108,43 +108,40 @@ class LogitsCaptureMixin:
         runner._get_prompt_logprobs_dict = prompt_logprobs_with_capture
         return state
 
-    def _lcap_store(self, req_id: str, positions: list[int], rows: torch.Tensor, greedy: list[int]) -> None:
+    def _lcap_store(self, req_id: str, spec: dict, first: int, rows: torch.Tensor) -> None:
+        """Copy ``rows`` (predicting token indices ``first, first + 1, ...``) into the request's
+        buffer ``[to - from, vocab]``, allocated on its first row: one copy per row, none later."""
         reqs = self._lcap["requests"]
         rec = reqs.get(req_id)
         if rec is None:
-            rec = reqs[req_id] = {}
+            n = int(spec["to"]) - int(spec["from"])
+            rec = reqs[req_id] = {"from": int(spec["from"]), "rows": torch.empty((n, rows.shape[-1]), dtype=rows.dtype),
+                                  "greedy": torch.full((n,), -1, dtype=torch.int64),
+                                  "filled": torch.zeros(n, dtype=torch.bool)}
             while len(reqs) > self._lcap["max_requests"]:
                 reqs.popitem(last=False)
-        for j, pos in enumerate(positions):
-            rec[pos] = (rows[j], greedy[j])  # a recomputed position (preemption) replaces the old row
-
-    def _lcap_greedy(self, rows: torch.Tensor) -> list[int]:
-        """The engine's own greedy token of each raw row: the sampler's greedy op on float32."""
-        return self.model_runner.sampler.greedy_sample(rows.to(torch.float32)).view(-1).tolist()
+        k = first - rec["from"]
+        dst = rec["rows"][k:k + len(rows)]
+        dst.copy_(rows)  # a recomputed position (preemption) overwrites the old row
+        rec["greedy"][k:k + len(rows)] = self.model_runner.sampler.greedy_sample(dst.to(torch.float32)).view(-1)
+        rec["filled"][k:k + len(rows)] = True
 
     def _lcap_record_sampled(self, logits: torch.Tensor) -> None:
         """Rows of ``logits [num_reqs, vocab]`` (input-batch order) of captured requests whose
-        prefill is complete; row i predicts the token at index ``computed + scheduled``."""
+        prefill is complete; row i predicts the token at index ``computed + scheduled``. Copied
+        before the sampler's processors, which write in place."""
         runner = self.model_runner
         batch = runner.input_batch
         n = batch.num_reqs
         discard = runner.discard_request_mask.np[:n]  # partial prefills: their sample is thrown away
         seq_lens = runner.optimistic_seq_lens_cpu[:n].tolist()
-        rows, keys = [], []
         for i, req_id in enumerate(batch.req_ids[:n]):
             if discard[i]:
                 continue
             req = runner.requests.get(req_id)
             spec = _capture_spec(getattr(req, "sampling_params", None))
             if spec is not None and spec["from"] <= seq_lens[i] < spec["to"]:
-                rows.append(i)
-                keys.append((req_id, seq_lens[i]))
-        if not rows:
-            return
-        sel = logits.index_select(0, torch.as_tensor(rows, device=logits.device))  # a copy: processors write in place
-        greedy = self._lcap_greedy(sel)
-        for j, (req_id, pos) in enumerate(keys):
-            self._lcap_store(req_id, [pos], sel[j:j + 1], greedy[j:j + 1])
+                self._lcap_store(req_id, spec, seq_lens[i], logits[i:i + 1])
 
     def _lcap_take_prompt_requests(self) -> dict[str, int]:
         """Captured requests out of vLLM's prompt-logprobs work for this step (put back after)."""
@@ -178,7 +175,7 @@ class LogitsCaptureMixin:
             logits = runner.model.compute_logits(hidden_states[offset + lo - start: offset + hi - start])
             if logits is None:  # a rank that does not receive the gathered logits
                 continue
-            self._lcap_store(req_id, list(range(lo + 1, hi + 1)), logits, self._lcap_greedy(logits))
+            self._lcap_store(req_id, spec, lo + 1, logits)
 
     # -------------------------------------------------------------- RPC methods
 
@@ -208,16 +205,18 @@ class LogitsCaptureMixin:
             with_rows = int(getattr(self, "rank", 0)) == 0
         reqs = self._lcap_state()["requests"]
         resolved = [self._lcap_resolve(str(r)) for r in request_ids]
-        positions, greedy, rows = [], [], []
+        positions, greedy, parts = [], [], []
         for req_id in resolved:
             rec = reqs[req_id] if keep else reqs.pop(req_id)
-            pos = sorted(rec)
-            positions.append(pos)
-            greedy.append([rec[p][1] for p in pos])
-            rows.extend(rec[p][0] for p in pos)
+            filled = rec["filled"]
+            whole = bool(filled.all())
+            positions.append((torch.nonzero(filled).view(-1) + rec["from"]).tolist())
+            greedy.append(rec["greedy"][filled].tolist())
+            parts.append(rec["rows"] if whole and not keep else rec["rows"][filled])  # no copy when complete
         logits = None
-        if with_rows and rows:
-            logits = encode_tensor(torch.stack(rows), transport)
+        if with_rows and parts:
+            # in-process: the buffers themselves; across processes: one piece of bytes
+            logits = parts if transport == "tensor" else encode_tensor(torch.cat(parts), transport)
         return {"request_ids": resolved, "positions": positions, "greedy": greedy, "logits": logits}
 
     def _lcap_resolve(self, request_id: str) -> str:
@@ -325,11 +324,13 @@ def take_vllm_request_logits(llm, request_ids: Sequence[str], keep: bool = False
     for r, other in enumerate(answers[1:], start=1):
         if other["positions"] != first["positions"]:
             raise RuntimeError(f"rank {r} recorded logits rows at other positions than rank 0 for {request_ids}")
+    greedy = [torch.tensor(g, dtype=torch.int64) for g in first["greedy"]]
+    if isinstance(first["logits"], list):  # in-process: one tensor per request already
+        return first["logits"], greedy, first["positions"]
     flat = decode_tensor(first["logits"]) if first["logits"] is not None else None
-    logits, greedy, s = [], [], 0
-    for pos, g in zip(first["positions"], first["greedy"]):
+    logits, s = [], 0
+    for pos in first["positions"]:
         logits.append(flat[s:s + len(pos)] if flat is not None else None)
-        greedy.append(torch.tensor(g, dtype=torch.int64))
         s += len(pos)
     return logits, greedy, first["positions"]
 
@@ -345,7 +346,7 @@ def vllm_teacher_forced_logits(llm, prompts: Sequence[Sequence[int]], teacher_to
     comparable with HF logits directly. The engine needs the worker extension and, for
     "decode", the teacher-forcing logits processor (``make_llm`` adds both).
     """
-    info = enable_vllm_logits_capture(llm)
+    info = enable_vllm_logits_capture(llm, max(DEFAULT_MAX_CAPTURED, len(prompts)))
     prompts, teacher_tokens = check_forcing_inputs(prompts, teacher_tokens, info["vocab_size"],
                                                    info["max_model_len"], f"vLLM teacher forcing ({mode})")
     if mode == "decode" and not info["teacher_forcing"]:

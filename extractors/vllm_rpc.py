@@ -1,10 +1,12 @@
-"""Real vLLM KV extraction through a worker extension, plus teacher-forced logprobs.
+"""Real vLLM KV extraction through a worker extension, plus teacher-forced capture into the store.
 
-Use it as ``LLM(..., worker_extension_cls="extractors.vllm_rpc.KVCaptureWorkerExtension")``;
-the extension adds the RPC contract of reference/000 (``get_kv_caches``, ``get_kv_cache_config``,
-``get_block_tables``) to any vLLM worker, reached with ``llm.collective_rpc(name)``. It works
-with the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and in a separate engine
-process (scripts then need an ``if __name__ == "__main__":`` guard).
+Use it as ``LLM(..., worker_extension_cls="extractors.vllm_rpc.KVCaptureWorkerExtension")``
+(``make_llm`` does, and adds the teacher-forcing logits processor); the extension adds the RPC
+contract of reference/000 (``get_kv_caches``, ``get_kv_cache_config``, ``get_block_tables``) to
+any vLLM worker, reached with ``llm.collective_rpc(name)``, and the raw-logits recording of
+``extractors.vllm_logits``. It works with the engine in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and in a separate engine process (scripts then need an
+``if __name__ == "__main__":`` guard), with TP > 1 (one worker process per rank).
 
 Request lifetime (ENGINES.md): a request's blocks are freed when it finishes and reused, and
 zeroed, by the next request at once. The extension therefore snapshots a finishing request's
@@ -14,7 +16,13 @@ method of the extension (``extract_vllm_kv_cache_config`` is the natural first c
 ``generate``) and costs nothing before. Requests that finished before it started are lost.
 
 Values cross the process boundary as ``{"dtype", "shape", "data": bytes}`` (tensors in RPC
-results come back undecoded); in-process they are passed as tensors, with no copy.
+results come back undecoded); in-process they are passed as tensors, with no copy
+(``extractors.vllm_transport``).
+
+``capture_vllm_run`` stores raw logits and KV of a teacher-forced run, one pass per prompt
+(``extractors.vllm_logits``). The logprob-based helpers (``vllm_teacher_forced_logprobs``,
+``make_vllm_generate_fn``) remain for the teacher-forcing loop of ``metrics.logits``; their
+full-vocabulary logprobs are Python objects, slow and GiB-sized at real vocabulary sizes.
 
 vLLM is imported lazily: this module imports without it.
 """
@@ -560,6 +568,10 @@ def _sampling_params(**kw):
 
 def vllm_teacher_forced_logprobs(llm, prompts: Sequence[Sequence[int]], teacher_tokens: Sequence[Sequence[int]]):
     """Teacher-forced full-vocab log-softmax from vLLM in one prefill per prompt.
+
+    At real vocabulary sizes use ``extractors.vllm_logits.vllm_teacher_forced_logits`` (raw
+    logits from the worker): vLLM returns these logprobs as Python objects, ~4.5 GiB and 15 s
+    per 1k-token prompt at a 32k vocabulary.
 
     Each prompt + its teacher tokens is fed as the prompt with ``prompt_logprobs=-1`` (the
     engine needs ``max_logprobs=-1``). Row i of a prompt's result is the distribution that

