@@ -361,11 +361,15 @@ def raw_logits_tol(dtype):
 @pytest.mark.parametrize("mode", ["decode", "prefill"])
 def test_teacher_forced_raw_logits_equal_hf_logits(engine, mode):
     """The teacher tokens are not the model's greedy choice, so forcing decides every decode step:
-    row i must be HF's logits over prompt + teacher at position len(prompt) - 1 + i."""
+    row i must be HF's logits over prompt + teacher at position len(prompt) - 1 + i. Decode mode
+    runs with prefix-cache hits (prefix caching is on in these engines); prefill mode asks for
+    prompt logprobs, which vLLM computes without reading the cache."""
     from extractors.vllm_logits import vllm_teacher_forced_logits
 
     res = vllm_teacher_forced_logits(engine["llm"], PROMPTS, TEACHER, mode=mode)
     assert res.mode == mode and len(res.logits) == 3
+    if mode == "decode":  # the fixture's requests left full blocks of these prompts in the prefix cache
+        assert res.num_cached_tokens[0] >= BLOCK and res.num_cached_tokens[2] >= 2 * BLOCK, res.num_cached_tokens
     for i, p in enumerate(PROMPTS):
         want = engine["ref"][i]["logits"][len(p) - 1:len(p) - 1 + len(TEACHER[i])]
         got = res.logits[i]
