@@ -22,11 +22,11 @@ cores): compare ratios within one run, and rerun when the load is lower.
   Goal: <= 1.5 GiB. The logits themselves (8 x 32 x vocab x 4 bytes: 31 MiB at 32k, 125 MiB at
   128k) are part of it.
 - ``prefill mode``: ``capture_vllm_run(mode="prefill")`` (prompt + teacher tokens as one prompt),
-  informational.
+  time informational, peak RSS with the same goal.
 Then a table of where the capture's time goes (engine, KV extraction, store writes).
 
 Usage: python benchmarks/bench_vllm_capture.py [--quick] [--repeat 3] [--vocabs 32000,128256]
-(--quick: 4 prompts x 256 tokens x 8 steps, for a smoke run).
+(--quick: 4 prompts x 256 tokens x 8 steps, a smoke run; its time ratio is informational).
 """
 from __future__ import annotations
 
@@ -195,6 +195,7 @@ def bench_vocab(args, vocab: int, breakdown: list) -> list[Row]:
         capture()  # warm-up (index maps, first store)
         plain()
         rss, _ = peak_rss_above_steady(capture)
+        rss_prefill, _ = peak_rss_above_steady(lambda: capture("prefill"))
         fns = {"plain": plain, "capture": capture, "no_store": no_store, "prefill": lambda: capture("prefill")}
         cpu = {name: float("inf") for name in fns}
         wall = dict(cpu)
@@ -216,11 +217,15 @@ def bench_vocab(args, vocab: int, breakdown: list) -> list[Row]:
         gc.collect()
         shutil.rmtree(tmp, ignore_errors=True)
     rows = [
-        Row("capture (logits + KV + store)", size, wall["capture"], wall["plain"], "plain llm.generate", TIME_GOAL),
+        # --quick: the store's fixed cost per run (~0.15 s: segments, catalog) outweighs 0.2 s of
+        # generation, so the time goal is only judged at full size
+        Row("capture (logits + KV + store)", size, wall["capture"], wall["plain"], "plain llm.generate",
+            None if args.quick else TIME_GOAL),
         Row("  same, CPU time of the process", size, cpu["capture"], cpu["plain"], "plain llm.generate", None),
         Row("capture, no store, no KV", size, wall["no_store"], wall["plain"], "plain llm.generate", None),
         Row("prefill mode capture", size, wall["prefill"], wall["plain"], "plain llm.generate", None),
         Row("peak RSS above steady", size, rss, 1.0, "GiB", RSS_GOAL_GIB, unit="GiB"),
+        Row("peak RSS above steady, prefill mode", size, rss_prefill, 1.0, "GiB", RSS_GOAL_GIB, unit="GiB"),
     ]
     logits_mib = n_prompts * steps * vocab * 4 / 2**20
     breakdown.append({"size": size, "total": wall["capture"], "plain": wall["plain"], **parts,
