@@ -45,6 +45,7 @@ from extractors.vllm_transport import (
 )
 from extractors.vllm_transport import call_workers as _rpc
 from extractors.vllm_transport import rpc_transport as _transport
+
 DEFAULT_MAX_FINISHED = 64
 
 # ---------------------------------------------------------------------------------- engine
@@ -199,6 +200,8 @@ class KVCaptureWorkerExtension(LogitsCaptureMixin):
                                           renumbered to index its own blocks (0..n-1)
       get_kv_requests()                -> {engine request id: {num_tokens, finished, ...}}
       get_request_kv(request_id)       -> the request's blocks, tables and token count at once
+    and the raw-logits methods of ``extractors.vllm_logits.LogitsCaptureMixin``
+    (``enable_logits_capture``, ``get_logits_capture_info``, ``take_request_logits``).
     State lives in attributes prefixed ``_kvcap_`` (the worker must not already have them).
     """
 
