@@ -1,10 +1,12 @@
-"""Real vLLM KV extraction through a worker extension, plus teacher-forced logprobs.
+"""Real vLLM KV extraction through a worker extension, plus teacher-forced capture into the store.
 
-Use it as ``LLM(..., worker_extension_cls="extractors.vllm_rpc.KVCaptureWorkerExtension")``;
-the extension adds the RPC contract of reference/000 (``get_kv_caches``, ``get_kv_cache_config``,
-``get_block_tables``) to any vLLM worker, reached with ``llm.collective_rpc(name)``. It works
-with the engine in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and in a separate engine
-process (scripts then need an ``if __name__ == "__main__":`` guard).
+Use it as ``LLM(..., worker_extension_cls="extractors.vllm_rpc.KVCaptureWorkerExtension")``
+(``make_llm`` does, and adds the teacher-forcing logits processor); the extension adds the RPC
+contract of reference/000 (``get_kv_caches``, ``get_kv_cache_config``, ``get_block_tables``) to
+any vLLM worker, reached with ``llm.collective_rpc(name)``, and the raw-logits recording of
+``extractors.vllm_logits``. It works with the engine in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and in a separate engine process (scripts then need an
+``if __name__ == "__main__":`` guard), with TP > 1 (one worker process per rank).
 
 Request lifetime (ENGINES.md): a request's blocks are freed when it finishes and reused, and
 zeroed, by the next request at once. The extension therefore snapshots a finishing request's
@@ -14,14 +16,19 @@ method of the extension (``extract_vllm_kv_cache_config`` is the natural first c
 ``generate``) and costs nothing before. Requests that finished before it started are lost.
 
 Values cross the process boundary as ``{"dtype", "shape", "data": bytes}`` (tensors in RPC
-results come back undecoded); in-process they are passed as tensors, with no copy.
+results come back undecoded); in-process they are passed as tensors, with no copy
+(``extractors.vllm_transport``).
+
+``capture_vllm_run`` stores raw logits and KV of a teacher-forced run, one pass per prompt
+(``extractors.vllm_logits``). The logprob-based helpers (``vllm_teacher_forced_logprobs``,
+``make_vllm_generate_fn``) remain for the teacher-forcing loop of ``metrics.logits``; their
+full-vocabulary logprobs are Python objects, slow and GiB-sized at real vocabulary sizes.
 
 vLLM is imported lazily: this module imports without it.
 """
 from __future__ import annotations
 
 import math
-import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -29,8 +36,16 @@ import numpy as np
 import torch
 
 from extractors.paged import reconstruct_contiguous_kv_batch
+from extractors.vllm_logits import LogitsCaptureMixin
+from extractors.vllm_transport import (
+    EXTENSION_QUALNAME,
+    TEACHER_FORCING_QUALNAME,
+    decode_tensor,
+    encode_tensor,
+)
+from extractors.vllm_transport import call_workers as _rpc
+from extractors.vllm_transport import rpc_transport as _transport
 
-EXTENSION_QUALNAME = "extractors.vllm_rpc.KVCaptureWorkerExtension"
 DEFAULT_MAX_FINISHED = 64
 
 # ---------------------------------------------------------------------------------- engine
@@ -42,7 +57,8 @@ from metrics._numba import guard_llvmlite_against_vllm_kernel_scan as _guard_llv
 
 
 def make_llm(model, **kwargs):
-    """``vllm.LLM(model, **kwargs)`` with what extraction needs: the KV capture worker extension,
+    """``vllm.LLM(model, **kwargs)`` with what extraction needs: the capture worker extension (KV
+    and raw logits), the teacher-forcing logits processor (``extractors.vllm_teacher``),
     full-vocab logprobs (``max_logprobs=-1``), eager mode, and a low ``gpu_memory_utilization``
     (the CPU worker refuses to start unless that fraction of the host's RAM is free; the KV
     cache itself is sized by ``VLLM_CPU_KVCACHE_SPACE`` or ``num_gpu_blocks_override``).
@@ -50,8 +66,8 @@ def make_llm(model, **kwargs):
     from vllm import LLM
 
     _guard_llvmlite_against_vllm_kernel_scan()
-    defaults = dict(worker_extension_cls=EXTENSION_QUALNAME, max_logprobs=-1, enforce_eager=True,
-                    gpu_memory_utilization=0.1, seed=0)
+    defaults = dict(worker_extension_cls=EXTENSION_QUALNAME, logits_processors=[TEACHER_FORCING_QUALNAME],
+                    max_logprobs=-1, enforce_eager=True, gpu_memory_utilization=0.1, seed=0)
     return LLM(model=str(model), **{**defaults, **kwargs})
 
 
@@ -68,27 +84,7 @@ def close_llm(llm) -> None:
 
 # ---------------------------------------------------------------------------------- transport
 
-
-def _encode(t: torch.Tensor, transport: str):
-    """A tensor as it crosses the RPC boundary: itself in-process, bytes + dtype + shape across."""
-    if transport == "tensor":
-        return t
-    t = t.detach().contiguous()
-    raw = t.view(torch.uint8) if t.dim() and t.element_size() > 1 else t
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
-            "data": raw.numpy().tobytes()}
-
-
-def _decode(obj) -> torch.Tensor:
-    if isinstance(obj, torch.Tensor):
-        return obj
-    if not isinstance(obj, dict) or "data" not in obj:
-        raise ValueError(f"RPC result is neither a tensor nor an encoded tensor: {type(obj).__name__}")
-    dtype = getattr(torch, obj["dtype"])
-    with warnings.catch_warnings():  # read-only bytes: we only ever gather from them
-        warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(obj["data"], dtype=torch.uint8) if obj["data"] else torch.empty(0, dtype=torch.uint8)
-    return flat.view(dtype).reshape(obj["shape"])
+_encode, _decode = encode_tensor, decode_tensor  # the names this module and its tests use
 
 
 # ---------------------------------------------------------------------------------- index maps
@@ -170,7 +166,7 @@ def _spec_dict(spec) -> dict:
     }
 
 
-class KVCaptureWorkerExtension:
+class KVCaptureWorkerExtension(LogitsCaptureMixin):
     """Mixed into the vLLM worker (``worker_extension_cls``); ``self`` is the worker.
 
     RPC methods (all via ``llm.collective_rpc(name, kwargs=...)``, one result per rank):
@@ -182,6 +178,8 @@ class KVCaptureWorkerExtension:
                                           renumbered to index its own blocks (0..n-1)
       get_kv_requests()                -> {engine request id: {num_tokens, finished, ...}}
       get_request_kv(request_id)       -> the request's blocks, tables and token count at once
+    and the raw-logits methods of ``extractors.vllm_logits.LogitsCaptureMixin``
+    (``enable_logits_capture``, ``get_logits_capture_info``, ``take_request_logits``).
     State lives in attributes prefixed ``_kvcap_`` (the worker must not already have them).
     """
 
@@ -395,25 +393,6 @@ class KVCaptureWorkerExtension:
 # ---------------------------------------------------------------------------------- client side
 
 
-def _transport(llm) -> str:
-    """'tensor' when the worker lives in this process (no serialisation), else 'bytes'."""
-    try:
-        engine = llm.llm_engine
-        inproc = type(engine.engine_core).__name__ == "InprocClient"
-        backend = engine.vllm_config.parallel_config.distributed_executor_backend
-        return "tensor" if inproc and backend in (None, "uni") else "bytes"
-    except AttributeError:
-        return "bytes"
-
-
-def _rpc(llm, method: str, **kwargs) -> list:
-    try:
-        return llm.collective_rpc(method, kwargs=kwargs)
-    except AttributeError as e:  # the worker was built without the extension
-        raise RuntimeError(f"vLLM worker has no {method!r}: build the LLM with "
-                           f"worker_extension_cls={EXTENSION_QUALNAME!r}") from e
-
-
 def enable_vllm_kv_capture(llm, max_finished: int = DEFAULT_MAX_FINISHED) -> None:
     """Start snapshotting finishing requests on every worker, keeping the newest ``max_finished``
     (each snapshot holds a copy of the request's blocks in every layer: size it to memory)."""
@@ -571,6 +550,10 @@ def _sampling_params(**kw):
 def vllm_teacher_forced_logprobs(llm, prompts: Sequence[Sequence[int]], teacher_tokens: Sequence[Sequence[int]]):
     """Teacher-forced full-vocab log-softmax from vLLM in one prefill per prompt.
 
+    At real vocabulary sizes use ``extractors.vllm_logits.vllm_teacher_forced_logits`` (raw
+    logits from the worker): vLLM returns these logprobs as Python objects, ~4.5 GiB and 15 s
+    per 1k-token prompt at a 32k vocabulary.
+
     Each prompt + its teacher tokens is fed as the prompt with ``prompt_logprobs=-1`` (the
     engine needs ``max_logprobs=-1``). Row i of a prompt's result is the distribution that
     predicts teacher token i (position ``len(prompt) + i - 1``), the same rows as HF logits for
@@ -668,24 +651,48 @@ def _layer_order(names: Sequence[str]) -> list[str]:
 
 
 def capture_vllm_run(store, llm, model_path, prompts: Sequence[Sequence[int]],
-                     teacher_tokens: Sequence[Sequence[int]], *, model_hash: str | None = None,
+                     teacher_tokens: Sequence[Sequence[int]], *, mode: str = "decode", model_hash: str | None = None,
                      release: str | None = None, config: dict | None = None, kv: bool = True,
-                     kv_config: dict | None = None) -> str:
+                     kv_config: dict | None = None, batch_size: int = 16, report: dict | None = None) -> str:
     """Teacher-forced vLLM capture of ``prompts`` into ``store``; returns the run id.
 
-    Per prompt: tokens = prompt + teacher tokens (the prompt id hashes the prompt alone); logits ``[teacher_token, vocab]`` = full-vocab log-softmax
-    predicting each teacher token (see ``vllm_teacher_forced_logprobs``); KV ``[layer, kv_head,
-    seq, head_dim]`` over prompt + teacher tokens, layers in model order, NaN outside the window
-    of SlidingWindowSpec layers. The run records engine version, dtype, TP degree, block size,
-    KV layout, in-block order (ISA) and KV cache groups.
+    mode "decode" (default): one pass per prompt through vLLM's decode path, the engine made to
+    sample each teacher token; "prefill": prompt + teacher tokens as one prompt (prefill-only
+    checks). See ``extractors.vllm_logits.vllm_teacher_forced_logits``.
+
+    Per prompt: tokens = prompt + teacher tokens (the prompt id hashes the prompt alone); logits
+    ``[teacher_token, vocab]`` = the raw logits (model dtype) predicting each teacher token, row
+    i from position ``len(prompt) + i - 1``; KV ``[layer, kv_head, seq, head_dim]`` over prompt +
+    teacher tokens, layers in model order, NaN outside the window of SlidingWindowSpec layers and,
+    in decode mode, at the last teacher token (it is sampled, never fed back). The run records
+    engine version, dtype, TP degree, block size, KV layout, in-block order (ISA), KV cache
+    groups, ``logits_kind: "raw_logits"`` and the mode. Per prompt the engine's own greedy token of
+    each row (the sampler's greedy op on the raw logits) is stored as tensor ``engine_greedy``
+    ``[gen_token]`` int64 (phase "decode" or "prefill"), so divergences from the teacher stay
+    visible. Prompts go through the engine ``batch_size`` at a time, so memory holds one batch's
+    logits and KV. ``report`` (a dict, if given) receives ``diverged_at`` (per prompt, the first
+    teacher index where the engine's greedy token differs, or None) and seconds spent in
+    ``engine`` (generate + logits transfer), ``kv`` (KV extraction) and ``store`` (writes).
     """
+    import time
+
     import vllm
 
     from capturestore.capture import begin_capture_run
+    from extractors.vllm_logits import check_forcing_inputs, vllm_teacher_forced_logits
 
-    kv_config = kv_config or extract_vllm_kv_cache_config(llm)
-    logprobs, request_ids = vllm_teacher_forced_logprobs(llm, prompts, teacher_tokens)
+    if batch_size < 1:
+        raise ValueError(f"capture_vllm_run: batch_size must be >= 1, got {batch_size}")
+    if mode not in ("decode", "prefill"):
+        raise ValueError(f"capture_vllm_run: mode must be 'decode' or 'prefill', got {mode!r}")
     mc = llm.llm_engine.model_config
+    prompts, teacher_tokens = check_forcing_inputs(prompts, teacher_tokens, int(mc.get_vocab_size()),
+                                                   int(mc.max_model_len), f"capture_vllm_run ({mode})")
+    timings = report if report is not None else {}
+    for key in ("engine", "kv", "store"):
+        timings[key] = 0.0
+    timings["diverged_at"] = []
+    kv_config = kv_config or extract_vllm_kv_cache_config(llm)
     groups = kv_config["groups"]
     meta = {
         "block_size": groups[0]["block_size"] if len({g["block_size"] for g in groups}) == 1
@@ -697,31 +704,56 @@ def capture_vllm_run(store, llm, model_path, prompts: Sequence[Sequence[int]],
         "hybrid_kv_cache_manager": kv_config.get("hybrid_kv_cache_manager"),
         "kv_cache_groups": [{k: g[k] for k in ("spec_type", "block_size", "sliding_window", "layer_names")}
                             for g in groups],
-        "logits_kind": "log_softmax",
+        "logits_kind": "raw_logits",
+        "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j; raw lm_head "
+                         "output after the TP gather, before any sampler processing",
         "teacher_forced": True,
+        "capture": f"teacher_forced_{mode}",
+        "engine_greedy": "tensors/engine_greedy: [gen_token] int64, the engine's greedy token of each row",
+        "enable_prefix_caching": bool(getattr(llm.llm_engine.vllm_config.cache_config, "enable_prefix_caching", False)),
         **(config or {}),
     }
     dtype = str(mc.dtype).removeprefix("torch.")
-    run = begin_capture_run(store, engine="vllm", capture="teacher_forced_prefill", prompts=prompts,
+    run = begin_capture_run(store, engine="vllm", capture=meta["capture"], prompts=prompts,
                             layer_names=_layer_order([n for g in groups for n in g["layer_names"]]) if kv else None,
                             logits_kind=meta["logits_kind"], config=meta, model_path=str(model_path),
                             model_hash=model_hash, dtype=dtype, device="cpu", engine_version=vllm.__version__,
                             tp_degree=int(kv_config.get("tp_size", 1)), release=release)
     with run:
-        for i, prompt in enumerate(prompts):
-            pid = run.add_prompt([int(x) for x in prompt], continuation=[int(x) for x in teacher_tokens[i]])
-            run.write_logits(pid, logprobs[i])
-            if kv:
-                per_layer = extract_vllm_request_kv(llm, kv_config, request_ids[i])
-                names = _layer_order(list(per_layer))
-                shapes = {tuple(per_layer[n][0].shape) for n in names}
-                if len(shapes) == 1:
-                    k = torch.cat([per_layer[n][0] for n in names])  # [layer, kv_head, seq, head_dim]
-                    v = torch.cat([per_layer[n][1] for n in names])
-                    run.write_kv(pid, k, v, layer_names=names)
-                else:  # heads or head_dim differ between groups: one KV array per group
-                    for gi, g in enumerate(groups):
-                        gn = _layer_order(g["layer_names"])
-                        run.write_kv(pid, torch.cat([per_layer[n][0] for n in gn]),
-                                     torch.cat([per_layer[n][1] for n in gn]), layer_names=gn, group=f"g{gi}")
+        for lo in range(0, len(prompts), batch_size):
+            batch_p, batch_t = prompts[lo:lo + batch_size], teacher_tokens[lo:lo + batch_size]
+            t0 = time.perf_counter()
+            forced = vllm_teacher_forced_logits(llm, batch_p, batch_t, mode=mode)
+            timings["engine"] += time.perf_counter() - t0
+            timings["diverged_at"].extend(forced.diverged_at)
+            for i in range(len(batch_p)):
+                t0 = time.perf_counter()
+                pid = run.add_prompt(batch_p[i], continuation=batch_t[i])
+                run.write_logits(pid, forced.logits[i])
+                run.write_tensor(pid, "engine_greedy", forced.greedy[i], phase=mode, dims=["gen_token"])
+                timings["store"] += time.perf_counter() - t0
+                if kv:
+                    t0 = time.perf_counter()
+                    seq = len(batch_p[i]) + len(forced.teacher[i])
+                    per_layer = extract_vllm_request_kv(llm, kv_config, forced.request_ids[i], seq_len=seq)
+                    timings["kv"] += time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    _write_request_kv(run, pid, per_layer, groups)
+                    timings["store"] += time.perf_counter() - t0
         return run.run_id
+
+
+def _write_request_kv(run, pid: str, per_layer: dict, groups: list) -> None:
+    """``{layer: (k, v) [1, kv_head, seq, head_dim]}`` as one KV array in model layer order, or one
+    per KV cache group when heads or head_dim differ between groups."""
+    names = _layer_order(list(per_layer))
+    shapes = {tuple(per_layer[n][0].shape) for n in names}
+    if len(shapes) == 1:
+        k = torch.cat([per_layer[n][0] for n in names])  # [layer, kv_head, seq, head_dim]
+        v = torch.cat([per_layer[n][1] for n in names])
+        run.write_kv(pid, k, v, layer_names=names)
+        return
+    for gi, g in enumerate(groups):
+        gn = _layer_order(g["layer_names"])
+        run.write_kv(pid, torch.cat([per_layer[n][0] for n in gn]),
+                     torch.cat([per_layer[n][1] for n in gn]), layer_names=gn, group=f"g{gi}")
