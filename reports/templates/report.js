@@ -18,11 +18,22 @@
     if (!root.querySelector("div.fig[data-fig]:not([data-done])")) return;
     if (!window.Plotly) { withPlotly(function () { renderFigures(root); }); return; }
     root.querySelectorAll("div.fig[data-fig]:not([data-done])").forEach(function (div) {
-      var spec = JSON.parse(document.getElementById(div.getAttribute("data-fig")).textContent);
-      div.setAttribute("data-done", "1");
-      Plotly.newPlot(div, spec.data, spec.layout, {displaylogo: false, responsive: true});
+      if (observer) observer.observe(div); else draw(div);
     });
   }
+  function draw(div) {
+    if (div.hasAttribute("data-done")) return;
+    var spec = JSON.parse(document.getElementById(div.getAttribute("data-fig")).textContent);
+    div.setAttribute("data-done", "1");
+    Plotly.newPlot(div, spec.data, spec.layout, {displaylogo: false, responsive: true});
+  }
+  // a figure is drawn when it comes near the viewport: a prompt page of 32 layers is usable
+  // before its last heatmap is drawn
+  var observer = window.IntersectionObserver ? new IntersectionObserver(function (entries) {
+    entries.forEach(function (e) {
+      if (e.isIntersecting) { observer.unobserve(e.target); draw(e.target); }
+    });
+  }, {rootMargin: "300px"}) : null;
   function showTab(name) {
     var found = false;
     document.querySelectorAll("nav.tabs button").forEach(function (b) {

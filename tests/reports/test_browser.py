@@ -59,6 +59,7 @@ def browser(tmp_path_factory):
 
 
 def _hover_heatmap(frame, div_id: str) -> str:
+    frame.locator(f"#{div_id}").scroll_into_view_if_needed()  # figures are drawn as they come into view
     frame.wait_for_selector(f"#{div_id} .main-svg", timeout=15000)
     frame.hover(f"#{div_id} .nsewdrag")
     label = frame.wait_for_selector(".hoverlayer .hovertext", timeout=5000)
