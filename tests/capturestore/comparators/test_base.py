@@ -1,0 +1,267 @@
+"""The comparator pipeline: the pass / phase / localisation rules written once, declared schemas
+on disk and in the views, and a comparator from another package (entry point) run by name."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from capturestore import Store
+from capturestore.analysis import compare_runs
+from capturestore.comparators import (
+    Comparator,
+    Localisation,
+    TableSpec,
+    Verdict,
+    decoder_layer_index,
+    declared_tables,
+    localise,
+    overall_passed,
+    phase_at,
+    register_comparator,
+)
+from capturestore.comparators.base import to_arrow
+
+REPO = Path(__file__).resolve().parents[3]
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+H, D, V = 2, 16, 200
+
+
+def _v(passed, rank, **loc):
+    return Verdict("x", passed, "", Localisation(**loc) if loc else None, None, rank)
+
+
+# ------------------------------------------------------------------------------------ rules
+
+
+def test_nothing_judged_or_an_unjudged_part_is_never_a_pass():
+    assert overall_passed([]) is False
+    assert overall_passed([None, None]) is False
+    assert overall_passed([_v(True, 1)]) is True
+    assert overall_passed([_v(True, 1), _v(None, 2)]) is False  # judged nothing: no pass
+    assert overall_passed([_v(True, 1), _v(False, 2)]) is False
+
+
+def test_phase_rule_logit_row_zero_and_kv_before_the_prompt_end_are_prefill():
+    plen = 5
+    assert [phase_at(plen - 1 + g, plen) for g in range(3)] == ["prefill", "decode", "decode"]
+    assert phase_at(np.arange(3, 7), plen).tolist() == ["prefill", "prefill", "decode", "decode"]
+
+
+def test_localisation_takes_each_key_from_the_first_evidence_in_rank_order():
+    module = _v(False, 0, phase="decode", layer=2, module="model.layers.2.mlp")
+    logit = _v(False, 10, phase="prefill", token=0)
+    kv = _v(False, 20, phase="prefill", layer=3)
+    assert localise([kv, logit]).as_dict() == {"phase": "prefill", "layer": 3, "module": None, "token": 0}
+    assert localise([kv, logit, module]).as_dict() == {"phase": "decode", "layer": 2, "module": "model.layers.2.mlp",
+                                                      "token": 0}
+    assert localise([_v(True, 0), None]) is None
+
+
+def test_decoder_layer_index_of_layer_and_module_names():
+    assert decoder_layer_index("model.layers.12.self_attn.attn") == 12
+    assert decoder_layer_index("model.language_model.layers.3.mlp") == 3
+    assert decoder_layer_index("7") == 7
+    assert decoder_layer_index("model.norm") is None and decoder_layer_index("lm_head") is None
+
+
+def test_rows_are_written_with_the_declared_types_extra_columns_kept_missing_ones_null():
+    spec = TableSpec(pa.schema([("comparison_id", pa.string()), ("n", pa.int64()), ("x", pa.float64())]), 3)
+    t = to_arrow([[{"comparison_id": "cmp-a", "n": 1, "extra": "e"}],
+                  {"comparison_id": np.array(["cmp-a"], dtype=object), "x": np.array([np.nan], np.float32)}],
+                 spec, "t")
+    assert t.schema.names == ["comparison_id", "n", "x", "extra"]
+    assert t.schema.field("x").type == pa.float64() and t.schema.field("n").type == pa.int64()
+    assert t.column("n").to_pylist() == [1, None] and t.column("x").to_pylist() == [None, None]  # NaN -> NULL
+    assert t.column("extra").to_pylist() == ["e", None]
+    assert t.schema.metadata[b"capturestore.schema"] == b"t/3"
+
+
+def test_a_second_comparator_cannot_take_a_name_or_a_table():
+    class Kv(Comparator):
+        name = "kv"
+
+    with pytest.raises(ValueError, match="'kv' is taken"):
+        register_comparator(Kv)
+
+    class Thief(Comparator):
+        name = "thief"
+        tables = {"kv_gen_bc": declared_tables()["kv_gen_bc"]}
+
+    with pytest.raises(ValueError, match="kv_gen_bc"):
+        register_comparator(Thief)
+
+
+# ------------------------------------------------------------------------------- on a store
+
+
+def _bf16(x):
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """FP32 baseline, its BF16 rounding as expected and as actual (a correct engine)."""
+    rng = np.random.default_rng(1)
+    prompts = [(rng.integers(4, V, n).tolist(), rng.integers(4, V, 5).tolist()) for n in (7, 11)]
+    kv = [(rng.standard_normal((3, H, len(p) + len(c), D)).astype(np.float32),
+           rng.standard_normal((3, H, len(p) + len(c), D)).astype(np.float32)) for p, c in prompts]
+    logits = [rng.standard_normal((len(c), V)).astype(np.float32) * 3 for _, c in prompts]
+    store = Store.open(tmp_path / "s")
+
+    def write(dtype, cast):
+        with store.begin_run(engine="synthetic", model_path="/m", model_hash="h0", dtype=dtype) as run:
+            for i, (p, c) in enumerate(prompts):
+                pid = run.add_prompt(p, continuation=c)
+                run.write_kv(pid, cast(kv[i][0]), cast(kv[i][1]), layer_names=LAYERS)
+                run.write_logits(pid, cast(logits[i]))
+        return run.run_id
+
+    ident = lambda x: x  # noqa: E731
+    return store, write("float32", ident), write("bfloat16", _bf16), write("bfloat16", _bf16), logits
+
+
+class Unjudged(Comparator):
+    """Judges nothing: its verdict's passed is None."""
+
+    name = "unjudged-test"
+
+    def verdict(self):
+        return Verdict(self.name, None, "not judged: nothing to see", None)
+
+
+def test_a_comparator_that_judged_nothing_alone_is_stored_as_not_passed(runs):
+    store, base, exp, act, _ = runs
+    res = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, logits=False, kv=False,
+                       comparators=[Unjudged()])
+    assert res.passed is False
+    row = store.sql(f"SELECT passed, localisation FROM comparisons WHERE comparison_id = '{res.comparison_id}'")
+    assert row.to_pylist() == [{"passed": False, "localisation": None}]
+
+
+def test_kv_only_evidence_localises_to_the_layer_index_and_prefill(runs, tmp_path):
+    store, base, exp, _, _ = runs
+    k_bad = None
+
+    def broken(x):  # layer 1 of every position off by 5 % in the actual run
+        y = _bf16(x).copy()
+        y[1] *= 1.05
+        return _bf16(y)
+
+    with store.begin_run(engine="synthetic", model_path="/m", model_hash="h0", dtype="bfloat16") as run:
+        for p in store.prompts(exp).to_pylist():
+            k, v = store.read_kv(base, p["prompt_id"])
+            pid = run.add_prompt(p["token_ids"][: p["n_prompt_tokens"]], continuation=p["token_ids"][p["n_prompt_tokens"]:])
+            run.write_kv(pid, broken(np.asarray(k, np.float32)), _bf16(np.asarray(v, np.float32)), layer_names=LAYERS)
+            run.write_logits(pid, store.read_logits(exp, p["prompt_id"]))
+        k_bad = run.run_id
+    res = compare_runs(store, expected_run=exp, actual_run=k_bad, baseline_run=base)
+    assert not res.passed and res.kv_verdict.first_failing_layer == LAYERS[1]
+    assert res.localisation == {"phase": "prefill", "layer": 1, "module": None, "token": None}
+    row = store.sql(f"SELECT failure_phase, failure_layer, failure_module, failure_token, localisation "
+                    f"FROM comparisons WHERE comparison_id = '{res.comparison_id}'").to_pylist()[0]
+    assert (row["failure_phase"], row["failure_layer"], row["failure_module"], row["failure_token"]) == ("prefill", 1, None, None)
+    assert json.loads(row["localisation"]) == res.localisation
+
+
+def test_views_of_declared_tables_are_the_declared_columns_and_old_segments_read_null(runs):
+    store, base, exp, act, _ = runs
+    res = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base)
+    declared = declared_tables()
+    for table in ("comparisons", "kv_layer_verdicts", "logit_token_metrics"):
+        got = [r["column_name"] for r in store.sql(f"DESCRIBE {table}").to_pylist()]
+        assert got == declared[table].schema.names, table
+    # a comparisons segment of schema version 1 (no localisation columns), as older stores hold
+    old = {k: v for k, v in store.sql(f"SELECT * FROM comparisons WHERE comparison_id = '{res.comparison_id}'")
+           .to_pylist()[0].items() if k not in ("localisation", "failure_layer", "failure_module", "failure_token")}
+    store.append_table("comparisons", [{**old, "comparison_id": "cmp-old-1"}])
+    row = store.sql("SELECT failure_layer, localisation, typeof(failure_layer) t FROM comparisons "
+                    "WHERE comparison_id = 'cmp-old-1'").to_pylist()
+    assert row == [{"failure_layer": None, "localisation": None, "t": "BIGINT"}]
+    assert Store.open(store.root).verify().ok
+
+
+PLUGIN = '''
+import numpy as np
+import pyarrow as pa
+from capturestore.comparators import Comparator, Localisation, TableSpec, Verdict
+
+
+class PlugComparator(Comparator):
+    """Max |actual - expected| logit per prompt; fails naming a module (module evidence)."""
+
+    name = "plug"
+    tables = {"plug_prompt_metrics": TableSpec(pa.schema([
+        ("comparison_id", pa.string()), ("prompt_id", pa.string()), ("n_rows", pa.int64()),
+        ("max_abs_diff", pa.float64())]), 1)}
+    needs = ("logits",)
+    localisation_rank = 0
+    comparison_fields = (pa.field("plug_worst", pa.float64()),)
+
+    def __init__(self):
+        self.worst = 0.0
+
+    def compare(self, prompt):
+        e = np.asarray(prompt.logits("expected"), np.float64)
+        a = np.asarray(prompt.logits("actual"), np.float64)
+        d = float(np.max(np.abs(a - e)))
+        self.worst = max(self.worst, d)
+        return {"plug_prompt_metrics": [{"comparison_id": prompt.comparison_id, "prompt_id": prompt.prompt_id,
+                                         "n_rows": np.int32(e.shape[0]), "max_abs_diff": d}]}
+
+    def verdict(self):
+        return Verdict(self.name, False, f"FAIL: worst {self.worst}",
+                       Localisation(phase="decode", layer=1, module="model.layers.1.mlp", token=2), None, 0)
+
+    def comparison_columns(self, verdict, passed):
+        return {"plug_worst": self.worst}
+'''
+
+
+def test_a_comparator_of_another_package_runs_by_name_through_its_entry_point(runs, tmp_path):
+    store, base, exp, act, logits = runs
+    site = tmp_path / "site"
+    (site / "plugpkg").mkdir(parents=True)
+    (site / "plugpkg" / "__init__.py").write_text(textwrap.dedent(PLUGIN))
+    dist = site / "plugpkg-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: plugpkg\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[capturestore.comparators]\nplug = plugpkg:PlugComparator\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    # actual = the FP32 run itself: logits and KV pass (no error at all), the plugin sees BF16 rounding
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("plugin_proc.py")), str(store.root), exp, base, base],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "plug" in res["names"] and {"logits", "kv", "fp8_kv_floor"} <= set(res["names"])
+    # logits and KV pass, the plugin fails: the comparison fails, and its module
+    # evidence decides the localisation
+    assert res["passed"] is False
+    assert res["localisation"] == {"phase": "decode", "layer": 1, "module": "model.layers.1.mlp", "token": 2}
+    cid = res["comparison_id"]
+    rows = store.sql(f"SELECT * FROM comparisons WHERE comparison_id = '{cid}'").to_pylist()
+    assert rows[0]["logit_passed"] is True and rows[0]["kv_passed"] is True and rows[0]["passed"] is False
+    assert rows[0]["failure_module"] == "model.layers.1.mlp" and rows[0]["failure_layer"] == 1
+    # its table holds the oracle's numbers, typed as it declared (n_rows int32 in, int64 stored)
+    got = store.sql(f"SELECT prompt_id, n_rows, max_abs_diff FROM plug_prompt_metrics WHERE comparison_id = '{cid}' "
+                    f"ORDER BY prompt_id").to_pylist()
+    pids = store.prompts(exp).column("prompt_id").to_pylist()
+    want = sorted(({"prompt_id": pid, "n_rows": len(lg),
+                    "max_abs_diff": float(np.max(np.abs(lg.astype(np.float64) - _bf16(lg))))}
+                   for pid, lg in zip(pids, logits)), key=lambda r: r["prompt_id"])
+    assert got == want
+    # its comparisons column is in the segment (this process does not know the plugin: the view
+    # shows the columns declared here)
+    import pyarrow.parquet as pq
+
+    segs = [pq.read_table(p) for p in (store.root / "tables" / "comparisons").glob("*.parquet")]
+    mine = [r for t in segs for r in t.to_pylist() if r.get("comparison_id") == cid]
+    assert mine[0]["plug_worst"] == max(r["max_abs_diff"] for r in want)
+    seg = next((store.root / "tables" / "plug_prompt_metrics").glob("*.parquet"))
+    assert pq.read_schema(seg).field("n_rows").type == pa.int64()
