@@ -38,7 +38,8 @@ Broken evidence never passes:
   error, a non-finite target error) fails its tensor, counted in ``n_nonfinite`` and named in
   ``KVVerdict.nonfinite``; the one exemption is a prompt's last position when the actual holds
   no finite value there (an engine never feeds the last teacher token back, so never writes its
-  KV). NaN where the references are NaN too (sliding-window fill) is excluded, not failed;
+  KV). NaN where the references are NaN too (sliding-window fill) is excluded, not failed, and so
+  is any value where a reference is not finite (an inf there would count as infinite noise);
 - a tensor with no value finite in all three runs is unjudged (``passed`` None); a layer with
   an unjudged or failing part does not pass, and neither does a verdict with such a layer.
 """
@@ -318,7 +319,16 @@ def _tensor_verdict(base_chunks, tgt_chunks, cfg: KVVerdictConfig, n_nonfinite: 
     return t
 
 
+def _finite_in_all_three(base_chunks, tgt_chunks):
+    """The chunks with NaN wherever a BF16 or target error is not finite: only values finite in
+    all three runs are judged. An inf reference value would count as infinite noise (sigma-ratio
+    0: any bug passes); a non-finite actual value is counted apart (n_nonfinite) and fails."""
+    pairs = [(b, t, np.isfinite(b) & np.isfinite(t)) for b, t in zip(base_chunks, tgt_chunks)]
+    return ([np.where(ok, b, np.nan) for b, _, ok in pairs], [np.where(ok, t, np.nan) for _, t, ok in pairs])
+
+
 def _tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict:
+    base_chunks, tgt_chunks = _finite_in_all_three(base_chunks, tgt_chunks)
     base = np.concatenate([c.ravel() for c in base_chunks]) if base_chunks else np.zeros(0, np.float32)
     tgt = np.concatenate([c.ravel() for c in tgt_chunks]) if tgt_chunks else np.zeros(0, np.float32)
     ok = ~(np.isnan(base) | np.isnan(tgt))

@@ -271,3 +271,31 @@ def test_a_layer_or_verdict_with_an_unjudged_part_never_passes():
     assert lv.k.passed is True and lv.v.passed is None and lv.v.n_nonfinite == 0
     assert lv.passed is None and not v.passed and v.first_failing_layer is None
     assert "not judged" in v.summary() and "layers.3" in v.summary()
+
+
+def test_an_infinite_reference_value_neither_hides_a_bug_nor_fails_a_correct_engine():
+    # an inf in the expected (BF16) run makes that BF16 error inf: counted as noise it made the
+    # RMS noise infinite, the sigma-ratio 0 and every layer PASS, a 4 % bug included. The judged
+    # values are those finite in all three runs (module docstring).
+    def raws(bug: bool):
+        rng = np.random.default_rng(15)
+        out = []
+        for p in range(3):
+            base = {f"layers.{i}": (rng.normal(size=(1, 2, 12, 32)).astype(np.float32),
+                                    rng.normal(size=(1, 2, 12, 32)).astype(np.float32)) for i in range(2)}
+            exp = {n: (bf16_engine(k, rng), bf16_engine(v, rng)) for n, (k, v) in base.items()}
+            act = {n: (bf16(k * 1.04) if bug else bf16_engine(k, rng), bf16_engine(v, rng)) for n, (k, v) in base.items()}
+            if p == 0:
+                k, v = exp["layers.0"]
+                k = k.copy()
+                k[0, 1, 5, 3] = np.inf
+                exp["layers.0"] = (k, v)
+            out.append(compare_kv_caches(exp, act, baseline_kv=base, return_raw_errors=True)[1])
+        return out
+
+    v = aggregate_kv_verdict(raws(bug=True))
+    assert not v.passed and v.first_failing_layer == "layers.0", v.summary()
+    assert v.layers[0].k.passed is False and v.layers[1].k.passed is False
+    v = aggregate_kv_verdict(raws(bug=False))
+    assert v.passed, v.summary()
+    assert v.layers[0].k.n_values == 3 * 12 * 64 - 1 and v.layers[0].v.n_values == 3 * 12 * 64
