@@ -96,7 +96,9 @@ class Queries:
             ids.append("SELECT prompt_id FROM lg")
         if self.has("kv_head_metrics", "prompt_id"):
             ctes.append(f"""kv AS (SELECT prompt_id, max(k_linf) AS max_k_linf, max(v_linf) AS max_v_linf,
-                max(base_k_linf) AS max_base_k_linf, max(base_v_linf) AS max_base_v_linf
+                max(base_k_linf) AS max_base_k_linf, max(base_v_linf) AS max_base_v_linf,
+                CASE WHEN max(base_k_linf) > 0 THEN max(k_linf) / max(base_k_linf) END AS kv_k_linf_ratio,
+                CASE WHEN max(base_v_linf) > 0 THEN max(v_linf) / max(base_v_linf) END AS kv_v_linf_ratio
                 FROM kv_head_metrics WHERE comparison_id = {c} GROUP BY prompt_id)""")
             joins.append("LEFT JOIN kv USING (prompt_id)")
             cols.append("kv.* EXCLUDE (prompt_id)")

@@ -141,7 +141,12 @@ def test_modules_and_tasks_tabs_render_whatever_their_views_hold(compared, tmp_p
                                           "phase": ["prefill", "prefill"], "l2_ratio": [2.5, 1.25]})
     store.append_table("task_scores", {"run_id": [res.runs["actual"]], "task": ["gsm8k"], "score": [0.4375],
                                        "sample_note": ["<script>alert(1)</script>"]})
+    store.append_table("task_samples", {"run_id": [res.runs["actual"]] * 3, "question": ["q-dev", "q-ok1", "q-ok2"],
+                                        "deviated": [True, False, False]})
     index = reports.render_comparison(store, cid, tmp_path / "rep").read_text()
+    samples = index[index.index("<h2>task_samples</h2>"):]
+    assert re.search(r"<details open><summary>deviating: 1</summary>.*q-dev", samples, re.S)
+    assert re.search(r"<details><summary>matching: 2</summary>.*q-ok1.*q-ok2", samples, re.S)
     assert 'data-tab="modules"' in index and 'data-tab="tasks"' in index
     assert "model.layers.1.mlp" in index and "0.4375" in index and "&lt;script&gt;alert(1)" in index
     spec = _figure_specs(index)["module_metrics-modules"]
