@@ -73,6 +73,9 @@ def test_banner_and_checks_show_the_comparisons_row(bug_report, compared):
     sigma = re.search(r"σ-ratio(?: ← decided)?</td>\s*<td class=\"num\">([^<]+)</td>", page).group(1)
     assert float(sigma) == pytest.approx(row["logit_sigma_ratio"], rel=1e-3)
     assert "first deviating KV layer" in page or "model.layers.2" in page
+    runs = compared["bug"].runs
+    assert (f"--baseline {runs['baseline']} --expected {runs['expected']} --actual {runs['actual']}\n"
+            f"capturestore report {cid} --store {store.root} --out DIR</pre>") in page
     # the triage branch taken: prefill failure (token 0) and an engine bug, not dtype noise
     on = re.findall(r'class="node d\d on" data-node="([^"]+)"', page)
     assert row["failure_phase"] == "prefill" and "prefill" in on and "bug" in on and "noise" not in on
