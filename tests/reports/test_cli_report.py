@@ -76,3 +76,11 @@ def test_report_prints_the_index_path_and_exits_0(compared, tmp_path):
     r = _report(compared["store"].root, compared["bug"].comparison_id, tmp_path / "out")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(tmp_path / "out" / "index.html")
+
+
+@pytest.mark.parametrize("cid", ["cmp-x", "x' OR '1'='1"])
+def test_store_without_comparisons(tmp_path, cid):
+    store = Store.open(tmp_path / "store")
+    line = _one_error_line(_report(store.root, cid, tmp_path / "out"))
+    assert f"no comparison {cid!r}" in line and "the store holds no comparison" in line
+    assert not (tmp_path / "out").exists()
