@@ -285,7 +285,7 @@ class ModuleJudge:
             passed, why = False, None
         # where: first position whose target L2 exceeds every BF16 L2 of this module and phase
         position = token = token_prompt = None
-        if passed is False:
+        if passed is False and not slot["problems"]:  # a shape / missing-capture failure has no position
             noise = max((float(np.nanmax(m.base_l2)) for m in ms if np.isfinite(m.base_l2).any()), default=0.0)
             cands = []
             for p, m, plen, nb in zip(prompts, ms, slot["plens"], bad):

@@ -54,6 +54,7 @@ _BUILTIN = {
     "logits": "capturestore.comparators.logits:LogitsComparator",
     "kv": "capturestore.comparators.kv:KVComparator",
     "fp8_kv_floor": "nki_fp8.target:Fp8KVFloorComparator",
+    "modules": "capturestore.comparators.modules:ModulesComparator",
 }
 _registry: dict[str, type[Comparator]] = {}
 _loaded = False
