@@ -118,6 +118,20 @@ class Queries:
             {' '.join(joins)}
             ORDER BY p.prompt_idx NULLS LAST, ids.prompt_id""")
 
+    def logit_totals(self, cid: str) -> dict:
+        """Over every prompt and generation token: tokens, failing tokens, the largest top-k error
+        per k and the largest three-way ratios ({} without logit metrics)."""
+        cols = self.views().get("logit_token_metrics", [])
+        if "prompt_id" not in cols:
+            return {}
+        maxes = [c for c in cols if re.fullmatch(r"topk_\w+_error", c)]
+        maxes += [c for c in ("linf_ratio", "l2_ratio") if c in cols]
+        return self.run("logit_totals", "over all prompts and tokens: failing tokens, largest top-k error per k, "
+                        "largest three-way ratio", f"""
+            SELECT count(*) AS n_tokens, count(*) FILTER (WHERE NOT passed) AS n_failed_tokens,
+                   count(*) FILTER (WHERE divergence) AS n_divergent{''.join(f', max({c}) AS max_{c}' for c in maxes)}
+            FROM logit_token_metrics WHERE comparison_id = {quote(cid)}""").to_pylist()[0]
+
     def logit_tokens(self, cid: str) -> pa.Table | None:
         if not self.has("logit_token_metrics", "prompt_id"):
             return None

@@ -135,7 +135,7 @@ def _grid(t: pa.Table, row_col: str, row_order: list, x_col: str, n_x: int, valu
 
 
 # ---- the overview --------------------------------------------------------------------------------
-def _status(row: dict, prompts: list[dict]) -> tuple[str, str]:
+def _status(row: dict, totals: dict) -> tuple[str, str]:
     """(css class, headline) of the banner: green all passed, yellow passed with deviations or
     not judged, red a verdict failed (reference/002 status banner)."""
     verdicts = [row.get("logit_passed"), row.get("kv_passed")]
@@ -143,7 +143,7 @@ def _status(row: dict, prompts: list[dict]) -> tuple[str, str]:
         return "fail", "FAIL"
     if not row.get("passed"):
         return "warn", "NOT JUDGED"
-    deviations = sum((p.get("n_failed_tokens") or 0) + (p.get("n_divergent") or 0) for p in prompts)
+    deviations = (totals.get("n_failed_tokens") or 0) + (totals.get("n_divergent") or 0)
     return ("warn", "PASS with deviations") if deviations else ("pass", "PASS")
 
 
@@ -158,18 +158,12 @@ def _json_field(v):
         return v
 
 
-def _checks(row: dict, prompts: list[dict], logit_tokens: pa.Table | None) -> list[dict]:
+def _checks(row: dict, totals: dict) -> list[dict]:
     """The logit checks of reference/002 in priority order with their numbers; ``decided`` marks
     the one the comparisons row names."""
     decided = row.get("logit_decided_by")
-    n_tok = sum(p.get("n_gen_tokens") or 0 for p in prompts)
-    n_fail = sum(p.get("n_failed_tokens") or 0 for p in prompts)
-    topk = {}
-    if logit_tokens is not None:
-        for c in logit_tokens.column_names:
-            m = re.fullmatch(r"topk_(\w+)_error", c)
-            if m:
-                topk[m.group(1)] = pc.max(logit_tokens.column(c)).as_py()
+    n_tok, n_fail = totals.get("n_tokens") or 0, totals.get("n_failed_tokens") or 0
+    topk = {m.group(1): v for k, v in totals.items() if (m := re.fullmatch(r"max_topk_(\w+)_error", k))}
     sigma, bc = row.get("logit_sigma_ratio"), row.get("logit_min_bc")
     return [
         {"name": "σ-ratio", "key": "sigma_ratio", "value": _num(sigma), "rule": f"≤ {SIGMA_THRESHOLD}",
@@ -184,13 +178,13 @@ def _checks(row: dict, prompts: list[dict], logit_tokens: pa.Table | None) -> li
     ]
 
 
-def _triage(row: dict, prompts: list[dict]) -> list[dict]:
+def _triage(row: dict, totals: dict) -> list[dict]:
     """The triage flowchart of reference/002, each node with why it is (not) the branch taken."""
     phase = row.get("failure_phase")
     lp, kvp = row.get("logit_passed"), row.get("kv_passed")
     sigma, bc = row.get("logit_sigma_ratio"), row.get("logit_min_bc")
     three = bool(row.get("three_way"))
-    max_ratio = max((p.get("max_linf_ratio") for p in prompts if p.get("max_linf_ratio") is not None), default=None)
+    max_ratio = totals.get("max_linf_ratio")
     noise = three and ((sigma is not None and sigma <= SIGMA_THRESHOLD) or (bc is not None and bc >= BC_THRESHOLD))
     bug = three and lp is False and not noise
     nodes = [
@@ -377,7 +371,8 @@ def render_comparison(store, comparison_id: str, out_dir) -> Path:
     env = _env()
     layers = _layer_order(kv_pos, kv_bc)
     logit_by, pos_by, bc_by, heads_by = (_by_prompt(t) for t in (logit_tokens, kv_pos, kv_bc, kv_heads))
-    status, headline = _status(row, prompts)
+    totals = q.logit_totals(cid)
+    status, headline = _status(row, totals)
     for n, p in enumerate(prompts):
         p["page"] = f"p{n:04d}"
         p["status"] = _prompt_status(p, row.get("logit_passed"))
@@ -411,7 +406,7 @@ def render_comparison(store, comparison_id: str, out_dir) -> Path:
     kv_figs = _aggregate_figures(gen_bc, div_counts)
     _write(out / "index.html", env.get_template("index.html").render(
         comparison=row, cid=cid, runs=runs, prompts=prompts, status=status, headline=headline,
-        checks=_checks(row, prompts, logit_tokens), triage=_triage(row, prompts),
+        checks=_checks(row, totals), triage=_triage(row, totals),
         localisation=_localisation(row, extra), layer_verdicts=layer_verdicts,
         layer_cols=list(layer_verdicts[0].keys()) if layer_verdicts else [], kv_figs=kv_figs,
         module_views=module_views, task_views=task_views, extra=extra, module_figs=module_figs,

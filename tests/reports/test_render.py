@@ -73,6 +73,11 @@ def test_banner_and_checks_show_the_comparisons_row(bug_report, compared):
     sigma = re.search(r"σ-ratio(?: ← decided)?</td>\s*<td class=\"num\">([^<]+)</td>", page).group(1)
     assert float(sigma) == pytest.approx(row["logit_sigma_ratio"], rel=1e-3)
     assert "first deviating KV layer" in page or "model.layers.2" in page
+    # static top-k: oracle over the raw token rows in numpy
+    tok = store.sql(f"SELECT passed, topk_5_error FROM logit_token_metrics WHERE comparison_id = '{cid}'").to_pydict()
+    m = re.search(r"(\d+)/(\d+) tokens fail; max error K5 ([0-9.e-]+),", page)
+    assert (int(m.group(1)), int(m.group(2))) == (tok["passed"].count(False), len(tok["passed"]))
+    assert float(m.group(3)) == pytest.approx(np.max(tok["topk_5_error"]), rel=1e-3)
     runs = compared["bug"].runs
     assert (f"--baseline {runs['baseline']} --expected {runs['expected']} --actual {runs['actual']}\n"
             f"capturestore report {cid} --store {store.root} --out DIR</pre>") in page
