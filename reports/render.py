@@ -355,7 +355,7 @@ def render_comparison(store, comparison_id: str, out_dir) -> Path:
         raise ValueError(f"comparison {cid} holds no metrics (no logit_token_metrics or kv_head_metrics rows): "
                          f"nothing to report")
     prompts = summary.to_pylist()
-    logit_tokens = q.logit_tokens(cid)
+    totals, logit_tokens = q.logit_totals(cid), q.logit_tokens(cid)
     kv_pos, kv_bc, kv_heads = q.kv_positions(cid), q.kv_token_bc(cid), q.kv_heads(cid)
     gen_bc, div_counts = q.kv_gen_bc(cid), q.divergences_per_gen_token(cid)
     layer_verdicts = q.kv_layer_verdicts(cid)
@@ -366,12 +366,12 @@ def render_comparison(store, comparison_id: str, out_dir) -> Path:
     extra = {v: q.optional_table(v, cid, run_ids, TABLE_ROWS) for v in module_views + task_views}
     module_figs = _module_figures(q, cid, module_views)
 
+    # every query has run: only now is anything written
     out.mkdir(parents=True, exist_ok=True)
     _copy_assets(out)
     env = _env()
     layers = _layer_order(kv_pos, kv_bc)
     logit_by, pos_by, bc_by, heads_by = (_by_prompt(t) for t in (logit_tokens, kv_pos, kv_bc, kv_heads))
-    totals = q.logit_totals(cid)
     status, headline = _status(row, totals)
     for n, p in enumerate(prompts):
         p["page"] = f"p{n:04d}"
