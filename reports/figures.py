@@ -29,7 +29,10 @@ RATIO_SCALE = [[0.0, "#1a9850"], [0.2, "#91cf60"], [0.333, "#d9ef8b"], [0.5, "#f
                [1.0, "#d73027"]]
 BC_SCALE = [[0.0, "#d73027"], [0.8, "#d73027"], [0.8, "#fc8d59"], [0.85, "#fc8d59"], [0.85, "#fee08b"],
             [0.9, "#fee08b"], [0.9, "#a6d96a"], [0.95, "#a6d96a"], [0.95, "#1a9850"], [1.0, "#1a9850"]]
-SCALES = {"linf": (LINF_SCALE, 0.0, 0.2), "ratio": (RATIO_SCALE, 0.0, 3.0), "bc": (BC_SCALE, 0.0, 1.0)}
+# head - base of a BC (diff page): red where head lost overlap with the BF16 noise, green where it gained
+DELTA_SCALE = [[0.0, "#d73027"], [0.4, "#fc8d59"], [0.5, "#f7f7f7"], [0.6, "#91cf60"], [1.0, "#1a9850"]]
+SCALES = {"linf": (LINF_SCALE, 0.0, 0.2), "ratio": (RATIO_SCALE, 0.0, 3.0), "bc": (BC_SCALE, 0.0, 1.0),
+          "delta": (DELTA_SCALE, -0.2, 0.2)}
 
 BOUNDARY_COLOUR = "#d62728"  # prefill/decode boundary
 DIVERGENCE_COLOUR = "#ff7f0e"

@@ -539,10 +539,26 @@ def render_diff(store, base_id: str, head_id: str, out_dir) -> Path:
             FULL JOIN (SELECT * FROM s WHERE comparison_id = {quote(head_id)}) h USING (prompt_id)
             ORDER BY prompt_id""")
         prompt_rows = t.to_pylist()
+    delta_figs = []
+    if q.has("kv_gen_bc", "gen_token_idx"):
+        t = q.run("gen_bc_diff", "cross-prompt BC per generation token x layer: head - base", f"""
+            SELECT gen_token_idx, layer, h.k_bc - b.k_bc AS d_k_bc, h.v_bc - b.v_bc AS d_v_bc
+            FROM (SELECT * FROM kv_gen_bc WHERE comparison_id = {quote(base_id)}) b
+            JOIN (SELECT * FROM kv_gen_bc WHERE comparison_id = {quote(head_id)}) h USING (gen_token_idx, layer)
+            ORDER BY gen_token_idx""")
+        if t.num_rows:
+            gl = _layer_order(t)
+            n_gen = int(pc.max(t.column("gen_token_idx")).as_py()) + 1
+            for kv in ("k", "v"):
+                delta_figs.append((f"delta-{kv}-bc", figures.heatmap(
+                    _grid(t, "layer", gl, "gen_token_idx", n_gen, f"d_{kv}_bc"), list(range(n_gen)), gl,
+                    f"{kv.upper()} BC across prompts: head − base", "delta", x_title="generation token",
+                    hover_label="ΔBC")))
     out.mkdir(parents=True, exist_ok=True)
     _copy_assets(out)
     path = out / "diff.html"
     _write(path, _env().get_template("diff.html").render(
         base=sides["base"], head=sides["head"], checks=checks, layers=layers, prompt_rows=prompt_rows,
+        delta_figs=delta_figs,
         queries=_queries_context(q, store.root)))
     return path

@@ -70,6 +70,17 @@
     document.querySelectorAll(".sidebar a[data-page]").forEach(function (a) {
       a.addEventListener("click", function (ev) { ev.preventDefault(); location.hash = "prompt-" + a.getAttribute("data-page"); });
     });
+    var filter = document.getElementById("prompt-filter"), failing = document.getElementById("prompt-failing");
+    function applyFilter() {
+      var want = filter.value.toLowerCase();
+      document.querySelectorAll(".sidebar a[data-page]").forEach(function (a) {
+        var dot = a.querySelector(".dot");
+        var bad = dot && (dot.classList.contains("fail") || dot.classList.contains("warn"));
+        a.hidden = (want && a.textContent.toLowerCase().indexOf(want) < 0 && (a.title || "").toLowerCase().indexOf(want) < 0)
+          || (failing.checked && !bad);
+      });
+    }
+    if (filter) { filter.addEventListener("input", applyFilter); failing.addEventListener("change", applyFilter); }
     window.addEventListener("hashchange", route);
     if (document.querySelector("nav.tabs")) route(); else renderFigures(document);
   });

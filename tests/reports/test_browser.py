@@ -99,6 +99,10 @@ def test_report_in_headless_chromium(browser, compared, tmp_path_factory, artifa
         frame.locator("#prompt-text").wait_for()
         assert frame.locator("#prompt-text").inner_text() == text  # shown as text, not markup
         assert frame.locator("#prompt-text img").count() == 0 and frame.locator("#prompt-text script").count() == 0
+    page.fill("#prompt-filter", "onerror")  # the sidebar filter matches the text, not markup
+    assert page.eval_on_selector_all(".sidebar a[data-page]", "as => as.filter(a => !a.hidden).map(a => a.dataset.page)") \
+        == ["p0001"]
+    page.fill("#prompt-filter", "")
     inner = page.frame(name="prompt-frame")
     assert inner.url.endswith("/prompts/p0001.html")
     hover = _hover_heatmap(inner, "div-k-linf")

@@ -173,6 +173,14 @@ def test_diff_page_shows_both_verdicts_and_the_per_layer_change(compared, tmp_pa
     assert compared["ok"].comparison_id in page and compared["bug"].comparison_id in page
     assert re.search(r"<td>passed</td><td>yes</td><td>no</td>", page)
     assert "model.layers.2.self_attn" in page and (tmp_path / "plotly.min.js").is_file()
+    # the BC change per generation token x layer is head - base of the kv_gen_bc rows
+    store = compared["store"]
+    b, h = ({(r["gen_token_idx"], r["layer"]): r["k_bc"] for r in store.sql(
+        f"SELECT * FROM kv_gen_bc WHERE comparison_id = '{c.comparison_id}'").to_pylist()} for c in (compared["ok"], compared["bug"]))
+    spec = _figure_specs(page)["delta-k-bc"]
+    z, layers = _z(spec), spec["data"][0]["y"]
+    for (g, layer), v in h.items():
+        assert z[layers.index(layer), g] == pytest.approx(v - b[(g, layer)], abs=1e-6)
 
 
 @pytest.mark.parametrize("loc", [{"phase": "decode", "layer": 3, "module": "model.layers.3.mlp", "token": 2},
