@@ -6,7 +6,10 @@ Conventions follow the upstream ``logit_validation`` (vllm-neuron / NxDI accurac
 ``[gen_token, batch, vocab]``, per-token results are grouped per batch row.
 
 Per teacher-forced token (``validate_token_logits``):
-1. drop every vocab position where expected or actual is -inf (baseline follows the same mask);
+1. drop every vocab position where the expected logit is -inf (baseline follows the same mask).
+   Upstream also drops positions where only the *actual* is -inf; here those count as broken
+   evidence (NaN: the token fails, ``num_actual_masked`` says how many), else an engine that
+   masks its top tokens to -inf would pass. Positions -inf in both are dropped as upstream;
 2. remove the constant shift: least squares ``actual ~ a*expected + b`` over the kept positions,
    subtract ``b`` from actual (slope is not applied). A per-token constant (log-softmax vs raw
    logits) is absorbed entirely, so log-softmax targets validate like raw logits;
@@ -196,6 +199,7 @@ class TokenLogitResult:
     expected_top2_values: tuple
     actual_top2_values: tuple
     num_removed: int = 0
+    num_actual_masked: int = 0  # positions -inf in actual but finite in expected (they fail the token)
     three_way: ThreeWayTokenMetrics | None = None
 
     def __getitem__(self, key):
@@ -293,6 +297,10 @@ def validate_token_logits(
     a = as_float(actual, np.float64).reshape(-1)
     if e.shape != a.shape:
         raise ValueError(f"token {gen_idx} row {batch_row}: expected vocab {e.shape[0]} != actual vocab {a.shape[0]}")
+    masked_by_actual = (a == -np.inf) & (e != -np.inf)  # the reference has a value there: evidence broken
+    n_actual_masked = int(np.count_nonzero(masked_by_actual))
+    if n_actual_masked:
+        a = np.where(masked_by_actual, np.nan, a)  # the NaN path fails the token (and the sigma-ratio)
     keep = ~((e == -np.inf) | (a == -np.inf))
     n_removed = int(keep.size - np.count_nonzero(keep))
     if n_removed:
@@ -357,6 +365,7 @@ def validate_token_logits(
         expected_top2_values=_top2(e),
         actual_top2_values=_top2(a),
         num_removed=n_removed,
+        num_actual_masked=n_actual_masked,
         three_way=three,
     )
 

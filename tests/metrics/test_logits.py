@@ -122,10 +122,26 @@ def test_vocab_smaller_than_k_uses_whole_vocab():
 
 
 def test_minus_inf_positions_dropped_and_tokens_reported_in_original_ids():
-    e = np.array([1.0, -np.inf, 3.0, 2.0])
-    a = np.array([1.0, 5.0, 3.0, -np.inf])
+    e = np.array([1.0, -np.inf, 3.0, -np.inf, 2.0])
+    a = np.array([1.0, 5.0, 3.0, -np.inf, 2.0])  # -inf in the reference (index 1) or in both (3): dropped
     r = validate_token_logits(e, a)
-    assert r.num_removed == 2 and r.expected_token == 2 and r.actual_token == 2 and r.passed
+    assert r.num_removed == 2 and r.num_actual_masked == 0
+    assert r.expected_token == 2 and r.actual_token == 2 and r.passed
+
+
+def test_actual_masking_tokens_the_reference_has_fails_instead_of_being_dropped():
+    # An engine that sets the reference's 5 most likely tokens to -inf (upstream drops them, and passes)
+    rng = np.random.default_rng(3)
+    e = rng.normal(size=V)
+    a = e.copy()
+    top5 = np.argsort(e)[-5:]
+    a[top5] = -np.inf
+    r = validate_token_logits(e, a, baseline=e)
+    assert r.num_actual_masked == 5 and not r.passed
+    assert all(math.isnan(err) for err in r.error_map.values())
+    one = e.copy()
+    one[np.argmin(e)] = -np.inf  # even the least likely token: the engine has no value where the reference has one
+    assert not validate_token_logits(e, one).passed
 
 
 def test_near_tie_flip_within_one_ulp_is_acceptable_and_beyond_one_ulp_is_not():
