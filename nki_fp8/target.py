@@ -290,7 +290,7 @@ class Fp8KVFloorComparator(Comparator):
     name = "fp8_kv_floor"
     tables = {"fp8_kv_layer_metrics": FP8_KV_LAYER_METRICS}
     needs = ("kv",)
-    localisation_rank = 30
+    localisation_rank = 15  # judged against the floor this target can reach: its layer before the BF16 KV verdict's
     comparison_fields = (pa.field("fp8_floor_passed", _B), pa.field("fp8_floor_summary", _S))
 
     def prepare(self, context) -> None:

@@ -153,3 +153,41 @@ def test_fp8_target_is_stored_as_a_run_with_its_scales(gqa, prompts, tmp_path):
     for i, n in enumerate(names):
         np.testing.assert_array_equal(np.asarray(k[i]).view(np.uint16), _bits(direct[n][0][0]).view(np.uint16))
         np.testing.assert_array_equal(np.asarray(v[i]).view(np.uint16), _bits(direct[n][1][0]).view(np.uint16))
+
+
+def test_the_fp8_target_is_an_ordinary_comparison_whose_rows_carry_its_id(gqa, prompts, tmp_path):
+    path, m32, m16 = gqa
+    store = Store.open(tmp_path / "store")
+    res = analyze_fp8_kv_target(path, *prompts, [1.0] * 3, [1.0] * 3, platform="trn2", label="unit",
+                                store=store, models=(m32, m16))
+    cmp_row, = store.sql("SELECT c.*, r.engine FROM comparisons c JOIN runs r ON r.run_id = c.actual_run").to_pylist()
+    assert cmp_row["engine"] == "hf-fp8kv" and cmp_row["three_way"] and cmp_row["label"] == "unit"
+    assert cmp_row["fp8_floor_passed"] is False and cmp_row["passed"] is False  # FP8 with unit scales
+    assert cmp_row["failure_layer"] == 1  # the floor's first failing layer, KV evidence the same
+    rows = store.sql("SELECT * FROM fp8_kv_layer_metrics ORDER BY layer").to_pylist()
+    assert {r["comparison_id"] for r in rows} == {cmp_row["comparison_id"]}
+    # relative L2 of the stored FP8 K against the stored FP32 K, all prompts pooled (numpy oracle)
+    base, act = cmp_row["baseline_run"], cmp_row["actual_run"]
+    for i, r in enumerate(rows):
+        num = den = 0.0
+        for pid in store.prompts(base).column("prompt_id").to_pylist():
+            b = np.asarray(store.read_kv(base, pid)[0][i], np.float64)
+            a = np.asarray(store.read_kv(act, pid)[0][i], np.float64)
+            ok = np.isfinite(a) & np.isfinite(b)
+            num += float(((a - b)[ok] ** 2).sum())
+            den += float((b[ok] ** 2).sum())
+        assert r["k_rel_l2"] == pytest.approx(np.sqrt(num / den), rel=1e-12)
+        assert r["k_vs_floor"] == pytest.approx(res.layers[i].k_vs_floor, rel=0, abs=0)
+
+
+def test_the_floor_comparator_refuses_an_actual_run_without_fp8_scales(gqa, prompts, tmp_path):
+    from capturestore.analysis import compare_runs
+
+    path, m32, m16 = gqa
+    store = Store.open(tmp_path / "store")
+    base = hf.capture_hf_run(store, path, prompts[0], teacher_tokens=prompts[1], dtype="float32", model=m32)
+    exp = hf.capture_hf_run(store, path, prompts[0], teacher_tokens=prompts[1], dtype="bfloat16", model=m16)
+    with pytest.raises(ValueError, match=f"actual run {exp} records no k_scale"):
+        compare_runs(store, expected_run=exp, actual_run=exp, baseline_run=base, comparators=["fp8_kv_floor"])
+    assert not list((store.root / "tables").glob("comparisons/*.parquet")) or store.sql(
+        "SELECT count(*) n FROM comparisons").column("n").to_pylist() == [0]
