@@ -96,15 +96,15 @@ def test_report_in_headless_chromium(browser, compared, tmp_path_factory, artifa
     for n, text in enumerate(XSS_PROMPTS[:2]):
         page.click(f'.sidebar a[data-page="p{n:04d}"]')
         frame = page.frame_locator("#prompt-frame")
-        frame.locator("#prompt-text").wait_for()
-        assert frame.locator("#prompt-text").inner_text() == text  # shown as text, not markup
+        # retried until the new page replaced the previous one in the frame: shown as text, not markup
+        sync_api.expect(frame.locator("#prompt-text")).to_have_text(text)
         assert frame.locator("#prompt-text img").count() == 0 and frame.locator("#prompt-text script").count() == 0
     page.fill("#prompt-filter", "onerror")  # the sidebar filter matches the text, not markup
     assert page.eval_on_selector_all(".sidebar a[data-page]", "as => as.filter(a => !a.hidden).map(a => a.dataset.page)") \
         == ["p0001"]
     page.fill("#prompt-filter", "")
     inner = page.frame(name="prompt-frame")
-    assert inner.url.endswith("/prompts/p0001.html")
+    assert inner.url.endswith("/prompts/p0001.html"), inner.url
     hover = _hover_heatmap(inner, "div-k-linf")
     assert "L-inf" in hover and "position" in hover
     page.screenshot(path=str(artifacts / "prompt.png"))
