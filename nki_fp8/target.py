@@ -326,7 +326,8 @@ class Fp8KVFloorComparator(Comparator):
         for pid in context.prompt_ids:
             k, v = store.read_kv(runs["expected"], pid, as_torch=True)
             for i in range(len(layers)):
-                amax[i] = np.maximum(amax[i], [absmax(k[i].float().numpy()).item(), absmax(v[i].float().numpy()).item()])
+                here = [absmax(k[i].float().numpy()).item(), absmax(v[i].float().numpy()).item()]
+                amax[i] = np.maximum(amax[i], here)
         self.floor_scales = [(float(kernel_scale_from_absmax(np.float64(a), self.platform).item()),
                               float(kernel_scale_from_absmax(np.float64(b), self.platform).item())) for a, b in amax]
         self.raw_floor, self.raw_bf16 = [], []
@@ -434,7 +435,8 @@ def analyze_fp8_kv_target(
             store = Store.open(tmp)
         base = capture_hf_run(store, model_path, prompts, teacher_tokens=teacher_tokens, dtype="float32", model=m32)
         exp = capture_hf_run(store, model_path, prompts, teacher_tokens=teacher_tokens, dtype="bfloat16", model=m16)
-        act = capture_fp8_kv_run(store, model_path, prompts, teacher_tokens, k_scales, v_scales, platform=plat, model=m16)
+        act = capture_fp8_kv_run(store, model_path, prompts, teacher_tokens, k_scales, v_scales, platform=plat,
+                                 model=m16)
         floor = Fp8KVFloorComparator()
         compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, label=label, logits=False,
                      comparators=[floor])

@@ -147,7 +147,6 @@ def test_a_comparator_that_judged_nothing_alone_is_stored_as_not_passed(runs):
 
 def test_kv_only_evidence_localises_to_the_layer_index_and_prefill(runs, tmp_path):
     store, base, exp, _, _ = runs
-    k_bad = None
 
     def broken(x):  # layer 1 of every position off by 5 % in the actual run
         y = _bf16(x).copy()
@@ -166,7 +165,8 @@ def test_kv_only_evidence_localises_to_the_layer_index_and_prefill(runs, tmp_pat
     assert res.localisation == {"phase": "prefill", "layer": 1, "module": None, "token": None}
     row = store.sql(f"SELECT failure_phase, failure_layer, failure_module, failure_token, localisation "
                     f"FROM comparisons WHERE comparison_id = '{res.comparison_id}'").to_pylist()[0]
-    assert (row["failure_phase"], row["failure_layer"], row["failure_module"], row["failure_token"]) == ("prefill", 1, None, None)
+    where = (row["failure_phase"], row["failure_layer"], row["failure_module"], row["failure_token"])
+    assert where == ("prefill", 1, None, None)
     assert json.loads(row["localisation"]) == res.localisation
 
 
