@@ -27,7 +27,7 @@ from capturestore.layout import (
     check_module_name,
     check_table_name,
 )
-from capturestore.tables import RUN_TABLES, committed_run_ids, ensure_schema_segments, read_table, rows_to_table, table_dir, write_segment
+from capturestore.tables import RUN_TABLES, SegmentSchemas, committed_run_ids, ensure_schema_segments, read_table, rows_to_table, table_dir, write_segment
 from capturestore.writer import RunWriter, new_run_id, run_meta
 
 
@@ -74,6 +74,7 @@ class Store:
         self._con_broken: dict[str, str] = {}  # table -> why its segments cannot be read
         self._con_pid = -1
         self._con_lock = threading.Lock()
+        self._segment_schemas: dict[str, SegmentSchemas] = {}  # table -> its segments' column types
 
     # ---- opening ---------------------------------------------------------------------------
     @classmethod
@@ -152,6 +153,7 @@ class Store:
         table = rows_to_table(rows, f"append_table {name}")
         if table.num_rows == 0:
             raise ValueError(f"append_table {name}: no rows to append")
+        self._segment_schemas.setdefault(name, SegmentSchemas()).check(self.root, name, table)
         is_new = not table_dir(self.root, name).is_dir()
         path = write_segment(self.root, name, table)
         if is_new:

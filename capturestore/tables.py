@@ -159,6 +159,61 @@ def segment_files(root: Path, table: str) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.name.endswith(".parquet"))
 
 
+def _kind(t: pa.DataType):
+    """What DuckDB's ``union_by_name`` unifies across segments: numbers with numbers (upcast),
+    strings, times (any unit or time zone spelling), lists by their items' kind, structs; None
+    for an all-NULL column (it reads as any type)."""
+    if pa.types.is_null(t):
+        return None
+    for name, test in (("number", lambda x: pa.types.is_integer(x) or pa.types.is_floating(x) or pa.types.is_decimal(x)),
+                       ("string", lambda x: pa.types.is_string(x) or pa.types.is_large_string(x)),
+                       ("binary", lambda x: pa.types.is_binary(x) or pa.types.is_large_binary(x)),
+                       ("time", pa.types.is_temporal), ("bool", pa.types.is_boolean),
+                       ("struct", pa.types.is_struct), ("map", pa.types.is_map)):
+        if test(t):
+            return name
+    if pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t):
+        return ("list", _kind(t.value_type))
+    return str(t)
+
+
+def _unifiable(a: pa.DataType, b: pa.DataType) -> bool:
+    ka, kb = _kind(a), _kind(b)
+    if ka is None or kb is None:
+        return True
+    if isinstance(ka, tuple) and isinstance(kb, tuple):  # lists: their items must unify
+        return ka[1] is None or kb[1] is None or ka[1] == kb[1]
+    return ka == kb
+
+
+class SegmentSchemas:
+    """Column types of a table's segments, read from their footers once each (``append_table``
+    checks a new segment against them)."""
+
+    def __init__(self) -> None:
+        self.read: set[str] = set()  # segment file names already read
+        self.columns: dict[str, tuple[pa.DataType, str]] = {}  # column -> (type, first segment with it)
+
+    def check(self, root: Path, table: str, data: pa.Table) -> None:
+        """Refuse ``data`` as a new segment of ``table`` when a column's type cannot be read together
+        with an existing segment's: one such segment makes every query on the table fail."""
+        for seg in segment_files(root, table):
+            if seg.name in self.read:
+                continue
+            try:
+                schema = pq.read_schema(seg)
+            except Exception:  # noqa: BLE001 - an unreadable segment is verify's to report
+                continue
+            self.read.add(seg.name)
+            for f in schema:
+                self.columns.setdefault(f.name, (f.type, seg.name))
+        for f in data.schema:
+            have = self.columns.get(f.name)
+            if have is not None and not _unifiable(have[0], f.type):
+                raise ValueError(f"append_table {table}: column {f.name!r} is {f.type} here but {have[0]} in segment "
+                                 f"{table}/{have[1]}; one table cannot hold both (DuckDB could not read the table)")
+
+
 def committed_run_ids(root: Path) -> set[str]:
     """Run ids with a runs segment (the commit marker); segments are named after the run."""
     return {p.name.removesuffix(".parquet") for p in segment_files(root, "runs") if p.name != SCHEMA_SEGMENT}

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
+import pyarrow as pa
 import pytest
 
+from capturestore import Store
 from capturestore.layout import ARRAYS_DIR
 
 
@@ -253,3 +255,18 @@ def test_token_ids_must_lie_below_the_vocab_once_it_is_known(store):
         assert run.prompt_ids == [pid]  # the refused prompts were not added
     assert store.prompts(run.run_id).num_rows == 1
     assert sorted(p.name for p in (store.root / ARRAYS_DIR / run.run_id).iterdir() if p.is_dir()) == [pid]
+
+
+def test_append_table_refuses_a_column_type_no_reader_can_unify_and_the_table_stays_readable(tmp_path):
+    # list then struct in one column: DuckDB's union_by_name cannot read the two segments together,
+    # so every query on the table failed once the second segment landed
+    store = Store.open(tmp_path / "s")
+    store.append_table("t", [{"x": [1, 2], "n": 1}])
+    with pytest.raises(ValueError, match=r"column 'x' is struct<a: int64> here but list<.*: int64> in segment t/"):
+        store.append_table("t", [{"x": {"a": 1}, "n": 2}])
+    assert len(list((tmp_path / "s" / "tables" / "t").glob("*.parquet"))) == 1  # nothing written
+    assert Store.open(tmp_path / "s").sql("SELECT count(*) AS n FROM t").to_pylist() == [{"n": 1}]
+    # what DuckDB does unify stays allowed: a wider integer, a float, an all-NULL column, a new column
+    store.append_table("t", {"x": pa.array([[3]]), "n": pa.array([2], pa.int64())})
+    store.append_table("t", [{"x": None, "n": 2.5, "extra": "new"}])
+    assert store.sql("SELECT sum(n) AS s, count(extra) AS e FROM t").to_pylist() == [{"s": 5.5, "e": 1}]
