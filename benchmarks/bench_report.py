@@ -34,6 +34,7 @@ GOALS = {"render_s": 10.0, "total_mb": 50.0, "first_page_s": 2.0}
 def build_store(root: Path, n_prompts: int, n_layers: int, n_gen: int, n_prompt_tokens: int = 64,
                 n_heads: int = 8, seed: int = 0) -> str:
     from capturestore import Store
+    from capturestore.integrity import PendingLock
 
     rng = np.random.default_rng(seed)
     store = Store.open(root)
@@ -47,6 +48,16 @@ def build_store(root: Path, n_prompts: int, n_layers: int, n_gen: int, n_prompt_
                                  continuation=p[n_prompt_tokens:]) for i, p in enumerate(prompts)]
             runs[role] = w.run_id
     cid = "cmp-bench-report"
+    # a comparison's rows are written under its pending lock, the comparisons row last (as compare_runs does)
+    lock = PendingLock(store.root, cid, {"comparison_id": cid, "status": "running"})
+    try:
+        _write_metrics(store, cid, runs, pids, rng, n_prompts, n_layers, n_gen, n_prompt_tokens, n_heads)
+    finally:
+        lock.release()
+    return cid
+
+
+def _write_metrics(store, cid, runs, pids, rng, n_prompts, n_layers, n_gen, n_prompt_tokens, n_heads) -> None:
     layers = np.array([f"model.layers.{i}.self_attn.attn" for i in range(n_layers)], dtype=object)
     seq = n_prompt_tokens + n_gen
     pid_arr = np.array(pids, dtype=object)
@@ -107,7 +118,6 @@ def build_store(root: Path, n_prompts: int, n_layers: int, n_gen: int, n_prompt_
         "kv_summary": f"PASS: {n_layers} layers within the expected source's noise", "failure_phase": None,
         "first_failing_token": None,
     }])
-    return cid
 
 
 def browser_seconds(index: Path, prompt_page: Path) -> tuple[float, float] | None:

@@ -125,6 +125,24 @@ class PendingLock:
                 self._fd = None
 
 
+def check_comparison_rows(root: Path, table: str, comparison_ids) -> None:
+    """Refuse rows of ``table`` whose ``comparison_id`` is NULL or names a comparison that is neither
+    committed nor being written (a live pending lock, as ``commit_comparison`` holds): such rows
+    would be invisible in every view and removed by ``gc``, i.e. lost."""
+    ids = set(comparison_ids)
+    if None in ids:
+        raise ValueError(f"append_table {table}: a comparison_id is NULL; rows with a comparison_id column belong to "
+                         f"a comparison (see docs/tables.md) - name the column otherwise for rows of no comparison")
+    open_ids = [c for c in ids if not writer_is_alive(root / PENDING_DIR / f"{c}.json")]
+    if open_ids:
+        committed = committed_comparison_ids(root) or set()
+        orphans = sorted(c for c in open_ids if c not in committed)
+        if orphans:
+            raise ValueError(f"append_table {table}: comparison_id {orphans[0]!r} is no committed comparison and none is "
+                             f"being written; its rows would be invisible and removed by gc (write them through "
+                             f"integrity.commit_comparison, or name the column otherwise)")
+
+
 def is_comparison_id(writer_id: str) -> bool:
     return writer_id.startswith(COMPARISON_ID_PREFIX)
 

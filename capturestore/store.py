@@ -153,6 +153,8 @@ class Store:
         table = rows_to_table(rows, f"append_table {name}")
         if table.num_rows == 0:
             raise ValueError(f"append_table {name}: no rows to append")
+        if name != "comparisons" and "comparison_id" in table.column_names:
+            integrity.check_comparison_rows(self.root, name, table.column("comparison_id").unique().to_pylist())
         self._segment_schemas.setdefault(name, SegmentSchemas()).check(self.root, name, table)
         is_new = not table_dir(self.root, name).is_dir()
         path = write_segment(self.root, name, table)

@@ -13,12 +13,14 @@ from pathlib import Path
 import duckdb
 import ml_dtypes
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from capturestore import Store
 from capturestore.analysis import compare_runs
 from capturestore.layout import CATALOG_FILE
+from capturestore.tables import write_segment
 from tests.capturestore.conftest import REPO
 
 COMPARE_SCRIPT = Path(__file__).with_name("compare_proc.py")
@@ -219,9 +221,11 @@ def test_rows_left_without_a_comparisons_row_or_pending_file_are_hidden_reported
                        baseline_run=prepared["runs"][2])
     committed = store.sql("SELECT layer, count(*) AS n, max(k_linf) AS m FROM kv_head_metrics GROUP BY layer "
                           "ORDER BY layer").to_pylist()
-    store.append_table("kv_head_metrics", [{"comparison_id": "cmp-old-failed", "layer": LAYERS[0], "head": 0,
-                                            "position": 0, "k_linf": 1e9}] * 3)
-    store.append_table("kv_layer_verdicts", [{"comparison_id": "cmp-old-failed", "layer": LAYERS[0], "passed": True}])
+    # what the old code left: segments written straight, no pending lock (append_table now refuses such rows)
+    write_segment(root, "kv_head_metrics", pa.Table.from_pylist(
+        [{"comparison_id": "cmp-old-failed", "layer": LAYERS[0], "head": 0, "position": 0, "k_linf": 1e9}] * 3))
+    write_segment(root, "kv_layer_verdicts", pa.Table.from_pylist(
+        [{"comparison_id": "cmp-old-failed", "layer": LAYERS[0], "passed": True}]))
     # the README's ungrouped query sees only the committed comparison
     assert store.sql("SELECT layer, count(*) AS n, max(k_linf) AS m FROM kv_head_metrics GROUP BY layer "
                      "ORDER BY layer").to_pylist() == committed
@@ -248,3 +252,26 @@ def test_an_unreadable_comparisons_segment_makes_gc_keep_every_comparison_row(pr
     assert store.gc() == []
     assert _rows_on_disk(root, res.comparison_id) == {t: n for t, n in prepared["counts"].items() if t != "comparisons"}
     assert [p.kind for p in store.verify()] == ["bad-segment"]
+
+
+def test_rows_of_no_live_or_committed_comparison_are_refused_not_hidden_and_collected(tmp_path):
+    # A user's own table with a comparison_id column used to be hidden by the views, called a dead
+    # comparison by verify and deleted by gc: refused at append instead, nothing written.
+    store = Store.open(tmp_path / "s")
+    for rows, why in (([{"comparison_id": "my-label", "score": 0.5}], "'my-label' is no committed comparison"),
+                      ([{"comparison_id": None, "score": 0.5}], "a comparison_id is NULL")):
+        with pytest.raises(ValueError, match=why):
+            store.append_table("user_scores", rows)
+    assert not (tmp_path / "s" / "tables" / "user_scores").exists() or not list((tmp_path / "s" / "tables" / "user_scores").glob("*.parquet"))
+    # under a live pending lock (as commit_comparison holds) and after the commit, rows are accepted
+    from capturestore.integrity import PendingLock
+
+    lock = PendingLock(store.root, "cmp-user-1", {"comparison_id": "cmp-user-1"})
+    try:
+        store.append_table("user_scores", [{"comparison_id": "cmp-user-1", "score": 0.5}])
+        store.append_table("comparisons", [{"comparison_id": "cmp-user-1", "passed": True}])
+    finally:
+        lock.release()
+    store.append_table("user_scores", [{"comparison_id": "cmp-user-1", "score": 0.25}])  # more rows of a committed one
+    assert store.sql("SELECT sum(score) AS s FROM user_scores").to_pylist() == [{"s": 0.75}]
+    assert store.verify().ok and store.gc() == []
