@@ -223,7 +223,9 @@ def add_views(con: duckdb.DuckDBPyConnection, root: Path, names: list[str], rela
 
 
 def _readable_columns(con: duckdb.DuckDBPyConnection, root: Path, table: str) -> str:
-    """``CAST(NULL AS type) AS "column", ...`` of the segments of ``table`` that DuckDB can read."""
+    """``CAST(NULL AS type) AS "column", ...`` of ``table``'s view: the declared columns of a
+    declared table written by comparisons (or with no readable segment left), else those of the
+    segments that DuckDB can read."""
     import duckdb
 
     cols: dict[str, str] = {}
@@ -234,6 +236,9 @@ def _readable_columns(con: duckdb.DuckDBPyConnection, root: Path, table: str) ->
             continue
         for name, typ, *_ in described:
             cols.setdefault(name, typ)
+    spec = _declared().get(table)
+    if spec is not None and table not in RUN_TABLES and (not cols or "comparison_id" in cols):
+        return ", ".join(f"CAST(NULL AS {_duck_type(f.type)}) AS {_quote_ident(f.name)}" for f in spec.schema)
     if not cols:
         return "NULL AS unreadable"
     return ", ".join(f"CAST(NULL AS {typ}) AS {_quote_ident(name)}" for name, typ in cols.items())

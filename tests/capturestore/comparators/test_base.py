@@ -107,7 +107,8 @@ def _bf16(x):
 
 @pytest.fixture
 def runs(tmp_path):
-    """FP32 baseline, its BF16 rounding as expected and as actual (a correct engine)."""
+    """FP32 baseline, its BF16 rounding as expected and as actual (a correct engine), the logits,
+    and a second FP32 run (an actual with no error at all)."""
     rng = np.random.default_rng(1)
     prompts = [(rng.integers(4, V, n).tolist(), rng.integers(4, V, 5).tolist()) for n in (7, 11)]
     kv = [(rng.standard_normal((3, H, len(p) + len(c), D)).astype(np.float32),
@@ -124,7 +125,7 @@ def runs(tmp_path):
         return run.run_id
 
     ident = lambda x: x  # noqa: E731
-    return store, write("float32", ident), write("bfloat16", _bf16), write("bfloat16", _bf16), logits
+    return store, write("float32", ident), write("bfloat16", _bf16), write("bfloat16", _bf16), logits, write("float32", ident)
 
 
 class Unjudged(Comparator):
@@ -137,7 +138,7 @@ class Unjudged(Comparator):
 
 
 def test_a_comparator_that_judged_nothing_alone_is_stored_as_not_passed(runs):
-    store, base, exp, act, _ = runs
+    store, base, exp, act, *_ = runs
     res = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, logits=False, kv=False,
                        comparators=[Unjudged()])
     assert res.passed is False
@@ -146,7 +147,7 @@ def test_a_comparator_that_judged_nothing_alone_is_stored_as_not_passed(runs):
 
 
 def test_kv_only_evidence_localises_to_the_layer_index_and_prefill(runs, tmp_path):
-    store, base, exp, _, _ = runs
+    store, base, exp, *_ = runs
 
     def broken(x):  # layer 1 of every position off by 5 % in the actual run
         y = _bf16(x).copy()
@@ -171,7 +172,7 @@ def test_kv_only_evidence_localises_to_the_layer_index_and_prefill(runs, tmp_pat
 
 
 def test_views_of_declared_tables_are_the_declared_columns_and_old_segments_read_null(runs):
-    store, base, exp, act, _ = runs
+    store, base, exp, act, *_ = runs
     res = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base)
     declared = declared_tables()
     for table in ("comparisons", "kv_layer_verdicts", "logit_token_metrics"):
@@ -225,7 +226,7 @@ class PlugComparator(Comparator):
 
 
 def test_a_comparator_of_another_package_runs_by_name_through_its_entry_point(runs, tmp_path):
-    store, base, exp, act, logits = runs
+    store, base, exp, act, logits, fp32 = runs
     site = tmp_path / "site"
     (site / "plugpkg").mkdir(parents=True)
     (site / "plugpkg" / "__init__.py").write_text(textwrap.dedent(PLUGIN))
@@ -234,8 +235,8 @@ def test_a_comparator_of_another_package_runs_by_name_through_its_entry_point(ru
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: plugpkg\nVersion: 0.1\n")
     (dist / "entry_points.txt").write_text("[capturestore.comparators]\nplug = plugpkg:PlugComparator\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    # actual = the FP32 run itself: logits and KV pass (no error at all), the plugin sees BF16 rounding
-    out = subprocess.run([sys.executable, str(Path(__file__).with_name("plugin_proc.py")), str(store.root), exp, base, base],
+    # actual = an FP32 run: logits and KV pass (no error at all), the plugin sees BF16 rounding
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("plugin_proc.py")), str(store.root), exp, fp32, base],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout.strip().splitlines()[-1])
@@ -265,3 +266,29 @@ def test_a_comparator_of_another_package_runs_by_name_through_its_entry_point(ru
     assert mine[0]["plug_worst"] == max(r["max_abs_diff"] for r in want)
     seg = next((store.root / "tables" / "plug_prompt_metrics").glob("*.parquet"))
     assert pq.read_schema(seg).field("n_rows").type == pa.int64()
+
+
+def test_a_declared_table_with_a_truncated_segment_keeps_its_declared_columns_and_fails_naming_it(runs):
+    import duckdb
+
+    from capturestore.catalog import rebuild_catalog_file
+    from capturestore.errors import QueryError
+
+    store, base, exp, act, *_ = runs
+    compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base)
+    seg = next((store.root / "tables" / "kv_gen_bc").glob("*.parquet"))
+    seg.write_bytes(seg.read_bytes()[:100])
+    fresh = Store.open(store.root)
+    with pytest.raises(QueryError, match=f"table kv_gen_bc is unreadable.*{seg.name}"):
+        fresh.sql("SELECT * FROM kv_gen_bc")
+    assert fresh.sql("SELECT count(*) n FROM kv_layer_verdicts").column("n").to_pylist() == [3]
+    _, broken = rebuild_catalog_file(store.root)
+    assert list(broken) == ["kv_gen_bc"]
+    con = duckdb.connect(str(store.root / "catalog.duckdb"), read_only=True)
+    try:
+        cols = [r[0] for r in con.execute("SELECT column_name FROM (DESCRIBE kv_gen_bc)").fetchall()]
+        assert cols == declared_tables()["kv_gen_bc"].schema.names
+        cols = [r[0] for r in con.execute("SELECT column_name FROM (DESCRIBE comparisons)").fetchall()]
+        assert cols == declared_tables()["comparisons"].schema.names
+    finally:
+        con.close()
