@@ -629,6 +629,32 @@ class RunWriter:
         self._write(st, to_storage(np.ascontiguousarray(arr), ld)[None], (n,) + (0,) * arr.ndim)
         st.steps.append(int(step))
 
+    def write_tensor_steps(self, pid: str, module: str, array: Any, steps: Any, phase: str = "decode",
+                           dims: list[str] | None = None) -> None:
+        """array: ``[len(steps), ...]``, several steps of one module at once (as ``write_tensor``
+        step by step, with one resize and one write for the lot: a capture of many small steps)."""
+        where = f"run {self.run_id}, prompt {pid}: write_tensor_steps {module} ({phase})"
+        arr = to_numpy(array, where)
+        steps = list(steps)
+        if arr.ndim < 1 or arr.shape[0] != len(steps) or not steps:
+            raise ValueError(f"{where}: {len(steps)} steps for an array of shape {arr.shape} ([step, ...] expected)")
+        if len(set(steps)) != len(steps):
+            raise ValueError(f"{where}: steps {steps} repeat a step")
+        held = self._arrays.get((pid, f"tensors/{module}/{phase}"))
+        for s in steps:  # all checked before any is written
+            if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0:
+                raise ValueError(f"{where}: step must be a non-negative integer, got {s!r}")
+            if held is not None and int(s) in held.steps:
+                raise ValueError(f"{where}: step {s} was already written")
+        self.write_tensor(pid, module, arr[0], step=steps[0], phase=phase, dims=dims)
+        if len(steps) == 1:
+            return
+        st = self._arrays[(pid, f"tensors/{module}/{phase}")]
+        n = st.arr.shape[0]
+        st.arr.resize((n + len(steps) - 1, *arr.shape[1:]))
+        self._write(st, to_storage(np.ascontiguousarray(arr[1:]), st.ld), (n,) + (0,) * (arr.ndim - 1))
+        st.steps.extend(int(s) for s in steps[1:])
+
     # ---- table rows ------------------------------------------------------------------------
     def _prompts_table(self) -> pa.Table:
         rows = [{"run_id": self.run_id, "prompt_id": pid, "prompt_idx": p["idx"], "n_tokens": int(p["tokens"].size),

@@ -21,8 +21,9 @@ module that runs several times in one forward (Gemma3's rotary embedding) keeps 
 
 Capture is a copy: every captured tensor is cloned before the forward goes on, so a kernel
 that later reuses the buffer in place cannot change what was captured. Tensors go to a sink as
-they are produced (into the store: ``RunWriter.write_tensor``, one step at a time), so memory
-holds one module output at a time, not the run.
+they are produced (into the store: prefill outputs at once, decode steps per module once the
+prompt's last step ran, ``RunWriter.write_tensor_steps``: one resize per module), so memory holds
+one prompt's decode outputs at most, never the run.
 
 transformers and torch are imported lazily.
 """
@@ -225,6 +226,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     (``module_order``) and the phase layout. ``model``: an already loaded model (e.g. with a
     fault patched in) of ``model_path`` in ``dtype``. ``config``: extra entries for the run config.
     """
+    import torch
     import transformers
 
     from extractors.hf import _to_rows, load_hf_model
@@ -268,10 +270,21 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
         for prompt, teacher in zip(prompt_rows, teacher_rows):
             pid = run.add_prompt(prompt, continuation=teacher)
 
+            decode: dict = {}  # module -> decode steps of this prompt, written at once (one resize each)
+
             def sink(module, phase, step, t, pid=pid):
-                run.write_tensor(pid, module, t, step=step, phase=phase,
-                                 dims=["position", *(f"dim{i}" for i in range(1, t.ndim))])
+                if phase == "decode":
+                    decode.setdefault(module, []).append(t)
+                else:
+                    run.write_tensor(pid, module, t, step=step, phase=phase, dims=_dims(t))
 
             logits, _ = capture_hf_modules(model, prompt, teacher, sink, names, inputs=inputs)
+            for module, ts in decode.items():
+                run.write_tensor_steps(pid, module, torch.stack(ts), range(len(ts)), phase="decode", dims=_dims(ts[0]))
+            decode.clear()
             run.write_logits(pid, logits)
     return run.run_id
+
+
+def _dims(t) -> list[str]:
+    return ["position", *(f"dim{i}" for i in range(1, t.ndim))]

@@ -61,6 +61,24 @@ def test_a_pattern_matching_nothing_is_refused_with_close_matches():
         resolve_modules(NAMES, "model..norm")
 
 
+def test_write_tensor_steps_refuses_repeated_or_miscounted_steps(tmp_path):
+    from capturestore import Store
+
+    store = Store.open(tmp_path / "s")
+    run = store.begin_run(engine="hf", model_path="m", dtype="float32")
+    pid = run.add_prompt([5, 6, 7], continuation=[8, 9])
+    x = np.arange(12, dtype=np.float32).reshape(3, 1, 4)
+    with pytest.raises(ValueError, match="repeat a step"):
+        run.write_tensor_steps(pid, "model.norm", x, [0, 1, 1])
+    with pytest.raises(ValueError, match=r"2 steps for an array of shape \(3, 1, 4\)"):
+        run.write_tensor_steps(pid, "model.norm", x, [0, 1])
+    run.write_tensor_steps(pid, "model.norm", x, [0, 1, 2])
+    with pytest.raises(ValueError, match="step 2 was already written"):
+        run.write_tensor_steps(pid, "model.norm", x[:2], [3, 2])
+    run.commit()
+    np.testing.assert_array_equal(store.read_tensor(run.run_id, pid, "model.norm", phase="decode"), x)
+
+
 def test_capture_refuses_a_bad_pattern_before_writing_a_run(tmp_path, tiny_model):
     from capturestore import Store
 
@@ -143,6 +161,8 @@ def test_run_in_the_store_holds_every_phase_and_step_and_the_execution_order(tmp
         np.testing.assert_array_equal(dec[:, 0].astype(np.float32), want[("model.layers.3.mlp", "decode")])
         np.testing.assert_array_equal(store.read_tensor(run, pid, "lm_head", step=2, phase="decode")[0].astype(np.float32),
                                       want[("lm_head", "decode")][2])
+    steps = store.sql(f"SELECT steps FROM captures WHERE run_id = '{run}' AND module = 'lm_head' AND phase = 'decode'")
+    assert steps.column(0).to_pylist() == [[0, 1, 2]] * 2
     import json
 
     cfg = json.loads(store.runs().to_pylist()[0]["config"])

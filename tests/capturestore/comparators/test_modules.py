@@ -157,6 +157,12 @@ def test_hf_runs_in_a_store_name_the_faulty_layer(store):
     assert not r.passed
     assert r.localisation["module"] == "model.layers.1.mlp" and r.localisation["layer"] == 1
     assert r.localisation["phase"] == "prefill"
-    clean = compare_runs(store, baseline_run=base, expected_run=exp, actual_run=exp, kv=False,
+    import torch
+    import transformers
+
+    sdpa = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16,
+                                                            attn_implementation="sdpa").eval()
+    other = capture_hf_module_run(store, path, prompts, conts, mods, dtype="bfloat16", model=sdpa)
+    clean = compare_runs(store, baseline_run=base, expected_run=exp, actual_run=other, kv=False,
                          comparators=["modules"])
-    assert clean.passed
+    assert clean.verdicts["modules"].passed, clean.verdicts["modules"].text
