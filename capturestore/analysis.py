@@ -109,13 +109,20 @@ def find_reference_run(store, *, model_hash: str, dtype: str, prompt_ids, engine
 
 
 def _common_prompts(store, runs: dict) -> list[str]:
+    """The actual run's prompts, in the expected run's order. References may hold more prompts
+    (they are reused across comparisons); an actual prompt a reference lacks is refused, since it
+    would go unjudged while the comparison passed on the others."""
+    held = {role: {p["prompt_id"] for p in store.prompts(rid).to_pylist()} for role, rid in runs.items()}
+    for role in runs:
+        missing = sorted(held["actual"] - held[role])
+        if missing:
+            raise ValueError(f"compare_runs: {role} run {runs[role]} lacks {len(missing)} of the actual run's "
+                             f"{len(held['actual'])} prompts (first: {missing[:3]}); capture them in that run, or "
+                             f"compare an actual run of the shared prompts")
+    if not held["actual"]:
+        raise ValueError(f"compare_runs: actual run {runs['actual']} holds no prompt: nothing to compare")
     order = [p["prompt_id"] for p in store.prompts(runs["expected"]).to_pylist()]
-    common = set(order)
-    for role, rid in runs.items():
-        common &= {p["prompt_id"] for p in store.prompts(rid).to_pylist()}
-    if not common:
-        raise ValueError(f"runs {runs} share no prompt: nothing to compare")
-    return [p for p in order if p in common]
+    return [p for p in order if p in held["actual"]]
 
 
 def _check_models(known: dict, runs: dict, allow: bool) -> bool:
@@ -180,6 +187,10 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     for role, rid in runs.items():
         if rid not in known:
             raise ValueError(f"compare_runs: {role} run {rid!r} is not a complete run of {store.root}")
+    if len(set(runs.values())) < len(runs):
+        same = [role for role, rid in runs.items() if list(runs.values()).count(rid) > 1]
+        raise ValueError(f"compare_runs: run {runs[same[0]]} fills the roles {', '.join(same)}: a run compared with "
+                         f"itself measures nothing (its errors are zero by construction)")
     three_way = baseline_run is not None
     models_differ = _check_models(known, runs, allow_different_models)
     prompt_ids = _common_prompts(store, runs)

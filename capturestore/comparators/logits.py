@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pyarrow as pa
 
 from capturestore.comparators.base import (
@@ -64,10 +65,22 @@ class LogitsComparator(Comparator):
             raise ValueError(f"compare_runs: prompt {prompt.prompt_id}: logits shapes differ between roles: {shapes}")
         three_way = "baseline" in lg
         cid, pid, plen, tokens = prompt.comparison_id, prompt.prompt_id, prompt.prompt_len, prompt.tokens
+        for role in ("baseline", "expected"):  # the yardsticks: NaN or +inf there would judge nothing
+            if role in lg:
+                x = np.asarray(lg[role], dtype=np.float32)
+                bad = ~np.isfinite(x) & (x != -np.inf)  # -inf is a masked position (dropped), not broken
+                if bad.any():
+                    g = int(np.nonzero(bad.any(axis=1))[0][0])
+                    raise ValueError(f"compare_runs: prompt {pid}: {role} run {prompt.runs[role]} holds "
+                                     f"{int(bad.sum())} NaN/+inf logits (first at gen token {g}); a broken "
+                                     f"reference cannot judge the target")
         rows, results = [], []
         for g in range(lg["expected"].shape[0]):
-            r = validate_token_logits(lg["expected"][g], lg["actual"][g], tol_map=self.tol_map,
-                                      baseline=lg["baseline"][g] if three_way else None, gen_idx=g)
+            try:
+                r = validate_token_logits(lg["expected"][g], lg["actual"][g], tol_map=self.tol_map,
+                                          baseline=lg["baseline"][g] if three_way else None, gen_idx=g)
+            except ValueError as e:
+                raise ValueError(f"compare_runs: prompt {pid}, actual run {prompt.runs['actual']}: {e}") from None
             results.append(r)
             tw = r.three_way
             rows.append({

@@ -372,7 +372,9 @@ def test_runs_of_different_models_are_refused_unless_asked_and_recorded(syntheti
     assert main([*args, "--allow-different-models"]) == 0
     res = compare_runs(store, expected_run=exp, actual_run=other, baseline_run=base, allow_different_models=True)
     assert res.passed and res.models_differ
-    same = compare_runs(store, expected_run=exp, actual_run=exp, baseline_run=base)
+    twin = _write_run_as(store, prompts, lambda i, s: (_bf16(kv[i][0]), _bf16(kv[i][1])),
+                         lambda i, n: _bf16(logits[i]), model_hash="h0")
+    same = compare_runs(store, expected_run=exp, actual_run=twin, baseline_run=base)
     rows = store.sql("SELECT comparison_id, models_differ FROM comparisons").to_pylist()
     got = {r["comparison_id"]: r["models_differ"] for r in rows}
     assert got[res.comparison_id] is True and got[same.comparison_id] is False and sum(got.values()) == 2
@@ -407,3 +409,49 @@ def test_layers_held_in_kv_groups_are_compared_and_judged_together(tmp_path):
     bad = compare_runs(store, expected_run=exp, actual_run=write("bfloat16", _bf16, nan_wide=True), baseline_run=base)
     assert not bad.passed and bad.kv_verdict.first_failing_layer == "l1"
     assert bad.kv_verdict.layers[1].k.n_nonfinite == 2 * 2 * D  # position 3 of both prompts
+
+
+def test_one_run_in_two_roles_is_refused(synthetic):
+    # baseline == actual gave sigma-ratio 1.0 and "KV within noise"; all three the same gave 0.0: PASS both
+    store, prompts, kv, logits, base, exp, actual = synthetic
+    act = actual()
+    for roles, named in (({"expected_run": exp, "actual_run": act, "baseline_run": act}, "baseline, actual"),
+                         ({"expected_run": exp, "actual_run": exp, "baseline_run": exp}, "baseline, expected, actual"),
+                         ({"expected_run": act, "actual_run": act}, "expected, actual")):
+        with pytest.raises(ValueError, match=f"fills the roles {named}: a run compared with itself"):
+            compare_runs(store, **roles)
+    assert _segments(store, "comparisons") == []
+
+
+def test_an_actual_prompt_a_reference_lacks_is_refused_and_extra_reference_prompts_are_not(synthetic):
+    store, prompts, kv, logits, base, exp, actual = synthetic
+    rng = np.random.default_rng(5)
+    extra = (rng.integers(4, V, 11).tolist(), rng.integers(4, V, 6).tolist())
+    big_kv = [*kv, (rng.standard_normal((3, H, 17, D)).astype(np.float32),) * 2]
+    big_logits = [*logits, rng.standard_normal((6, V)).astype(np.float32)]
+    act = _write_run(store, "bfloat16", [*prompts, extra], lambda i, s: (_bf16(big_kv[i][0]), _bf16(big_kv[i][1])),
+                     lambda i, n: _bf16(big_logits[i]))
+    with pytest.raises(ValueError, match=r"baseline run \S+ lacks 1 of the actual run's 3 prompts"):
+        compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base)
+    assert _segments(store, "comparisons") == []
+    # references holding more prompts than the actual run: the actual's prompts are compared
+    small = _write_run(store, "bfloat16", prompts[:1], lambda i, s: (_bf16(kv[i][0]), _bf16(kv[i][1])),
+                       lambda i, n: _bf16(logits[i]))
+    res = compare_runs(store, expected_run=exp, actual_run=small, baseline_run=base)
+    assert len(res.prompt_ids) == 1 and res.passed
+
+
+@pytest.mark.parametrize("role", ["baseline", "expected"])
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_reference_logits_are_refused_by_role_run_and_token(synthetic, role, value):
+    # an all-NaN baseline passed through the static top-k fallback without a word about the baseline
+    store, prompts, kv, logits, base, exp, actual = synthetic
+    broken = [x.copy() for x in logits]
+    broken[1][3, :40] = value
+    dtype = "float32" if role == "baseline" else "bfloat16"
+    cast = (lambda x: x) if role == "baseline" else _bf16
+    bad = _write_run(store, dtype, prompts, lambda i, s: (cast(kv[i][0]), cast(kv[i][1])), lambda i, n: cast(broken[i]))
+    roles = {"baseline_run": base, "expected_run": exp, f"{role}_run": bad, "actual_run": actual()}
+    with pytest.raises(ValueError, match=rf"{role} run {bad} holds 40 NaN/\+inf logits \(first at gen token 3\)"):
+        compare_runs(store, **roles)
+    assert _segments(store, "comparisons") == []

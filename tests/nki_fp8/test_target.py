@@ -187,7 +187,8 @@ def test_the_floor_comparator_refuses_an_actual_run_without_fp8_scales(gqa, prom
     store = Store.open(tmp_path / "store")
     base = hf.capture_hf_run(store, path, prompts[0], teacher_tokens=prompts[1], dtype="float32", model=m32)
     exp = hf.capture_hf_run(store, path, prompts[0], teacher_tokens=prompts[1], dtype="bfloat16", model=m16)
-    with pytest.raises(ValueError, match=f"actual run {exp} records no k_scale"):
-        compare_runs(store, expected_run=exp, actual_run=exp, baseline_run=base, comparators=["fp8_kv_floor"])
+    act = hf.capture_hf_run(store, path, prompts[0], teacher_tokens=prompts[1], dtype="bfloat16", model=m16)
+    with pytest.raises(ValueError, match=f"actual run {act} records no k_scale"):
+        compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, comparators=["fp8_kv_floor"])
     assert not list((store.root / "tables").glob("comparisons/*.parquet")) or store.sql(
         "SELECT count(*) n FROM comparisons").column("n").to_pylist() == [0]
