@@ -119,6 +119,16 @@ def test_stepwise_capture_matches_one_forward_over_the_whole_sequence(tiny_model
     assert order == ["model.layers.1.mlp", "model.norm", "lm_head"]
 
 
+def test_inputs_on_request_are_the_previous_modules_outputs(tiny_model):
+    model = load_hf_model(tiny_model("llama-gqa"), "float32")
+    got, order = collect_hf_modules(model, [[5, 6, 7, 8]], [[9, 10, 11]], ["model.layers.2", "model.norm"],
+                                    inputs=True)
+    got = got[0]
+    assert ("model.norm:input", "decode") in got and order == ["model.layers.2", "model.norm"]
+    for phase in ("prefill", "decode"):
+        np.testing.assert_array_equal(got[("model.norm:input", phase)], got[("model.layers.2", phase)])
+
+
 def test_capture_is_a_copy_of_a_buffer_a_later_module_overwrites_in_place():
     class InPlace(torch.nn.Module):  # reuses its input's buffer, as fused kernels do
         def forward(self, x):
