@@ -198,11 +198,15 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
 
     active = ([LogitsComparator(tol_map)] if logits else []) + ([KVComparator(kv_verdict_config)] if kv else [])
     active += [comparator_class(c)() if isinstance(c, str) else c for c in comparators]
+    names = [c.name for c in active]
+    if len(set(names)) < len(names):
+        raise ValueError(f"compare_runs: comparators {names} name one twice (logits and kv run unless "
+                         f"logits=False / kv=False)")
     context = ComparisonContext(store, cid, runs, prompt_ids, label)
     for c in active:
         c.prepare(context)  # may refuse (ValueError) before anything is computed or stored
 
-    parts: dict = {}  # table -> [rows per prompt]
+    parts: dict = {}  # (comparator, table) -> rows of each prompt, then of finish()
     for n, pid in enumerate(prompt_ids):
         if progress:
             progress(f"comparing prompt {n + 1}/{len(prompt_ids)} ({pid})")
@@ -220,6 +224,7 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     passed = overall_passed(verdicts.values())  # nothing judged is not a pass
     loc = None if passed else localise(verdicts.values())
     staged = {table: to_arrow(rows, c.table_spec(table), table) for (c, table), rows in parts.items()}
+    staged = {table: t for table, t in staged.items() if t.num_rows}  # a table without rows gets no segment
     row = {
         "comparison_id": cid, "label": label, "created_at": datetime.now(timezone.utc),
         "baseline_run": baseline_run, "expected_run": expected_run, "actual_run": actual_run,

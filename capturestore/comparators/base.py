@@ -276,7 +276,7 @@ def to_arrow(parts: list, spec: TableSpec, table: str) -> pa.Table:
             tables.append(pa.table({k: pa.array(v, from_pandas=True) for k, v in part.items()}))
         elif part:
             tables.append(pa.Table.from_pylist(part))
-    t = pa.concat_tables(tables, promote_options="default")
+    t = pa.concat_tables(tables, promote_options="default") if tables else spec.schema.empty_table()
     n = t.num_rows
     fields = list(spec.schema) + [pa.field(k, t.schema.field(k).type) for k in t.column_names
                                   if k not in spec.schema.names]  # e.g. top-k errors of a custom tol_map

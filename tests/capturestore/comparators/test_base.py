@@ -292,3 +292,25 @@ def test_a_declared_table_with_a_truncated_segment_keeps_its_declared_columns_an
         assert cols == declared_tables()["comparisons"].schema.names
     finally:
         con.close()
+
+
+class Quiet(Comparator):
+    """Declares a table but writes no row of it, and passes."""
+
+    name = "quiet-test"
+    tables = {"quiet_test_rows": TableSpec(pa.schema([("comparison_id", pa.string())]), 1)}
+
+    def compare(self, prompt):
+        return {"quiet_test_rows": []}
+
+    def verdict(self):
+        return Verdict(self.name, True, "PASS: nothing wrong")
+
+
+def test_a_table_without_rows_gets_no_segment_and_a_comparator_named_twice_is_refused(runs):
+    store, base, exp, act, *_ = runs
+    res = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, comparators=[Quiet()])
+    assert res.passed and res.verdicts["quiet-test"].passed is True
+    assert not (store.root / "tables" / "quiet_test_rows").exists()
+    with pytest.raises(ValueError, match="name one twice"):
+        compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, comparators=["kv"])
