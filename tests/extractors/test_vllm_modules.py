@@ -99,3 +99,76 @@ def test_no_false_alarm_vllm_bf16_vs_hf_gemma3():
     assert "model.layers.3.post_feedforward_layernorm" in names and "model.embed_tokens" not in names
     v = _judge(path, prompts, act, toks, names)
     assert v.passed, [m.summary() for m in v.modules if not m.passed]
+
+
+def test_vllm_module_run_in_a_store_compares_with_hf_runs(llama_engine, tmp_path):
+    import json
+
+    from capturestore import Store
+    from capturestore.analysis import compare_runs
+    from extractors.modules import capture_hf_module_run
+    from extractors.vllm_modules import capture_vllm_module_run
+
+    path, llm = llama_engine
+    store = Store.open(tmp_path / "s")
+    prompts = _prompts(3)[:4]
+    act = capture_vllm_module_run(store, llm, path, prompts, 4, modules=["model.layers.*.mlp", "model.norm"])
+    rows = store.sql(f"SELECT token_ids, n_prompt_tokens FROM prompts WHERE run_id = '{act}' ORDER BY prompt_idx"
+                     ).to_pylist()
+    teacher = [r["token_ids"][r["n_prompt_tokens"]:] for r in rows]
+    assert [r["token_ids"][:r["n_prompt_tokens"]] for r in rows] == prompts and all(len(t) == 4 for t in teacher)
+    order = json.loads(store.sql(f"SELECT config FROM runs WHERE run_id = '{act}'").column(0)[0].as_py())["module_order"]
+    assert order == ["model.layers.0.mlp", "model.layers.1.mlp", "model.layers.2.mlp", "model.norm"]
+    base = capture_hf_module_run(store, path, prompts, teacher, order, dtype="float32")
+    exp = capture_hf_module_run(store, path, prompts, teacher, order, dtype="bfloat16")
+    r = compare_runs(store, baseline_run=base, expected_run=exp, actual_run=act, logits=False, kv=False,
+                     comparators=["modules"])
+    assert r.passed, r.verdicts["modules"].text
+    n = store.sql(f"SELECT count(*) FROM module_verdicts WHERE comparison_id = '{r.comparison_id}'").column(0)[0]
+    assert n.as_py() == 2 * len(order)
+
+
+def _install_decode_only_scale(worker, name, factor):
+    """On the worker: scale ``name``'s output in single-token (decode) forwards only."""
+    mod = worker.model_runner.model.get_submodule(name)
+    calls = []
+
+    def hook(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        if out.shape[0] != 1:
+            return None
+        calls.append(1)
+        return (output[0] * factor, *output[1:]) if isinstance(output, tuple) else output * factor
+
+    worker._f2_decode_fault = (mod.register_forward_hook(hook), calls)
+    return True
+
+
+def _remove_decode_only_scale(worker):
+    handle, calls = worker.__dict__.pop("_f2_decode_fault")
+    handle.remove()
+    return len(calls)
+
+
+def test_vllm_decode_only_fault_is_named_in_decode(llama_engine):
+    from extractors.vllm_modules import collect_vllm_modules
+
+    path, llm = llama_engine
+    prompts = _prompts(4)
+    clean, toks, names = collect_vllm_modules(llm, prompts, N_TOKENS)
+    llm.collective_rpc(_install_decode_only_scale, args=("model.layers.2.self_attn.o_proj", 1.05))
+    try:
+        act, toks2, _ = collect_vllm_modules(llm, prompts, N_TOKENS)
+    finally:
+        calls = llm.collective_rpc(_remove_decode_only_scale)[0]
+    assert calls == N_PROMPTS * (N_TOKENS - 1)
+    # proven to take effect: decode of the faulted module moved, prefill bit-identical
+    key = ("model.layers.2.self_attn.o_proj", "decode")
+    assert all(np.abs(c[key] - a[key]).max() > 0 for c, a in zip(clean, act))
+    assert all(np.array_equal(c[k], a[k]) for c, a in zip(clean, act) for k in c if k[1] == "prefill")
+    if toks2 != toks:  # the fault changed a greedy token: the references follow the faulty engine's tokens
+        toks = toks2
+    v = _judge(path, prompts, act, toks, names)
+    assert v.localisation["module"] == "model.layers.2.self_attn.o_proj", v.summary()
+    assert v.localisation["layer"] == 2 and v.localisation["phase"] == "decode"
+    assert all(m.passed for m in v.modules if m.phase == "prefill")
