@@ -45,7 +45,7 @@ from capturestore.layout import CATALOG_FILE, CATALOG_STAMP_FILE, LEGACY_CATALOG
 from capturestore.tables import RUN_TABLES, has_column, table_dir
 
 # First line of catalog.stamp; a change to what view_sql writes changes it, so stores rebuild.
-CATALOG_STAMP = ("capturestore catalog views 4: segments relative to catalog.duckdb, committed rows only, "
+CATALOG_STAMP = ("capturestore catalog views 5: segments relative to catalog.duckdb, committed rows only, "
                  "declared tables by named columns")
 
 # The store directory with a trailing '/', as a constant DuckDB folds when it binds a view.
@@ -81,10 +81,10 @@ def table_names(root: Path) -> list[str]:
 
 def _segments(root: Path, table: str, relative: bool, allow_empty: bool = False) -> str:
     """``read_parquet`` of every segment of ``table``: by absolute path, or relative to the catalog file."""
-    if relative:
-        where = f"({_STORE_DIR_SQL}) || {_quote_str(f'{TABLES_DIR}/{table}/*.parquet')}"
+    if relative:  # '[' in the store's path is a glob class to DuckDB: '[[]' is a literal '['
+        where = f"replace(({_STORE_DIR_SQL}), '[', '[[]') || {_quote_str(f'{TABLES_DIR}/{table}/*.parquet')}"
     else:
-        where = _quote_str(str(table_dir(root, table) / "*.parquet"))
+        where = _quote_str(str(table_dir(root, table)).replace("[", "[[]") + "/*.parquet")
     return f"read_parquet({where}, union_by_name = true{', allow_empty = true' if allow_empty else ''})"
 
 
@@ -180,7 +180,10 @@ def connect_memory(root: Path) -> duckdb.DuckDBPyConnection:
         temp = Path(tempfile.gettempdir()) / f"capturestore-duckdb-{uuid.uuid4().hex}"
         con = duckdb.connect(":memory:", config={**_CONFINED_CONFIG, "temp_directory": str(temp)})
         # allowed_directories cannot be given to connect(); it must be set before access is switched off
-        con.execute(f"SET allowed_directories = [{_quote_str(str(root / TABLES_DIR) + os.sep)}]")
+        # the views' globs spell a '[' of the store's path as '[[]', and DuckDB checks the pattern as spelt
+        tables = str(root / TABLES_DIR) + os.sep
+        allowed = dict.fromkeys((tables, tables.replace("[", "[[]")))
+        con.execute(f"SET allowed_directories = [{', '.join(_quote_str(d) for d in allowed)}]")
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
     except duckdb.Error as e:  # fail closed: no query runs unconfined

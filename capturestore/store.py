@@ -49,9 +49,13 @@ def read_format(root: Path) -> dict[str, Any] | None:
 def store_root(path: str | os.PathLike) -> Path:
     """The absolute directory ``path`` names (``~`` expanded); StoreError for '~user' of no user."""
     try:
-        return Path(path).expanduser().resolve()
+        root = Path(path).expanduser().resolve()
     except RuntimeError as e:  # Path.expanduser: "Could not determine home directory."
         raise StoreError(f"store path {os.fspath(path)}: {e}") from None
+    if "\\" in str(root):  # DuckDB's file globs read '\' as a path separator: no query could find the tables
+        raise StoreError(f"store path {root}: a backslash in the path cannot be read by DuckDB; move the store "
+                         f"to a path without one")
+    return root
 
 
 _LAYOUT_ENTRIES = {ARRAYS_DIR, TABLES_DIR, PENDING_DIR, "catalog.duckdb", "catalog.stamp", "catalog.root"}

@@ -219,3 +219,29 @@ def test_a_client_with_another_temp_directory_default_is_refused_then_reads_via_
         con.close()
     finally:
         os.chdir(cwd)
+
+
+def test_a_store_under_a_path_with_glob_characters_reads_and_a_backslash_is_refused(tmp_path):
+    # '[1]' in the path is a glob class to DuckDB: every query failed with "No files found"
+    orig = tmp_path / "orig"
+    first = _fill(Store.open(orig), [1, 2, 3], 0.5)
+    odd = tmp_path / "odd's [1] {x}"
+    _copy("cp -a", orig, odd)
+    want = {"runs": [first], "prompts": 1, "metric": [0.5]}
+    assert _plain_duckdb(odd / CATALOG_FILE, cwd=Path("/")) == want
+    # DuckDB alters a '?' in the temp directory it derives from the file name, so the catalog cannot
+    # tell which store it is in: a one-line refusal (never another store's rows); the library still reads
+    qm = tmp_path / "what?"
+    _copy("cp -a", orig, qm)
+    p = subprocess.run([sys.executable, "-c", PLAIN_CLIENT, str(qm / CATALOG_FILE)], cwd="/", capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode != 0 and "cannot tell which store this catalog belongs to" in p.stderr
+    assert Store.open(qm).sql("SELECT value FROM user_metric").to_pylist() == [{"value": 0.5}]
+    store = Store.open(odd)
+    assert store.sql("SELECT run_id FROM runs").to_pylist() == [{"run_id": first}]
+    assert store.sql("SELECT value FROM user_metric").to_pylist() == [{"value": 0.5}]
+    assert store.verify().ok
+    # DuckDB reads '\' in a glob as a path separator: refused in one line rather than finding no tables
+    with pytest.raises(StoreError, match=r"a backslash in the path cannot be read by DuckDB"):
+        Store.open(tmp_path / "back\\slash")
+    assert not (tmp_path / "back\\slash").exists()
