@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import sys
 import traceback
@@ -75,6 +76,17 @@ def _why_unwritable(d: Path) -> str:
         return e.strerror or str(e)
 
 
+def _json_safe(v: Any) -> Any:
+    """NaN and infinities as null: JSON has no such numbers (``json.dumps`` would write invalid JSON)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _json_safe(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_safe(x) for x in v]
+    return v
+
+
 def _output_path(output: str | None, fmt: str) -> Path | None:
     """``--output`` checked before any work: a writable file path (None: stdout)."""
     if fmt == "parquet" and not output:
@@ -83,7 +95,9 @@ def _output_path(output: str | None, fmt: str) -> Path | None:
         return None
     if not output.strip():
         raise ValueError("--output is empty; give a file path")
-    out = Path(output).expanduser()
+    from capturestore.store import expand_path
+
+    out = expand_path(output, "--output")
     if out.is_dir():
         raise ValueError(f"--output {output} is a directory; give a file path")
     parent = out.absolute().parent
@@ -144,7 +158,7 @@ def write_result(t: pa.Table, fmt: str, output: str | None) -> None:
         pcsv.write_csv(flat, buf)
         text = buf.getvalue().decode()
     elif fmt == "json":
-        text = json.dumps(t.to_pylist(), default=str, indent=1) + "\n"
+        text = json.dumps(_json_safe(t.to_pylist()), default=str, indent=1, allow_nan=False) + "\n"
     else:
         text = format_table(t) + "\n"
     if out is not None:
@@ -171,7 +185,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     info = _open(args.store).show(args.run)
     if args.format == "json":
-        sys.stdout.write(json.dumps(info, default=str, indent=1) + "\n")
+        sys.stdout.write(json.dumps(_json_safe(info), default=str, indent=1, allow_nan=False) + "\n")
         return 0
     for k, v in info["run"].items():
         print(f"{k:>15}: {v}")

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -99,6 +100,11 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
         raise ValueError(f"run_demo: num_tokens must be >= 1, got {num_tokens}")
     say(f"building (or reusing) tiny model {arch!r} seed {seed}")
     model_path = tiny_model(arch, seed=seed)
+    if inject_bug_layer is not None:  # refused before any capture, not after the references
+        n_layers = json.loads((model_path / "config.json").read_text())["num_hidden_layers"]
+        if not 0 <= inject_bug_layer < n_layers:
+            raise ValueError(f"run_demo: --inject-bug-layer {inject_bug_layer} is outside the {arch} model's "
+                             f"layers 0..{n_layers - 1}")
     model_hash = model_content_hash(model_path)
     rows = encode_prompts(model_path, prompts)
     pids = [prompt_id(r) for r in rows]

@@ -46,12 +46,20 @@ def read_format(root: Path) -> dict[str, Any] | None:
     return info
 
 
+def expand_path(path: str | os.PathLike, what: str) -> Path:
+    """``path`` with ``~`` expanded; ValueError naming ``what`` for '~user' of no user."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError as e:  # Path.expanduser: "Could not determine home directory."
+        raise ValueError(f"{what} {os.fspath(path)}: {e}") from None
+
+
 def store_root(path: str | os.PathLike) -> Path:
     """The absolute directory ``path`` names (``~`` expanded); StoreError for '~user' of no user."""
     try:
-        root = Path(path).expanduser().resolve()
-    except RuntimeError as e:  # Path.expanduser: "Could not determine home directory."
-        raise StoreError(f"store path {os.fspath(path)}: {e}") from None
+        root = expand_path(path, "store path").resolve()
+    except ValueError as e:
+        raise StoreError(str(e)) from None
     if "\\" in str(root):  # DuckDB's file globs read '\' as a path separator: no query could find the tables
         raise StoreError(f"store path {root}: a backslash in the path cannot be read by DuckDB; move the store "
                          f"to a path without one")

@@ -140,7 +140,9 @@ def check_out_dir(out_dir, name: str = "out_dir") -> Path:
     """``out_dir`` as a Path, after checking it can be written: an existing directory, or one
     that can be created (its nearest existing parent is a writable directory). ValueError names
     ``name`` (the CLI passes ``--out``) and the reason, before anything is computed or written."""
-    out = Path(out_dir).expanduser()
+    from capturestore.store import expand_path
+
+    out = expand_path(out_dir, name)
     if not str(out_dir).strip():
         raise ValueError(f"{name} is empty; give the directory to write the scales to")
     if out.exists() and not out.is_dir():

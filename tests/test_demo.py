@@ -66,3 +66,13 @@ def test_demo_passes_a_correct_engine_reuses_references_and_localises_an_injecte
     assert bad.kv_verdict.first_failing_layer == "model.layers.2.self_attn.attn"
     assert [r["passed"] for r in bad.kv_layers] == [True, True, False]
     assert bad.phase == "prefill"  # generation token 0 already fails
+
+
+def test_an_injected_layer_outside_the_model_is_refused_before_any_capture(tmp_path):
+    # it was refused only after ~15 s of reference captures
+    from capturestore.demo import run_demo
+
+    for layer in (99, -1):
+        with pytest.raises(ValueError, match=rf"--inject-bug-layer {layer} is outside the llama-gqa model's layers 0\.\.2"):
+            run_demo(store_path=tmp_path / "s", inject_bug_layer=layer, out=lambda _: None)
+    assert not (tmp_path / "s").exists() or not list((tmp_path / "s").glob("tables/runs/2*.parquet"))

@@ -304,3 +304,23 @@ def test_a_store_path_under_an_unknown_users_home_is_a_one_line_error(capsys, co
     err = capsys.readouterr().err
     assert err.startswith(f"capturestore {command}: error: store path ~no-such-user-capturestore/s") \
         and err.count("\n") == 1, err
+
+
+def test_output_paths_under_an_unknown_users_home_are_one_line_errors(kv_store, capsys):
+    # Path.expanduser's RuntimeError escaped as a traceback
+    store, runs = kv_store
+    assert main(["sql", "SELECT 1", "--store", str(store.root), "--output", "~no-such-user-capturestore/x.csv"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "sql")
+    assert "--output ~no-such-user-capturestore/x.csv" in line
+    assert main(["calibrate", runs[0], "--store", str(store.root), "--out", "~no-such-user-capturestore/d"]) == 2
+    assert "--out ~no-such-user-capturestore/d" in _one_error_line(capsys.readouterr().err, "calibrate")
+
+
+def test_json_output_writes_nan_and_infinity_as_null(filled, capsys):
+    # json.dumps wrote NaN / Infinity, which no JSON parser accepts
+    store, _, _ = filled
+    q = "SELECT 'nan'::DOUBLE AS a, 'inf'::DOUBLE AS b, [1.5, 'nan'::DOUBLE] AS c, 2.5::DOUBLE AS d"
+    assert main(["sql", q, "--store", str(store.root), "--format", "json"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == \
+        [{"a": None, "b": None, "c": [1.5, None], "d": 2.5}]
