@@ -222,9 +222,10 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
 
     Per prompt the run holds tokens = prompt + teacher tokens, logits ``[gen_token, vocab]`` of
     the forwards run (prefill + ``len(teacher) - 1`` decode steps: one row per teacher token) and
-    ``tensors/<module>/<phase>`` as in the module docstring. The run config records the patterns, the modules in execution order
-    (``module_order``) and the phase layout. ``model``: an already loaded model (e.g. with a
-    fault patched in) of ``model_path`` in ``dtype``. ``config``: extra entries for the run config.
+    ``tensors/<module>/<phase>`` as in the module docstring. The run config records the patterns,
+    the modules in execution order (``module_order``) and the phase layout. ``model``: an already
+    loaded model (e.g. with a fault patched in) of ``model_path`` in ``dtype``. ``config``: extra
+    entries for the run config.
     """
     import torch
     import transformers

@@ -93,7 +93,7 @@ def mappable_hf_modules(arch: str, num_layers: int) -> dict[str, tuple[str, str]
 # ---------------------------------------------------------------------------------- worker side
 
 
-def _split_sizes(mod, how: str) -> list[int]:
+def _split_sizes(mod) -> list[int]:
     if hasattr(mod, "num_kv_heads") and hasattr(mod, "head_size"):  # QKVParallelLinear (this rank's heads)
         q = mod.num_heads * mod.head_size
         kv = mod.num_kv_heads * mod.head_size
@@ -125,7 +125,7 @@ def _worker_install(worker, plan: list[tuple[str, str, str]]) -> int:
 
     def hook_for(vl, targets):
         mod = mods[vl]
-        sizes = _split_sizes(mod, "") if any(h.startswith("split") for _, h in targets) else None
+        sizes = _split_sizes(mod) if any(h.startswith("split") for _, h in targets) else None
 
         def hook(module, args, output):
             pos = state["positions"]
@@ -215,12 +215,14 @@ def _group(records, prompt_len: int, where: str) -> dict:
         if p and p[0] == 0:
             if len(p) != prompt_len:
                 raise ValueError(f"{where}: {hf}: a prefill forward of {len(p)} tokens for a prompt of {prompt_len} "
-                                 "(chunked prefill or prefix caching? build the engine with enable_prefix_caching=False)")
+                                 "(chunked prefill or prefix caching? build the engine with "
+                                 "enable_prefix_caching=False)")
             pre[hf] = t
         elif len(p) == 1:
             dec.setdefault(hf, {})[p[0] - prompt_len] = t
         else:
-            raise ValueError(f"{where}: {hf}: a forward over positions {p[:4]}... is neither prefill nor one decode step")
+            raise ValueError(f"{where}: {hf}: a forward over positions {p[:4]}... is neither prefill nor one "
+                             "decode step")
     out = {(hf, "prefill"): t for hf, t in pre.items()}
     for hf, steps in dec.items():
         n = sorted(steps)
