@@ -296,7 +296,9 @@ def test_one_pass_capture_passes_a_correct_bf16_engine_and_fails_an_injected_bug
             R.close_llm(llm)
             del llm
             gc.collect()
-        verdicts[name] = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, label=name)
+        # the bug is a modified checkpoint: another model_hash by design, so the comparison says it is meant
+        verdicts[name] = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, label=name,
+                                      allow_different_models=name == "bug")
     good, bad = verdicts["correct"], verdicts["bug"]
     assert good.passed and good.logit_verdict.passed and good.kv_verdict.passed
     assert not bad.passed and not bad.logit_verdict.passed
