@@ -242,3 +242,36 @@ def test_real_lm_eval_run_of_the_degraded_model_is_found_deviated(tmp_path):
     want = _oracle_deviated(out, REF)
     assert want
     assert {p["id"] for p in deviated_prompts(out, REF)} == want
+
+
+# ------------------------------------------------------------------------- the report's Tasks tab
+
+
+def test_report_tasks_tab_shows_the_analysis_a_run_names(tmp_path):
+    """A run whose config names the analysis (task_analysis_id) brings its rows into the report."""
+    import re
+
+    import numpy as np
+
+    import reports
+    from capturestore.analysis import compare_runs
+    from capturestore.capture import begin_capture_run, write_prompt_capture
+
+    store = Store.open(tmp_path / "s")
+    other = run_task_analysis(store, REF, REF)  # not linked: its rows stay out
+    a = run_task_analysis(store, BAD, REF)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 32)).astype(np.float32)
+    runs = []
+    for kind, noise, cfg in (("logits", 0.0, {}), ("logits", 0.001, {"task_analysis_id": a.analysis_id})):
+        run = begin_capture_run(store, engine="t", capture="teacher_forced_prefill", prompts=[[1, 2]], layer_names=None,
+                                logits_kind=kind, config=cfg, model_path="/m", model_hash="h", dtype="float32")
+        with run:
+            write_prompt_capture(run, [1, 2], x.argmax(-1).tolist(), x + np.float32(noise))
+        runs.append(run.run_id)
+    res = compare_runs(store, expected_run=runs[0], actual_run=runs[1], kv=False)
+    index = reports.render_comparison(store, res.comparison_id, tmp_path / "rep").read_text()
+    assert 'data-tab="tasks"' in index and a.analysis_id in index and other.analysis_id not in index
+    samples = index[index.index("<h2>task_samples</h2>"):]
+    assert re.search(rf"<details open><summary>deviating: {len(a.deviated)}</summary>", samples)
+    assert re.search(rf"<details><summary>matching: {30 - len(a.deviated)}</summary>", samples)
