@@ -19,7 +19,8 @@ Two modes.
 - Reference vs target (``analyse_tasks(results, reference)``): scores are also judged against
   the reference's with ``tolerance`` ``"mean"`` (no worse than the reference's score) or ``"std"``
   (the default: no worse than the reference's score minus ``STD_Z`` combined standard errors,
-  ``sqrt(se_ref**2 + se_target**2)``); thresholds, when given, apply as well. A sample deviated
+  ``sqrt(se_ref**2 + se_target**2)``); a metric a threshold names is judged by the threshold
+  instead. A sample deviated
   when the target's response differs from the reference's (generated text; the chosen answer of
   a multiple-choice task; the is-greedy flag of a loglikelihood task) or any of its metric
   values differs (floats compared to a relative 1e-9).
