@@ -275,3 +275,32 @@ def test_report_tasks_tab_shows_the_analysis_a_run_names(tmp_path):
     samples = index[index.index("<h2>task_samples</h2>"):]
     assert re.search(rf"<details open><summary>deviating: {len(a.deviated)}</summary>", samples)
     assert re.search(rf"<details><summary>matching: {30 - len(a.deviated)}</summary>", samples)
+
+
+# ------------------------------------------------------------------------- property: pairing by doc_id
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_pairing_by_doc_id_finds_exactly_the_changed_answers(tmp_path_factory, data):
+    n = data.draw(st.integers(1, 12), label="docs")
+    k = data.draw(st.integers(2, 4), label="choices")
+    lls = st.lists(st.integers(-50, 0), min_size=k, max_size=k)
+    ref_lls = [data.draw(lls) for _ in range(n)]
+    tgt_lls = [data.draw(lls) for _ in range(n)]
+    gold = [data.draw(st.integers(0, k - 1)) for _ in range(n)]
+    order = data.draw(st.permutations(range(n)), label="target line order")
+    tmp = tmp_path_factory.mktemp("prop")
+    ref = [_mc(i, [float(x) for x in ref_lls[i]], gold[i]) for i in range(n)]
+    tgt = [_mc(i, [float(x) for x in tgt_lls[i]], gold[i]) for i in order]
+    res = lambda rows: {"s": {"acc,none": sum(r["acc"] for r in rows) / n, "acc_stderr,none": 0.1}}  # noqa: E731
+    _write_run(tmp / "r", "2026-01-01T00-00-00.1", res(ref), {"s": ref})
+    _write_run(tmp / "t", "2026-01-02T00-00-00.1", res(tgt), {"s": tgt})
+    first_max = lambda xs: xs.index(max(xs))  # noqa: E731  (lm-eval's argmax keeps the first)
+    want = {i for i in range(n) if first_max(ref_lls[i]) != first_max(tgt_lls[i])}
+    assert {p["doc_id"] for p in deviated_prompts(tmp / "t", tmp / "r")} == want
+    wrong = {i for i in range(n) if first_max(tgt_lls[i]) != gold[i]}
+    assert {r["doc_id"] for r in analyse_tasks(tmp / "t").sample_rows if r["deviated"]} == wrong
