@@ -154,8 +154,8 @@ def load_task_results(path) -> dict[str, TaskRun]:
         raise ValueError(f"{root} holds no results_*.json: not an lm-eval --output_path directory")
     dirs = sorted({p.parent for p in files})
     if len(dirs) > 1:
-        raise ValueError(f"{root} holds results of {len(dirs)} directories ({', '.join(str(d.relative_to(root)) for d in dirs)}); "  # noqa: E501
-                         f"give one model's directory")
+        names = ", ".join(str(d.relative_to(root)) for d in dirs)
+        raise ValueError(f"{root} holds results of {len(dirs)} directories ({names}); give one model's directory")
     tasks: dict[str, TaskRun] = {}
     for f in sorted(files, key=lambda p: _RESULTS_RE.match(p.name)["ts"]):  # newest last: it wins
         ts = _RESULTS_RE.match(f.name)["ts"]
@@ -375,8 +375,9 @@ def _sample_rows(t: TaskRun, r: TaskRun | None, thresholds: dict) -> tuple[list,
                 rmets = _sample_metrics(rsample)
                 rresp = _response(rsample, r.output_type or t.output_type)
                 differ = sorted(m for m in set(mets) | set(rmets) if not _close(mets.get(m), rmets.get(m)))
-                worse = [m for m in differ if isinstance(mets.get(m), (int, float)) and isinstance(rmets.get(m), (int, float))
-                         and ((mets[m] < rmets[m]) if t.higher_is_better.get(m, True) else (mets[m] > rmets[m]))]
+                num = [m for m in differ if all(isinstance(x.get(m), (int, float)) for x in (mets, rmets))]
+                worse = [m for m in num
+                         if (mets[m] < rmets[m] if t.higher_is_better.get(m, True) else mets[m] > rmets[m])]
                 row.update(reference_response=json.dumps(rresp), reference_metrics=json.dumps(rmets),
                            response_differs=resp is not None and rresp is not None and resp != rresp,
                            metrics_differ=bool(differ), deviated_metrics=differ, worse=bool(worse))
@@ -441,7 +442,8 @@ def _fmt(v) -> str:
 
 def summary_lines(analysis: TaskAnalysis, max_prompts: int = 20) -> list[str]:
     """The lines ``capturestore tasks`` prints: the scores table, the deviated prompts, the verdict."""
-    what = f"against {analysis.reference_dir} (tolerance {analysis.tolerance})" if analysis.reference_dir else "target only"
+    what = (f"against {analysis.reference_dir} (tolerance {analysis.tolerance})" if analysis.reference_dir
+            else "target only")
     out = [f"task analysis {analysis.analysis_id or '(not stored)'} of {analysis.results_dir}, {what}"]
     head = ("task", "metric", "score", "reference", "threshold", "pass", "deviated")
     rows = [head] + [(("  " if r["group_name"] else "") + r["task"] + (" (group)" if r["is_group"] else ""),

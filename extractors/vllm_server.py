@@ -187,9 +187,11 @@ def server_teacher_forced_logprobs(info: ServerInfo, prompts: Sequence[Sequence[
         if not choice or choice.get("prompt_logprobs") is None:
             raise ValueError(f"{where}: the answer holds no prompt_logprobs")
         got = choice.get("prompt_token_ids")
-        if got is not None and list(got) != p + t:
-            raise ValueError(f"{where}: the server ran {len(got)} prompt tokens, not the {len(p) + len(t)} sent "
-                             f"(first difference at {next((j for j, (a, b) in enumerate(zip(got, p + t)) if a != b), min(len(got), len(p) + len(t)))})")  # noqa: E501
+        sent = p + t
+        if got is not None and list(got) != sent:
+            first = next((j for j, (a, b) in enumerate(zip(got, sent)) if a != b), min(len(got), len(sent)))
+            raise ValueError(f"{where}: the server ran {len(got)} prompt tokens, not the {len(sent)} sent "
+                             f"(first difference at {first})")
         out.append(_dense(choice["prompt_logprobs"], range(len(p), len(p) + len(t)), vocab, where))
     stats["parse_s"] += time.perf_counter() - t0
     return out

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from capturestore.cli import main
@@ -51,7 +52,8 @@ def _write_run(out: Path, ts: str, results: dict, samples: dict, groups=None, hi
 def _mc(doc_id, lls, gold, text=None):
     acc = float(max(range(len(lls)), key=lls.__getitem__) == gold)
     return {"doc_id": doc_id, "target": str(gold), "filter": "none", "metrics": ["acc"], "acc": acc,
-            "arguments": {f"gen_args_{i}": {"arg_0": text or f"Q{doc_id}?", "arg_1": f" c{i}"} for i in range(len(lls))},
+            "arguments": {f"gen_args_{i}": {"arg_0": text or f"Q{doc_id}?", "arg_1": f" c{i}"}
+                          for i in range(len(lls))},
             "resps": [[[str(x), "False"]] for x in lls], "filtered_resps": [[str(x), "False"] for x in lls],
             "prompt_hash": f"h{doc_id}"}
 
@@ -147,8 +149,8 @@ def _oracle_deviated(target: Path, reference: Path) -> set:
             if isinstance(s["filtered_resps"][0], str):
                 differs = s["filtered_resps"] != r["filtered_resps"]
             else:
-                pick = lambda x: max(range(len(x["filtered_resps"])), key=lambda i: float(x["filtered_resps"][i][0]))  # noqa: E731
-                differs = pick(s) != pick(r)
+                lls = lambda x: [float(c[0]) for c in x["filtered_resps"]]  # noqa: E731
+                differs = int(np.argmax(lls(s))) != int(np.argmax(lls(r)))
             if differs or any(s[m] != r[m] for m in s["metrics"]):
                 out.add(f"{task}/{s['doc_id']}")
     return out
@@ -250,8 +252,6 @@ def test_real_lm_eval_run_of_the_degraded_model_is_found_deviated(tmp_path):
 def test_report_tasks_tab_shows_the_analysis_a_run_names(tmp_path):
     """A run whose config names the analysis (task_analysis_id) brings its rows into the report."""
     import re
-
-    import numpy as np
 
     import reports
     from capturestore.analysis import compare_runs

@@ -58,7 +58,9 @@ def test_log_softmax_actual_is_judged_against_log_softmaxed_references(tmp_path)
 
     import torch
 
-    lsm64 = lambda xs: [torch.log_softmax(torch.tensor(x, dtype=torch.float64), -1).float().numpy() for x in xs]  # noqa: E731
+    def lsm64(xs):
+        return [torch.log_softmax(torch.tensor(x, dtype=torch.float64), -1).float().numpy() for x in xs]
+
     base_l = _run(store, "log_softmax", lsm64(fp32), prompts, teachers, "hf")
     exp_l = _run(store, "log_softmax", lsm64(bf16), prompts, teachers, "hf")
 
