@@ -14,7 +14,7 @@ JSON received (the server sends every position of the prompt, each entry as
 No goal is set: the rate is a property of vLLM's JSON API, reported so that a slow target is
 understood (``--quick``: the tiny test model, vocab 1,024; default: vocab 32,000).
 
-Usage: python benchmarks/bench_vllm_server.py [--quick] [--repeat 2] [--prompts 2] [--prompt-len 32] [--teacher 8]
+Usage: python benchmarks/bench_vllm_server.py [--quick] [--repeat 2] [--prompts 2] [--prompt-len 16] [--teacher 8]
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="tiny test model (vocab 1,024), a smoke run")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--prompts", type=int, default=2)
-    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--teacher", type=int, default=8)
     a = p.parse_args()
 
