@@ -395,7 +395,8 @@ def _sample_rows(t: TaskRun, r: TaskRun | None, thresholds: dict) -> tuple[list,
                 row.update(deviated=bool(bad), deviated_metrics=sorted(bad), worse=bool(bad))
         n_dev += bool(row["deviated"])
         rows.append(row)
-    return rows, n_dev
+    judged = any(row["deviated"] is not None for row in rows)
+    return rows, n_dev if judged else None  # None: no sample of the task could be judged
 
 
 # --------------------------------------------------------------------------------- storing

@@ -123,6 +123,20 @@ def test_hand_made_target_only_thresholds_and_incorrect_samples(tmp_path):
     assert analyse_tasks(tgt).passed is None  # nothing judged is not a pass
 
 
+def test_samples_that_cannot_be_judged_count_no_deviation(tmp_path):
+    """Target only with a continuous metric, and a reference without samples: deviated and
+    n_deviated are NULL, not False / 0."""
+    rows = [{**_mc(0, [-1, -2], 0), "metrics": ["bleu"], "bleu": 0.37}]
+    cont = _write_run(tmp_path / "c", "2026-01-01T00-00-00.1", {"s": {"bleu,none": 0.37}}, {"s": rows},
+                      hib={"s": {"bleu": True}})
+    a = analyse_tasks(cont)
+    assert a.sample_rows[0]["deviated"] is None and a.score_rows[0]["n_deviated"] is None
+    bare = _write_run(tmp_path / "b", "2026-01-01T00-00-00.1", {"s": {"bleu,none": 0.37}}, {})
+    b = analyse_tasks(cont, bare)
+    assert b.sample_rows[0]["deviated"] is None and b.score_rows[0]["n_deviated"] is None
+    assert b.score_rows[0]["passed"] is True  # equal scores, tolerance std
+
+
 def test_newest_results_file_wins_and_samples_come_from_the_same_timestamp(tmp_path):
     ref, _ = _hand_dirs(tmp_path)
     later = "2026-03-03T00-00-00.000000"
