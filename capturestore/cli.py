@@ -12,6 +12,8 @@
     capturestore calibrate RUN --out DIR   nki_fp8.calibration.calibrate_kv_scales(...)
     capturestore report COMPARISON --out DIR
                                            reports.render_comparison(...)
+    capturestore tasks --results DIR [--reference DIR]
+                                           capturestore.tasks.run_task_analysis(...)  exit 1 unless PASS
 
 Every command takes ``--store PATH`` (default: $CAPTURESTORE, else ./capturestore-store).
 
@@ -277,6 +279,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tasks(args: argparse.Namespace) -> int:
+    from capturestore.tasks import analyse_tasks, parse_thresholds, store_task_analysis, summary_lines
+
+    analysis = analyse_tasks(args.results, args.reference, thresholds=parse_thresholds(args.threshold),
+                             tolerance=args.tolerance)  # every input check before the store is touched
+    store = _open(args.store, create=True)
+    _require_writable(store, "tasks")
+    store_task_analysis(store, analysis, args.label)
+    print("\n".join(summary_lines(analysis)))
+    return 0 if analysis.passed else 1
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a usage error in one line (the usage itself is in --help), exit status 2."""
 
@@ -338,6 +352,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--out", required=True, help="output directory (created; its index.html is printed)")
     sp.add_argument("--diff-base", metavar="COMPARISON",
                     help="write diff.html: COMPARISON (the base) against the positional one (the head)")
+    sp = add("tasks", cmd_tasks, "lm-eval task analysis: scores vs thresholds or a reference run, deviated prompts")
+    sp.add_argument("--results", required=True, help="lm-eval --output_path directory of the target")
+    sp.add_argument("--reference", help="lm-eval --output_path directory of the reference (pairs tasks and samples)")
+    g = sp.add_mutually_exclusive_group()
+    g.add_argument("--threshold", action="append", metavar="METRIC=VALUE",
+                   help="minimum score, e.g. acc=0.5 or 'exact_match,strict-match=0.4' (repeatable)")
+    g.add_argument("--tolerance", choices=["mean", "std"],
+                   help="with --reference: no worse than its score (mean) or than it minus 2 standard errors (std, "
+                        "the default)")
+    sp.add_argument("--label", help="free-form label stored with the analysis")
     return p
 
 

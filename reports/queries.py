@@ -20,6 +20,10 @@ import pyarrow as pa
 
 __all__ = ["Queries", "quote"]
 
+# A run whose config holds "task_analysis_id" (capturestore.tasks: the lm-eval analysis its prompts
+# came from) brings that analysis's task_scores / task_samples rows into its comparisons' reports.
+TASK_ANALYSIS_RE = r'"task_analysis_id":\s*"([^"]+)"'
+
 
 def quote(s: str) -> str:
     """A SQL string literal."""
@@ -192,7 +196,8 @@ class Queries:
             SELECT * EXCLUDE (comparison_id) FROM kv_layer_verdicts WHERE comparison_id = {quote(cid)}""").to_pylist()
 
     def optional_table(self, view: str, cid: str, run_ids: list[str], limit: int) -> tuple[list[str], list[dict], int]:
-        """Rows of ``view`` that belong to this comparison (by comparison_id, else by run_id):
+        """Rows of ``view`` that belong to this comparison (by comparison_id, else by run_id, else by the
+        analysis_id a run's config names as task_analysis_id):
         (columns, first ``limit`` rows, total rows). ([], [], 0) when the view is absent."""
         if view not in self.views():
             return [], [], 0
@@ -200,6 +205,10 @@ class Queries:
             where, drop = f"comparison_id = {quote(cid)}", " EXCLUDE (comparison_id)"
         elif self.has(view, "run_id") and run_ids:
             where, drop = f"run_id IN ({', '.join(quote(r) for r in run_ids)})", ""
+        elif self.has(view, "analysis_id") and run_ids:  # task tables: the analysis a run's config names
+            linked = (f"SELECT regexp_extract(config, {quote(TASK_ANALYSIS_RE)}, 1) FROM runs "
+                      f"WHERE run_id IN ({', '.join(quote(r) for r in run_ids)})")
+            where, drop = f"analysis_id IN ({linked})", ""
         else:
             return [], [], 0
         n = self.run(f"{view}_count", f"rows of {view} of this comparison",

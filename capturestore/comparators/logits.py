@@ -3,6 +3,11 @@
 ``logit_token_metrics``: one row per prompt x generation token (status, top-k errors, divergence,
 three-way L-inf/L2 of BF16 and target vs FP32, their ratios and BC). Verdict:
 ``metrics.verdict.aggregate_logit_verdict``; its evidence is the first failing token.
+
+Like with like: a run whose config says ``logits_kind: "log_softmax"`` (full-vocabulary
+log-probabilities, e.g. ``extractors.vllm_server``) is compared with the log-softmax of the
+other runs' logits, computed here in float64 per row. Runs that all hold logits (``logits``,
+``raw_logits`` or unsaid) are compared as stored, untouched.
 """
 from __future__ import annotations
 
@@ -22,6 +27,31 @@ from capturestore.comparators.base import (
 )
 
 _f = finite_or_null
+
+LOG_SOFTMAX_KINDS = ("log_softmax",)  # logits_kind values of runs holding log-probabilities
+
+
+def log_softmax_rows(x) -> np.ndarray:
+    """float32 log-softmax of each row of ``[gen_token, vocab]`` (computed in float64; ``-inf``
+    entries stay ``-inf``, a row with a NaN stays NaN)."""
+    x = np.asarray(x, dtype=np.float64)
+    m = np.max(np.where(np.isneginf(x), -np.inf, x), axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    with np.errstate(divide="ignore"):
+        lse = m + np.log(np.sum(np.exp(x - m), axis=-1, keepdims=True))
+    return (x - lse).astype(np.float32)
+
+
+def run_logits_kind(store, run_id: str):
+    """The ``logits_kind`` a run's config records (None when it says none)."""
+    rows = store.runs().to_pylist()
+    row = next((r for r in rows if r["run_id"] == run_id), None)
+    if row is None or not row.get("config"):
+        return None
+    try:
+        return json.loads(row["config"]).get("logits_kind")
+    except (ValueError, AttributeError):
+        return None
 _D, _I, _S, _B = pa.float64(), pa.int64(), pa.string(), pa.bool_()
 
 DEFAULT_TOPK = (5, 50, 1000, "all")  # metrics.logits.DEFAULT_TOLERANCE_MAP's keys
@@ -55,11 +85,20 @@ class LogitsComparator(Comparator):
         self.tol_map = tol_map
         self.per_prompt: list = []  # [[token results]] per prompt, as aggregate_logit_verdict takes them
         self.failures: list[tuple] = []  # (gen_token_idx, prompt_id, status, prompt_len)
+        self.log_softmax_roles: tuple = ()  # roles whose stored logits are log-softmaxed before comparing
+
+    def prepare(self, context) -> None:
+        super().prepare(context)
+        kinds = {role: run_logits_kind(context.store, rid) for role, rid in context.runs.items()}
+        if any(k in LOG_SOFTMAX_KINDS for k in kinds.values()):
+            self.log_softmax_roles = tuple(r for r, k in kinds.items() if k not in LOG_SOFTMAX_KINDS)
 
     def compare(self, prompt: PromptCaptures) -> dict:
         from metrics.logits import validate_token_logits
 
         lg = {role: prompt.logits(role) for role in prompt.runs}
+        for role in self.log_softmax_roles:  # like with like: log-probabilities against log-probabilities
+            lg[role] = log_softmax_rows(lg[role])
         shapes = {role: tuple(x.shape) for role, x in lg.items()}
         if len(set(shapes.values())) != 1:
             raise ValueError(f"compare_runs: prompt {prompt.prompt_id}: logits shapes differ between roles: {shapes}")
