@@ -194,6 +194,7 @@ def test_tp2_fp32_module_capture_equals_tp1_and_hf(tp_runs):
             assert a2[key].shape == a1[key].shape == h[key].shape, key
             worst["tp1"] = max(worst["tp1"], float(np.abs(a2[key] - a1[key]).max()))
             worst["hf"] = max(worst["hf"], float(np.abs(a2[key] - h[key]).max()))
+    print(f"fp32 module capture, TP=2 vs TP=1 max |diff| {worst['tp1']:.3g}, vs HF {worst['hf']:.3g}")
     assert worst["tp1"] <= 1e-4 and worst["hf"] <= 1e-4, worst
 
 
