@@ -282,13 +282,13 @@ def _same(a, b) -> bool:
     return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
 
 
-def _take(llm, shards: dict, where: str) -> list:
-    """Every rank's records since the last take, merged (``merge_tp_records``), tensors decoded."""
+def _take(llm, info: dict, where: str) -> list:
+    """Every rank's records since the last take, in TP rank order, merged (``merge_tp_records``)."""
     from extractors.vllm_transport import decode_tensor, rpc_transport
 
-    per_rank = _rpc(llm, "take_module_capture", transport=rpc_transport(llm))
-    per_rank = [[(hf, pos, decode_tensor(t)) for hf, pos, t in recs] for recs in per_rank]
-    return merge_tp_records(per_rank, shards, where)
+    answers = _rpc(llm, "take_module_capture", transport=rpc_transport(llm))
+    per_rank = [[(hf, pos, decode_tensor(t)) for hf, pos, t in answers[j]] for j in info["rank_order"]]
+    return merge_tp_records(per_rank, info["shards"], where)
 
 
 def _arch_and_layers(llm) -> tuple[str, int]:
@@ -318,13 +318,14 @@ def _install(llm, modules) -> tuple[list[str], dict]:
         remove_vllm_module_capture(llm)
         raise ValueError(f"vLLM module capture: {len(infos)} workers answered with TP sizes {sorted(tp)} and ranks "
                          f"{[i['tp_rank'] for i in infos]}; only tensor parallelism (no pipeline stages) is supported")
-    infos = sorted(infos, key=lambda i: int(i["tp_rank"]))
+    rank_order = sorted(range(len(infos)), key=lambda j: int(infos[j]["tp_rank"]))  # answer index of rank r
+    infos = [infos[j] for j in rank_order]
     shards = {hf: tuple(k) for hf, k in infos[0]["shards"].items()}
     for i in infos[1:]:
         if {hf: tuple(k) for hf, k in i["shards"].items()} != shards:
             remove_vllm_module_capture(llm)
             raise ValueError(f"vLLM module capture: rank {i['tp_rank']} shards the modules differently from rank 0")
-    return names, {"tp_size": len(infos), "shards": shards}
+    return names, {"tp_size": len(infos), "shards": shards, "rank_order": rank_order}
 
 
 def install_vllm_module_capture(llm, modules: Iterable[str] | str) -> list[str]:
@@ -424,7 +425,7 @@ def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int 
     caps, toks = [], []
     try:
         for i, prompt in enumerate(prompts):
-            _take(llm, info["shards"], where)  # drop anything recorded outside this prompt
+            _take(llm, info, where)  # drop anything recorded outside this prompt
             forced = None if teacher is None else teacher[i]
             out = llm.generate([{"prompt_token_ids": prompt}], _sampling(len(prompt), num_tokens, forced),
                                use_tqdm=False)
@@ -435,7 +436,7 @@ def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int 
                 raise ValueError(f"{where}, prompt {i}: the engine sampled {toks[-1][k:k + 1]} at teacher index {k}, "
                                  f"not the teacher's {forced[k:k + 1]}: teacher forcing is not in effect (build "
                                  "the engine with extractors.vllm_rpc.make_llm, which adds its logits processor)")
-            got = _group(_take(llm, info["shards"], f"{where}, prompt {i}"), len(prompt), f"{where}, prompt {i}")
+            got = _group(_take(llm, info, f"{where}, prompt {i}"), len(prompt), f"{where}, prompt {i}")
             missing = [n for n in names if (n, "prefill") not in got]
             if missing:
                 raise ValueError(f"{where}, prompt {i}: no output captured for {missing[:4]} (hooks not "
