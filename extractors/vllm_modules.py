@@ -1,12 +1,15 @@
 """Module tensors from a vLLM engine, under the HF module names, per phase like ``extractors.modules``.
 
-Hooks are installed on the worker's model by plain functions run through in-process
-``collective_rpc`` (as ``extractors.faults`` does: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one rank,
-``enforce_eager=True`` so modules run eagerly and call hooks). Each hook clones the rows it keeps
-before the forward goes on (vLLM reuses buffers in place).
+Hooks are installed on the worker's model by the worker extension's module-capture methods
+(``ModuleCaptureMixin``, part of ``extractors.vllm_rpc.KVCaptureWorkerExtension``; build the engine
+with ``extractors.vllm_rpc.make_llm``), called by name through ``collective_rpc``, so they run on
+every rank, in this process or in worker processes (``enforce_eager=True`` so modules run eagerly
+and call hooks). Each hook clones the rows it keeps before the forward goes on (vLLM reuses
+buffers in place); the records cross back as tensors in-process, as bytes otherwise
+(``extractors.vllm_transport``).
 
 Layout: vLLM runs a flattened batch, ``[num_tokens, ...]``; a pre-hook on the model records the
-forward's ``positions``. Prompts are generated one at a time (greedy, no prefix caching), so every
+forward's ``positions``. Prompts run one at a time (no prefix caching), so every
 row of a forward belongs to the one request and row r sits at ``positions[r]`` (rows past
 ``len(positions)``, padding, are trimmed). A forward starting at position 0 is the prefill
 (``[P, ...]``); one with a single token at position ``P + n`` is decode step n (``[1, ...]``): the
@@ -24,8 +27,21 @@ name to the vLLM module whose output gives it and how:
 HF modules without a vLLM counterpart (``lm_head``: vLLM never calls it, it computes logits from
 its weight; ``mlp.act_fn``: vLLM's ``SiluAndMul`` also multiplies by up; Gemma3's scaled
 embedding: vLLM scales after the module; ``q_norm``/``k_norm``: head-shaped) are refused with
-the list of those that can be captured. Tensor parallelism: one rank only here (TP shards of
-``split`` outputs would concatenate per part along the last axis; not implemented).
+the list of those that can be captured.
+
+Tensor parallelism: every rank records its own output of each hooked module and the caller merges
+them (``merge_tp_records``). Column-parallel outputs (``qkv_proj``, ``gate_up_proj``: each rank
+holds its heads / features) are split per part on each rank and the parts concatenated along the
+last axis in rank order, which is HF's head and feature order (K and V heads that vLLM replicates
+over ranks when there are fewer KV heads than ranks are taken once per replica group). Everything
+else (the embedding and the row-parallel ``o_proj`` / ``down_proj`` after their all-reduce, norms,
+attention and MLP outputs, decoder layers) is the same on every rank, and must be: a rank whose
+copy differs by one bit is refused, naming the module, phase and ranks, rather than one rank
+picked.
+
+Teacher forcing: with ``teacher_tokens`` the engine is made to sample the given tokens
+(``extractors.vllm_teacher``), so its decode forwards run on, e.g., the FP32 baseline's tokens;
+without, it generates greedily.
 """
 from __future__ import annotations
 
@@ -37,8 +53,8 @@ import numpy as np
 
 from extractors.modules import resolve_modules
 
-__all__ = ["VLLM_TO_HF", "mappable_hf_modules", "install_vllm_module_capture", "remove_vllm_module_capture",
-           "collect_vllm_modules", "capture_vllm_module_run"]
+__all__ = ["VLLM_TO_HF", "ModuleCaptureMixin", "mappable_hf_modules", "install_vllm_module_capture",
+           "remove_vllm_module_capture", "merge_tp_records", "collect_vllm_modules", "capture_vllm_module_run"]
 
 _LLAMA = {
     "model.embed_tokens": ("model.embed_tokens", "first"),
@@ -91,18 +107,32 @@ def mappable_hf_modules(arch: str, num_layers: int) -> dict[str, tuple[str, str]
 
 
 # ---------------------------------------------------------------------------------- worker side
+# Plain functions of the worker (``fn(worker, ...)``), reached through the worker extension's
+# methods (``ModuleCaptureMixin``) by name, so that they run in every rank's process.
 
 
 def _split_sizes(mod) -> list[int]:
     if hasattr(mod, "num_kv_heads") and hasattr(mod, "head_size"):  # QKVParallelLinear (this rank's heads)
         q = mod.num_heads * mod.head_size
         kv = mod.num_kv_heads * mod.head_size
-        return [q, kv, kv]
+        return [q, kv, mod.num_kv_heads * getattr(mod, "v_head_size", mod.head_size)]
     n = int(mod.output_size_per_partition)
     return [n // 2, n // 2]
 
 
-def _worker_install(worker, plan: list[tuple[str, str, str]]) -> int:
+def _shard_kind(mod, how: str) -> tuple[str, int]:
+    """How this rank's output of ``mod`` relates to the whole: ``("cat", replicas)`` when it is a
+    slice of the last axis (column-parallel without gather: ranks ``0, replicas, 2*replicas, ...``
+    hold consecutive slices, the ranks in between copies), ``("same", 1)`` when every rank holds
+    all of it (all-reduced row-parallel outputs, norms, the embedding, decoder layers)."""
+    if int(getattr(mod, "tp_size", 1)) <= 1 or getattr(mod, "gather_output", True):
+        return ("same", 1)
+    if how.startswith("split:") and int(how.split(":")[1]) > 0 and hasattr(mod, "num_kv_head_replicas"):
+        return ("cat", int(mod.num_kv_head_replicas))  # K, V: fewer KV heads than ranks are replicated
+    return ("cat", 1)
+
+
+def _worker_install(worker, plan: list[tuple[str, str, str]]) -> dict:
     import torch
 
     model = worker.model_runner.model
@@ -115,7 +145,6 @@ def _worker_install(worker, plan: list[tuple[str, str, str]]) -> int:
         pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
         state["positions"] = pos.detach().clone().cpu() if pos is not None else None
 
-    state["handles"].append(model.register_forward_pre_hook(pre, with_kwargs=True))
     by_vllm: dict[str, list] = {}
     for hf, vl, how in plan:
         if vl not in mods:
@@ -144,16 +173,24 @@ def _worker_install(worker, plan: list[tuple[str, str, str]]) -> int:
                 state["records"].append((hf, pos, t.detach().to("cpu", copy=True)))
         return hook
 
+    state["handles"].append(model.register_forward_pre_hook(pre, with_kwargs=True))
     for vl, targets in by_vllm.items():
         state["handles"].append(mods[vl].register_forward_hook(hook_for(vl, targets)))
     setattr(model, _STATE, state)
-    return len(plan)
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return {"tp_size": int(get_tensor_model_parallel_world_size()), "tp_rank": int(get_tensor_model_parallel_rank()),
+            "shards": {hf: _shard_kind(mods[vl], how) for hf, vl, how in plan}}
 
 
-def _worker_pop(worker) -> list:
-    state = getattr(worker.model_runner.model, _STATE)
+def _worker_pop(worker, transport: str = "tensor") -> list:
+    from extractors.vllm_transport import encode_tensor
+
+    state = getattr(worker.model_runner.model, _STATE, None)
+    if state is None:
+        raise ValueError("vLLM module capture: not installed on this worker (install_vllm_module_capture first)")
     out, state["records"] = state["records"], []
-    return out
+    return [(hf, pos.tolist(), encode_tensor(t, transport)) for hf, pos, t in out]
 
 
 def _worker_remove(worker) -> int:
@@ -166,13 +203,92 @@ def _worker_remove(worker) -> int:
     return 1
 
 
+class ModuleCaptureMixin:
+    """Module capture methods of the worker extension (``extractors.vllm_rpc.KVCaptureWorkerExtension``
+    mixes them in; ``self`` is the worker), one answer per rank through ``collective_rpc(name)``."""
+
+    def install_module_capture(self, plan: list) -> dict:
+        """Hook ``plan`` (``[hf, vllm_module, how]`` rows); returns this rank's TP rank and size and
+        per HF name how its output is sharded (``_shard_kind``)."""
+        return _worker_install(self, [tuple(p) for p in plan])
+
+    def take_module_capture(self, transport: str = "bytes") -> list:
+        """This rank's records since the last call, ``[(hf, positions, tensor)]``, removed here."""
+        return _worker_pop(self, transport)
+
+    def remove_module_capture(self) -> int:
+        return _worker_remove(self)
+
+
 # ---------------------------------------------------------------------------------- caller side
 
 
-def _rpc(llm, fn, *args):
-    from extractors.faults import _rpc_in_process
+def _rpc(llm, method: str, **kwargs) -> list:
+    from extractors.vllm_transport import call_workers
 
-    return _rpc_in_process(llm, fn, *args)
+    return call_workers(llm, method, **kwargs)
+
+
+def merge_tp_records(per_rank: Sequence[Sequence], shards: dict, where: str = "vLLM module capture") -> list:
+    """One record list ``[(hf, positions, tensor)]`` from each TP rank's, in the same order.
+
+    Per record: a ``("cat", k)`` module's slices (ranks ``0, k, 2k, ...``) concatenated along the
+    last axis, HF's head / feature order; every other rank of it, and every rank of a ``"same"``
+    module, must equal the slice or tensor it copies, bit for bit (NaN equal to NaN), or the
+    merge refuses naming the module, phase, positions and ranks: vLLM gives every rank the
+    all-reduced or replicated value, so a difference means the ranks computed different things."""
+    import torch
+
+    n_ranks = len(per_rank)
+    if n_ranks == 1:
+        return list(per_rank[0])
+    lens = [len(r) for r in per_rank]
+    if len(set(lens)) != 1:
+        raise ValueError(f"{where}: ranks captured different numbers of module outputs {lens}")
+    out = []
+    for j, recs in enumerate(zip(*per_rank)):
+        hf, pos = recs[0][0], list(recs[0][1])
+        for r, (h, p, _) in enumerate(recs[1:], start=1):
+            if h != hf or list(p) != pos:
+                raise ValueError(f"{where}: output {j} is {hf} at positions {pos[:4]} on rank 0 but {h} at "
+                                 f"{list(p)[:4]} on rank {r}")
+        kind, k = shards.get(hf, ("same", 1))
+        ts = [t for _, _, t in recs]
+        owner = [r - r % k if kind == "cat" else 0 for r in range(n_ranks)]
+        for r in range(n_ranks):
+            a, b = ts[owner[r]], ts[r]
+            if r != owner[r] and not _same(a, b):
+                phase = "prefill" if pos and pos[0] == 0 else f"decode at position {pos[0] if pos else '?'}"
+                what = "replicated" if kind == "same" else "KV-head replica"
+                diff = f"{(a.float() - b.float()).abs().nan_to_num(float('inf')).max().item():.3g}" \
+                    if a.shape == b.shape else f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+                raise ValueError(f"{where}: {hf} ({phase}) is {what} under tensor parallelism but rank {r} differs "
+                                 f"from rank {owner[r]} (max |diff| {diff}); refusing to pick one")
+        if kind == "cat":
+            t = torch.cat([ts[r] for r in range(0, n_ranks, k)], dim=-1)
+        else:
+            t = ts[0]
+        out.append((hf, pos, t))
+    return out
+
+
+def _same(a, b) -> bool:
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all())
+
+
+def _take(llm, info: dict, where: str) -> list:
+    """Every rank's records since the last take, in TP rank order, merged (``merge_tp_records``)."""
+    from extractors.vllm_transport import decode_tensor, rpc_transport
+
+    answers = _rpc(llm, "take_module_capture", transport=rpc_transport(llm))
+    per_rank = [[(hf, pos, decode_tensor(t)) for hf, pos, t in answers[j]] for j in info["rank_order"]]
+    return merge_tp_records(per_rank, info["shards"], where)
 
 
 def _arch_and_layers(llm) -> tuple[str, int]:
@@ -182,10 +298,7 @@ def _arch_and_layers(llm) -> tuple[str, int]:
     return arch, int(text.num_hidden_layers)
 
 
-def install_vllm_module_capture(llm, modules: Iterable[str] | str) -> list[str]:
-    """Hook the HF-named ``modules`` (patterns as ``extractors.modules``) on the engine's worker;
-    returns the HF names captured, in execution order. A pattern matching no mappable module is
-    refused with the list of the mappable ones."""
+def _resolve(llm, modules) -> tuple[list[str], dict]:
     arch, n_layers = _arch_and_layers(llm)
     table = mappable_hf_modules(arch, n_layers)
     try:
@@ -193,8 +306,34 @@ def install_vllm_module_capture(llm, modules: Iterable[str] | str) -> list[str]:
     except ValueError as e:
         raise ValueError(f"{e}. Modules vLLM's {arch} can give under HF names: "
                          f"{_compact(list(table))}") from None
-    _rpc(llm, _worker_install, [(hf, *table[hf]) for hf in names])
-    return names
+    return names, table
+
+
+def _install(llm, modules) -> tuple[list[str], dict]:
+    """Hooks on every rank; returns the HF names and ``{hf: (kind, replicas)}`` agreed by all ranks."""
+    names, table = _resolve(llm, modules)
+    infos = _rpc(llm, "install_module_capture", plan=[[hf, *table[hf]] for hf in names])
+    tp = {int(i["tp_size"]) for i in infos}
+    if tp != {len(infos)} or sorted(int(i["tp_rank"]) for i in infos) != list(range(len(infos))):
+        remove_vllm_module_capture(llm)
+        raise ValueError(f"vLLM module capture: {len(infos)} workers answered with TP sizes {sorted(tp)} and ranks "
+                         f"{[i['tp_rank'] for i in infos]}; only tensor parallelism (no pipeline stages) is supported")
+    rank_order = sorted(range(len(infos)), key=lambda j: int(infos[j]["tp_rank"]))  # answer index of rank r
+    infos = [infos[j] for j in rank_order]
+    shards = {hf: tuple(k) for hf, k in infos[0]["shards"].items()}
+    for i in infos[1:]:
+        if {hf: tuple(k) for hf, k in i["shards"].items()} != shards:
+            remove_vllm_module_capture(llm)
+            raise ValueError(f"vLLM module capture: rank {i['tp_rank']} shards the modules differently from rank 0")
+    return names, {"tp_size": len(infos), "shards": shards, "rank_order": rank_order}
+
+
+def install_vllm_module_capture(llm, modules: Iterable[str] | str) -> list[str]:
+    """Hook the HF-named ``modules`` (patterns as ``extractors.modules``) on every worker (TP rank) of
+    the engine; returns the HF names captured, in execution order. A pattern matching no mappable
+    module is refused with the list of the mappable ones. The engine needs the worker extension
+    (``extractors.vllm_rpc.make_llm``)."""
+    return _install(llm, modules)[0]
 
 
 def _compact(names: list[str]) -> list[str]:
@@ -202,7 +341,7 @@ def _compact(names: list[str]) -> list[str]:
 
 
 def remove_vllm_module_capture(llm) -> int:
-    return _rpc(llm, _worker_remove)
+    return sum(_rpc(llm, "remove_module_capture"))
 
 
 def _group(records, prompt_len: int, where: str) -> dict:
@@ -210,8 +349,8 @@ def _group(records, prompt_len: int, where: str) -> dict:
     import torch
 
     pre, dec = {}, {}
-    for hf, pos, t in records:
-        p = pos.tolist()
+    for hf, p, t in records:
+        p = list(p)
         if p and p[0] == 0:
             if len(p) != prompt_len:
                 raise ValueError(f"{where}: {hf}: a prefill forward of {len(p)} tokens for a prompt of {prompt_len} "
@@ -232,31 +371,75 @@ def _group(records, prompt_len: int, where: str) -> dict:
     return out
 
 
-def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int,
-                         modules: Iterable[str] | str = ("**",), sink=None):
-    """Generate ``num_tokens`` greedy tokens per prompt (one prompt at a time) with module capture.
+def _token_plan(llm, prompts, num_tokens, teacher_tokens, where: str) -> tuple[list, list | None]:
+    """(prompts as int lists, teacher lists or None); checks that make a forced run meaningful."""
+    if teacher_tokens is None:
+        if num_tokens is None or int(num_tokens) < 1:
+            raise ValueError(f"{where}: num_tokens must be >= 1 without teacher_tokens, got {num_tokens}")
+        return [[int(x) for x in p] for p in prompts], None
+    from extractors.vllm_logits import check_forcing_inputs
+
+    mc = llm.llm_engine.model_config
+    prompts, teacher = check_forcing_inputs(prompts, teacher_tokens, int(mc.get_vocab_size()), int(mc.max_model_len),
+                                            where)
+    if num_tokens is not None:
+        bad = [i for i, t in enumerate(teacher) if len(t) != int(num_tokens)]
+        if bad:
+            raise ValueError(f"{where}, prompt {bad[0]}: {len(teacher[bad[0]])} teacher tokens but num_tokens="
+                             f"{num_tokens} (pass num_tokens=None to take each prompt's teacher length)")
+    return prompts, teacher
+
+
+def _sampling(prompt_len: int, num_tokens: int, teacher):
+    from vllm import SamplingParams
+
+    from extractors.vllm_logits import CAPTURE_KEY
+
+    if teacher is None:
+        return SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
+    # the teacher-forcing logits processor (extractors.vllm_teacher) makes the engine sample these;
+    # an empty from/to range: the raw-logits recording of extractors.vllm_logits keeps no rows of it
+    spec = {"teacher": list(teacher), "from": prompt_len, "to": prompt_len}
+    return SamplingParams(max_tokens=len(teacher), temperature=0.0, ignore_eos=True, detokenize=False,
+                          extra_args={CAPTURE_KEY: spec})
+
+
+def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int | None,
+                         modules: Iterable[str] | str = ("**",), sink=None, *,
+                         teacher_tokens: Sequence[Sequence[int]] | None = None):
+    """Run each prompt (one at a time) through the engine with module capture: ``num_tokens`` greedy
+    tokens, or, with ``teacher_tokens`` (one list per prompt), the engine made to sample those
+    (``extractors.vllm_teacher``; the engine needs ``make_llm``'s logits processor; ``num_tokens``
+    then None or each list's length), so its decode forwards run on the teacher's tokens.
 
     Returns ``(captures, tokens, order)``: captures one dict per prompt ``{(hf_module, phase):
     float32 numpy [token, ...]}`` (None when ``sink`` is given: ``sink(i, module, phase, step,
-    tensor)`` receives each step instead), the generated tokens per prompt, and the HF names in
-    execution order."""
-    from vllm import SamplingParams
-
+    tensor)`` receives each step instead), the tokens the engine sampled per prompt (the teacher
+    tokens when forced), and the HF names in execution order. Under tensor parallelism every
+    rank's output is taken and merged (``merge_tp_records``)."""
     from metrics.errors import as_float
 
-    names = install_vllm_module_capture(llm, modules)
+    where = "vLLM module capture"
+    prompts, teacher = _token_plan(llm, prompts, num_tokens, teacher_tokens, where)
+    names, info = _install(llm, modules)
     caps, toks = [], []
     try:
         for i, prompt in enumerate(prompts):
-            _rpc(llm, _worker_pop)
-            out = llm.generate([{"prompt_token_ids": list(map(int, prompt))}],
-                               SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True),
+            _take(llm, info, where)  # drop anything recorded outside this prompt
+            forced = None if teacher is None else teacher[i]
+            out = llm.generate([{"prompt_token_ids": prompt}], _sampling(len(prompt), num_tokens, forced),
                                use_tqdm=False)
             toks.append(list(out[0].outputs[0].token_ids))
-            got = _group(_rpc(llm, _worker_pop), len(prompt), f"vLLM module capture, prompt {i}")
+            if forced is not None and toks[-1] != forced:
+                k = next((j for j, (a, b) in enumerate(zip(toks[-1], forced)) if a != b), min(len(toks[-1]),
+                                                                                               len(forced)))
+                raise ValueError(f"{where}, prompt {i}: the engine sampled {toks[-1][k:k + 1]} at teacher index {k}, "
+                                 f"not the teacher's {forced[k:k + 1]}: teacher forcing is not in effect (build "
+                                 "the engine with extractors.vllm_rpc.make_llm, which adds its logits processor)")
+            got = _group(_take(llm, info, f"{where}, prompt {i}"), len(prompt), f"{where}, prompt {i}")
             missing = [n for n in names if (n, "prefill") not in got]
             if missing:
-                raise ValueError(f"vLLM module capture, prompt {i}: no output captured for {missing[:4]} (hooks not "
+                raise ValueError(f"{where}, prompt {i}: no output captured for {missing[:4]} (hooks not "
                                  "called: build the engine with enforce_eager=True)")
             if sink is None:
                 caps.append({k: as_float(t, np.float32) for k, t in got.items()})
@@ -273,38 +456,44 @@ def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int,
     return caps, toks, names
 
 
-def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int,
-                            modules: Iterable[str] | str = ("**",), release=None, config: dict | None = None) -> str:
-    """Module tensors of a vLLM engine into ``store`` as a run (engine "vllm"), greedy ``num_tokens``
-    per prompt; per prompt tokens = prompt + generated and ``tensors/<hf_module>/<phase>`` as the
-    HF capture lays them out. Capture HF references with ``capture_hf_module_run`` on the generated
-    tokens (``teacher_tokens``) to compare them."""
+def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | None,
+                            modules: Iterable[str] | str = ("**",), release=None, config: dict | None = None, *,
+                            teacher_tokens: Sequence[Sequence[int]] | None = None) -> str:
+    """Module tensors of a vLLM engine into ``store`` as a run (engine "vllm"): greedy ``num_tokens``
+    per prompt, or teacher-forced on ``teacher_tokens`` (one list per prompt; ``num_tokens`` None
+    or their length), e.g. the FP32 baseline's tokens, so every role's decode steps see the same
+    tokens. Per prompt tokens = prompt + sampled (teacher) tokens and ``tensors/<hf_module>/<phase>``
+    as the HF capture lays them out. Greedy: capture HF references with ``capture_hf_module_run``
+    on the generated tokens (``teacher_tokens``) to compare them."""
     import vllm
 
+    from capturestore.capture import begin_capture_run
     from extractors.models import model_content_hash
 
+    where = "capture_vllm_module_run"
+    prompts, teacher = _token_plan(llm, prompts, num_tokens, teacher_tokens, where)
     arch, n_layers = _arch_and_layers(llm)
     dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
-    order = install_vllm_module_capture(llm, modules)
-    remove_vllm_module_capture(llm)
-    cfg = {"mode": "greedy", "num_tokens": num_tokens, "module_patterns": list([modules] if isinstance(modules, str)
-                                                                               else modules),
-           "modules": order, "module_order": order, "prompt_lens": [len(p) for p in prompts],
+    order, _ = _resolve(llm, modules)  # a bad pattern is refused before a run exists
+    tp = int(llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
+    cfg = {"mode": "greedy" if teacher is None else "teacher_forced_decode", "num_tokens": num_tokens,
+           "module_patterns": list([modules] if isinstance(modules, str) else modules),
+           "modules": order, "module_order": order,
            "vllm_architecture": arch, "tensor_layout": "as extractors.modules (HF names via extractors.vllm_modules)",
            **(config or {})}
-    pending: dict = {}
-
-    def sink(i, hf, phase, step, t):
-        pending.setdefault(i, []).append((hf, phase, step, t))
-
-    run = store.begin_run(engine="vllm", model_path=str(Path(model_path)), model_hash=model_content_hash(model_path),
-                          dtype=dtype, device="cpu", engine_version=vllm.__version__, release=release, config=cfg)
+    pending: list = []
+    run = begin_capture_run(store, engine="vllm", capture="greedy" if teacher is None else "teacher_forced_decode",
+                            prompts=prompts, layer_names=None, logits_kind=None, config=cfg,
+                            model_path=str(Path(model_path)), model_hash=model_content_hash(model_path), dtype=dtype,
+                            device="cpu", engine_version=vllm.__version__, tp_degree=tp, release=release)
     with run:
         for i, prompt in enumerate(prompts):
             pending.clear()
-            _, toks, _ = collect_vllm_modules(llm, [prompt], num_tokens, order, sink=lambda _i, *a: sink(i, *a))
+            _, toks, _ = collect_vllm_modules(llm, [prompt], num_tokens, order,
+                                              sink=lambda _i, *a: pending.append(a),
+                                              teacher_tokens=None if teacher is None else [teacher[i]])
             pid = run.add_prompt(list(prompt), continuation=toks[0])
-            for hf, phase, step, t in pending.get(i, []):
+            for hf, phase, step, t in pending:
                 run.write_tensor(pid, hf, t, step=step, phase=phase,
                                  dims=["position", *(f"dim{d}" for d in range(1, t.ndim))])
     return run.run_id

@@ -37,6 +37,7 @@ import torch
 
 from extractors.paged import reconstruct_contiguous_kv_batch
 from extractors.vllm_logits import LogitsCaptureMixin
+from extractors.vllm_modules import ModuleCaptureMixin
 from extractors.vllm_transport import (
     EXTENSION_QUALNAME,
     TEACHER_FORCING_QUALNAME,
@@ -166,7 +167,7 @@ def _spec_dict(spec) -> dict:
     }
 
 
-class KVCaptureWorkerExtension(LogitsCaptureMixin):
+class KVCaptureWorkerExtension(LogitsCaptureMixin, ModuleCaptureMixin):
     """Mixed into the vLLM worker (``worker_extension_cls``); ``self`` is the worker.
 
     RPC methods (all via ``llm.collective_rpc(name, kwargs=...)``, one result per rank):
@@ -178,8 +179,10 @@ class KVCaptureWorkerExtension(LogitsCaptureMixin):
                                           renumbered to index its own blocks (0..n-1)
       get_kv_requests()                -> {engine request id: {num_tokens, finished, ...}}
       get_request_kv(request_id)       -> the request's blocks, tables and token count at once
-    and the raw-logits methods of ``extractors.vllm_logits.LogitsCaptureMixin``
-    (``enable_logits_capture``, ``get_logits_capture_info``, ``take_request_logits``).
+    the raw-logits methods of ``extractors.vllm_logits.LogitsCaptureMixin``
+    (``enable_logits_capture``, ``get_logits_capture_info``, ``take_request_logits``) and the
+    module-capture methods of ``extractors.vllm_modules.ModuleCaptureMixin``
+    (``install_module_capture``, ``take_module_capture``, ``remove_module_capture``).
     State lives in attributes prefixed ``_kvcap_`` (the worker must not already have them).
     """
 

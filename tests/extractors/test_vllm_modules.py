@@ -111,6 +111,40 @@ def test_vllm_module_run_in_a_store_compares_with_hf_runs(llama_engine, tmp_path
     assert n.as_py() == 2 * len(order)
 
 
+def test_teacher_forced_vllm_module_run_follows_the_given_tokens(llama_engine, tmp_path):
+    """Teacher-forced on tokens the engine would not pick (random ids): the run stores those
+    tokens, its decode steps ran on them (they pass against HF captured on the same tokens), and
+    a teacher list of the wrong length for num_tokens is refused before a run exists."""
+    from capturestore import Store
+    from capturestore.analysis import compare_runs
+    from extractors.modules import capture_hf_module_run
+    from extractors.vllm_modules import capture_vllm_module_run, collect_vllm_modules
+
+    path, llm = llama_engine
+    prompts = _prompts(6)[:4]
+    rng = np.random.default_rng(6)
+    teacher = [rng.integers(4, 1000, size=n).tolist() for n in (4, 5, 4, 3)]
+    _, greedy, _ = collect_vllm_modules(llm, prompts, 5, "model.norm")
+    assert all(g[:len(t)] != t for g, t in zip(greedy, teacher))  # forcing has something to change
+    store = Store.open(tmp_path / "s")
+    mods = ["model.layers.1.self_attn.*", "model.layers.2", "model.norm"]
+    act = capture_vllm_module_run(store, llm, path, prompts, None, modules=mods, teacher_tokens=teacher)
+    rows = store.sql(f"SELECT token_ids, n_prompt_tokens FROM prompts WHERE run_id = '{act}' ORDER BY prompt_idx"
+                     ).to_pylist()
+    assert [r["token_ids"] for r in rows] == [p + t for p, t in zip(prompts, teacher)]
+    base = capture_hf_module_run(store, path, prompts, teacher, mods, dtype="float32")
+    exp = capture_hf_module_run(store, path, prompts, teacher, mods, dtype="bfloat16")
+    r = compare_runs(store, baseline_run=base, expected_run=exp, actual_run=act, logits=False, kv=False,
+                     comparators=["modules"])
+    assert r.passed, r.verdicts["modules"].text
+    n_runs = store.sql("SELECT count(*) FROM runs").column(0)[0].as_py()
+    with pytest.raises(ValueError, match=r"capture_vllm_module_run, prompt 1: 5 teacher tokens but num_tokens=4"):
+        capture_vllm_module_run(store, llm, path, prompts, 4, modules="model.norm", teacher_tokens=teacher)
+    with pytest.raises(ValueError, match=r"prompt 0: teacher token 99999 at index 0 is outside the vocabulary"):
+        capture_vllm_module_run(store, llm, path, prompts[:1], None, modules="model.norm", teacher_tokens=[[99999]])
+    assert store.sql("SELECT count(*) FROM runs").column(0)[0].as_py() == n_runs
+
+
 def _install_decode_only_scale(worker, name, factor):
     """On the worker: scale ``name``'s output in single-token (decode) forwards only."""
     mod = worker.model_runner.model.get_submodule(name)

