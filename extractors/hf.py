@@ -306,7 +306,7 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     config = {
         "mode": "teacher_forced" if teacher_tokens is not None else "greedy",
         "num_tokens": None if teacher_tokens is not None else num_tokens,
-        "attn_implementation": "eager",
+        "attn_implementation": getattr(model.config, "_attn_implementation", None) or "eager",
         "layer_names": names,
         "prompt_lens": [len(p) for p in prompt_rows],
         "sliding_window": getattr(cfg, "sliding_window", None),

@@ -222,7 +222,7 @@ class Comparator:
 
 # --------------------------------------------------------------------------- the comparisons table
 
-COMPARISONS_SCHEMA_VERSION = 2  # 2: localisation, failure_layer, failure_module, failure_token
+COMPARISONS_SCHEMA_VERSION = 3  # 2: localisation, failure_layer, failure_module, failure_token; 3: errored, comparator_runs
 
 _TS = pa.timestamp("us", tz="UTC")
 # Before the comparators' fields (the order of today's row).
@@ -245,6 +245,8 @@ COMPARISONS_TAIL = (
     pa.field("failure_layer", pa.int64()),
     pa.field("failure_module", pa.string()),
     pa.field("failure_token", pa.int64()),
+    pa.field("errored", pa.string()),  # JSON {comparator: traceback} of comparators that raised
+    pa.field("comparator_runs", pa.string()),  # JSON {comparator: {role: run_id}} read instead of the row's runs
 )
 
 
