@@ -338,6 +338,22 @@ class _Progress:
         else:
             self._current.advance(n_tokens)
 
+    def compare_callback(self, n_prompts: int):
+        """``compare_runs``' progress: a bar over prompts on a terminal, its lines otherwise."""
+        if self.quiet:
+            return None
+        if not self.bar:
+            return self.say
+        self.begin("comparing", n_prompts, 1)
+        started = []
+
+        def tick(_msg: str) -> None:  # called as each prompt starts: count the one before
+            if started:
+                self.prompt_done(1)
+            started.append(1)
+
+        return tick
+
     def end(self) -> None:
         if self._current is not None and self.bar:
             self._current.close()
@@ -534,12 +550,13 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
 
     if tgt.kind == "vllm" and importlib.util.find_spec("vllm") is None:
         raise EngineStartError(f"target vllm: vLLM is not installed; install it: {INSTALL['vllm']}")
-    server_capture = _server_capture() if tgt.kind == "vllm-server" else None
     from extractors.models import model_content_hash
 
     model_hash = model_content_hash(model_path)
+    server_capture = None
     if tgt.kind == "vllm-server":
         _check_server(tgt, model_path, lambda: model_hash)
+        server_capture = _server_capture()
     scales = _load_fp8_scales(fp8_scales, cfg) if tgt.kind == "hf-fp8-kv" and fp8_scales is not None else None
 
     from capturestore import Store
@@ -597,7 +614,8 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
                           logits="logits" in names, kv="kv" in names,
                           comparators=[n for n in names if n not in ("logits", "kv")],
                           comparator_runs={"modules": mod_runs} if mod_runs else None,
-                          progress=say if not quiet else None)
+                          progress=progress.compare_callback(len(pids)))
+    progress.end()
     tm["compare"] = time.perf_counter() - t0
     tm["total"] = time.perf_counter() - t_start
     _print_result(out, result, reused, st, tgt)
