@@ -691,6 +691,8 @@ def _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, 
     say(f"starting vLLM (bfloat16{f', TP {tp}' if tp > 1 else ''}) with the KV capture worker extension")
     need = max(len(r) + len(t) for r, t in zip(rows, teacher_rows))
     opts = {"max_model_len": max(256, -(-need // 256) * 256), **engine_options}
+    if patterns is not None:  # module capture needs every prefill to run in full, never from cached blocks
+        opts.setdefault("enable_prefix_caching", False)
     llm = start_vllm_engine(model_path, "bfloat16", tp, **opts)
     mod_run = None
     try:
