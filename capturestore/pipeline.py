@@ -487,7 +487,8 @@ def run(model, prompts, target: str | Target = "vllm", num_tokens: int = 8, rele
     ``fp8-kv`` = ``fp8_kv_floor``), default per target (``DEFAULT_PLUGINS``). modules: module
     patterns for the ``modules`` plugin (default ``DEFAULT_MODULE_PATTERNS``). release: the
     target run's release label (references are shared across releases and carry none).
-    quiet: no progress lines (the verdict is still printed). out: where lines go.
+    quiet: no progress lines (the verdict is still printed). out: where lines go. label: the
+    comparison's label (default: the target and the release).
     engine_options: extra ``start_vllm_engine`` arguments (block_size, max_model_len, ...).
     engine_hook(llm, rows, say) -> dict: called once the vLLM engine runs, before the capture
     (e.g. to inject a proven fault); its dict is added to the target run's config.
@@ -610,6 +611,8 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     say(f"comparing runs (three-way: FP32 baseline, {_dt(tgt.dtype)} expected, {tgt} actual)")
     from capturestore.analysis import compare_runs
 
+    if label is None:
+        label = f"{tgt} {release}" if release else str(tgt)
     result = compare_runs(st, expected_run=exp, actual_run=act, baseline_run=base, label=label,
                           logits="logits" in names, kv="kv" in names,
                           comparators=[n for n in names if n not in ("logits", "kv")],
