@@ -14,7 +14,8 @@
    captured the same way; the output says which were reused.
 3. The target (``actual``), teacher-forced on the same tokens: ``vllm`` (in-process vLLM, raw
    logits + paged KV through its decode path), ``vllm-server=URL`` (a running OpenAI-compatible
-   vLLM server, ``extractors.vllm_server``), ``hf:bfloat16`` / ``hf:float16`` (HF with SDPA
+   vLLM server, ``extractors.vllm_server``: checked to answer and serve this model before anything
+   is written), ``hf:bfloat16`` / ``hf:float16`` (HF with SDPA
    attention against the eager reference), ``hf-fp8-kv`` (the FP8 KV cache of ``nki_fp8``, scales
    calibrated on the expected run's KV unless given).
 4. The plugins compare them in one ``compare_runs`` comparison and its verdict is returned.
@@ -434,41 +435,14 @@ def start_vllm_engine(model_path, dtype: str = "bfloat16", tp: int = 1, max_mode
                                f"{INSTALL['vllm']} is installed and that the model directory loads in vLLM") from None
 
 
-def _check_server(target: Target, model_path: Path, model_hash_of: Callable[[], str]) -> None:
-    """The server answers ``/v1/models`` and serves this model (by content hash, where the served
-    model's path is readable here); ValueError in one line otherwise."""
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{target.url}/v1/models", timeout=10) as r:
-            served = json.loads(r.read().decode())
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        raise ValueError(f"target {target}: the server cannot be reached ({reason}); start it with "
-                         f"`vllm serve {model_path} --host 127.0.0.1 --port PORT` (docs/run.md)") from None
-    entries = served.get("data") if isinstance(served, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(f"target {target}: /v1/models lists no model (is it a vLLM server?)")
-    names = [str(m.get("root") or m.get("id")) for m in entries if isinstance(m, dict)]
-    local = [Path(n) for n in names if Path(n).is_dir() and (Path(n) / "config.json").is_file()]
-    if not local or any(n.resolve() == model_path.resolve() for n in local):
-        return  # not comparable here by path: the capture checks what it can
-    from extractors.models import model_content_hash
-
-    want = model_hash_of()
-    if not any(model_content_hash(n) == want for n in local):
-        raise ValueError(f"target {target}: the server serves {', '.join(names)}, another model than --model "
-                         f"{model_path} (their weights/config differ)")
-
-
 def _server_capture():
+    """``(check_server, capture_vllm_server_run)`` of ``extractors.vllm_server``, or EngineStartError."""
     try:
-        from extractors.vllm_server import capture_vllm_server_run
+        from extractors.vllm_server import capture_vllm_server_run, check_server
     except ImportError as e:
         raise EngineStartError(f"target vllm-server: this installation has no server capture "
-                               f"(extractors.vllm_server.capture_vllm_server_run: {e})") from None
-    return capture_vllm_server_run
+                               f"(extractors.vllm_server: {e})") from None
+    return check_server, capture_vllm_server_run
 
 
 # ------------------------------------------------------------------------------------ the pipeline
@@ -555,9 +529,12 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
 
     model_hash = model_content_hash(model_path)
     server_capture = None
-    if tgt.kind == "vllm-server":
-        _check_server(tgt, model_path, lambda: model_hash)
-        server_capture = _server_capture()
+    if tgt.kind == "vllm-server":  # reachable, and serving this model, before anything is written
+        check_server, server_capture = _server_capture()
+        try:
+            check_server(tgt.url, model_path)
+        except ValueError as e:
+            raise ValueError(f"target {tgt}: {e}") from None
     scales = _load_fp8_scales(fp8_scales, cfg) if tgt.kind == "hf-fp8-kv" and fp8_scales is not None else None
 
     from capturestore import Store
@@ -591,7 +568,11 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     elif tgt.kind == "vllm-server":
         progress.begin(f"target {tgt}", len(rows), num_tokens)
         say(f"capturing target {tgt} (teacher-forced prompt logprobs)")
-        act = server_capture(pstore, tgt.url, model_path, rows, teacher_rows, model_hash=model_hash, release=release)
+        import inspect
+
+        kw = {"dtype": tgt.dtype} if "dtype" in inspect.signature(server_capture).parameters else {}
+        act = server_capture(pstore, tgt.url, model_path, rows, teacher_rows, model_hash=model_hash, release=release,
+                             **kw)
         mod_act = None
     elif tgt.kind == "hf":
         act, mod_act = _capture_hf_target(pstore, progress, model_path, tgt.dtype, rows, teacher_rows, release,

@@ -200,9 +200,20 @@ def _bad_cases(model, tmp):
                            "unknown plugin 'nope'; registered: .*fp8-kv"),
         "plugin the target lacks": (["--model", model, "--prompts", ok, "--target", f"vllm-server={url}",
                                      "--plugins", "kv"], "plugin 'kv' needs kv captures, which target vllm-server"),
-        "unreachable server": (["--model", model, "--prompts", ok, "--target", f"vllm-server={url}"],
-                               f"target vllm-server={url}: the server cannot be reached"),
     }
+
+
+def test_an_unreachable_server_is_one_line_exit_2_and_the_store_is_untouched(model, held_store, tmp_path, capsys):
+    pytest.importorskip("extractors.vllm_server", reason="the server capture (extractors.vllm_server) is not here")
+    ok = tmp_path / "ok.txt"
+    ok.write_text("a prompt\n")
+    url = f"http://127.0.0.1:{_free_port()}"
+    before = _snapshot(held_store)
+    rc, out, err = _cli(capsys, "--model", model, "--prompts", ok, "--target", f"vllm-server={url}", "--store",
+                        held_store)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"capturestore run: error: target vllm-server={url}: ") and "127.0.0.1" in err
+    assert _snapshot(held_store) == before
 
 
 def test_every_bad_input_is_one_line_exit_2_and_the_store_is_untouched(model, held_store, tmp_path, capsys):
@@ -277,3 +288,67 @@ def test_an_engine_that_cannot_start_says_what_failed_and_what_to_install_in_one
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("target vllm: the engine failed to start (")
     assert "pip install 'capturestore[vllm]'" in msg
+
+
+def test_fp8_kv_target_passes_its_floor_when_calibrated_and_fails_with_scales_that_clip(model, prompt_file, tmp_path,
+                                                                                       capsys):
+    from nki_fp8.checkpoint import save_kv_scales
+
+    store = tmp_path / "s"
+    rc, out, err = _cli(capsys, "--model", model, "--prompts", prompt_file, "--target", "hf-fp8-kv", "--num-tokens", 3,
+                        "--store", store, "--quiet")
+    assert rc == 0, out + err
+    assert "fp8_kv_floor verdict: FP8 KV target 'hf-fp8-kv' (trn2): vs FP8 floor PASS" in out
+    # checkpoint scales 1e-3 (kernel scale 1000): every |x| > 0.24 clips at the FP8 maximum
+    save_kv_scales(tmp_path / "clip", [1e-3] * 3, [1e-3] * 3)
+    rc, out, err = _cli(capsys, "--model", model, "--prompts", prompt_file, "--target", "hf-fp8-kv", "--num-tokens", 3,
+                        "--store", store, "--quiet", "--fp8-scales", tmp_path / "clip", "--release", "clip")
+    assert rc == 1, out + err
+    assert "vs FP8 floor FAIL" in out and "overall:       FAIL" in out and "localisation:  layer 0" in out
+    runs = _runs(store)
+    assert len(runs) == 4  # the references are reused by the second target
+    assert json.loads(runs[-1]["config"])["k_scale"] == pytest.approx([1000.0] * 3, rel=1e-6)  # float32 1/1e-3
+
+
+def test_hf_target_with_the_modules_plugin_compares_module_runs_of_every_role(model, prompt_file, tmp_path):
+    from capturestore import pipeline
+
+    lines = []
+    r = pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=3, store=tmp_path / "s",
+                     plugins="logits,modules", modules="model.layers.*.mlp", out=lines.append)
+    assert r.passed, "\n".join(lines)
+    assert set(r.verdicts) == {"logits", "modules"} and "6 module x phase outputs" in r.verdicts["modules"].text
+    s = Store.open(tmp_path / "s")
+    own = json.loads(s.sql("SELECT comparator_runs FROM comparisons").to_pylist()[0]["comparator_runs"])["modules"]
+    cfgs = {role: json.loads(s.show(rid)["run"]["config"]) for role, rid in own.items()}
+    assert cfgs["actual"]["attn_implementation"] == "sdpa" and cfgs["expected"]["attn_implementation"] == "eager"
+    assert all(c["module_order"] == [f"model.layers.{i}.mlp" for i in range(3)] for c in cfgs.values())
+    # the module runs are not mistaken for logits/KV references, nor the other way round
+    assert set(own.values()).isdisjoint(r.runs.values())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_server_target_passes_and_a_server_of_another_model_is_refused_storing_nothing(model, prompt_file,
+                                                                                           tmp_path, capsys):
+    pytest.importorskip("extractors.vllm_server", reason="the server capture (extractors.vllm_server) is not here")
+    serve = pytest.importorskip("tests.vllm_serve", reason="the vllm serve fixture (tests/vllm_serve.py) is not here")
+    from extractors.models import tiny_model
+
+    store = tmp_path / "s"
+    with serve.vllm_server(model, dtype="bfloat16", log_dir=tmp_path) as url:
+        rc, out, err = _cli(capsys, "--model", model, "--prompts", prompt_file, "--target", f"vllm-server={url}",
+                            "--num-tokens", 4, "--store", store, "--release", "served")
+        assert rc == 0, out + err
+        assert "logit verdict: PASS" in out and "overall:       PASS" in out
+        runs = _runs(store)
+        assert [(r["engine"], r["release"]) for r in runs] == [("hf", None), ("hf", None), ("vllm-server", "served")]
+        assert json.loads(runs[-1]["config"])["logits_kind"] == "log_softmax"
+
+        other = tiny_model("llama-gqa", seed=0)  # the server serves `model`, not this one
+        before = _snapshot(store)
+        rc, out, err = _cli(capsys, "--model", other, "--prompts", prompt_file, "--target", f"vllm-server={url}",
+                            "--num-tokens", 4, "--store", store)
+        assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert f"target vllm-server={url}: " in err and "not the model" in err
+        assert _snapshot(store) == before
