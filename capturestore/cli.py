@@ -257,8 +257,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from capturestore import pipeline
 
+    from capturestore.layout import FORMAT_FILE
+    from capturestore.store import store_root
+
     store = args.store
-    if Path(store).expanduser().exists():  # an existing store must be writable before any capture
+    if (store_root(store) / FORMAT_FILE).exists():  # an existing store must be writable before any capture
         _require_writable(_open(store), "run")
     result = pipeline.run(args.model, args.prompts, target=args.target, num_tokens=args.num_tokens,
                           release=args.release, store=store, plugins=args.plugins, modules=args.modules,

@@ -597,7 +597,7 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     result = compare_runs(st, expected_run=exp, actual_run=act, baseline_run=base, label=label,
                           logits="logits" in names, kv="kv" in names,
                           comparators=[n for n in names if n not in ("logits", "kv")],
-                          comparator_runs={"modules": mod_runs} if mod_runs else None,
+                          comparator_runs=_tensor_plugin_runs(names, mod_runs),
                           progress=progress.compare_callback(len(pids)))
     progress.end()
     tm["compare"] = time.perf_counter() - t0
@@ -617,6 +617,15 @@ def _needs(names) -> set:
     for n in names:
         out |= set(comparator_class(n).needs)
     return out
+
+
+def _tensor_plugin_runs(names, mod_runs) -> dict | None:
+    """Every plugin that needs module tensors reads them from the module runs of every role."""
+    from capturestore.comparators import comparator_class
+
+    if not mod_runs:
+        return None
+    return {n: dict(mod_runs) for n in names if "tensors" in comparator_class(n).needs}
 
 
 def _patterns(modules) -> tuple[str, ...]:
