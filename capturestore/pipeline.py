@@ -535,7 +535,9 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
             check_server(tgt.url, model_path)
         except ValueError as e:
             raise ValueError(f"target {tgt}: {e}") from None
-    scales = _load_fp8_scales(fp8_scales, cfg) if tgt.kind == "hf-fp8-kv" and fp8_scales is not None else None
+    if fp8_scales is not None and tgt.kind != "hf-fp8-kv":
+        raise ValueError(f"--fp8-scales {fp8_scales}: scales are for --target hf-fp8-kv, not {tgt}")
+    scales = _load_fp8_scales(fp8_scales, cfg) if fp8_scales is not None else None
 
     from capturestore import Store
     from capturestore.writer import prompt_id
@@ -564,7 +566,7 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     if tgt.kind == "vllm":
         act, mod_act = _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, release, tp,
                                      "kv" in needs, patterns if "tensors" in needs else None, engine_options or {},
-                                     engine_hook, tm)
+                                     engine_hook, tm, cfg.get("max_position_embeddings"))
     elif tgt.kind == "vllm-server":
         progress.begin(f"target {tgt}", len(rows), num_tokens)
         say(f"capturing target {tgt} (teacher-forced prompt logprobs)")
@@ -675,7 +677,7 @@ def _reference(st, pstore, progress, tm, role, what, how, model_path, model_hash
 
 
 def _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, release, tp, kv, patterns,
-                  engine_options, engine_hook, tm):
+                  engine_options, engine_hook, tm, context):
     """The in-process vLLM target: raw logits (and paged KV) teacher-forced through the decode path,
     and with ``patterns`` a module-tensor run of the same engine. Returns ``(run_id, module_run_id)``."""
     from extractors.vllm_rpc import capture_vllm_run, close_llm, extract_vllm_kv_cache_config
@@ -683,7 +685,8 @@ def _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, 
     say = progress.say
     say(f"starting vLLM (bfloat16{f', TP {tp}' if tp > 1 else ''}) with the KV capture worker extension")
     need = max(len(r) + len(t) for r, t in zip(rows, teacher_rows))
-    opts = {"max_model_len": max(256, -(-need // 256) * 256), **engine_options}
+    max_len = max(256, -(-need // 256) * 256)  # a few sizes, not one per prompt set
+    opts = {"max_model_len": min(max_len, context) if isinstance(context, int) else max_len, **engine_options}
     if patterns is not None:  # module capture needs every prefill to run in full, never from cached blocks
         opts.setdefault("enable_prefix_caching", False)
     llm = start_vllm_engine(model_path, "bfloat16", tp, **opts)

@@ -13,7 +13,13 @@ its ``verdict()`` after the last prompt. The rules that combine verdicts are wri
   only generation token 0 is prefill; a KV row at its own position);
 - localisation (``localise``): the combined ``{"phase", "layer", "module", "token"}`` of a
   failed comparison, each key from the first failing verdict that has it, in the comparators'
-  ``localisation_rank`` order (module tensors 0, logits 10, the FP8 floor 15, KV 20).
+  ``localisation_rank`` order (module tensors 0, logits 10, the FP8 floor 15, KV 20);
+- errors: a comparator raising ``ValueError`` refuses the comparison (bad input, nothing stored);
+  raising anything else, it is errored: its verdict judges nothing (no pass), its rows are
+  dropped, its traceback goes into the row's ``errored`` column, the other comparators go on.
+
+Comparators are the plugins of ``capturestore run`` (``capturestore.pipeline``): ``needs`` says
+what the engine must give (``logits``, ``kv``, ``tensors``) and decides what is captured.
 """
 from __future__ import annotations
 

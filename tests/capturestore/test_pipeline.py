@@ -194,6 +194,9 @@ def _bad_cases(model, tmp):
                           r"vocab.jsonl line 1: token id 4096 is outside the model's vocabulary \[0, 1024\)"),
         "twice": (["--model", model, "--prompts", tmp / "twice.txt"], r"twice.txt line 3: the same prompt .* line 1"),
         "file type": (["--model", model, "--prompts", tmp / "p.csv"], r"unknown prompt file type '.csv'"),
+        "scales without the fp8 target": (["--model", model, "--prompts", ok, "--target", "hf:bfloat16",
+                                           "--fp8-scales", tmp / "nope"], "--fp8-scales .*: scales are for --target "
+                                                                          "hf-fp8-kv, not hf:bfloat16"),
         "zero tokens": (["--model", model, "--prompts", ok, "--num-tokens", 0], "--num-tokens must be an integer >= 1"),
         "unknown target": (["--model", model, "--prompts", ok, "--target", "tpu"], "unknown target 'tpu'; one of: vllm"),
         "unknown plugin": (["--model", model, "--prompts", ok, "--plugins", "logits,nope"],
