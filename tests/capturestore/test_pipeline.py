@@ -355,3 +355,66 @@ def test_vllm_server_target_passes_and_a_server_of_another_model_is_refused_stor
         assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
         assert f"target vllm-server={url}: " in err and "not the model" in err
         assert _snapshot(store) == before
+
+
+ENTRY_POINT_PLUGIN = '''
+import numpy as np
+import pyarrow as pa
+
+from capturestore.comparators import Comparator, TableSpec, Verdict
+
+
+class MaxDiff(Comparator):
+    name = "maxdiff"
+    needs = ("logits",)
+    tables = {"maxdiff_prompts": TableSpec(pa.schema([("comparison_id", pa.string()), ("prompt_id", pa.string()),
+                                                      ("max_abs_diff", pa.float64())]), 1)}
+
+    def prepare(self, context):
+        super().prepare(context)
+        self.worst = 0.0
+
+    def compare(self, prompt):
+        a, e = (np.asarray(prompt.logits(r)).astype(np.float64) for r in ("actual", "expected"))
+        d = float(np.max(np.abs(a - e)))
+        self.worst = max(self.worst, d)
+        return {"maxdiff_prompts": [{"comparison_id": prompt.comparison_id, "prompt_id": prompt.prompt_id,
+                                     "max_abs_diff": d}]}
+
+    def verdict(self):
+        return Verdict(self.name, self.worst < 1.0, f"max |actual - expected| logit {self.worst:.4g}")
+'''
+
+
+def test_a_plugin_of_another_package_runs_in_capturestore_run_through_its_entry_point(model, prompt_file, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    site = tmp_path / "site"
+    (site / "maxdiffpkg").mkdir(parents=True)
+    (site / "maxdiffpkg" / "__init__.py").write_text(ENTRY_POINT_PLUGIN)
+    dist = site / "maxdiffpkg-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: maxdiffpkg\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[capturestore.comparators]\nmaxdiff = maxdiffpkg:MaxDiff\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(repo), os.environ.get("PYTHONPATH", "")])}
+    store = tmp_path / "s"
+    out = subprocess.run([sys.executable, "-m", "capturestore.cli", "run", "--model", str(model), "--prompts",
+                          str(prompt_file), "--target", "hf:bfloat16", "--num-tokens", "3", "--store", str(store),
+                          "--plugins", "logits,maxdiff"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "maxdiff verdict: max |actual - expected| logit" in out.stdout
+    assert "HF FP32 baseline: prompt 3/3 (9 tokens)" in out.stdout  # not a terminal: plain progress lines
+    # its table holds what an independent reading of the stored logits gives
+    s = Store.open(store)
+    cmp = s.sql("SELECT comparison_id, expected_run, actual_run FROM comparisons").to_pylist()[0]
+    got = {r["prompt_id"]: r["max_abs_diff"] for r in s.sql(
+        f"SELECT prompt_id, max_abs_diff FROM maxdiff_prompts WHERE comparison_id = '{cmp['comparison_id']}'"
+    ).to_pylist()}
+    want = {pid: float(np.max(np.abs(s.read_logits(cmp["actual_run"], pid).astype(np.float64)
+                                     - s.read_logits(cmp["expected_run"], pid).astype(np.float64))))
+            for pid in s.prompts(cmp["actual_run"]).column("prompt_id").to_pylist()}
+    assert got == want and len(got) == 3
