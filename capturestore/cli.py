@@ -265,7 +265,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         _require_writable(_open(store), "run")
     result = pipeline.run(args.model, args.prompts, target=args.target, num_tokens=args.num_tokens,
                           release=args.release, store=store, plugins=args.plugins, modules=args.modules,
-                          tp=args.tp, quiet=args.quiet, label=args.label, fp8_scales=args.fp8_scales)
+                          tp=args.tp, quiet=args.quiet, label=args.label, fp8_scales=args.fp8_scales,
+                          from_task=args.from_task, task_reference=args.task_reference)
     return 0 if result.passed else 1
 
 
@@ -338,8 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("run", cmd_run, "the main job on your model: HF FP32 + expected references (reused when stored), the "
              "target teacher-forced, the plugins' comparison, verdict and localisation (docs/run.md)")
     sp.add_argument("--model", required=True, help="Hugging Face model directory (config.json + weights)")
-    sp.add_argument("--prompts", required=True, help=".txt (one prompt per line) or .jsonl "
-                    "({\"prompt\": ...} or {\"token_ids\": [...]}, optional \"id\")")
+    src = sp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", help=".txt (one prompt per line) or .jsonl "
+                     "({\"prompt\": ...} or {\"token_ids\": [...]}, optional \"id\")")
+    src.add_argument("--from-task", metavar="DIR", help="an lm-eval output directory: analyse its deviated samples' "
+                     "prompts (capturestore tasks)")
+    sp.add_argument("--task-reference", metavar="DIR", help="the reference lm-eval output directory of --from-task")
     sp.add_argument("--target", default="vllm", help="vllm | vllm-server=URL | hf:bfloat16 | hf:float16 | hf-fp8-kv "
                     "(default vllm)")
     sp.add_argument("--num-tokens", type=int, default=8, help="teacher tokens per prompt (default 8)")

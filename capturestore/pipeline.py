@@ -232,6 +232,27 @@ def _jsonl_prompt(obj, where: str, say: str) -> Prompt:
     return Prompt(where, pid, token_ids=tuple(ids))
 
 
+def task_prompts(results, reference=None) -> list[Prompt]:
+    """The deviated samples' prompts of an lm-eval output directory (``capturestore.tasks``),
+    against ``reference`` (another lm-eval output directory) when given; a prompt several
+    samples share is analysed once."""
+    try:
+        from capturestore.tasks import deviated_prompts
+    except ImportError as e:
+        raise EngineStartError(f"--from-task: this installation has no task analysis (capturestore.tasks: {e})") from None
+    found = deviated_prompts(results, reference)
+    if not found:
+        raise ValueError(f"--from-task {results}: no deviated prompt"
+                         + (f" against {reference}" if reference is not None else "") + " (nothing to analyse)")
+    out, seen = [], set()
+    for d in found:
+        if d["prompt"] in seen:
+            continue
+        seen.add(d["prompt"])
+        out.append(Prompt(f"task sample {d['id']}", d["id"], text=d["prompt"]))
+    return out
+
+
 def _as_prompts(prompts) -> list[Prompt]:
     """A prompt file path, or a sequence of texts / token-id lists (the library call)."""
     if isinstance(prompts, (str, os.PathLike)):
@@ -448,15 +469,17 @@ def _server_capture():
 # ------------------------------------------------------------------------------------ the pipeline
 
 
-def run(model, prompts, target: str | Target = "vllm", num_tokens: int = 8, release: str | None = None,
+def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8, release: str | None = None,
         store="capturestore-store", plugins=None, modules=None, tp: int = 1, quiet: bool = False,
         out: Callable[[str], None] = print, label: str | None = None, progress_bar: bool | None = None,
         engine_options: dict | None = None, engine_hook: Callable | None = None, fp8_scales=None,
-        fp8_platform: str | None = None, timings: dict | None = None):
+        fp8_platform: str | None = None, timings: dict | None = None, from_task=None, task_reference=None):
     """The main job (module docstring); returns the ``ComparisonResult`` of the stored comparison.
 
     model: a Hugging Face model directory. prompts: a ``.txt`` / ``.jsonl`` file, or a sequence
-    of texts / token-id lists. target: ``vllm`` | ``vllm-server=URL`` | ``hf:bfloat16`` |
+    of texts / token-id lists; or, instead, ``from_task``: an lm-eval output directory whose
+    deviated samples' prompts are analysed (``capturestore.tasks``; against ``task_reference``,
+    another lm-eval output directory, when given). target: ``vllm`` | ``vllm-server=URL`` | ``hf:bfloat16`` |
     ``hf:float16`` | ``hf-fp8-kv``. plugins: comparator names (comma-separated or a list;
     ``fp8-kv`` = ``fp8_kv_floor``), default per target (``DEFAULT_PLUGINS``). modules: module
     patterns for the ``modules`` plugin (default ``DEFAULT_MODULE_PATTERNS``). release: the
@@ -489,6 +512,13 @@ def run(model, prompts, target: str | Target = "vllm", num_tokens: int = 8, rele
     if quiet or not progress.bar:
         hf_logging.disable_progress_bar()  # transformers' weight-loading bars: only on a terminal
     try:
+        if (prompts is None) == (from_task is None):
+            raise ValueError("give the prompts (--prompts FILE) or an lm-eval output directory (--from-task DIR), "
+                             "one of the two")
+        if task_reference is not None and from_task is None:
+            raise ValueError("--task-reference is the lm-eval reference of --from-task; give --from-task DIR")
+        if from_task is not None:
+            prompts = lambda: task_prompts(from_task, task_reference)  # noqa: E731 - read after the cheap checks
         return _run(model, prompts, target, num_tokens, release, store, plugins, modules, tp, quiet, out, label,
                     progress, engine_options, engine_hook, fp8_scales, fp8_platform, timings)
     finally:
@@ -519,7 +549,7 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     if "tensors" in needs and tp != 1:
         raise ValueError("the modules plugin captures vLLM module tensors in-process: --tp 1 only")
     model_path, cfg = check_model_dir(model)
-    given = _as_prompts(prompts)
+    given = prompts() if callable(prompts) else _as_prompts(prompts)
     rows = _token_rows(model_path, cfg, given, num_tokens)
     import importlib.util
 

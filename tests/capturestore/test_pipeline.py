@@ -197,6 +197,8 @@ def _bad_cases(model, tmp):
         "scales without the fp8 target": (["--model", model, "--prompts", ok, "--target", "hf:bfloat16",
                                            "--fp8-scales", tmp / "nope"], "--fp8-scales .*: scales are for --target "
                                                                           "hf-fp8-kv, not hf:bfloat16"),
+        "task reference alone": (["--model", model, "--prompts", ok, "--task-reference", tmp],
+                                 "--task-reference is the lm-eval reference of --from-task"),
         "zero tokens": (["--model", model, "--prompts", ok, "--num-tokens", 0], "--num-tokens must be an integer >= 1"),
         "unknown target": (["--model", model, "--prompts", ok, "--target", "tpu"], "unknown target 'tpu'; one of: vllm"),
         "unknown plugin": (["--model", model, "--prompts", ok, "--plugins", "logits,nope"],
@@ -418,3 +420,31 @@ def test_a_plugin_of_another_package_runs_in_capturestore_run_through_its_entry_
                                      - s.read_logits(cmp["expected_run"], pid).astype(np.float64))))
             for pid in s.prompts(cmp["actual_run"]).column("prompt_id").to_pylist()}
     assert got == want and len(got) == 3
+
+
+def test_from_task_analyses_exactly_the_deviated_prompts_of_a_degraded_lm_eval_run(tmp_path, capsys):
+    from pathlib import Path
+
+    tasks = pytest.importorskip("capturestore.tasks", reason="the task analysis (capturestore.tasks) is not here")
+    fix = Path(__file__).resolve().parents[1] / "fixtures" / "lm_eval"
+    ref, bad = fix / "reference", fix / "degraded"
+    if not bad.is_dir():
+        pytest.skip("the lm-eval fixtures (tests/fixtures/lm_eval) are not here")
+    from capturestore.pipeline import encode_prompts
+    from capturestore.writer import prompt_id
+    from extractors.models import tiny_model
+
+    model = tiny_model("llama-mha", seed=3)  # the fixtures' reference model, built the same way
+    want = tasks.deviated_prompts(bad, ref)
+    assert want, "the degraded fixture deviates somewhere"
+    store = tmp_path / "s"
+    rc, out, err = _cli(capsys, "--model", model, "--from-task", bad, "--task-reference", ref, "--target",
+                        "hf:bfloat16", "--num-tokens", 2, "--store", store, "--quiet")
+    assert rc == 0, out + err
+    s = Store.open(store)
+    act = s.sql("SELECT actual_run FROM comparisons").to_pylist()[0]["actual_run"]
+    texts = list(dict.fromkeys(d["prompt"] for d in want))
+    assert set(s.prompts(act).column("prompt_id").to_pylist()) == {prompt_id(r) for r in encode_prompts(model, texts)}
+    # an lm-eval run against itself deviates nowhere: nothing to analyse, one line, exit 2
+    rc, out, err = _cli(capsys, "--model", model, "--from-task", ref, "--task-reference", ref, "--store", store)
+    assert rc == 2 and "no deviated prompt" in err and len(err.strip().splitlines()) == 1
