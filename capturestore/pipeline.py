@@ -337,14 +337,14 @@ class _Progress:
         if not self.quiet:
             self.out(f"[{time.monotonic() - self.t0:6.1f}s] {msg}")
 
-    def begin(self, desc: str, n_prompts: int, tokens_per_prompt: int) -> None:
+    def begin(self, desc: str, n_prompts: int, tokens_per_prompt: int, unit: str = "tok") -> None:
         self.end()
         if self.quiet:
             return
         if self.bar:
             from tqdm import tqdm
 
-            self._current = tqdm(total=n_prompts * tokens_per_prompt, desc=desc, unit="tok", leave=False,
+            self._current = tqdm(total=n_prompts * tokens_per_prompt, desc=desc, unit=unit, leave=False,
                                  file=sys.stderr)
             self._current.done = 0
         else:
@@ -366,7 +366,7 @@ class _Progress:
             return None
         if not self.bar:
             return self.say
-        self.begin("comparing", n_prompts, 1)
+        self.begin("comparing", n_prompts, 1, unit="prompt")
         started = []
 
         def tick(_msg: str) -> None:  # called as each prompt starts: count the one before

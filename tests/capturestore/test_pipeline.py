@@ -448,3 +448,18 @@ def test_from_task_analyses_exactly_the_deviated_prompts_of_a_degraded_lm_eval_r
     # an lm-eval run against itself deviates nowhere: nothing to analyse, one line, exit 2
     rc, out, err = _cli(capsys, "--model", model, "--from-task", ref, "--task-reference", ref, "--store", store)
     assert rc == 2 and "no deviated prompt" in err and len(err.strip().splitlines()) == 1
+
+
+def test_hf_float16_target_gets_a_float16_expected_reference_and_reuses_the_fp32_baseline(model, prompt_file, tmp_path):
+    from capturestore import pipeline
+
+    store = tmp_path / "s"
+    bf = pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=3, store=store, quiet=True,
+                      out=lambda _: None)
+    fp = pipeline.run(model, prompt_file, target="hf:float16", num_tokens=3, store=store, quiet=True,
+                      out=lambda _: None)
+    assert bf.passed and fp.passed
+    assert fp.runs["baseline"] == bf.runs["baseline"] and fp.runs["expected"] != bf.runs["expected"]
+    dtypes = {r["run_id"]: r["dtype"] for r in _runs(store)}
+    assert dtypes[fp.runs["expected"]] == dtypes[fp.runs["actual"]] == "float16"
+    assert dtypes[bf.runs["expected"]] == "bfloat16"
