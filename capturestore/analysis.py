@@ -287,10 +287,11 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     for c in (*_default_comparators(), *active):  # the built-in columns exist (NULL) when their comparator did not run
         if c.name not in verdicts or c.name in errors:
             row.update(dict.fromkeys(f.name for f in c.comparison_fields))
+    n_errors = len(errors)
     for c in active:
         if c.name not in errors:
             row.update(guarded(c, c.comparison_columns, verdicts[c.name], passed) or {})
-    if len(errors) > sum(v is not None and v.text.startswith("errored:") for v in verdicts.values()):
+    if len(errors) > n_errors:
         errored_verdicts()  # raised while filling its cells: no pass, and its verdict says so
         passed = row["passed"] = False
     row.update({
