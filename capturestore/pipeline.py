@@ -616,7 +616,8 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     tm["target"] = time.perf_counter() - t0 - tm.get("modules", 0.0)
     say(f"target {tgt}: run {act} captured")
     if mod_act is not None:
-        mod_runs = _module_references(st, pstore, progress, tm, model_path, model_hash, rows, pids, mod_act)
+        mod_runs = _module_references(st, pstore, progress, tm, model_path, model_hash, rows, pids, mod_act,
+                                      tgt.dtype)
         reused["module references"] = mod_runs.pop("reused")
 
     # 4. one comparison
@@ -823,9 +824,9 @@ def _capture_fp8(st, pstore, progress, model_path, exp, rows, teacher_rows, rele
     return rid
 
 
-def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, pids, mod_act) -> dict:
-    """HF FP32 and BF16 module runs on the target module run's tokens, over its modules (reused
-    when the store holds them). Returns ``{"baseline", "expected", "actual", "reused"}``."""
+def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, pids, mod_act, dtype) -> dict:
+    """HF FP32 and ``dtype`` (the target's) module runs on the target module run's tokens, over its
+    modules (reused when the store holds them). Returns ``{"baseline", "expected", "actual", "reused"}``."""
     from capturestore.analysis import find_reference_run
     from extractors.modules import capture_hf_module_run
 
@@ -835,7 +836,7 @@ def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, p
     tokens = {p: st.read_tokens(mod_act, p) for p in pids}
     teach = [tokens[p][len(r):].tolist() for p, r in zip(pids, rows)]
     out, reused = {"actual": mod_act}, []
-    for role, dtype in (("baseline", "float32"), ("expected", "bfloat16")):
+    for role, dtype in (("baseline", "float32"), ("expected", dtype)):
         want = {"mode": "teacher_forced_stepwise", "attn_implementation": "eager", "module_order": order}
         rid = find_reference_run(st, model_hash=model_hash, dtype=dtype, prompt_ids=pids, teacher_tokens=tokens,
                                  config=want)
