@@ -440,6 +440,10 @@ def start_vllm_engine(model_path, dtype: str = "bfloat16", tp: int = 1, max_mode
     EngineStartError in one line when vLLM is missing or fails to start."""
     if tp == 1:  # in-process: module capture and fault probes reach the worker directly
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    else:  # one worker process per rank, each bound to its own CPU (ENGINES.md)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+        kwargs.setdefault("distributed_executor_backend", "mp")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     try:
         from extractors.vllm_rpc import make_llm
