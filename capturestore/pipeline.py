@@ -232,15 +232,17 @@ def _jsonl_prompt(obj, where: str, say: str) -> Prompt:
     return Prompt(where, pid, token_ids=tuple(ids))
 
 
-def task_prompts(results, reference=None) -> list[Prompt]:
-    """The deviated samples' prompts of an lm-eval output directory (``capturestore.tasks``),
-    against ``reference`` (another lm-eval output directory) when given; a prompt several
-    samples share is analysed once."""
+def task_prompts(results, reference=None):
+    """``(prompts, analysis)``: the deviated samples' prompts of an lm-eval output directory and
+    its ``capturestore.tasks`` analysis, against ``reference`` (another lm-eval output directory)
+    when given; a prompt several samples share is analysed once."""
     try:
-        from capturestore.tasks import deviated_prompts
+        from capturestore.tasks import analyse_tasks
     except ImportError as e:
-        raise EngineStartError(f"--from-task: this installation has no task analysis (capturestore.tasks: {e})") from None
-    found = deviated_prompts(results, reference)
+        raise EngineStartError(f"--from-task: this installation has no task analysis "
+                               f"(capturestore.tasks: {e})") from None
+    analysis = analyse_tasks(results, reference)
+    found = analysis.deviated_prompts()
     if not found:
         raise ValueError(f"--from-task {results}: no deviated prompt"
                          + (f" against {reference}" if reference is not None else "") + " (nothing to analyse)")
@@ -250,7 +252,7 @@ def task_prompts(results, reference=None) -> list[Prompt]:
             continue
         seen.add(d["prompt"])
         out.append(Prompt(f"task sample {d['id']}", d["id"], text=d["prompt"]))
-    return out
+    return out, analysis
 
 
 def _as_prompts(prompts) -> list[Prompt]:
@@ -545,6 +547,8 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     tgt = target if isinstance(target, Target) else parse_target(target)
     if tp != 1 and tgt.kind != "vllm":
         raise ValueError(f"--tp {tp}: tensor parallelism is for --target vllm, not {tgt}")
+    if callable(prompts) and tgt.kind == "hf-fp8-kv":
+        raise ValueError("--from-task: the hf-fp8-kv target's run cannot name the task analysis; use another target")
     names = resolve_plugins(plugins, tgt)
     needs = _needs(names)
     if modules is not None and "tensors" not in needs:
@@ -553,7 +557,7 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     if "tensors" in needs and tp != 1:
         raise ValueError("the modules plugin captures vLLM module tensors in-process: --tp 1 only")
     model_path, cfg = check_model_dir(model)
-    given = prompts() if callable(prompts) else _as_prompts(prompts)
+    given, analysis = prompts() if callable(prompts) else (_as_prompts(prompts), None)
     rows = _token_rows(model_path, cfg, given, num_tokens)
     import importlib.util
 
@@ -583,6 +587,14 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
         f"model {model_path} (hash {model_hash[:12]}); target {tgt}; plugins {', '.join(names)}")
     pstore = _ProgressStore(st, progress)
     reused: dict = {}
+    if label is None:
+        label = f"{tgt} {release}" if release else str(tgt)
+    target_config = {}
+    if analysis is not None:  # stored, and named by the target run: its report shows the Tasks tab
+        from capturestore.tasks import store_task_analysis
+
+        target_config["task_analysis_id"] = store_task_analysis(st, analysis, label)
+        say(f"lm-eval task analysis {target_config['task_analysis_id']}: {len(given)} deviated prompts to analyse")
 
     # 2. references
     base, reused["baseline"] = _reference(
@@ -600,7 +612,7 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     if tgt.kind == "vllm":
         act, mod_act = _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, release, tp,
                                      "kv" in needs, patterns if "tensors" in needs else None, engine_options or {},
-                                     engine_hook, tm, cfg.get("max_position_embeddings"))
+                                     engine_hook, tm, cfg.get("max_position_embeddings"), target_config)
     elif tgt.kind == "vllm-server":
         progress.begin(f"target {tgt}", len(rows), num_tokens)
         say(f"capturing target {tgt} (teacher-forced prompt logprobs)")
@@ -608,11 +620,11 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
 
         kw = {"dtype": tgt.dtype} if "dtype" in inspect.signature(server_capture).parameters else {}
         act = server_capture(pstore, tgt.url, model_path, rows, teacher_rows, model_hash=model_hash, release=release,
-                             **kw)
+                             config=target_config, **kw)
         mod_act = None
     elif tgt.kind == "hf":
         act, mod_act = _capture_hf_target(pstore, progress, model_path, tgt.dtype, rows, teacher_rows, release,
-                                          patterns if "tensors" in needs else None, tm)
+                                          patterns if "tensors" in needs else None, tm, target_config)
     else:
         act = _capture_fp8(st, pstore, progress, model_path, exp, rows, teacher_rows, release, scales, fp8_platform)
         mod_act = None
@@ -629,8 +641,6 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     say(f"comparing runs (three-way: FP32 baseline, {_dt(tgt.dtype)} expected, {tgt} actual)")
     from capturestore.analysis import compare_runs
 
-    if label is None:
-        label = f"{tgt} {release}" if release else str(tgt)
     result = compare_runs(st, expected_run=exp, actual_run=act, baseline_run=base, label=label,
                           logits="logits" in names, kv="kv" in names,
                           comparators=[n for n in names if n not in ("logits", "kv")],
@@ -712,7 +722,7 @@ def _reference(st, pstore, progress, tm, role, what, how, model_path, model_hash
 
 
 def _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, release, tp, kv, patterns,
-                  engine_options, engine_hook, tm, context):
+                  engine_options, engine_hook, tm, context, target_config):
     """The in-process vLLM target: raw logits (and paged KV) teacher-forced through the decode path,
     and with ``patterns`` a module-tensor run of the same engine. Returns ``(run_id, module_run_id)``."""
     from extractors.vllm_rpc import capture_vllm_run, close_llm, extract_vllm_kv_cache_config
@@ -727,7 +737,7 @@ def _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, 
     llm = start_vllm_engine(model_path, "bfloat16", tp, **opts)
     mod_run = None
     try:
-        config = {}
+        config = dict(target_config)
         if tp == 1:
             from extractors.faults import engine_cpu_paths
 
@@ -773,7 +783,7 @@ def _vllm_module_run(pstore, progress, llm, model_path, rows, teacher_rows, patt
     return rid
 
 
-def _capture_hf_target(pstore, progress, model_path, dtype, rows, teacher_rows, release, patterns, tm):
+def _capture_hf_target(pstore, progress, model_path, dtype, rows, teacher_rows, release, patterns, tm, config):
     """HF in ``dtype`` with SDPA attention (the references run eager attention) as the target."""
     from extractors.hf import capture_hf_run, load_hf_model
 
@@ -781,7 +791,7 @@ def _capture_hf_target(pstore, progress, model_path, dtype, rows, teacher_rows, 
     model = _load_sdpa(model_path, dtype, load_hf_model)
     progress.begin(f"target hf:{dtype}", len(rows), len(teacher_rows[0]))
     act = capture_hf_run(pstore, model_path, rows, teacher_tokens=teacher_rows, dtype=dtype, release=release,
-                         model=model)
+                         model=model, config=config)
     progress.end()
     mod = None
     if patterns is not None:

@@ -445,6 +445,10 @@ def test_from_task_analyses_exactly_the_deviated_prompts_of_a_degraded_lm_eval_r
     act = s.sql("SELECT actual_run FROM comparisons").to_pylist()[0]["actual_run"]
     texts = list(dict.fromkeys(d["prompt"] for d in want))
     assert set(s.prompts(act).column("prompt_id").to_pylist()) == {prompt_id(r) for r in encode_prompts(model, texts)}
+    # the analysis is stored and the target run names it (its report's Tasks tab reads it from there)
+    aid = json.loads(s.show(act)["run"]["config"])["task_analysis_id"]
+    n = s.sql(f"SELECT count(*) AS n FROM task_samples WHERE analysis_id = '{aid}' AND deviated").to_pylist()[0]["n"]
+    assert n == len(tasks.analyse_tasks(bad, ref).deviated) > 0
     # an lm-eval run against itself deviates nowhere: nothing to analyse, one line, exit 2
     rc, out, err = _cli(capsys, "--model", model, "--from-task", ref, "--task-reference", ref, "--store", store)
     assert rc == 2 and "no deviated prompt" in err and len(err.strip().splitlines()) == 1
