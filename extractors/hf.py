@@ -275,7 +275,7 @@ def generate_hf_logits_and_kv(model, input_ids, num_tokens: int, cache_factory=N
 
 
 def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: int = 8,
-                   dtype: str = "float32", release=None, model=None) -> str:
+                   dtype: str = "float32", release=None, model=None, config: dict | None = None) -> str:
     """Capture HF logits + KV for ``prompts`` into ``store``; returns the run id.
 
     prompts: list of token-id lists. With ``teacher_tokens`` (one list per prompt) the run is
@@ -284,7 +284,8 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     id hashes the prompt alone; the forced/generated tokens are its ``continuation``), logits
     ``[gen_token, vocab]`` and KV ``[layer, kv_head, seq, head_dim]`` (sliding layers NaN outside
     HF's window). Prompts are captured one at a time so memory stays bounded by one prompt.
-    ``model``: an already loaded model of ``model_path`` in ``dtype`` (skips loading).
+    ``model``: an already loaded model of ``model_path`` in ``dtype`` (skips loading). ``config``:
+    extra entries for the run config.
     """
     import transformers
 
@@ -306,7 +307,7 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     config = {
         "mode": "teacher_forced" if teacher_tokens is not None else "greedy",
         "num_tokens": None if teacher_tokens is not None else num_tokens,
-        "attn_implementation": "eager",
+        "attn_implementation": getattr(model.config, "_attn_implementation", None) or "eager",
         "layer_names": names,
         "prompt_lens": [len(p) for p in prompt_rows],
         "sliding_window": getattr(cfg, "sliding_window", None),
@@ -314,6 +315,7 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
         "kv_layout": "[layer, kv_head, seq, head_dim]; seq index == position; NaN where HF's "
                      "sliding-window cache dropped positions",
         "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j",
+        **(config or {}),
     }
     run = begin_capture_run(store, engine="hf", capture="teacher_forced_prefill" if teacher_tokens is not None else "greedy",
                             prompts=prompt_rows, layer_names=names, logits_kind="logits", config=config,

@@ -13,7 +13,13 @@ its ``verdict()`` after the last prompt. The rules that combine verdicts are wri
   only generation token 0 is prefill; a KV row at its own position);
 - localisation (``localise``): the combined ``{"phase", "layer", "module", "token"}`` of a
   failed comparison, each key from the first failing verdict that has it, in the comparators'
-  ``localisation_rank`` order (module tensors 0, logits 10, the FP8 floor 15, KV 20).
+  ``localisation_rank`` order (module tensors 0, logits 10, the FP8 floor 15, KV 20);
+- errors: a comparator raising ``ValueError`` refuses the comparison (bad input, nothing stored);
+  raising anything else, it is errored: its verdict judges nothing (no pass), its rows are
+  dropped, its traceback goes into the row's ``errored`` column, the other comparators go on.
+
+Comparators are the plugins of ``capturestore run`` (``capturestore.pipeline``): ``needs`` says
+what the engine must give (``logits``, ``kv``, ``tensors``) and decides what is captured.
 """
 from __future__ import annotations
 
@@ -222,7 +228,7 @@ class Comparator:
 
 # --------------------------------------------------------------------------- the comparisons table
 
-COMPARISONS_SCHEMA_VERSION = 2  # 2: localisation, failure_layer, failure_module, failure_token
+COMPARISONS_SCHEMA_VERSION = 3  # 2: localisation, failure_layer, failure_module, failure_token; 3: errored, comparator_runs
 
 _TS = pa.timestamp("us", tz="UTC")
 # Before the comparators' fields (the order of today's row).
@@ -245,6 +251,8 @@ COMPARISONS_TAIL = (
     pa.field("failure_layer", pa.int64()),
     pa.field("failure_module", pa.string()),
     pa.field("failure_token", pa.int64()),
+    pa.field("errored", pa.string()),  # JSON {comparator: traceback} of comparators that raised
+    pa.field("comparator_runs", pa.string()),  # JSON {comparator: {role: run_id}} read instead of the row's runs
 )
 
 

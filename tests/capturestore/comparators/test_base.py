@@ -314,3 +314,86 @@ def test_a_table_without_rows_gets_no_segment_and_a_comparator_named_twice_is_re
     assert not (store.root / "tables" / "quiet_test_rows").exists()
     with pytest.raises(ValueError, match="name one twice"):
         compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, comparators=["kv"])
+
+
+class Raising(Comparator):
+    """Raises ``error`` in the stage named ``stage``; writes one row per prompt otherwise."""
+
+    name = "raising-test"
+    tables = {"raising_test_rows": TableSpec(pa.schema([("comparison_id", pa.string()), ("prompt_id", pa.string())]),
+                                             1)}
+
+    def __init__(self, stage, error):
+        self.stage, self.error = stage, error
+
+    def _maybe(self, stage):
+        if stage == self.stage:
+            raise self.error
+
+    def prepare(self, context):
+        super().prepare(context)
+        self._maybe("prepare")
+
+    def compare(self, prompt):
+        self._maybe("compare")
+        return {"raising_test_rows": [{"comparison_id": prompt.comparison_id, "prompt_id": prompt.prompt_id}]}
+
+    def finish(self):
+        self._maybe("finish")
+        return {}
+
+    def verdict(self):
+        self._maybe("verdict")
+        return Verdict(self.name, True, "PASS")
+
+
+@pytest.mark.parametrize("stage", ["prepare", "compare", "finish", "verdict"])
+def test_a_comparator_raising_in_any_stage_is_stored_errored_with_its_traceback_and_the_others_run(runs, stage):
+    store, base, exp, act, *_ = runs
+    res = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base,
+                       comparators=[Raising(stage, KeyError(f"bug in {stage}"))])
+    assert res.verdicts["logits"].passed is True and res.verdicts["kv"].passed is True  # the others ran and pass
+    v = res.verdicts["raising-test"]
+    assert v.passed is None and v.text.startswith("errored: KeyError: 'bug in") and not res.passed
+    assert f"in {stage}" in res.errors["raising-test"] and "Traceback" in res.errors["raising-test"]
+    row = store.sql(f"SELECT passed, logit_passed, kv_passed, errored FROM comparisons "
+                    f"WHERE comparison_id = '{res.comparison_id}'").to_pylist()[0]
+    assert row["passed"] is False and row["logit_passed"] is True and row["kv_passed"] is True
+    assert json.loads(row["errored"]) == res.errors
+    assert not (store.root / "tables" / "raising_test_rows").exists()  # partial rows are never stored
+
+
+def test_a_comparator_raising_valueerror_refuses_the_comparison_storing_nothing(runs):
+    store, base, exp, act, *_ = runs
+    with pytest.raises(ValueError, match="bad input here"):
+        compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base,
+                     comparators=[Raising("compare", ValueError("bad input here"))])
+    assert not (store.root / "tables" / "comparisons").exists()
+    assert not (store.root / "tables" / "raising_test_rows").exists()
+
+
+def test_a_comparator_reads_its_own_runs_when_given_and_the_row_records_them(runs):
+    store, base, exp, act, _, fp32 = runs
+    seen = {}
+
+    class Spy(Comparator):
+        name = "spy-test"
+
+        def compare(self, prompt):
+            seen[prompt.prompt_id] = dict(prompt.runs)
+            return {}
+
+        def verdict(self):
+            return Verdict(self.name, True, "PASS")
+
+    own = {"baseline": base, "expected": exp, "actual": fp32}
+    res = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, comparators=[Spy()],
+                       comparator_runs={"spy-test": own})
+    assert res.passed and len(seen) == 2 and all(r == own for r in seen.values())
+    row = store.sql("SELECT actual_run, comparator_runs FROM comparisons").to_pylist()[0]
+    assert row["actual_run"] == act and json.loads(row["comparator_runs"]) == {"spy-test": own}
+    with pytest.raises(ValueError, match=r"comparator_runs\['spy-test'\] has roles \['actual', 'expected'\]"):
+        compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, comparators=[Spy()],
+                     comparator_runs={"spy-test": {"expected": exp, "actual": fp32}})
+    with pytest.raises(ValueError, match="comparator_runs names 'nobody'"):
+        compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, comparator_runs={"nobody": own})

@@ -1,0 +1,914 @@
+"""The main job on the user's own model: references, the engine under test, plugins, one comparison.
+
+``run(model, prompts, target, num_tokens, ...)`` (the CLI's ``capturestore run``; docs/run.md):
+
+1. Checks every input before the store is touched: the model directory (``config.json``,
+   weights), the prompt file (``.txt`` one prompt per line, ``.jsonl`` with ``"prompt"`` or
+   ``"token_ids"`` and an optional ``"id"``), the target, the plugins, ``num_tokens`` and each
+   prompt's length against the model's context. Bad input is one ``ValueError`` line naming the
+   file, line or prompt; nothing is written.
+2. References (DESIGN.md "Roles"): the HF FP32 ``baseline`` generates ``num_tokens`` greedy
+   tokens per prompt (the teacher tokens) and the HF ``expected`` run in the target's dtype is
+   teacher-forced on them. Each is reused when the store already holds a run of the same model
+   content (``model_hash``: weights + config, not the path), prompts, dtype and number of tokens,
+   captured the same way; the output says which were reused.
+3. The target (``actual``), teacher-forced on the same tokens: ``vllm`` (in-process vLLM, raw
+   logits + paged KV through its decode path), ``vllm-server=URL`` (a running OpenAI-compatible
+   vLLM server, ``extractors.vllm_server``: checked to answer and serve this model before anything
+   is written), ``hf:bfloat16`` / ``hf:float16`` (HF with SDPA
+   attention against the eager reference), ``hf-fp8-kv`` (the FP8 KV cache of ``nki_fp8``, scales
+   calibrated on the expected run's KV unless given).
+4. The plugins compare them in one ``compare_runs`` comparison and its verdict is returned.
+
+Plugins are the comparators (``capturestore.comparators``: ``name``, ``needs`` = what they need
+captured from the engine, ``compare``/``finish``/``verdict`` = run, ``tables`` = what they save),
+registered in code or through the entry-point group ``capturestore.comparators``. ``needs``
+decides what is captured: ``kv`` turns on KV capture, ``tensors`` module-tensor runs of every
+role (compared by the ``modules`` plugin through ``compare_runs(comparator_runs=...)``). A plugin
+that raises is recorded as errored with its traceback (``compare_runs``) and never passes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_MODULE_PATTERNS",
+    "DEFAULT_PLUGINS",
+    "EngineStartError",
+    "PLUGIN_ALIASES",
+    "Prompt",
+    "Target",
+    "check_model_dir",
+    "encode_prompts",
+    "format_layer_summary",
+    "parse_target",
+    "read_prompt_file",
+    "resolve_plugins",
+    "run",
+]
+
+TARGETS = ("vllm", "vllm-server=URL", "hf:bfloat16", "hf:float16", "hf-fp8-kv")
+PLUGIN_ALIASES = {"fp8-kv": "fp8_kv_floor"}
+DEFAULT_PLUGINS = {"vllm": ("logits", "kv"), "vllm-server": ("logits",), "hf": ("logits", "kv"),
+                   "hf-fp8-kv": ("fp8-kv",)}  # FP8 is judged against its rounding floor, not BF16 noise
+# What each target can give: a plugin needing more is refused before anything is captured.
+TARGET_GIVES = {"vllm": {"logits", "kv", "tensors"}, "vllm-server": {"logits"}, "hf": {"logits", "kv", "tensors"},
+                "hf-fp8-kv": {"logits", "kv"}}
+DEFAULT_MODULE_PATTERNS = ("model.layers.*.self_attn", "model.layers.*.mlp", "model.layers.*", "model.norm")
+INSTALL = {"vllm": "pip install 'capturestore[vllm]'", "hf": "pip install 'capturestore[hf]'"}
+
+
+class EngineStartError(RuntimeError):
+    """An engine could not start (not installed, or it failed at start): one line saying what
+    failed and what to install. The CLI reports it like bad input (exit 2)."""
+
+
+# ------------------------------------------------------------------------------------ inputs
+
+
+@dataclass(frozen=True)
+class Target:
+    """The engine under test: ``kind`` (vllm | vllm-server | hf | hf-fp8-kv), its ``dtype`` (the
+    expected reference is captured in it) and, for a server, its ``url``."""
+
+    kind: str
+    dtype: str = "bfloat16"
+    url: str | None = None
+
+    def __str__(self) -> str:
+        return {"vllm-server": f"vllm-server={self.url}", "hf": f"hf:{self.dtype}"}.get(self.kind, self.kind)
+
+
+def parse_target(spec: str) -> Target:
+    """``vllm``, ``vllm-server=URL``, ``hf:bfloat16``, ``hf:float16`` or ``hf-fp8-kv``."""
+    s = str(spec).strip()
+    if s == "vllm":
+        return Target("vllm")
+    if s == "hf-fp8-kv":
+        return Target("hf-fp8-kv")
+    if s.startswith("hf:"):
+        if s[3:] not in ("bfloat16", "float16"):
+            raise ValueError(f"--target {spec}: the HF target's dtype must be bfloat16 or float16")
+        return Target("hf", s[3:])
+    if s.startswith("vllm-server="):
+        from urllib.parse import urlparse
+
+        url = s.split("=", 1)[1].strip().rstrip("/")
+        u = urlparse(url)
+        if u.scheme not in ("http", "https") or not u.netloc:
+            raise ValueError(f"--target {spec}: the server URL must be http(s)://HOST:PORT")
+        return Target("vllm-server", url=url)
+    raise ValueError(f"unknown target {spec!r}; one of: {', '.join(TARGETS)}")
+
+
+def resolve_plugins(names, target: Target) -> list[str]:
+    """Comparator names of the plugins ``names`` (a comma-separated string or names; None: the
+    target's defaults), checked against the registry and against what the target can give."""
+    from capturestore.comparators import comparator_class, comparator_names
+
+    if names is None:
+        names = DEFAULT_PLUGINS[target.kind]
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",")]
+    out = []
+    for n in names:
+        if not n:
+            raise ValueError("--plugins: an empty plugin name (a stray comma?)")
+        name = PLUGIN_ALIASES.get(n, n)
+        if name not in comparator_names():
+            known = sorted({*comparator_names(), *PLUGIN_ALIASES} - set(PLUGIN_ALIASES.values()))
+            raise ValueError(f"unknown plugin {n!r}; registered: {', '.join(known)}")
+        if name in out:
+            raise ValueError(f"--plugins names {n!r} twice")
+        lacking = set(comparator_class(name).needs) - TARGET_GIVES[target.kind]
+        if lacking:
+            raise ValueError(f"plugin {n!r} needs {', '.join(sorted(lacking))} captures, which target {target} "
+                             f"does not give (it gives {', '.join(sorted(TARGET_GIVES[target.kind]))})")
+        if name == "fp8_kv_floor" and target.kind != "hf-fp8-kv":
+            raise ValueError(f"plugin {n!r} judges an FP8 KV cache: it needs --target hf-fp8-kv, not {target}")
+        out.append(name)
+    if not out:
+        raise ValueError("--plugins: no plugin given")
+    return out
+
+
+def check_model_dir(path) -> tuple[Path, dict]:
+    """``(path, text config)`` of a Hugging Face model directory, or ValueError naming what is missing."""
+    from capturestore.store import expand_path
+
+    p = expand_path(str(path), "--model")
+    if not p.is_dir():
+        raise ValueError(f"--model {path}: no such directory")
+    cfg_file = p / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"--model {p}: no config.json (not a Hugging Face model directory)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"--model {cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--model {cfg_file}: not a JSON object")
+    if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        raise ValueError(f"--model {p}: no weights (*.safetensors or *.bin)")
+    text = cfg.get("text_config") or cfg
+    for key in ("vocab_size", "num_hidden_layers"):
+        if not isinstance(text.get(key), int):
+            raise ValueError(f"--model {cfg_file}: no integer {key!r}")
+    return p, text
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as given: ``where`` it came from (``file line N`` / ``prompts[i]``), the
+    user's ``id`` (if any), its ``text`` or its ``token_ids``."""
+
+    where: str
+    id: str | None = None
+    text: str | None = None
+    token_ids: tuple | None = None
+
+
+def read_prompt_file(path) -> list[Prompt]:
+    """Prompts of a ``.txt`` (one per line; blank lines skipped) or ``.jsonl`` file (one JSON
+    object per line: ``"prompt"`` text or ``"token_ids"``, optional ``"id"``). ValueError names
+    the file and line of anything malformed, and an empty file."""
+    from capturestore.store import expand_path
+
+    p = expand_path(str(path), "--prompts")
+    if not p.is_file():
+        raise ValueError(f"--prompts {path}: no such file")
+    kind = p.suffix.lower()
+    if kind not in (".txt", ".jsonl"):
+        raise ValueError(f"--prompts {p}: unknown prompt file type {p.suffix!r}; use .txt (one prompt per line) "
+                         f"or .jsonl ({{\"prompt\": ...}} or {{\"token_ids\": [...]}} per line)")
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts {p}: not UTF-8 text (byte {e.start})") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{p.name} line {n}"
+        if kind == ".txt":
+            out.append(Prompt(where, text=line))
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--prompts {p} line {n}: not JSON ({e.msg} at column {e.colno})") from None
+        out.append(_jsonl_prompt(obj, where, f"--prompts {p} line {n}"))
+    if not out:
+        raise ValueError(f"--prompts {p}: empty (no prompt in it)")
+    return out
+
+
+def _jsonl_prompt(obj, where: str, say: str) -> Prompt:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{say}: a JSON object is needed ({{\"prompt\": ...}} or {{\"token_ids\": [...]}}), "
+                         f"got {type(obj).__name__}")
+    if ("prompt" in obj) == ("token_ids" in obj):
+        raise ValueError(f"{say}: needs exactly one of \"prompt\" and \"token_ids\"")
+    pid = obj.get("id")
+    if pid is not None and (isinstance(pid, bool) or not isinstance(pid, (str, int))):
+        raise ValueError(f"{say}: \"id\" must be a string or an integer")
+    pid = None if pid is None else str(pid)
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"].strip():
+            raise ValueError(f"{say}: \"prompt\" must be non-empty text")
+        return Prompt(where, pid, text=obj["prompt"])
+    ids = obj["token_ids"]
+    if not isinstance(ids, list) or not ids:
+        raise ValueError(f"{say}: \"token_ids\" must be a non-empty list of token ids")
+    for j, t in enumerate(ids):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"{say}: token_ids[{j}] = {t!r} is not a token id (an integer >= 0)")
+    return Prompt(where, pid, token_ids=tuple(ids))
+
+
+def task_prompts(results, reference=None):
+    """``(prompts, analysis)``: the deviated samples' prompts of an lm-eval output directory and
+    its ``capturestore.tasks`` analysis, against ``reference`` (another lm-eval output directory)
+    when given; a prompt several samples share is analysed once."""
+    try:
+        from capturestore.tasks import analyse_tasks
+    except ImportError as e:
+        raise EngineStartError(f"--from-task: this installation has no task analysis "
+                               f"(capturestore.tasks: {e})") from None
+    analysis = analyse_tasks(results, reference)
+    found = analysis.deviated_prompts()
+    if not found:
+        raise ValueError(f"--from-task {results}: no deviated prompt"
+                         + (f" against {reference}" if reference is not None else "") + " (nothing to analyse)")
+    out, seen = [], set()
+    for d in found:
+        if d["prompt"] in seen:
+            continue
+        seen.add(d["prompt"])
+        out.append(Prompt(f"task sample {d['id']}", d["id"], text=d["prompt"]))
+    return out, analysis
+
+
+def _as_prompts(prompts) -> list[Prompt]:
+    """A prompt file path, or a sequence of texts / token-id lists (the library call)."""
+    if isinstance(prompts, (str, os.PathLike)):
+        return read_prompt_file(prompts)
+    out = []
+    for i, x in enumerate(prompts):
+        if isinstance(x, Prompt):
+            out.append(x)
+        elif isinstance(x, str):
+            if not x.strip():
+                raise ValueError(f"prompts[{i}]: empty text")
+            out.append(Prompt(f"prompts[{i}]", text=x))
+        else:
+            out.append(_jsonl_prompt({"token_ids": list(x)}, f"prompts[{i}]", f"prompts[{i}]"))
+    if not out:
+        raise ValueError("prompts: empty (no prompt given)")
+    return out
+
+
+def encode_prompts(model_path, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text with the model's tokenizer, BOS first."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_path))
+    rows = []
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        rows.append([tok.bos_token_id, *ids] if tok.bos_token_id is not None else list(ids))
+    return rows
+
+
+def _token_rows(model_path: Path, cfg: dict, prompts: list[Prompt], num_tokens: int) -> list[list[int]]:
+    """Token ids of every prompt, checked: in the vocabulary, within the context with the
+    ``num_tokens`` continuation, no prompt twice."""
+    from capturestore.writer import prompt_id
+
+    texts = [p.text for p in prompts if p.token_ids is None]
+    encoded = iter(())
+    if texts:
+        try:
+            encoded = iter(encode_prompts(model_path, texts))
+        except (OSError, ValueError) as e:
+            first = next(p for p in prompts if p.token_ids is None)
+            raise ValueError(f"--model {model_path}: its tokenizer cannot be loaded ({str(e).splitlines()[0]}); "
+                             f"the prompt of {first.where} is text (give \"token_ids\" in a .jsonl file instead)")
+    vocab = int(cfg["vocab_size"])
+    context = cfg.get("max_position_embeddings")
+    rows, seen = [], {}
+    for p in prompts:
+        row = list(p.token_ids) if p.token_ids is not None else list(next(encoded))
+        name = p.where + (f" (id {p.id})" if p.id is not None else "")
+        if not row:
+            raise ValueError(f"{name}: the prompt has no tokens")
+        bad = [t for t in row if t >= vocab]
+        if bad:
+            raise ValueError(f"{name}: token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
+        if isinstance(context, int) and len(row) + num_tokens > context:
+            raise ValueError(f"{name}: the prompt is {len(row)} tokens; with {num_tokens} teacher tokens it is longer "
+                             f"than the model's context of {context} (max_position_embeddings)")
+        pid = prompt_id(row)
+        if pid in seen:
+            raise ValueError(f"{name}: the same prompt (token ids) as {seen[pid]}; give each prompt once")
+        seen[pid] = name
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------------------------ progress
+
+
+class _Progress:
+    """Stage lines, and per-capture progress over prompts and their tokens: a tqdm bar on a
+    terminal, a few plain lines otherwise, nothing with ``quiet``."""
+
+    def __init__(self, out: Callable[[str], None], quiet: bool, bar: bool | None):
+        self.out, self.quiet = out, quiet
+        self.t0 = time.monotonic()
+        self.bar = (out is print and sys.stdout.isatty()) if bar is None else bar
+        self._current = None
+
+    def say(self, msg: str) -> None:
+        if not self.quiet:
+            self.out(f"[{time.monotonic() - self.t0:6.1f}s] {msg}")
+
+    def begin(self, desc: str, n_prompts: int, tokens_per_prompt: int, unit: str = "tok") -> None:
+        self.end()
+        if self.quiet:
+            return
+        if self.bar:
+            from tqdm import tqdm
+
+            self._current = tqdm(total=n_prompts * tokens_per_prompt, desc=desc, unit=unit, leave=False,
+                                 file=sys.stderr)
+            self._current.done = 0
+        else:
+            self._current = _Lines(self, desc, n_prompts)
+
+    def prompt_done(self, n_tokens: int) -> None:
+        if self._current is None:
+            return
+        if self.bar:
+            self._current.done += 1
+            self._current.set_postfix_str(f"prompt {self._current.done}", refresh=False)
+            self._current.update(n_tokens)
+        else:
+            self._current.advance(n_tokens)
+
+    def compare_callback(self, n_prompts: int):
+        """``compare_runs``' progress: a bar over prompts on a terminal, its lines otherwise."""
+        if self.quiet:
+            return None
+        if not self.bar:
+            return self.say
+        self.begin("comparing", n_prompts, 1, unit="prompt")
+        started = []
+
+        def tick(_msg: str) -> None:  # called as each prompt starts: count the one before
+            if started:
+                self.prompt_done(1)
+            started.append(1)
+
+        return tick
+
+    def end(self) -> None:
+        if self._current is not None and self.bar:
+            self._current.close()
+        self._current = None
+
+
+class _Lines:
+    """Plain progress lines: about ten per capture, whatever the number of prompts."""
+
+    def __init__(self, progress: _Progress, desc: str, n: int):
+        self.progress, self.desc, self.n, self.done, self.tokens = progress, desc, n, 0, 0
+        self.every = max(1, -(-n // 10))
+
+    def advance(self, n_tokens: int) -> None:
+        self.done += 1
+        self.tokens += n_tokens
+        if self.done % self.every == 0 or self.done == self.n:
+            self.progress.say(f"  {self.desc}: prompt {self.done}/{self.n} ({self.tokens} tokens)")
+
+
+class _ProgressStore:
+    """The store, with every run begun through it reporting each prompt it adds (the capture
+    functions add a prompt once its engine work is done), so progress needs no capture hook."""
+
+    def __init__(self, store, progress: _Progress):
+        self._store, self._progress = store, progress
+
+    def begin_run(self, *args, **kwargs):
+        return _ProgressRun(self._store.begin_run(*args, **kwargs), self._progress)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+class _ProgressRun:
+    def __init__(self, run, progress: _Progress):
+        self._run, self._progress = run, progress
+
+    def add_prompt(self, *args, **kwargs):
+        pid = self._run.add_prompt(*args, **kwargs)
+        cont = kwargs.get("continuation")
+        self._progress.prompt_done(0 if cont is None else len(cont))
+        return pid
+
+    def __enter__(self):
+        self._run.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._run.__exit__(*exc)
+
+    def __getattr__(self, name):
+        return getattr(self._run, name)
+
+
+# ------------------------------------------------------------------------------------ engines
+
+
+def start_vllm_engine(model_path, dtype: str = "bfloat16", tp: int = 1, max_model_len: int = 256,
+                      block_size: int = 32, **kwargs):
+    """An in-process vLLM engine with the KV capture worker extension (``extractors.vllm_rpc.make_llm``);
+    EngineStartError in one line when vLLM is missing or fails to start."""
+    if tp == 1:  # in-process: module capture and fault probes reach the worker directly
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    else:  # one worker process per rank, each bound to its own CPU (ENGINES.md)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
+        kwargs.setdefault("distributed_executor_backend", "mp")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    try:
+        from extractors.vllm_rpc import make_llm
+
+        import vllm  # noqa: F401
+    except ImportError as e:
+        raise EngineStartError(f"target vllm: vLLM cannot be imported ({e}); install it: {INSTALL['vllm']}") from None
+    try:
+        return make_llm(model_path, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
+                        tensor_parallel_size=tp, **kwargs)
+    except Exception as e:  # noqa: BLE001 - whatever stopped the engine, said in one line
+        msg = " ".join(str(e).split())[:300] or type(e).__name__
+        raise EngineStartError(f"target vllm: the engine failed to start ({type(e).__name__}: {msg}); check that "
+                               f"{INSTALL['vllm']} is installed and that the model directory loads in vLLM") from None
+
+
+def _server_capture():
+    """``(check_server, capture_vllm_server_run)`` of ``extractors.vllm_server``, or EngineStartError."""
+    try:
+        from extractors.vllm_server import capture_vllm_server_run, check_server
+    except ImportError as e:
+        raise EngineStartError(f"target vllm-server: this installation has no server capture "
+                               f"(extractors.vllm_server: {e})") from None
+    return check_server, capture_vllm_server_run
+
+
+# ------------------------------------------------------------------------------------ the pipeline
+
+
+def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8, release: str | None = None,
+        store="capturestore-store", plugins=None, modules=None, tp: int = 1, quiet: bool = False,
+        out: Callable[[str], None] = print, label: str | None = None, progress_bar: bool | None = None,
+        engine_options: dict | None = None, engine_hook: Callable | None = None, fp8_scales=None,
+        fp8_platform: str | None = None, timings: dict | None = None, from_task=None, task_reference=None):
+    """The main job (module docstring); returns the ``ComparisonResult`` of the stored comparison.
+
+    model: a Hugging Face model directory. prompts: a ``.txt`` / ``.jsonl`` file, or a sequence
+    of texts / token-id lists; or, instead, ``from_task``: an lm-eval output directory whose
+    deviated samples' prompts are analysed (``capturestore.tasks``; against ``task_reference``,
+    another lm-eval output directory, when given). target: ``vllm`` | ``vllm-server=URL`` | ``hf:bfloat16`` |
+    ``hf:float16`` | ``hf-fp8-kv``. plugins: comparator names (comma-separated or a list;
+    ``fp8-kv`` = ``fp8_kv_floor``), default per target (``DEFAULT_PLUGINS``). modules: module
+    patterns for the ``modules`` plugin (default ``DEFAULT_MODULE_PATTERNS``). release: the
+    target run's release label (references are shared across releases and carry none).
+    quiet: no progress lines (the verdict is still printed). out: where lines go. label: the
+    comparison's label (default: the target and the release).
+    engine_options: extra ``start_vllm_engine`` arguments (block_size, max_model_len, ...).
+    engine_hook(llm, rows, say) -> dict: called once the vLLM engine runs, before the capture
+    (e.g. to inject a proven fault); its dict is added to the target run's config.
+    fp8_scales: a checkpoint directory / .safetensors of KV scales for ``hf-fp8-kv`` (default:
+    calibrated by absmax on the expected run's KV). timings: a dict receiving seconds per stage
+    (``checks``, ``baseline``, ``expected``, ``target``, ``modules``, ``compare``, ``total``).
+    Bad input raises ValueError before anything is written; an engine that cannot start raises
+    ``EngineStartError``.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the pipeline prints its own progress
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise EngineStartError(f"the HF references need torch and transformers ({e}); install them: "
+                               f"{INSTALL['hf']}") from None
+    progress = _Progress(out, quiet, progress_bar)
+    from transformers.utils import logging as hf_logging
+
+    hf_bars = hf_logging.is_progress_bar_enabled()
+    if quiet or not progress.bar:
+        hf_logging.disable_progress_bar()  # transformers' weight-loading bars: only on a terminal
+    try:
+        if (prompts is None) == (from_task is None):
+            raise ValueError("give the prompts (--prompts FILE) or an lm-eval output directory (--from-task DIR), "
+                             "one of the two")
+        if task_reference is not None and from_task is None:
+            raise ValueError("--task-reference is the lm-eval reference of --from-task; give --from-task DIR")
+        if from_task is not None:
+            prompts = lambda: task_prompts(from_task, task_reference)  # noqa: E731 - read after the cheap checks
+        return _run(model, prompts, target, num_tokens, release, store, plugins, modules, tp, quiet, out, label,
+                    progress, engine_options, engine_hook, fp8_scales, fp8_platform, timings)
+    finally:
+        if hf_bars:
+            hf_logging.enable_progress_bar()
+
+
+def _run(model, prompts, target, num_tokens, release, store, plugins, modules, tp, quiet, out, label, progress,
+         engine_options, engine_hook, fp8_scales, fp8_platform, timings):
+    t_start = time.perf_counter()
+    tm = timings if timings is not None else {}
+    tm.clear()
+    say = progress.say
+
+    # 1. every check before the store is touched
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"--num-tokens must be an integer >= 1, got {num_tokens!r}")
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"--tp must be an integer >= 1, got {tp!r}")
+    tgt = target if isinstance(target, Target) else parse_target(target)
+    if tp != 1 and tgt.kind != "vllm":
+        raise ValueError(f"--tp {tp}: tensor parallelism is for --target vllm, not {tgt}")
+    if callable(prompts) and tgt.kind == "hf-fp8-kv":
+        raise ValueError("--from-task: the hf-fp8-kv target's run cannot name the task analysis; use another target")
+    names = resolve_plugins(plugins, tgt)
+    needs = _needs(names)
+    if modules is not None and "tensors" not in needs:
+        raise ValueError("--modules is given but no plugin compares module tensors (add --plugins ...,modules)")
+    patterns = _patterns(modules)
+    if "tensors" in needs and tp != 1:
+        raise ValueError("the modules plugin captures vLLM module tensors in-process: --tp 1 only")
+    model_path, cfg = check_model_dir(model)
+    given, analysis = prompts() if callable(prompts) else (_as_prompts(prompts), None)
+    rows = _token_rows(model_path, cfg, given, num_tokens)
+    import importlib.util
+
+    if tgt.kind == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise EngineStartError(f"target vllm: vLLM is not installed; install it: {INSTALL['vllm']}")
+    from extractors.models import model_content_hash
+
+    model_hash = model_content_hash(model_path)
+    server_capture = None
+    if tgt.kind == "vllm-server":  # reachable, and serving this model, before anything is written
+        check_server, server_capture = _server_capture()
+        try:
+            check_server(tgt.url, model_path)
+        except ValueError as e:
+            raise ValueError(f"target {tgt}: {e}") from None
+    if fp8_scales is not None and tgt.kind != "hf-fp8-kv":
+        raise ValueError(f"--fp8-scales {fp8_scales}: scales are for --target hf-fp8-kv, not {tgt}")
+    scales = _load_fp8_scales(fp8_scales, cfg) if fp8_scales is not None else None
+
+    from capturestore import Store
+    from capturestore.writer import prompt_id
+
+    pids = [prompt_id(r) for r in rows]
+    st = Store.open(store)
+    tm["checks"] = time.perf_counter() - t_start
+    say(f"store {st.root}: {len(rows)} prompts, lengths {[len(r) for r in rows]}, {num_tokens} tokens each; "
+        f"model {model_path} (hash {model_hash[:12]}); target {tgt}; plugins {', '.join(names)}")
+    pstore = _ProgressStore(st, progress)
+    reused: dict = {}
+    if label is None:
+        label = f"{tgt} {release}" if release else str(tgt)
+    target_config = {}
+    if analysis is not None:  # stored, and named by the target run: its report shows the Tasks tab
+        from capturestore.tasks import store_task_analysis
+
+        target_config["task_analysis_id"] = store_task_analysis(st, analysis, label)
+        say(f"lm-eval task analysis {target_config['task_analysis_id']}: {len(given)} deviated prompts to analyse")
+
+    # 2. references
+    base, reused["baseline"] = _reference(
+        st, pstore, progress, tm, "baseline", "HF FP32 baseline", "greedy continuation = teacher tokens",
+        model_path, model_hash, "float32", rows, pids, num_tokens, teacher=None)
+    teacher = {p: st.read_tokens(base, p) for p in pids}
+    teacher_rows = [teacher[p][len(r):].tolist() for p, r in zip(pids, rows)]
+    exp, reused["expected"] = _reference(
+        st, pstore, progress, tm, "expected", f"HF {_dt(tgt.dtype)} expected", "teacher-forced",
+        model_path, model_hash, tgt.dtype, rows, pids, num_tokens, teacher=teacher)
+
+    # 3. the target
+    t0 = time.perf_counter()
+    mod_runs = None
+    if tgt.kind == "vllm":
+        act, mod_act = _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, release, tp,
+                                     "kv" in needs, patterns if "tensors" in needs else None, engine_options or {},
+                                     engine_hook, tm, cfg.get("max_position_embeddings"), target_config)
+    elif tgt.kind == "vllm-server":
+        progress.begin(f"target {tgt}", len(rows), num_tokens)
+        say(f"capturing target {tgt} (teacher-forced prompt logprobs)")
+        import inspect
+
+        kw = {"dtype": tgt.dtype} if "dtype" in inspect.signature(server_capture).parameters else {}
+        act = server_capture(pstore, tgt.url, model_path, rows, teacher_rows, model_hash=model_hash, release=release,
+                             config=target_config, **kw)
+        mod_act = None
+    elif tgt.kind == "hf":
+        act, mod_act = _capture_hf_target(pstore, progress, model_path, tgt.dtype, rows, teacher_rows, release,
+                                          patterns if "tensors" in needs else None, tm, target_config)
+    else:
+        act = _capture_fp8(st, pstore, progress, model_path, exp, rows, teacher_rows, release, scales, fp8_platform)
+        mod_act = None
+    progress.end()
+    tm["target"] = time.perf_counter() - t0 - tm.get("modules", 0.0)
+    say(f"target {tgt}: run {act} captured")
+    if mod_act is not None:
+        mod_runs = _module_references(st, pstore, progress, tm, model_path, model_hash, rows, pids, mod_act,
+                                      tgt.dtype)
+        reused["module references"] = mod_runs.pop("reused")
+
+    # 4. one comparison
+    t0 = time.perf_counter()
+    say(f"comparing runs (three-way: FP32 baseline, {_dt(tgt.dtype)} expected, {tgt} actual)")
+    from capturestore.analysis import compare_runs
+
+    result = compare_runs(st, expected_run=exp, actual_run=act, baseline_run=base, label=label,
+                          logits="logits" in names, kv="kv" in names,
+                          comparators=[n for n in names if n not in ("logits", "kv")],
+                          comparator_runs=_tensor_plugin_runs(names, mod_runs),
+                          progress=progress.compare_callback(len(pids)))
+    progress.end()
+    tm["compare"] = time.perf_counter() - t0
+    tm["total"] = time.perf_counter() - t_start
+    _print_result(out, result, reused, st, tgt)
+    return result
+
+
+def _dt(dtype: str) -> str:
+    return {"bfloat16": "BF16", "float16": "FP16", "float32": "FP32"}.get(dtype, dtype)
+
+
+def _needs(names) -> set:
+    from capturestore.comparators import comparator_class
+
+    out = set()
+    for n in names:
+        out |= set(comparator_class(n).needs)
+    return out
+
+
+def _tensor_plugin_runs(names, mod_runs) -> dict | None:
+    """Every plugin that needs module tensors reads them from the module runs of every role."""
+    from capturestore.comparators import comparator_class
+
+    if not mod_runs:
+        return None
+    return {n: dict(mod_runs) for n in names if "tensors" in comparator_class(n).needs}
+
+
+def _patterns(modules) -> tuple[str, ...]:
+    if modules is None:
+        return DEFAULT_MODULE_PATTERNS
+    pats = [m.strip() for m in modules.split(",")] if isinstance(modules, str) else [str(m).strip() for m in modules]
+    if not pats or any(not m for m in pats):
+        raise ValueError(f"--modules {modules!r}: an empty pattern (give comma-separated patterns such as "
+                         f"model.layers.*.mlp)")
+    return tuple(pats)
+
+
+def _load_fp8_scales(path, cfg):
+    from nki_fp8.checkpoint import load_kv_scales
+
+    try:
+        return load_kv_scales(path, int(cfg["num_hidden_layers"]))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--fp8-scales {path}: {e}") from None
+
+
+def _reference(st, pstore, progress, tm, role, what, how, model_path, model_hash, dtype, rows, pids, num_tokens,
+               teacher):
+    """The run of a reference role: reused from the store (same model content, prompts, dtype,
+    tokens, eager HF capture) or captured. Returns ``(run_id, reused)``."""
+    from capturestore.analysis import find_reference_run
+    from extractors.hf import capture_hf_run
+
+    t0 = time.perf_counter()
+    if teacher is None:
+        want = {"capture": "greedy", "num_tokens": num_tokens, "attn_implementation": "eager"}
+    else:
+        want = {"capture": "teacher_forced_prefill", "attn_implementation": "eager"}
+    rid = find_reference_run(st, model_hash=model_hash, dtype=dtype, prompt_ids=pids, teacher_tokens=teacher,
+                             config=want)
+    found = rid is not None
+    if found:
+        progress.say(f"reusing {what} run {rid}")
+    else:
+        progress.say(f"capturing {what} ({how})")
+        progress.begin(what, len(rows), num_tokens)
+        teacher_rows = None if teacher is None else [teacher[p][len(r):].tolist() for p, r in zip(pids, rows)]
+        rid = capture_hf_run(pstore, model_path, rows, teacher_tokens=teacher_rows, num_tokens=num_tokens, dtype=dtype)
+        progress.end()
+    tm[role] = time.perf_counter() - t0
+    return rid, found
+
+
+def _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, release, tp, kv, patterns,
+                  engine_options, engine_hook, tm, context, target_config):
+    """The in-process vLLM target: raw logits (and paged KV) teacher-forced through the decode path,
+    and with ``patterns`` a module-tensor run of the same engine. Returns ``(run_id, module_run_id)``."""
+    from extractors.vllm_rpc import capture_vllm_run, close_llm, extract_vllm_kv_cache_config
+
+    say = progress.say
+    say(f"starting vLLM (bfloat16{f', TP {tp}' if tp > 1 else ''}) with the KV capture worker extension")
+    need = max(len(r) + len(t) for r, t in zip(rows, teacher_rows))
+    max_len = max(256, -(-need // 256) * 256)  # a few sizes, not one per prompt set
+    opts = {"max_model_len": min(max_len, context) if isinstance(context, int) else max_len, **engine_options}
+    if patterns is not None:  # module capture needs every prefill to run in full, never from cached blocks
+        opts.setdefault("enable_prefix_caching", False)
+    llm = start_vllm_engine(model_path, "bfloat16", tp, **opts)
+    mod_run = None
+    try:
+        config = dict(target_config)
+        if tp == 1:
+            from extractors.faults import engine_cpu_paths
+
+            config["cpu_paths"] = cpu = engine_cpu_paths(llm)
+            say(f"vLLM-CPU kernels: attention {cpu['attn_isa']}, linear {cpu['linear_backends']}")
+        if engine_hook is not None:
+            config.update(engine_hook(llm, rows, say) or {})
+        kv_config = extract_vllm_kv_cache_config(llm)  # first RPC: starts block-table snapshotting
+        say("teacher-forcing vLLM through its decode path (one pass per prompt): raw logits"
+            + (" + paged KV" if kv else ""))
+        progress.begin("target vllm", len(rows), len(teacher_rows[0]))
+        report: dict = {}
+        act = capture_vllm_run(pstore, llm, model_path, rows, teacher_rows, mode="decode", model_hash=model_hash,
+                               release=release, kv=kv, kv_config=kv_config, report=report, config=config)
+        progress.end()
+        say(f"vLLM run {act}: engine's own greedy token first differs from the teacher at {report['diverged_at']} "
+            f"(per prompt; None = never)")
+        if patterns is not None:
+            t0 = time.perf_counter()
+            mod_run = _vllm_module_run(pstore, progress, llm, model_path, rows, teacher_rows, patterns, release,
+                                       config)
+            tm["modules"] = time.perf_counter() - t0
+    finally:
+        close_llm(llm)  # now, not at some later GC inside another engine's start
+    return act, mod_run
+
+
+def _vllm_module_run(pstore, progress, llm, model_path, rows, teacher_rows, patterns, release, config):
+    """Module tensors of the vLLM engine: teacher-forced where ``capture_vllm_module_run`` takes
+    ``teacher_tokens``, else greedy (its own tokens; the HF module references follow them)."""
+    import inspect
+
+    from extractors.vllm_modules import capture_vllm_module_run
+
+    forced = "teacher_tokens" in inspect.signature(capture_vllm_module_run).parameters
+    progress.say(f"capturing vLLM module tensors ({', '.join(patterns)}; "
+                 f"{'teacher-forced' if forced else 'greedy: this vLLM module capture cannot be teacher-forced'})")
+    progress.begin("target vllm modules", len(rows), len(teacher_rows[0]))
+    kw = {"teacher_tokens": teacher_rows} if forced else {}
+    rid = capture_vllm_module_run(pstore, llm, model_path, rows, len(teacher_rows[0]), modules=list(patterns),
+                                  release=release, config={k: v for k, v in config.items() if k != "cpu_paths"}, **kw)
+    progress.end()
+    return rid
+
+
+def _capture_hf_target(pstore, progress, model_path, dtype, rows, teacher_rows, release, patterns, tm, config):
+    """HF in ``dtype`` with SDPA attention (the references run eager attention) as the target."""
+    from extractors.hf import capture_hf_run, load_hf_model
+
+    progress.say(f"capturing target HF {_dt(dtype)} with SDPA attention (teacher-forced)")
+    model = _load_sdpa(model_path, dtype, load_hf_model)
+    progress.begin(f"target hf:{dtype}", len(rows), len(teacher_rows[0]))
+    act = capture_hf_run(pstore, model_path, rows, teacher_tokens=teacher_rows, dtype=dtype, release=release,
+                         model=model, config=config)
+    progress.end()
+    mod = None
+    if patterns is not None:
+        from extractors.modules import capture_hf_module_run
+
+        t0 = time.perf_counter()
+        progress.say(f"capturing target module tensors ({', '.join(patterns)})")
+        progress.begin(f"target hf:{dtype} modules", len(rows), len(teacher_rows[0]))
+        mod = capture_hf_module_run(pstore, model_path, rows, teacher_rows, list(patterns), dtype=dtype,
+                                    release=release, model=model)
+        progress.end()
+        tm["modules"] = time.perf_counter() - t0
+    return act, mod
+
+
+def _load_sdpa(model_path, dtype, load_hf_model):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtypes[dtype], attn_implementation="sdpa",
+                                                device_map=None).to("cpu").eval()
+
+
+def _capture_fp8(st, pstore, progress, model_path, exp, rows, teacher_rows, release, scales, platform):
+    """The FP8 KV cache target (``nki_fp8.target``): kernel scales from ``scales`` or calibrated by
+    absmax on the expected run's KV."""
+    import numpy as np
+
+    from nki_fp8.target import capture_fp8_kv_run
+
+    if scales is None:
+        from nki_fp8.calibration import calibrate_kv_scales
+
+        cal = calibrate_kv_scales(st, exp, method="absmax", platform=platform, record=False)
+        ks, vs = (1.0 / np.asarray(cal.k_scale, np.float64)), (1.0 / np.asarray(cal.v_scale, np.float64))
+        progress.say(f"FP8 KV scales calibrated (absmax) on the expected run {exp} ({cal.platform})")
+    else:
+        ks, vs = scales.k_scale, scales.v_scale
+    progress.say("capturing target HF BF16 with an FP8 KV cache (teacher-forced)")
+    progress.begin("target hf-fp8-kv", len(rows), len(teacher_rows[0]))
+    rid = capture_fp8_kv_run(pstore, model_path, rows, teacher_rows, ks, vs, platform=platform, release=release)
+    progress.end()
+    return rid
+
+
+def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, pids, mod_act, dtype) -> dict:
+    """HF FP32 and ``dtype`` (the target's) module runs on the target module run's tokens, over its
+    modules (reused when the store holds them). Returns ``{"baseline", "expected", "actual", "reused"}``."""
+    from capturestore.analysis import find_reference_run
+    from extractors.modules import capture_hf_module_run
+
+    t0 = time.perf_counter()
+    cfg = json.loads(st.sql(f"SELECT config FROM runs WHERE run_id = '{mod_act}'").to_pylist()[0]["config"])
+    order = cfg["module_order"]
+    tokens = {p: st.read_tokens(mod_act, p) for p in pids}
+    teach = [tokens[p][len(r):].tolist() for p, r in zip(pids, rows)]
+    out, reused = {"actual": mod_act}, []
+    for role, dtype in (("baseline", "float32"), ("expected", dtype)):
+        want = {"mode": "teacher_forced_stepwise", "attn_implementation": "eager", "module_order": order}
+        rid = find_reference_run(st, model_hash=model_hash, dtype=dtype, prompt_ids=pids, teacher_tokens=tokens,
+                                 config=want)
+        if rid is not None:
+            progress.say(f"reusing HF {_dt(dtype)} module run {rid}")
+            reused.append(rid)
+        else:
+            progress.say(f"capturing HF {_dt(dtype)} module tensors ({len(order)} modules, teacher-forced)")
+            progress.begin(f"HF {_dt(dtype)} modules", len(rows), len(teach[0]))
+            rid = capture_hf_module_run(pstore, model_path, rows, teach, order, dtype=dtype)
+            progress.end()
+        out[role] = rid
+    tm["module references"] = time.perf_counter() - t0
+    out["reused"] = reused
+    return out
+
+
+def _print_result(out, result, reused: dict, st, tgt: Target) -> None:
+    runs = result.runs
+    said = [f"{role} {runs[role]} ({'reused' if reused.get(role) else 'captured'})" for role in ("baseline", "expected")]
+    out("")
+    out(f"references: {'; '.join(said)}" + (f"; module references reused: {', '.join(reused['module references'])}"
+                                            if reused.get("module references") else ""))
+    out(f"target {tgt}: {runs['actual']} (captured)")
+    if result.kv_layers:
+        out("")
+        out(format_layer_summary(result))
+        out("")
+    for name, v in result.verdicts.items():
+        head = {"logits": "logit verdict:", "kv": "KV verdict:   "}.get(name, f"{name} verdict:")
+        out(f"{head} {'—' if v is None else v.summary()}")
+    for name, tb in result.errors.items():
+        out(f"plugin {name} errored; its traceback (stored in comparisons.errored):")
+        for line in tb.rstrip().splitlines():
+            out(f"    {line}")
+    out(f"overall:       {'PASS' if result.passed else 'FAIL'}"
+        + (f" (first failure in {result.phase})" if result.phase else ""))
+    loc = result.localisation
+    if loc:
+        where = ", ".join(f"{k} {loc[k]}" for k in ("phase", "layer", "module", "token") if loc.get(k) is not None)
+        out(f"localisation:  {where or 'not localised'}")
+    out(f"comparison {result.comparison_id} stored in {st.root}")
+
+
+def format_layer_summary(result) -> str:
+    """Per-layer table of the KV comparison: worst target and BF16 L-inf, pooled BC, sigma-ratio."""
+    head = (f"{'layer':<32} {'K linf tgt':>10} {'K linf bf16':>11} {'K BC':>7} {'K σ-ratio':>9} "
+            f"{'V linf tgt':>10} {'V linf bf16':>11} {'V BC':>7} {'V σ-ratio':>9}  verdict")
+    lines = [head, "-" * len(head)]
+
+    def f(x, w, p=4):
+        return f"{'—':>{w}}" if x is None else f"{x:>{w}.{p}f}"
+
+    for r in result.kv_layers:
+        verdict = {True: "pass", False: "FAIL", None: "n/a"}[r["passed"]]
+        lines.append(
+            f"{r['layer']:<32} {f(r['max_k_linf'], 10)} {f(r['max_base_k_linf'], 11)} {f(r['k_bc'], 7)} "
+            f"{f(r['k_sigma_ratio'], 9, 3)} {f(r['max_v_linf'], 10)} {f(r['max_base_v_linf'], 11)} "
+            f"{f(r['v_bc'], 7)} {f(r['v_sigma_ratio'], 9, 3)}  {verdict}"
+        )
+    return "\n".join(lines)

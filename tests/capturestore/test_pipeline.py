@@ -1,0 +1,469 @@
+"""``capturestore run`` / ``capturestore.pipeline.run`` on a tiny model the demo does not use (an
+MHA Llama, seed 5; the demo runs the GQA Llama, seed 0): the HF and in-process vLLM targets pass,
+a second release captures only the target, references are found by model content (not path),
+a plugin that raises is recorded as errored, and every bad input is one line, exit 2, nothing
+written."""
+import json
+import re
+import shutil
+import socket
+
+import numpy as np
+import pytest
+
+from capturestore import Store
+from capturestore.cli import main
+from capturestore.comparators import Comparator, Verdict, register_comparator
+
+ARCH, SEED = "llama-mha", 5
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Once upon a time there was a paged cache",
+         "Numbers: 3 1 4 1 5 9 2 6"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from extractors.models import tiny_model
+
+    return tiny_model(ARCH, seed=SEED)
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    p = tmp_path / "prompts.txt"
+    p.write_text("\n".join(TEXTS) + "\n")
+    return p
+
+
+def _cli(capsys, *args):
+    rc = main(["run", *map(str, args)])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def _runs(store):
+    return Store.open(store).sql("SELECT run_id, engine, dtype, release, config FROM runs ORDER BY committed_at").to_pylist()
+
+
+# ------------------------------------------------------------------------------------ HF target
+
+
+def test_hf_target_passes_then_a_second_release_and_a_copied_model_reuse_the_references(model, prompt_file, tmp_path,
+                                                                                        capsys):
+    store = tmp_path / "s"
+    rc, out, err = _cli(capsys, "--model", model, "--prompts", prompt_file, "--target", "hf:bfloat16",
+                        "--num-tokens", 4, "--store", store, "--release", "r1")
+    assert rc == 0, out + err
+    assert "overall:       PASS" in out and "logit verdict: PASS" in out and "KV verdict:    PASS" in out
+    first = _runs(store)
+    assert [(r["engine"], r["dtype"], r["release"]) for r in first] == [
+        ("hf", "float32", None), ("hf", "bfloat16", None), ("hf", "bfloat16", "r1")]
+    configs = [json.loads(r["config"]) for r in first]
+    assert [c["attn_implementation"] for c in configs] == ["eager", "eager", "sdpa"]
+    assert configs[0]["capture"] == "greedy" and configs[1]["capture"] == "teacher_forced_prefill"
+    # the target is another configuration, not the reference again: its logits differ somewhere
+    s = Store.open(store)
+    pid = s.prompts(first[2]["run_id"]).to_pylist()[1]["prompt_id"]
+    diff = np.abs(s.read_logits(first[2]["run_id"], pid).astype(np.float32)
+                  - s.read_logits(first[1]["run_id"], pid).astype(np.float32))
+    assert diff.max() > 0
+
+    # another release: only the target is captured, the references are reused and said to be
+    rc, out, err = _cli(capsys, "--model", model, "--prompts", prompt_file, "--target", "hf:bfloat16",
+                        "--num-tokens", 4, "--store", store, "--release", "r2", "--quiet")
+    assert rc == 0, out + err
+    second = _runs(store)
+    assert second[:3] == first and len(second) == 4 and second[3]["release"] == "r2"
+    assert f"baseline {first[0]['run_id']} (reused); expected {first[1]['run_id']} (reused)" in out
+    assert "[" not in out.split("references:")[0]  # --quiet: no progress lines
+
+    # the same weights and config under another path are the same model: still reused
+    copy = tmp_path / "copy-of-model"
+    shutil.copytree(model, copy)
+    rc, out, _ = _cli(capsys, "--model", copy, "--prompts", prompt_file, "--target", "hf:bfloat16",
+                      "--num-tokens", 4, "--store", store, "--release", "r3", "--quiet")
+    assert rc == 0 and "(reused); expected" in out and len(_runs(store)) == 5
+    # other --num-tokens: another teacher continuation, so new references
+    rc, out, _ = _cli(capsys, "--model", model, "--prompts", prompt_file, "--target", "hf:bfloat16",
+                      "--num-tokens", 3, "--store", store, "--quiet")
+    assert rc == 0 and "(captured); expected" in out and len(_runs(store)) == 8
+    rows = s.sql("SELECT passed, baseline_run, expected_run FROM comparisons ORDER BY created_at").to_pylist()
+    assert [r["passed"] for r in rows] == [True] * 4
+    assert {(r["baseline_run"], r["expected_run"]) for r in rows[:3]} == {(first[0]["run_id"], first[1]["run_id"])}
+    assert s.verify().ok
+
+
+class Boom(Comparator):
+    name = "boom"
+    needs = ("logits",)
+
+    def compare(self, prompt):
+        raise RuntimeError(f"boom on prompt {prompt.prompt_id}")
+
+    def verdict(self):
+        return Verdict(self.name, True, "would pass")
+
+
+def test_a_plugin_that_raises_is_stored_as_errored_shown_and_the_others_still_run(model, prompt_file, tmp_path):
+    from capturestore import comparators, pipeline
+
+    register_comparator(Boom)
+    try:
+        lines = []
+        result = pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=3, store=tmp_path / "s",
+                              plugins="logits,boom,kv", out=lines.append)
+    finally:
+        comparators._registry.pop("boom", None)
+    assert not result.passed  # an errored plugin never lets the comparison pass
+    assert result.verdicts["logits"].passed and result.verdicts["kv"].passed  # the others ran
+    assert result.verdicts["boom"].passed is None and "RuntimeError: boom on prompt" in result.verdicts["boom"].text
+    assert "Traceback" in result.errors["boom"] and "in compare" in result.errors["boom"]
+    text = "\n".join(lines)
+    assert "plugin boom errored" in text and "    RuntimeError: boom on prompt" in text and "overall:       FAIL" in text
+    row = Store.open(tmp_path / "s").sql("SELECT passed, errored FROM comparisons").to_pylist()[0]
+    assert row["passed"] is False and "RuntimeError: boom" in json.loads(row["errored"])["boom"]
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_otherwise(model, prompt_file, tmp_path, capsys):
+    from capturestore import pipeline
+
+    lines = []
+    pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=2, store=tmp_path / "s", out=lines.append,
+                 progress_bar=True)
+    err = capsys.readouterr().err
+    assert "target hf:bfloat16" in err and "tok" in err  # tqdm, over the prompts' tokens
+    assert not any("prompt 3/3" in x for x in lines)  # no plain progress lines beside the bar
+    lines = []
+    pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=2, store=tmp_path / "s2", out=lines.append,
+                 progress_bar=False)
+    assert any("HF FP32 baseline: prompt 3/3 (6 tokens)" in x for x in lines)
+    assert "\r" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _snapshot(root):
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def held_store(tmp_path_factory):
+    """A store already holding a committed run: bad input must leave it exactly as it was."""
+    root = tmp_path_factory.mktemp("held") / "s"
+    with Store.open(root).begin_run(engine="hf", model_path="m", dtype="float32") as run:
+        pid = run.add_prompt([1, 2, 3], continuation=[4])
+        run.write_logits(pid, np.zeros((1, 8), np.float32))
+    return root
+
+
+def _bad_cases(model, tmp):
+    no_cfg = tmp / "no-config"
+    no_cfg.mkdir()
+    bad_cfg = tmp / "bad-config"
+    bad_cfg.mkdir()
+    (bad_cfg / "config.json").write_text("{not json")
+    (tmp / "empty.txt").write_text("\n  \n")
+    (tmp / "bad.jsonl").write_text('{"prompt": "fine"}\n{"prompt": "broken"\n')
+    (tmp / "neither.jsonl").write_text('{"prompt": "a"}\n\n{"id": "x", "text": "b"}\n')
+    (tmp / "long.jsonl").write_text(json.dumps({"id": "big", "token_ids": [5] * 510}) + "\n")
+    (tmp / "vocab.jsonl").write_text(json.dumps({"token_ids": [1, 5, 4096]}) + "\n")
+    (tmp / "twice.txt").write_text("same prompt\nother\nsame prompt\n")
+    (tmp / "p.csv").write_text("a\n")
+    ok = tmp / "ok.txt"
+    ok.write_text("a prompt\n")
+    url = f"http://127.0.0.1:{_free_port()}"
+    return {
+        "missing model": (["--model", tmp / "nope", "--prompts", ok], "--model .*nope: no such directory"),
+        "no config": (["--model", no_cfg, "--prompts", ok], "no-config: no config.json"),
+        "bad config": (["--model", bad_cfg, "--prompts", ok], r"config.json: not valid JSON"),
+        "empty prompts": (["--model", model, "--prompts", tmp / "empty.txt"], r"empty.txt: empty \(no prompt in it\)"),
+        "missing prompts": (["--model", model, "--prompts", tmp / "none.txt"], "none.txt: no such file"),
+        "malformed line": (["--model", model, "--prompts", tmp / "bad.jsonl"], r"bad.jsonl line 2: not JSON"),
+        "no prompt key": (["--model", model, "--prompts", tmp / "neither.jsonl"],
+                          r"neither.jsonl line 3: needs exactly one of \"prompt\" and \"token_ids\""),
+        "too long": (["--model", model, "--prompts", tmp / "long.jsonl"],
+                     r"long.jsonl line 1 \(id big\): the prompt is 510 tokens; with 4 teacher tokens it is longer "
+                     r"than the model's context of 512"),
+        "outside vocab": (["--model", model, "--prompts", tmp / "vocab.jsonl"],
+                          r"vocab.jsonl line 1: token id 4096 is outside the model's vocabulary \[0, 1024\)"),
+        "twice": (["--model", model, "--prompts", tmp / "twice.txt"], r"twice.txt line 3: the same prompt .* line 1"),
+        "file type": (["--model", model, "--prompts", tmp / "p.csv"], r"unknown prompt file type '.csv'"),
+        "scales without the fp8 target": (["--model", model, "--prompts", ok, "--target", "hf:bfloat16",
+                                           "--fp8-scales", tmp / "nope"], "--fp8-scales .*: scales are for --target "
+                                                                          "hf-fp8-kv, not hf:bfloat16"),
+        "task reference alone": (["--model", model, "--prompts", ok, "--task-reference", tmp],
+                                 "--task-reference is the lm-eval reference of --from-task"),
+        "zero tokens": (["--model", model, "--prompts", ok, "--num-tokens", 0], "--num-tokens must be an integer >= 1"),
+        "unknown target": (["--model", model, "--prompts", ok, "--target", "tpu"], "unknown target 'tpu'; one of: vllm"),
+        "unknown plugin": (["--model", model, "--prompts", ok, "--plugins", "logits,nope"],
+                           "unknown plugin 'nope'; registered: .*fp8-kv"),
+        "plugin the target lacks": (["--model", model, "--prompts", ok, "--target", f"vllm-server={url}",
+                                     "--plugins", "kv"], "plugin 'kv' needs kv captures, which target vllm-server"),
+    }
+
+
+def test_an_unreachable_server_is_one_line_exit_2_and_the_store_is_untouched(model, held_store, tmp_path, capsys):
+    pytest.importorskip("extractors.vllm_server", reason="the server capture (extractors.vllm_server) is not here")
+    ok = tmp_path / "ok.txt"
+    ok.write_text("a prompt\n")
+    url = f"http://127.0.0.1:{_free_port()}"
+    before = _snapshot(held_store)
+    rc, out, err = _cli(capsys, "--model", model, "--prompts", ok, "--target", f"vllm-server={url}", "--store",
+                        held_store)
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith(f"capturestore run: error: target vllm-server={url}: ") and "127.0.0.1" in err
+    assert _snapshot(held_store) == before
+
+
+def test_every_bad_input_is_one_line_exit_2_and_the_store_is_untouched(model, held_store, tmp_path, capsys):
+    before = _snapshot(held_store)
+    for name, (args, pattern) in _bad_cases(model, tmp_path).items():
+        for store in (held_store, tmp_path / "never-made"):
+            extra = [] if "--num-tokens" in args else ["--num-tokens", 4]
+            rc, out, err = _cli(capsys, *args, *extra, "--store", store)
+            assert rc == 2, (name, out, err)
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("capturestore run: error: "), (name, err)
+            assert re.search(pattern, lines[0]), (name, lines[0])
+            assert "Traceback" not in err and out == "", name
+        assert _snapshot(held_store) == before, name
+        assert not (tmp_path / "never-made").exists(), name
+
+
+# ------------------------------------------------------------------------------------ vLLM target
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_target_with_kv_and_modules_passes_and_another_release_captures_only_the_target(model, prompt_file,
+                                                                                            tmp_path):
+    import numba  # noqa: F401 - the engine must start in a process that already uses numba (metrics, nki_fp8)
+
+    from capturestore import pipeline
+
+    lines = []
+    store = tmp_path / "s"
+    r1 = pipeline.run(model, prompt_file, target="vllm", num_tokens=4, store=store, release="r1",
+                      plugins=["logits", "kv", "modules"], modules="model.layers.*.mlp,model.layers.*",
+                      out=lines.append)
+    text = "\n".join(lines)
+    assert r1.passed, text
+    assert set(r1.verdicts) == {"logits", "kv", "modules"} and all(v.passed for v in r1.verdicts.values())
+    s = Store.open(store)
+    row = s.sql(f"SELECT comparator_runs FROM comparisons WHERE comparison_id = '{r1.comparison_id}'").to_pylist()[0]
+    mods = json.loads(row["comparator_runs"])["modules"]
+    n_mod = s.sql(f"SELECT count(DISTINCT module) AS n FROM module_verdicts WHERE comparison_id = "
+                  f"'{r1.comparison_id}'").to_pylist()[0]["n"]
+    assert n_mod == 2 * 3  # mlp + decoder layer output, 3 layers
+    cfg = json.loads(s.show(mods["actual"])["run"]["config"])
+    assert cfg["module_order"][:2] == ["model.layers.0.mlp", "model.layers.0"]
+    n_runs = len(_runs(store))
+    assert n_runs == 3 + 3  # baseline, expected, vllm; module runs of the three roles
+
+    r2 = pipeline.run(model, prompt_file, target="vllm", num_tokens=4, store=store, release="r2",
+                      plugins=["logits", "kv", "modules"], modules="model.layers.*.mlp,model.layers.*",
+                      out=lines.append, quiet=True)
+    assert r2.passed
+    after = _runs(store)
+    new = after[n_runs:]
+    # only the target is captured again (its logits/KV run and its module run); references reused
+    assert [(r["engine"], r["release"]) for r in new] == [("vllm", "r2"), ("vllm", "r2")]
+    assert r2.runs["baseline"] == r1.runs["baseline"] and r2.runs["expected"] == r1.runs["expected"]
+    assert s.verify().ok
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_an_engine_that_cannot_start_says_what_failed_and_what_to_install_in_one_line(model, tmp_path):
+    from capturestore.pipeline import EngineStartError, start_vllm_engine
+
+    broken = tmp_path / "unknown-arch"
+    shutil.copytree(model, broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["architectures"] = ["NoSuchModelForCausalLM"]
+    (broken / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(EngineStartError) as e:
+        start_vllm_engine(broken)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("target vllm: the engine failed to start (")
+    assert "pip install 'capturestore[vllm]'" in msg
+
+
+def test_fp8_kv_target_passes_its_floor_when_calibrated_and_fails_with_scales_that_clip(model, prompt_file, tmp_path,
+                                                                                       capsys):
+    from nki_fp8.checkpoint import save_kv_scales
+
+    store = tmp_path / "s"
+    rc, out, err = _cli(capsys, "--model", model, "--prompts", prompt_file, "--target", "hf-fp8-kv", "--num-tokens", 3,
+                        "--store", store, "--quiet")
+    assert rc == 0, out + err
+    assert "fp8_kv_floor verdict: FP8 KV target 'hf-fp8-kv' (trn2): vs FP8 floor PASS" in out
+    # checkpoint scales 1e-3 (kernel scale 1000): every |x| > 0.24 clips at the FP8 maximum
+    save_kv_scales(tmp_path / "clip", [1e-3] * 3, [1e-3] * 3)
+    rc, out, err = _cli(capsys, "--model", model, "--prompts", prompt_file, "--target", "hf-fp8-kv", "--num-tokens", 3,
+                        "--store", store, "--quiet", "--fp8-scales", tmp_path / "clip", "--release", "clip")
+    assert rc == 1, out + err
+    assert "vs FP8 floor FAIL" in out and "overall:       FAIL" in out and "localisation:  layer 0" in out
+    runs = _runs(store)
+    assert len(runs) == 4  # the references are reused by the second target
+    assert json.loads(runs[-1]["config"])["k_scale"] == pytest.approx([1000.0] * 3, rel=1e-6)  # float32 1/1e-3
+
+
+def test_hf_target_with_the_modules_plugin_compares_module_runs_of_every_role(model, prompt_file, tmp_path):
+    from capturestore import pipeline
+
+    lines = []
+    r = pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=3, store=tmp_path / "s",
+                     plugins="logits,modules", modules="model.layers.*.mlp", out=lines.append)
+    assert r.passed, "\n".join(lines)
+    assert set(r.verdicts) == {"logits", "modules"} and "6 module x phase outputs" in r.verdicts["modules"].text
+    s = Store.open(tmp_path / "s")
+    own = json.loads(s.sql("SELECT comparator_runs FROM comparisons").to_pylist()[0]["comparator_runs"])["modules"]
+    cfgs = {role: json.loads(s.show(rid)["run"]["config"]) for role, rid in own.items()}
+    assert cfgs["actual"]["attn_implementation"] == "sdpa" and cfgs["expected"]["attn_implementation"] == "eager"
+    assert all(c["module_order"] == [f"model.layers.{i}.mlp" for i in range(3)] for c in cfgs.values())
+    # the module runs are not mistaken for logits/KV references, nor the other way round
+    assert set(own.values()).isdisjoint(r.runs.values())
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_server_target_passes_and_a_server_of_another_model_is_refused_storing_nothing(model, prompt_file,
+                                                                                           tmp_path, capsys):
+    pytest.importorskip("extractors.vllm_server", reason="the server capture (extractors.vllm_server) is not here")
+    serve = pytest.importorskip("tests.vllm_serve", reason="the vllm serve fixture (tests/vllm_serve.py) is not here")
+    from extractors.models import tiny_model
+
+    store = tmp_path / "s"
+    with serve.vllm_server(model, dtype="bfloat16", log_dir=tmp_path) as url:
+        rc, out, err = _cli(capsys, "--model", model, "--prompts", prompt_file, "--target", f"vllm-server={url}",
+                            "--num-tokens", 4, "--store", store, "--release", "served")
+        assert rc == 0, out + err
+        assert "logit verdict: PASS" in out and "overall:       PASS" in out
+        runs = _runs(store)
+        assert [(r["engine"], r["release"]) for r in runs] == [("hf", None), ("hf", None), ("vllm-server", "served")]
+        assert json.loads(runs[-1]["config"])["logits_kind"] == "log_softmax"
+
+        other = tiny_model("llama-gqa", seed=0)  # the server serves `model`, not this one
+        before = _snapshot(store)
+        rc, out, err = _cli(capsys, "--model", other, "--prompts", prompt_file, "--target", f"vllm-server={url}",
+                            "--num-tokens", 4, "--store", store)
+        assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+        assert f"target vllm-server={url}: " in err and "not the model" in err
+        assert _snapshot(store) == before
+
+
+ENTRY_POINT_PLUGIN = '''
+import numpy as np
+import pyarrow as pa
+
+from capturestore.comparators import Comparator, TableSpec, Verdict
+
+
+class MaxDiff(Comparator):
+    name = "maxdiff"
+    needs = ("logits",)
+    tables = {"maxdiff_prompts": TableSpec(pa.schema([("comparison_id", pa.string()), ("prompt_id", pa.string()),
+                                                      ("max_abs_diff", pa.float64())]), 1)}
+
+    def prepare(self, context):
+        super().prepare(context)
+        self.worst = 0.0
+
+    def compare(self, prompt):
+        a, e = (np.asarray(prompt.logits(r)).astype(np.float64) for r in ("actual", "expected"))
+        d = float(np.max(np.abs(a - e)))
+        self.worst = max(self.worst, d)
+        return {"maxdiff_prompts": [{"comparison_id": prompt.comparison_id, "prompt_id": prompt.prompt_id,
+                                     "max_abs_diff": d}]}
+
+    def verdict(self):
+        return Verdict(self.name, self.worst < 1.0, f"max |actual - expected| logit {self.worst:.4g}")
+'''
+
+
+def test_a_plugin_of_another_package_runs_in_capturestore_run_through_its_entry_point(model, prompt_file, tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    site = tmp_path / "site"
+    (site / "maxdiffpkg").mkdir(parents=True)
+    (site / "maxdiffpkg" / "__init__.py").write_text(ENTRY_POINT_PLUGIN)
+    dist = site / "maxdiffpkg-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: maxdiffpkg\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[capturestore.comparators]\nmaxdiff = maxdiffpkg:MaxDiff\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(repo), os.environ.get("PYTHONPATH", "")])}
+    store = tmp_path / "s"
+    out = subprocess.run([sys.executable, "-m", "capturestore.cli", "run", "--model", str(model), "--prompts",
+                          str(prompt_file), "--target", "hf:bfloat16", "--num-tokens", "3", "--store", str(store),
+                          "--plugins", "logits,maxdiff"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "maxdiff verdict: max |actual - expected| logit" in out.stdout
+    assert "HF FP32 baseline: prompt 3/3 (9 tokens)" in out.stdout  # not a terminal: plain progress lines
+    # its table holds what an independent reading of the stored logits gives
+    s = Store.open(store)
+    cmp = s.sql("SELECT comparison_id, expected_run, actual_run FROM comparisons").to_pylist()[0]
+    got = {r["prompt_id"]: r["max_abs_diff"] for r in s.sql(
+        f"SELECT prompt_id, max_abs_diff FROM maxdiff_prompts WHERE comparison_id = '{cmp['comparison_id']}'"
+    ).to_pylist()}
+    want = {pid: float(np.max(np.abs(s.read_logits(cmp["actual_run"], pid).astype(np.float64)
+                                     - s.read_logits(cmp["expected_run"], pid).astype(np.float64))))
+            for pid in s.prompts(cmp["actual_run"]).column("prompt_id").to_pylist()}
+    assert got == want and len(got) == 3
+
+
+def test_from_task_analyses_exactly_the_deviated_prompts_of_a_degraded_lm_eval_run(tmp_path, capsys):
+    from pathlib import Path
+
+    tasks = pytest.importorskip("capturestore.tasks", reason="the task analysis (capturestore.tasks) is not here")
+    fix = Path(__file__).resolve().parents[1] / "fixtures" / "lm_eval"
+    ref, bad = fix / "reference", fix / "degraded"
+    if not bad.is_dir():
+        pytest.skip("the lm-eval fixtures (tests/fixtures/lm_eval) are not here")
+    from capturestore.pipeline import encode_prompts
+    from capturestore.writer import prompt_id
+    from extractors.models import tiny_model
+
+    model = tiny_model("llama-mha", seed=3)  # the fixtures' reference model, built the same way
+    want = tasks.deviated_prompts(bad, ref)
+    assert want, "the degraded fixture deviates somewhere"
+    store = tmp_path / "s"
+    rc, out, err = _cli(capsys, "--model", model, "--from-task", bad, "--task-reference", ref, "--target",
+                        "hf:bfloat16", "--num-tokens", 2, "--store", store, "--quiet")
+    assert rc == 0, out + err
+    s = Store.open(store)
+    act = s.sql("SELECT actual_run FROM comparisons").to_pylist()[0]["actual_run"]
+    texts = list(dict.fromkeys(d["prompt"] for d in want))
+    assert set(s.prompts(act).column("prompt_id").to_pylist()) == {prompt_id(r) for r in encode_prompts(model, texts)}
+    # the analysis is stored and the target run names it (its report's Tasks tab reads it from there)
+    aid = json.loads(s.show(act)["run"]["config"])["task_analysis_id"]
+    n = s.sql(f"SELECT count(*) AS n FROM task_samples WHERE analysis_id = '{aid}' AND deviated").to_pylist()[0]["n"]
+    assert n == len(tasks.analyse_tasks(bad, ref).deviated) > 0
+    # an lm-eval run against itself deviates nowhere: nothing to analyse, one line, exit 2
+    rc, out, err = _cli(capsys, "--model", model, "--from-task", ref, "--task-reference", ref, "--store", store)
+    assert rc == 2 and "no deviated prompt" in err and len(err.strip().splitlines()) == 1
+
+
+def test_hf_float16_target_gets_a_float16_expected_reference_and_reuses_the_fp32_baseline(model, prompt_file, tmp_path):
+    from capturestore import pipeline
+
+    store = tmp_path / "s"
+    bf = pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=3, store=store, quiet=True,
+                      out=lambda _: None)
+    fp = pipeline.run(model, prompt_file, target="hf:float16", num_tokens=3, store=store, quiet=True,
+                      out=lambda _: None)
+    assert bf.passed and fp.passed
+    assert fp.runs["baseline"] == bf.runs["baseline"] and fp.runs["expected"] != bf.runs["expected"]
+    dtypes = {r["run_id"]: r["dtype"] for r in _runs(store)}
+    assert dtypes[fp.runs["expected"]] == dtypes[fp.runs["actual"]] == "float16"
+    assert dtypes[bf.runs["expected"]] == "bfloat16"
