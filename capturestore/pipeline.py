@@ -441,7 +441,7 @@ def start_vllm_engine(model_path, dtype: str = "bfloat16", tp: int = 1, max_mode
     """An in-process vLLM engine with the KV capture worker extension (``extractors.vllm_rpc.make_llm``);
     EngineStartError in one line when vLLM is missing or fails to start."""
     if tp == 1:  # in-process: module capture and fault probes reach the worker directly
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # not setdefault: an earlier --tp run set it to 1
     else:  # one worker process per rank, each bound to its own CPU (ENGINES.md)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
@@ -554,8 +554,6 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     if modules is not None and "tensors" not in needs:
         raise ValueError("--modules is given but no plugin compares module tensors (add --plugins ...,modules)")
     patterns = _patterns(modules)
-    if "tensors" in needs and tp != 1:
-        raise ValueError("the modules plugin captures vLLM module tensors in-process: --tp 1 only")
     model_path, cfg = check_model_dir(model)
     given, analysis = prompts() if callable(prompts) else (_as_prompts(prompts), None)
     rows = _token_rows(model_path, cfg, given, num_tokens)
@@ -766,19 +764,15 @@ def _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, 
 
 
 def _vllm_module_run(pstore, progress, llm, model_path, rows, teacher_rows, patterns, release, config):
-    """Module tensors of the vLLM engine: teacher-forced where ``capture_vllm_module_run`` takes
-    ``teacher_tokens``, else greedy (its own tokens; the HF module references follow them)."""
-    import inspect
-
+    """Module tensors of the vLLM engine, teacher-forced on the references' tokens (every rank's
+    shards merged under tensor parallelism, ``extractors.vllm_modules``)."""
     from extractors.vllm_modules import capture_vllm_module_run
 
-    forced = "teacher_tokens" in inspect.signature(capture_vllm_module_run).parameters
-    progress.say(f"capturing vLLM module tensors ({', '.join(patterns)}; "
-                 f"{'teacher-forced' if forced else 'greedy: this vLLM module capture cannot be teacher-forced'})")
+    progress.say(f"capturing vLLM module tensors ({', '.join(patterns)}; teacher-forced)")
     progress.begin("target vllm modules", len(rows), len(teacher_rows[0]))
-    kw = {"teacher_tokens": teacher_rows} if forced else {}
     rid = capture_vllm_module_run(pstore, llm, model_path, rows, len(teacher_rows[0]), modules=list(patterns),
-                                  release=release, config={k: v for k, v in config.items() if k != "cpu_paths"}, **kw)
+                                  release=release, config={k: v for k, v in config.items() if k != "cpu_paths"},
+                                  teacher_tokens=teacher_rows)
     progress.end()
     return rid
 

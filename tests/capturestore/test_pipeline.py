@@ -209,7 +209,6 @@ def _bad_cases(model, tmp):
 
 
 def test_an_unreachable_server_is_one_line_exit_2_and_the_store_is_untouched(model, held_store, tmp_path, capsys):
-    pytest.importorskip("extractors.vllm_server", reason="the server capture (extractors.vllm_server) is not here")
     ok = tmp_path / "ok.txt"
     ok.write_text("a prompt\n")
     url = f"http://127.0.0.1:{_free_port()}"
@@ -280,6 +279,36 @@ def test_vllm_target_with_kv_and_modules_passes_and_another_release_captures_onl
 
 @pytest.mark.vllm
 @pytest.mark.slow
+def test_vllm_target_under_tensor_parallelism_captures_and_judges_module_tensors(model, tmp_path):
+    """--tp 2: the KV and every rank's module shards are merged (docs/vllm-modules.md) and judged
+    three-way; a correct engine passes on 8 prompts x 8 tokens (fewer tokens are too noisy at TP 2,
+    docs/run.md) and the module run records its TP degree."""
+    import numba  # noqa: F401 - the engine must start in a process that already uses numba
+
+    from capturestore import pipeline
+
+    texts = TEXTS + ["A paged KV cache holds blocks", "Greedy decoding picks the argmax", "tensor parallel ranks",
+                     "Sliding windows forget", "the last prompt of eight"]
+    prompts = tmp_path / "p8.txt"
+    prompts.write_text("\n".join(texts) + "\n")
+    lines = []
+    r = pipeline.run(model, prompts, target="vllm", num_tokens=8, store=tmp_path / "s", tp=2,
+                     plugins=["logits", "kv", "modules"], modules="model.layers.*.mlp,model.layers.*.self_attn",
+                     out=lines.append, quiet=True)
+    assert r.passed, "\n".join(lines)
+    assert set(r.verdicts) == {"logits", "kv", "modules"} and all(v.passed for v in r.verdicts.values())
+    s = Store.open(tmp_path / "s")
+    row = s.sql(f"SELECT comparator_runs FROM comparisons WHERE comparison_id = '{r.comparison_id}'").to_pylist()[0]
+    mods = json.loads(row["comparator_runs"])["modules"]
+    run = s.show(mods["actual"])["run"]
+    assert run["tp_degree"] == 2 and json.loads(run["config"])["capture"] == "teacher_forced_decode"
+    n = s.sql(f"SELECT count(DISTINCT module) AS n FROM module_verdicts WHERE comparison_id = "
+              f"'{r.comparison_id}'").to_pylist()[0]["n"]
+    assert n == 2 * 3  # mlp and self_attn of 3 layers
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
 def test_an_engine_that_cannot_start_says_what_failed_and_what_to_install_in_one_line(model, tmp_path):
     from capturestore.pipeline import EngineStartError, start_vllm_engine
 
@@ -336,8 +365,7 @@ def test_hf_target_with_the_modules_plugin_compares_module_runs_of_every_role(mo
 @pytest.mark.slow
 def test_vllm_server_target_passes_and_a_server_of_another_model_is_refused_storing_nothing(model, prompt_file,
                                                                                            tmp_path, capsys):
-    pytest.importorskip("extractors.vllm_server", reason="the server capture (extractors.vllm_server) is not here")
-    serve = pytest.importorskip("tests.vllm_serve", reason="the vllm serve fixture (tests/vllm_serve.py) is not here")
+    from tests import vllm_serve as serve
     from extractors.models import tiny_model
 
     store = tmp_path / "s"
@@ -425,7 +453,7 @@ def test_a_plugin_of_another_package_runs_in_capturestore_run_through_its_entry_
 def test_from_task_analyses_exactly_the_deviated_prompts_of_a_degraded_lm_eval_run(tmp_path, capsys):
     from pathlib import Path
 
-    tasks = pytest.importorskip("capturestore.tasks", reason="the task analysis (capturestore.tasks) is not here")
+    from capturestore import tasks
     fix = Path(__file__).resolve().parents[1] / "fixtures" / "lm_eval"
     ref, bad = fix / "reference", fix / "degraded"
     if not bad.is_dir():
