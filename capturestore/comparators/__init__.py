@@ -55,6 +55,7 @@ _BUILTIN = {
     "kv": "capturestore.comparators.kv:KVComparator",
     "fp8_kv_floor": "nki_fp8.target:Fp8KVFloorComparator",
     "modules": "capturestore.comparators.modules:ModulesComparator",
+    "raw_errors": "capturestore.comparators.raw_errors:RawErrorsComparator",
 }
 _registry: dict[str, type[Comparator]] = {}
 _loaded = False
