@@ -270,3 +270,43 @@ def test_history_lists_the_metric_per_release_and_charts_it(releases, tmp_path, 
                  "--store", str(store.root)]) == 0
     html = out.read_text()
     assert "plotly" in html.lower() and "r2-bug" in html
+
+
+def test_real_hf_captures_a_faulty_release_regresses_at_the_next_kv_layer_in_prefill(tmp_path):
+    """Real captures of a tiny HF Llama (extractors.models): FP32 baseline, BF16 reference, and two
+    releases of a BF16 "engine": r1 (correct) and r2 (layer 1's o_proj output scaled by 1.1 by a
+    forward hook, as extractors.faults does in vLLM; proven to change the logits first). A bug in
+    layer 1 first shows in the KV of layer 2 (its input), from the prompt on: prefill."""
+    hf = pytest.importorskip("extractors.hf")
+    from extractors.models import tiny_model
+
+    path = tiny_model("llama-gqa")
+    store = Store.open(tmp_path / "s")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(5, 200, 6 + i).tolist() for i in range(8)]
+    teach = [rng.integers(5, 200, 5).tolist() for _ in prompts]
+    m32, m16 = hf.load_hf_model(path, "float32"), hf.load_hf_model(path, "bfloat16")
+    base = hf.capture_hf_run(store, path, prompts, teacher_tokens=teach, dtype="float32", model=m32)
+    exp = hf.capture_hf_run(store, path, prompts, teacher_tokens=teach, dtype="bfloat16", model=m16)
+    ok = hf.capture_hf_run(store, path, prompts, teacher_tokens=teach, dtype="bfloat16", model=m16, release="r1")
+    handle = m16.get_submodule("model.layers.1.self_attn.o_proj").register_forward_hook(lambda m, i, o: o * 1.1)
+    try:
+        bad = hf.capture_hf_run(store, path, prompts, teacher_tokens=teach, dtype="bfloat16", model=m16, release="r2")
+    finally:
+        handle.remove()
+    pid = store.prompts(ok).column("prompt_id")[0].as_py()
+    moved = np.abs(store.read_logits(bad, pid, as_torch=True).float().numpy() -
+                   store.read_logits(ok, pid, as_torch=True).float().numpy()).max()
+    assert moved > 0.01, "the injected fault changed nothing: no verdict on it is meaningful"
+    for actual in (ok, bad):
+        compare_runs(store, expected_run=exp, actual_run=actual, baseline_run=base, comparators=["raw_errors"])
+    r = diff(store, "r1", "r2")
+    assert r.regression and r.localisation["layer"] == "2" and r.localisation["phase"] == "prefill", r.localisation
+    from capturestore.comparators import decoder_layer_index
+
+    kv = [c for c in r.stat_changes if c.metric == "kv_sigma_ratio"]
+    worst = max(kv, key=lambda c: c.delta)
+    assert decoder_layer_index(worst.layer) == 2 and worst.regression, worst
+    before = [c for c in kv if decoder_layer_index(c.layer) in (0, 1)]
+    assert len(before) == 8 and all(c.delta == 0 for c in before)  # layers 0 and 1's KV come before the fault
+    assert main(["diff", "r1", "r2", "--store", str(store.root)]) == 1
