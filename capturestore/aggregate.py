@@ -95,14 +95,55 @@ def selected_prompts(store, prompts_sql: str) -> list[str]:
 def _flat(col: pa.ChunkedArray, n: int, width_hint=None) -> np.ndarray:
     """list<float32> column of equal-length rows -> float32 [n, width]."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    if isinstance(arr, pa.ChunkedArray):  # combine_chunks of a list column can give a chunked array back
+        arr = arr.chunk(0) if arr.num_chunks == 1 else pa.concat_arrays(arr.chunks)
     if n == 0:
         return np.zeros((0, 0), np.float32)
     offsets = arr.offsets.to_numpy()
     widths = np.diff(offsets)
     if widths.min() != widths.max():
         raise ValueError(f"aggregate: raw_errors rows of one layer differ in width ({widths.min()} vs {widths.max()})")
-    vals = arr.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
+    vals = arr.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]  # NaN stays NaN (no nulls written)
     return np.asarray(vals, dtype=np.float32).reshape(n, int(widths[0]))
+
+
+BATCH_BYTES = 256 << 20  # raw errors read per query (a batch of layers): bounds memory
+
+
+def iter_raw_errors(store, comparison: str, pids, n_layers: int, order: str = "gen", n_gen: int | None = None):
+    """Yield ``(layer_idx, {"n", "prompt": int [n], "gen": int [n], "base_k", "tgt_k", "base_v",
+    "tgt_v": float32 [n, width]})`` per layer of ``comparison``'s raw errors of ``pids`` (prompt
+    index = position in ``pids``), rows ordered by (gen, prompt) (``order="gen"``) or (prompt, gen)
+    (``"prompt"``). Several layers are read per query, about ``BATCH_BYTES`` at a time."""
+    import pyarrow.compute as pc
+
+    ids = ", ".join(_q(p) for p in pids)
+    where = f"comparison_id = {_q(comparison)} AND prompt_id IN ({ids})" + (
+        f" AND gen_token_idx < {int(n_gen)}" if n_gen is not None else "")
+    probe = store.sql(f"SELECT len(base_k) + len(base_v) AS w, count(*) OVER () AS n FROM raw_errors WHERE {where} "
+                      f"AND layer_idx = 0 LIMIT 1").to_pylist()
+    if not probe:
+        return
+    per_layer = 2 * 4 * int(probe[0]["w"]) * int(probe[0]["n"])  # bytes of one layer's four vectors
+    step = max(1, BATCH_BYTES // max(1, per_layer))
+    value_set = pa.array(list(pids), pa.string())
+    for l0 in range(0, n_layers, step):
+        t = store.sql(f"SELECT layer_idx, prompt_id, gen_token_idx, base_k, tgt_k, base_v, tgt_v FROM raw_errors "
+                      f"WHERE {where} AND layer_idx >= {l0} AND layer_idx < {l0 + step}")
+        layer = t.column("layer_idx").to_numpy()
+        prompt = pc.index_in(t.column("prompt_id"), value_set=value_set).to_numpy(zero_copy_only=False)
+        gen = t.column("gen_token_idx").to_numpy()
+        keys = (prompt, gen, layer) if order == "gen" else (gen, prompt, layer)
+        idx = np.lexsort(keys)
+        t = t.take(pa.array(idx))
+        layer, prompt, gen = layer[idx], prompt[idx], gen[idx]
+        bounds = np.flatnonzero(np.diff(layer)) + 1
+        for a, b in zip(np.r_[0, bounds], np.r_[bounds, len(layer)]):
+            if a == b:
+                continue
+            part = t.slice(a, b - a)
+            yield int(layer[a]), {"n": b - a, "prompt": prompt[a:b], "gen": gen[a:b],
+                                  **{f: _flat(part.column(f), b - a) for f in ("base_k", "tgt_k", "base_v", "tgt_v")}}
 
 
 def aggregate_bc(store, comparison: str, prompts_sql: str) -> AggregateBC:
@@ -136,20 +177,12 @@ def aggregate_bc(store, comparison: str, prompts_sql: str) -> AggregateBC:
         raise ValueError(f"aggregate: comparison {comparison}: raw_errors layer indices are not 0..{len(layers) - 1}")
     k_bc = np.full((n_gen, len(layers)), np.nan)
     v_bc = np.full((n_gen, len(layers)), np.nan)
-    for li in range(len(layers)):  # one layer at a time bounds memory (like aggregate_kv_bc_arrays)
-        t = store.sql(f"SELECT prompt_id, gen_token_idx, base_k, tgt_k, base_v, tgt_v FROM raw_errors "
-                      f"WHERE comparison_id = {_q(comparison)} AND layer_idx = {li} AND gen_token_idx < {n_gen} "
-                      f"AND prompt_id IN ({ids})")
-        n = t.num_rows
-        if n != n_gen * len(pids):
-            raise ValueError(f"aggregate: comparison {comparison}, layer {layers[li]}: {n} raw_errors rows, expected "
-                             f"{n_gen} generation tokens x {len(pids)} prompts")
-        # order rows [gen, prompt]: each gen index's pooled sample is then one contiguous row
-        order = np.lexsort((np.asarray(t.column("prompt_id").to_pylist(), dtype=object).astype(str),
-                            t.column("gen_token_idx").to_numpy()))
-        t = t.take(pa.array(order))
-        base_k, tgt_k, base_v, tgt_v = (_flat(t.column(f), n).reshape(n_gen, -1)
-                                        for f in ("base_k", "tgt_k", "base_v", "tgt_v"))
+    for li, rows in iter_raw_errors(store, comparison, pids, len(layers), order="gen", n_gen=n_gen):
+        if rows["n"] != n_gen * len(pids):
+            raise ValueError(f"aggregate: comparison {comparison}, layer {layers[li]}: {rows['n']} raw_errors rows, "
+                             f"expected {n_gen} generation tokens x {len(pids)} prompts")
+        # rows are ordered [gen, prompt]: each gen index's pooled sample is one contiguous row
+        base_k, tgt_k, base_v, tgt_v = (rows[f].reshape(n_gen, -1) for f in ("base_k", "tgt_k", "base_v", "tgt_v"))
         k_bc[:, li] = bhattacharyya_batched(base_k, tgt_k)
         v_bc[:, li] = bhattacharyya_batched(base_v, tgt_v)
         # no finite error pair at a generation index: no BC (NaN), as aggregate_kv_bc_arrays says

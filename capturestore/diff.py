@@ -201,41 +201,44 @@ def bootstrap_sigma_change(tb, bb, th, bh, idx: np.ndarray, level: float = CI_LE
     return base, head, head - base, lo, hi
 
 
-def _hist(x: np.ndarray, edges: np.ndarray) -> np.ndarray:
-    """Counts of the finite values of ``x`` in ``edges``' bins (numpy.histogram's rule: the last
-    bin holds its right edge); every value in the last bin when the range is one point."""
-    x = x[np.isfinite(x)]
+def _prompt_hists(x: np.ndarray, prompt: np.ndarray, n_prompts: int, edges: np.ndarray) -> np.ndarray:
+    """``[n_prompts, bins]`` counts of the finite values of ``x: [row, width]`` per prompt of each row,
+    numpy.histogram's rule over ``edges`` (bin i holds edge_i <= x < edge_{i+1}, the last bin its
+    right edge too); every value in the last bin when the range is one point."""
+    nb = len(edges) - 1
+    p = np.repeat(prompt, x.shape[1])
+    x = x.ravel()
+    ok = np.isfinite(x)
+    x, p = x[ok], p[ok]
     if edges[0] == edges[-1]:
-        out = np.zeros(len(edges) - 1)
-        out[-1] = x.size
-        return out
-    return np.histogram(x, bins=edges)[0].astype(np.float64)
+        b = np.full(x.shape, nb - 1)
+    else:
+        b = np.searchsorted(edges, x, side="right") - 1
+        b[x == edges[-1]] = nb - 1
+    return np.bincount(p * nb + b, minlength=n_prompts * nb).reshape(n_prompts, nb).astype(np.float64)
 
 
-def bootstrap_bc_change(samples_b, samples_h, idx: np.ndarray, bins: int = 100, level: float = CI_LEVEL):
+def bootstrap_bc_change(side_b, side_h, idx: np.ndarray, bins: int = 100, level: float = CI_LEVEL):
     """Aggregate BC change head - base of one (layer, K|V), with its bootstrap interval.
 
-    samples_b, samples_h: per prompt (the same order) ``(bf16_errors, target_errors)`` float32
-    1-D arrays of base and head. The estimates are the exact BC of each comparison's pooled errors
-    (``metrics.bc``); a resample pools the drawn prompts' histograms over the bins of the full
-    pool's joint [min, max] (so every resample of a comparison is binned alike). Returns
-    (base, head, delta, low, high)."""
+    side_b, side_h: ``(bf16_errors [row, width], target_errors [row, width], prompt [row])`` float32
+    errors of base and head, each row's prompt index (the same prompt order, ``idx``'s range). The
+    estimates are the exact BC of each comparison's pooled errors (``metrics.bc``); a resample pools
+    the drawn prompts' histograms over the bins of the full pool's joint [min, max] (so every
+    resample of a comparison is binned alike). Returns (base, head, delta, low, high)."""
     from metrics.bc import bhattacharyya_batched
 
-    weights = np.zeros((idx.shape[0], len(samples_b)))
-    np.add.at(weights, (np.repeat(np.arange(idx.shape[0]), idx.shape[1]), idx.ravel()), 1.0)
+    P = idx.shape[1]
+    weights = np.zeros((idx.shape[0], P))
+    np.add.at(weights, (np.repeat(np.arange(idx.shape[0]), P), idx.ravel()), 1.0)
     est, reps = [], []
-    for samples in (samples_b, samples_h):
-        e = np.concatenate([b for b, _ in samples])
-        t = np.concatenate([t for _, t in samples])
-        est.append(float(bhattacharyya_batched(e[None], t[None])[0]))
+    for e, t, prompt in (side_b, side_h):
+        est.append(float(bhattacharyya_batched(e.reshape(1, -1), t.reshape(1, -1))[0]))
         with np.errstate(invalid="ignore"):
             lo = np.float32(np.nanmin([np.nanmin(e), np.nanmin(t)]))
             hi = np.float32(np.nanmax([np.nanmax(e), np.nanmax(t)]))
         edges = np.linspace(lo, hi, bins + 1, dtype=np.float32)
-        cb = np.stack([_hist(b, edges) for b, _ in samples])
-        ct = np.stack([_hist(t, edges) for _, t in samples])
-        wb, wt = weights @ cb, weights @ ct
+        wb, wt = weights @ _prompt_hists(e, prompt, P, edges), weights @ _prompt_hists(t, prompt, P, edges)
         pb = wb / (wb.sum(1, keepdims=True) + 1e-10)
         pt = wt / (wt.sum(1, keepdims=True) + 1e-10)
         reps.append(np.clip(np.sqrt(pb * pt).sum(1), 0.0, 1.0))
@@ -247,36 +250,27 @@ def bootstrap_bc_change(samples_b, samples_h, idx: np.ndarray, bins: int = 100, 
 
 def _bc_stats(store, q, base_id, head_id, pids, idx) -> list[StatChange]:
     """``kv_aggregate_bc`` per (layer, K|V) from the raw_errors both comparisons stored (none: [])."""
+    from capturestore.aggregate import iter_raw_errors
+
     if not q.has("raw_errors", "base_k", "tgt_k"):
         return []
-    ids = ", ".join(_q(p) for p in pids)
-    layers = {}
+    names = {}
     for cid in (base_id, head_id):
         t = store.sql(f"SELECT DISTINCT layer_idx, layer FROM raw_errors WHERE comparison_id = {_q(cid)}").to_pylist()
-        layers[cid] = {r["layer"]: r["layer_idx"] for r in t}
-    shared = sorted(set(layers[base_id]) & set(layers[head_id]), key=_natural)
+        names[cid] = {r["layer_idx"]: r["layer"] for r in t}
+    if not names[base_id] or names[base_id] != names[head_id]:
+        return []  # one stored none, or their layers differ: no aggregate BC to compare
+    n_layers = len(names[head_id])
     out = []
-    for layer in shared:
-        per = {}
-        for cid in (base_id, head_id):
-            t = store.sql(f"SELECT prompt_id, base_k, tgt_k, base_v, tgt_v FROM raw_errors WHERE comparison_id = "
-                          f"{_q(cid)} AND layer_idx = {layers[cid][layer]} AND prompt_id IN ({ids})")
-            rows_of = {}
-            for i, p in enumerate(t.column("prompt_id").to_pylist()):
-                rows_of.setdefault(p, []).append(i)
-            cols = {f: t.column(f).combine_chunks() for f in ("base_k", "tgt_k", "base_v", "tgt_v")}
-
-            def values(f, rows):
-                taken = cols[f].take(pa.array(rows, pa.int64())) if rows else cols[f].slice(0, 0)
-                return np.asarray(taken.flatten().to_numpy(zero_copy_only=False), np.float32)
-
-            per[cid] = {kv: [(values(f"base_{kv}", rows_of.get(p, [])), values(f"tgt_{kv}", rows_of.get(p, [])))
-                             for p in pids] for kv in ("k", "v")}
+    both = zip(iter_raw_errors(store, base_id, pids, n_layers, order="prompt"),
+               iter_raw_errors(store, head_id, pids, n_layers, order="prompt"))
+    for (lb, rb), (lh, rh) in both:
+        if lb != lh:
+            raise ValueError(f"diff: raw_errors of {base_id} and {head_id} disagree on layer {lb} vs {lh}")
         for kv in ("k", "v"):
-            if not all(sum(b.size for b, _ in per[c][kv]) for c in (base_id, head_id)):
-                continue
-            b, h, d, lo, hi = bootstrap_bc_change(per[base_id][kv], per[head_id][kv], idx)
-            out.append(StatChange("kv_aggregate_bc", layer, kv, None, "decode", b, h, d, lo, hi,
+            b, h, d, lo, hi = bootstrap_bc_change((rb[f"base_{kv}"], rb[f"tgt_{kv}"], rb["prompt"]),
+                                                  (rh[f"base_{kv}"], rh[f"tgt_{kv}"], rh["prompt"]), idx)
+            out.append(StatChange("kv_aggregate_bc", names[head_id][lb], kv, None, "decode", b, h, d, lo, hi,
                                   bool(np.isfinite(hi) and hi < -BC_MARGIN)))
     return out
 
