@@ -164,20 +164,25 @@ def resolve_comparison(store, ref: str, other: dict | None = None, *, command: s
 
 
 # ---- the bootstrap ----------------------------------------------------------------------------------
+def bootstrap_weights(idx: np.ndarray) -> np.ndarray:
+    """``[n_boot, n_prompts]``: how often each prompt is drawn in each resample."""
+    n_boot, P = idx.shape
+    return np.bincount((np.arange(n_boot)[:, None] * P + idx).ravel(), minlength=n_boot * P).reshape(n_boot, P) \
+        .astype(np.float64)
+
+
 def bootstrap_indices(n_prompts: int, n_boot: int, seed: int) -> np.ndarray:
     """``[n_boot, n_prompts]`` prompt indices drawn with replacement (the documented protocol)."""
     return np.random.default_rng(seed).integers(0, n_prompts, (n_boot, n_prompts))
 
 
-def bootstrap_sigma_change(tb, bb, th, bh, idx: np.ndarray, level: float = CI_LEVEL):
+def bootstrap_sigma_change(tb, bb, th, bh, idx: np.ndarray, level: float = CI_LEVEL, weights=None):
     """σ-ratio change head - base per group, with its bootstrap interval.
 
     tb, bb, th, bh: ``[prompt, group]`` sums of squared relative L2 of target / BF16 rows, base and
     head comparisons (the same prompt order); idx: ``bootstrap_indices``. Returns (base, head,
     delta, low, high), each ``[group]``."""
-    P = tb.shape[0]
-    weights = np.zeros((idx.shape[0], P))
-    np.add.at(weights, (np.repeat(np.arange(idx.shape[0]), idx.shape[1]), idx.ravel()), 1.0)
+    weights = bootstrap_weights(idx) if weights is None else weights
 
     def ratio(t, b, w=None):
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -218,7 +223,7 @@ def _prompt_hists(x: np.ndarray, prompt: np.ndarray, n_prompts: int, edges: np.n
     return np.bincount(p * nb + b, minlength=n_prompts * nb).reshape(n_prompts, nb).astype(np.float64)
 
 
-def bootstrap_bc_change(side_b, side_h, idx: np.ndarray, bins: int = 100, level: float = CI_LEVEL):
+def bootstrap_bc_change(side_b, side_h, idx: np.ndarray, bins: int = 100, level: float = CI_LEVEL, weights=None):
     """Aggregate BC change head - base of one (layer, K|V), with its bootstrap interval.
 
     side_b, side_h: ``(bf16_errors [row, width], target_errors [row, width], prompt [row])`` float32
@@ -229,8 +234,7 @@ def bootstrap_bc_change(side_b, side_h, idx: np.ndarray, bins: int = 100, level:
     from metrics.bc import bhattacharyya_batched
 
     P = idx.shape[1]
-    weights = np.zeros((idx.shape[0], P))
-    np.add.at(weights, (np.repeat(np.arange(idx.shape[0]), P), idx.ravel()), 1.0)
+    weights = bootstrap_weights(idx) if weights is None else weights
     est, reps = [], []
     for e, t, prompt in (side_b, side_h):
         est.append(float(bhattacharyya_batched(e.reshape(1, -1), t.reshape(1, -1))[0]))
@@ -261,6 +265,7 @@ def _bc_stats(store, q, base_id, head_id, pids, idx) -> list[StatChange]:
     if not names[base_id] or names[base_id] != names[head_id]:
         return []  # one stored none, or their layers differ: no aggregate BC to compare
     n_layers = len(names[head_id])
+    weights = bootstrap_weights(idx)
     out = []
     both = zip(iter_raw_errors(store, base_id, pids, n_layers, order="prompt"),
                iter_raw_errors(store, head_id, pids, n_layers, order="prompt"))
@@ -269,7 +274,8 @@ def _bc_stats(store, q, base_id, head_id, pids, idx) -> list[StatChange]:
             raise ValueError(f"diff: raw_errors of {base_id} and {head_id} disagree on layer {lb} vs {lh}")
         for kv in ("k", "v"):
             b, h, d, lo, hi = bootstrap_bc_change((rb[f"base_{kv}"], rb[f"tgt_{kv}"], rb["prompt"]),
-                                                  (rh[f"base_{kv}"], rh[f"tgt_{kv}"], rh["prompt"]), idx)
+                                                  (rh[f"base_{kv}"], rh[f"tgt_{kv}"], rh["prompt"]), idx,
+                                                  weights=weights)
             out.append(StatChange("kv_aggregate_bc", names[head_id][lb], kv, None, "decode", b, h, d, lo, hi,
                                   bool(np.isfinite(hi) and hi < -BC_MARGIN)))
     return out
@@ -287,6 +293,7 @@ def _group_sums(store, cid, sql_from, keys, tcol, bcol, pids) -> dict:
 
 def _sigma_stats(store, base_id, head_id, pids, idx, spec) -> list[StatChange]:
     metric, table, keys, tcols, bcols = spec
+    weights = bootstrap_weights(idx)
     out = []
     for tcol, bcol, kv in zip(tcols, bcols, ("k", "v") if len(tcols) == 2 else (None,)):
         sums = {s: _group_sums(store, cid, table, keys, tcol, bcol, pids) for s, cid in (("b", base_id), ("h", head_id))}
@@ -294,14 +301,14 @@ def _sigma_stats(store, base_id, head_id, pids, idx, spec) -> list[StatChange]:
         if not groups:
             continue
         arr = {}
+        p_at, g_at = {p: i for i, p in enumerate(pids)}, {g: i for i, g in enumerate(groups)}
         for s in ("b", "h"):
-            t = np.zeros((len(pids), len(groups)))
+            t = np.zeros((len(pids), len(groups)))  # a prompt without rows of a group adds nothing
             b = np.zeros_like(t)
-            for gi, g in enumerate(groups):
-                for pi, p in enumerate(pids):
-                    t[pi, gi], b[pi, gi] = sums[s].get((p, *g), (0.0, 0.0))
+            for (p, *g), (tv, bv) in sums[s].items():
+                t[p_at[p], g_at[tuple(g)]], b[p_at[p], g_at[tuple(g)]] = tv, bv
             arr[s] = (t, b)
-        base, head, delta, lo, hi = bootstrap_sigma_change(*arr["b"], *arr["h"], idx)
+        base, head, delta, lo, hi = bootstrap_sigma_change(*arr["b"], *arr["h"], idx, weights=weights)
         for gi, g in enumerate(groups):
             d = dict(zip(keys, g))
             reg = bool(np.isfinite(lo[gi]) and lo[gi] > SIGMA_MARGIN)
@@ -365,7 +372,11 @@ def diff(store, base: str, head: str, *, common_prompts: bool = False, seed: int
         if not q.has(view, "prompt_id", *spec[3], *spec[4]):
             continue
         stats += _sigma_stats(store, b_id, h_id, shared, idx, spec)
-    stats += _bc_stats(store, q, b_id, h_id, shared, idx)
+    bc = _bc_stats(store, q, b_id, h_id, shared, idx)
+    if not bc and any(q.has(v, "prompt_id") for v in ("kv_head_metrics",)):
+        why = "aggregate-BC change not computed: it needs the raw errors of both comparisons (compare --raw-errors)"
+        note = why if note is None else f"{note}; {why}"
+    stats += bc
     return DiffResult(b_id, h_id, hrow["model_hash"], tuple(shared), note, tuple(verdicts), tuple(stats),
                       tuple(q.divergences()), q.tables(), seed, n_boot, SIGMA_MARGIN)
 
