@@ -159,3 +159,30 @@ def test_a_comparison_without_raw_errors_says_how_to_store_them(tmp_path):
     res = make_comparison(store)
     with pytest.raises(ValueError, match="stored no raw errors.*--raw-errors"):
         aggregate_bc(store, res.comparison_id, "SELECT prompt_id FROM prompts")
+
+
+def test_raw_errors_in_a_two_way_comparison_is_refused_before_anything_is_stored(tmp_path):
+    from tests.reports.synthetic import add_runs
+
+    store = Store.open(tmp_path / "s")
+    runs = add_runs(store)
+    with pytest.raises(ValueError, match="raw_errors comparator needs a baseline"):
+        compare_runs(store, expected_run=runs["expected"], actual_run=runs["actual"], comparators=["raw_errors"])
+    assert "comparisons" not in store.sql("SELECT table_name FROM information_schema.tables").column(0).to_pylist()
+
+
+def test_the_raw_errors_comparator_alone_stores_the_same_errors_as_with_the_kv_comparator(compared, tmp_path):
+    """Without the KV comparator it computes the errors itself: the same rows."""
+    store, res, runs = compared
+    alone = compare_runs(store, expected_run=runs["expected"], actual_run=runs["actual"], baseline_run=runs["baseline"],
+                         kv=False, logits=False, comparators=["raw_errors"])
+    q = ("SELECT prompt_id, position, layer_idx, base_k, tgt_k, base_v, tgt_v FROM raw_errors WHERE comparison_id = "
+         "'{}' ORDER BY ALL")
+    a, b = store.sql(q.format(res.comparison_id)), store.sql(q.format(alone.comparison_id))
+    assert a.num_rows == b.num_rows > 0
+    for col in a.column_names:
+        x, y = a.column(col).to_pylist(), b.column(col).to_pylist()
+        if col.startswith(("base", "tgt")):
+            np.testing.assert_array_equal(np.array(x, np.float32), np.array(y, np.float32))  # NaN == NaN here
+        else:
+            assert x == y
