@@ -310,3 +310,45 @@ def test_real_hf_captures_a_faulty_release_regresses_at_the_next_kv_layer_in_pre
     before = [c for c in kv if decoder_layer_index(c.layer) in (0, 1)]
     assert len(before) == 8 and all(c.delta == 0 for c in before)  # layers 0 and 1's KV come before the fault
     assert main(["diff", "r1", "r2", "--store", str(store.root)]) == 1
+
+
+def test_real_hf_module_captures_a_decode_only_fault_regresses_at_its_module_in_decode(tmp_path):
+    """Module tensors of a tiny HF Llama captured in FP32, BF16 and two BF16 releases; r2's
+    layer-1 o_proj output is scaled by 1.1 on decode steps only (a forward hook that fires when the
+    step feeds one token), proven to change r2's decode logits and leave its prefill logit alone.
+    The diff names that module and the decode phase; its prefill is no regression."""
+    pytest.importorskip("extractors.hf")
+    from extractors.hf import load_hf_model
+    from extractors.models import tiny_model
+    from extractors.modules import capture_hf_module_run
+
+    path = tiny_model("llama-gqa")
+    store = Store.open(tmp_path / "s")
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(5, 200, 6 + i).tolist() for i in range(6)]
+    teach = [rng.integers(5, 200, 4).tolist() for _ in prompts]
+    mods = ("model.layers.*", "model.layers.*.self_attn.o_proj", "model.layers.*.mlp")
+    m32, m16 = load_hf_model(path, "float32"), load_hf_model(path, "bfloat16")
+    cap = lambda m, dtype, rel=None: capture_hf_module_run(store, path, prompts, teach, modules=mods,  # noqa: E731
+                                                            dtype=dtype, model=m, release=rel)
+    base, exp, ok = cap(m32, "float32"), cap(m16, "bfloat16"), cap(m16, "bfloat16", "r1")
+    target = "model.layers.1.self_attn.o_proj"
+    handle = m16.get_submodule(target).register_forward_hook(
+        lambda m, i, o: o * 1.1 if i[0].shape[-2] == 1 else o)  # decode steps feed one token
+    try:
+        bad = cap(m16, "bfloat16", "r2")
+    finally:
+        handle.remove()
+    pid = store.prompts(ok).column("prompt_id")[0].as_py()
+    lo, lb = (store.read_logits(r, pid, as_torch=True).float().numpy() for r in (ok, bad))
+    assert np.array_equal(lo[0], lb[0]) and np.abs(lo[1:] - lb[1:]).max() > 0.01  # prefill untouched, decode moved
+    for actual in (ok, bad):
+        compare_runs(store, expected_run=exp, actual_run=actual, baseline_run=base, comparators=["modules"])
+    r = diff(store, "r1", "r2")
+    assert r.regression
+    mv = {(c.module, c.phase): c for c in r.verdict_changes if c.check == "module"}
+    assert mv[(target, "decode")].regression and (target, "prefill") not in mv
+    assert r.localisation["module"] == target and r.localisation["phase"] == "decode", r.localisation
+    sig = {(c.module, c.phase): c for c in r.stat_changes if c.metric == "module_sigma_ratio"}
+    assert sig[(target, "decode")].regression and sig[(target, "prefill")].delta == 0
+    assert not any(c.regression for (m, ph), c in sig.items() if ph == "prefill")
