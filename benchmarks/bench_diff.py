@@ -57,8 +57,10 @@ def build(root: Path, n_prompts: int, n_layers: int, n_gen: int, seed: int = 0):
             x[0, n_layers // 2, :, N_PROMPT_TOKENS:] *= 1.02
         return x.astype(ml_dtypes.bfloat16)
 
-    makers = {"baseline": ("float32", None, kv), "expected": ("bfloat16", None, lambda i: kv(i).astype(ml_dtypes.bfloat16)),
-              "r1": ("bfloat16", "r1", lambda i: release(i, False)), "r2": ("bfloat16", "r2", lambda i: release(i, True))}
+    makers = {"baseline": ("float32", None, kv),
+              "expected": ("bfloat16", None, lambda i: kv(i).astype(ml_dtypes.bfloat16)),
+              "r1": ("bfloat16", "r1", lambda i: release(i, False)),
+              "r2": ("bfloat16", "r2", lambda i: release(i, True))}
     runs = {}
     for role, (dtype, rel, f) in makers.items():
         with store.begin_run(engine="synthetic", model_path="/models/bench", model_hash="bench", dtype=dtype,

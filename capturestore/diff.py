@@ -32,13 +32,14 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["BC_MARGIN", "DiffResult", "SIGMA_MARGIN", "bootstrap_bc_change", "StatChange", "VerdictChange", "bootstrap_sigma_change", "diff",
+__all__ = ["BC_MARGIN", "DiffResult", "SIGMA_MARGIN", "StatChange", "VerdictChange", "bootstrap_bc_change",
+           "bootstrap_sigma_change", "diff",
            "history", "resolve_comparison", "write_diff", "write_history"]
 
 SIGMA_MARGIN = 0.25  # σ-ratio change (in units of the BF16 noise RMS) below which nothing is a regression
 BC_MARGIN = 0.05  # aggregate-BC drop below which nothing is a regression
 CI_LEVEL = 0.95
-_VERDICT_COLUMNS = ("passed", "logit_passed", "kv_passed", "fp8_floor_passed", "modules_passed")
+_VERDICT_COLUMNS = ("passed", "logit_passed", "kv_passed", "fp8_floor_passed")
 
 
 def _q(s) -> str:
@@ -87,7 +88,8 @@ class DiffResult:
     verdict_changes: tuple
     stat_changes: tuple
     divergences: tuple  # {"prompt_id", "new": [...], "resolved": [...]} of prompts with a change
-    tables: dict = field(default_factory=dict)  # name -> pa.Table: layer_deltas, module_deltas, token_deltas, gen_bc_deltas
+    # name -> pa.Table: layer_deltas, module_deltas, token_deltas, gen_bc_deltas
+    tables: dict = field(default_factory=dict)
     seed: int = 0
     n_boot: int = 2000
     margin: float = SIGMA_MARGIN
@@ -296,7 +298,8 @@ def _sigma_stats(store, base_id, head_id, pids, idx, spec) -> list[StatChange]:
     weights = bootstrap_weights(idx)
     out = []
     for tcol, bcol, kv in zip(tcols, bcols, ("k", "v") if len(tcols) == 2 else (None,)):
-        sums = {s: _group_sums(store, cid, table, keys, tcol, bcol, pids) for s, cid in (("b", base_id), ("h", head_id))}
+        sums = {s: _group_sums(store, cid, table, keys, tcol, bcol, pids)
+                for s, cid in (("b", base_id), ("h", head_id))}
         groups = sorted({k[1:] for d in sums.values() for k in d}, key=lambda g: tuple(_natural(x) for x in g))
         if not groups:
             continue
@@ -406,7 +409,8 @@ class _Q:
             f", h.{c} - b.{c} AS delta_{c}" if c not in ("passed", "status", "k_passed", "v_passed") else "")
             for c in cols)
         return self.store.sql(f"SELECT {', '.join(f'coalesce(b.{k}, h.{k}) AS {k}' for k in keys)}, {sel} "
-                              f"FROM {self.side(view, self.b, prompts)} b FULL JOIN {self.side(view, self.h, prompts)} h "
+                              f"FROM {self.side(view, self.b, prompts)} b "
+                              f"FULL JOIN {self.side(view, self.h, prompts)} h "
                               f"USING ({', '.join(keys)}) ORDER BY ALL")
 
     def tables(self) -> dict:
@@ -425,7 +429,8 @@ class _Q:
         if not self.has("logit_token_metrics", "divergence"):
             return []
         rows = self.store.sql(
-            f"SELECT comparison_id, prompt_id, list(gen_token_idx ORDER BY gen_token_idx) AS d FROM logit_token_metrics "
+            f"SELECT comparison_id, prompt_id, list(gen_token_idx ORDER BY gen_token_idx) AS d "
+            f"FROM logit_token_metrics "
             f"WHERE comparison_id IN ({_q(self.b)}, {_q(self.h)}) AND prompt_id IN ({self.ids}) AND divergence "
             f"GROUP BY ALL").to_pylist()
         div = {(r["comparison_id"], r["prompt_id"]): set(r["d"]) for r in rows}
@@ -480,15 +485,20 @@ def format_diff(r: DiffResult) -> str:
             lines.append(f"  {'REGRESSION ' if c.regression else ''}{c.check}{f' ({where})' if where else ''}: "
                          f"{c.base} -> {c.head}")
     if r.stat_changes:
-        lines += ["", f"σ-ratio and aggregate BC changes (head - base, {int(CI_LEVEL * 100)}% bootstrap interval over prompts, "
+        lines += ["", f"σ-ratio and aggregate BC changes (head - base, {int(CI_LEVEL * 100)}% bootstrap interval "
+                      f"over prompts, "
                       f"seed {r.seed}, {r.n_boot} resamples; regression: a σ-ratio interval above +{r.margin}, "
                       f"an aggregate-BC interval below -{BC_MARGIN}):"]
         hdr = f"  {'metric':<19}{'layer/module':<34}{'kv':<3}{'phase':<8}{'base':>9}{'head':>9}{'delta':>9}  interval"
         lines.append(hdr)
-        for c in sorted(r.stat_changes, key=lambda c: (not c.regression, -(c.ci_low if math.isfinite(c.ci_low) else -9))):
+        def rank(c):
+            return not c.regression, -abs(c.delta) if math.isfinite(c.delta) else 0.0
+
+        for c in sorted(r.stat_changes, key=rank):
             where = c.module or c.layer or ""
-            lines.append(f"  {c.metric:<19}{where[-33:]:<34}{c.kv or '':<3}{c.phase or '':<8}{c.base:>9.4g}{c.head:>9.4g}"
-                         f"{c.delta:>+9.4g}  [{c.ci_low:+.4g}, {c.ci_high:+.4g}]{'  REGRESSION' if c.regression else ''}")
+            lines.append(f"  {c.metric:<19}{where[-33:]:<34}{c.kv or '':<3}{c.phase or '':<8}{c.base:>9.4g}"
+                         f"{c.head:>9.4g}{c.delta:>+9.4g}  [{c.ci_low:+.4g}, {c.ci_high:+.4g}]"
+                         f"{'  REGRESSION' if c.regression else ''}")
     if r.divergences:
         lines += ["", "divergences (per prompt, generation tokens):"]
         lines += [f"  {d['prompt_id']}: new {d['new']}, resolved {d['resolved']}" for d in r.divergences]
@@ -507,10 +517,13 @@ def write_diff(store, r: DiffResult, fmt: str, out: str | None) -> None:
 
         print(render_diff(store, r.base_id, r.head_id, out, result=r))
         return
+    from capturestore.cli import _output_path, _write_file
+
+    target = _output_path(out, "json")
     text = format_diff(r) + "\n" if fmt == "table" else json.dumps(_json(r.to_dict()), default=str, indent=1,
                                                                      allow_nan=False) + "\n"
-    if out:
-        Path(out).write_text(text)
+    if target is not None:
+        _write_file(target, lambda p: Path(p).write_text(text))
     else:
         sys.stdout.write(text)
 
@@ -540,7 +553,7 @@ def history(store, model: str, metric: str = "logit_sigma_ratio") -> pa.Table:
     a comparisons column, or ``kv_sigma_ratio`` (worst layer), ``kv_bc`` (lowest layer),
     ``module_sigma_ratio`` (worst module)."""
     rows = _comparisons(store)
-    cols = set(rows[0]) if rows else set()
+    cols = set(store.sql("DESCRIBE comparisons").column("column_name").to_pylist()) if rows else set()
     if metric in _DERIVED:
         view = {"kv_sigma_ratio": "kv_layer_verdicts", "kv_bc": "kv_layer_verdicts",
                 "module_sigma_ratio": "module_verdicts"}[metric]
@@ -555,7 +568,8 @@ def history(store, model: str, metric: str = "logit_sigma_ratio") -> pa.Table:
         raise ValueError(f"history: unknown metric {metric!r}; choose one of {', '.join(choices)}")
     t = store.sql(f"SELECT c.created_at, r.release, c.comparison_id, c.passed, {expr} AS {metric} "
                   f"FROM comparisons c JOIN runs r ON r.run_id = c.actual_run "
-                  f"WHERE r.model_path = {_q(model)} OR r.model_hash = {_q(model)} ORDER BY c.created_at, c.comparison_id")
+                  f"WHERE r.model_path = {_q(model)} OR r.model_hash = {_q(model)} "
+                  f"ORDER BY c.created_at, c.comparison_id")
     if not t.num_rows:
         models = sorted({f"{r['model_path']} ({r['model_hash']})" for r in rows})
         raise ValueError(f"history: no comparison of model {model!r} (models compared: {', '.join(models) or 'none'})")
@@ -563,7 +577,6 @@ def history(store, model: str, metric: str = "logit_sigma_ratio") -> pa.Table:
 
 
 def write_history(t: pa.Table, fmt: str, out: str | None) -> None:
-    import sys
     from pathlib import Path
 
     if fmt == "html":
@@ -578,8 +591,12 @@ def write_history(t: pa.Table, fmt: str, out: str | None) -> None:
         fig = go.Figure(go.Scatter(x=x, y=y, mode="lines+markers", marker={
             "color": ["#2a9d3a" if r["passed"] else "#c0392b" for r in rows], "size": 10}))
         fig.update_layout(title=f"{metric} across releases", xaxis_title="release · comparison", yaxis_title=metric)
-        Path(out).write_text(fig.to_html(include_plotlyjs=True, full_html=True))
-        print(out)
+        from capturestore.cli import _output_path, _write_file
+
+        html = fig.to_html(include_plotlyjs=True, full_html=True)
+        target = _output_path(out, "html")
+        _write_file(target, lambda p: Path(p).write_text(html))
+        print(target)
         return
     from capturestore.cli import write_result
 

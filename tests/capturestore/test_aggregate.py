@@ -113,7 +113,8 @@ def test_raw_errors_rows_are_the_absolute_errors_of_the_kv(compared):
     k = {role: store.read_kv(rid, r["prompt_id"])[0] for role, rid in runs.items()}
     pos = r["position"]
     as32 = lambda x: np.asarray(x[1, :, pos, :], dtype=np.float32).ravel()  # noqa: E731
-    np.testing.assert_array_equal(np.asarray(r["base_k"], np.float32), np.abs(as32(k["expected"]) - as32(k["baseline"])))
+    np.testing.assert_array_equal(np.asarray(r["base_k"], np.float32),
+                                  np.abs(as32(k["expected"]) - as32(k["baseline"])))
     np.testing.assert_array_equal(np.asarray(r["tgt_k"], np.float32), np.abs(as32(k["actual"]) - as32(k["baseline"])))
     plen = store.sql(f"SELECT n_prompt_tokens FROM prompts WHERE prompt_id = '{r['prompt_id']}' AND run_id = "
                      f"'{runs['expected']}'").column(0)[0].as_py()

@@ -170,9 +170,11 @@ def test_the_bootstrap_interval_equals_a_slow_independent_computation(releases):
     r = diff(store, ids["noise"], ids["bug"], n_boot=300, seed=11)
     assert r.prompt_ids == tuple(sorted(r.prompt_ids))
     for layer, phase, kv in ((LAYERS[BUG_LAYER], "decode", "v"), (LAYERS[0], "prefill", "k")):
-        c = next(c for c in r.stat_changes if (c.metric, c.layer, c.phase, c.kv) == ("kv_sigma_ratio", layer, phase, kv))
+        c = next(c for c in r.stat_changes
+                 if (c.metric, c.layer, c.phase, c.kv) == ("kv_sigma_ratio", layer, phase, kv))
         lo, hi = _slow_interval(store, ids["noise"], ids["bug"], list(r.prompt_ids), layer, phase, kv, 300, 11)
-        assert c.ci_low == pytest.approx(lo, rel=1e-9, abs=1e-12) and c.ci_high == pytest.approx(hi, rel=1e-9, abs=1e-12)
+        assert c.ci_low == pytest.approx(lo, rel=1e-9, abs=1e-12)
+        assert c.ci_high == pytest.approx(hi, rel=1e-9, abs=1e-12)
         assert c.ci_low < c.delta < c.ci_high or c.ci_low == c.ci_high
     assert bootstrap_indices(5, 3, 11).tolist() == np.random.default_rng(11).integers(0, 5, (3, 5)).tolist()
     other = diff(store, ids["noise"], ids["bug"], n_boot=300, seed=12)

@@ -8,7 +8,6 @@ import re
 import shutil
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -47,7 +46,8 @@ def _runs(store):
 def test_the_fixture_is_format_2_and_reads_bit_exactly(store):
     assert json.loads((FIXTURE / FORMAT_FILE).read_text())["format_version"] == 2
     runs = _runs(store)
-    roles = {"baseline": runs["float32-hf"], "expected": runs["bfloat16-hf"], "actual": runs["bfloat16-fixture-r1-vllm"]}
+    roles = {"baseline": runs["float32-hf"], "expected": runs["bfloat16-hf"],
+             "actual": runs["bfloat16-fixture-r1-vllm"]}
     for role, rid in roles.items():
         pids = store.prompts(rid).column("prompt_id").to_pylist()
         for i, pid in enumerate(pids):
