@@ -237,11 +237,16 @@ def test_bad_input_is_one_line_exit_2(releases, capsys):
         (["diff", "r1", ids["r1b"]], "same comparison"),
         (["history", "--model", "/nope"], "no comparison of model"),
         (["history", "--model", "h", "--metric", "nope"], "unknown metric"),
+        (["history", "--model", "h", "--metric", "release"], "unknown metric"),  # a runs column, not a metric
+        (["diff", "r1", "r2-bug", "--format", "html"], "needs --out DIR"),
+        (["diff", "r1", "r2-bug", "--n-boot", "10"], "too few resamples"),
     ]
     for argv, msg in cases:
         assert main([*argv, "--store", s]) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and msg in err, (argv, err)
+    assert main(["diff", ids["r1a"], ids["half"], "--common-prompts", "--store", s]) == 0
+    assert "6 prompts both hold" in capsys.readouterr().out
     r = diff(store, ids["r1a"], ids["half"], common_prompts=True)
     assert len(r.prompt_ids) == 6 and "6 prompts both hold" in r.note and not r.regression
 
