@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["AggregateBC", "aggregate_bc", "comparison_row", "where_prompts"]
+__all__ = ["AggregateBC", "aggregate_bc", "comparison_row", "raw_errors_storage", "where_prompts"]
 
 
 @dataclass(frozen=True)
@@ -189,3 +189,22 @@ def aggregate_bc(store, comparison: str, prompts_sql: str) -> AggregateBC:
         k_bc[np.all(np.isnan(base_k) | np.isnan(tgt_k), axis=1), li] = np.nan
         v_bc[np.all(np.isnan(base_v) | np.isnan(tgt_v), axis=1), li] = np.nan
     return AggregateBC(comparison, pids, layers, k_bc, v_bc)
+
+
+def raw_errors_storage(store, comparison: str) -> tuple[int, int]:
+    """(bytes of the raw_errors segments of ``comparison``, stored bytes of the KV arrays of its runs):
+    what storing raw errors costs next to the captures they derive from."""
+    import pyarrow.parquet as pq
+
+    from capturestore.tables import table_dir
+
+    raw = 0
+    for f in sorted(table_dir(store.root, "raw_errors").glob("*.parquet")) if "raw_errors" in _views(store) else []:
+        if f.name.startswith("_"):
+            continue
+        ids = pq.read_table(f, columns=["comparison_id"]).column(0).unique().to_pylist()
+        raw += f.stat().st_size if comparison in ids else 0
+    row = comparison_row(store, comparison)
+    runs = ", ".join(_q(r) for r in (row["baseline_run"], row["expected_run"], row["actual_run"]) if r)
+    kv = store.sql(f"SELECT sum(stored_bytes) FROM captures WHERE kind IN ('kv_k', 'kv_v') AND run_id IN ({runs})")
+    return raw, int(kv.column(0)[0].as_py() or 0)

@@ -245,6 +245,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     for name, verdict in (("logit verdict", result.logit_verdict), ("KV verdict", result.kv_verdict)):
         if verdict is not None:
             print(f"{name}: {verdict.summary()}")
+    if args.raw_errors:
+        from capturestore.aggregate import raw_errors_storage
+
+        raw, kv = raw_errors_storage(store, result.comparison_id)
+        print(f"raw_errors: {raw / 1e6:.2f} MB stored" + (f" ({raw / kv:.2f} x the stored KV of the compared runs)"
+                                                          if kv else ""))
     print(f"overall: {'PASS' if result.passed else 'FAIL'}" + (f" (first failure in {result.phase})" if result.phase else ""))
     return 0 if result.passed else 1
 

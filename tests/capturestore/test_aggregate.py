@@ -187,3 +187,18 @@ def test_the_raw_errors_comparator_alone_stores_the_same_errors_as_with_the_kv_c
             np.testing.assert_array_equal(np.array(x, np.float32), np.array(y, np.float32))  # NaN == NaN here
         else:
             assert x == y
+
+
+def test_cli_compare_raw_errors_prints_what_they_cost(compared, capsys):
+    from capturestore.aggregate import raw_errors_storage
+
+    store, res, runs = compared
+    assert main(["compare", "--store", str(store.root), "--expected", runs["expected"], "--actual", runs["actual"],
+                 "--baseline", runs["baseline"], "--raw-errors"]) == 1  # the actual run has a bug
+    out = capsys.readouterr().out
+    m = __import__("re").search(r"raw_errors: ([\d.]+) MB stored \(([\d.]+) x the stored KV", out)
+    assert m, out
+    raw, kv = raw_errors_storage(store, res.comparison_id)
+    files = sorted((store.root / "tables" / "raw_errors").glob("*.parquet"))
+    assert 0 < raw < sum(f.stat().st_size for f in files) and kv > 0  # one of the two comparisons' segments
+    assert float(m.group(2)) == pytest.approx(raw / kv, abs=0.01)
