@@ -104,6 +104,20 @@ def fsync_tree(root: Path) -> None:
         list(pool.map(fsync_path, paths))
 
 
+VECTOR_ROW_GROUP_BYTES = 1 << 20
+
+
+def _row_group_rows(data: pa.Table) -> int | None:
+    """Rows per Parquet row group: pyarrow's default, except for rows holding float vectors (the
+    ``raw_errors`` table), whose row groups are kept near 1 MB so that a query selecting some
+    prompts skips the row groups of the others (their min/max statistics) instead of decoding all."""
+    if not data.num_rows or not any(pa.types.is_list(f.type) and pa.types.is_floating(f.type.value_type)
+                                    for f in data.schema):
+        return None
+    per_row = max(1, data.nbytes // data.num_rows)
+    return int(max(256, VECTOR_ROW_GROUP_BYTES // per_row))
+
+
 def write_segment(root: Path, table: str, data: pa.Table, segment: str | None = None, durable: bool = False) -> Path:
     """Write ``data`` as one segment of ``table`` atomically; returns the final path.
 
@@ -115,7 +129,7 @@ def write_segment(root: Path, table: str, data: pa.Table, segment: str | None = 
         segment = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     final = d / f"{segment}.parquet"
     tmp = segment_tmp_name(final)
-    pq.write_table(data, tmp)
+    pq.write_table(data, tmp, row_group_size=_row_group_rows(data))
     if durable:
         fsync_path(tmp)
     os.replace(tmp, final)

@@ -57,6 +57,7 @@ class RawErrorsComparator(Comparator):
         from capturestore.comparators.kv import kv_layer_names
 
         self.names = kv_layer_names(context.store, context.runs)
+        self.parts: list = []  # (prompt_id, pa.Table) of each prompt, written by finish()
 
     def compare(self, prompt: PromptCaptures) -> dict:
         from capturestore.comparators.kv import read_kv_layers
@@ -86,8 +87,19 @@ class RawErrorsComparator(Comparator):
         table = {
             "comparison_id": [prompt.comparison_id] * n, "prompt_id": [pid] * n,
             "position": np.tile(pos, L), "gen_token_idx": np.tile(pos - plen, L),
-            "layer": np.repeat(np.asarray(raw.layers, dtype=object), len(pos)),
+            "layer": pa.array(np.repeat(np.asarray(raw.layers, dtype=object), len(pos)), pa.string()),
             "layer_idx": np.repeat(np.arange(L), len(pos)),
         }
         table.update({f: pa.concat_arrays(parts) for f, parts in cols.items()})
-        return {"raw_errors": table}
+        self.parts.append((pid, pa.table(table)))
+        return {}
+
+    def finish(self) -> dict:
+        """Every prompt's rows, ordered by prompt id: a Parquet row group then holds a narrow range
+        of ids, so a selection of prompts reads only their row groups (``aggregate_bc``). compare_runs
+        holds every prompt's rows until the commit anyway: this costs no memory."""
+        parts, self.parts = sorted(self.parts, key=lambda p: p[0]), []
+        if not parts:
+            return {}
+        t = pa.concat_tables([t for _, t in parts]).combine_chunks()
+        return {"raw_errors": {n: t.column(n).chunk(0) for n in t.column_names}}
