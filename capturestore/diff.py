@@ -376,7 +376,7 @@ def diff(store, base: str, head: str, *, common_prompts: bool = False, seed: int
             continue
         stats += _sigma_stats(store, b_id, h_id, shared, idx, spec)
     bc = _bc_stats(store, q, b_id, h_id, shared, idx)
-    if not bc and any(q.has(v, "prompt_id") for v in ("kv_head_metrics",)):
+    if not bc and brow.get("three_way") and hrow.get("three_way") and q.has("kv_head_metrics", "prompt_id"):
         why = "aggregate-BC change not computed: it needs the raw errors of both comparisons (compare --raw-errors)"
         note = why if note is None else f"{note}; {why}"
     stats += bc
@@ -475,9 +475,8 @@ def format_diff(r: DiffResult) -> str:
     lines = [f"diff {r.base_id} (base) -> {r.head_id} (head): {len(r.prompt_ids)} prompts, model {r.model_hash}"]
     if r.note:
         lines.append(f"note: {r.note}")
-    loc = r.localisation
-    lines.append("REGRESSION" + (f" at {', '.join(f'{k} {v}' for k, v in loc.items() if v is not None)}" if loc else "")
-                 if r.regression else "no regression")
+    where = ", ".join(f"{k} {v}" for k, v in (r.localisation or {}).items() if v is not None)
+    lines.append(("REGRESSION" + (f" at {where}" if where else "")) if r.regression else "no regression")
     if r.verdict_changes:
         lines += ["", "verdict changes:"]
         for c in r.verdict_changes:
