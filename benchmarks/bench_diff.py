@@ -107,7 +107,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.layers, args.gen = 100, 16, 16
-    from capturestore.aggregate import aggregate_bc, where_prompts
+    from capturestore.aggregate import aggregate_bc, raw_errors_storage, where_prompts
     from capturestore.analysis import compare_runs
     from capturestore.diff import diff
 
@@ -151,7 +151,7 @@ def main() -> int:
     same_nan = bool(np.array_equal(np.isnan(agg.k_bc), np.isnan(ref[1])))
 
     tables = store.root / "tables"
-    raw_b = _dir_bytes(tables / "raw_errors")
+    raw_b, _ = raw_errors_storage(store, cids["r2"])
     kv_b = store.sql("SELECT sum(stored_bytes) FROM captures WHERE kind IN ('kv_k', 'kv_v') AND run_id IN "
                      f"('{runs['baseline']}', '{runs['expected']}', '{runs['r2']}')").column(0)[0].as_py()
     kv_b = int(kv_b)
@@ -168,7 +168,7 @@ def main() -> int:
          f"{agg_s / ref_s:.3f}"),
         ("recompute the same from the KV arrays", f"{ref_s:.3f} s", "1.00"),
         ("max |aggregate_bc - recomputed|", f"{max_diff:.1e}", "<= 1e-12" + ("" if same_nan else " (NaN differ!)")),
-        ("raw_errors table bytes", f"{raw_b / 1e6:.1f} MB", f"{raw_b / kv_b:.2f} x the KV of its 3 runs"),
+        ("raw_errors of one comparison", f"{raw_b / 1e6:.1f} MB", f"{raw_b / kv_b:.2f} x the KV of its 3 runs"),
         ("KV arrays of baseline + expected + actual", f"{kv_b / 1e6:.1f} MB", "1.00"),
         ("other metric tables of the 2 comparisons", f"{others / 1e6:.1f} MB", f"{others / kv_b:.2f}"),
     ]
