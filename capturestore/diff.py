@@ -342,8 +342,13 @@ def diff(store, base: str, head: str, *, common_prompts: bool = False, seed: int
     or (unless ``common_prompts``) differ."""
     if n_boot < 100:
         raise ValueError(f"diff: n_boot {n_boot} is too few resamples for a 95% interval (at least 100)")
-    hrow = resolve_comparison(store, head)
-    brow = resolve_comparison(store, base, hrow)
+    ids = {r["comparison_id"] for r in _comparisons(store)}
+    if base in ids and head not in ids:  # a label resolves against the side given by id
+        brow = resolve_comparison(store, base)
+        hrow = resolve_comparison(store, head, brow)
+    else:
+        hrow = resolve_comparison(store, head)
+        brow = resolve_comparison(store, base, hrow)
     b_id, h_id = brow["comparison_id"], hrow["comparison_id"]
     if b_id == h_id:
         raise ValueError(f"diff: {base!r} and {head!r} are the same comparison {b_id}: nothing to diff")
