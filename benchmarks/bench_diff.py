@@ -14,7 +14,8 @@ comparators=["raw_errors"])`` (timed: that is recomputing everything from the ar
   + ``aggregate_kv_bc_arrays``): times, ratio and the largest |difference| (must be <= 1e-12);
 - the storage of ``raw_errors`` against the KV arrays of the three runs it derives from.
 
-Usage: python benchmarks/bench_diff.py [--quick] [--prompts 1000] [--layers 80] [--gen 64] [--dir DIR]
+Usage: python benchmarks/bench_diff.py [--quick] [--prompts 1000] [--layers 80] [--gen 64] [--prompt-tokens 16]
+       [--dir DIR]
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from timing import best_of  # noqa: E402
 
-N_PROMPT_TOKENS, HEADS, HEAD_DIM = 16, 2, 8
+HEADS, HEAD_DIM = 2, 8
+N_PROMPT_TOKENS = 16  # --prompt-tokens
 
 
 def build(root: Path, n_prompts: int, n_layers: int, n_gen: int, seed: int = 0):
@@ -100,6 +102,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=1000)
     ap.add_argument("--layers", type=int, default=80)
     ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=16, help="prompt tokens per prompt (default 16)")
     ap.add_argument("--quick", action="store_true", help="100 prompts x 16 layers x 16 generated tokens")
     ap.add_argument("--n-boot", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=2)
@@ -107,6 +110,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.layers, args.gen = 100, 16, 16
+    global N_PROMPT_TOKENS
+    N_PROMPT_TOKENS = args.prompt_tokens
     from capturestore.aggregate import aggregate_bc, raw_errors_storage, where_prompts
     from capturestore.analysis import compare_runs
     from capturestore.diff import diff
