@@ -116,7 +116,8 @@ def _columns_sql(root: Path, table: str, relative: bool, spec) -> str:
 _DUCK_TYPES = {"string": "VARCHAR", "large_string": "VARCHAR", "bool": "BOOLEAN", "double": "DOUBLE",
                "float": "FLOAT", "int64": "BIGINT", "int32": "INTEGER", "int16": "SMALLINT", "int8": "TINYINT",
                "uint64": "UBIGINT", "uint32": "UINTEGER", "timestamp[us, tz=UTC]": "TIMESTAMP WITH TIME ZONE",
-               "list<item: string>": "VARCHAR[]", "list<item: int64>": "BIGINT[]", "list<item: int32>": "INTEGER[]"}
+               "list<item: string>": "VARCHAR[]", "list<item: int64>": "BIGINT[]", "list<item: int32>": "INTEGER[]",
+               "list<item: float>": "FLOAT[]"}
 
 
 def _duck_type(t: pa.DataType) -> str:

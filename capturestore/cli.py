@@ -16,6 +16,10 @@
                                            reports.render_comparison(...)
     capturestore tasks --results DIR [--reference DIR]
                                            capturestore.tasks.run_task_analysis(...)  exit 1 unless PASS
+    capturestore aggregate COMPARISON --where "..."
+                                           capturestore.aggregate.aggregate_bc(...)
+    capturestore diff BASE HEAD            capturestore.diff.diff(...)  exit status 1 on regression
+    capturestore history --model M         capturestore.diff.history(...)
 
 Every command takes ``--store PATH`` (default: $CAPTURESTORE, else ./capturestore-store).
 
@@ -239,11 +243,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     _require_writable(store, "compare")
     result = compare_runs(store, expected_run=args.expected, actual_run=args.actual,
                           baseline_run=args.baseline, label=args.label, kv=not args.no_kv,
-                          allow_different_models=args.allow_different_models)
+                          allow_different_models=args.allow_different_models,
+                          comparators=["raw_errors"] if args.raw_errors else ())
     print(f"comparison {result.comparison_id} over {len(result.prompt_ids)} prompts")
     for name, verdict in (("logit verdict", result.logit_verdict), ("KV verdict", result.kv_verdict)):
         if verdict is not None:
             print(f"{name}: {verdict.summary()}")
+    if args.raw_errors:
+        from capturestore.aggregate import raw_errors_storage
+
+        raw, kv = raw_errors_storage(store, result.comparison_id)
+        print(f"raw_errors: {raw / 1e6:.2f} MB stored" + (f" ({raw / kv:.2f} x the stored KV of the compared runs)"
+                                                          if kv else ""))
     print(f"overall: {'PASS' if result.passed else 'FAIL'}" + (f" (first failure in {result.phase})" if result.phase else ""))
     return 0 if result.passed else 1
 
@@ -309,6 +320,37 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     return 0 if analysis.passed else 1
 
 
+def cmd_aggregate(args: argparse.Namespace) -> int:
+    from capturestore.aggregate import aggregate_bc, where_prompts
+
+    _output_path(args.output, args.format)
+    if (args.where is None) == (args.sql is None):
+        raise ValueError("give exactly one of --where CONDITION and --sql QUERY")
+    store = _open(args.store)
+    query = args.sql if args.sql is not None else where_prompts(store, args.comparison, args.where)
+    result = aggregate_bc(store, args.comparison, query)
+    write_result(result.to_table(), args.format, args.output)
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from capturestore.diff import diff, write_diff
+
+    store = _open(args.store)
+    result = diff(store, args.base, args.head, common_prompts=args.common_prompts, seed=args.seed,
+                  n_boot=args.n_boot)
+    write_diff(store, result, args.format, args.out)
+    return 1 if result.regression else 0
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    from capturestore.diff import history, write_history
+
+    store = _open(args.store)
+    write_history(history(store, args.model, args.metric), args.format, args.out)
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a usage error in one line (the usage itself is in --help), exit status 2."""
 
@@ -350,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-kv", action="store_true", help="compare logits only")
     sp.add_argument("--allow-different-models", action="store_true",
                     help="compare runs whose model_hash differ (refused otherwise; recorded as models_differ)")
+    sp.add_argument("--raw-errors", action="store_true",
+                    help="also store the KV raw errors (three-way) that `capturestore aggregate` reads")
     sp = add("run", cmd_run, "the main job on your model: HF FP32 + expected references (reused when stored), the "
              "target teacher-forced, the plugins' comparison, verdict and localisation (docs/run.md)")
     sp.add_argument("--model", required=True, help="Hugging Face model directory (config.json + weights)")
@@ -402,6 +446,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --reference: no worse than its score (mean) or than it minus 2 standard errors (std, "
                         "the default)")
     sp.add_argument("--label", help="free-form label stored with the analysis")
+    sp = add("aggregate", cmd_aggregate, "cross-prompt KV BC per generation token x layer over a SQL selection of "
+                                         "a comparison's prompts (from its stored raw errors)")
+    sp.add_argument("comparison", help="comparison id (stored with --raw-errors)")
+    sp.add_argument("--where", help="condition on the prompts view, e.g. \"n_tokens > 512\"")
+    sp.add_argument("--sql", help="a query returning prompt_id (instead of --where)")
+    sp.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table")
+    sp.add_argument("--output", help="write to this file instead of stdout (required for parquet)")
+    sp = add("diff", cmd_diff, "diff two comparisons (ids or release labels); exit status 1 on a regression")
+    sp.add_argument("base", help="comparison id or release label of the base (the older release)")
+    sp.add_argument("head", help="comparison id or release label of the head (under review)")
+    sp.add_argument("--format", choices=["table", "json", "html"], default="table")
+    sp.add_argument("--out", help="json: file (default stdout); html: output directory (required)")
+    sp.add_argument("--common-prompts", action="store_true",
+                    help="compare the prompts both comparisons share when their prompt sets differ")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the bootstrap over prompts (default 0)")
+    sp.add_argument("--n-boot", type=int, default=2000, help="bootstrap resamples (default 2000)")
+    sp = add("history", cmd_history, "one metric across releases for one model: table, or a Plotly chart (html)")
+    sp.add_argument("--model", required=True, help="model path or model_hash of the actual runs")
+    sp.add_argument("--metric", default="logit_sigma_ratio",
+                    help="a comparisons column (logit_sigma_ratio, passed, ...) or kv_sigma_ratio / kv_bc "
+                         "(worst layer)")
+    sp.add_argument("--format", choices=["table", "json", "html"], default="table")
+    sp.add_argument("--out", help="html: the file to write (required); json: file (default stdout)")
     return p
 
 

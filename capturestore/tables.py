@@ -104,6 +104,22 @@ def fsync_tree(root: Path) -> None:
         list(pool.map(fsync_path, paths))
 
 
+VECTOR_ROW_GROUP_BYTES = 1 << 20
+
+
+def _row_group_rows(data: pa.Table) -> int | None:
+    """Rows per Parquet row group: pyarrow's default, except for rows holding float vectors (the
+    ``raw_errors`` table), whose row groups are kept near 1 MB so that a query selecting some
+    prompts skips the row groups of the others (their min/max statistics) instead of decoding all.
+    Measured on raw errors (100 prompts x 16 layers x 16 tokens): 4.8 MB written so, 5.4 MB with
+    pyarrow's defaults, 8.4 MB in 1 MB row groups with dictionary pages."""
+    if not data.num_rows or not any(pa.types.is_list(f.type) and pa.types.is_floating(f.type.value_type)
+                                    for f in data.schema):
+        return None
+    per_row = max(1, data.nbytes // data.num_rows)
+    return int(max(256, VECTOR_ROW_GROUP_BYTES // per_row))
+
+
 def write_segment(root: Path, table: str, data: pa.Table, segment: str | None = None, durable: bool = False) -> Path:
     """Write ``data`` as one segment of ``table`` atomically; returns the final path.
 
@@ -115,7 +131,14 @@ def write_segment(root: Path, table: str, data: pa.Table, segment: str | None = 
         segment = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     final = d / f"{segment}.parquet"
     tmp = segment_tmp_name(final)
-    pq.write_table(data, tmp)
+    rows = _row_group_rows(data)
+    if rows is None:
+        pq.write_table(data, tmp)
+    else:  # float vectors: byte-stream-split + zstd (dictionary pages of small row groups double them)
+        vec = [f.name for f in data.schema if pa.types.is_list(f.type) and pa.types.is_floating(f.type.value_type)]
+        pq.write_table(data, tmp, row_group_size=rows, compression="zstd",
+                       use_dictionary=[n for n in data.column_names if n not in vec],
+                       column_encoding=dict.fromkeys(vec, "BYTE_STREAM_SPLIT"))
     if durable:
         fsync_path(tmp)
     os.replace(tmp, final)

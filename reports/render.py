@@ -493,11 +493,20 @@ def _aggregate_figures(gen_bc: pa.Table | None, div_counts: pa.Table | None) -> 
 
 
 # ---- two comparisons -----------------------------------------------------------------------------
-def render_diff(store, base_id: str, head_id: str, out_dir) -> Path:
+def render_diff(store, base_id: str, head_id: str, out_dir, result=None) -> Path:
     """Write ``diff.html`` comparing comparison ``head_id`` against ``base_id`` into ``out_dir``
-    (the layout of the regression diff; its numbers are SQL over both comparisons' rows)."""
+    (the layout of the regression diff; its numbers are SQL over both comparisons' rows).
+    ``result``: the ``capturestore.diff.DiffResult`` of the two (computed here when None): its
+    regression verdict, verdict changes and σ-ratio changes with their bootstrap intervals."""
     out = check_out_dir(out_dir)
     store = _open_store(store)
+    if result is None:
+        from capturestore.diff import diff
+
+        try:
+            result = diff(store, base_id, head_id, common_prompts=True)
+        except ValueError:  # e.g. two models: the page shows both sides without a regression verdict
+            result = None
     q = Queries(store)
     sides = {}
     for side, cid in (("base", base_id), ("head", head_id)):
@@ -559,6 +568,6 @@ def render_diff(store, base_id: str, head_id: str, out_dir) -> Path:
     path = out / "diff.html"
     _write(path, _env().get_template("diff.html").render(
         base=sides["base"], head=sides["head"], checks=checks, layers=layers, prompt_rows=prompt_rows,
-        delta_figs=delta_figs,
+        delta_figs=delta_figs, result=result,
         queries=_queries_context(q, store.root)))
     return path

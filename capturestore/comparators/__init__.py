@@ -2,7 +2,8 @@
 
 ``compare_runs`` (``capturestore.analysis``) keeps the run checks, the prompt loop and the
 ``comparisons`` row (written last); the comparators do the rest (``base`` has the protocol and
-the pass / phase / localisation rules). Built in: ``logits``, ``kv``, ``fp8_kv_floor`` (``nki_fp8.target``). Another
+the pass / phase / localisation rules). Built in: ``logits``, ``kv``, ``fp8_kv_floor`` (``nki_fp8.target``),
+``modules``, ``raw_errors`` (opt-in: the KV errors ``capturestore.aggregate`` pools). Another
 package adds one by registering it (``register_comparator``) or through the Python entry-point
 group ``capturestore.comparators`` (``name = "package.module:ComparatorClass"``), loaded on the
 first lookup.
@@ -55,6 +56,7 @@ _BUILTIN = {
     "kv": "capturestore.comparators.kv:KVComparator",
     "fp8_kv_floor": "nki_fp8.target:Fp8KVFloorComparator",
     "modules": "capturestore.comparators.modules:ModulesComparator",
+    "raw_errors": "capturestore.comparators.raw_errors:RawErrorsComparator",
 }
 _registry: dict[str, type[Comparator]] = {}
 _loaded = False

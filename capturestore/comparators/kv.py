@@ -183,6 +183,9 @@ class KVComparator(Comparator):
                 "k_bc": res.k_bc[0].ravel(), "v_bc": res.v_bc[0].ravel(),
             }
             self.raw_errors.append(raw)
+            from capturestore.comparators.raw_errors import RAW_KEY
+
+            prompt.cached(RAW_KEY, lambda: raw)  # shared with the raw_errors comparator (no second pass)
             self.prompt_lens.append(plen)
             self.prompt_ids.append(pid)
         return rows
