@@ -127,18 +127,20 @@ def _as_tokens(x, what: str) -> np.ndarray:
     return a.reshape(a.shape[0], -1)
 
 
-def _fast_token_metrics(b, e, a, base_err, tgt_err):
+def _fast_token_metrics(b, e, a, base_err, tgt_err, row_max=None):
     """Per-row rel L-inf, rel L2 (float32 pairwise sums) and cosine (float64 dot products) of e and a
     against b, NaN-free: the definitions of metrics.errors. An infinite target value gives inf / NaN
-    metrics (judged by the verdict), not a numpy RuntimeWarning, as metrics.errors does."""
+    metrics (judged by the verdict), not a numpy RuntimeWarning, as metrics.errors does. row_max:
+    the row maxima of ``|b|``, base_err and tgt_err when the caller has them."""
     with np.errstate(invalid="ignore", over="ignore"):
-        return _fast_token_metrics_(b, e, a, base_err, tgt_err)
+        return _fast_token_metrics_(b, e, a, base_err, tgt_err, row_max)
 
 
-def _fast_token_metrics_(b, e, a, base_err, tgt_err):
-    ref_max = np.maximum(np.abs(b).max(axis=1).astype(np.float64), EPS)
-    bl = base_err.max(axis=1) / ref_max
-    tl = tgt_err.max(axis=1) / ref_max
+def _fast_token_metrics_(b, e, a, base_err, tgt_err, row_max):
+    b_max, be_max, te_max = row_max or (np.abs(b).max(axis=1), base_err.max(axis=1), tgt_err.max(axis=1))
+    ref_max = np.maximum(b_max.astype(np.float64), EPS)
+    bl = be_max / ref_max
+    tl = te_max / ref_max
     nb2 = np.einsum("ij,ij->i", b, b, dtype=np.float64)
     ref_l2 = np.maximum(np.sqrt(nb2), EPS)
     b2 = np.sqrt(np.einsum("ij,ij->i", base_err, base_err, dtype=np.float64)) / ref_l2
@@ -220,11 +222,14 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
         bounds = np.cumsum([0] + [p[0].shape[0] for p in parts])
         with np.errstate(invalid="ignore", over="ignore"):
             base_err, tgt_err = np.abs(e - b), np.abs(a - b)
-            row_bad = np.isnan(base_err).any(axis=1) | np.isnan(tgt_err).any(axis=1) | np.isinf(b).any(axis=1)
+            # the row maxima the L-inf needs also find the rows the single form would not call clean:
+            # a NaN error propagates through max, an infinite baseline value makes max |b| infinite
+            row_max = (np.abs(b).max(axis=1), base_err.max(axis=1), tgt_err.max(axis=1))
+            row_bad = np.isnan(row_max[1]) | np.isnan(row_max[2]) | np.isinf(row_max[0])
         bad_before = np.concatenate([[0], np.cumsum(row_bad)])
         clean = bad_before[bounds[1:]] == bad_before[bounds[:-1]]  # per tensor
         if clean.all():
-            cols = list(_fast_token_metrics(b, e, a, base_err, tgt_err))
+            cols = list(_fast_token_metrics(b, e, a, base_err, tgt_err, row_max))
         else:
             cols = [np.empty(b.shape[0]) for _ in range(6)]
             rows = np.repeat(clean, np.diff(bounds))

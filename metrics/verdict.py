@@ -334,7 +334,9 @@ def _all_finite(x) -> bool:
 
 
 def _tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict:
-    cat = lambda chunks: np.concatenate([c.ravel() for c in chunks]) if chunks else np.zeros(0, np.float32)  # noqa: E731
+    def cat(chunks):
+        return np.concatenate([c.ravel() for c in chunks]) if chunks else np.zeros(0, np.float32)
+
     base, tgt = cat(base_chunks), cat(tgt_chunks)
     # Every value finite (a correct engine): nothing to mask, so the masking copies are skipped;
     # the arrays below hold the same values either way.
