@@ -12,6 +12,7 @@ committed are ever written, and a torn chunk of a writer that died is never cata
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import struct
@@ -25,6 +26,10 @@ from numcodecs import Blosc
 from capturestore.errors import CorruptChunkError
 
 _POOL: ThreadPoolExecutor | None = None
+# read_region reads chunks on the pool only when they average at least this many bytes: a module
+# tensor's decode steps are one chunk of [1, hidden] each (a few hundred bytes), where submitting
+# to a thread took longer than the read (measured in benchmarks/bench_modules.py).
+_THREADED_READ_BYTES = 64 << 10
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -159,10 +164,11 @@ def wait_all(futures: list) -> None:
         raise first
 
 
-def _read_chunk(path: Path, chunks: tuple[int, ...], dtype: np.dtype, where: str, key: str,
+def _read_chunk(path: Path | str, chunks: tuple[int, ...], dtype: np.dtype, where: str, key: str,
                 compressed: bool) -> np.ndarray:
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            data = f.read()
     except FileNotFoundError:
         raise CorruptChunkError(f"{where}, chunk {key}: chunk file is missing") from None
     if len(data) < 4:
@@ -196,9 +202,11 @@ def read_region(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...]
         return out
     ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(bounds, chunks)]
 
+    base = os.fspath(array_dir)
+
     def one(idx: tuple[int, ...]) -> None:
         key = chunk_key(idx)
-        chunk = _read_chunk(array_dir / key, chunks, dtype, where, key, compressed)
+        chunk = _read_chunk(os.path.join(base, key), chunks, dtype, where, key, compressed)
         src, dst = [], []
         for i, c, (a, b) in zip(idx, chunks, bounds):
             lo, hi = max(a, i * c), min(b, (i + 1) * c)
@@ -211,9 +219,13 @@ def read_region(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...]
         one(idxs[0])
     else:
         errors = []
-        for f in [_pool().submit(one, i) for i in idxs]:
+        if int(np.prod(chunks)) * out.itemsize < _THREADED_READ_BYTES:  # a thread hand-off costs more than a read
+            calls = [functools.partial(one, i) for i in idxs]
+        else:
+            calls = [f.result for f in [_pool().submit(one, i) for i in idxs]]
+        for call in calls:
             try:
-                f.result()
+                call()
             except CorruptChunkError as e:
                 errors.append(str(e))
         if errors:

@@ -283,7 +283,11 @@ class Store:
         check_module_name(module)
         self._require_run(run_id)
         mdir = self.root / ARRAYS_DIR / run_id / str(prompt_id) / "tensors" / module
-        phases = sorted(p.name for p in mdir.iterdir() if (p / "zarr.json").exists()) if mdir.is_dir() else []
+        if (isinstance(phase, str) and phase not in ("", ".", "..") and "/" not in phase and os.sep not in phase
+                and (mdir / phase / "zarr.json").is_file()):
+            phases = [phase]  # the phase asked for is there: no listing (it only names the others in errors)
+        else:
+            phases = sorted(p.name for p in mdir.iterdir() if (p / "zarr.json").exists()) if mdir.is_dir() else []
         if not phases:
             raise ValueError(f"run {run_id}, prompt {prompt_id} has no tensor for module {module!r}")
         if phase is not None:

@@ -41,7 +41,7 @@ import numpy as np
 
 from .bc import DEFAULT_BINS, bhattacharyya_batched
 from .errors import COS_EPS, EPS, as_float, cosine, rel_l2, rel_linf
-from .verdict import KVTensorVerdict, KVVerdictConfig, _tensor_verdict
+from .verdict import KVTensorVerdict, KVVerdictConfig, _all_finite, _tensor_verdict
 
 __all__ = [
     "PHASE_ORDER",
@@ -52,6 +52,7 @@ __all__ = [
     "ModulesVerdict",
     "module_layer",
     "compare_module_tensors",
+    "compare_module_tensors_many",
     "align_decode_captures",
     "ModuleJudge",
     "judge_modules",
@@ -126,12 +127,20 @@ def _as_tokens(x, what: str) -> np.ndarray:
     return a.reshape(a.shape[0], -1)
 
 
-def _fast_token_metrics(b, e, a, base_err, tgt_err):
+def _fast_token_metrics(b, e, a, base_err, tgt_err, row_max=None):
     """Per-row rel L-inf, rel L2 (float32 pairwise sums) and cosine (float64 dot products) of e and a
-    against b, all finite: the definitions of metrics.errors."""
-    ref_max = np.maximum(np.abs(b).max(axis=1).astype(np.float64), EPS)
-    bl = base_err.max(axis=1) / ref_max
-    tl = tgt_err.max(axis=1) / ref_max
+    against b, NaN-free: the definitions of metrics.errors. An infinite target value gives inf / NaN
+    metrics (judged by the verdict), not a numpy RuntimeWarning, as metrics.errors does. row_max:
+    the row maxima of ``|b|``, base_err and tgt_err when the caller has them."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return _fast_token_metrics_(b, e, a, base_err, tgt_err, row_max)
+
+
+def _fast_token_metrics_(b, e, a, base_err, tgt_err, row_max):
+    b_max, be_max, te_max = row_max or (np.abs(b).max(axis=1), base_err.max(axis=1), tgt_err.max(axis=1))
+    ref_max = np.maximum(b_max.astype(np.float64), EPS)
+    bl = be_max / ref_max
+    tl = te_max / ref_max
     nb2 = np.einsum("ij,ij->i", b, b, dtype=np.float64)
     ref_l2 = np.maximum(np.sqrt(nb2), EPS)
     b2 = np.sqrt(np.einsum("ij,ij->i", base_err, base_err, dtype=np.float64)) / ref_l2
@@ -145,11 +154,9 @@ def _fast_token_metrics(b, e, a, base_err, tgt_err):
     return bl, tl, b2, t2, cos(e), cos(a)
 
 
-def compare_module_tensors(baseline, expected, actual, module: str = "", phase: str = "",
-                           positions=None, bins: int = DEFAULT_BINS) -> ModuleTokenMetrics:
-    """Per-token three-way metrics of one module output. baseline, expected, actual:
-    ``[token, ...]`` (same shape; ``ValueError`` naming the module and the three shapes if not).
-    positions: ``[token]`` sequence positions of the rows (default ``0 .. token-1``)."""
+def _checked(baseline, expected, actual, module, phase, positions):
+    """The three tensors as float32 ``[token, width]`` and the positions ``[token]``; ``ValueError``
+    naming the module when the shapes differ or the positions do not fit."""
     shapes = [tuple(np.shape(x)) for x in (baseline, expected, actual)]
     if len(set(shapes)) != 1:
         raise ValueError(f"module {module} ({phase}): shapes differ: baseline {shapes[0]}, expected {shapes[1]}, "
@@ -158,6 +165,15 @@ def compare_module_tensors(baseline, expected, actual, module: str = "", phase: 
     pos = np.arange(b.shape[0]) if positions is None else np.asarray(positions, dtype=np.int64)
     if pos.shape != (b.shape[0],):
         raise ValueError(f"module {module} ({phase}): {pos.size} positions for {b.shape[0]} tokens")
+    return b, e, a, pos
+
+
+def compare_module_tensors(baseline, expected, actual, module: str = "", phase: str = "",
+                           positions=None, bins: int = DEFAULT_BINS) -> ModuleTokenMetrics:
+    """Per-token three-way metrics of one module output. baseline, expected, actual:
+    ``[token, ...]`` (same shape; ``ValueError`` naming the module and the three shapes if not).
+    positions: ``[token]`` sequence positions of the rows (default ``0 .. token-1``)."""
+    b, e, a, pos = _checked(baseline, expected, actual, module, phase, positions)
     with np.errstate(invalid="ignore", over="ignore"):
         base_err, tgt_err = np.abs(e - b), np.abs(a - b)
         clean = not (np.isnan(base_err).any() or np.isnan(tgt_err).any() or np.isinf(b).any())
@@ -170,6 +186,73 @@ def compare_module_tensors(baseline, expected, actual, module: str = "", phase: 
     bc = bhattacharyya_batched(base_err, tgt_err, bins=bins)
     return ModuleTokenMetrics(module, phase, pos, bl, tl, _ratio(tl, bl), b2, t2, _ratio(t2, b2), bcos, tcos, bc,
                               base_err, tgt_err)
+
+
+# Tensors narrower than this are compared one by one: batching them would put more rows in one BC
+# step than the numpy histogram's float32 bin offsets hold exactly (metrics.bc, nrows * bins < 2**24).
+_MIN_BATCH_WIDTH = 4
+
+
+def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
+    """``compare_module_tensors`` of many tensors at once, with the same results bit for bit.
+
+    items: ``(baseline, expected, actual, module, phase, positions)`` tuples; returns one
+    ``ModuleTokenMetrics`` per item, in order (a bad item raises its ``ValueError`` as the single
+    form does). Every metric is a function of one token row, so the rows of all tensors of one
+    width are stacked and each quantity is computed once over the stack: one call per quantity
+    instead of one per tensor (a tiny model's module tensors are a few rows each, where per-call
+    overhead, not arithmetic, took the time). A tensor holding a non-finite value takes the
+    NaN-aware reductions of ``metrics.errors`` for its own rows, as the single form does; its BC
+    is computed in the stack (per row, NaN excluded either way)."""
+    checked = [(_checked(b, e, a, m, ph, pos), m, ph) for b, e, a, m, ph, pos in items]
+    out: list = [None] * len(checked)
+    groups: dict[int, list[int]] = {}
+    for i, ((b, _, _, _), _, _) in enumerate(checked):
+        w = b.shape[1]
+        if w >= _MIN_BATCH_WIDTH and b.shape[0]:
+            groups.setdefault(w, []).append(i)
+        else:
+            (b, e, a, pos), m, ph = checked[i]
+            out[i] = compare_module_tensors(b, e, a, m, ph, pos, bins=bins)
+    for idx in groups.values():
+        parts = [checked[i][0] for i in idx]
+        b = np.concatenate([p[0] for p in parts])
+        e = np.concatenate([p[1] for p in parts])
+        a = np.concatenate([p[2] for p in parts])
+        bounds = np.cumsum([0] + [p[0].shape[0] for p in parts])
+        with np.errstate(invalid="ignore", over="ignore"):
+            base_err, tgt_err = np.abs(e - b), np.abs(a - b)
+            # the row maxima the L-inf needs also find the rows the single form would not call clean:
+            # a NaN error propagates through max, an infinite baseline value makes max |b| infinite
+            row_max = (np.abs(b).max(axis=1), base_err.max(axis=1), tgt_err.max(axis=1))
+            row_bad = np.isnan(row_max[1]) | np.isnan(row_max[2]) | np.isinf(row_max[0])
+        bad_before = np.concatenate([[0], np.cumsum(row_bad)])
+        clean = bad_before[bounds[1:]] == bad_before[bounds[:-1]]  # per tensor
+        if clean.all():
+            cols = list(_fast_token_metrics(b, e, a, base_err, tgt_err, row_max))
+        else:
+            cols = [np.empty(b.shape[0]) for _ in range(6)]
+            rows = np.repeat(clean, np.diff(bounds))
+            if rows.any():
+                fast = _fast_token_metrics(b[rows], e[rows], a[rows], base_err[rows], tgt_err[rows])
+                for c, f in zip(cols, fast):
+                    c[rows] = f
+            for k in np.flatnonzero(~clean):
+                r0, r1 = bounds[k], bounds[k + 1]
+                bk, ek, ak = b[r0:r1], e[r0:r1], a[r0:r1]
+                slow = (rel_linf(bk, ek), rel_linf(bk, ak), rel_l2(bk, ek), rel_l2(bk, ak), cosine(bk, ek),
+                        cosine(bk, ak))
+                for c, f in zip(cols, slow):
+                    c[r0:r1] = f
+        bl, tl, b2, t2, bcos, tcos = cols
+        bc = bhattacharyya_batched(base_err, tgt_err, bins=bins)
+        lr, l2r = _ratio(tl, bl), _ratio(t2, b2)
+        for k, i in enumerate(idx):
+            r = slice(bounds[k], bounds[k + 1])
+            _, m, ph = checked[i]
+            out[i] = ModuleTokenMetrics(m, ph, parts[k][3], bl[r], tl[r], lr[r], b2[r], t2[r], l2r[r], bcos[r],
+                                        tcos[r], bc[r], base_err[r], tgt_err[r])
+    return out
 
 
 def align_decode_captures(ref_positions, target_positions):
@@ -274,6 +357,31 @@ class ModuleJudge:
         slot["plens"].append(prompt_len)
         return m
 
+    def add_many(self, prompt: str, items, prompt_len: int | None = None) -> list:
+        """``add`` of one prompt's tensors of many modules and phases, with the per-token metrics
+        computed together (``compare_module_tensors_many``: same numbers, a fraction of the
+        per-call overhead). items: ``(module, phase, baseline, expected, actual, positions)``
+        tuples; returns their metrics in order (None where the shapes differ)."""
+        items = list(items)
+        out: list = [None] * len(items)
+        todo = []
+        for i, (module, phase, baseline, expected, actual, positions) in enumerate(items):
+            shapes = [tuple(np.shape(x)) for x in (baseline, expected, actual)]
+            if len(set(shapes)) != 1:
+                self._slot(module, phase)["problems"].append(
+                    f"prompt {prompt}: shapes differ: baseline {shapes[0]}, expected {shapes[1]}, actual {shapes[2]}")
+            else:
+                todo.append(i)
+        ms = compare_module_tensors_many([(*items[i][2:5], *items[i][:2], items[i][5]) for i in todo],
+                                         bins=self.config.bins)
+        for i, m in zip(todo, ms):
+            slot = self._slot(m.module, m.phase)
+            slot["metrics"].append(m)
+            slot["prompts"].append(prompt)
+            slot["plens"].append(prompt_len)
+            out[i] = m
+        return out
+
     def add_problem(self, prompt: str, module: str, phase: str, problem: str) -> None:
         """Record that a module could not be compared for a prompt (it fails)."""
         self._slot(module, phase)["problems"].append(f"prompt {prompt}: {problem}")
@@ -286,11 +394,14 @@ class ModuleJudge:
         if not ms:
             return ModuleVerdict(module, phase, layer, False, None, None, math.nan, None, 0, 0, None, None, None,
                                  "; ".join(slot["problems"]))
-        with np.errstate(invalid="ignore"):
-            bad = [int(np.count_nonzero(~np.isfinite(m.tgt_err) & np.isfinite(m.base_err))) for m in ms]
+        if all(_all_finite(m.tgt_err) for m in ms):  # a correct engine: nothing to count or mask
+            bad, tgt = [0] * len(ms), [m.tgt_err for m in ms]
+        else:
+            with np.errstate(invalid="ignore"):
+                bad = [int(np.count_nonzero(~np.isfinite(m.tgt_err) & np.isfinite(m.base_err))) for m in ms]
+            tgt = [np.where(np.isfinite(m.tgt_err), m.tgt_err, np.nan) for m in ms]
         # NaN where a reference is NaN too is excluded by the rule; a non-finite target error counts
-        tv = _tensor_verdict([m.base_err for m in ms], [np.where(np.isfinite(m.tgt_err), m.tgt_err, np.nan)
-                                                        for m in ms], cfg.kv, sum(bad))
+        tv = _tensor_verdict([m.base_err for m in ms], tgt, cfg.kv, sum(bad))
         l2r = np.concatenate([m.l2_ratio for m in ms])
         max_l2 = float(np.nanmax(l2r)) if np.isfinite(l2r).any() or np.isinf(l2r).any() else math.nan
         static = None if math.isnan(max_l2) else bool(max_l2 < cfg.max_l2_ratio)

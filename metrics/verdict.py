@@ -327,19 +327,35 @@ def _finite_in_all_three(base_chunks, tgt_chunks):
     return ([np.where(ok, b, np.nan) for b, _, ok in pairs], [np.where(ok, t, np.nan) for _, t, ok in pairs])
 
 
+def _all_finite(x) -> bool:
+    """Whether every value of x is finite (two SIMD reductions; NaN propagates through them)."""
+    with np.errstate(invalid="ignore"):
+        return x.size == 0 or bool(np.isfinite(x.min()) and np.isfinite(x.max()))
+
+
 def _tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict:
-    base_chunks, tgt_chunks = _finite_in_all_three(base_chunks, tgt_chunks)
-    base = np.concatenate([c.ravel() for c in base_chunks]) if base_chunks else np.zeros(0, np.float32)
-    tgt = np.concatenate([c.ravel() for c in tgt_chunks]) if tgt_chunks else np.zeros(0, np.float32)
-    ok = ~(np.isnan(base) | np.isnan(tgt))
-    n = int(np.count_nonzero(ok))
+    def cat(chunks):
+        return np.concatenate([c.ravel() for c in chunks]) if chunks else np.zeros(0, np.float32)
+
+    base, tgt = cat(base_chunks), cat(tgt_chunks)
+    # Every value finite (a correct engine): nothing to mask, so the masking copies are skipped;
+    # the arrays below hold the same values either way.
+    finite = _all_finite(base) and _all_finite(tgt)
+    if finite:
+        n = base.size
+    else:
+        base_chunks, tgt_chunks = _finite_in_all_three(base_chunks, tgt_chunks)
+        base, tgt = cat(base_chunks), cat(tgt_chunks)
+        ok = ~(np.isnan(base) | np.isnan(tgt))
+        n = int(np.count_nonzero(ok))
+        base, tgt = base[ok], tgt[ok]
     if n == 0:
         nan = math.nan
         return KVTensorVerdict(None, None, 0, nan, nan, nan, nan, nan, nan, nan)
-    b, t = base[ok].astype(np.float64), tgt[ok].astype(np.float64)
+    b, t = base.astype(np.float64), tgt.astype(np.float64)
     b_rms, t_rms = math.sqrt(float(np.mean(b * b))), math.sqrt(float(np.mean(t * t)))
     sigma = t_rms / b_rms if b_rms > 0 else (0.0 if t_rms == 0 else math.inf)
-    bc = bhattacharyya_coefficient(base[ok], tgt[ok], bins=cfg.bins)
+    bc = bhattacharyya_coefficient(base, tgt, bins=cfg.bins)
     # Per-position L-inf (max over width), pooled over chunks; positions with no value dropped.
     def pos_linf(chunks):
         out = [np.fmax.reduce(c.reshape(c.shape[0], -1), axis=1) for c in chunks if c.size]
@@ -365,7 +381,8 @@ def _tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVe
     spread = 1.0 if math.isnan(r) or r == 0 else max(r, 1.0 / r)
     even = np.concatenate([c[0::2].ravel() for c in base_chunks]) if base_chunks else np.zeros(0)
     odd = np.concatenate([c[1::2].ravel() for c in base_chunks]) if base_chunks else np.zeros(0)
-    even, odd = even[~np.isnan(even)], odd[~np.isnan(odd)]
+    if not finite:
+        even, odd = even[~np.isnan(even)], odd[~np.isnan(odd)]
     noise_bc = bhattacharyya_coefficient(even, odd, bins=cfg.bins) if even.size and odd.size else math.nan
     bc_bar = cfg.bc_threshold if math.isnan(noise_bc) else min(cfg.bc_threshold, noise_bc - cfg.bc_noise_margin)
     linf_bar = max(cfg.linf_ratio_threshold, spread)

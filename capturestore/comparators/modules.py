@@ -15,7 +15,9 @@ neither passes. Localisation: the first failing module (phase, decoder layer, mo
 token), ranked before logits and KV evidence.
 
 Memory: the absolute errors of every module of every prompt are held until the verdict (pooled
-over prompts): twice the captured tensors' size in float32.
+over prompts): twice the captured tensors' size in float32; while a prompt is compared, also a
+float32 copy of its tensors of every role (the rows of one width are stacked and compared at
+once, ``metrics.modules.ModuleJudge.add_many``; docs/module-compare.md).
 """
 from __future__ import annotations
 
@@ -116,6 +118,7 @@ class ModulesComparator(Comparator):
         pid, plen, cid = prompt.prompt_id, prompt.prompt_len, prompt.comparison_id
         held = {role: self.index.get((rid, pid), {}) for role, rid in prompt.runs.items()}
         cols: dict[str, list] = {k: [] for k in MODULE_METRICS.schema.names}
+        items = []
         for (module, phase), ref_steps in held["expected"].items():
             lacking = [role for role in prompt.runs if (module, phase) not in held[role]]
             if lacking:
@@ -125,8 +128,9 @@ class ModulesComparator(Comparator):
             steps = {role: held[role][(module, phase)] for role in prompt.runs}
             ri = np.arange(len(ref_steps))
             idx = {role: ri for role in prompt.runs}
+            ascending = all(x < y for x, y in zip(ref_steps, ref_steps[1:]))
             for role in prompt.runs:
-                if role == "expected":
+                if role == "expected" or (ascending and steps[role] == ref_steps):  # the same steps: nothing to align
                     continue
                 r_i, t_i, missing = align_decode_captures(ref_steps, steps[role])
                 if missing.size:
@@ -148,22 +152,27 @@ class ModulesComparator(Comparator):
                 pos = np.repeat(plen + step_ids, rows_per_step)
             else:
                 pos = np.arange(arrs["expected"].shape[0])
-            m = self.judge.add(pid, module, phase, arrs["baseline"], arrs["expected"], arrs["actual"],
-                               positions=pos if pos.size == arrs["expected"].shape[0] else None, prompt_len=plen)
-            if m is None:
-                continue
-            c = m.to_columns()
-            n = c["position"].size
-            cols["comparison_id"] += [cid] * n
-            cols["prompt_id"] += [pid] * n
-            cols["module"] += [module] * n
-            cols["phase"] += [phase] * n
-            cols["layer"] += [module_layer(module)] * n
-            cols["position"] += c["position"].tolist()
-            cols["gen_token_idx"] += (c["position"] - plen).tolist()
-            for k in MODULE_METRICS.schema.names[7:]:
-                cols[k] += [_f(x) for x in c[k]]
-        return {"module_metrics": cols} if cols["comparison_id"] else {}
+            items.append((module, phase, arrs["baseline"], arrs["expected"], arrs["actual"],
+                          pos if pos.size == arrs["expected"].shape[0] else None))
+        # every module of the prompt at once: one computation per width, not one per tensor
+        done = [(it[0], it[1], m.to_columns()) for it, m in zip(items, self.judge.add_many(pid, items, prompt_len=plen))
+                if m is not None]
+        if not done:
+            return {}
+        n = sum(c["position"].size for _, _, c in done)
+        cols["comparison_id"] = [cid] * n
+        cols["prompt_id"] = [pid] * n
+        for module, phase, c in done:
+            k = c["position"].size
+            cols["module"] += [module] * k
+            cols["phase"] += [phase] * k
+            cols["layer"] += [module_layer(module)] * k
+        position = np.concatenate([c["position"] for _, _, c in done])
+        cols["position"], cols["gen_token_idx"] = position, position - plen
+        for k in MODULE_METRICS.schema.names[7:]:  # NaN / inf -> NULL (finite_or_null, for whole columns)
+            x = np.concatenate([c[k] for _, _, c in done])
+            cols[k] = np.where(np.isfinite(x), x, np.nan)
+        return {"module_metrics": cols}
 
     def finish(self) -> dict:
         if self.unjudged is not None:

@@ -351,3 +351,37 @@ def test_verify_checks_a_catalog_another_client_holds_open_for_writing(store):
         con.close()
     finally:
         p.communicate("done\n", timeout=60)
+
+
+def test_small_chunks_read_serially_still_name_every_corrupt_chunk_and_phase_is_no_path(store):
+    """A module tensor's decode steps are one small chunk each (read without the thread pool,
+    chunkio._THREADED_READ_BYTES): two corrupt ones are both named, the others read back intact,
+    and a phase that is not a plain name never reaches another array through the path."""
+    from capturestore import chunkio
+
+    rng = np.random.default_rng(1)
+    steps = [rng.standard_normal((1, 8)).astype(np.float32) for _ in range(6)]
+    with store.begin_run(engine="hf", model_path="m") as run:
+        pid = run.add_prompt(list(range(4)))
+        run.write_tensor(pid, "model.norm", rng.standard_normal((4, 8)).astype(np.float32), step=0, phase="prefill")
+        for s, x in enumerate(steps):
+            run.write_tensor(pid, "model.norm", x, step=s, phase="decode")
+    rid = run.run_id
+    adir = store.root / ARRAYS_DIR / rid / pid / "tensors" / "model.norm" / "decode"
+    meta = json.loads((adir / "zarr.json").read_text())
+    chunk_bytes = int(np.prod(meta["chunk_grid"]["configuration"]["chunk_shape"])) * 4
+    assert chunk_bytes < chunkio._THREADED_READ_BYTES  # the serial path is the one under test
+    np.testing.assert_array_equal(store.read_tensor(rid, pid, "model.norm", phase="decode"), np.stack(steps))
+    files = sorted(p for p in (adir / "c").rglob("*") if p.is_file())
+    assert len(files) == 6
+    for f in (files[1], files[4]):
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        f.write_bytes(bytes(data))
+    with pytest.raises(CorruptChunkError, match=r"2 corrupt chunk\(s\)") as e:
+        store.read_tensor(rid, pid, "model.norm", phase="decode")
+    names = [f.relative_to(adir).as_posix() for f in (files[1], files[4])]
+    assert all(n in str(e.value) for n in names), (names, str(e.value))
+    for bad in ("", ".", "..", "../decode", "decode/c"):
+        with pytest.raises(ValueError, match="no phase|several phases"):
+            store.read_tensor(rid, pid, "model.norm", phase=bad)
