@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,8 @@ import pyarrow as pa
 import zarr
 
 from capturestore import catalog, integrity
-from capturestore.arrays import ArrayRef, check_compression, checked_read, open_array, open_zarr_store
-from capturestore.chunkio import read_region
+from capturestore.arrays import ArrayRef, check_compression, checked_read, open_array, open_zarr_store, stored_bytes
+from capturestore.chunkio import read_region, write_block
 from capturestore.dtypes import LOGICAL_DTYPES, from_storage
 from capturestore.errors import FormatVersionError, StoreError
 from capturestore.layout import (
@@ -27,7 +28,17 @@ from capturestore.layout import (
     check_module_name,
     check_table_name,
 )
-from capturestore.tables import RUN_TABLES, SegmentSchemas, committed_run_ids, ensure_schema_segments, read_table, rows_to_table, table_dir, write_segment
+from capturestore.tables import (
+    RUN_TABLES,
+    SegmentSchemas,
+    committed_run_ids,
+    ensure_schema_segments,
+    fsync_tree,
+    read_table,
+    rows_to_table,
+    table_dir,
+    write_segment,
+)
 from capturestore.writer import RunWriter, new_run_id, run_meta
 
 
@@ -135,6 +146,51 @@ class Store:
     def __reduce__(self):  # picklable (multiprocessing): reopen by path in the other process
         return (Store.open, (str(self.root), False))
 
+    # ---- storage: what a store on object storage does otherwise (objectstore.RemoteStore) ----
+    def _committed_ids(self) -> set[str]:
+        return committed_run_ids(self.root)
+
+    def _pending_lock(self, writer_id: str, info: dict[str, Any]) -> integrity.PendingLock:
+        """``pending/<writer_id>.json``, held until ``release()`` (a lock the kernel drops on death)."""
+        return integrity.PendingLock(self.root, writer_id, info)
+
+    def _write_block(self, ref: ArrayRef, arr: zarr.Array, block: np.ndarray, offset: tuple[int, ...],
+                     compressed: bool, pending: list | None) -> bool:
+        """Write chunk-aligned ``block`` straight to the chunk files; False: left to zarr (``arr[...] = block``)."""
+        return write_block(self.root / ARRAYS_DIR / ref.path, tuple(arr.shape), tuple(arr.chunks), block, offset,
+                           compressed=compressed, pending=pending)
+
+    def _write_segment(self, table: str, data: pa.Table, segment: str | None = None, durable: bool = False) -> Path:
+        """One Parquet segment of ``table``, whole or not at all (written under a temp name, renamed)."""
+        return write_segment(self.root, table, data, segment=segment, durable=durable)
+
+    def _segment_exists(self, table: str, segment: str) -> bool:
+        return (table_dir(self.root, table) / f"{segment}.parquet").exists()
+
+    def _remove_segment(self, table: str, segment: str) -> None:
+        (table_dir(self.root, table) / f"{segment}.parquet").unlink(missing_ok=True)
+
+    def _remove_written(self, segment: Path) -> None:
+        """Remove a segment ``append_table`` wrote (a comparison that failed before its marker)."""
+        segment.unlink(missing_ok=True)
+
+    def _committed_comparison_ids(self) -> set[str] | None:
+        from capturestore.tables import committed_comparison_ids
+
+        return committed_comparison_ids(self.root)
+
+    def _refresh_catalog(self) -> None:
+        catalog.ensure_catalog_file(self.root)
+
+    def _remove_run_arrays(self, run_id: str) -> None:
+        shutil.rmtree(self.root / ARRAYS_DIR / run_id, ignore_errors=True)
+
+    def _sync_run_arrays(self, run_id: str) -> None:
+        fsync_tree(self.root / ARRAYS_DIR / run_id)
+
+    def _stored_bytes(self, ref: ArrayRef) -> int:
+        return stored_bytes(self.root / ARRAYS_DIR / ref.path)
+
     # ---- writing ---------------------------------------------------------------------------
     def begin_run(self, engine: str, model_path: str, model_hash: str | None = None, dtype: str = "bfloat16",
                   device: str = "cpu", engine_version: str | None = None, tp_degree: int = 1,
@@ -183,7 +239,7 @@ class Store:
             raise ValueError(f"run id must be a string, got {run_id!r}")
         if run_id in self._committed:
             return
-        self._committed = committed_run_ids(self.root)
+        self._committed = self._committed_ids()
         if run_id not in self._committed:
             known = sorted(self._committed)[-5:]
             raise ValueError(f"unknown run id {run_id!r} in store {self.root} (latest committed runs: {known})")
