@@ -114,6 +114,13 @@ def chunk_problem(array_dir: Path, key: str) -> str | None:
     try:
         data = p.read_bytes()
     except FileNotFoundError:
+        data = None
+    return crc_problem(data)
+
+
+def crc_problem(data: bytes | None) -> str | None:
+    """Why a chunk's stored bytes (None: missing) are bad, or None if their CRC32C checks out."""
+    if data is None:
         return "chunk file is missing"
     if len(data) < 4:
         return f"chunk file is truncated ({len(data)} bytes)"

@@ -45,9 +45,12 @@ def default_store() -> str:
 def _open(path: str, create: bool = False):
     from capturestore.errors import StoreError
     from capturestore.layout import FORMAT_FILE
+    from capturestore.objectstore import is_url
     from capturestore.store import Store, store_root
 
-    root = store_root(path)
+    if is_url(path):  # s3://bucket/prefix: Store.open says what is wrong in one line
+        return Store.open(path, create=create)
+    root = store_root(path.removeprefix("file://"))
     if not create and not (root / FORMAT_FILE).exists():
         raise StoreError(f"{root} is not a capture store (no {FORMAT_FILE}); name an existing store with "
                          f"--store PATH or $CAPTURESTORE (`capturestore demo --store PATH` makes one)")
@@ -60,6 +63,8 @@ def _require_writable(store, command: str) -> None:
     from capturestore.errors import StoreError
     from capturestore.layout import ARRAYS_DIR, PENDING_DIR, TABLES_DIR
 
+    if not isinstance(store.root, Path):  # object storage: a refused PUT says so at the first write
+        return
     tables = store.root / TABLES_DIR
     dirs = [store.root, tables, store.root / PENDING_DIR, store.root / ARRAYS_DIR]
     dirs += sorted(p for p in tables.iterdir() if p.is_dir()) if tables.is_dir() else []

@@ -47,8 +47,17 @@ def read_format(root: Path) -> dict[str, Any] | None:
     if not p.exists():
         return None
     try:
-        info = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        text = p.read_text()
+    except OSError as e:
+        raise StoreError(f"{p}: unreadable format file ({e})") from None
+    return parse_format(text, p)
+
+
+def parse_format(text: str, p: Any) -> dict[str, Any]:
+    """The format file's content checked; StoreError naming ``p`` otherwise."""
+    try:
+        info = json.loads(text)
+    except json.JSONDecodeError as e:
         raise StoreError(f"{p}: unreadable format file ({e})") from None
     version = info.get("format_version") if isinstance(info, dict) else None
     if (not isinstance(info, dict) or info.get("format") != FORMAT_NAME or not isinstance(version, int)
@@ -102,7 +111,16 @@ class Store:
     # ---- opening ---------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike, create: bool = True) -> Store:
-        """Open (and by default create) the store at ``path``; refuses a newer format version."""
+        """Open (and by default create) the store at ``path``; refuses a newer format version.
+
+        ``path``: a directory (or ``file://`` URL), or ``s3://bucket/prefix`` for a store on
+        object storage (objectstore.py; endpoint and credentials from the AWS_* variables)."""
+        from capturestore import objectstore
+
+        if objectstore.is_url(path):
+            return objectstore.open_url(str(path), create=create)
+        if isinstance(path, str) and path.startswith("file://"):
+            path = path.removeprefix("file://")
         root = store_root(path)
         info = read_format(root)
         if info is None:
@@ -338,8 +356,7 @@ class Store:
         """A module tensor: [step, ...] of one phase (step=None), or one step's array."""
         check_module_name(module)
         self._require_run(run_id)
-        mdir = self.root / ARRAYS_DIR / run_id / str(prompt_id) / "tensors" / module
-        phases = sorted(p.name for p in mdir.iterdir() if (p / "zarr.json").exists()) if mdir.is_dir() else []
+        phases = self._tensor_phases(run_id, str(prompt_id), module)
         if not phases:
             raise ValueError(f"run {run_id}, prompt {prompt_id} has no tensor for module {module!r}")
         if phase is not None:
@@ -359,6 +376,15 @@ class Store:
                 return self._read(ref, meta, (slice(i, i + 1),), as_torch)[0]
         raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no step {step} in phases {phases}")
 
+    def _tensor_phases(self, run_id: str, prompt_id: str, module: str) -> list[str]:
+        mdir = self.root / ARRAYS_DIR / run_id / prompt_id / "tensors" / module
+        return sorted(p.name for p in mdir.iterdir() if (p / "zarr.json").exists()) if mdir.is_dir() else []
+
+    def _prompt_group(self, run_id: str, prompt_id: str) -> Any:
+        """What ``xarray.open_zarr`` opens for one prompt's group, None when the run has no such prompt."""
+        pdir = self.root / ARRAYS_DIR / run_id / str(prompt_id)
+        return str(pdir) if isinstance(prompt_id, str) and pdir.is_dir() else None
+
     def open_xarray(self, run_id: str, prompt_id: str, decode_dtypes: bool = True):
         """The prompt's arrays as an xarray.Dataset with their named dims (tokens, logits,
         kv_k, kv_v, ...; module tensors are in the ``tensors/`` subgroups). KV and tokens share
@@ -373,10 +399,10 @@ class Store:
         from capturestore.layout import FORMAT1_POSITION_DIMS, POSITION_DIM
 
         self._require_run(run_id)
-        pdir = self.root / ARRAYS_DIR / run_id / str(prompt_id)
-        if not isinstance(prompt_id, str) or not pdir.is_dir():
+        group = self._prompt_group(run_id, prompt_id)
+        if group is None:
             raise ValueError(f"run {run_id} has no prompt {prompt_id!r}")
-        ds = xr.open_zarr(str(pdir), consolidated=False, zarr_format=3)
+        ds = xr.open_zarr(group, consolidated=False, zarr_format=3)
         if any(d in ds.dims for d in FORMAT1_POSITION_DIMS) and POSITION_DIM not in ds.dims:
             n = ds.sizes.get("token")
             renamed = {}
@@ -394,18 +420,21 @@ class Store:
         return ds
 
     # ---- tables and queries ----------------------------------------------------------------
+    def _read_run_table(self, table: str, run_id: str | None = None) -> pa.Table:
+        return read_table(self.root, table, run_id)
+
     def runs(self) -> pa.Table:
-        return read_table(self.root, "runs")
+        return self._read_run_table("runs")
 
     def prompts(self, run_id: str | None = None) -> pa.Table:
         if run_id is not None:
             self._require_run(run_id)
-        return read_table(self.root, "prompts", run_id)
+        return self._read_run_table("prompts", run_id)
 
     def captures(self, run_id: str | None = None) -> pa.Table:
         if run_id is not None:
             self._require_run(run_id)
-        return read_table(self.root, "captures", run_id)
+        return self._read_run_table("captures", run_id)
 
     def sql(self, query: str) -> pa.Table:
         """Run a read-only query over the catalog views (runs, prompts, captures and every appended table).
@@ -433,7 +462,7 @@ class Store:
         self._require_run(run_id)
         rows = self.runs().filter(pa.compute.equal(pa.compute.field("run_id"), run_id)).to_pylist()
         if not rows:  # the marker file is there, its row is not: the catalog cannot describe the run
-            marker = table_dir(self.root, "runs") / f"{run_id}.parquet"
+            marker = f"{self.root}/{TABLES_DIR}/runs/{run_id}.parquet"
             raise StoreError(f"run {run_id}: its commit marker {marker} holds no row of it (run `capturestore verify`)")
         return {"run": rows[0], "prompts": self.prompts(run_id).to_pylist(), "captures": self.captures(run_id).to_pylist()}
 
