@@ -144,7 +144,7 @@ def _check_models(known: dict, runs: dict, allow: bool) -> bool:
 def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str | None = None,
                  label: str | None = None, logits: bool = True, kv: bool = True, tol_map=None,
                  kv_verdict_config=None, progress=None, allow_different_models: bool = False,
-                 comparators=()) -> ComparisonResult:
+                 comparators=(), client=None) -> ComparisonResult:
     """Compare stored captures of ``actual_run`` against ``expected_run`` (and ``baseline_run``
     in three-way mode), store every metric, and return the verdicts.
 
@@ -166,10 +166,14 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     to judge them against: its KV verdict is "not judged" and it does not pass unless
     ``kv=False``. Non-finite actual KV where the references are finite fails the KV verdict
     (``metrics.verdict``).
+
+    ``client``: a ``dask.distributed.Client``: the per-prompt work runs as Dask tasks (workers
+    read the captures from the store and return rows; capturestore/distributed.py); this process
+    merges their results in prompt order, writes the tables and the ``comparisons`` row last.
+    The stored results are the same as without a client, bit for bit.
     """
     from capturestore.comparators import (
         ComparisonContext,
-        PromptCaptures,
         comparator_class,
         comparisons_schema,
         localise,
@@ -207,14 +211,18 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
         c.prepare(context)  # may refuse (ValueError) before anything is computed or stored
 
     parts: dict = {}  # (comparator, table) -> rows of each prompt, then of finish()
-    for n, pid in enumerate(prompt_ids):
+    if client is not None:
+        from capturestore.distributed import compare_prompts
+
+        for outputs in compare_prompts(client, context, active, prompt_ids, progress):
+            for c, out in zip(active, outputs):
+                for table, rows in out.items():
+                    parts.setdefault((c, table), []).append(rows)
+    for n, pid in enumerate(prompt_ids if client is None else ()):
         if progress:
             progress(f"comparing prompt {n + 1}/{len(prompt_ids)} ({pid})")
-        tokens, plen = prompt_split(store, runs["expected"], pid)
-        _check_tokens(store, runs, pid, tokens)
-        prompt = PromptCaptures(context, pid, tokens, plen)
-        for c in active:
-            for table, rows in c.compare(prompt).items():
+        for c, out in zip(active, compare_prompt(context, active, pid)):
+            for table, rows in out.items():
                 parts.setdefault((c, table), []).append(rows)
     for c in active:
         for table, rows in c.finish().items():
@@ -254,6 +262,17 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
         None if passed or logit is None else logit.first_failing_token(), None if loc is None else loc.phase,
         models_differ, verdicts=verdicts, localisation=None if loc is None else loc.as_dict(),
     )
+
+
+def compare_prompt(context, active, pid: str) -> list[dict]:
+    """Every comparator's rows of one prompt ({table: rows} each, in ``active``'s order)."""
+    from capturestore.comparators import PromptCaptures
+
+    store, runs = context.store, context.runs
+    tokens, plen = prompt_split(store, runs["expected"], pid)
+    _check_tokens(store, runs, pid, tokens)
+    prompt = PromptCaptures(context, pid, tokens, plen)
+    return [c.compare(prompt) for c in active]
 
 
 def _default_comparators():

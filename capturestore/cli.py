@@ -238,9 +238,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     store = _open(args.store)
     _require_writable(store, "compare")
-    result = compare_runs(store, expected_run=args.expected, actual_run=args.actual,
-                          baseline_run=args.baseline, label=args.label, kv=not args.no_kv,
-                          allow_different_models=args.allow_different_models)
+    client = None
+    if args.scheduler:
+        from capturestore.distributed import connect
+
+        client = connect(args.scheduler)
+    try:
+        result = compare_runs(store, expected_run=args.expected, actual_run=args.actual,
+                              baseline_run=args.baseline, label=args.label, kv=not args.no_kv,
+                              allow_different_models=args.allow_different_models, client=client)
+    finally:
+        if client is not None:
+            client.close()
     print(f"comparison {result.comparison_id} over {len(result.prompt_ids)} prompts")
     for name, verdict in (("logit verdict", result.logit_verdict), ("KV verdict", result.kv_verdict)):
         if verdict is not None:
@@ -323,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-kv", action="store_true", help="compare logits only")
     sp.add_argument("--allow-different-models", action="store_true",
                     help="compare runs whose model_hash differ (refused otherwise; recorded as models_differ)")
+    sp.add_argument("--scheduler", metavar="ADDRESS",
+                    help="run the per-prompt work on this Dask scheduler's workers (tcp://HOST:PORT; docs/scale.md)")
     sp = add("demo", cmd_demo, "tiny local model: HF FP32 + BF16 references vs vLLM-CPU BF16, three-way verdict")
     sp.set_defaults(store=os.environ.get("CAPTURESTORE") or "demo-store")
     sp.add_argument("--arch", default="llama-gqa", help="tiny model architecture (llama-mha, llama-gqa, ...)")

@@ -393,7 +393,9 @@ class Store:
 
         Zarr has no bf16/fp8 type, so xarray sees their bits (uint16/uint8); with
         ``decode_dtypes`` those variables are loaded and viewed as their ml_dtypes dtype
-        (bit-exact); the others stay lazy. docs/reading.md: the same without this library."""
+        (bit-exact), lazily too where xarray gave Dask arrays (dask installed: every variable is a
+        Dask array, read chunk by chunk on ``.compute()``, also on a store on object storage).
+        docs/reading.md: the same without this library."""
         import xarray as xr
 
         from capturestore.layout import FORMAT1_POSITION_DIMS, POSITION_DIM
@@ -416,7 +418,7 @@ class Store:
             for name, var in list(ds.data_vars.items()):
                 logical = var.attrs.get("logical_dtype")
                 if logical and np.dtype(LOGICAL_DTYPES[logical].numpy) != var.dtype:
-                    ds[name] = var.copy(data=from_storage(var.values, logical, False, f"{run_id}/{prompt_id}/{name}"))
+                    ds[name] = var.copy(data=_decode_lazily(var.data, logical, f"{run_id}/{prompt_id}/{name}"))
         return ds
 
     # ---- tables and queries ----------------------------------------------------------------
@@ -509,6 +511,13 @@ class Store:
         if broken:
             raise StoreError(f"rebuilt {path}, but {'; '.join(broken.values())} (run capturestore verify)")
         return path
+
+
+def _decode_lazily(data: Any, logical: str, where: str) -> Any:
+    """Storage bits -> the logical dtype (a view, bit-exact): per chunk for a Dask array, else at once."""
+    if hasattr(data, "map_blocks"):
+        return data.map_blocks(from_storage, logical, False, where, dtype=np.dtype(LOGICAL_DTYPES[logical].numpy))
+    return from_storage(np.asarray(data), logical, False, where)
 
 
 def _token_slice(tokens: Any, ref: ArrayRef) -> slice:
