@@ -73,9 +73,7 @@ def prompt_split(store, run_id: str, prompt_id: str) -> tuple[np.ndarray, int]:
     """(tokens int32 [position], prompt_len) of one capture: the prompt is the first ``prompt_len``
     tokens, the rest are the teacher/generated tokens whose logits the run holds."""
     tokens = store.read_tokens(run_id, prompt_id)
-    rows = store.sql(
-        f"SELECT * FROM prompts WHERE run_id = '{run_id}' AND prompt_id = '{prompt_id}'"
-    ).to_pylist()
+    rows = [r for r in store.prompts(run_id).to_pylist() if r["prompt_id"] == prompt_id]  # the run's own segment
     if rows and rows[0].get("n_prompt_tokens") is not None:
         return tokens, int(rows[0]["n_prompt_tokens"])
     n_gen = int(store.read_logits(run_id, prompt_id).shape[0])

@@ -81,13 +81,17 @@ def create_array(
     dimension_names: list[str],
     attributes: dict[str, Any],
     compression: str | None = "lz4",
+    shards: tuple[int, ...] | None = None,
 ) -> zarr.Array:
+    """``shards``: group the chunks into shard objects of this shape (Zarr's sharding codec; each
+    inner chunk keeps its codecs and CRC32C, the shard index has its own CRC32C)."""
     return zarr.create_array(
         store=zstore,
         name=ref.path,
         shape=shape,
         dtype=storage_dtype,
         chunks=chunks,
+        shards=shards,
         compressors=compressors_for(storage_dtype.itemsize, compression),
         fill_value=0,
         dimension_names=dimension_names,

@@ -67,6 +67,25 @@ LEASE_ENV = "CAPTURESTORE_LEASE_S"
 DEFAULT_LEASE_S = 120.0  # a writer's lease; heartbeats every third of it
 
 
+# Arrays written whole (write_kv, write_logits) go into shards of up to this many bytes: one
+# object per shard instead of one per chunk (benchmarks/bench_scale.py; docs/scale.md).
+SHARD_BYTES: int | None = 256 << 20
+
+
+def shard_shape(shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int,
+                target: int | None) -> tuple[int, ...] | None:
+    """Chunks grouped along the first axis (layers, generation tokens) and spanning the rest of
+    the array, up to ``target`` bytes; None when a shard would hold a single chunk anyway."""
+    if target is None or not shape or any(s == 0 for s in shape):
+        return None
+    rest = [-(-s // c) * c for s, c in zip(shape[1:], chunks[1:])]  # whole array beyond axis 0, chunk multiples
+    per_row = int(np.prod(rest, dtype=np.int64)) * itemsize
+    rows = max(chunks[0], (target // max(1, per_row)) // chunks[0] * chunks[0])
+    rows = min(rows, -(-shape[0] // chunks[0]) * chunks[0])
+    out = (rows, *rest)
+    return None if out == tuple(chunks) else out
+
+
 def is_url(path: Any) -> bool:
     """True for an object-storage URL (``s3://...``); other ``scheme://`` URLs are refused by name."""
     if not isinstance(path, str) or "://" not in path:
@@ -392,6 +411,10 @@ class RemoteStore(Store):
         self._segment_columns: dict[str, dict[str, tuple[pa.DataType, str]]] = {}
         self._segment_schemas = {}
         self.lease_s = lease_seconds()
+        self.shard_bytes = SHARD_BYTES  # None: one object per chunk
+        # a committed run never changes: its segments and array metadata are read once per Store
+        self._run_segments: dict[tuple[str, str], pa.Table] = {}
+        self._array_meta: dict[str, dict] = {}
         self._server_skew = None
 
     @classmethod
@@ -462,6 +485,9 @@ class RemoteStore(Store):
 
     def _write_block(self, ref, arr, block, offset, compressed, pending) -> bool:
         return False  # zarr writes the chunks through its FsspecStore (one PUT each)
+
+    def _shard_shape(self, shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
+        return shard_shape(shape, chunks, itemsize, self.shard_bytes)
 
     def _write_segment(self, table: str, data: pa.Table, segment: str | None = None, durable: bool = False) -> str:
         if segment is None:
@@ -553,10 +579,12 @@ class RemoteStore(Store):
     def _ref(self, run_id: str, prompt_id: str, name: str) -> tuple[ArrayRef, dict[str, Any]]:
         self._require_run(run_id)
         ref = ArrayRef(run_id, prompt_id, name)
+        if isinstance(prompt_id, str) and ref.path in self._array_meta:
+            return ref, self._array_meta[ref.path]
         if not isinstance(prompt_id, str) or not self.storage.exists(f"{ARRAYS_DIR}/{run_id}/{prompt_id}/zarr.json"):
             raise ValueError(f"run {run_id} has no prompt {prompt_id!r}")
         try:
-            meta = json.loads(self.storage.read(f"{ARRAYS_DIR}/{ref.path}/zarr.json"))
+            meta = self._array_meta[ref.path] = json.loads(self.storage.read(f"{ARRAYS_DIR}/{ref.path}/zarr.json"))
         except FileNotFoundError:
             have = sorted(self._remote_array_names(run_id, prompt_id))
             raise ValueError(f"run {run_id}, prompt {prompt_id} has no array {name!r}; it has {have}") from None
@@ -604,6 +632,13 @@ class RemoteStore(Store):
         return self.storage.zarr_store(f"{ARRAYS_DIR}/{run_id}/{prompt_id}")
 
     def _read_run_table(self, table: str, run_id: str | None = None) -> pa.Table:
+        if run_id is not None and table != "runs":  # _require_run checked it is committed: cache its segment
+            if (table, run_id) not in self._run_segments:
+                self._run_segments[(table, run_id)] = self._read_run_table_now(table, run_id)
+            return self._run_segments[(table, run_id)]
+        return self._read_run_table_now(table, run_id)
+
+    def _read_run_table_now(self, table: str, run_id: str | None = None) -> pa.Table:
         schema = SCHEMAS[table]
         rels = [r for r in self.storage.segment_rels(table) if not r.endswith("/" + SCHEMA_SEGMENT)]
         if table != "runs":
@@ -681,11 +716,15 @@ def _checked_zarr_read(store: RemoteStore, ref: ArrayRef, meta: dict, region) ->
     missing = [k for k in keys if base + k not in present]
     if missing:
         raise CorruptChunkError(f"{ref.where()}, chunk {missing[0]}: chunk file is missing")
-    arr = open_array(store._zstore, ref)
+    from zarr.core.array import Array, AsyncArray
+    from zarr.storage import StorePath
+
+    arr = Array(AsyncArray(metadata=meta, store_path=StorePath(store._zstore, ref.path)))  # no second GET of zarr.json
     try:
         return arr[region]
     except Exception as e:  # noqa: BLE001
-        raise CorruptChunkError(f"{ref.where()}: cannot read ({e})") from None
+        listing = ", ".join(keys[:4]) + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
+        raise CorruptChunkError(f"{ref.where()}, shard {listing}: {' '.join(str(e).split())}") from None
 
 
 # ------------------------------------------------------------------------------ verify and gc

@@ -178,6 +178,10 @@ class Store:
         return write_block(self.root / ARRAYS_DIR / ref.path, tuple(arr.shape), tuple(arr.chunks), block, offset,
                            compressed=compressed, pending=pending)
 
+    def _shard_shape(self, shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
+        """Shard shape of an array written whole (None: one file per chunk, as here: benchmarks/bench_scale.py)."""
+        return None
+
     def _write_segment(self, table: str, data: pa.Table, segment: str | None = None, durable: bool = False) -> Path:
         """One Parquet segment of ``table``, whole or not at all (written under a temp name, renamed)."""
         return write_segment(self.root, table, data, segment=segment, durable=durable)

@@ -303,13 +303,17 @@ class RunWriter:
 
     # ---- generic array plumbing -----------------------------------------------------------
     def _new_array(self, pid: str, name: str, kind: str, ld: LogicalDtype, shape: tuple[int, ...],
-                   chunks: tuple[int, ...], dims: list[str], attrs: dict[str, Any], **state: Any) -> _ArrayState:
+                   chunks: tuple[int, ...], dims: list[str], attrs: dict[str, Any], one_shot: bool = False,
+                   **state: Any) -> _ArrayState:
         if (pid, name) in self._arrays:
             raise ValueError(f"run {self.run_id}, prompt {pid}: array {name} was already written")
         ref = ArrayRef(self.run_id, pid, name)
         attributes = {"logical_dtype": ld.name, "kind": kind, "run_id": self.run_id, "prompt_id": pid, **attrs}
-        arr = create_array(self.store._zstore, ref, tuple(int(s) for s in shape), ld.storage, chunks, dims, attributes,
-                           compression=self.compression)
+        shape = tuple(int(s) for s in shape)
+        # arrays written whole in one call may be sharded where the store wants few objects (objectstore.py)
+        shards = self.store._shard_shape(shape, chunks, ld.storage.itemsize) if one_shot else None
+        arr = create_array(self.store._zstore, ref, shape, ld.storage, chunks, dims, attributes,
+                           compression=self.compression, shards=shards)
         st = _ArrayState(ref=ref, arr=arr, kind=kind, ld=ld, dims=dims, **state)
         self._arrays[(pid, name)] = st
         return st
@@ -403,7 +407,7 @@ class RunWriter:
         if (pid, "logits") not in self._arrays:
             self._check_logit_rows(pid, arr.shape[0], f"run {self.run_id}, prompt {pid}: write_logits")
         t = self._tokens_per_chunk(arr.shape[1] * ld.storage.itemsize, arr.shape[0])
-        st = self._new_array(pid, "logits", "logits", ld, arr.shape, (t, arr.shape[1]), LOGITS_DIMS, {})
+        st = self._new_array(pid, "logits", "logits", ld, arr.shape, (t, arr.shape[1]), LOGITS_DIMS, {}, one_shot=True)
         self._write(st, to_storage(np.ascontiguousarray(arr), ld))
         self._logits_geometry = (arr.shape[1], ld.name)
 
@@ -475,15 +479,18 @@ class RunWriter:
         return (1, kv_heads, t, head_dim)
 
     def _create_kv_arrays(self, pid: str, group: str | None, shape: tuple[int, int, int, int], ld: LogicalDtype,
-                          names: list[str], chunks: tuple[int, ...], **state: Any) -> tuple[_ArrayState, _ArrayState]:
+                          names: list[str], chunks: tuple[int, ...], one_shot: bool = False,
+                          **state: Any) -> tuple[_ArrayState, _ArrayState]:
         kname, vname, g = self._kv_names(group)
         for n in (kname, vname):
             if (pid, n) in self._arrays:
                 raise ValueError(f"run {self.run_id}, prompt {pid}: array {n} was already written")
         attrs = {"layer_names": names, "kv_group": g}
-        sk = self._new_array(pid, kname, "kv_k", ld, shape, chunks, KV_DIMS, attrs, kv_group=g, layer_names=names, **state)
+        sk = self._new_array(pid, kname, "kv_k", ld, shape, chunks, KV_DIMS, attrs, one_shot, kv_group=g,
+                             layer_names=names, **state)
         state = {k: (set() if isinstance(v, set) else v) for k, v in state.items()}
-        sv = self._new_array(pid, vname, "kv_v", ld, shape, chunks, KV_DIMS, attrs, kv_group=g, layer_names=names, **state)
+        sv = self._new_array(pid, vname, "kv_v", ld, shape, chunks, KV_DIMS, attrs, one_shot, kv_group=g,
+                             layer_names=names, **state)
         self._kv_geometry[g] = (shape[0], shape[1], shape[3], ld.name, tuple(names))
         return sk, sv
 
@@ -497,7 +504,7 @@ class RunWriter:
         g = self._kv_names(group)[2]
         self._check_kv_geometry(pid, "write_kv", g, L, H, D, ld, names)
         self._check_kv_seq(pid, S, where)
-        sk, sv = self._create_kv_arrays(pid, group, ka.shape, ld, names, self._kv_chunks(H, D, ld, S))
+        sk, sv = self._create_kv_arrays(pid, group, ka.shape, ld, names, self._kv_chunks(H, D, ld, S), one_shot=True)
         pending: list = []  # K and V chunks encode together
         self._write(sk, to_storage(np.ascontiguousarray(ka), ld), pending=pending)
         self._write(sv, to_storage(np.ascontiguousarray(va), ld), pending=pending)
