@@ -136,14 +136,15 @@ def bench_storage(args, tmp: Path) -> list[dict]:
     data = kv_data(args.prompts, args.layers, 8, args.seq, 128, 4096)
     logical = sum(k.nbytes + v.nbytes + lg.nbytes for _, k, v, lg in data)
     rows = []
-    for name, kind, shard in (("local dir (chunk files)", "local", None), ("S3 API, chunk objects", "s3", None),
-                              ("S3 API, sharded", "s3", "default")):
+    configs = [("local dir (chunk files)", "local", None), ("S3 API, chunk objects", "s3", None)]
+    configs += [(f"S3 API, shards <= {mb} MiB", "s3", mb << 20) for mb in args.shard_mib]
+    for name, kind, shard in configs:
         best_w, best_r, best_l = float("inf"), float("inf"), float("inf")
         n_obj = 0
         for _ in range(args.repeat):
             store = Store.open(tmp / f"st-{uuid.uuid4().hex[:6]}" if kind == "local" else f"s3://{new_bucket()}/s")
-            if kind == "s3" and shard is None:
-                store.shard_bytes = None
+            if kind == "s3":
+                store.shard_bytes = shard
             t = time.perf_counter()
             rid = write_run(store, data)
             best_w = min(best_w, time.perf_counter() - t)
@@ -210,6 +211,55 @@ def bench_compare(args, tmp: Path) -> list[dict]:
     return rows
 
 
+# ---- 3. per-worker figures for docs/scale.md's projection ------------------------------------------
+
+def bench_projection(args, tmp: Path) -> list[dict]:
+    """Per-core comparison throughput on larger prompts (stored bytes compared per second, local
+    store, single process) and the rate at which the client writes metric rows (kv_head_metrics
+    rows through to_arrow + append_table)."""
+    import pyarrow as pa
+
+    from capturestore import Store
+    from capturestore.analysis import compare_runs
+    from capturestore.comparators.base import to_arrow
+    from capturestore.comparators.kv import KV_HEAD_METRICS
+
+    rng = np.random.default_rng(2)
+    L, H, S, D, G, V = args.proj_layers, 8, 512, 128, 32, 32000
+    store = Store.open(tmp / "proj-store")
+    prompts = [(rng.integers(1, V, S - G).tolist(), rng.integers(1, V, G).tolist()) for _ in range(2)]
+    data = [(rng.standard_normal((L, H, S, D), dtype=np.float32), rng.standard_normal((L, H, S, D), dtype=np.float32),
+             rng.standard_normal((G, V), dtype=np.float32)) for _ in prompts]
+    ids = {}
+    for role, dt in (("baseline_run", "float32"), ("expected_run", "bfloat16"), ("actual_run", "bfloat16")):
+        cast = (lambda x: x.astype(ml_dtypes.bfloat16)) if dt == "bfloat16" else (lambda x: x)
+        with store.begin_run(engine="bench", model_path="m", model_hash="h", dtype=dt) as run:
+            for (p, c), (k, v, lg) in zip(prompts, data):
+                pid = run.add_prompt(p, continuation=c)
+                run.write_kv(pid, cast(k), cast(v))
+                run.write_logits(pid, cast(lg))
+        ids[role] = run.run_id
+    stored = store.sql(f"SELECT sum(stored_bytes) AS b FROM captures WHERE run_id IN "
+                       f"({', '.join(repr(r) for r in ids.values())})").to_pylist()[0]["b"]
+    stored = int(stored)
+    t = best_of(lambda: compare_runs(store, **ids), args.repeat)
+    n = 1_000_000
+    cols = {f.name: (np.full(n, 0.5) if pa.types.is_floating(f.type) else np.arange(n) if pa.types.is_integer(f.type)
+                     else ["x"] * n) for f in KV_HEAD_METRICS.schema}
+    cols["comparison_id"] = ["cmp-bench"] * n
+
+    def write_rows():
+        tbl = to_arrow([cols], KV_HEAD_METRICS, "kv_head_metrics")
+        store._write_segment("bench_rows", tbl)
+    tw = best_of(write_rows, args.repeat)
+    rows_per_prompt = L * H * S
+    return [{"figure": f"compare, local store, 1 process (KV [{L}, {H}, {S}, {D}] x 2 prompts x 3 runs)",
+             "value": stored / t / MB, "unit": "MB/s stored bytes compared"},
+            {"figure": "  the same per prompt", "value": t / len(prompts), "unit": "s"},
+            {"figure": "  kv_head_metrics rows per prompt", "value": float(rows_per_prompt), "unit": "rows"},
+            {"figure": "client: kv_head_metrics rows to Parquet", "value": n / tw / 1e6, "unit": "M rows/s"}]
+
+
 def table(rows: list[dict]) -> str:
     cols = list(rows[0])
     fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
@@ -228,9 +278,14 @@ def main() -> int:
     ap.add_argument("--cmp-prompts", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--skip-compare", action="store_true")
+    ap.add_argument("--skip-storage", action="store_true")
+    ap.add_argument("--skip-projection", action="store_true")
+    ap.add_argument("--proj-layers", type=int, default=16)
+    ap.add_argument("--shard-mib", type=int, nargs="*", default=[16, 64],
+                    help="shard sizes to measure (objectstore.SHARD_BYTES is the default the store uses)")
     args = ap.parse_args()
     if args.quick:
-        args.prompts, args.layers, args.seq, args.cmp_prompts, args.repeat = 2, 8, 1024, 16, 1
+        args.prompts, args.layers, args.seq, args.cmp_prompts, args.repeat, args.proj_layers = 2, 8, 1024, 16, 1, 4
     moto = start_moto()
     tmp = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=REPO / ".bench-tmp" if (REPO / ".bench-tmp").is_dir()
                                 else None))
@@ -238,11 +293,15 @@ def main() -> int:
         kv_mb = args.prompts * 2 * args.layers * 8 * args.seq * 128 * 2 / MB
         print(f"== storage: {args.prompts} prompts x BF16 K+V [{args.layers}, 8, {args.seq}, 128] "
               f"({kv_mb:.0f} MB) + FP32 logits [16, 4096], best of {args.repeat}")
-        print(table(bench_storage(args, tmp)))
+        if not args.skip_storage:
+            print(table(bench_storage(args, tmp)))
         if not args.skip_compare:
             print(f"\n== comparison: three-way, {args.cmp_prompts} prompts (KV [4, 4, 64, 64], logits [16, 512]), "
                   f"best of {args.repeat}")
             print(table(bench_compare(args, tmp)))
+        if not args.skip_projection:
+            print(f"\n== per-worker figures for docs/scale.md, best of {args.repeat}")
+            print(table(bench_projection(args, tmp)))
     finally:
         moto.terminate()
         moto.wait(timeout=30)

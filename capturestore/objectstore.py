@@ -68,14 +68,32 @@ DEFAULT_LEASE_S = 120.0  # a writer's lease; heartbeats every third of it
 
 
 # Arrays written whole (write_kv, write_logits) go into shards of up to this many bytes: one
-# object per shard instead of one per chunk (benchmarks/bench_scale.py; docs/scale.md).
-SHARD_BYTES: int | None = 256 << 20
+# object per shard instead of one per chunk. Measured (benchmarks/bench_scale.py, docs/scale.md):
+# 16 MiB shards cut the objects of a run 2.5x for 0.6x the write/read throughput through the S3
+# API here; 64 MiB shards cut them 4x but a one-layer read took 14x longer. $CAPTURESTORE_SHARD_MIB
+# overrides (0: one object per chunk).
+SHARD_ENV = "CAPTURESTORE_SHARD_MIB"
+SHARD_BYTES: int | None = 16 << 20
+
+
+def shard_bytes() -> int | None:
+    raw = os.environ.get(SHARD_ENV)
+    if not raw:
+        return SHARD_BYTES
+    try:
+        mib = int(raw)
+    except ValueError:
+        raise StoreError(f"${SHARD_ENV}={raw!r} is not a whole number of MiB (0: no shards)") from None
+    if mib < 0:
+        raise StoreError(f"${SHARD_ENV}={raw!r} must be >= 0 (0: no shards)")
+    return mib << 20 if mib else None
 
 
 def shard_shape(shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int,
                 target: int | None) -> tuple[int, ...] | None:
     """Chunks grouped along the first axis (layers, generation tokens) and spanning the rest of
-    the array, up to ``target`` bytes; None when a shard would hold a single chunk anyway."""
+    the array, up to ``target`` bytes (at least one chunk row: a layer larger than ``target`` is
+    one shard); None when a shard would hold a single chunk anyway."""
     if target is None or not shape or any(s == 0 for s in shape):
         return None
     rest = [-(-s // c) * c for s, c in zip(shape[1:], chunks[1:])]  # whole array beyond axis 0, chunk multiples
@@ -411,7 +429,7 @@ class RemoteStore(Store):
         self._segment_columns: dict[str, dict[str, tuple[pa.DataType, str]]] = {}
         self._segment_schemas = {}
         self.lease_s = lease_seconds()
-        self.shard_bytes = SHARD_BYTES  # None: one object per chunk
+        self.shard_bytes = shard_bytes()  # None: one object per chunk
         # a committed run never changes: its segments and array metadata are read once per Store
         self._run_segments: dict[tuple[str, str], pa.Table] = {}
         self._array_meta: dict[str, dict] = {}
