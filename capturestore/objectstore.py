@@ -303,7 +303,10 @@ class ObjectStorage:
     def server_now(self) -> datetime:
         """The server's clock: the Last-Modified of a probe object PUT now (removed again)."""
         rel = f"{PENDING_DIR}/.clock-{uuid.uuid4().hex}"
-        self.put(rel, b"")
+        try:
+            self.put(rel, b"")
+        except PermissionError:  # read-only credentials (`capturestore runs`): this host's clock
+            return datetime.now(timezone.utc)
         try:
             return _modified(self.info(rel))
         finally:
@@ -521,7 +524,8 @@ class RemoteStore(Store):
         return self.storage.exists(f"{TABLES_DIR}/{table}/{segment}.parquet")
 
     def _remove_segment(self, table: str, segment: str) -> None:
-        self.storage.remove([f"{TABLES_DIR}/{table}/{segment}.parquet"]) if self._segment_exists(table, segment) else None
+        if self._segment_exists(table, segment):
+            self.storage.remove([f"{TABLES_DIR}/{table}/{segment}.parquet"])
 
     def _remove_written(self, segment: str) -> None:
         if self.storage.exists(segment):

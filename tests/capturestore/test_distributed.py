@@ -174,3 +174,18 @@ def test_a_scheduler_that_does_not_answer_is_one_line(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=REPO)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and address in r.stderr and "does not answer" in r.stderr, r.stderr
+
+
+def test_cli_compare_on_the_scheduler_stores_what_compare_runs_stores(cluster_client, tmp_path):
+    store = Store.open(tmp_path / "s")
+    runs = _runs(store)
+    address = cluster_client.scheduler.address
+    r = subprocess.run([sys.executable, "-m", "capturestore.cli", "compare", "--store", str(tmp_path / "s"),
+                        "--baseline", runs["baseline_run"], "--expected", runs["expected_run"],
+                        "--actual", runs["actual_run"], "--scheduler", address],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 1 and "overall: FAIL" in r.stdout, r.stderr[-2000:]  # the injected V error
+    cid = r.stdout.split()[1]
+    single = compare_runs(store, **runs)
+    for table in TABLES[:-1]:  # the CLI runs logits + KV only
+        assert _rows(store, table, cid) == _rows(store, table, single.comparison_id), table
