@@ -42,6 +42,11 @@ def connect(address: str, timeout: float = SCHEDULER_TIMEOUT_S):
 def compare_prompts(client, context, active: list, prompt_ids: list, progress: Callable | None = None) -> Iterator[list]:
     """Each prompt's comparator outputs, in prompt order, computed by Dask tasks; the additions of
     every task to the comparators' state are merged into ``active`` before its outputs are yielded."""
+    with client.as_current():  # the given client, whether or not it is the default one
+        yield from _compare_prompts(client, context, active, prompt_ids, progress)
+
+
+def _compare_prompts(client, context, active: list, prompt_ids: list, progress: Callable | None) -> Iterator[list]:
     from dask.distributed import as_completed
 
     blob = pickle.dumps((context, active))  # the prepared state, the same starting point for every task
