@@ -52,8 +52,7 @@ def test_new_runs_name_the_shared_axis_position_so_plain_xarray_aligns_kv_and_to
     caps = {r["array_name"]: r["dimension_names"] for r in store.captures().to_pylist()}
     assert caps == {"tokens": ["position"], "kv_k": ["layer", "kv_head", "position", "head_dim"],
                     "kv_v": ["layer", "kv_head", "position", "head_dim"], "logits": ["gen_token", "vocab"]}
-    # chunks=None: numpy-backed (with dask installed xarray gives dask arrays, which where(drop=True) refuses)
-    ds = xr.open_zarr(store.root / ARRAYS_DIR / run.run_id / pid, consolidated=False, zarr_format=3, chunks=None)
+    ds = xr.open_zarr(store.root / ARRAYS_DIR / run.run_id / pid, consolidated=False, zarr_format=3)
     assert ds.sizes["position"] == 7 and "seq" not in ds.dims and "token" not in ds.dims
     # one axis: the KV of the position where token 6 was fed, selected through the tokens array
     at = ds["kv_k"].where(ds["tokens"] == 6, drop=True)
