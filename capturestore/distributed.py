@@ -39,7 +39,8 @@ def connect(address: str, timeout: float = SCHEDULER_TIMEOUT_S):
         raise ValueError(f"Dask scheduler {address} does not answer within {timeout:g} s ({why})") from None
 
 
-def compare_prompts(client, context, active: list, prompt_ids: list, progress: Callable | None = None) -> Iterator[list]:
+def compare_prompts(client, context, active: list, prompt_ids: list,
+                    progress: Callable | None = None) -> Iterator[list]:
     """Each prompt's comparator outputs, in prompt order, computed by Dask tasks; the additions of
     every task to the comparators' state are merged into ``active`` before its outputs are yielded."""
     with client.as_current():  # the given client, whether or not it is the default one

@@ -170,7 +170,8 @@ class ObjectStorage:
         return s3fs.S3FileSystem(
             endpoint_url=self.endpoint, client_kwargs=client, skip_instance_cache=True, asynchronous=asynchronous,
             use_listings_cache=False,  # other writers add objects: every listing asks the server
-            config_kwargs={"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 3, "mode": "standard"}})
+            config_kwargs={"connect_timeout": 5, "read_timeout": 60,
+                           "retries": {"max_attempts": 3, "mode": "standard"}})
 
     @property
     def afs(self):
@@ -450,8 +451,8 @@ class RemoteStore(Store):
             raise (storage.explain(e) or e) from None
         if info is None:
             if not create:
-                raise StoreError(f"{storage.url} is not a capture store (no {FORMAT_FILE}); Store.open(url, create=True) "
-                                 f"makes a new one")
+                raise StoreError(f"{storage.url} is not a capture store (no {FORMAT_FILE}); "
+                                 f"Store.open(url, create=True) makes a new one")
             other = [n for n in storage.listdir("") if not _is_layout_entry(n)]
             if other:
                 raise StoreError(f"{storage.url} holds other objects ({', '.join(other[:3])}) and no {FORMAT_FILE}; "
@@ -470,7 +471,8 @@ class RemoteStore(Store):
         zarr.open_group(store=storage.zarr_store(), mode="a", zarr_format=3)
         for name, schema in SCHEMAS.items():
             try:
-                storage.put(f"{TABLES_DIR}/{name}/{SCHEMA_SEGMENT}", _parquet_bytes(schema.empty_table()), if_absent=True)
+                storage.put(f"{TABLES_DIR}/{name}/{SCHEMA_SEGMENT}", _parquet_bytes(schema.empty_table()),
+                            if_absent=True)
             except FileExistsError:
                 pass
         try:  # written last: a prefix without it is not a store
@@ -861,8 +863,9 @@ def _verify(store: RemoteStore) -> integrity.VerifyReport:
     for run_id in runs:
         report.append(Problem("orphan", "uncommitted run left by a dead writer (run `capturestore gc`)", run_id=run_id))
     for cid, segs in dead.items():
-        report.append(Problem("orphan", f"comparison {cid} never committed (no comparisons row), its writer is dead; "
-                                        f"its rows are hidden: {', '.join(segs) or 'no segment'} (run `capturestore gc`)"))
+        report.append(Problem("orphan", f"comparison {cid} never committed (no comparisons row), its writer is "
+                                        f"dead; its rows are hidden: {', '.join(segs) or 'no segment'} "
+                                        f"(run `capturestore gc`)"))
     for rel in stale:
         if rel.rsplit("/", 1)[-1].removesuffix(".json") not in dead:
             report.append(Problem("orphan", f"lease {rel} of a dead writer (run `capturestore gc`)"))

@@ -86,6 +86,18 @@ def test_segments_are_never_replaced(s3_url):
     assert store.runs().to_pylist() == before
 
 
+def test_a_writer_id_two_writers_drew_alike_is_refused_to_the_second(s3_url):
+    store = Store.open(s3_url)
+    first = store._pending_lock("20990101T000000-deadbeef", {"status": "running"})
+    try:
+        with pytest.raises(StoreError, match="already taken"):
+            Store.open(s3_url, create=False)._pending_lock("20990101T000000-deadbeef", {"status": "running"})
+        assert [p["alive"] for p in store.pending()] == [True]
+    finally:
+        first.release()
+    assert store.pending() == []
+
+
 def test_file_url_and_plain_path_open_the_same_store(tmp_path):
     a = Store.open(f"file://{tmp_path / 's'}")
     run_id, _ = _write_run(a, seed=5, n_prompts=1)
