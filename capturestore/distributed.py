@@ -51,7 +51,9 @@ def _compare_prompts(client, context, active: list, prompt_ids: list, progress: 
     from dask.distributed import as_completed
 
     blob = pickle.dumps((context, active))  # the prepared state, the same starting point for every task
-    state = client.scatter(blob, broadcast=False, hash=False)
+    # a task, not scattered data: should the worker holding it die, the scheduler recomputes it
+    # from the graph (scattered data would be lost, and every prompt task with it)
+    state = client.submit(_prepared, blob, key=f"{context.comparison_id}-prepared", pure=False)
     futures = [client.submit(_prompt_task, context.comparison_id, state, pid, key=f"{context.comparison_id}-{i}",
                              pure=False, retries=2) for i, pid in enumerate(prompt_ids)]
     index = {f.key: i for i, f in enumerate(futures)}
@@ -72,6 +74,10 @@ def _compare_prompts(client, context, active: list, prompt_ids: list, progress: 
     finally:
         for f in futures:
             f.cancel()
+
+
+def _prepared(blob: bytes) -> bytes:
+    return blob
 
 
 def _prompt_task(cid: str, blob: bytes, pid: str) -> tuple[list, list]:

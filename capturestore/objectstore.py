@@ -393,9 +393,14 @@ class Lease:
                 if self._stop.is_set():
                     return
                 try:
+                    if not self.storage.exists(self.rel):  # gc took it (we stalled past the lease): stay dead
+                        self.lost = True
+                        return
                     self.storage.put(self.rel, json.dumps(self._info).encode())
                 except Exception:  # noqa: BLE001 - a missed beat; the next one retries
                     pass
+
+    lost = False
 
     def rewrite(self, info: dict[str, Any]) -> None:
         with self._lock:
@@ -516,6 +521,10 @@ class RemoteStore(Store):
         if segment is None:
             segment = f"{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex}"
         rel = f"{TABLES_DIR}/{table}/{segment}.parquet"
+        if table == "runs" and not self.storage.exists(f"{PENDING_DIR}/{segment}.json"):
+            # the marker would point at what gc may be removing: a writer stalled past its lease
+            raise StoreError(f"{self.root}: run {segment} lost its lease (stalled longer than {self.lease_s:g} s, "
+                             f"${LEASE_ENV}); gc may have removed its arrays, so it is not committed")
         try:
             self.storage.put(rel, _parquet_bytes(data), if_absent=True)
         except FileExistsError:

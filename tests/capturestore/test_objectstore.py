@@ -185,6 +185,19 @@ def test_gc_leaves_a_live_writer_alone(s3_url, monkeypatch):
     assert store.gc() == []
 
 
+def test_a_writer_whose_lease_gc_took_does_not_commit(s3_url, monkeypatch):
+    monkeypatch.setenv("CAPTURESTORE_LEASE_S", "600")
+    store = Store.open(s3_url)
+    run = store.begin_run(engine="test", model_path="stalled")
+    d = prompt_data(0, 0)
+    pid = run.add_prompt(d["tokens"])
+    run.write_kv(pid, d["k"], d["v"])
+    store.storage.remove([f"pending/{run.run_id}.json"])  # as gc does once the lease has run out
+    with pytest.raises(StoreError, match=f"run {run.run_id} lost its lease"):
+        run.commit()
+    assert run.run_id not in {r["run_id"] for r in store.runs().to_pylist()}
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 
