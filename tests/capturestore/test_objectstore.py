@@ -78,12 +78,12 @@ def test_sql_stays_confined_to_the_stores_tables(s3_url, tmp_path):
 def test_segments_are_never_replaced(s3_url):
     store = Store.open(s3_url)
     run_id, _ = _write_run(store, seed=4, n_prompts=1)
-    before = store.runs().to_pylist()
+    before = store.prompts(run_id).to_pylist()
     import pyarrow as pa
 
     with pytest.raises(StoreError, match="already exists"):
-        store._write_segment("runs", pa.table({"run_id": ["x"]}), segment=run_id)
-    assert store.runs().to_pylist() == before
+        store._write_segment("prompts", pa.table({"run_id": ["x"]}), segment=run_id)
+    assert Store.open(s3_url, create=False).prompts(run_id).to_pylist() == before
 
 
 def test_a_writer_id_two_writers_drew_alike_is_refused_to_the_second(s3_url):
