@@ -75,9 +75,7 @@ def prompt_split(store, run_id: str, prompt_id: str) -> tuple[np.ndarray, int]:
     """(tokens int32 [position], prompt_len) of one capture: the prompt is the first ``prompt_len``
     tokens, the rest are the teacher/generated tokens whose logits the run holds."""
     tokens = store.read_tokens(run_id, prompt_id)
-    rows = store.sql(
-        f"SELECT * FROM prompts WHERE run_id = '{run_id}' AND prompt_id = '{prompt_id}'"
-    ).to_pylist()
+    rows = [r for r in store.prompts(run_id).to_pylist() if r["prompt_id"] == prompt_id]  # the run's own segment
     if rows and rows[0].get("n_prompt_tokens") is not None:
         return tokens, int(rows[0]["n_prompt_tokens"])
     n_gen = int(store.read_logits(run_id, prompt_id).shape[0])
@@ -151,7 +149,7 @@ def _check_models(known: dict, runs: dict, allow: bool) -> bool:
 def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str | None = None,
                  label: str | None = None, logits: bool = True, kv: bool = True, tol_map=None,
                  kv_verdict_config=None, progress=None, allow_different_models: bool = False,
-                 comparators=(), comparator_runs: dict | None = None) -> ComparisonResult:
+                 comparators=(), comparator_runs: dict | None = None, client=None) -> ComparisonResult:
     """Compare stored captures of ``actual_run`` against ``expected_run`` (and ``baseline_run``
     in three-way mode), store every metric, and return the verdicts.
 
@@ -183,6 +181,14 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     in other runs of the same prompts (module tensors captured apart from logits and KV); it sees
     those runs in its context and prompts, checked like the row's (complete, the same roles, the
     same tokens among themselves), and the row records them in ``comparator_runs``.
+
+    ``client``: a ``dask.distributed.Client``: the per-prompt work runs as Dask tasks (workers
+    read the captures from the store and return rows; capturestore/distributed.py); this process
+    merges their results in prompt order, writes the tables and the ``comparisons`` row last.
+    The stored results are the same as without a client, bit for bit.
+    A comparator's own runs (``comparator_runs``) are compared in this process only, and under a
+    client a comparator raising in ``compare`` on a worker fails the comparison rather than being
+    recorded as errored.
     """
     from capturestore.comparators import (
         ComparisonContext,
@@ -244,20 +250,22 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
         guarded(c, c.prepare, contexts[c.name])  # may refuse (ValueError) before anything is computed or stored
 
     parts: dict = {}  # (comparator, table) -> rows of each prompt, then of finish()
-    for n, pid in enumerate(prompt_ids):
+    if client is not None:
+        from capturestore.distributed import compare_prompts
+
+        if comparator_runs:
+            raise ValueError("compare_runs: comparator_runs are compared in one process; drop client= (CLI: "
+                             "--scheduler) for this comparison")
+        live = [c for c in active if c.name not in errors]  # those whose prepare() raised judge nothing
+        for outputs in compare_prompts(client, context, live, prompt_ids, progress):
+            for c, out in zip(live, outputs):
+                for table, rows in out.items():
+                    parts.setdefault((c, table), []).append(rows)
+    for n, pid in enumerate(prompt_ids if client is None else ()):
         if progress:
             progress(f"comparing prompt {n + 1}/{len(prompt_ids)} ({pid})")
-        tokens, plen = prompt_split(store, runs["expected"], pid)
-        _check_tokens(store, runs, pid, tokens)
-        prompts = {}
-        for name, ctx in contexts.items():
-            if ctx is not context:
-                own_tokens, own_plen = prompt_split(store, ctx.runs["expected"], pid)
-                _check_tokens(store, ctx.runs, pid, own_tokens)
-                prompts[name] = PromptCaptures(ctx, pid, own_tokens, own_plen)
-        prompt = PromptCaptures(context, pid, tokens, plen)
-        for c in active:
-            for table, rows in (guarded(c, c.compare, prompts.get(c.name, prompt)) or {}).items():
+        for c, out in zip(active, compare_prompt(context, active, pid, contexts, guarded)):
+            for table, rows in out.items():
                 parts.setdefault((c, table), []).append(rows)
     for c in active:
         for table, rows in (guarded(c, c.finish) or {}).items():
@@ -338,6 +346,27 @@ def _comparator_context(store, known: dict, context, name: str, own: dict, names
                              f"compared prompts (first: {missing[:3]})")
     return ComparisonContext(store, context.comparison_id, {r: own[r] for r in context.runs}, context.prompt_ids,
                              context.label)
+
+
+def compare_prompt(context, active, pid: str, contexts: dict | None = None, guarded=None) -> list[dict]:
+    """Every comparator's rows of one prompt ({table: rows} each, in ``active``'s order). A
+    comparator with its own runs (``contexts[name]``, compare_runs' comparator_runs) gets the prompt
+    from them; ``guarded(c, call, arg)`` wraps each call (compare_runs' errored comparators)."""
+    from capturestore.comparators import PromptCaptures
+
+    store, runs = context.store, context.runs
+    tokens, plen = prompt_split(store, runs["expected"], pid)
+    _check_tokens(store, runs, pid, tokens)
+    prompt = PromptCaptures(context, pid, tokens, plen)
+    prompts = {}
+    for name, ctx in (contexts or {}).items():
+        if ctx is not context:
+            own_tokens, own_plen = prompt_split(store, ctx.runs["expected"], pid)
+            _check_tokens(store, ctx.runs, pid, own_tokens)
+            prompts[name] = PromptCaptures(ctx, pid, own_tokens, own_plen)
+    if guarded is None:
+        return [c.compare(prompts.get(c.name, prompt)) for c in active]
+    return [guarded(c, c.compare, prompts.get(c.name, prompt)) or {} for c in active]
 
 
 def _default_comparators():

@@ -81,13 +81,17 @@ def create_array(
     dimension_names: list[str],
     attributes: dict[str, Any],
     compression: str | None = "lz4",
+    shards: tuple[int, ...] | None = None,
 ) -> zarr.Array:
+    """``shards``: group the chunks into shard objects of this shape (Zarr's sharding codec; each
+    inner chunk keeps its codecs and CRC32C, the shard index has its own CRC32C)."""
     return zarr.create_array(
         store=zstore,
         name=ref.path,
         shape=shape,
         dtype=storage_dtype,
         chunks=chunks,
+        shards=shards,
         compressors=compressors_for(storage_dtype.itemsize, compression),
         fill_value=0,
         dimension_names=dimension_names,
@@ -114,6 +118,13 @@ def chunk_problem(array_dir: Path, key: str) -> str | None:
     try:
         data = p.read_bytes()
     except FileNotFoundError:
+        data = None
+    return crc_problem(data)
+
+
+def crc_problem(data: bytes | None) -> str | None:
+    """Why a chunk's stored bytes (None: missing) are bad, or None if their CRC32C checks out."""
+    if data is None:
         return "chunk file is missing"
     if len(data) < 4:
         return f"chunk file is truncated ({len(data)} bytes)"

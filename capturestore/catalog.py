@@ -67,8 +67,26 @@ def _quote_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
+# A store on object storage passes its objectstore.ObjectStorage as ``root`` to the functions of
+# the in-memory connection (connect_memory, add_views, view_sql, table_names): it lists its own
+# tables and segments, and DuckDB reads them through its fsspec filesystem, registered on the
+# connection before the lockdown; the confinement is the same (allowed_directories = its tables/).
+def _remote(root) -> bool:
+    return not isinstance(root, Path)
+
+
+def _tables_dir(root) -> str:
+    return root.tables_url if _remote(root) else str(root / TABLES_DIR)
+
+
+def _has_column(root, table: str, column: str) -> bool:
+    return root.has_column(table, column) if _remote(root) else has_column(root, table, column)
+
+
 def table_names(root: Path) -> list[str]:
     """Tables that have at least one segment (run tables always exist in a store)."""
+    if _remote(root):
+        return root.table_names()
     d = root / TABLES_DIR
     if not d.is_dir():
         return []
@@ -84,7 +102,7 @@ def _segments(root: Path, table: str, relative: bool, allow_empty: bool = False)
     if relative:  # '[' in the store's path is a glob class to DuckDB: '[[]' is a literal '['
         where = f"replace(({_STORE_DIR_SQL}), '[', '[[]') || {_quote_str(f'{TABLES_DIR}/{table}/*.parquet')}"
     else:
-        where = _quote_str(str(table_dir(root, table)).replace("[", "[[]") + "/*.parquet")
+        where = _quote_str(f"{_tables_dir(root)}/{table}".replace("[", "[[]") + "/*.parquet")
     return f"read_parquet({where}, union_by_name = true{', allow_empty = true' if allow_empty else ''})"
 
 
@@ -136,7 +154,7 @@ def view_sql(root: Path, table: str, relative: bool = False) -> str:
     ``relative``: the catalog.duckdb form, whose paths follow the catalog file wherever it moves.
     """
     spec = _declared().get(table)
-    has_cid = table not in RUN_TABLES and has_column(root, table, "comparison_id")
+    has_cid = table not in RUN_TABLES and _has_column(root, table, "comparison_id")
     if spec is not None and has_cid:
         body = _columns_sql(root, table, relative, spec)
     else:  # not declared, or rows a user appended under a declared name (no comparison_id): as stored
@@ -182,7 +200,9 @@ def connect_memory(root: Path) -> duckdb.DuckDBPyConnection:
         con = duckdb.connect(":memory:", config={**_CONFINED_CONFIG, "temp_directory": str(temp)})
         # allowed_directories cannot be given to connect(); it must be set before access is switched off
         # the views' globs spell a '[' of the store's path as '[[]', and DuckDB checks the pattern as spelt
-        tables = str(root / TABLES_DIR) + os.sep
+        if _remote(root):  # before the lockdown; DuckDB reads s3:// URLs through it
+            con.register_filesystem(root.fs)
+        tables = _tables_dir(root) + ("/" if _remote(root) else os.sep)
         allowed = dict.fromkeys((tables, tables.replace("[", "[[]")))
         con.execute(f"SET allowed_directories = [{', '.join(_quote_str(d) for d in allowed)}]")
         con.execute("SET enable_external_access = false")
@@ -233,7 +253,8 @@ def _readable_columns(con: duckdb.DuckDBPyConnection, root: Path, table: str) ->
     import duckdb
 
     cols: dict[str, str] = {}
-    for f in sorted(table_dir(root, table).glob("*.parquet")):
+    files = root.segment_urls(table) if _remote(root) else sorted(table_dir(root, table).glob("*.parquet"))
+    for f in files:
         try:
             described = con.execute(f"DESCRIBE SELECT * FROM read_parquet({_quote_str(str(f))})").fetchall()
         except duckdb.Error:

@@ -170,7 +170,15 @@ def _read_chunk(path: Path | str, chunks: tuple[int, ...], dtype: np.dtype, wher
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        raise CorruptChunkError(f"{where}, chunk {key}: chunk file is missing") from None
+        data = None
+    return decode_chunk(data, chunks, dtype, where, key, compressed)
+
+
+def decode_chunk(data: bytes | None, chunks: tuple[int, ...], dtype: np.dtype, where: str, key: str,
+                 compressed: bool) -> np.ndarray:
+    """One chunk's array from its stored bytes (None: missing), its CRC32C checked first."""
+    if data is None:
+        raise CorruptChunkError(f"{where}, chunk {key}: chunk file is missing")
     if len(data) < 4:
         raise CorruptChunkError(f"{where}, chunk {key}: chunk file is truncated ({len(data)} bytes)")
     mv = memoryview(data)
@@ -193,20 +201,27 @@ def _read_chunk(path: Path | str, chunks: tuple[int, ...], dtype: np.dtype, wher
     return out
 
 
-def read_region(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype,
-                region: tuple[slice, ...], where: str, compressed: bool = True) -> np.ndarray:
-    """array[region] (step-1 slices), checking every chunk's CRC32C; errors name the chunk."""
+def read_region(array_dir: Path | None, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype,
+                region: tuple[slice, ...], where: str, compressed: bool = True, fetch=None) -> np.ndarray:
+    """array[region] (step-1 slices), checking every chunk's CRC32C; errors name the chunk.
+
+    ``fetch``: instead of files under ``array_dir``, a function {chunk key: bytes or None} of a
+    list of chunk keys (an object store's batched GETs)."""
     bounds = [r.indices(s)[:2] for r, s in zip(region, shape)]
     out = np.empty(tuple(max(0, b - a) for a, b in bounds), dtype)
     if out.size == 0:
         return out
     ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(bounds, chunks)]
+    fetched = None if fetch is None else fetch([chunk_key(i) for i in itertools.product(*ranges)])
 
-    base = os.fspath(array_dir)
+    base = None if array_dir is None else os.fspath(array_dir)
 
     def one(idx: tuple[int, ...]) -> None:
         key = chunk_key(idx)
-        chunk = _read_chunk(os.path.join(base, key), chunks, dtype, where, key, compressed)
+        if fetched is None:
+            chunk = _read_chunk(os.path.join(base, key), chunks, dtype, where, key, compressed)
+        else:
+            chunk = decode_chunk(fetched.get(key), chunks, dtype, where, key, compressed)
         src, dst = [], []
         for i, c, (a, b) in zip(idx, chunks, bounds):
             lo, hi = max(a, i * c), min(b, (i + 1) * c)

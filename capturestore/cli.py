@@ -53,9 +53,12 @@ def default_store() -> str:
 def _open(path: str, create: bool = False):
     from capturestore.errors import StoreError
     from capturestore.layout import FORMAT_FILE
+    from capturestore.objectstore import is_url
     from capturestore.store import Store, store_root
 
-    root = store_root(path)
+    if is_url(path):  # s3://bucket/prefix: Store.open says what is wrong in one line
+        return Store.open(path, create=create)
+    root = store_root(path.removeprefix("file://"))
     if not create and not (root / FORMAT_FILE).exists():
         raise StoreError(f"{root} is not a capture store (no {FORMAT_FILE}); name an existing store with "
                          f"--store PATH or $CAPTURESTORE (`capturestore demo --store PATH` makes one)")
@@ -68,6 +71,8 @@ def _require_writable(store, command: str) -> None:
     from capturestore.errors import StoreError
     from capturestore.layout import ARRAYS_DIR, PENDING_DIR, TABLES_DIR
 
+    if not isinstance(store.root, Path):  # object storage: a refused PUT says so at the first write
+        return
     tables = store.root / TABLES_DIR
     dirs = [store.root, tables, store.root / PENDING_DIR, store.root / ARRAYS_DIR]
     dirs += sorted(p for p in tables.iterdir() if p.is_dir()) if tables.is_dir() else []
@@ -241,10 +246,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
     store = _open(args.store)
     _require_writable(store, "compare")
-    result = compare_runs(store, expected_run=args.expected, actual_run=args.actual,
-                          baseline_run=args.baseline, label=args.label, kv=not args.no_kv,
-                          allow_different_models=args.allow_different_models,
-                          comparators=["raw_errors"] if args.raw_errors else ())
+    client = None
+    if args.scheduler:
+        from capturestore.distributed import connect
+
+        client = connect(args.scheduler)
+    try:
+        result = compare_runs(store, expected_run=args.expected, actual_run=args.actual,
+                              baseline_run=args.baseline, label=args.label, kv=not args.no_kv,
+                              allow_different_models=args.allow_different_models,
+                              comparators=["raw_errors"] if args.raw_errors else (), client=client)
+    finally:
+        if client is not None:
+            client.close()
     print(f"comparison {result.comparison_id} over {len(result.prompt_ids)} prompts")
     for name, verdict in (("logit verdict", result.logit_verdict), ("KV verdict", result.kv_verdict)):
         if verdict is not None:
@@ -394,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compare runs whose model_hash differ (refused otherwise; recorded as models_differ)")
     sp.add_argument("--raw-errors", action="store_true",
                     help="also store the KV raw errors (three-way) that `capturestore aggregate` reads")
+    sp.add_argument("--scheduler", metavar="ADDRESS",
+                    help="run the per-prompt work on this Dask scheduler's workers (tcp://HOST:PORT; docs/scale.md)")
     sp = add("run", cmd_run, "the main job on your model: HF FP32 + expected references (reused when stored), the "
              "target teacher-forced, the plugins' comparison, verdict and localisation (docs/run.md)")
     sp.add_argument("--model", required=True, help="Hugging Face model directory (config.json + weights)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 
 __all__ = ["DEMO_PROMPTS", "run_demo", "format_layer_summary"]
@@ -98,7 +99,9 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
         f"WHERE comparison_id = '{result.comparison_id}' GROUP BY layer ORDER BY layer\"")
     from reports import render_comparison  # the report sits beside the store, rendered from its queries
 
-    report = render_comparison(store, result.comparison_id, store.root.parent / f"{store.root.name}-report")
+    beside = (store.root.parent / f"{store.root.name}-report" if isinstance(store.root, Path)
+              else Path(f"{store.root.rstrip('/').rsplit('/', 1)[-1]}-report"))  # a bucket's store: here
+    report = render_comparison(store, result.comparison_id, beside)
     out(f"report: {report} (capturestore report {result.comparison_id} --store {store_path} --out DIR)")
     return result
 

@@ -158,21 +158,19 @@ def commit_comparison(store, comparison_id: str, tables: dict[str, Any], compari
     """
     if not is_comparison_id(comparison_id):
         raise ValueError(f"comparison id {comparison_id!r} must start with {COMPARISON_ID_PREFIX!r}")
-    lock = PendingLock(store.root, comparison_id, {"comparison_id": comparison_id, "status": "running"})
-    written: list[Path] = []
+    lock = store._pending_lock(comparison_id, {"comparison_id": comparison_id, "status": "running"})
+    written: list = []
     try:
         for name, rows in tables.items():
             written.append(store.append_table(name, rows))
         store.append_table("comparisons", comparisons_rows)
     except BaseException:
-        committed = committed_comparison_ids(store.root)  # None: unreadable, so the marker may be there
+        committed = store._committed_comparison_ids()  # None: unreadable, so the marker may be there
         if written and committed is not None and comparison_id not in committed:
             for seg in written:
-                seg.unlink(missing_ok=True)
+                store._remove_written(seg)
             try:  # a table that got its first segment here has none again: its catalog view goes
-                from capturestore.catalog import ensure_catalog_file
-
-                ensure_catalog_file(store.root)
+                store._refresh_catalog()
             except Exception:  # noqa: BLE001 - the next open catches up; the first error is the one to raise
                 pass
         raise

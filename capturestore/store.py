@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,8 @@ import pyarrow as pa
 import zarr
 
 from capturestore import catalog, integrity
-from capturestore.arrays import ArrayRef, check_compression, checked_read, open_array, open_zarr_store
-from capturestore.chunkio import read_region
+from capturestore.arrays import ArrayRef, check_compression, checked_read, open_array, open_zarr_store, stored_bytes
+from capturestore.chunkio import read_region, write_block
 from capturestore.dtypes import LOGICAL_DTYPES, from_storage
 from capturestore.errors import FormatVersionError, StoreError
 from capturestore.layout import (
@@ -27,7 +28,17 @@ from capturestore.layout import (
     check_module_name,
     check_table_name,
 )
-from capturestore.tables import RUN_TABLES, SegmentSchemas, committed_run_ids, ensure_schema_segments, read_table, rows_to_table, table_dir, write_segment
+from capturestore.tables import (
+    RUN_TABLES,
+    SegmentSchemas,
+    committed_run_ids,
+    ensure_schema_segments,
+    fsync_tree,
+    read_table,
+    rows_to_table,
+    table_dir,
+    write_segment,
+)
 from capturestore.writer import RunWriter, new_run_id, run_meta
 
 
@@ -36,8 +47,17 @@ def read_format(root: Path) -> dict[str, Any] | None:
     if not p.exists():
         return None
     try:
-        info = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        text = p.read_text()
+    except OSError as e:
+        raise StoreError(f"{p}: unreadable format file ({e})") from None
+    return parse_format(text, p)
+
+
+def parse_format(text: str, p: Any) -> dict[str, Any]:
+    """The format file's content checked; StoreError naming ``p`` otherwise."""
+    try:
+        info = json.loads(text)
+    except json.JSONDecodeError as e:
         raise StoreError(f"{p}: unreadable format file ({e})") from None
     version = info.get("format_version") if isinstance(info, dict) else None
     if (not isinstance(info, dict) or info.get("format") != FORMAT_NAME or not isinstance(version, int)
@@ -91,7 +111,16 @@ class Store:
     # ---- opening ---------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike, create: bool = True) -> Store:
-        """Open (and by default create) the store at ``path``; refuses a newer format version."""
+        """Open (and by default create) the store at ``path``; refuses a newer format version.
+
+        ``path``: a directory (or ``file://`` URL), or ``s3://bucket/prefix`` for a store on
+        object storage (objectstore.py; endpoint and credentials from the AWS_* variables)."""
+        from capturestore import objectstore
+
+        if objectstore.is_url(path):
+            return objectstore.open_url(str(path), create=create)
+        if isinstance(path, str) and path.startswith("file://"):
+            path = path.removeprefix("file://")
         root = store_root(path)
         info = read_format(root)
         if info is None:
@@ -134,6 +163,55 @@ class Store:
 
     def __reduce__(self):  # picklable (multiprocessing): reopen by path in the other process
         return (Store.open, (str(self.root), False))
+
+    # ---- storage: what a store on object storage does otherwise (objectstore.RemoteStore) ----
+    def _committed_ids(self) -> set[str]:
+        return committed_run_ids(self.root)
+
+    def _pending_lock(self, writer_id: str, info: dict[str, Any]) -> integrity.PendingLock:
+        """``pending/<writer_id>.json``, held until ``release()`` (a lock the kernel drops on death)."""
+        return integrity.PendingLock(self.root, writer_id, info)
+
+    def _write_block(self, ref: ArrayRef, arr: zarr.Array, block: np.ndarray, offset: tuple[int, ...],
+                     compressed: bool, pending: list | None) -> bool:
+        """Write chunk-aligned ``block`` straight to the chunk files; False: left to zarr (``arr[...] = block``)."""
+        return write_block(self.root / ARRAYS_DIR / ref.path, tuple(arr.shape), tuple(arr.chunks), block, offset,
+                           compressed=compressed, pending=pending)
+
+    def _shard_shape(self, shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
+        """Shard shape of an array written whole (None: one file per chunk, as here: benchmarks/bench_scale.py)."""
+        return None
+
+    def _write_segment(self, table: str, data: pa.Table, segment: str | None = None, durable: bool = False) -> Path:
+        """One Parquet segment of ``table``, whole or not at all (written under a temp name, renamed)."""
+        return write_segment(self.root, table, data, segment=segment, durable=durable)
+
+    def _segment_exists(self, table: str, segment: str) -> bool:
+        return (table_dir(self.root, table) / f"{segment}.parquet").exists()
+
+    def _remove_segment(self, table: str, segment: str) -> None:
+        (table_dir(self.root, table) / f"{segment}.parquet").unlink(missing_ok=True)
+
+    def _remove_written(self, segment: Path) -> None:
+        """Remove a segment ``append_table`` wrote (a comparison that failed before its marker)."""
+        segment.unlink(missing_ok=True)
+
+    def _committed_comparison_ids(self) -> set[str] | None:
+        from capturestore.tables import committed_comparison_ids
+
+        return committed_comparison_ids(self.root)
+
+    def _refresh_catalog(self) -> None:
+        catalog.ensure_catalog_file(self.root)
+
+    def _remove_run_arrays(self, run_id: str) -> None:
+        shutil.rmtree(self.root / ARRAYS_DIR / run_id, ignore_errors=True)
+
+    def _sync_run_arrays(self, run_id: str) -> None:
+        fsync_tree(self.root / ARRAYS_DIR / run_id)
+
+    def _stored_bytes(self, ref: ArrayRef) -> int:
+        return stored_bytes(self.root / ARRAYS_DIR / ref.path)
 
     # ---- writing ---------------------------------------------------------------------------
     def begin_run(self, engine: str, model_path: str, model_hash: str | None = None, dtype: str = "bfloat16",
@@ -183,7 +261,7 @@ class Store:
             raise ValueError(f"run id must be a string, got {run_id!r}")
         if run_id in self._committed:
             return
-        self._committed = committed_run_ids(self.root)
+        self._committed = self._committed_ids()
         if run_id not in self._committed:
             known = sorted(self._committed)[-5:]
             raise ValueError(f"unknown run id {run_id!r} in store {self.root} (latest committed runs: {known})")
@@ -282,12 +360,7 @@ class Store:
         """A module tensor: [step, ...] of one phase (step=None), or one step's array."""
         check_module_name(module)
         self._require_run(run_id)
-        mdir = self.root / ARRAYS_DIR / run_id / str(prompt_id) / "tensors" / module
-        if (isinstance(phase, str) and phase not in ("", ".", "..") and "/" not in phase and os.sep not in phase
-                and (mdir / phase / "zarr.json").is_file()):
-            phases = [phase]  # the phase asked for is there: no listing (it only names the others in errors)
-        else:
-            phases = sorted(p.name for p in mdir.iterdir() if (p / "zarr.json").exists()) if mdir.is_dir() else []
+        phases = self._tensor_phases(run_id, str(prompt_id), module, phase)
         if not phases:
             raise ValueError(f"run {run_id}, prompt {prompt_id} has no tensor for module {module!r}")
         if phase is not None:
@@ -307,6 +380,20 @@ class Store:
                 return self._read(ref, meta, (slice(i, i + 1),), as_torch)[0]
         raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no step {step} in phases {phases}")
 
+    def _tensor_phases(self, run_id: str, prompt_id: str, module: str, phase: Any = None) -> list[str]:
+        """The module's phases; only ``[phase]`` when that one is there (no listing: the others are
+        only named in errors)."""
+        mdir = self.root / ARRAYS_DIR / run_id / prompt_id / "tensors" / module
+        if (isinstance(phase, str) and phase not in ("", ".", "..") and "/" not in phase and os.sep not in phase
+                and (mdir / phase / "zarr.json").is_file()):
+            return [phase]
+        return sorted(p.name for p in mdir.iterdir() if (p / "zarr.json").exists()) if mdir.is_dir() else []
+
+    def _prompt_group(self, run_id: str, prompt_id: str) -> Any:
+        """What ``xarray.open_zarr`` opens for one prompt's group, None when the run has no such prompt."""
+        pdir = self.root / ARRAYS_DIR / run_id / str(prompt_id)
+        return str(pdir) if isinstance(prompt_id, str) and pdir.is_dir() else None
+
     def open_xarray(self, run_id: str, prompt_id: str, decode_dtypes: bool = True):
         """The prompt's arrays as an xarray.Dataset with their named dims (tokens, logits,
         kv_k, kv_v, ...; module tensors are in the ``tensors/`` subgroups). KV and tokens share
@@ -315,16 +402,18 @@ class Store:
 
         Zarr has no bf16/fp8 type, so xarray sees their bits (uint16/uint8); with
         ``decode_dtypes`` those variables are loaded and viewed as their ml_dtypes dtype
-        (bit-exact); the others stay lazy. docs/reading.md: the same without this library."""
+        (bit-exact), lazily too where xarray gave Dask arrays (dask installed: every variable is a
+        Dask array, read chunk by chunk on ``.compute()``, also on a store on object storage).
+        docs/reading.md: the same without this library."""
         import xarray as xr
 
         from capturestore.layout import FORMAT1_POSITION_DIMS, POSITION_DIM
 
         self._require_run(run_id)
-        pdir = self.root / ARRAYS_DIR / run_id / str(prompt_id)
-        if not isinstance(prompt_id, str) or not pdir.is_dir():
+        group = self._prompt_group(run_id, prompt_id)
+        if group is None:
             raise ValueError(f"run {run_id} has no prompt {prompt_id!r}")
-        ds = xr.open_zarr(str(pdir), consolidated=False, zarr_format=3)
+        ds = xr.open_zarr(group, consolidated=False, zarr_format=3)
         if any(d in ds.dims for d in FORMAT1_POSITION_DIMS) and POSITION_DIM not in ds.dims:
             n = ds.sizes.get("token")
             renamed = {}
@@ -338,22 +427,25 @@ class Store:
             for name, var in list(ds.data_vars.items()):
                 logical = var.attrs.get("logical_dtype")
                 if logical and np.dtype(LOGICAL_DTYPES[logical].numpy) != var.dtype:
-                    ds[name] = var.copy(data=from_storage(var.values, logical, False, f"{run_id}/{prompt_id}/{name}"))
+                    ds[name] = var.copy(data=_decode_lazily(var.data, logical, f"{run_id}/{prompt_id}/{name}"))
         return ds
 
     # ---- tables and queries ----------------------------------------------------------------
+    def _read_run_table(self, table: str, run_id: str | None = None) -> pa.Table:
+        return read_table(self.root, table, run_id)
+
     def runs(self) -> pa.Table:
-        return read_table(self.root, "runs")
+        return self._read_run_table("runs")
 
     def prompts(self, run_id: str | None = None) -> pa.Table:
         if run_id is not None:
             self._require_run(run_id)
-        return read_table(self.root, "prompts", run_id)
+        return self._read_run_table("prompts", run_id)
 
     def captures(self, run_id: str | None = None) -> pa.Table:
         if run_id is not None:
             self._require_run(run_id)
-        return read_table(self.root, "captures", run_id)
+        return self._read_run_table("captures", run_id)
 
     def sql(self, query: str) -> pa.Table:
         """Run a read-only query over the catalog views (runs, prompts, captures and every appended table).
@@ -381,7 +473,7 @@ class Store:
         self._require_run(run_id)
         rows = self.runs().filter(pa.compute.equal(pa.compute.field("run_id"), run_id)).to_pylist()
         if not rows:  # the marker file is there, its row is not: the catalog cannot describe the run
-            marker = table_dir(self.root, "runs") / f"{run_id}.parquet"
+            marker = f"{self.root}/{TABLES_DIR}/runs/{run_id}.parquet"
             raise StoreError(f"run {run_id}: its commit marker {marker} holds no row of it (run `capturestore verify`)")
         return {"run": rows[0], "prompts": self.prompts(run_id).to_pylist(), "captures": self.captures(run_id).to_pylist()}
 
@@ -428,6 +520,13 @@ class Store:
         if broken:
             raise StoreError(f"rebuilt {path}, but {'; '.join(broken.values())} (run capturestore verify)")
         return path
+
+
+def _decode_lazily(data: Any, logical: str, where: str) -> Any:
+    """Storage bits -> the logical dtype (a view, bit-exact): per chunk for a Dask array, else at once."""
+    if hasattr(data, "map_blocks"):
+        return data.map_blocks(from_storage, logical, False, where, dtype=np.dtype(LOGICAL_DTYPES[logical].numpy))
+    return from_storage(np.asarray(data), logical, False, where)
 
 
 def _token_slice(tokens: Any, ref: ArrayRef) -> slice:

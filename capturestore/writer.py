@@ -9,13 +9,16 @@ Commit protocol (what makes a SIGKILL at any point safe):
    segments, and last the ``runs`` segment: the commit marker. Catalog views only show rows
    of runs that have a ``runs`` row, so no catalog row ever points at missing data.
 4. The pending file is removed.
+
+The store does the storage side (``Store._pending_lock``, ``_write_block``, ``_write_segment``,
+...): on a directory as above; on object storage (objectstore.py) with a heartbeat lease
+instead of the flock and single PUTs instead of renames, in the same order (docs/scale.md).
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import shutil
 import socket
 import time
 from dataclasses import dataclass, field
@@ -26,8 +29,8 @@ import numpy as np
 import pyarrow as pa
 import zarr
 
-from capturestore.arrays import CODEC_NAMES, ArrayRef, create_array, stored_bytes
-from capturestore.chunkio import wait_all, write_block
+from capturestore.arrays import CODEC_NAMES, ArrayRef, create_array
+from capturestore.chunkio import wait_all
 from capturestore.dtypes import (
     FLOAT_DTYPES,
     LOGICAL_DTYPES,
@@ -36,7 +39,6 @@ from capturestore.dtypes import (
     to_numpy,
     to_storage,
 )
-from capturestore.integrity import PendingLock
 from capturestore.layout import (
     ARRAYS_DIR,
     FORMAT_VERSION,
@@ -45,7 +47,7 @@ from capturestore.layout import (
     check_module_name,
     token_chunk,
 )
-from capturestore.tables import CAPTURES_SCHEMA, PROMPTS_SCHEMA, RUNS_SCHEMA, fsync_tree, table_dir, write_segment
+from capturestore.tables import CAPTURES_SCHEMA, PROMPTS_SCHEMA, RUNS_SCHEMA
 
 if TYPE_CHECKING:
     from capturestore.store import Store
@@ -144,8 +146,8 @@ class RunWriter:
         self._kv_geometry: dict[str, tuple] = {}  # group -> (layers, kv_heads, head_dim, dtype, names)
         self._logits_geometry: tuple[int, str] | None = None  # (vocab, dtype)
         self._closed = False
-        self._lock = PendingLock(store.root, run_id, {"run_id": run_id, "started_at": self._created_at.isoformat(),
-                                                      "status": "running"})  # pending/<run_id>.json, locked
+        self._lock = store._pending_lock(run_id, {"run_id": run_id, "started_at": self._created_at.isoformat(),
+                                                  "status": "running"})  # pending/<run_id>.json, locked
         zarr.create_group(store=store._zstore, path=run_id, attributes={"run_id": run_id})
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -186,8 +188,8 @@ class RunWriter:
         try:
             self._lock.rewrite({"run_id": self.run_id, "status": "aborted"})
             for t in ("prompts", "captures"):
-                (table_dir(self.store.root, t) / f"{self.run_id}.parquet").unlink(missing_ok=True)
-            shutil.rmtree(self.store.root / ARRAYS_DIR / self.run_id, ignore_errors=True)
+                self.store._remove_segment(t, self.run_id)
+            self.store._remove_run_arrays(self.run_id)
         finally:
             self._lock.release()
 
@@ -197,17 +199,16 @@ class RunWriter:
         self._check_complete()
         for st in self._arrays.values():
             self._finalise(st)
-        root = self.store.root
+        store = self.store
         if self.durable:  # arrays on disk before any row that points at them
-            fsync_tree(root / ARRAYS_DIR / self.run_id)
+            store._sync_run_arrays(self.run_id)
         d = self.durable
-        write_segment(root, "prompts", self._prompts_table(), segment=self.run_id, durable=d)
-        write_segment(root, "captures", self._captures_table(), segment=self.run_id, durable=d)
-        marker = table_dir(root, "runs") / f"{self.run_id}.parquet"
+        store._write_segment("prompts", self._prompts_table(), segment=self.run_id, durable=d)
+        store._write_segment("captures", self._captures_table(), segment=self.run_id, durable=d)
         try:
-            write_segment(root, "runs", self._runs_table(), segment=self.run_id, durable=d)  # the commit marker
+            store._write_segment("runs", self._runs_table(), segment=self.run_id, durable=d)  # the commit marker
         finally:
-            if marker.exists():  # renamed into place: committed, even if a later directory fsync failed,
+            if store._segment_exists("runs", self.run_id):  # in place: committed, even if a later fsync failed,
                 self._closed = True  # so __exit__'s abort() must not delete what the marker points at
                 self._lock.release()
                 self.store._committed.add(self.run_id)
@@ -302,13 +303,17 @@ class RunWriter:
 
     # ---- generic array plumbing -----------------------------------------------------------
     def _new_array(self, pid: str, name: str, kind: str, ld: LogicalDtype, shape: tuple[int, ...],
-                   chunks: tuple[int, ...], dims: list[str], attrs: dict[str, Any], **state: Any) -> _ArrayState:
+                   chunks: tuple[int, ...], dims: list[str], attrs: dict[str, Any], one_shot: bool = False,
+                   **state: Any) -> _ArrayState:
         if (pid, name) in self._arrays:
             raise ValueError(f"run {self.run_id}, prompt {pid}: array {name} was already written")
         ref = ArrayRef(self.run_id, pid, name)
         attributes = {"logical_dtype": ld.name, "kind": kind, "run_id": self.run_id, "prompt_id": pid, **attrs}
-        arr = create_array(self.store._zstore, ref, tuple(int(s) for s in shape), ld.storage, chunks, dims, attributes,
-                           compression=self.compression)
+        shape = tuple(int(s) for s in shape)
+        # arrays written whole in one call may be sharded where the store wants few objects (objectstore.py)
+        shards = self.store._shard_shape(shape, chunks, ld.storage.itemsize) if one_shot else None
+        arr = create_array(self.store._zstore, ref, shape, ld.storage, chunks, dims, attributes,
+                           compression=self.compression, shards=shards)
         st = _ArrayState(ref=ref, arr=arr, kind=kind, ld=ld, dims=dims, **state)
         self._arrays[(pid, name)] = st
         return st
@@ -318,9 +323,7 @@ class RunWriter:
         """Write ``block`` (storage dtype) at ``offset`` (default: origin) of the array; with
         ``pending``, queue the chunk writes and collect their futures there."""
         offset = offset or (0,) * block.ndim
-        adir = self.store.root / ARRAYS_DIR / st.ref.path
-        if not write_block(adir, tuple(st.arr.shape), tuple(st.arr.chunks), block, offset,
-                           compressed=self.compression is not None, pending=pending):
+        if not self.store._write_block(st.ref, st.arr, block, offset, self.compression is not None, pending):
             st.arr[tuple(slice(o, o + n) for o, n in zip(offset, block.shape))] = block  # unaligned: zarr
 
     def _tokens_per_chunk(self, bytes_per_token: int, known_len: int | None) -> int:
@@ -404,7 +407,7 @@ class RunWriter:
         if (pid, "logits") not in self._arrays:
             self._check_logit_rows(pid, arr.shape[0], f"run {self.run_id}, prompt {pid}: write_logits")
         t = self._tokens_per_chunk(arr.shape[1] * ld.storage.itemsize, arr.shape[0])
-        st = self._new_array(pid, "logits", "logits", ld, arr.shape, (t, arr.shape[1]), LOGITS_DIMS, {})
+        st = self._new_array(pid, "logits", "logits", ld, arr.shape, (t, arr.shape[1]), LOGITS_DIMS, {}, one_shot=True)
         self._write(st, to_storage(np.ascontiguousarray(arr), ld))
         self._logits_geometry = (arr.shape[1], ld.name)
 
@@ -476,15 +479,18 @@ class RunWriter:
         return (1, kv_heads, t, head_dim)
 
     def _create_kv_arrays(self, pid: str, group: str | None, shape: tuple[int, int, int, int], ld: LogicalDtype,
-                          names: list[str], chunks: tuple[int, ...], **state: Any) -> tuple[_ArrayState, _ArrayState]:
+                          names: list[str], chunks: tuple[int, ...], one_shot: bool = False,
+                          **state: Any) -> tuple[_ArrayState, _ArrayState]:
         kname, vname, g = self._kv_names(group)
         for n in (kname, vname):
             if (pid, n) in self._arrays:
                 raise ValueError(f"run {self.run_id}, prompt {pid}: array {n} was already written")
         attrs = {"layer_names": names, "kv_group": g}
-        sk = self._new_array(pid, kname, "kv_k", ld, shape, chunks, KV_DIMS, attrs, kv_group=g, layer_names=names, **state)
+        sk = self._new_array(pid, kname, "kv_k", ld, shape, chunks, KV_DIMS, attrs, one_shot, kv_group=g,
+                             layer_names=names, **state)
         state = {k: (set() if isinstance(v, set) else v) for k, v in state.items()}
-        sv = self._new_array(pid, vname, "kv_v", ld, shape, chunks, KV_DIMS, attrs, kv_group=g, layer_names=names, **state)
+        sv = self._new_array(pid, vname, "kv_v", ld, shape, chunks, KV_DIMS, attrs, one_shot, kv_group=g,
+                             layer_names=names, **state)
         self._kv_geometry[g] = (shape[0], shape[1], shape[3], ld.name, tuple(names))
         return sk, sv
 
@@ -498,7 +504,7 @@ class RunWriter:
         g = self._kv_names(group)[2]
         self._check_kv_geometry(pid, "write_kv", g, L, H, D, ld, names)
         self._check_kv_seq(pid, S, where)
-        sk, sv = self._create_kv_arrays(pid, group, ka.shape, ld, names, self._kv_chunks(H, D, ld, S))
+        sk, sv = self._create_kv_arrays(pid, group, ka.shape, ld, names, self._kv_chunks(H, D, ld, S), one_shot=True)
         pending: list = []  # K and V chunks encode together
         self._write(sk, to_storage(np.ascontiguousarray(ka), ld), pending=pending)
         self._write(sv, to_storage(np.ascontiguousarray(va), ld), pending=pending)
@@ -663,7 +669,6 @@ class RunWriter:
 
     def _captures_table(self) -> pa.Table:
         rows = []
-        zroot = self.store.root / ARRAYS_DIR
         for (pid, name), st in self._arrays.items():
             shape = [int(s) for s in st.arr.shape]
             rows.append({
@@ -673,7 +678,7 @@ class RunWriter:
                 "shape": shape, "dimension_names": st.dims, "chunks": [int(c) for c in st.arr.chunks],
                 "dtype": st.ld.name, "storage_dtype": st.ld.storage.name, "codec": CODEC_NAMES[self.compression],
                 "nbytes": int(np.prod(shape, dtype=np.int64)) * st.ld.numpy.itemsize,
-                "stored_bytes": stored_bytes(zroot / st.ref.path), "layer_names": st.layer_names,
+                "stored_bytes": self.store._stored_bytes(st.ref), "layer_names": st.layer_names,
                 "path": f"{ARRAYS_DIR}/{st.ref.path}",
             })
         return pa.Table.from_pylist(rows, schema=CAPTURES_SCHEMA)

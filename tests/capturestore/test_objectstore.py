@@ -1,0 +1,287 @@
+"""Stores on object storage (capturestore/objectstore.py) against a real S3 API: moto's server
+on 127.0.0.1, reached over HTTP through s3fs, zarr's FsspecStore and DuckDB's fsspec bridge."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from capturestore import Store, StoreError
+from capturestore.errors import QueryError
+from tests.capturestore.conftest import REPO, start_writer
+from tests.capturestore.s3server import auth_moto_server, bucket_keys, free_port, make_bucket, s3_env, s3_url  # noqa: F401
+from tests.capturestore.s3server import moto_endpoint  # noqa: F401
+from tests.capturestore.writer_proc import LAYERS, PROMPT_LEN, prompt_data
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def _write_run(store, seed: int, n_prompts: int = 2, **kw) -> tuple[str, list[str]]:
+    pids = []
+    with store.begin_run(engine="test", model_path=f"seed{seed}", **kw) as run:
+        for i in range(n_prompts):
+            d = prompt_data(seed, i)
+            pid = run.add_prompt(d["tokens"][:PROMPT_LEN], continuation=d["tokens"][PROMPT_LEN:])
+            run.write_kv(pid, d["k"], d["v"])
+            run.write_logits(pid, d["logits"])
+            pids.append(pid)
+    return run.run_id, pids
+
+
+def test_roundtrip_bit_exact_and_queries(s3_url):
+    store = Store.open(s3_url)
+    assert repr(store) == f"Store({s3_url!r})"
+    run_id, pids = _write_run(store, seed=3)
+    again = Store.open(s3_url, create=False)  # a second client sees the committed run
+    for i, pid in enumerate(pids):
+        d = prompt_data(3, i)
+        k, v = again.read_kv(run_id, pid)
+        assert k.dtype == ml_dtypes.bfloat16 and k.view(np.uint16).tobytes() == d["k"].view(np.uint16).tobytes()
+        assert v.view(np.uint16).tobytes() == d["v"].view(np.uint16).tobytes()
+        assert np.array_equal(again.read_logits(run_id, pid), d["logits"])
+        assert np.array_equal(again.read_tokens(run_id, pid), d["tokens"].astype(np.int32))
+        k1, _ = again.read_kv(run_id, pid, layers=[1], tokens=slice(3, 9))
+        assert k1.view(np.uint16).tobytes() == d["k"][1:2, :, 3:9].view(np.uint16).tobytes()
+    rows = again.sql(f"SELECT prompt_id, n_tokens FROM prompts WHERE run_id = '{run_id}' ORDER BY prompt_idx").to_pylist()
+    assert [r["prompt_id"] for r in rows] == pids
+    assert [r["n_tokens"] for r in rows] == [len(prompt_data(3, i)["tokens"]) for i in range(2)]
+    caps = again.sql(f"SELECT count(*) AS n FROM captures WHERE run_id = '{run_id}'").to_pylist()
+    assert caps == [{"n": 2 * 4}]  # tokens, kv_k, kv_v, logits per prompt
+    report = again.verify()
+    assert report.ok, report.summary()
+    assert report.checked_arrays == 8
+
+
+def test_sql_stays_confined_to_the_stores_tables(s3_url, tmp_path):
+    store = Store.open(s3_url)
+    _write_run(store, seed=1, n_prompts=1)
+    bucket = s3_url.split("/")[2]
+    other = Store.open(f"s3://{bucket}/other")
+    _write_run(other, seed=2, n_prompts=1)
+    with pytest.raises(QueryError, match="refused"):
+        store.sql(f"SELECT * FROM read_parquet('s3://{bucket}/other/tables/runs/*.parquet')")
+    with pytest.raises(QueryError, match="refused"):
+        store.sql("SELECT * FROM read_csv('/etc/passwd')")
+    with pytest.raises(QueryError, match="read-only"):
+        store.sql(f"COPY (SELECT 1 AS x) TO 's3://{bucket}/store/tables/runs/evil.parquet'")
+    assert not any(k.endswith("evil.parquet") for k in bucket_keys(bucket))
+    assert store.sql("SELECT count(*) AS n FROM runs").to_pylist() == [{"n": 1}]
+
+
+def test_segments_are_never_replaced(s3_url):
+    store = Store.open(s3_url)
+    run_id, _ = _write_run(store, seed=4, n_prompts=1)
+    before = store.prompts(run_id).to_pylist()
+    import pyarrow as pa
+
+    with pytest.raises(StoreError, match="already exists"):
+        store._write_segment("prompts", pa.table({"run_id": ["x"]}), segment=run_id)
+    assert Store.open(s3_url, create=False).prompts(run_id).to_pylist() == before
+
+
+def test_a_writer_id_two_writers_drew_alike_is_refused_to_the_second(s3_url):
+    store = Store.open(s3_url)
+    first = store._pending_lock("20990101T000000-deadbeef", {"status": "running"})
+    try:
+        with pytest.raises(StoreError, match="already taken"):
+            Store.open(s3_url, create=False)._pending_lock("20990101T000000-deadbeef", {"status": "running"})
+        assert [p["alive"] for p in store.pending()] == [True]
+    finally:
+        first.release()
+    assert store.pending() == []
+
+
+def test_file_url_and_plain_path_open_the_same_store(tmp_path):
+    a = Store.open(f"file://{tmp_path / 's'}")
+    run_id, _ = _write_run(a, seed=5, n_prompts=1)
+    assert run_id in {r["run_id"] for r in Store.open(tmp_path / "s", create=False).runs().to_pylist()}
+
+
+def test_unsupported_scheme_is_one_line():
+    with pytest.raises(StoreError, match="unsupported URL scheme 'gs'"):
+        Store.open("gs://bucket/x")
+
+
+# ---- many writers, crashes, gc ----------------------------------------------------------------
+
+
+def _wait_line(proc, prefix: str, timeout: float = 240) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith(prefix):
+            return line.split()[1]
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"writer exited {proc.returncode}: {proc.stderr.read()[-2000:]}")
+    raise AssertionError(f"no {prefix!r} line within {timeout} s")
+
+
+def test_many_writer_processes_one_bucket(s3_url, monkeypatch):
+    """Four writer processes stream runs into one bucket at once while a fifth is SIGKILLed
+    mid-run and a reader polls: every committed run is whole (all prompts, bit-exact), the
+    killed one never shows, and gc removes it once its lease has run out."""
+    monkeypatch.setenv("CAPTURESTORE_LEASE_S", "3")
+    Store.open(s3_url)  # created once, before the writers race
+    seeds = [11, 12, 13, 14]
+    writers = [start_writer(s3_url, "stream", "3", str(s)) for s in seeds]
+    victim = start_writer(s3_url, "hold")
+    victim_run = _wait_line(victim, "ready")
+    reader = Store.open(s3_url, create=False)
+    while any(w.poll() is None for w in writers):
+        for row in reader.runs().to_pylist():  # a visible run is a whole run
+            prompts = reader.prompts(row["run_id"]).to_pylist()
+            assert len(prompts) == row["n_prompts"] == 3, row
+        time.sleep(0.5)
+    outs = [w.communicate(timeout=60) for w in writers]
+    assert [w.returncode for w in writers] == [0] * 4, [o[1][-1500:] for o in outs]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.communicate(timeout=30)
+
+    store = Store.open(s3_url, create=False)
+    runs = {r["config"]: r["run_id"] for r in store.runs().to_pylist()}
+    assert sorted(json.loads(c)["seed"] for c in runs) == seeds  # none lost
+    assert victim_run not in {r["run_id"] for r in store.runs().to_pylist()}  # the killed one not visible
+    for cfg, run_id in runs.items():
+        seed = json.loads(cfg)["seed"]
+        for i, p in enumerate(sorted(store.prompts(run_id).to_pylist(), key=lambda p: p["prompt_idx"])):
+            d = prompt_data(seed, i)
+            k, v = store.read_kv(run_id, p["prompt_id"])
+            assert k.shape == (LAYERS, *d["k"].shape[1:])
+            assert k.view(np.uint16).tobytes() == d["k"].view(np.uint16).tobytes()
+            assert np.array_equal(store.read_logits(run_id, p["prompt_id"]), d["logits"])
+    metrics = store.sql("SELECT seed, count(*) AS n FROM writer_metrics GROUP BY seed ORDER BY seed").to_pylist()
+    assert metrics == [{"seed": s, "n": 3} for s in seeds]
+
+    time.sleep(4.5)  # the victim's lease (3 s) runs out: it is dead by the server's clock
+    report = store.verify()
+    assert [p.kind for p in report] == ["orphan"] and report[0].run_id == victim_run, report.summary()
+    removed = store.gc()
+    assert f"arrays.zarr/{victim_run}" in removed and f"pending/{victim_run}.json" in removed
+    bucket = s3_url.split("/")[2]
+    assert not [k for k in bucket_keys(bucket) if victim_run in k]
+    assert store.verify().ok
+    assert {r["run_id"] for r in store.runs().to_pylist()} == set(runs.values())
+
+
+def test_gc_leaves_a_live_writer_alone(s3_url, monkeypatch):
+    monkeypatch.setenv("CAPTURESTORE_LEASE_S", "2")
+    store = Store.open(s3_url)
+    run = store.begin_run(engine="test", model_path="live")
+    d = prompt_data(0, 0)
+    pid = run.add_prompt(d["tokens"])
+    run.write_kv(pid, d["k"], d["v"])
+    time.sleep(3)  # longer than the lease: only the heartbeat keeps it alive
+    assert store.gc() == []
+    assert [p["alive"] for p in store.pending()] == [True]
+    run.commit()
+    assert store.verify().ok
+    assert store.gc() == []
+
+
+def test_a_writer_whose_lease_gc_took_does_not_commit(s3_url, monkeypatch):
+    monkeypatch.setenv("CAPTURESTORE_LEASE_S", "600")
+    store = Store.open(s3_url)
+    run = store.begin_run(engine="test", model_path="stalled")
+    d = prompt_data(0, 0)
+    pid = run.add_prompt(d["tokens"])
+    run.write_kv(pid, d["k"], d["v"])
+    store.storage.remove([f"pending/{run.run_id}.json"])  # as gc does once the lease has run out
+    with pytest.raises(StoreError, match=f"run {run.run_id} lost its lease"):
+        run.commit()
+    assert run.run_id not in {r["run_id"] for r in store.runs().to_pylist()}
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "capturestore.cli", *args], capture_output=True, text=True,
+                          timeout=120, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+def test_unreachable_endpoint_is_one_line_naming_the_url(s3_env, monkeypatch):
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    with pytest.raises(StoreError) as e:
+        Store.open("s3://bucket-x/store")
+    msg = str(e.value)
+    assert "\n" not in msg and "s3://bucket-x/store" in msg and endpoint in msg and "does not answer" in msg
+    r = _cli("runs", "--store", "s3://bucket-x/store")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "s3://bucket-x/store" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_bucket_is_one_line_and_nothing_is_written(s3_env):
+    import boto3
+
+    before = [b["Name"] for b in boto3.client("s3").list_buckets()["Buckets"]]
+    with pytest.raises(StoreError, match=r"s3://no-such-bucket-42/store .*bucket 'no-such-bucket-42' does not exist"):
+        Store.open("s3://no-such-bucket-42/store")
+    r = _cli("demo", "--store", "s3://no-such-bucket-42/store")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "no-such-bucket-42" in r.stderr, r.stderr
+    assert [b["Name"] for b in boto3.client("s3").list_buckets()["Buckets"]] == before
+
+
+def test_wrong_credentials_say_so_without_the_secret(s3_env, monkeypatch):
+    secret = "wrong-secret-d41d8cd98f00b204"
+    with auth_moto_server() as endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+        with pytest.raises(StoreError) as e:
+            Store.open("s3://some-bucket/store")
+        msg = str(e.value)
+        assert "credentials were refused" in msg and "s3://some-bucket/store" in msg and secret not in msg
+        r = _cli("runs", "--store", "s3://some-bucket/store")
+        assert r.returncode == 2 and "credentials were refused" in r.stderr
+        assert secret not in r.stderr and secret not in r.stdout
+
+
+def test_open_refuses_a_prefix_holding_other_objects(s3_env):
+    import boto3
+
+    bucket = make_bucket()
+    boto3.client("s3").put_object(Bucket=bucket, Key="data/notes.txt", Body=b"x")
+    with pytest.raises(StoreError, match="holds other objects"):
+        Store.open(f"s3://{bucket}/data")
+    assert bucket_keys(bucket) == ["data/notes.txt"]
+    with pytest.raises(StoreError, match="is not a capture store"):
+        Store.open(f"s3://{bucket}/empty", create=False)
+    assert bucket_keys(bucket) == ["data/notes.txt"]
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_corrupt_or_missing_object_is_named_by_read_and_verify(s3_url, sharded):
+    import boto3
+
+    from capturestore.errors import CorruptChunkError
+
+    store = Store.open(s3_url)
+    if not sharded:
+        store.shard_bytes = None
+    run_id, pids = _write_run(store, seed=6, n_prompts=1)
+    bucket, prefix = s3_url[len("s3://"):].split("/", 1)
+    keys = [k for k in bucket_keys(bucket) if f"/{run_id}/{pids[0]}/kv_k/c/" in k]
+    # sharded: K [3 layers, ...] is one shard object; else one object per layer (3 chunks)
+    assert len(keys) == (1 if sharded else LAYERS)
+    client = boto3.client("s3")
+    original = client.get_object(Bucket=bucket, Key=keys[0])["Body"].read()
+    body = bytearray(original)
+    body[len(body) // 3] ^= 0x40
+    client.put_object(Bucket=bucket, Key=keys[0], Body=bytes(body))
+    fresh = Store.open(s3_url, create=False)
+    with pytest.raises(CorruptChunkError, match=f"run {run_id}, prompt {pids[0]}, array kv_k"):
+        fresh.read_kv(run_id, pids[0])
+    report = fresh.verify()
+    assert [(p.kind, p.array) for p in report] == [("corrupt-chunk", "kv_k")], report.summary()
+    client.put_object(Bucket=bucket, Key=keys[0], Body=original)
+    vkeys = [k for k in bucket_keys(bucket) if f"/{run_id}/{pids[0]}/kv_v/c/" in k]
+    client.delete_object(Bucket=bucket, Key=vkeys[0])
+    with pytest.raises(CorruptChunkError, match="array kv_v.*missing"):
+        Store.open(s3_url, create=False).read_kv(run_id, pids[0])
