@@ -19,6 +19,7 @@ indices every selected prompt has are aggregated (as ``aggregate_kv_bc_arrays`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -191,15 +192,18 @@ def aggregate_bc(store, comparison: str, prompts_sql: str) -> AggregateBC:
     return AggregateBC(comparison, pids, layers, k_bc, v_bc)
 
 
-def raw_errors_storage(store, comparison: str) -> tuple[int, int]:
-    """(bytes of the raw_errors segments of ``comparison``, stored bytes of the KV arrays of its runs):
-    what storing raw errors costs next to the captures they derive from."""
+def raw_errors_storage(store, comparison: str) -> tuple[int | None, int]:
+    """(bytes of the raw_errors segments of ``comparison`` (None on object storage: not measured),
+    stored bytes of the KV arrays of its runs): what storing raw errors costs next to the captures
+    they derive from."""
     import pyarrow.parquet as pq
 
     from capturestore.tables import table_dir
 
-    raw = 0
-    for f in sorted(table_dir(store.root, "raw_errors").glob("*.parquet")) if "raw_errors" in _views(store) else []:
+    local = isinstance(store.root, Path)
+    raw = 0 if local else None  # segment sizes are measured on a local store only
+    for f in sorted(table_dir(store.root, "raw_errors").glob("*.parquet")) if local and "raw_errors" in _views(store) \
+            else []:
         if f.name.startswith("_"):
             continue
         ids = pq.read_table(f, columns=["comparison_id"]).column(0).unique().to_pylist()

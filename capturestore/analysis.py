@@ -202,6 +202,7 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     from capturestore.comparators.base import COMPARISONS_SCHEMA_VERSION, TableSpec, to_arrow
     from capturestore.comparators.kv import KVComparator
     from capturestore.comparators.logits import LogitsComparator
+    from capturestore.errors import StoreError
     from capturestore.integrity import commit_comparison
 
     runs = {"expected": expected_run, "actual": actual_run}
@@ -221,7 +222,8 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     cid = f"cmp-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
 
     active = ([LogitsComparator(tol_map)] if logits else []) + ([KVComparator(kv_verdict_config)] if kv else [])
-    active += [comparator_class(c)() if isinstance(c, str) else c for c in comparators]
+    asked = [comparator_class(c)() if isinstance(c, str) else c for c in comparators]
+    active += asked
     names = [c.name for c in active]
     if len(set(names)) < len(names):
         raise ValueError(f"compare_runs: comparators {names} name one twice (logits and kv run unless "
@@ -240,7 +242,7 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
             return None
         try:
             return call(*args)
-        except ValueError:
+        except (ValueError, StoreError):  # bad input or a damaged store: refused, nothing stored
             raise
         except Exception:  # noqa: BLE001 - recorded with the comparison, the others still run
             errors[c.name] = traceback.format_exc()
@@ -277,11 +279,26 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
             if c.name in errors:
                 last = errors[c.name].strip().splitlines()[-1]
                 verdicts[c.name] = Verdict(c.name, None, f"errored: {last} (traceback stored with the comparison)",
-                                           None, errors[c.name], c.localisation_rank)
+                                           None, None, c.localisation_rank)
 
     errored_verdicts()
+    for c in asked:  # asked for and judged nothing: not a pass (unless it only stores evidence)
+        if verdicts[c.name] is None and getattr(c, "judges", True):
+            verdicts[c.name] = Verdict(c.name, None, "judged nothing (its verdict is None)", None, None,
+                                       c.localisation_rank)
 
     passed = overall_passed(verdicts.values())  # nothing judged is not a pass
+    cells: dict = {}
+    for c in active:  # each comparator's cells of the row; one raising here errors like anywhere else
+        if c.name not in errors:
+            cells[c.name] = guarded(c, c.comparison_columns, verdicts[c.name], passed) or {}
+    if any(name in errors for name in cells):
+        errored_verdicts()  # raised while filling its cells: no pass, and its verdict says so
+        passed = False
+        for c in active:  # the others' cells were filled for a pass that no longer holds
+            if c.name in cells and c.name not in errors:
+                cells[c.name] = guarded(c, c.comparison_columns, verdicts[c.name], passed) or {}
+        errored_verdicts()
     loc = None if passed else localise(verdicts.values())
     staged = {table: to_arrow(rows, c.table_spec(table), table) for (c, table), rows in parts.items()
               if c.name not in errors}  # an errored comparator's rows are partial: none are stored
@@ -295,13 +312,9 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     for c in (*_default_comparators(), *active):  # the built-in columns exist (NULL) when their comparator did not run
         if c.name not in verdicts or c.name in errors:
             row.update(dict.fromkeys(f.name for f in c.comparison_fields))
-    n_errors = len(errors)
     for c in active:
         if c.name not in errors:
-            row.update(guarded(c, c.comparison_columns, verdicts[c.name], passed) or {})
-    if len(errors) > n_errors:
-        errored_verdicts()  # raised while filling its cells: no pass, and its verdict says so
-        passed = row["passed"] = False
+            row.update(cells[c.name])
     row.update({
         "failure_phase": None if loc is None else loc.phase,
         "localisation": None if loc is None else json.dumps(loc.as_dict()),

@@ -267,8 +267,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         from capturestore.aggregate import raw_errors_storage
 
         raw, kv = raw_errors_storage(store, result.comparison_id)
-        print(f"raw_errors: {raw / 1e6:.2f} MB stored" + (f" ({raw / kv:.2f} x the stored KV of the compared runs)"
-                                                          if kv else ""))
+        if raw is None:
+            print("raw_errors: stored (its size is measured on a local store only)")
+        else:
+            print(f"raw_errors: {raw / 1e6:.2f} MB stored" + (f" ({raw / kv:.2f} x the stored KV of the compared runs)"
+                                                              if kv else ""))
     print(f"overall: {'PASS' if result.passed else 'FAIL'}" + (f" (first failure in {result.phase})" if result.phase else ""))
     return 0 if result.passed else 1
 

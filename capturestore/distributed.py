@@ -32,6 +32,13 @@ def connect(address: str, timeout: float = SCHEDULER_TIMEOUT_S):
         from dask.distributed import Client
     except ImportError:
         raise ValueError("--scheduler needs dask.distributed: pip install 'capturestore[dask]'") from None
+    from distributed.comm import get_address_host_port
+
+    try:  # a malformed address is said at once (Client would wait, then complain from __del__)
+        get_address_host_port(address)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--scheduler {address!r} is not a scheduler address (tcp://HOST:PORT): "
+                         f"{' '.join(str(e).split())}") from None
     try:
         return Client(address, timeout=timeout, set_as_default=False)
     except (OSError, TimeoutError, ValueError) as e:

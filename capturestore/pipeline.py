@@ -701,9 +701,9 @@ def _reference(st, pstore, progress, tm, role, what, how, model_path, model_hash
 
     t0 = time.perf_counter()
     if teacher is None:
-        want = {"capture": "greedy", "num_tokens": num_tokens, "attn_implementation": "eager"}
+        want = {"capture": "greedy", "num_tokens": num_tokens, "attn_implementation": "eager", "model_given": False}
     else:
-        want = {"capture": "teacher_forced_prefill", "attn_implementation": "eager"}
+        want = {"capture": "teacher_forced_prefill", "attn_implementation": "eager", "model_given": False}
     rid = find_reference_run(st, model_hash=model_hash, dtype=dtype, prompt_ids=pids, teacher_tokens=teacher,
                              config=want)
     found = rid is not None
@@ -845,7 +845,8 @@ def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, p
     teach = [tokens[p][len(r):].tolist() for p, r in zip(pids, rows)]
     out, reused = {"actual": mod_act}, []
     for role, dtype in (("baseline", "float32"), ("expected", dtype)):
-        want = {"mode": "teacher_forced_stepwise", "attn_implementation": "eager", "module_order": order}
+        want = {"mode": "teacher_forced_stepwise", "attn_implementation": "eager", "module_order": order,
+                "model_given": False}  # a run of a model passed in (a patched fault) is never a reference
         rid = find_reference_run(st, model_hash=model_hash, dtype=dtype, prompt_ids=pids, teacher_tokens=tokens,
                                  config=want)
         if rid is not None:

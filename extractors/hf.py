@@ -297,6 +297,7 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
         teacher_rows = [_to_rows(t, f"teacher_tokens[{i}]")[0] for i, t in enumerate(teacher_tokens)]
         if len(teacher_rows) != len(prompt_rows):
             raise ValueError(f"capture_hf_run: {len(teacher_rows)} teacher rows for {len(prompt_rows)} prompts")
+    model_given = model is not None  # its content may differ from model_path's (a patched fault): never a reference
     if model is None:
         model = load_hf_model(model_path, dtype)
     model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -315,6 +316,7 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
         "kv_layout": "[layer, kv_head, seq, head_dim]; seq index == position; NaN where HF's "
                      "sliding-window cache dropped positions",
         "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j",
+        "model_given": model_given,
         **(config or {}),
     }
     run = begin_capture_run(store, engine="hf", capture="teacher_forced_prefill" if teacher_tokens is not None else "greedy",

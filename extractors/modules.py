@@ -242,6 +242,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
         if not t:
             raise ValueError(f"capture_hf_module_run: teacher_tokens[{i}] is empty; module capture needs >= 1 "
                              "continuation token per prompt")
+    model_given = model is not None
     if model is None:
         model = load_hf_model(model_path, dtype)
     model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
@@ -262,6 +263,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
         "tensor_layout": "tensors/<module>/prefill: step 0 [prompt_len, ...]; tensors/<module>/decode: step n "
                          "[1, ...] feeding continuation token n at position prompt_len + n",
         "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j",
+        "model_given": model_given,  # a model passed in (e.g. a patched fault) is never taken for a reference
         **(config or {}),
     }
     run = store.begin_run(engine="hf", model_path=str(Path(model_path)), model_hash=model_content_hash(model_path),

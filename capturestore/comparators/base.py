@@ -213,7 +213,9 @@ class Comparator:
         return {}
 
     def verdict(self) -> Verdict | None:
-        """The verdict after the last prompt; None when this comparator judged nothing by design."""
+        """The verdict after the last prompt; None when this comparator judged nothing (for a
+        comparator asked for by ``compare_runs(comparators=...)`` that holds the comparison back
+        unless the class declares ``judges = False``: evidence only, e.g. ``raw_errors``)."""
         return None
 
     def comparison_columns(self, verdict: Verdict | None, passed: bool) -> dict:

@@ -47,6 +47,7 @@ class RawErrorsComparator(Comparator):
     docstring). Judges nothing (its verdict is None: it is evidence for aggregation, not a check)."""
 
     name = "raw_errors"
+    judges = False  # evidence for aggregation: its None verdict does not hold a comparison back
     tables = {"raw_errors": RAW_ERRORS}
     needs = ("kv",)
 

@@ -176,6 +176,17 @@ def test_a_scheduler_that_does_not_answer_is_one_line(tmp_path):
     assert r.stderr.count("\n") == 1 and address in r.stderr and "does not answer" in r.stderr, r.stderr
 
 
+def test_a_malformed_scheduler_address_is_one_line_at_once(tmp_path):
+    Store.open(tmp_path / "s")
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "capturestore.cli", "compare", "--store", str(tmp_path / "s"),
+                        "--expected", "a", "--actual", "b", "--scheduler", "bogus"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "'bogus' is not a scheduler address" in r.stderr and "missing port" in r.stderr, r.stderr
+    assert time.perf_counter() - t0 < 15  # no 10 s connect attempt, no 20 s wait in Client.__del__
+
+
 def test_cli_compare_on_the_scheduler_stores_what_compare_runs_stores(cluster_client, tmp_path):
     store = Store.open(tmp_path / "s")
     runs = _runs(store)

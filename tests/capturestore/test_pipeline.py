@@ -495,3 +495,28 @@ def test_hf_float16_target_gets_a_float16_expected_reference_and_reuses_the_fp32
     dtypes = {r["run_id"]: r["dtype"] for r in _runs(store)}
     assert dtypes[fp.runs["expected"]] == dtypes[fp.runs["actual"]] == "float16"
     assert dtypes[bf.runs["expected"]] == "bfloat16"
+
+
+def test_a_run_of_a_patched_model_is_never_reused_as_a_reference(model, prompt_file, tmp_path):
+    """A run captured from a model object passed in (the way faults are injected: its content is not
+    the directory's) records model_given and is never taken for the BF16 expected reference."""
+    from capturestore import pipeline
+    from extractors import hf
+
+    store = tmp_path / "s"
+    r1 = pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=3, store=store, quiet=True,
+                      out=lambda line: None)
+    assert r1.passed
+    st = Store.open(store)
+    rows = [st.read_tokens(r1.runs["baseline"], p) for p in r1.prompt_ids]
+    plen = [len(st.read_tokens(r1.runs["expected"], p)) - 3 for p in r1.prompt_ids]
+    faulty = hf.load_hf_model(model, "bfloat16")
+    faulty.get_submodule("model.layers.1.self_attn.o_proj").register_forward_hook(lambda m, i, o: o * 1.5)
+    bad = hf.capture_hf_run(st, model, [r[:n].tolist() for r, n in zip(rows, plen)],
+                            teacher_tokens=[r[n:].tolist() for r, n in zip(rows, plen)], dtype="bfloat16",
+                            model=faulty)
+    assert json.loads(st.show(bad)["run"]["config"])["model_given"] is True
+    lines = []
+    r2 = pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=3, store=store, out=lines.append)
+    assert r2.runs["expected"] == r1.runs["expected"] != bad, "\n".join(lines)
+    assert r2.passed

@@ -397,3 +397,56 @@ def test_a_comparator_reads_its_own_runs_when_given_and_the_row_records_them(run
                      comparator_runs={"spy-test": {"expected": exp, "actual": fp32}})
     with pytest.raises(ValueError, match="comparator_runs names 'nobody'"):
         compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, comparator_runs={"nobody": own})
+
+
+def test_an_asked_for_comparator_that_judged_nothing_holds_the_comparison_back(runs):
+    """verdict() None is the base class's default: a plugin that forgets it, or judges nothing, is no
+    pass (a comparator declaring ``judges = False`` only stores evidence and does not hold it back)."""
+    store, base, exp, act, *_ = runs
+
+    class Nothing(Comparator):
+        name = "nothing-test"
+
+    class Evidence(Comparator):
+        name = "evidence-test"
+        judges = False
+
+    res = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, comparators=[Nothing()])
+    assert res.verdicts["logits"].passed is True and res.verdicts["kv"].passed is True
+    assert res.verdicts["nothing-test"].passed is None and "judged nothing" in res.verdicts["nothing-test"].text
+    assert not res.passed
+    ok = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, comparators=[Evidence()])
+    assert ok.passed and ok.verdicts["evidence-test"] is None
+
+
+def test_a_comparator_raising_in_its_row_cells_stores_none_of_its_rows_and_the_row_does_not_pass(runs):
+    store, base, exp, act, *_ = runs
+
+    class Cells(Raising):
+        name = "cells-test"
+        tables = {"cells_test_rows": TableSpec(pa.schema([("comparison_id", pa.string()), ("prompt_id", pa.string())]),
+                                               1)}
+
+        def compare(self, prompt):
+            return {"cells_test_rows": [{"comparison_id": prompt.comparison_id, "prompt_id": prompt.prompt_id}]}
+
+        def comparison_columns(self, verdict, passed):
+            raise KeyError("bug in cells")
+
+    res = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, comparators=[Cells(None, None)])
+    assert not res.passed and res.verdicts["cells-test"].text.startswith("errored: KeyError: 'bug in cells'")
+    assert res.verdicts["cells-test"].detail is None  # the traceback is in res.errors, not in the verdict
+    row = store.sql(f"SELECT passed, logit_passed, errored FROM comparisons "
+                    f"WHERE comparison_id = '{res.comparison_id}'").to_pylist()[0]
+    assert row["passed"] is False and row["logit_passed"] is True and "bug in cells" in row["errored"]
+    assert not (store.root / "tables" / "cells_test_rows").exists()
+
+
+def test_a_damaged_store_met_by_a_comparator_refuses_the_comparison_storing_nothing(runs):
+    from capturestore.errors import CorruptChunkError
+
+    store, base, exp, act, *_ = runs
+    with pytest.raises(CorruptChunkError, match="chunk 0/0"):
+        compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base,
+                     comparators=[Raising("compare", CorruptChunkError("run x, prompt y, logits, chunk 0/0: bad crc"))])
+    assert not (store.root / "tables" / "comparisons").exists()
