@@ -23,17 +23,11 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def moto_endpoint():
-    """``http://127.0.0.1:PORT`` of a ThreadedMotoServer running for the test session."""
-    pytest.importorskip("moto", reason="moto[server] is in the test extra (pip install -e '.[test]')")
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
+    """``http://127.0.0.1:PORT`` of a moto server running for the test session, in its own process:
+    moto's server is a Flask app, and with Flask imported in the test process vLLM's engine start
+    (later tests) fails with "Working outside of application context"."""
+    with _moto_server({}) as url:
+        yield url
 
 
 AWS_VARS = ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")
@@ -83,8 +77,14 @@ def s3_url(s3_env) -> str:
 def auth_moto_server():
     """A moto server in its own process that checks credentials (INITIAL_NO_AUTH_ACTION_COUNT=0):
     any key it has not issued is refused, as AWS refuses a wrong one."""
+    with _moto_server({"INITIAL_NO_AUTH_ACTION_COUNT": "0"}) as url:
+        yield url
+
+
+@contextmanager
+def _moto_server(extra_env: dict):
     port = free_port()
-    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}
+    env = {**os.environ, **extra_env}
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -95,7 +95,7 @@ def auth_moto_server():
                     break
             except OSError:
                 if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the moto server with authentication did not start") from None
+                    raise RuntimeError(f"the moto server ({extra_env or 'no auth'}) did not start") from None
                 time.sleep(0.2)
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -279,7 +279,7 @@ def test_vllm_target_with_kv_and_modules_passes_and_another_release_captures_onl
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_vllm_target_under_tensor_parallelism_captures_and_judges_module_tensors(model, tmp_path):
+def test_vllm_target_under_tensor_parallelism_captures_and_judges_module_tensors(model, tmp_path, monkeypatch):
     """--tp 2: the KV and every rank's module shards are merged (docs/vllm-modules.md) and judged
     three-way; a correct engine passes on 8 prompts x 8 tokens (fewer tokens are too noisy at TP 2,
     docs/run.md) and the module run records its TP degree."""
@@ -287,6 +287,8 @@ def test_vllm_target_under_tensor_parallelism_captures_and_judges_module_tensors
 
     from capturestore import pipeline
 
+    for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND"):  # --tp 2 sets them: restored after,
+        monkeypatch.delenv(k, raising=False)  # or later in-process engines of this session start multiprocess
     texts = TEXTS + ["A paged KV cache holds blocks", "Greedy decoding picks the argmax", "tensor parallel ranks",
                      "Sliding windows forget", "the last prompt of eight"]
     prompts = tmp_path / "p8.txt"
