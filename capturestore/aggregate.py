@@ -154,6 +154,7 @@ def aggregate_bc(store, comparison: str, prompts_sql: str) -> AggregateBC:
     from metrics.bc import bhattacharyya_batched
 
     row = comparison_row(store, comparison)
+    store.check_evidence([comparison], "aggregate")
     wanted = selected_prompts(store, prompts_sql)
     if "raw_errors" not in _views(store) or not store.sql(
             f"SELECT 1 FROM raw_errors WHERE comparison_id = {_q(comparison)} LIMIT 1").num_rows:

@@ -45,8 +45,8 @@ from capturestore.layout import CATALOG_FILE, CATALOG_STAMP_FILE, LEGACY_CATALOG
 from capturestore.tables import RUN_TABLES, has_column, table_dir
 
 # First line of catalog.stamp; a change to what view_sql writes changes it, so stores rebuild.
-CATALOG_STAMP = ("capturestore catalog views 5: segments relative to catalog.duckdb, committed rows only, "
-                 "declared tables by named columns")
+CATALOG_STAMP = ("capturestore catalog views 6: segments relative to catalog.duckdb, committed rows only, "
+                 "declared tables by named columns, manifest guard, glob-escaped store path")
 
 # The store directory with a trailing '/', as a constant DuckDB folds when it binds a view.
 _STORE_DIR_SQL = (
@@ -97,13 +97,26 @@ def table_names(root: Path) -> list[str]:
     return out
 
 
-def _segments(root: Path, table: str, relative: bool, allow_empty: bool = False) -> str:
-    """``read_parquet`` of every segment of ``table``: by absolute path, or relative to the catalog file."""
-    if relative:  # '[' in the store's path is a glob class to DuckDB: '[[]' is a literal '['
-        where = f"replace(({_STORE_DIR_SQL}), '[', '[[]') || {_quote_str(f'{TABLES_DIR}/{table}/*.parquet')}"
+def glob_escape(path: str) -> str:
+    """``path`` as a literal in a DuckDB glob: its glob characters as one-character classes."""
+    return re.sub(r"([\[*?])", r"[\1]", path)
+
+
+def _glob_escape_sql(expr: str) -> str:
+    """SQL of ``expr`` (a path) with its glob characters escaped as glob_escape does."""
+    return f"regexp_replace({expr}, '([\\[*?])', '[\\1]', 'g')"
+
+
+def _segments(root: Path, table: str, relative: bool, allow_empty: bool = False, filename: bool = False) -> str:
+    """``read_parquet`` of every segment of ``table``: by absolute path, or relative to the catalog file.
+    The store's own path is escaped: a '*', '?' or '[' in it is no glob (``st*ar`` would otherwise
+    also read a sibling store ``st-old-ar``)."""
+    if relative:
+        where = f"{_glob_escape_sql(f'({_STORE_DIR_SQL})')} || {_quote_str(f'{TABLES_DIR}/{table}/*.parquet')}"
     else:
-        where = _quote_str(f"{_tables_dir(root)}/{table}".replace("[", "[[]") + "/*.parquet")
-    return f"read_parquet({where}, union_by_name = true{', allow_empty = true' if allow_empty else ''})"
+        where = _quote_str(glob_escape(f"{_tables_dir(root)}/{table}") + "/*.parquet")
+    opts = (", allow_empty = true" if allow_empty else "") + (", filename = true" if filename else "")
+    return f"read_parquet({where}, union_by_name = true{opts})"
 
 
 def _declared() -> dict:
@@ -164,10 +177,45 @@ def view_sql(root: Path, table: str, relative: bool = False) -> str:
         return f"{view} WHERE run_id IN (SELECT run_id FROM {_segments(root, 'runs', relative)})"
     if table != "comparisons" and has_cid:
         # the comparisons row is the commit marker; none yet (no segment, no column) hides every row
-        committed = (f"SELECT NULL::VARCHAR AS comparison_id WHERE false UNION ALL BY NAME "
-                     f"SELECT * FROM {_segments(root, 'comparisons', relative, allow_empty=True)}")
-        return f"{view} WHERE comparison_id IN (SELECT comparison_id FROM ({committed}))"
+        committed = (f"SELECT NULL::VARCHAR AS comparison_id, NULL::VARCHAR[] AS manifest_tables, "
+                     f"NULL::VARCHAR[] AS manifest_segments, NULL::BIGINT[] AS manifest_rows WHERE false "
+                     f"UNION ALL BY NAME SELECT * FROM {_segments(root, 'comparisons', relative, allow_empty=True)}")
+        rows = f"SELECT * FROM ({body}) WHERE comparison_id IN (SELECT comparison_id FROM ({committed}))"
+        return (f"CREATE OR REPLACE VIEW {_quote_ident(table)} AS {rows} "
+                f"UNION ALL BY NAME {_manifest_guard(root, table, relative, committed, body)}")
     return view
+
+
+def _manifest_guard(root, table: str, relative: bool, committed: str, body: str) -> str:
+    """A query of no rows that raises, naming the segment, when ``table``'s segments disagree with
+    the manifest of a committed comparison (integrity.commit_comparison): a listed segment gone or
+    holding other row counts, a segment no manifest lists holding rows of a manifested comparison
+    (a copy counts every row twice). Every query reading the view reads it too, filtered by the
+    same conditions, so a comparison's rows never read as if it had fewer. The error sits in the
+    guard's filter and in every column but ``comparison_id`` (typed by a join with no row of the
+    table: ``coalesce(COLUMNS(t.*), error)``), so neither a filter on any column nor a count can
+    prune it the way a constant NULL column is folded away; CASE keeps it unevaluated while the
+    counts agree, and a filter on another comparison's id passes it by. Comparisons without a
+    manifest (older ones) are not checked."""
+    want = (f"SELECT comparison_id, t, seg, n FROM (SELECT comparison_id, unnest(manifest_tables) AS t, "
+            f"unnest(manifest_segments) AS seg, unnest(manifest_rows) AS n FROM ({committed}) "
+            f"WHERE manifest_tables IS NOT NULL) WHERE t = {_quote_str(table)}")
+    manifested = f"SELECT comparison_id FROM ({committed}) WHERE manifest_tables IS NOT NULL"
+    have = (f"SELECT comparison_id, parse_filename(filename) AS seg, count(*) AS n "
+            f"FROM {_segments(root, table, relative, filename=True)} "
+            f"WHERE comparison_id IN ({manifested}) GROUP BY ALL")
+    why = (f"'table {table}, comparison ' || coalesce(w.comparison_id, h.comparison_id) || ': segment ' || "
+           f"coalesce(w.seg, h.seg) || CASE WHEN h.n IS NULL THEN ' is missing (its manifest lists ' || w.n || "
+           f"' rows)' WHEN w.n IS NULL THEN ' holds ' || h.n || ' rows of it but is in no manifest (a copied "
+           f"or foreign segment)' ELSE ' holds ' || h.n || ' rows where its manifest lists ' || w.n END || "
+           f"'; its evidence is incomplete (run capturestore verify)'")
+    guard = (f"SELECT coalesce(w.comparison_id, h.comparison_id) AS comparison_id, w.n IS DISTINCT FROM h.n AS bad, "
+             f"{why} AS why FROM ({want}) w "
+             f"FULL OUTER JOIN ({have}) h ON w.comparison_id = h.comparison_id AND w.seg = h.seg")
+    return (f"SELECT g.comparison_id, coalesce(COLUMNS(t.* EXCLUDE (comparison_id)), "
+            f"CASE WHEN g.bad THEN error(g.why) END) FROM ({guard}) g "
+            f"LEFT JOIN (SELECT * FROM ({body}) LIMIT 0) t ON false "
+            f"WHERE CASE WHEN g.bad THEN error(g.why) ELSE false END")
 
 
 def create_views(con: duckdb.DuckDBPyConnection, root: Path, relative: bool = False) -> dict[str, str]:
@@ -203,7 +251,7 @@ def connect_memory(root: Path) -> duckdb.DuckDBPyConnection:
         if _remote(root):  # before the lockdown; DuckDB reads s3:// URLs through it
             con.register_filesystem(root.fs)
         tables = _tables_dir(root) + ("/" if _remote(root) else os.sep)
-        allowed = dict.fromkeys((tables, tables.replace("[", "[[]")))
+        allowed = dict.fromkeys((tables, glob_escape(tables)))
         con.execute(f"SET allowed_directories = [{', '.join(_quote_str(d) for d in allowed)}]")
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
@@ -241,12 +289,16 @@ def add_views(con: duckdb.DuckDBPyConnection, root: Path, names: list[str], rela
             con.execute(view_sql(root, t, relative))
         except duckdb.Error as e:
             broken[t] = why = f"table {t} is unreadable: {_without_kind(_duckdb_message(e))}"
-            con.execute(f"CREATE OR REPLACE VIEW {_quote_ident(t)} AS SELECT {_readable_columns(con, root, t)} "
-                        f"FROM range(1) WHERE error({_quote_str(why)}) IS NULL")
+            # every column is the error itself, and so is the filter: a query reading any column, or
+            # counting rows, raises; none can be folded to "no rows" (a filter on a constant NULL
+            # column was: `WHERE comparison_id = 'x'` then read as an empty comparison)
+            raise_ = f"error(CASE WHEN range >= 0 THEN {_quote_str(why)} END)"
+            con.execute(f"CREATE OR REPLACE VIEW {_quote_ident(t)} AS SELECT "
+                        f"{_readable_columns(con, root, t, raise_)} FROM range(1) WHERE {raise_} IS NULL")
     return broken
 
 
-def _readable_columns(con: duckdb.DuckDBPyConnection, root: Path, table: str) -> str:
+def _readable_columns(con: duckdb.DuckDBPyConnection, root: Path, table: str, value: str = "NULL") -> str:
     """``CAST(NULL AS type) AS "column", ...`` of ``table``'s view: the declared columns of a
     declared table written by comparisons (or with no readable segment left), else those of the
     segments that DuckDB can read."""
@@ -256,17 +308,17 @@ def _readable_columns(con: duckdb.DuckDBPyConnection, root: Path, table: str) ->
     files = root.segment_urls(table) if _remote(root) else sorted(table_dir(root, table).glob("*.parquet"))
     for f in files:
         try:
-            described = con.execute(f"DESCRIBE SELECT * FROM read_parquet({_quote_str(str(f))})").fetchall()
+            described = con.execute(f"DESCRIBE SELECT * FROM read_parquet({_quote_str(glob_escape(str(f)))})").fetchall()
         except duckdb.Error:
             continue
         for name, typ, *_ in described:
             cols.setdefault(name, typ)
     spec = _declared().get(table)
     if spec is not None and table not in RUN_TABLES and (not cols or "comparison_id" in cols):
-        return ", ".join(f"CAST(NULL AS {_duck_type(f.type)}) AS {_quote_ident(f.name)}" for f in spec.schema)
+        return ", ".join(f"CAST({value} AS {_duck_type(f.type)}) AS {_quote_ident(f.name)}" for f in spec.schema)
     if not cols:
-        return "NULL AS unreadable"
-    return ", ".join(f"CAST(NULL AS {typ}) AS {_quote_ident(name)}" for name, typ in cols.items())
+        return f"{value} AS unreadable"
+    return ", ".join(f"CAST({value} AS {typ}) AS {_quote_ident(name)}" for name, typ in cols.items())
 
 
 _STATEMENT_NAMES = {"LOAD": "INSTALL/LOAD", "SET": "SET/RESET/USE", "VARIABLE_SET": "SET VARIABLE",

@@ -352,6 +352,7 @@ def diff(store, base: str, head: str, *, common_prompts: bool = False, seed: int
     b_id, h_id = brow["comparison_id"], hrow["comparison_id"]
     if b_id == h_id:
         raise ValueError(f"diff: {base!r} and {head!r} are the same comparison {b_id}: nothing to diff")
+    store.check_evidence([b_id, h_id], "diff")  # a regression must never read as none by losing rows
     if brow["model_hash"] != hrow["model_hash"]:
         raise ValueError(f"diff: the comparisons are of different models (base {b_id}: model_hash "
                          f"{brow['model_hash']}, head {h_id}: {hrow['model_hash']}); a diff across models measures "

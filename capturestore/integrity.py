@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -28,6 +29,7 @@ from capturestore.arrays import bad_chunks
 from capturestore.layout import ARRAYS_DIR, COMPARISON_ID_PREFIX, PENDING_DIR, TABLES_DIR, TMP_SUFFIX
 from capturestore.tables import (
     RUN_TABLES,
+    rows_to_table,
     SCHEMA_SEGMENT,
     committed_comparison_ids,
     committed_run_ids,
@@ -150,6 +152,11 @@ def is_comparison_id(writer_id: str) -> bool:
 def commit_comparison(store, comparison_id: str, tables: dict[str, Any], comparisons_rows: Any) -> None:
     """Append a comparison's tables, then its ``comparisons`` row last: the commit marker.
 
+    The row carries the comparison's manifest (``manifest_tables``/``_segments``/``_rows``/
+    ``_sha256``: one entry per segment written here), so a segment that later goes missing, is cut
+    short, altered, copied twice or joined by foreign rows is found (``evidence_problems``, the
+    views' guard in catalog.py) instead of its comparison reading as if it had fewer rows.
+
     ``tables``: {table name: rows} (anything ``Store.append_table`` takes), every row with
     ``comparison_id``. Until the marker is written the rows are invisible in the views; a
     pending lock keeps ``gc`` away meanwhile. On an exception the segments written so far are
@@ -161,9 +168,13 @@ def commit_comparison(store, comparison_id: str, tables: dict[str, Any], compari
     lock = store._pending_lock(comparison_id, {"comparison_id": comparison_id, "status": "running"})
     written: list = []
     try:
+        entries = []
         for name, rows in tables.items():
-            written.append(store.append_table(name, rows))
-        store.append_table("comparisons", comparisons_rows)
+            data = rows_to_table(rows, f"append_table {name}")
+            seg = store.append_table(name, data)
+            written.append(seg)
+            entries.append(_manifest_entry(store, name, seg, data.num_rows))
+        store.append_table("comparisons", with_manifest(rows_to_table(comparisons_rows, "comparisons"), entries))
     except BaseException:
         committed = store._committed_comparison_ids()  # None: unreadable, so the marker may be there
         if written and committed is not None and comparison_id not in committed:
@@ -176,6 +187,144 @@ def commit_comparison(store, comparison_id: str, tables: dict[str, Any], compari
         raise
     finally:
         lock.release()
+
+
+# ---- comparison manifests ------------------------------------------------------------------------
+# Each committed comparison lists the segments it wrote in its ``comparisons`` row (parallel lists,
+# one entry per segment), so its evidence can be checked whole: nothing missing, cut short or
+# altered, nothing added (a copied segment counts every row twice). Comparisons committed before
+# manifests existed (NULL lists) cannot be checked and are read as before.
+MANIFEST_FIELDS = (("manifest_tables", "table"), ("manifest_segments", "segment"), ("manifest_rows", "rows"),
+                   ("manifest_sha256", "sha256"))
+
+
+def _segment_name(seg: Any) -> str:
+    """The file name of a segment ``append_table`` returned (a local Path or an object key)."""
+    return str(seg).replace(os.sep, "/").rsplit("/", 1)[-1]
+
+
+def _manifest_entry(store, table: str, seg: Any, rows: int) -> dict[str, Any]:
+    name = _segment_name(seg)
+    return {"table": table, "segment": name, "rows": int(rows),
+            "sha256": hashlib.sha256(store.read_segment(table, name)).hexdigest()}
+
+
+def with_manifest(rows, entries: list[dict[str, Any]]):
+    """``rows`` (the comparisons row) with its manifest columns set to ``entries``."""
+    import pyarrow as pa
+
+    for col, key in MANIFEST_FIELDS:
+        typ = pa.list_(pa.int64() if key == "rows" else pa.string())
+        values = pa.array([[e[key] for e in entries]] * rows.num_rows, typ)
+        i = rows.schema.get_field_index(col)
+        rows = rows.append_column(col, values) if i < 0 else rows.set_column(i, pa.field(col, typ), values)
+    return rows
+
+
+def comparison_manifests(store) -> dict[str, list[dict[str, Any]] | None] | None:
+    """{comparison_id: manifest entries, or None for a comparison committed without one} of every
+    committed comparison; None when a ``comparisons`` segment is unreadable."""
+    import pyarrow.parquet as pq_
+
+    out: dict[str, list[dict[str, Any]] | None] = {}
+    for name in store.segment_names("comparisons"):
+        try:
+            t = pq_.read_table(_io_bytes(store.read_segment("comparisons", name)))
+        except Exception:  # noqa: BLE001 - verify reports unreadable segments
+            return None
+        cols = {c: t.column(c).to_pylist() if c in t.column_names else [None] * t.num_rows
+                for c in ("comparison_id", *(f for f, _ in MANIFEST_FIELDS))}
+        for i, cid in enumerate(cols["comparison_id"]):
+            if cid is None:
+                continue
+            lists = [cols[f][i] for f, _ in MANIFEST_FIELDS]
+            if any(x is None for x in lists):
+                out.setdefault(cid, None)
+                continue
+            out[cid] = [dict(zip((k for _, k in MANIFEST_FIELDS), e)) for e in zip(*lists)]
+    return out
+
+
+def _io_bytes(data: bytes):
+    import io
+
+    import pyarrow as pa
+
+    return pa.BufferReader(data) if not isinstance(data, io.IOBase) else data
+
+
+def evidence_problems(store, comparison_ids=None) -> list[Problem]:
+    """What is wrong with the evidence of committed comparisons (all, or ``comparison_ids``)
+    against their manifests: a listed segment missing, altered or cut short (its SHA-256), and a
+    segment no manifest lists that holds rows of a manifested comparison (a copy or foreign rows).
+    The same on every backend: only the store's segment listing and bytes are read."""
+    manifests = comparison_manifests(store)
+    if manifests is None and comparison_ids is None:
+        return []  # verify reports the unreadable segment itself
+    if manifests is None:
+        return [Problem("bad-segment", "a comparisons segment is unreadable: no comparison's evidence can be "
+                                       "checked (run `capturestore verify`)")]
+    wanted = set(manifests) if comparison_ids is None else set(comparison_ids)
+    checked = {cid: m for cid, m in manifests.items() if cid in wanted and m is not None}
+    out: list[Problem] = []
+    listed: dict[str, set[str]] = {}  # table -> segments a manifest lists
+    for cid, entries in manifests.items():
+        for e in entries or ():
+            listed.setdefault(e["table"], set()).add(e["segment"])
+    names_cache: dict[str, set[str]] = {}
+    for cid, entries in sorted(checked.items()):
+        for e in entries:
+            t, seg = e["table"], e["segment"]
+            names = names_cache.setdefault(t, set(store.segment_names(t)))
+            where = f"comparison {cid}: table {t} segment {seg}"
+            if seg not in names:
+                out.append(Problem("missing-segment", f"{where} is missing (its manifest lists {e['rows']} rows)"))
+                continue
+            data = store.read_segment(t, seg)
+            if hashlib.sha256(data).hexdigest() == e["sha256"]:
+                continue
+            try:
+                n = pq.read_metadata(_io_bytes(data)).num_rows
+                what = f"holds {n} rows where its manifest lists {e['rows']}" if n != e["rows"] else \
+                    "differs from what the comparison wrote (SHA-256)"
+            except Exception:  # noqa: BLE001
+                what = f"is unreadable (truncated or damaged; its manifest lists {e['rows']} rows)"
+            out.append(Problem("altered-segment", f"{where} {what}"))
+    # segments no manifest lists, holding rows of a checked comparison
+    for t in sorted({e["table"] for m in checked.values() for e in m}):
+        for seg in sorted(names_cache.setdefault(t, set(store.segment_names(t))) - listed.get(t, set())):
+            try:
+                ids = store.segment_comparison_ids(t, seg)
+            except Exception:  # noqa: BLE001 - an unreadable segment: verify's bad-segment
+                continue
+            for cid in sorted((ids or set()) & set(checked)):
+                out.append(Problem("foreign-segment", f"comparison {cid}: table {t} segment {seg} holds rows of "
+                                                      f"the comparison but is not in its manifest (a copy of a "
+                                                      f"segment, or rows appended later); its rows would count twice"))
+    return out
+
+
+def check_evidence(store, comparison_ids, command: str) -> None:
+    """Refuse (StoreError naming comparison, table and segment) when the evidence of any of
+    ``comparison_ids`` is incomplete: a verdict must never be read off the rows that are left."""
+    from capturestore.errors import StoreError
+
+    problems = evidence_problems(store, comparison_ids)
+    if problems:
+        more = f" (+{len(problems) - 1} more; run `capturestore verify`)" if len(problems) > 1 else ""
+        raise StoreError(f"{command}: evidence incomplete: {problems[0].message}{more}")
+
+
+def check_sealed(store, table: str, comparison_ids) -> None:
+    """Refuse rows for a committed comparison that has a manifest: its evidence is sealed."""
+    if not comparison_ids:
+        return
+    manifests = comparison_manifests(store) or {}
+    sealed = sorted(c for c in set(comparison_ids) if manifests.get(c))
+    if sealed:
+        raise ValueError(f"append_table {table}: comparison {sealed[0]} is committed and its evidence is sealed by "
+                         f"its manifest; rows added now would read as evidence it never judged (write a new "
+                         f"comparison)")
 
 
 def pid_is_alive(pid: int) -> bool:

@@ -542,6 +542,18 @@ class RemoteStore(Store):
         if self.storage.exists(segment):
             self.storage.remove([segment])
 
+    def segment_names(self, table: str) -> list[str]:
+        return [rel.rsplit("/", 1)[-1] for rel in self.storage.segment_rels(table)]
+
+    def read_segment(self, table: str, name: str) -> bytes:
+        return self.storage.read(f"{TABLES_DIR}/{table}/{name}")
+
+    def segment_comparison_ids(self, table: str, name: str) -> set[str] | None:
+        rel = f"{TABLES_DIR}/{table}/{name}"
+        if "comparison_id" not in self.storage.read_schema(rel).names:
+            return None
+        return set(self.storage.read_parquet(rel, ["comparison_id"]).column(0).to_pylist()) - {None}
+
     def _committed_comparison_ids(self) -> set[str] | None:
         out: set[str] = set()
         for rel in self.storage.segment_rels("comparisons"):
@@ -584,6 +596,7 @@ class RemoteStore(Store):
             raise ValueError(f"append_table {table}: a comparison_id is NULL; rows with a comparison_id column "
                              f"belong to a comparison (see docs/tables.md)")
         committed = self._committed_comparison_ids() or set()
+        integrity.check_sealed(self, table, sorted(ids & committed))
         for c in sorted(ids - committed):
             if not self.storage.exists(f"{PENDING_DIR}/{c}.json"):
                 raise ValueError(f"append_table {table}: comparison_id {c!r} is no committed comparison and none is "
@@ -728,8 +741,11 @@ class RemoteStore(Store):
 
     def verify(self) -> integrity.VerifyReport:
         """Segments readable, every committed run's arrays present with the catalogued shape and
-        dtype and every chunk's CRC32C, tokens as catalogued, leftovers of dead writers."""
-        return _verify(self)
+        dtype and every chunk's CRC32C, tokens as catalogued, leftovers of dead writers, every
+        committed comparison's segments against its manifest."""
+        report = _verify(self)
+        report.extend(integrity.evidence_problems(self))
+        return report
 
     def gc(self, dry_run: bool = False) -> list[str]:
         """Remove what writers whose lease ran out left: arrays, segments without a commit marker,

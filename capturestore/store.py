@@ -36,6 +36,7 @@ from capturestore.tables import (
     fsync_tree,
     read_table,
     rows_to_table,
+    segment_files,
     table_dir,
     write_segment,
 )
@@ -196,6 +197,26 @@ class Store:
         """Remove a segment ``append_table`` wrote (a comparison that failed before its marker)."""
         segment.unlink(missing_ok=True)
 
+    # ---- segments as bytes: what comparison manifests are checked against (integrity.evidence_problems)
+    def segment_names(self, table: str) -> list[str]:
+        """File names of ``table``'s segments."""
+        return [p.name for p in segment_files(self.root, table)]
+
+    def read_segment(self, table: str, name: str) -> bytes:
+        """The bytes of one segment of ``table``."""
+        return (table_dir(self.root, table) / name).read_bytes()
+
+    def segment_comparison_ids(self, table: str, name: str) -> set[str] | None:
+        """Comparison ids of one segment's rows (None: it has no ``comparison_id`` column)."""
+        from capturestore.tables import segment_comparison_ids
+
+        return segment_comparison_ids(table_dir(self.root, table) / name)
+
+    def check_evidence(self, comparison_ids, command: str = "check") -> None:
+        """StoreError naming comparison, table and segment when any of ``comparison_ids`` lacks
+        evidence its manifest lists, or has rows no manifest lists (integrity.evidence_problems)."""
+        integrity.check_evidence(self, comparison_ids, command)
+
     def _committed_comparison_ids(self) -> set[str] | None:
         from capturestore.tables import committed_comparison_ids
 
@@ -244,7 +265,10 @@ class Store:
         if table.num_rows == 0:
             raise ValueError(f"append_table {name}: no rows to append")
         if name != "comparisons" and "comparison_id" in table.column_names:
-            integrity.check_comparison_rows(self.root, name, table.column("comparison_id").unique().to_pylist())
+            ids = table.column("comparison_id").unique().to_pylist()
+            integrity.check_comparison_rows(self.root, name, ids)
+            integrity.check_sealed(self, name, [c for c in ids if c is not None and not integrity.writer_is_alive(
+                self.root / PENDING_DIR / f"{c}.json")])
         self._segment_schemas.setdefault(name, SegmentSchemas()).check(self.root, name, table)
         is_new = not table_dir(self.root, name).is_dir()
         path = write_segment(self.root, name, table)
@@ -499,8 +523,11 @@ class Store:
     # ---- maintenance -----------------------------------------------------------------------
     def verify(self) -> integrity.VerifyReport:
         """Checksums of every chunk, catalog-vs-array consistency, commit markers, Zarr group
-        metadata, catalog.duckdb against a rebuild, leftovers of dead writers; see integrity.verify."""
-        return integrity.verify(self.root)
+        metadata, catalog.duckdb against a rebuild, leftovers of dead writers, every committed
+        comparison's segments against its manifest; see integrity.verify."""
+        report = integrity.verify(self.root)
+        report.extend(integrity.evidence_problems(self))
+        return report
 
     def gc(self, dry_run: bool = False) -> list[str]:
         """Remove what dead writers left (arrays, segments of uncommitted runs and comparisons,

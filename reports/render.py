@@ -328,6 +328,7 @@ def _load(q: Queries, cid: str) -> tuple[dict, list[dict]]:
     row = q.comparison(cid) if q.has("comparisons", "comparison_id") else None
     if row is None:
         raise _unknown_comparison(q, cid)
+    q.store.check_evidence([cid], "report")  # never a page drawn from the rows that are left
     runs = q.runs(cid)
     gone = [f"{r['role']} run {r['run_id']}" for r in runs if not r["present"]]
     if gone:
