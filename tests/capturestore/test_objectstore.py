@@ -285,3 +285,53 @@ def test_a_corrupt_or_missing_object_is_named_by_read_and_verify(s3_url, sharded
     client.delete_object(Bucket=bucket, Key=vkeys[0])
     with pytest.raises(CorruptChunkError, match="array kv_v.*missing"):
         Store.open(s3_url, create=False).read_kv(run_id, pids[0])
+
+
+@pytest.mark.parametrize("how", ["deleted", "copied"])
+def test_a_comparisons_missing_or_copied_segment_fails_queries_diff_and_verify_on_a_bucket(s3_url, how, capsys):
+    """Issue 17: the manifest is checked on object storage as on disk (evidence_problems reads only
+    the store's segment listing and bytes; the views' guard is the same SQL)."""
+    import boto3
+
+    from capturestore.analysis import compare_runs
+    from capturestore.cli import main
+
+    store = Store.open(s3_url)
+
+    def run(scale, release=None, dtype="bfloat16"):  # the same prompts, K/V and logits scaled
+        with store.begin_run(engine="test", model_path="m", dtype=dtype, release=release) as w:
+            for i in range(2):
+                d = prompt_data(5, i)
+                pid = w.add_prompt(d["tokens"][:PROMPT_LEN], continuation=d["tokens"][PROMPT_LEN:])
+                w.write_kv(pid, (d["k"].astype(np.float32) * scale).astype(ml_dtypes.bfloat16),
+                           (d["v"].astype(np.float32) * scale).astype(ml_dtypes.bfloat16))
+                w.write_logits(pid, d["logits"] * scale)
+        return w.run_id
+
+    base, exp = run(1.0, dtype="float32"), run(1.001)
+    c1 = compare_runs(store, expected_run=exp, actual_run=run(1.002, "r1"), baseline_run=base)
+    c2 = compare_runs(store, expected_run=exp, actual_run=run(1.05, "r2"), baseline_run=base)
+    assert Store.open(s3_url, create=False).verify().ok
+    bucket, prefix = s3_url[len("s3://"):].split("/", 1)
+    client = boto3.client("s3")
+    segs = [k for k in bucket_keys(bucket) if k.startswith(f"{prefix}/tables/kv_head_metrics/")]
+    (seg,) = [k for k in segs if c2.comparison_id in
+              set(__import__("pyarrow.parquet", fromlist=["x"]).read_table(
+                  __import__("io").BytesIO(client.get_object(Bucket=bucket, Key=k)["Body"].read()),
+                  columns=["comparison_id"]).column(0).to_pylist())]
+    if how == "deleted":
+        client.delete_object(Bucket=bucket, Key=seg)
+    else:
+        client.copy_object(Bucket=bucket, Key=seg.replace(".parquet", "-copy.parquet"),
+                           CopySource={"Bucket": bucket, "Key": seg})
+    fresh = Store.open(s3_url, create=False)
+    with pytest.raises(QueryError, match=f"table kv_head_metrics, comparison {c2.comparison_id}: segment"):
+        fresh.sql(f"SELECT count(*) FROM kv_head_metrics WHERE comparison_id = '{c2.comparison_id}'")
+    n1 = fresh.sql(f"SELECT count(*) AS n FROM kv_head_metrics WHERE comparison_id = '{c1.comparison_id}'")
+    assert n1.to_pylist()[0]["n"] > 0
+    kinds = [p.kind for p in fresh.verify()]
+    assert kinds == [{"deleted": "missing-segment", "copied": "foreign-segment"}[how]]
+    capsys.readouterr()
+    assert main(["diff", c1.comparison_id, c2.comparison_id, "--store", s3_url]) == 2
+    err = capsys.readouterr().err
+    assert "evidence incomplete" in err and "kv_head_metrics" in err and len(err.strip().splitlines()) == 1
