@@ -197,21 +197,21 @@ def _manifest_guard(root, table: str, relative: bool, committed: str, body: str)
     prune it the way a constant NULL column is folded away; CASE keeps it unevaluated while the
     counts agree, and a filter on another comparison's id passes it by. Comparisons without a
     manifest (older ones) are not checked."""
-    want = (f"SELECT comparison_id, t, seg, n FROM (SELECT comparison_id, unnest(manifest_tables) AS t, "
-            f"unnest(manifest_segments) AS seg, unnest(manifest_rows) AS n FROM ({committed}) "
-            f"WHERE manifest_tables IS NOT NULL) WHERE t = {_quote_str(table)}")
+    # expected rows (w, one manifest entry: m) and rows present (h) per comparison and segment, summed
+    # over a UNION ALL: a filter on comparison_id passes through it into the segments' scan, whose
+    # row-group statistics then skip every other comparison's segments
+    want = (f"SELECT comparison_id, seg, n AS w, 0 AS h, 1 AS m FROM (SELECT comparison_id, "
+            f"unnest(manifest_tables) AS t, unnest(manifest_segments) AS seg, unnest(manifest_rows) AS n "
+            f"FROM ({committed}) WHERE manifest_tables IS NOT NULL) WHERE t = {_quote_str(table)}")
     manifested = f"SELECT comparison_id FROM ({committed}) WHERE manifest_tables IS NOT NULL"
-    have = (f"SELECT comparison_id, parse_filename(filename) AS seg, count(*) AS n "
-            f"FROM {_segments(root, table, relative, filename=True)} "
-            f"WHERE comparison_id IN ({manifested}) GROUP BY ALL")
-    why = (f"'table {table}, comparison ' || coalesce(w.comparison_id, h.comparison_id) || ': segment ' || "
-           f"coalesce(w.seg, h.seg) || CASE WHEN h.n IS NULL THEN ' is missing (its manifest lists ' || w.n || "
-           f"' rows)' WHEN w.n IS NULL THEN ' holds ' || h.n || ' rows of it but is in no manifest (a copied "
-           f"or foreign segment)' ELSE ' holds ' || h.n || ' rows where its manifest lists ' || w.n END || "
-           f"'; its evidence is incomplete (run capturestore verify)'")
-    guard = (f"SELECT coalesce(w.comparison_id, h.comparison_id) AS comparison_id, w.n IS DISTINCT FROM h.n AS bad, "
-             f"{why} AS why FROM ({want}) w "
-             f"FULL OUTER JOIN ({have}) h ON w.comparison_id = h.comparison_id AND w.seg = h.seg")
+    have = (f"SELECT comparison_id, parse_filename(filename) AS seg, 0 AS w, 1 AS h, 0 AS m "
+            f"FROM {_segments(root, table, relative, filename=True)} WHERE comparison_id IN ({manifested})")
+    counts = f"SELECT comparison_id, seg, sum(w) AS w, sum(h) AS h, sum(m) AS m FROM ({want} UNION ALL {have}) GROUP BY ALL"
+    why = (f"'table {table}, comparison ' || comparison_id || ': segment ' || seg || CASE WHEN h = 0 THEN "
+           f"' is missing (its manifest lists ' || w || ' rows)' WHEN m = 0 THEN ' holds ' || h || ' rows of it but "
+           f"is in no manifest (a copied or foreign segment)' ELSE ' holds ' || h || ' rows where its manifest lists ' "
+           f"|| w END || '; its evidence is incomplete (run capturestore verify)'")
+    guard = f"SELECT comparison_id, w <> h AS bad, {why} AS why FROM ({counts})"
     return (f"SELECT g.comparison_id, coalesce(COLUMNS(t.* EXCLUDE (comparison_id)), "
             f"CASE WHEN g.bad THEN error(g.why) END) FROM ({guard}) g "
             f"LEFT JOIN (SELECT * FROM ({body}) LIMIT 0) t ON false "
@@ -253,6 +253,9 @@ def connect_memory(root: Path) -> duckdb.DuckDBPyConnection:
         tables = _tables_dir(root) + ("/" if _remote(root) else os.sep)
         allowed = dict.fromkeys((tables, glob_escape(tables)))
         con.execute(f"SET allowed_directories = [{', '.join(_quote_str(d) for d in allowed)}]")
+        # footers are read once per connection and file version (DuckDB checks the file's modification
+        # time), not at every bind: a view binds its tables' segments several times (the manifest guard)
+        con.execute("SET parquet_metadata_cache = true")
         con.execute("SET enable_external_access = false")
         con.execute("SET lock_configuration = true")
     except duckdb.Error as e:  # fail closed: no query runs unconfined
@@ -327,13 +330,14 @@ _STATEMENT_NAMES = {"LOAD": "INSTALL/LOAD", "SET": "SET/RESET/USE", "VARIABLE_SE
 
 
 def run_query(con: duckdb.DuckDBPyConnection, sql: str, views: list[str] | None = None,
-              broken: dict[str, str] | None = None) -> pa.Table:
+              broken: dict[str, str] | None = None, params: dict | list | None = None) -> pa.Table:
     """Run ``sql`` (one or more SELECT statements; the last one's result) on a connect_memory connection.
 
     Raises QueryError in one line: a statement that is not a query is refused before any of
     ``sql`` runs; a file outside the store is refused by DuckDB; any other DuckDB error is named.
     ``views``: the store's views, named in the message when a query names an unknown table;
     ``broken``: {table: why} from add_views, added to the message of a failing query naming it.
+    ``params``: values bound by DuckDB (``$name`` with a dict, ``?`` with a list); one statement only.
     """
     import duckdb
 
@@ -345,19 +349,21 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str, views: list[str] | None 
         raise QueryError(f"SQL error: {_duckdb_message(e)}") from None
     if not statements:
         raise QueryError("no SQL statement given")
+    if params is not None and len(statements) != 1:
+        raise QueryError(f"params bind one statement; {len(statements)} given")
     for st in statements:
         if st.type != duckdb.StatementType.SELECT:
             kind = _STATEMENT_NAMES.get(st.type.name, st.type.name)
             raise QueryError(f"refused: {kind} statement; {_READ_ONLY}")
     for st in statements:  # a SELECT can still write: `WITH x AS (COPY ... TO f) SELECT 1` runs the COPY
         with _query_errors(con, st.query, views, broken):
-            writes = _writing_operators(con, st.query)
+            writes = _writing_operators(con, st.query, params)
         if writes:
             raise QueryError(f"refused: {writes[0]} inside a query (a COPY in a WITH clause); {_READ_ONLY}")
     table = pa.table({})
     for st in statements:  # the parsed statements themselves: exactly what was checked runs
         with _query_errors(con, st.query, views, broken):
-            rel = con.sql(st)
+            rel = con.sql(st) if params is None else con.sql(st.query, params=params)
             if rel is not None:
                 to_table = getattr(rel, "to_arrow_table", None) or rel.fetch_arrow_table  # duckdb >= 1.4 / older
                 table = to_table()
@@ -371,7 +377,7 @@ _WRITING_OPERATORS = {"INSERT", "BATCH_INSERT", "UPDATE", "DELETE", "MERGE_INTO"
                       "BATCH_CREATE_TABLE_AS", "EXPORT"}
 
 
-def _writing_operators(con: duckdb.DuckDBPyConnection, query: str) -> list[str]:
+def _writing_operators(con: duckdb.DuckDBPyConnection, query: str, params=None) -> list[str]:
     """The operators of ``query``'s physical plan that write, from DuckDB's own EXPLAIN (which
     plans without running anything)."""
     import json
@@ -383,7 +389,7 @@ def _writing_operators(con: duckdb.DuckDBPyConnection, query: str) -> list[str]:
         for child in node.get("children", []):
             walk(child)
 
-    for row in con.execute(f"EXPLAIN (FORMAT json) {query}").fetchall():
+    for row in con.execute(f"EXPLAIN (FORMAT json) {query}", params).fetchall():
         for node in json.loads(row[-1]):
             walk(node)
     return [n for n in names if n.endswith("COPY_TO_FILE") or n in _WRITING_OPERATORS]

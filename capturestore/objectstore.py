@@ -699,7 +699,7 @@ class RemoteStore(Store):
             return schema.empty_table()
         return pa.concat_tables(parts, promote_options="default")
 
-    def sql(self, query: str) -> pa.Table:
+    def sql(self, query: str, params: dict | list | None = None) -> pa.Table:
         """As Store.sql: read-only, confined to this store's ``tables/`` (the s3:// URL), views in memory."""
         from capturestore import catalog
 
@@ -713,7 +713,7 @@ class RemoteStore(Store):
             if todo:
                 self._con_broken = catalog.add_views(self._con, self.storage, todo)
                 self._con_tables = names
-            return catalog.run_query(self._con, query, names, self._con_broken)
+            return catalog.run_query(self._con, query, names, self._con_broken, params)
 
     def pending(self) -> list[dict[str, Any]]:
         out = []

@@ -471,14 +471,15 @@ class Store:
             self._require_run(run_id)
         return self._read_run_table("captures", run_id)
 
-    def sql(self, query: str) -> pa.Table:
+    def sql(self, query: str, params: dict | list | None = None) -> pa.Table:
         """Run a read-only query over the catalog views (runs, prompts, captures and every appended table).
 
         Only queries run (SELECT, WITH, FROM, DESCRIBE, ...; several separated by ``;`` return the
         last one's result), and they read only this store's ``tables/``: writing files, ATTACH,
         INSTALL/LOAD, SET/PRAGMA and CREATE/DROP are refused (docs/sql.md). A refused statement, a
         SQL error or an unreadable segment raises QueryError in one line naming why; a corrupt
-        segment fails only the queries that read its table.
+        segment fails only the queries that read its table. ``params``: values DuckDB binds
+        (``$name`` with a dict, ``?`` with a list), never spliced into the SQL text.
         """
         with self._con_lock:
             names = catalog.table_names(self.root)
@@ -490,7 +491,7 @@ class Store:
             if todo:  # views are created after the lockdown: they read only under tables/
                 self._con_broken = catalog.add_views(self._con, self.root, todo)
                 self._con_tables = names
-            return catalog.run_query(self._con, query, names, self._con_broken)
+            return catalog.run_query(self._con, query, names, self._con_broken, params)
 
     def show(self, run_id: str) -> dict[str, Any]:
         """One run: its runs row, and per prompt the arrays it holds."""

@@ -171,12 +171,13 @@ def test_rows_appended_to_a_sealed_comparison_are_refused(store_copy):
     assert store.verify().ok
 
 
-def test_check_evidence_names_the_missing_segment(store_copy):
+def test_check_evidence_names_the_missing_segment_and_altered_content(store_copy):
     root, ids = store_copy
     seg = _damage(root, ids["r2"], "deleted")
     store = Store.open(root)
     store.check_evidence([ids["r1"]])  # untouched
-    with pytest.raises(StoreError, match=f"comparison {ids['r2']}: table kv_head_metrics segment {seg.name} is missing"):
+    with pytest.raises(StoreError, match=f"diff: evidence incomplete: table kv_head_metrics, comparison {ids['r2']}: "
+                                         f"segment {seg.name} is missing"):
         store.check_evidence([ids["r2"]], "diff")
 
 
@@ -199,3 +200,21 @@ def test_a_store_path_with_glob_characters_reads_only_itself(built, tmp_path):
         assert con.execute("SELECT count(*) FROM comparisons").fetchone()[0] == 2
     finally:
         con.close()
+
+
+def test_content_altered_at_the_same_row_count_is_found_by_check_evidence_and_verify(store_copy):
+    """A rewritten segment with as many rows (values changed) passes the views' row-count guard;
+    its SHA-256 does not match the manifest."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    root, ids = store_copy
+    seg = _segment_of(root, "kv_head_metrics", ids["r2"])
+    t = pq.read_table(seg)
+    i = t.schema.get_field_index("k_l2")
+    pq.write_table(t.set_column(i, "k_l2", pc.multiply(t.column("k_l2"), 0.5)), seg)
+    store = Store.open(root)
+    with pytest.raises(StoreError, match=f"comparison {ids['r2']}: table kv_head_metrics segment {seg.name} "
+                                         f"differs from what the comparison wrote"):
+        store.check_evidence([ids["r2"]], "diff")
+    assert [p.kind for p in store.verify()] == ["altered-segment"]
