@@ -257,7 +257,8 @@ class Store:
 
     def append_table(self, name: str, rows: Any) -> Path:
         """Append rows (pyarrow.Table | list[dict] | dict of columns) as one atomically committed
-        Parquet segment of table ``name``; a catalog view ``name`` shows all its segments."""
+        Parquet segment of table ``name``; a catalog view ``name`` shows all its segments.
+        Returns the segment written (a path here, an object key on object storage)."""
         check_table_name(name)
         if name in RUN_TABLES:
             raise ValueError(f"append_table: {name!r} is written by runs only; pick another table name")
@@ -265,19 +266,29 @@ class Store:
         if table.num_rows == 0:
             raise ValueError(f"append_table {name}: no rows to append")
         if name != "comparisons" and "comparison_id" in table.column_names:
-            ids = table.column("comparison_id").unique().to_pylist()
-            integrity.check_comparison_rows(self.root, name, ids)
-            integrity.check_sealed(self, name, [c for c in ids if c is not None and not integrity.writer_is_alive(
-                self.root / PENDING_DIR / f"{c}.json")])
-        self._segment_schemas.setdefault(name, SegmentSchemas()).check(self.root, name, table)
-        is_new = not table_dir(self.root, name).is_dir()
-        path = write_segment(self.root, name, table)
+            self._check_comparison_rows(name, table.column("comparison_id").unique().to_pylist())
+        self._check_segment_types(name, table)
+        is_new = not self._table_exists(name)
+        path = self._write_segment(name, table)
         if is_new:
             try:
-                catalog.ensure_catalog_file(self.root)
+                self._refresh_catalog()
             except Exception:  # noqa: BLE001 - the file catalog catches up on the next open
                 pass
         return path
+
+    # the storage-specific checks of append_table (objectstore.RemoteStore has its own)
+    def _check_comparison_rows(self, table: str, comparison_ids) -> None:
+        """Rows of a comparison must belong to one being written or committed, and not sealed."""
+        integrity.check_comparison_rows(self.root, table, comparison_ids)
+        integrity.check_sealed(self, table, [c for c in comparison_ids if c is not None and not integrity.writer_is_alive(
+            self.root / PENDING_DIR / f"{c}.json")])
+
+    def _check_segment_types(self, name: str, table: pa.Table) -> None:
+        self._segment_schemas.setdefault(name, SegmentSchemas()).check(self.root, name, table)
+
+    def _table_exists(self, name: str) -> bool:
+        return table_dir(self.root, name).is_dir()
 
     # ---- reading ---------------------------------------------------------------------------
     def _require_run(self, run_id: str) -> None:
