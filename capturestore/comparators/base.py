@@ -230,7 +230,7 @@ class Comparator:
 
 # --------------------------------------------------------------------------- the comparisons table
 
-COMPARISONS_SCHEMA_VERSION = 3  # 2: localisation, failure_layer, failure_module, failure_token; 3: errored, comparator_runs
+COMPARISONS_SCHEMA_VERSION = 4  # 2: localisation, failure_layer, failure_module, failure_token; 3: errored, comparator_runs; 4: judged
 
 _TS = pa.timestamp("us", tz="UTC")
 # Before the comparators' fields (the order of today's row).
@@ -255,6 +255,7 @@ COMPARISONS_TAIL = (
     pa.field("failure_token", pa.int64()),
     pa.field("errored", pa.string()),  # JSON {comparator: traceback} of comparators that raised
     pa.field("comparator_runs", pa.string()),  # JSON {comparator: {role: run_id}} read instead of the row's runs
+    pa.field("judged", pa.list_(pa.string())),  # comparators whose verdict judged (passed or failed), e.g. logits, kv
 )
 
 
