@@ -32,6 +32,7 @@ propagates with its traceback (exit status 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import math
@@ -293,11 +294,69 @@ def cmd_run(args: argparse.Namespace) -> int:
     store = args.store
     if (store_root(store) / FORMAT_FILE).exists():  # an existing store must be writable before any capture
         _require_writable(_open(store), "run")
-    result = pipeline.run(args.model, args.prompts, target=args.target, num_tokens=args.num_tokens,
-                          release=args.release, store=store, plugins=args.plugins, modules=args.modules,
-                          tp=args.tp, quiet=args.quiet, label=args.label, fp8_scales=args.fp8_scales,
-                          from_task=args.from_task, task_reference=args.task_reference)
+    kwargs = dict(target=args.target, num_tokens=args.num_tokens, release=args.release, store=store,
+                  plugins=args.plugins, modules=args.modules, tp=args.tp, quiet=args.quiet, label=args.label,
+                  fp8_scales=args.fp8_scales, from_task=args.from_task, task_reference=args.task_reference)
+    if args.debug:  # the engines' and libraries' own output as it comes
+        result = pipeline.run(args.model, args.prompts, **kwargs)
+        return 0 if result.passed else 1
+    with _library_output_to_log() as (log, out, tty, bars):
+        try:
+            result = pipeline.run(args.model, args.prompts, out=out, progress_bar=tty, bar_file=bars, **kwargs)
+        except BaseException as e:
+            if log.stat().st_size:  # the one error line names where the engine's own words went
+                e.capturestore_log = str(log)
+            else:
+                log.unlink(missing_ok=True)
+            raise
+    log.unlink(missing_ok=True)
     return 0 if result.passed else 1
+
+
+@contextlib.contextmanager
+def _library_output_to_log():
+    """Engine and library output (vLLM's and transformers' log lines, warnings, C++ messages,
+    weight-loading bars) into a log file for the duration: the file descriptors 2 (and 1, where
+    ``sys.stdout`` is it) point at the log, while ``run``'s own lines go to the original stdout and
+    its progress bars to the original stderr. The log
+    is kept (named in the error line) when the run fails and writes something there. Yields
+    ``(log path, out(line), whether stdout is a terminal, bar stream)``."""
+    import tempfile
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # vLLM logs to stdout by default
+    fd, name = tempfile.mkstemp(prefix="capturestore-run-", suffix=".log")
+    redirect = [2]
+    try:
+        if sys.stdout.fileno() == 1:
+            redirect.append(1)
+    except (AttributeError, OSError, ValueError):  # a replaced sys.stdout (tests): leave it be
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = {n: os.dup(n) for n in redirect}
+    real_out = os.fdopen(os.dup(saved[1]), "w", buffering=1) if 1 in saved else sys.stdout
+    bars = os.fdopen(os.dup(saved[2]), "w", buffering=1)
+
+    def out(line: str) -> None:
+        print(line, file=real_out, flush=True)
+
+    try:
+        for n in redirect:
+            os.dup2(fd, n)
+        yield Path(name), out, real_out.isatty(), bars
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        for n, old in saved.items():
+            os.dup2(old, n)
+            os.close(old)
+        os.close(fd)
+        bars.close()
+        if real_out is not sys.stdout:
+            real_out.close()
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -526,7 +585,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _user_errors() as e:
         if args.debug:
             traceback.print_exc()
-        print(f"capturestore {args.command}: error: {error_line(e)}", file=sys.stderr)
+        log = getattr(e, "capturestore_log", None)
+        print(f"capturestore {args.command}: error: {error_line(e)}"
+              + (f" (engine and library output: {log})" if log else ""), file=sys.stderr)
         return 2
 
 

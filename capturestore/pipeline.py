@@ -430,8 +430,8 @@ class _Progress:
     """Stage lines, and per-capture progress over prompts and their tokens: a tqdm bar on a
     terminal, a few plain lines otherwise, nothing with ``quiet``."""
 
-    def __init__(self, out: Callable[[str], None], quiet: bool, bar: bool | None):
-        self.out, self.quiet = out, quiet
+    def __init__(self, out: Callable[[str], None], quiet: bool, bar: bool | None, bar_file=None):
+        self.out, self.quiet, self.bar_file = out, quiet, bar_file
         self.t0 = time.monotonic()
         self.bar = (out is print and sys.stdout.isatty()) if bar is None else bar
         self._current = None
@@ -448,7 +448,7 @@ class _Progress:
             from tqdm import tqdm
 
             self._current = tqdm(total=n_prompts * tokens_per_prompt, desc=desc, unit=unit, leave=False,
-                                 file=sys.stderr)
+                                 file=self.bar_file or sys.stderr)
             self._current.done = 0
         else:
             self._current = _Lines(self, desc, n_prompts)
@@ -594,7 +594,8 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
         store="capturestore-store", plugins=None, modules=None, tp: int = 1, quiet: bool = False,
         out: Callable[[str], None] = print, label: str | None = None, progress_bar: bool | None = None,
         engine_options: dict | None = None, engine_hook: Callable | None = None, fp8_scales=None,
-        fp8_platform: str | None = None, timings: dict | None = None, from_task=None, task_reference=None):
+        fp8_platform: str | None = None, timings: dict | None = None, from_task=None, task_reference=None,
+        bar_file=None):
     """The main job (module docstring); returns the ``ComparisonResult`` of the stored comparison.
 
     model: a Hugging Face model directory. prompts: a ``.txt`` / ``.jsonl`` file, or a sequence
@@ -611,7 +612,8 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
     engine_hook(llm, rows, say) -> dict: called once the vLLM engine runs, before the capture
     (e.g. to inject a proven fault); its dict is added to the target run's config.
     fp8_scales: a checkpoint directory / .safetensors of KV scales for ``hf-fp8-kv`` (default:
-    calibrated by absmax on the expected run's KV). timings: a dict receiving seconds per stage
+    calibrated by absmax on the expected run's KV). bar_file: the stream of the progress bars
+    (default sys.stderr; the CLI passes the terminal while library output goes to a log). timings: a dict receiving seconds per stage
     (``checks``, ``baseline``, ``expected``, ``target``, ``modules``, ``compare``, ``total``).
     Bad input raises ValueError before anything is written; an engine that cannot start raises
     ``EngineStartError``.
@@ -626,7 +628,7 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
     except ImportError as e:
         raise EngineStartError(f"the HF references need torch and transformers ({e}); install them: "
                                f"{INSTALL['hf']}") from None
-    progress = _Progress(out, quiet, progress_bar)
+    progress = _Progress(out, quiet, progress_bar, bar_file)
     from transformers.utils import logging as hf_logging
 
     hf_bars = hf_logging.is_progress_bar_enabled()

@@ -681,3 +681,36 @@ def test_prompt_files_split_at_newlines_only_drop_a_bom_and_the_prompt_text_is_s
     assert [t["text"] for t in actual] == ["page one\fstill line one", "line two"]
     picked = selected_prompts(s, where_prompts(s, r.comparison_id, "text LIKE 'line two%'"))
     assert picked == [r.prompt_ids[1]]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_an_engine_failing_after_the_references_leaves_no_run_no_store_and_one_line_on_stderr(model, prompt_file,
+                                                                                             tmp_path):
+    """Issue 17: an engine that could not start left 2 committed reference runs in a store it created,
+    and vLLM's own log lines came before the error. Now the references are rolled back, the store it
+    made is removed, and with --quiet stderr is the one error line (vLLM's output is in the log file
+    it names)."""
+    import subprocess
+    import sys
+
+    broken = tmp_path / "unknown-arch"
+    shutil.copytree(model, broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["architectures"] = ["NoSuchModelForCausalLM"]  # HF builds it by model_type; vLLM refuses it at start
+    (broken / "config.json").write_text(json.dumps(cfg))
+    store = tmp_path / "s"
+    r = subprocess.run([sys.executable, "-m", "capturestore.cli", "run", "--model", str(broken), "--prompts",
+                        str(prompt_file), "--target", "vllm", "--num-tokens", "2", "--store", str(store), "--quiet"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("capturestore run: error: target vllm: the engine failed to start"), \
+        r.stderr
+    assert not store.exists()
+    m = re.search(r"\(engine and library output: (\S+\.log)\)$", lines[0])
+    if m:  # whatever vLLM and transformers printed is kept there
+        from pathlib import Path
+
+        assert Path(m.group(1)).is_file()
+        Path(m.group(1)).unlink()
