@@ -101,40 +101,59 @@ def _json_safe(v: Any) -> Any:
     return v
 
 
-def _output_path(output: str | None, fmt: str) -> Path | None:
-    """``--output`` checked before any work: a writable file path (None: stdout)."""
+def _output_path(output: str | None, fmt: str, flag: str = "--output") -> Path | None:
+    """The output file option (``flag``: ``--output``, or ``--out`` of diff and history) checked
+    before any work: a writable file path (None: stdout)."""
     if fmt == "parquet" and not output:
-        raise ValueError("--format parquet needs --output FILE")
+        raise ValueError(f"--format parquet needs {flag} FILE")
     if output is None:
         return None
     if not output.strip():
-        raise ValueError("--output is empty; give a file path")
+        raise ValueError(f"{flag} is empty; give a file path")
     from capturestore.store import expand_path
 
-    out = expand_path(output, "--output")
+    out = expand_path(output, flag)
     if out.is_dir():
-        raise ValueError(f"--output {output} is a directory; give a file path")
+        raise ValueError(f"{flag} {output} is a directory; give a file path")
     parent = out.absolute().parent
     if not parent.is_dir():
-        raise ValueError(f"--output {output}: directory {parent} does not exist")
+        raise ValueError(f"{flag} {output}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--output {output}: directory {parent} is not writable ({_why_unwritable(parent)})")
+        raise ValueError(f"{flag} {output}: directory {parent} is not writable ({_why_unwritable(parent)})")
     return out
 
 
-def _write_file(out: Path, write: Callable[[str], None]) -> None:
-    """``write(path)`` into a temporary file next to ``out``, renamed into place: never half a file."""
+def _write_file(out: Path, write: Callable[[str], None], flag: str = "--output") -> None:
+    """``write(path)`` into a temporary file next to ``out``, renamed into place: never half a file.
+    A failure names ``out`` as the user gave it (``flag``), not the temporary file."""
     tmp = out.absolute().parent / f".{out.name}.{os.getpid()}.tmp"
     try:
         write(str(tmp))
         os.replace(tmp, out)
+    except OSError as e:
+        why = e.strerror or " ".join(str(e).replace(str(tmp), str(out)).split()) or type(e).__name__
+        raise ValueError(f"{flag} {out}: cannot be written ({why})") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # e.g. a directory (/proc) where nothing could be made
+            pass
 
 
 # ---- output formatting ------------------------------------------------------------------------
+def printable(s: str) -> str:
+    """``s`` with line breaks and other control characters escaped (``\\n``, ``\\x1b``, ``\\u2028``):
+    a stored label can never print a line of its own (``FAKE overall: PASS``) or move the cursor."""
+    import unicodedata
+
+    if not any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in s):
+        return s
+    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in ("Cc", "Zl", "Zp")
+                   else c for c in s)
+
+
 def _cell(v: Any, width: int = 40) -> str:
-    s = "NULL" if v is None else (json.dumps(v, default=str) if isinstance(v, (list, dict)) else str(v))
+    s = "NULL" if v is None else (json.dumps(v, default=str) if isinstance(v, (list, dict)) else printable(str(v)))
     return s if len(s) <= width else s[: width - 1] + "…"
 
 
@@ -153,12 +172,12 @@ def format_table(t: pa.Table, max_rows: int | None = None) -> str:
     return "\n".join(out)
 
 
-def write_result(t: pa.Table, fmt: str, output: str | None) -> None:
-    out = _output_path(output, fmt)
+def write_result(t: pa.Table, fmt: str, output: str | None, flag: str = "--output") -> None:
+    out = _output_path(output, fmt, flag)
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        _write_file(out, lambda p: pq.write_table(t, p))
+        _write_file(out, lambda p: pq.write_table(t, p), flag)
         return
     if fmt == "csv":
         import pyarrow.csv as pcsv
@@ -176,7 +195,7 @@ def write_result(t: pa.Table, fmt: str, output: str | None) -> None:
     else:
         text = format_table(t) + "\n"
     if out is not None:
-        _write_file(out, lambda p: Path(p).write_text(text))
+        _write_file(out, lambda p: Path(p).write_text(text), flag)
     else:
         sys.stdout.write(text)
 
@@ -202,7 +221,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(_json_safe(info), default=str, indent=1, allow_nan=False) + "\n")
         return 0
     for k, v in info["run"].items():
-        print(f"{k:>15}: {v}")
+        print(f"{k:>15}: {printable(str(v))}")
     print()
     caps = pa.Table.from_pylist(info["captures"])
     if caps.num_rows:
