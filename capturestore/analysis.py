@@ -166,8 +166,10 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     Refused with ``ValueError`` before anything is stored: runs of different ``model_hash``
     (unless ``allow_different_models``; the comparison row then records ``models_differ``), and
     a run whose KV lacks a layer the references hold. When the references hold KV of a prompt
-    and another run does not, the KV verdict is "not compared" and the comparison does not pass
-    (``kv=False`` compares logits only). A two-way comparison stores KV metrics but has no noise
+    and another run does not — or a reference (expected or baseline) holds no KV at all — the KV
+    verdict is "not compared" and the comparison does not pass (``kv=False`` compares logits
+    only): KV asked for and judged on nothing is never a pass. The row's ``judged`` lists the
+    comparators whose verdict judged evidence. A two-way comparison stores KV metrics but has no noise
     to judge them against: its KV verdict is "not judged" and it does not pass unless
     ``kv=False``. Non-finite actual KV where the references are finite fails the KV verdict
     (``metrics.verdict``).
@@ -282,7 +284,7 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
                                            None, None, c.localisation_rank)
 
     errored_verdicts()
-    for c in asked:  # asked for and judged nothing: not a pass (unless it only stores evidence)
+    for c in active:  # asked for (kv=True included) and judged nothing: not a pass (unless it only stores evidence)
         if verdicts[c.name] is None and getattr(c, "judges", True):
             verdicts[c.name] = Verdict(c.name, None, "judged nothing (its verdict is None)", None, None,
                                        c.localisation_rank)
@@ -323,6 +325,7 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
         "failure_token": None if loc is None else loc.token,
         "errored": json.dumps(errors) if errors else None,
         "comparator_runs": json.dumps(comparator_runs) if comparator_runs else None,
+        "judged": [name for name, v in verdicts.items() if v is not None and v.passed is not None],
     })
     spec = TableSpec(comparisons_schema([*_default_comparators(), *active]), COMPARISONS_SCHEMA_VERSION)
     commit_comparison(store, cid, staged, to_arrow([[row]], spec, "comparisons"))

@@ -32,6 +32,7 @@ propagates with its traceback (exit status 1).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import math
@@ -100,40 +101,59 @@ def _json_safe(v: Any) -> Any:
     return v
 
 
-def _output_path(output: str | None, fmt: str) -> Path | None:
-    """``--output`` checked before any work: a writable file path (None: stdout)."""
+def _output_path(output: str | None, fmt: str, flag: str = "--output") -> Path | None:
+    """The output file option (``flag``: ``--output``, or ``--out`` of diff and history) checked
+    before any work: a writable file path (None: stdout)."""
     if fmt == "parquet" and not output:
-        raise ValueError("--format parquet needs --output FILE")
+        raise ValueError(f"--format parquet needs {flag} FILE")
     if output is None:
         return None
     if not output.strip():
-        raise ValueError("--output is empty; give a file path")
+        raise ValueError(f"{flag} is empty; give a file path")
     from capturestore.store import expand_path
 
-    out = expand_path(output, "--output")
+    out = expand_path(output, flag)
     if out.is_dir():
-        raise ValueError(f"--output {output} is a directory; give a file path")
+        raise ValueError(f"{flag} {output} is a directory; give a file path")
     parent = out.absolute().parent
     if not parent.is_dir():
-        raise ValueError(f"--output {output}: directory {parent} does not exist")
+        raise ValueError(f"{flag} {output}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"--output {output}: directory {parent} is not writable ({_why_unwritable(parent)})")
+        raise ValueError(f"{flag} {output}: directory {parent} is not writable ({_why_unwritable(parent)})")
     return out
 
 
-def _write_file(out: Path, write: Callable[[str], None]) -> None:
-    """``write(path)`` into a temporary file next to ``out``, renamed into place: never half a file."""
+def _write_file(out: Path, write: Callable[[str], None], flag: str = "--output") -> None:
+    """``write(path)`` into a temporary file next to ``out``, renamed into place: never half a file.
+    A failure names ``out`` as the user gave it (``flag``), not the temporary file."""
     tmp = out.absolute().parent / f".{out.name}.{os.getpid()}.tmp"
     try:
         write(str(tmp))
         os.replace(tmp, out)
+    except OSError as e:
+        why = e.strerror or " ".join(str(e).replace(str(tmp), str(out)).split()) or type(e).__name__
+        raise ValueError(f"{flag} {out}: cannot be written ({why})") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # e.g. a directory (/proc) where nothing could be made
+            pass
 
 
 # ---- output formatting ------------------------------------------------------------------------
+def printable(s: str) -> str:
+    """``s`` with line breaks and other control characters escaped (``\\n``, ``\\x1b``, ``\\u2028``):
+    a stored label can never print a line of its own (``FAKE overall: PASS``) or move the cursor."""
+    import unicodedata
+
+    if not any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in s):
+        return s
+    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) in ("Cc", "Zl", "Zp")
+                   else c for c in s)
+
+
 def _cell(v: Any, width: int = 40) -> str:
-    s = "NULL" if v is None else (json.dumps(v, default=str) if isinstance(v, (list, dict)) else str(v))
+    s = "NULL" if v is None else (json.dumps(v, default=str) if isinstance(v, (list, dict)) else printable(str(v)))
     return s if len(s) <= width else s[: width - 1] + "…"
 
 
@@ -152,12 +172,12 @@ def format_table(t: pa.Table, max_rows: int | None = None) -> str:
     return "\n".join(out)
 
 
-def write_result(t: pa.Table, fmt: str, output: str | None) -> None:
-    out = _output_path(output, fmt)
+def write_result(t: pa.Table, fmt: str, output: str | None, flag: str = "--output") -> None:
+    out = _output_path(output, fmt, flag)
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        _write_file(out, lambda p: pq.write_table(t, p))
+        _write_file(out, lambda p: pq.write_table(t, p), flag)
         return
     if fmt == "csv":
         import pyarrow.csv as pcsv
@@ -175,7 +195,7 @@ def write_result(t: pa.Table, fmt: str, output: str | None) -> None:
     else:
         text = format_table(t) + "\n"
     if out is not None:
-        _write_file(out, lambda p: Path(p).write_text(text))
+        _write_file(out, lambda p: Path(p).write_text(text), flag)
     else:
         sys.stdout.write(text)
 
@@ -201,7 +221,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(_json_safe(info), default=str, indent=1, allow_nan=False) + "\n")
         return 0
     for k, v in info["run"].items():
-        print(f"{k:>15}: {v}")
+        print(f"{k:>15}: {printable(str(v))}")
     print()
     caps = pa.Table.from_pylist(info["captures"])
     if caps.num_rows:
@@ -293,11 +313,69 @@ def cmd_run(args: argparse.Namespace) -> int:
     store = args.store
     if (store_root(store) / FORMAT_FILE).exists():  # an existing store must be writable before any capture
         _require_writable(_open(store), "run")
-    result = pipeline.run(args.model, args.prompts, target=args.target, num_tokens=args.num_tokens,
-                          release=args.release, store=store, plugins=args.plugins, modules=args.modules,
-                          tp=args.tp, quiet=args.quiet, label=args.label, fp8_scales=args.fp8_scales,
-                          from_task=args.from_task, task_reference=args.task_reference)
+    kwargs = dict(target=args.target, num_tokens=args.num_tokens, release=args.release, store=store,
+                  plugins=args.plugins, modules=args.modules, tp=args.tp, quiet=args.quiet, label=args.label,
+                  fp8_scales=args.fp8_scales, from_task=args.from_task, task_reference=args.task_reference)
+    if args.debug:  # the engines' and libraries' own output as it comes
+        result = pipeline.run(args.model, args.prompts, **kwargs)
+        return 0 if result.passed else 1
+    with _library_output_to_log() as (log, out, tty, bars):
+        try:
+            result = pipeline.run(args.model, args.prompts, out=out, progress_bar=tty, bar_file=bars, **kwargs)
+        except BaseException as e:
+            if log.stat().st_size:  # the one error line names where the engine's own words went
+                e.capturestore_log = str(log)
+            else:
+                log.unlink(missing_ok=True)
+            raise
+    log.unlink(missing_ok=True)
     return 0 if result.passed else 1
+
+
+@contextlib.contextmanager
+def _library_output_to_log():
+    """Engine and library output (vLLM's and transformers' log lines, warnings, C++ messages,
+    weight-loading bars) into a log file for the duration: the file descriptors 2 (and 1, where
+    ``sys.stdout`` is it) point at the log, while ``run``'s own lines go to the original stdout and
+    its progress bars to the original stderr. The log
+    is kept (named in the error line) when the run fails and writes something there. Yields
+    ``(log path, out(line), whether stdout is a terminal, bar stream)``."""
+    import tempfile
+
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # vLLM logs to stdout by default
+    fd, name = tempfile.mkstemp(prefix="capturestore-run-", suffix=".log")
+    redirect = [2]
+    try:
+        if sys.stdout.fileno() == 1:
+            redirect.append(1)
+    except (AttributeError, OSError, ValueError):  # a replaced sys.stdout (tests): leave it be
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = {n: os.dup(n) for n in redirect}
+    real_out = os.fdopen(os.dup(saved[1]), "w", buffering=1) if 1 in saved else sys.stdout
+    bars = os.fdopen(os.dup(saved[2]), "w", buffering=1)
+
+    def out(line: str) -> None:
+        print(line, file=real_out, flush=True)
+
+    try:
+        for n in redirect:
+            os.dup2(fd, n)
+        yield Path(name), out, real_out.isatty(), bars
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        for n, old in saved.items():
+            os.dup2(old, n)
+            os.close(old)
+        os.close(fd)
+        bars.close()
+        if real_out is not sys.stdout:
+            real_out.close()
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -526,7 +604,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _user_errors() as e:
         if args.debug:
             traceback.print_exc()
-        print(f"capturestore {args.command}: error: {error_line(e)}", file=sys.stderr)
+        log = getattr(e, "capturestore_log", None)
+        print(f"capturestore {args.command}: error: {error_line(e)}"
+              + (f" (engine and library output: {log})" if log else ""), file=sys.stderr)
         return 2
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -524,11 +525,11 @@ def write_diff(store, r: DiffResult, fmt: str, out: str | None) -> None:
         return
     from capturestore.cli import _output_path, _write_file
 
-    target = _output_path(out, "json")
+    target = _output_path(out, "json", "--out")
     text = format_diff(r) + "\n" if fmt == "table" else json.dumps(_json(r.to_dict()), default=str, indent=1,
                                                                      allow_nan=False) + "\n"
     if target is not None:
-        _write_file(target, lambda p: Path(p).write_text(text))
+        _write_file(target, lambda p: Path(p).write_text(text), "--out")
     else:
         sys.stdout.write(text)
 
@@ -552,9 +553,22 @@ _DERIVED = {
 }
 
 
+def _same_directory(stored: str, given: str) -> bool:
+    """Whether the model path a run recorded and the one given name the same directory (a relative
+    path, ``~``, a symlink or a trailing slash of either resolved here)."""
+    if stored == given:
+        return True
+    try:
+        a, b = (os.path.realpath(os.path.expanduser(x)) for x in (stored, given))
+    except (OSError, ValueError):
+        return False
+    return a == b and os.path.isdir(a)
+
+
 def history(store, model: str, metric: str = "logit_sigma_ratio") -> pa.Table:
-    """``metric`` of every comparison whose actual run is of ``model`` (its model_path or
-    model_hash), oldest first: ``created_at, release, comparison_id, passed, <metric>``. ``metric``:
+    """``metric`` of every comparison whose actual run is of ``model``: its model_hash, or a path
+    naming the directory the run recorded (relative or absolute, resolved here), or a model
+    directory of the same content (its hash, when no path matches), oldest first: ``created_at, release, comparison_id, passed, <metric>``. ``metric``:
     a comparisons column, or ``kv_sigma_ratio`` (worst layer), ``kv_bc`` (lowest layer),
     ``module_sigma_ratio`` (worst module)."""
     rows = _comparisons(store)
@@ -571,9 +585,20 @@ def history(store, model: str, metric: str = "logit_sigma_ratio") -> pa.Table:
     else:
         choices = sorted(_DERIVED) + sorted(c for c in cols if c.endswith(("passed", "ratio", "bc")))
         raise ValueError(f"history: unknown metric {metric!r}; choose one of {', '.join(choices)}")
+    paths = {r["model_path"] for r in rows if r["model_path"] is not None and _same_directory(r["model_path"], model)}
+    hashes = {r["model_hash"] for r in rows if r["model_hash"] is not None}
+    if not paths and model not in hashes and os.path.isfile(os.path.join(os.path.expanduser(model), "config.json")):
+        from extractors.models import model_content_hash  # a copied or moved checkpoint: the same content
+
+        try:
+            model = model_content_hash(os.path.expanduser(model))
+        except Exception:  # noqa: BLE001 - unreadable weights: nothing matches, said below
+            pass
+    match = " OR ".join([f"r.model_path = {_q(model)}", f"r.model_hash = {_q(model)}",
+                         *(f"r.model_path = {_q(p)}" for p in sorted(paths))])
     t = store.sql(f"SELECT c.created_at, r.release, c.comparison_id, c.passed, {expr} AS {metric} "
                   f"FROM comparisons c JOIN runs r ON r.run_id = c.actual_run "
-                  f"WHERE r.model_path = {_q(model)} OR r.model_hash = {_q(model)} "
+                  f"WHERE {match} "
                   f"ORDER BY c.created_at, c.comparison_id")
     if not t.num_rows:
         models = sorted({f"{r['model_path']} ({r['model_hash']})" for r in rows})
@@ -599,10 +624,10 @@ def write_history(t: pa.Table, fmt: str, out: str | None) -> None:
         from capturestore.cli import _output_path, _write_file
 
         html = fig.to_html(include_plotlyjs=True, full_html=True)
-        target = _output_path(out, "html")
-        _write_file(target, lambda p: Path(p).write_text(html))
+        target = _output_path(out, "html", "--out")
+        _write_file(target, lambda p: Path(p).write_text(html), "--out")
         print(target)
         return
     from capturestore.cli import write_result
 
-    write_result(t, fmt, out)
+    write_result(t, fmt, out, "--out")

@@ -139,7 +139,10 @@ def resolve_plugins(names, target: Target) -> list[str]:
 
 
 def check_model_dir(path) -> tuple[Path, dict]:
-    """``(path, text config)`` of a Hugging Face model directory, or ValueError naming what is missing."""
+    """``(path, text config)`` of a Hugging Face model directory, or ValueError naming what is
+    missing: config.json (JSON, with ``model_type``, ``vocab_size``, ``num_hidden_layers``),
+    weights (every ``.safetensors`` file whole). The config is the effective one (transformers'
+    defaults filled in: ``effective_config``)."""
     from capturestore.store import expand_path
 
     p = expand_path(str(path), "--model")
@@ -156,11 +159,105 @@ def check_model_dir(path) -> tuple[Path, dict]:
         raise ValueError(f"--model {cfg_file}: not a JSON object")
     if not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
         raise ValueError(f"--model {p}: no weights (*.safetensors or *.bin)")
-    text = cfg.get("text_config") or cfg
+    raw = cfg.get("text_config") or cfg
     for key in ("vocab_size", "num_hidden_layers"):
-        if not isinstance(text.get(key), int):
+        if not isinstance(raw.get(key), int):
             raise ValueError(f"--model {cfg_file}: no integer {key!r}")
+    if not isinstance(cfg.get("model_type"), str) or not cfg["model_type"]:
+        raise ValueError(f"--model {cfg_file}: no \"model_type\" (transformers cannot tell which model it is)")
+    text = effective_config(p)
+    for f in sorted(p.glob("*.safetensors")):
+        _check_safetensors(f)
     return p, text
+
+
+def effective_config(path: Path) -> dict:
+    """The text config transformers runs the model with (``AutoConfig.from_pretrained``, which fills
+    in defaults such as ``max_position_embeddings`` that the raw ``config.json`` may lack), as a dict."""
+    from transformers import AutoConfig
+
+    try:
+        conf = AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 - whatever transformers says about the config, in one line
+        msg = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"--model {path / 'config.json'}: transformers cannot read it ({msg})") from None
+    text = conf.get_text_config() if hasattr(conf, "get_text_config") else conf
+    return text.to_dict()
+
+
+def model_context(cfg: dict) -> int | None:
+    """The model's context in tokens from its effective config (None: the config states none)."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(cfg.get(key), int) and not isinstance(cfg.get(key), bool) and cfg[key] > 0:
+            return cfg[key]
+    return None
+
+
+def _check_safetensors(f: Path) -> None:
+    """A ``.safetensors`` file whose header parses and whose tensors' bytes are all there (read
+    without loading them), else ValueError in one line: a truncated or corrupt download."""
+    import struct
+
+    from safetensors import safe_open
+
+    size = f.stat().st_size
+    try:
+        with f.open("rb") as fh:
+            n = struct.unpack("<Q", fh.read(8))[0] if size >= 8 else None
+            header = json.loads(fh.read(n)) if n is not None and 8 + n <= size else None
+        if not isinstance(header, dict):
+            raise ValueError("its header is cut off")
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end > size:
+            raise ValueError(f"it holds {size} bytes, its header describes {8 + n + end}: truncated")
+        with safe_open(str(f), framework="pt") as sf:
+            list(sf.keys())
+    except Exception as e:  # noqa: BLE001 - SafetensorError, JSON, struct: one line naming the file
+        msg = " ".join(str(e).split())[:200] or type(e).__name__
+        raise ValueError(f"--model {f}: not a readable safetensors file ({msg}); re-download or re-save the "
+                         f"checkpoint") from None
+
+
+def check_module_patterns(model_path: Path, patterns) -> list[str]:
+    """The modules ``patterns`` name in the model, matched against the module names of its
+    skeleton built on the meta device (no weights read, nothing allocated); ValueError naming a
+    pattern that matches none, before anything is captured."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from extractors.modules import resolve_modules
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_path)))
+    except Exception as e:  # noqa: BLE001 - an architecture transformers cannot build, in one line
+        msg = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"--model {model_path}: transformers cannot build a causal LM of it ({msg})") from None
+    names = [n for n, _ in model.named_modules() if n]
+    return resolve_modules(names, patterns, where="--modules")
+
+
+def check_engine_can_start(target) -> None:
+    """What can be probed of the vLLM engine's start without starting it: installed, and a
+    ``VLLM_CPU_KVCACHE_SPACE`` (GiB) it can allocate on this machine. EngineStartError in one line."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        raise EngineStartError(f"target vllm: vLLM is not installed; install it: {INSTALL['vllm']}")
+    space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+    if space is None or not space.strip():
+        return
+    try:
+        gib = float(space)
+    except ValueError:
+        raise EngineStartError(f"target vllm: VLLM_CPU_KVCACHE_SPACE={space!r} is not a number of GiB") from None
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        return
+    if not 0 <= gib < total:
+        raise EngineStartError(f"target vllm: VLLM_CPU_KVCACHE_SPACE={space} GiB of KV cache cannot be allocated on "
+                               f"this machine ({total:.0f} GiB of memory): the engine cannot start; lower it")
 
 
 @dataclass(frozen=True)
@@ -176,8 +273,9 @@ class Prompt:
 
 def read_prompt_file(path) -> list[Prompt]:
     """Prompts of a ``.txt`` (one per line; blank lines skipped) or ``.jsonl`` file (one JSON
-    object per line: ``"prompt"`` text or ``"token_ids"``, optional ``"id"``). ValueError names
-    the file and line of anything malformed, and an empty file."""
+    object per line: ``"prompt"`` text or ``"token_ids"``, optional ``"id"``); lines end at
+    ``\n`` or ``\r\n`` only, a leading UTF-8 BOM is dropped. ValueError names the file and line
+    of anything malformed, and an empty file."""
     from capturestore.store import expand_path
 
     p = expand_path(str(path), "--prompts")
@@ -188,9 +286,12 @@ def read_prompt_file(path) -> list[Prompt]:
         raise ValueError(f"--prompts {p}: unknown prompt file type {p.suffix!r}; use .txt (one prompt per line) "
                          f"or .jsonl ({{\"prompt\": ...}} or {{\"token_ids\": [...]}} per line)")
     try:
-        lines = p.read_text(encoding="utf-8").splitlines()
+        text = p.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"--prompts {p}: not UTF-8 text (byte {e.start})") from None
+    # Lines end at \n or \r\n only: str.splitlines() also splits at U+2028, form feeds, ... which a
+    # JSON string or a prompt may hold. A UTF-8 byte-order mark is not part of the first prompt.
+    lines = [line.removesuffix("\r") for line in text.removeprefix("\ufeff").split("\n")]
     out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -301,7 +402,7 @@ def _token_rows(model_path: Path, cfg: dict, prompts: list[Prompt], num_tokens: 
             raise ValueError(f"--model {model_path}: its tokenizer cannot be loaded ({str(e).splitlines()[0]}); "
                              f"the prompt of {first.where} is text (give \"token_ids\" in a .jsonl file instead)")
     vocab = int(cfg["vocab_size"])
-    context = cfg.get("max_position_embeddings")
+    context = model_context(cfg)
     rows, seen = [], {}
     for p in prompts:
         row = list(p.token_ids) if p.token_ids is not None else list(next(encoded))
@@ -313,7 +414,7 @@ def _token_rows(model_path: Path, cfg: dict, prompts: list[Prompt], num_tokens: 
             raise ValueError(f"{name}: token id {bad[0]} is outside the model's vocabulary [0, {vocab})")
         if isinstance(context, int) and len(row) + num_tokens > context:
             raise ValueError(f"{name}: the prompt is {len(row)} tokens; with {num_tokens} teacher tokens it is longer "
-                             f"than the model's context of {context} (max_position_embeddings)")
+                             f"than the model's context of {context} (its effective max_position_embeddings)")
         pid = prompt_id(row)
         if pid in seen:
             raise ValueError(f"{name}: the same prompt (token ids) as {seen[pid]}; give each prompt once")
@@ -329,8 +430,8 @@ class _Progress:
     """Stage lines, and per-capture progress over prompts and their tokens: a tqdm bar on a
     terminal, a few plain lines otherwise, nothing with ``quiet``."""
 
-    def __init__(self, out: Callable[[str], None], quiet: bool, bar: bool | None):
-        self.out, self.quiet = out, quiet
+    def __init__(self, out: Callable[[str], None], quiet: bool, bar: bool | None, bar_file=None):
+        self.out, self.quiet, self.bar_file = out, quiet, bar_file
         self.t0 = time.monotonic()
         self.bar = (out is print and sys.stdout.isatty()) if bar is None else bar
         self._current = None
@@ -347,7 +448,7 @@ class _Progress:
             from tqdm import tqdm
 
             self._current = tqdm(total=n_prompts * tokens_per_prompt, desc=desc, unit=unit, leave=False,
-                                 file=sys.stderr)
+                                 file=self.bar_file or sys.stderr)
             self._current.done = 0
         else:
             self._current = _Lines(self, desc, n_prompts)
@@ -400,26 +501,40 @@ class _Lines:
 
 class _ProgressStore:
     """The store, with every run begun through it reporting each prompt it adds (the capture
-    functions add a prompt once its engine work is done), so progress needs no capture hook."""
+    functions add a prompt once its engine work is done), so progress needs no capture hook;
+    each prompt given as text is stored with it (``prompts.text``, whatever the capture), and
+    every run it begins is named in ``begun`` (the runs this invocation wrote)."""
 
-    def __init__(self, store, progress: _Progress):
-        self._store, self._progress = store, progress
+    def __init__(self, store, progress: _Progress, texts: dict | None = None):
+        self._store, self._progress, self._texts = store, progress, texts or {}
+        self.begun: list[str] = []
+        self.appended: list = []  # segments appended through it (task analysis), removed on a roll-back
 
     def begin_run(self, *args, **kwargs):
-        return _ProgressRun(self._store.begin_run(*args, **kwargs), self._progress)
+        run = self._store.begin_run(*args, **kwargs)
+        self.begun.append(run.run_id)
+        return _ProgressRun(run, self._progress, self._texts)
+
+    def append_table(self, name, rows):
+        segment = self._store.append_table(name, rows)
+        self.appended.append(segment)
+        return segment
 
     def __getattr__(self, name):
         return getattr(self._store, name)
 
 
 class _ProgressRun:
-    def __init__(self, run, progress: _Progress):
-        self._run, self._progress = run, progress
+    def __init__(self, run, progress: _Progress, texts: dict):
+        self._run, self._progress, self._texts = run, progress, texts
 
-    def add_prompt(self, *args, **kwargs):
-        pid = self._run.add_prompt(*args, **kwargs)
-        cont = kwargs.get("continuation")
-        self._progress.prompt_done(0 if cont is None else len(cont))
+    def add_prompt(self, token_ids, text=None, continuation=None):
+        if text is None and self._texts:
+            from capturestore.writer import prompt_id
+
+            text = self._texts.get(prompt_id([int(t) for t in token_ids]))
+        pid = self._run.add_prompt(token_ids, text=text, continuation=continuation)
+        self._progress.prompt_done(0 if continuation is None else len(continuation))
         return pid
 
     def __enter__(self):
@@ -479,7 +594,8 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
         store="capturestore-store", plugins=None, modules=None, tp: int = 1, quiet: bool = False,
         out: Callable[[str], None] = print, label: str | None = None, progress_bar: bool | None = None,
         engine_options: dict | None = None, engine_hook: Callable | None = None, fp8_scales=None,
-        fp8_platform: str | None = None, timings: dict | None = None, from_task=None, task_reference=None):
+        fp8_platform: str | None = None, timings: dict | None = None, from_task=None, task_reference=None,
+        bar_file=None):
     """The main job (module docstring); returns the ``ComparisonResult`` of the stored comparison.
 
     model: a Hugging Face model directory. prompts: a ``.txt`` / ``.jsonl`` file, or a sequence
@@ -496,7 +612,8 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
     engine_hook(llm, rows, say) -> dict: called once the vLLM engine runs, before the capture
     (e.g. to inject a proven fault); its dict is added to the target run's config.
     fp8_scales: a checkpoint directory / .safetensors of KV scales for ``hf-fp8-kv`` (default:
-    calibrated by absmax on the expected run's KV). timings: a dict receiving seconds per stage
+    calibrated by absmax on the expected run's KV). bar_file: the stream of the progress bars
+    (default sys.stderr; the CLI passes the terminal while library output goes to a log). timings: a dict receiving seconds per stage
     (``checks``, ``baseline``, ``expected``, ``target``, ``modules``, ``compare``, ``total``).
     Bad input raises ValueError before anything is written; an engine that cannot start raises
     ``EngineStartError``.
@@ -511,7 +628,7 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
     except ImportError as e:
         raise EngineStartError(f"the HF references need torch and transformers ({e}); install them: "
                                f"{INSTALL['hf']}") from None
-    progress = _Progress(out, quiet, progress_bar)
+    progress = _Progress(out, quiet, progress_bar, bar_file)
     from transformers.utils import logging as hf_logging
 
     hf_bars = hf_logging.is_progress_bar_enabled()
@@ -544,6 +661,13 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
         raise ValueError(f"--num-tokens must be an integer >= 1, got {num_tokens!r}")
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"--tp must be an integer >= 1, got {tp!r}")
+    from capturestore.writer import check_label
+
+    for what, text in (("--release", release), ("--label", label)):
+        if text is not None:
+            if not isinstance(text, str):
+                raise ValueError(f"{what} must be text, got {text!r}")
+            check_label(text, what)
     tgt = target if isinstance(target, Target) else parse_target(target)
     if tp != 1 and tgt.kind != "vllm":
         raise ValueError(f"--tp {tp}: tensor parallelism is for --target vllm, not {tgt}")
@@ -555,15 +679,19 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
         raise ValueError("--modules is given but no plugin compares module tensors (add --plugins ...,modules)")
     patterns = _patterns(modules)
     model_path, cfg = check_model_dir(model)
+    if "tensors" in needs:
+        check_module_patterns(model_path, patterns)
     given, analysis = prompts() if callable(prompts) else (_as_prompts(prompts), None)
     rows = _token_rows(model_path, cfg, given, num_tokens)
-    import importlib.util
-
-    if tgt.kind == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise EngineStartError(f"target vllm: vLLM is not installed; install it: {INSTALL['vllm']}")
+    if tgt.kind == "vllm":
+        check_engine_can_start(tgt)
     from extractors.models import model_content_hash
 
-    model_hash = model_content_hash(model_path)
+    try:
+        model_hash = model_content_hash(model_path)
+    except Exception as e:  # noqa: BLE001 - weights that cannot be read: one line, nothing written
+        msg = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"--model {model_path}: its weights cannot be read ({type(e).__name__}: {msg})") from None
     server_capture = None
     if tgt.kind == "vllm-server":  # reachable, and serving this model, before anything is written
         check_server, server_capture = _server_capture()
@@ -579,11 +707,82 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     from capturestore.writer import prompt_id
 
     pids = [prompt_id(r) for r in rows]
+    fresh = _fresh_local_store(store)
     st = Store.open(store)
     tm["checks"] = time.perf_counter() - t_start
     say(f"store {st.root}: {len(rows)} prompts, lengths {[len(r) for r in rows]}, {num_tokens} tokens each; "
         f"model {model_path} (hash {model_hash[:12]}); target {tgt}; plugins {', '.join(names)}")
-    pstore = _ProgressStore(st, progress)
+    texts = {pid: p.text for pid, p in zip(pids, given) if p.text is not None}
+    pstore = _ProgressStore(st, progress, texts)
+    references: list[str] = []  # complete reference runs (reusable): an interrupted run keeps them
+    try:
+        result, reused = _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns, model_path, cfg,
+                                      model_hash, rows, pids, given, analysis, num_tokens, release, label, tp,
+                                      engine_options, engine_hook, server_capture, scales, fp8_platform, references)
+    except BaseException as e:
+        _roll_back(st, pstore, references, interrupted=isinstance(e, KeyboardInterrupt), fresh=fresh, say=say)
+        raise
+    tm["total"] = time.perf_counter() - t_start
+    _print_result(out, result, reused, st, tgt)
+    return result
+
+
+def _fresh_local_store(store) -> bool:
+    """Whether ``store`` is a local path holding no store yet (``run`` creates it, and removes it
+    again when it fails)."""
+    from capturestore.layout import FORMAT_FILE
+    from capturestore.objectstore import is_url
+    from capturestore.store import store_root
+
+    if is_url(str(store)):
+        return False
+    return not (store_root(str(store).removeprefix("file://")) / FORMAT_FILE).exists()
+
+
+def _roll_back(st, pstore, references: list, *, interrupted: bool, fresh: bool, say) -> None:
+    """Undo what a failed invocation committed (docs/run.md "A run that fails commits nothing"):
+    every run it began and committed, newest first, and the task-analysis segments it appended; a
+    store it created is removed when nothing else is in it. Interrupted (Ctrl-C), the complete
+    reference runs it captured are kept, so the next invocation reuses them and resumes. Runs of
+    earlier invocations are never touched (reused ones are not in ``pstore.begun``)."""
+    import shutil
+
+    from capturestore.errors import StoreError
+
+    keep = set(references) if interrupted else set()
+    committed = st._committed_ids()
+    undone, kept = [], []
+    for rid in reversed(pstore.begun):
+        if rid not in committed:
+            continue  # aborted by its writer: nothing of it is catalogued
+        if rid in keep:
+            kept.append(rid)
+            continue
+        try:
+            st.remove_run(rid)
+            undone.append(rid)
+        except (StoreError, OSError) as e:  # used by another comparison meanwhile, or unremovable: say so
+            say(f"could not roll back run {rid}: {' '.join(str(e).split())}")
+    for seg in reversed(pstore.appended):
+        try:
+            st._remove_written(seg)
+        except OSError:
+            pass
+    if undone:
+        say(f"rolled back the {len(undone)} run(s) this invocation committed: {', '.join(reversed(undone))}")
+    if kept:
+        say(f"interrupted: kept the complete reference run(s) {', '.join(reversed(kept))} (the next run reuses them)")
+    if fresh and not kept and isinstance(st.root, Path) and not st._committed_ids() and not st.pending():
+        if not any(p.name[:1] not in ("_", ".") for p in (st.root / "tables").rglob("*.parquet")):
+            shutil.rmtree(st.root, ignore_errors=True)  # the store this invocation created, holding nothing
+
+
+def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns, model_path, cfg, model_hash,
+                         rows, pids, given, analysis, num_tokens, release, label, tp, engine_options, engine_hook,
+                         server_capture, scales, fp8_platform, references: list):
+    """Steps 2-4 of ``run``: references, the target, one comparison. Appends each complete reference
+    run to ``references`` as it is found or captured. Returns ``(ComparisonResult, reused)``: which
+    references were reused, for the output."""
     reused: dict = {}
     if label is None:
         label = f"{tgt} {release}" if release else str(tgt)
@@ -591,18 +790,20 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     if analysis is not None:  # stored, and named by the target run: its report shows the Tasks tab
         from capturestore.tasks import store_task_analysis
 
-        target_config["task_analysis_id"] = store_task_analysis(st, analysis, label)
+        target_config["task_analysis_id"] = store_task_analysis(pstore, analysis, label)
         say(f"lm-eval task analysis {target_config['task_analysis_id']}: {len(given)} deviated prompts to analyse")
 
     # 2. references
     base, reused["baseline"] = _reference(
         st, pstore, progress, tm, "baseline", "HF FP32 baseline", "greedy continuation = teacher tokens",
         model_path, model_hash, "float32", rows, pids, num_tokens, teacher=None)
+    references.append(base)
     teacher = {p: st.read_tokens(base, p) for p in pids}
     teacher_rows = [teacher[p][len(r):].tolist() for p, r in zip(pids, rows)]
     exp, reused["expected"] = _reference(
         st, pstore, progress, tm, "expected", f"HF {_dt(tgt.dtype)} expected", "teacher-forced",
         model_path, model_hash, tgt.dtype, rows, pids, num_tokens, teacher=teacher)
+    references.append(exp)
 
     # 3. the target
     t0 = time.perf_counter()
@@ -610,7 +811,7 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     if tgt.kind == "vllm":
         act, mod_act = _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, release, tp,
                                      "kv" in needs, patterns if "tensors" in needs else None, engine_options or {},
-                                     engine_hook, tm, cfg.get("max_position_embeddings"), target_config)
+                                     engine_hook, tm, model_context(cfg), target_config)
     elif tgt.kind == "vllm-server":
         progress.begin(f"target {tgt}", len(rows), num_tokens)
         say(f"capturing target {tgt} (teacher-forced prompt logprobs)")
@@ -631,7 +832,7 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     say(f"target {tgt}: run {act} captured")
     if mod_act is not None:
         mod_runs = _module_references(st, pstore, progress, tm, model_path, model_hash, rows, pids, mod_act,
-                                      tgt.dtype)
+                                      tgt.dtype, references)
         reused["module references"] = mod_runs.pop("reused")
 
     # 4. one comparison
@@ -646,9 +847,7 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
                           progress=progress.compare_callback(len(pids)))
     progress.end()
     tm["compare"] = time.perf_counter() - t0
-    tm["total"] = time.perf_counter() - t_start
-    _print_result(out, result, reused, st, tgt)
-    return result
+    return result, reused
 
 
 def _dt(dtype: str) -> str:
@@ -832,7 +1031,8 @@ def _capture_fp8(st, pstore, progress, model_path, exp, rows, teacher_rows, rele
     return rid
 
 
-def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, pids, mod_act, dtype) -> dict:
+def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, pids, mod_act, dtype,
+                       references: list) -> dict:
     """HF FP32 and ``dtype`` (the target's) module runs on the target module run's tokens, over its
     modules (reused when the store holds them). Returns ``{"baseline", "expected", "actual", "reused"}``."""
     from capturestore.analysis import find_reference_run
@@ -858,6 +1058,7 @@ def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, p
             rid = capture_hf_module_run(pstore, model_path, rows, teach, order, dtype=dtype)
             progress.end()
         out[role] = rid
+        references.append(rid)
     tm["module references"] = time.perf_counter() - t0
     out["reused"] = reused
     return out

@@ -546,6 +546,36 @@ class Store:
         pending and temp files); returns what was removed. A live writer is never touched."""
         return integrity.gc(self.root, dry_run=dry_run)
 
+    def remove_run(self, run_id: str) -> None:
+        """Uncommit and delete committed run ``run_id``: its ``runs`` segment (the commit marker)
+        first, so no reader ever sees a committed run with missing data, then its ``prompts`` and
+        ``captures`` segments and its arrays (a crash midway leaves what ``gc`` removes).
+        StoreError, removing nothing, when it is not a committed run or a committed comparison
+        uses it. ``capturestore run`` rolls back with it the runs a failed invocation committed."""
+        import re
+
+        if not isinstance(run_id, str) or not re.fullmatch(r"[0-9A-Za-z_.-]+", run_id) or \
+                run_id not in self._committed_ids():
+            raise StoreError(f"remove_run: {run_id!r} is not a committed run of {self.root}")
+        comparisons = self._committed_comparison_ids()
+        if comparisons is None:
+            raise StoreError(f"remove_run: a comparisons segment of {self.root} is unreadable, so which comparisons use "
+                             f"run {run_id} is unknown; it stays (run capturestore verify)")
+        used = [] if not comparisons else self.sql(f"SELECT comparison_id FROM comparisons WHERE '{run_id}' IN (baseline_run, expected_run, "
+                        f"actual_run) OR coalesce(comparator_runs, '') LIKE '%\"{run_id}\"%' LIMIT 3").to_pylist()
+        if used:
+            raise StoreError(f"remove_run: run {run_id} is used by comparison(s) "
+                             f"{', '.join(r['comparison_id'] for r in used)}; it stays")
+        self._remove_segment("runs", run_id)  # uncommitted from here on
+        self._committed.discard(run_id)
+        for table in ("captures", "prompts"):
+            self._remove_segment(table, run_id)
+        self._remove_run_arrays(run_id)
+        try:
+            self._refresh_catalog()
+        except Exception:  # noqa: BLE001 - the file catalog is a convenience; queries never need it
+            pass
+
     def rebuild_catalog(self) -> Path:
         """Rebuild catalog.duckdb from tables/ alone. StoreError when it cannot be written, or
         names the tables whose segments are unreadable (their views in the new file raise that)."""

@@ -319,6 +319,15 @@ def analyse_tasks(results, reference=None, *, thresholds: dict | None = None,
         if unknown:
             raise ValueError(f"--threshold {unknown[0]}: no task of {results} has that metric "
                              f"(metrics: {', '.join(sorted(keys))})")
+    for name in sorted(set(target) & set(ref or {})):  # samples paired by (doc_id, filter): none pairing is no check
+        ts, rs = target[name].samples, ref[name].samples
+        if ts and rs and not set(ts) & set(rs):
+            def span(keys):
+                docs = sorted({d for d, _ in keys})
+                return f"doc_id {docs[0]}-{docs[-1]}, filter {', '.join(sorted({f for _, f in keys}))}"
+            raise ValueError(f"reference {reference}: task {name}: none of its {len(rs)} samples pairs with one of "
+                             f"the target's {len(ts)} by (doc_id, filter) (reference {span(rs)}; target {span(ts)}); "
+                             f"it is a run of other documents, so no sample could be compared")
     out = TaskAnalysis(str(results), None if reference is None else str(reference), thresholds, tolerance)
     out.missing_in_target = sorted(set(ref) - set(target)) if ref is not None else []
     for name in sorted(target, key=lambda n: (target[n].is_group, target[n].group_name or n, n)):

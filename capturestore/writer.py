@@ -703,6 +703,17 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + os.urandom(4).hex()
 
 
+def check_label(label: str, what: str) -> str:
+    """A label printed on one line (a release): ValueError when it holds a line break or another
+    control character, which would let a label print a line of its own (``FAKE overall: PASS``)."""
+    import unicodedata
+
+    bad = next((c for c in label if unicodedata.category(c) in ("Cc", "Zl", "Zp")), None)
+    if bad is not None:
+        raise ValueError(f"{what} {label!r} holds a control character or line break ({bad!r}); give a one-line label")
+    return label
+
+
 def run_meta(engine: str, model_path: str, model_hash: str | None, dtype: str, device: str,
              engine_version: str | None, tp_degree: int, release: str | None, config: Any) -> dict[str, Any]:
     """Validated metadata of a run; ValueError naming the bad field."""
@@ -712,6 +723,8 @@ def run_meta(engine: str, model_path: str, model_hash: str | None, dtype: str, d
     for what, val in (("model_hash", model_hash), ("engine_version", engine_version), ("release", release)):
         if val is not None and not isinstance(val, str):
             raise ValueError(f"begin_run: {what} must be a string or None, got {val!r}")
+    if release is not None:
+        check_label(release, "begin_run: release")
     if not isinstance(tp_degree, (int, np.integer)) or isinstance(tp_degree, bool) or tp_degree < 1:
         raise ValueError(f"begin_run: tp_degree must be a positive integer, got {tp_degree!r}")
     try:

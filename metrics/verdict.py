@@ -36,9 +36,11 @@ With ``prompt_lens`` the same verdict is also given for prefill and decode posit
 Broken evidence never passes:
 - a value that is non-finite in the actual run where both references are finite (a finite BF16
   error, a non-finite target error) fails its tensor, counted in ``n_nonfinite`` and named in
-  ``KVVerdict.nonfinite``; the one exemption is a prompt's last position when the actual holds
-  no finite value there (an engine never feeds the last teacher token back, so never writes its
-  KV). NaN where the references are NaN too (sliding-window fill) is excluded, not failed, and so
+  ``KVVerdict.nonfinite``; the one exemption, for an actual run that declares it never feeds the
+  last token back (``last_never_fed=True``: a decode-path or greedy capture samples the last
+  teacher token, so never writes its KV), is a prompt's last position where the actual holds no
+  finite value. A run that does write that position (a prefill over prompt + teacher tokens)
+  gets no exemption: NaN there is broken evidence like anywhere else. NaN where the references are NaN too (sliding-window fill) is excluded, not failed, and so
   is any value where a reference is not finite (an inf there would count as infinite noise);
 - a tensor with no value finite in all three runs is unjudged (``passed`` None); a layer with
   an unjudged or failing part does not pass, and neither does a verdict with such a layer.
@@ -405,13 +407,13 @@ def _both(a, b):
     return True
 
 
-def _nonfinite_counts(base, tgt):
+def _nonfinite_counts(base, tgt, last_never_fed: bool = False):
     """[positions, layer] counts of non-finite target errors where the BF16 error is finite, i.e.
-    actual non-finite where expected and baseline are finite. A last position where the actual
-    holds no finite value is exempt (never fed back, so never written)."""
+    actual non-finite where expected and baseline are finite. With ``last_never_fed`` a last
+    position where the actual holds no finite value is exempt (never fed back, so never written)."""
     with np.errstate(invalid="ignore"):
         counts = np.count_nonzero(~np.isfinite(tgt) & np.isfinite(base), axis=-1)
-    if counts.shape[0]:
+    if last_never_fed and counts.shape[0]:
         unwritten = np.all(np.isnan(tgt[-1]), axis=-1)  # [layer]
         counts[-1, unwritten] = 0
     return counts
@@ -440,6 +442,7 @@ def aggregate_kv_verdict(
     rows=None,
     prompt_ids=None,
     run: str | None = None,
+    last_never_fed: bool = False,
 ) -> KVVerdict:
     """KV verdict over prompts (see module docstring for the rule).
 
@@ -448,7 +451,9 @@ def aggregate_kv_verdict(
     ``KVRawErrors``. prompt_lens: optional, one per prompt; adds ``.prefill`` (positions before
     the prompt end) and ``.decode`` verdicts. rows: batch rows of ``KVRawErrors`` to pool
     (default: all; upstream-shaped lists have one). prompt_ids (one per entry) and run (the
-    actual run) only name where non-finite values were found.
+    actual run) only name where non-finite values were found. last_never_fed: the actual run
+    never feeds each prompt's last token back (its KV there is exempt when wholly unwritten);
+    False (default) for a run that writes every position.
     """
     cfg = config or KVVerdictConfig()
     if isinstance(all_raw_errors, KVRawErrors):
@@ -467,7 +472,7 @@ def aggregate_kv_verdict(
         use_rows = (rows if rows is not None else range(raw.base_k.shape[0])) if isinstance(raw, KVRawErrors) else [0]
         for r in use_rows:
             arrs = _raw_arrays(raw, layers, r)
-            bad = (_nonfinite_counts(arrs[0], arrs[2]), _nonfinite_counts(arrs[1], arrs[3]))
+            bad = (_nonfinite_counts(arrs[0], arrs[2], last_never_fed), _nonfinite_counts(arrs[1], arrs[3], last_never_fed))
             chunks.append((*arrs, *bad))
             plens.append(None if prompt_lens is None else int(prompt_lens[pi]))
             label = prompt_ids[pi] if prompt_ids is not None else pi

@@ -231,7 +231,7 @@ class Comparator:
 # --------------------------------------------------------------------------- the comparisons table
 
 COMPARISONS_SCHEMA_VERSION = 4  # 2: localisation, failure_layer, failure_module, failure_token; 3: errored,
-#                                 comparator_runs; 4: manifest_tables/_segments/_rows/_sha256
+#                                 comparator_runs; 4: judged, manifest_tables/_segments/_rows/_sha256
 
 _TS = pa.timestamp("us", tz="UTC")
 # Before the comparators' fields (the order of today's row).
@@ -256,6 +256,7 @@ COMPARISONS_TAIL = (
     pa.field("failure_token", pa.int64()),
     pa.field("errored", pa.string()),  # JSON {comparator: traceback} of comparators that raised
     pa.field("comparator_runs", pa.string()),  # JSON {comparator: {role: run_id}} read instead of the row's runs
+    pa.field("judged", pa.list_(pa.string())),  # comparators whose verdict judged (passed or failed), e.g. logits, kv
     # the segments the comparison wrote, one entry per segment (integrity.commit_comparison fills them)
     pa.field("manifest_tables", pa.list_(pa.string())),
     pa.field("manifest_segments", pa.list_(pa.string())),

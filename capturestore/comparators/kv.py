@@ -5,7 +5,8 @@ Tables: ``kv_head_metrics`` (prompt x position x layer x KV head, columns as
 target's vs BF16's absolute errors), ``kv_gen_bc`` (BC per generation index and layer, errors of
 all prompts pooled) and ``kv_layer_verdicts`` (the pooled per-layer verdict numbers). Verdict:
 ``metrics.verdict.aggregate_kv_verdict``; two-way has no noise to judge against ("not judged"),
-an actual run without the references' KV is "not compared": neither passes.
+an actual run without the references' KV, or a reference without KV, is "not compared": neither
+passes.
 """
 from __future__ import annotations
 
@@ -72,18 +73,23 @@ def kv_coverage(runs: dict, prompt_ids, kv_names: dict) -> str | None:
     """Check the KV layers of every prompt before anything is computed or stored.
 
     The references are the expected run and (three-way) the baseline. Returns None when every
-    prompt the references hold KV of has KV in every run, or the reason the KV cannot be
-    compared (a run lacks a prompt's KV). Raises ValueError naming run, prompt and layers when a
+    run holds KV of every prompt, or the reason the KV cannot be compared (a reference or the
+    actual run lacks a prompt's KV). Raises ValueError naming run, prompt and layers when a
     run holds KV but lacks a layer the references hold."""
     refs = [r for r in ("baseline", "expected") if r in runs]
+    for role in refs:  # KV asked for, absent from a reference: nothing to judge it against, never a pass
+        lacking = [pid for pid in prompt_ids if (runs[role], pid) not in kv_names]
+        if lacking:
+            return (f"{role} run {runs[role]} holds no KV for {len(lacking)} of the {len(prompt_ids)} compared "
+                    f"prompt(s) ({', '.join(lacking[:3])}{'...' if len(lacking) > 3 else ''}): the reference has "
+                    f"no KV to judge the actual run's against; capture it with KV, or compare logits only with "
+                    f"kv=False (CLI: --no-kv)")
     missing = []
     for pid in prompt_ids:
         ref_layers = {}  # layer -> the reference roles holding it
         for role in refs:
             for name in _all_layers(kv_names.get((runs[role], pid))):
                 ref_layers.setdefault(name, []).append(role)
-        if (runs["expected"], pid) not in kv_names:
-            continue  # the expected run holds no KV of this prompt: nothing to compare it with
         for role, rid in runs.items():
             if (rid, pid) not in kv_names:
                 missing.append((role, rid, pid))
@@ -103,6 +109,24 @@ def kv_coverage(runs: dict, prompt_ids, kv_names: dict) -> str | None:
     return (f"{role} run {rid} holds no KV for {len(pids)} prompt(s) ({', '.join(pids[:3])}"
             f"{'...' if len(pids) > 3 else ''}) whose KV the expected run {runs['expected']} holds; "
             f"compare logits only with kv=False (CLI: --no-kv)")
+
+
+# Captures whose engine samples the last token and never feeds it back, so never writes its KV
+# (capturestore.capture.CAPTURE_MODES); a prefill over prompt + teacher tokens writes every position.
+NEVER_FEEDS_LAST_TOKEN = ("teacher_forced_decode", "greedy")
+
+
+def actual_never_feeds_last_token(store, run_id: str) -> bool:
+    """Whether run ``run_id`` declares (its config's ``capture``) that it never feeds each prompt's
+    last token back: only then is an unwritten (NaN) last KV position exempt from the verdict."""
+    import json
+
+    rows = [r for r in store.runs().to_pylist() if r["run_id"] == run_id]
+    try:
+        config = json.loads(rows[0].get("config") or "{}") if rows else {}
+    except json.JSONDecodeError:
+        return False
+    return isinstance(config, dict) and config.get("capture") in NEVER_FEEDS_LAST_TOKEN
 
 
 def read_kv_layers(store, run_id, pid, groups: dict) -> dict:
@@ -141,6 +165,7 @@ class KVComparator(Comparator):
     def prepare(self, context: ComparisonContext) -> None:
         super().prepare(context)
         self.names = kv_layer_names(context.store, context.runs)
+        self.last_never_fed = actual_never_feeds_last_token(context.store, context.runs["actual"])
         self.not_compared = kv_coverage(context.runs, context.prompt_ids, self.names)
         if self.not_compared is not None:
             self.names = {}  # judge no prompt's KV rather than some of them
@@ -206,7 +231,8 @@ class KVComparator(Comparator):
                 "kv=False (CLI: --no-kv) to judge logits only", self.config)
         if self.raw_errors:
             v = aggregate_kv_verdict(self.raw_errors, prompt_lens=self.prompt_lens, config=self.config,
-                                     prompt_ids=self.prompt_ids, run=self.context.runs["actual"])
+                                     prompt_ids=self.prompt_ids, run=self.context.runs["actual"],
+                                     last_never_fed=self.last_never_fed)
             layers, gk, gv = aggregate_kv_bc_arrays(self.raw_errors, self.prompt_lens)
             G, L = gk.shape
             g_idx, l_idx = np.meshgrid(np.arange(G), np.arange(L), indexing="ij")

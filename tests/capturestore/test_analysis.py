@@ -251,8 +251,9 @@ def test_a_comparison_that_judged_nothing_is_not_stored_as_passed(synthetic):
 # ----------------------------------------------------------------------------- broken evidence
 
 
-def _write_run_as(store, prompts, kv_fn, logit_fn, layers=LAYERS, model_hash="h0", with_kv=True):
-    with store.begin_run(engine="synthetic", model_path="/m", model_hash=model_hash, dtype="bfloat16") as run:
+def _write_run_as(store, prompts, kv_fn, logit_fn, layers=LAYERS, model_hash="h0", with_kv=True, config=None):
+    with store.begin_run(engine="synthetic", model_path="/m", model_hash=model_hash, dtype="bfloat16",
+                         config=config) as run:
         for i, (p, c) in enumerate(prompts):
             pid = run.add_prompt(p, continuation=c)
             if with_kv:
@@ -280,19 +281,22 @@ def test_actual_nan_where_the_references_are_finite_fails_and_is_named(synthetic
     assert not res.passed and not res.kv_verdict.passed
     assert res.kv_verdict.first_failing_layer == LAYERS[1]
     pid0 = res.prompt_ids[0]
-    n0 = H * D * (len(prompts[0][0]) + len(prompts[0][1]) - 1)  # all but the exempt last position
+    n0 = H * D * (len(prompts[0][0]) + len(prompts[0][1]))  # every position: this run declares no unfed last one
     summary = res.kv_verdict.summary()
     assert f"actual run {act}, prompt {pid0}, layer {LAYERS[1]} K: {n0} non-finite values" in summary
     rows = {r["layer"]: r for r in _stored(store, res.comparison_id)["kv_layer_verdicts"]}
     assert rows[LAYERS[1]]["k_passed"] is False and rows[LAYERS[1]]["passed"] is False
-    assert rows[LAYERS[1]]["k_nonfinite"] == sum(H * D * (len(p) + len(c) - 1) for p, c in prompts)
+    assert rows[LAYERS[1]]["k_nonfinite"] == sum(H * D * (len(p) + len(c)) for p, c in prompts)
     assert rows[LAYERS[0]]["passed"] is True and rows[LAYERS[0]]["k_nonfinite"] == 0
     cmp = _stored(store, res.comparison_id)["comparisons"][0]
     assert cmp["passed"] is False and cmp["kv_passed"] is False and cmp["kv_first_failing_layer"] == LAYERS[1]
     assert "non-finite" in cmp["kv_summary"]
 
 
-def test_an_unwritten_last_position_alone_still_passes(synthetic):
+def test_an_unwritten_last_position_passes_only_for_a_run_that_declares_it_never_feeds_it(synthetic):
+    """A decode-path capture samples the last teacher token and never feeds it back: its KV there
+    is NaN and exempt. A run that writes that position (a prefill over prompt + teacher tokens, or
+    one that says nothing) with NaN at every prompt's last position fails: issue 17 (it passed)."""
     store, prompts, kv, logits, base, exp, actual = synthetic
 
     def never_fed(i, s):
@@ -301,8 +305,19 @@ def test_an_unwritten_last_position_alone_still_passes(synthetic):
         v[:, :, -1] = np.nan
         return k, v
 
-    res = compare_runs(store, expected_run=exp, actual_run=actual(kv_fn=never_fed), baseline_run=base)
+    logit_fn = lambda i, n: _bf16(logits[i])  # noqa: E731
+    decode = _write_run_as(store, prompts, never_fed, logit_fn, config={"capture": "teacher_forced_decode"})
+    res = compare_runs(store, expected_run=exp, actual_run=decode, baseline_run=base)
     assert res.passed, res.kv_verdict.summary()
+    for config in ({"capture": "teacher_forced_prefill"}, None):
+        act = _write_run_as(store, prompts, never_fed, logit_fn, config=config)
+        res = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base)
+        assert not res.passed and res.kv_verdict.passed is False, config
+        assert res.kv_verdict.first_failing_layer == LAYERS[0]
+        rows = {r["layer"]: r for r in _stored(store, res.comparison_id)["kv_layer_verdicts"]}
+        assert [rows[n]["k_nonfinite"] for n in LAYERS] == [len(prompts) * H * D] * 3
+        assert f"actual run {act}, prompt {res.prompt_ids[0]}, layer {LAYERS[0]} K: {H * D} non-finite" in \
+            res.kv_verdict.summary()
 
 
 def test_a_layer_the_actual_run_lacks_is_refused_by_name_before_anything_is_stored(synthetic):
@@ -333,6 +348,37 @@ def test_an_actual_run_without_kv_is_not_compared_and_does_not_pass(synthetic, c
     assert main([*args, "--no-kv"]) == 0  # logits only, as asked
     assert "overall: PASS" in capsys.readouterr().out
     assert compare_runs(store, expected_run=exp, actual_run=no_kv, baseline_run=base, kv=False).passed
+
+
+@pytest.mark.parametrize("lacking", ["expected", "baseline"])
+def test_kv_asked_for_and_absent_from_a_reference_is_not_compared_and_holds_the_comparison_back(synthetic, capsys,
+                                                                                               lacking):
+    """Issue 17: a reference without KV (e.g. a module-capture run found as the reference) gave KV
+    verdict None and a PASS on logits alone. Now KV is "not compared", the row's ``judged`` says
+    only logits were judged, and --no-kv (KV not asked for) still passes."""
+    from capturestore.cli import main
+
+    store, prompts, kv, logits, base, exp, actual = synthetic
+    dtype_logits = (lambda i, n: logits[i]) if lacking == "baseline" else (lambda i, n: _bf16(logits[i]))
+    ref = _write_run_as(store, prompts, None, dtype_logits, with_kv=False)
+    roles = {"baseline_run": base, "expected_run": exp, **{f"{lacking}_run": ref}}
+    act = actual()
+    res = compare_runs(store, actual_run=act, **roles)
+    assert res.verdicts["logits"].passed is True and res.verdicts["kv"].passed is None and not res.passed
+    summary = res.kv_verdict.summary()
+    assert summary.startswith("not compared") and f"{lacking} run {ref} holds no KV for 2 of the 2" in summary
+    cmp = _stored(store, res.comparison_id)["comparisons"][0]
+    assert cmp["passed"] is False and cmp["kv_passed"] is None and cmp["judged"] == ["logits"]
+    args = ["compare", "--store", str(store.root), "--expected", roles["expected_run"], "--baseline",
+            roles["baseline_run"], "--actual", act]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "KV verdict: not compared" in out and "overall: FAIL" in out
+    assert main([*args, "--no-kv"]) == 0  # logits only, as asked
+    assert "overall: PASS" in capsys.readouterr().out
+    ok = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base)
+    assert ok.passed
+    assert _stored(store, ok.comparison_id)["comparisons"][0]["judged"] == ["logits", "kv"]
 
 
 def test_a_stored_pass_never_summarises_an_unjudged_part(synthetic):

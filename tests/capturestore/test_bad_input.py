@@ -157,6 +157,10 @@ def test_bad_run_metadata_and_table_names(store):
         store.begin_run(engine="hf", model_path="m", compression="gzip")
     with pytest.raises(ValueError, match="config must be JSON-serialisable"):
         store.begin_run(engine="hf", model_path="m", config={"x": object()})
+    for label in ("r2\nFAKE overall: PASS", "r2\rx", "r2\x1b[2K", "r2\u2028x"):  # issue 17: it printed a line of its own
+        with pytest.raises(ValueError, match=r"begin_run: release .* holds a control character or line break"):
+            store.begin_run(engine="hf", model_path="m", release=label)
+    store.begin_run(engine="hf", model_path="m", release="v0.32 (rc1) · ünïcode").abort()  # printable: fine
     with pytest.raises(ValueError, match="is written by runs only"):
         store.append_table("runs", [{"a": 1}])
     with pytest.raises(ValueError, match="must be an identifier"):

@@ -10,6 +10,7 @@ import sys
 from typing import Sequence
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -324,3 +325,85 @@ def test_json_output_writes_nan_and_infinity_as_null(filled, capsys):
     out = capsys.readouterr().out
     assert json.loads(out, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == \
         [{"a": None, "b": None, "c": [1.5, None], "d": 2.5}]
+
+
+# ---- issue 17: labels printed as they are, output paths named as given, models found by any path ----
+@pytest.fixture
+def releases_of_a_model(tmp_path):
+    """A real tiny model copied to ``tmp/work/models/m``; references and two releases' actual runs
+    recorded with the relative model path ``models/m`` (as `run` records a path given relative to
+    its working directory), compared logits-only; then the r2 run's release rewritten in its commit
+    segment to hold a newline (a store written before labels were validated)."""
+    import shutil
+
+    from capturestore.analysis import compare_runs
+    from extractors.models import model_content_hash, tiny_model
+
+    work = tmp_path / "work"
+    model = work / "models" / "m"
+    shutil.copytree(tiny_model("llama-mha", seed=5), model)
+    mhash = model_content_hash(model)
+    store = Store.open(tmp_path / "store")
+    rng = np.random.default_rng(3)
+    prompts = [([1, 5, 9, 11], [4, 4, 7]), ([1, 20, 30], [8, 2, 6])]
+    logits = [rng.standard_normal((3, 64)).astype(np.float32) for _ in prompts]
+
+    def run(dtype, release=None):
+        with store.begin_run(engine="hf", model_path="models/m", model_hash=mhash, dtype=dtype,
+                             release=release) as w:
+            for (p, c), lg in zip(prompts, logits):
+                w.write_logits(w.add_prompt(p, continuation=c), lg)
+        return w.run_id
+
+    exp = run("float32")
+    cids = [compare_runs(store, expected_run=exp, actual_run=run("float32", rel), kv=False).comparison_id
+            for rel in ("r1", "r2")]
+    r2 = store.sql(f"SELECT actual_run FROM comparisons WHERE comparison_id = '{cids[1]}'").column(0)[0].as_py()
+    seg = store.root / "tables" / "runs" / f"{r2}.parquet"
+    t = pq.read_table(seg)
+    t = t.set_column(t.schema.get_field_index("release"), "release",
+                     pa.array(["r2\nFAKE overall: PASS"], pa.string()))
+    pq.write_table(t, seg)
+    return store, work, model, cids
+
+
+def test_a_label_holding_a_newline_is_printed_escaped_by_runs_and_history(releases_of_a_model):
+    store, work, model, cids = releases_of_a_model
+    for args in (["runs"], ["history", "--model", str(model), "--metric", "passed"]):
+        r = _cli(*args, "--store", str(store.root), cwd=work)
+        assert r.returncode == 0, r.stderr
+        assert not any(line.lstrip().startswith("FAKE") for line in r.stdout.splitlines()), r.stdout
+        assert "r2\\nFAKE overall: PASS" in r.stdout, r.stdout
+
+
+def test_history_finds_a_model_by_any_path_naming_its_directory_or_by_its_content(releases_of_a_model, tmp_path):
+    """The runs recorded ``models/m`` (relative): before issue 17 only that exact string matched."""
+    store, work, model, cids = releases_of_a_model
+    copy = tmp_path / "elsewhere" / "same-weights"
+    import shutil
+
+    shutil.copytree(model, copy)
+    for given, cwd in ((str(model), work), ("./models/m/", work), (str(model), tmp_path), (str(copy), tmp_path),
+                       ("models/m", work)):
+        r = _cli("history", "--model", given, "--metric", "passed", "--store", str(store.root), cwd=cwd)
+        assert r.returncode == 0, (given, cwd, r.stderr)
+        assert [c for c in cids if c in r.stdout] == cids, (given, r.stdout)
+    r = _cli("history", "--model", str(tmp_path / "nope"), "--store", str(store.root), cwd=work)
+    assert r.returncode == 2 and "no comparison of model" in _one_error_line(r.stderr, "history")
+
+
+def test_diff_and_history_output_errors_name_the_out_option_and_the_users_path(releases_of_a_model, tmp_path):
+    store, work, model, cids = releases_of_a_model
+    r = _cli("history", "--model", "models/m", "--metric", "passed", "--format", "html", "--out", "/proc/x.html",
+             "--store", str(store.root), cwd=work)
+    line = _one_error_line(r.stderr, "history")
+    assert r.returncode == 2 and line.startswith("capturestore history: error: --out /proc/x.html: "), line
+    assert ".tmp" not in line and not os.path.exists("/proc/x.html")
+    r = _cli("history", "--model", "models/m", "--metric", "passed", "--format", "json", "--out",
+             str(tmp_path / "no-dir" / "h.json"), "--store", str(store.root), cwd=work)
+    line = _one_error_line(r.stderr, "history")
+    assert f"--out {tmp_path / 'no-dir' / 'h.json'}: directory {tmp_path / 'no-dir'} does not exist" in line, line
+    r = _cli("diff", cids[0], cids[1], "--format", "json", "--out", str(tmp_path / "no-dir" / "d.json"),
+             "--store", str(store.root))
+    line = _one_error_line(r.stderr, "diff")
+    assert f"--out {tmp_path / 'no-dir' / 'd.json'}: directory" in line and "--output" not in line, line

@@ -350,7 +350,8 @@ def test_real_hf_module_captures_a_decode_only_fault_regresses_at_its_module_in_
     lo, lb = (store.read_logits(r, pid, as_torch=True).float().numpy() for r in (ok, bad))
     assert np.array_equal(lo[0], lb[0]) and np.abs(lo[1:] - lb[1:]).max() > 0.01  # prefill untouched, decode moved
     for actual in (ok, bad):
-        compare_runs(store, expected_run=exp, actual_run=actual, baseline_run=base, comparators=["modules"])
+        compare_runs(store, expected_run=exp, actual_run=actual, baseline_run=base, comparators=["modules"],
+                     kv=False)  # module runs hold no KV: asked for, it would be "not compared" (no pass)
     r = diff(store, "r1", "r2")
     assert r.regression
     mv = {(c.module, c.phase): c for c in r.verdict_changes if c.check == "module"}

@@ -178,7 +178,28 @@ def _bad_cases(model, tmp):
     ok = tmp / "ok.txt"
     ok.write_text("a prompt\n")
     url = f"http://127.0.0.1:{_free_port()}"
+    no_type = _model_copy(model, tmp / "no-model-type", drop="model_type")
+    no_context = _model_copy(model, tmp / "no-context", drop="max_position_embeddings")
+    truncated = _model_copy(model, tmp / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])
     return {
+        # issue 17: each of these was refused only after the store was made (or not at all)
+        "no model_type": (["--model", no_type, "--prompts", ok], r"config.json: no \"model_type\""),
+        "unbounded tokens": (["--model", no_context, "--prompts", ok, "--num-tokens", 1000000000],
+                             r"ok.txt line 1: the prompt is \d+ tokens; with 1000000000 teacher tokens it is longer "
+                             r"than the model's context of 2048 \(its effective max_position_embeddings\)"),
+        "truncated weights": (["--model", truncated, "--prompts", ok], r"model.safetensors: not a readable safetensors "
+                                                                          r"file \(it holds \d+ bytes, its header "
+                                                                          r"describes \d+: truncated\)"),
+        "modules matching nothing": (["--model", model, "--prompts", ok, "--target", "hf:bfloat16", "--plugins",
+                                      "logits,kv,modules", "--modules", "nomatch.*"],
+                                     r"--modules: module pattern 'nomatch.\*' matches no module of the model; "
+                                     r"closest: \[.*'model.layers'"),
+        "a release label of two lines": (["--model", model, "--prompts", ok, "--target", "hf:bfloat16", "--release",
+                                          "r1\nFAKE overall: PASS"],
+                                         r"--release 'r1\\nFAKE overall: PASS' holds a control character or line "
+                                         r"break"),
         "missing model": (["--model", tmp / "nope", "--prompts", ok], "--model .*nope: no such directory"),
         "no config": (["--model", no_cfg, "--prompts", ok], "no-config: no config.json"),
         "bad config": (["--model", bad_cfg, "--prompts", ok], r"config.json: not valid JSON"),
@@ -206,6 +227,15 @@ def _bad_cases(model, tmp):
         "plugin the target lacks": (["--model", model, "--prompts", ok, "--target", f"vllm-server={url}",
                                      "--plugins", "kv"], "plugin 'kv' needs kv captures, which target vllm-server"),
     }
+
+
+def _model_copy(model, dest, drop=None):
+    shutil.copytree(model, dest)
+    if drop is not None:
+        cfg = json.loads((dest / "config.json").read_text())
+        del cfg[drop]
+        (dest / "config.json").write_text(json.dumps(cfg))
+    return dest
 
 
 def test_an_unreachable_server_is_one_line_exit_2_and_the_store_is_untouched(model, held_store, tmp_path, capsys):
@@ -522,3 +552,165 @@ def test_a_run_of_a_patched_model_is_never_reused_as_a_reference(model, prompt_f
     r2 = pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=3, store=store, out=lines.append)
     assert r2.runs["expected"] == r1.runs["expected"] != bad, "\n".join(lines)
     assert r2.passed
+
+
+# ------------------------------------------------------------------------- a run that fails commits nothing
+
+
+class Refuses(Comparator):
+    """A plugin refusing the comparison (bad input) once every run is captured: the last moment
+    a ``run`` can fail before its comparison is committed."""
+
+    name = "refuses"
+    needs = ("logits",)
+
+    def prepare(self, context):
+        raise ValueError("refuses: this comparison is refused on purpose")
+
+
+class Interrupts(Comparator):
+    name = "interrupts"
+    needs = ("logits",)
+
+    def compare(self, prompt):
+        raise KeyboardInterrupt
+
+
+def _run_with(plugin, model, prompt_file, store, release):
+    from capturestore import comparators, pipeline
+
+    register_comparator(plugin)
+    try:
+        lines = []
+        with pytest.raises((ValueError, KeyboardInterrupt)) as e:
+            pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=3, store=store, release=release,
+                         plugins=f"logits,kv,{plugin.name}", out=lines.append)
+        return e.value, "\n".join(lines)
+    finally:
+        comparators._registry.pop(plugin.name, None)
+
+
+def test_a_run_failing_after_its_captures_rolls_back_its_runs_and_removes_the_store_it_created(model, prompt_file,
+                                                                                              tmp_path):
+    """Issue 17: a refused run left 3 committed runs (references and target) in the store it made."""
+    store = tmp_path / "fresh"
+    err, text = _run_with(Refuses, model, prompt_file, store, "r1")
+    assert "refused on purpose" in str(err)
+    assert "rolled back the 3 run(s) this invocation committed" in text, text
+    assert not store.exists()  # it made the store: nothing of it is left
+
+
+def test_a_failing_run_keeps_the_references_an_earlier_run_committed_and_rolls_back_only_its_own(model, prompt_file,
+                                                                                                tmp_path):
+    from capturestore import pipeline
+
+    store = tmp_path / "s"
+    first = pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=3, store=store, release="r1",
+                         quiet=True, out=lambda _: None)
+    before = _runs(store)
+    assert first.passed and len(before) == 3
+    err, text = _run_with(Refuses, model, prompt_file, store, "r2")
+    assert "rolled back the 1 run(s)" in text, text
+    s = Store.open(store)
+    assert _runs(store) == before  # the reused references stay, the r2 target is gone
+    assert s.sql("SELECT count(*) AS n FROM comparisons").to_pylist()[0]["n"] == 1
+    assert {p.name for p in (store / "arrays.zarr").iterdir() if p.is_dir()} == {r["run_id"] for r in before}
+    assert s.verify().ok
+
+
+def test_an_interrupted_run_keeps_its_complete_references_and_the_next_run_resumes_from_them(model, prompt_file,
+                                                                                             tmp_path):
+    from capturestore import pipeline
+
+    store = tmp_path / "s"
+    err, text = _run_with(Interrupts, model, prompt_file, store, "r1")
+    assert isinstance(err, KeyboardInterrupt)
+    kept = _runs(store)
+    assert [(r["dtype"], r["release"]) for r in kept] == [("float32", None), ("bfloat16", None)]  # no target run
+    assert "rolled back the 1 run(s)" in text and "interrupted: kept the complete reference run(s)" in text
+    lines = []
+    again = pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=3, store=store, release="r1",
+                         out=lines.append)
+    assert again.passed
+    assert again.runs["baseline"] == kept[0]["run_id"] and again.runs["expected"] == kept[1]["run_id"]
+    assert f"references: baseline {kept[0]['run_id']} (reused); expected {kept[1]['run_id']} (reused)" in lines
+    assert Store.open(store).verify().ok
+
+
+@pytest.mark.vllm
+def test_a_vllm_engine_that_cannot_allocate_its_kv_cache_is_refused_before_the_store_exists(model, prompt_file,
+                                                                                           tmp_path):
+    """Issue 17: VLLM_CPU_KVCACHE_SPACE=100000 left 2 committed reference runs in a store it created;
+    the engine's KV cache size is probed before anything is written, and stderr is one line."""
+    import os
+    import subprocess
+    import sys
+
+    store = tmp_path / "s"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "100000"}
+    r = subprocess.run([sys.executable, "-m", "capturestore.cli", "run", "--model", str(model), "--prompts",
+                        str(prompt_file), "--target", "vllm", "--num-tokens", "2", "--store", str(store), "--quiet"],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(
+        "capturestore run: error: target vllm: VLLM_CPU_KVCACHE_SPACE=100000 GiB of KV cache cannot be allocated"), \
+        r.stderr
+    assert not store.exists()
+
+
+def test_prompt_files_split_at_newlines_only_drop_a_bom_and_the_prompt_text_is_stored(model, tmp_path):
+    from capturestore import pipeline
+    from capturestore.aggregate import selected_prompts, where_prompts
+
+    jsonl = tmp_path / "p.jsonl"  # a raw U+2028 inside a JSON string, CRLF line ends, a BOM
+    jsonl.write_bytes("\ufeff".encode() + b'{"id": "a", "prompt": "one\xe2\x80\xa8line"}\r\n'
+                      + b'{"id": "b", "prompt": "the second prompt"}\r\n')
+    got = pipeline.read_prompt_file(jsonl)
+    assert [(p.id, p.text) for p in got] == [("a", "one\u2028line"), ("b", "the second prompt")]
+    txt = tmp_path / "p.txt"
+    txt.write_bytes("\ufeffpage one\fstill line one\r\nline two\n".encode())
+    got = pipeline.read_prompt_file(txt)
+    assert [(p.where, p.text) for p in got] == [("p.txt line 1", "page one\fstill line one"),
+                                                ("p.txt line 2", "line two")]
+    r = pipeline.run(model, txt, target="hf:bfloat16", num_tokens=2, store=tmp_path / "s", plugins="logits,kv",
+                     quiet=True, out=lambda _: None)
+    s = Store.open(tmp_path / "s")
+    texts = s.sql(f"SELECT text FROM prompts WHERE run_id = '{r.runs['expected']}' ORDER BY prompt_idx").to_pylist()
+    assert [t["text"] for t in texts] == ["page one\fstill line one", "line two"]
+    actual = s.sql(f"SELECT text FROM prompts WHERE run_id = '{r.runs['actual']}' ORDER BY prompt_idx").to_pylist()
+    assert [t["text"] for t in actual] == ["page one\fstill line one", "line two"]
+    picked = selected_prompts(s, where_prompts(s, r.comparison_id, "text LIKE 'line two%'"))
+    assert picked == [r.prompt_ids[1]]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_an_engine_failing_after_the_references_leaves_no_run_no_store_and_one_line_on_stderr(model, prompt_file,
+                                                                                             tmp_path):
+    """Issue 17: an engine that could not start left 2 committed reference runs in a store it created,
+    and vLLM's own log lines came before the error. Now the references are rolled back, the store it
+    made is removed, and with --quiet stderr is the one error line (vLLM's output is in the log file
+    it names)."""
+    import subprocess
+    import sys
+
+    broken = tmp_path / "unknown-arch"
+    shutil.copytree(model, broken)
+    cfg = json.loads((broken / "config.json").read_text())
+    cfg["architectures"] = ["NoSuchModelForCausalLM"]  # HF builds it by model_type; vLLM refuses it at start
+    (broken / "config.json").write_text(json.dumps(cfg))
+    store = tmp_path / "s"
+    r = subprocess.run([sys.executable, "-m", "capturestore.cli", "run", "--model", str(broken), "--prompts",
+                        str(prompt_file), "--target", "vllm", "--num-tokens", "2", "--store", str(store), "--quiet"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("capturestore run: error: target vllm: the engine failed to start"), \
+        r.stderr
+    assert not store.exists()
+    m = re.search(r"\(engine and library output: (\S+\.log)\)$", lines[0])
+    if m:  # whatever vLLM and transformers printed is kept there
+        from pathlib import Path
+
+        assert Path(m.group(1)).is_file()
+        Path(m.group(1)).unlink()

@@ -353,3 +353,32 @@ def test_show_of_a_run_whose_commit_marker_holds_no_row_names_the_file(store):
         Store.open(store.root, create=False).show(run.run_id)
     msg = str(e.value)
     assert run.run_id in msg and str(marker) in msg and "verify" in msg and "\n" not in msg, msg
+
+
+def test_remove_run_uncommits_and_deletes_a_run_but_never_one_a_comparison_uses(store):
+    """``capturestore run`` rolls back the runs a failed invocation committed with it (issue 17)."""
+    from capturestore.analysis import compare_runs
+    from capturestore.errors import StoreError
+
+    rng = np.random.default_rng(0)
+
+    def run():
+        with store.begin_run(engine="hf", model_path="m", model_hash="h", dtype="float32") as w:
+            w.write_logits(w.add_prompt([1, 2, 3], continuation=[4, 5]), rng.standard_normal((2, 16)).astype(np.float32))
+        return w.run_id
+
+    exp, act, extra = run(), run(), run()
+    cid = compare_runs(store, expected_run=exp, actual_run=act, kv=False).comparison_id
+    for rid in (exp, act):
+        with pytest.raises(StoreError, match=rf"run {rid} is used by comparison\(s\) {cid}; it stays"):
+            store.remove_run(rid)
+    store.remove_run(extra)
+    assert {r["run_id"] for r in store.runs().to_pylist()} == {exp, act}
+    assert store.sql(f"SELECT count(*) AS n FROM prompts WHERE run_id = '{extra}'").to_pylist()[0]["n"] == 0
+    assert not (store.root / ARRAYS_DIR / extra).exists()
+    assert not any((store.root / "tables" / t / f"{extra}.parquet").exists() for t in ("runs", "prompts", "captures"))
+    with pytest.raises(StoreError, match="is not a committed run"):
+        store.remove_run(extra)
+    report = store.verify()
+    assert report.ok, report.summary()
+    assert Store.open(store.root).sql("SELECT count(*) AS n FROM runs").to_pylist()[0]["n"] == 2

@@ -219,7 +219,18 @@ def _bad_cases(tmp_path):
         f.write("{not json\n")
     other = tmp_path / "other"
     _write_run(other, "2026-01-01T00-00-00.1", {"zzz": {"acc,none": 1.0}}, {"zzz": [_mc(0, [-1, -2], 0)]})
+    shifted = tmp_path / "shifted"  # the reference's tinyqa_a samples are of other documents (doc_id + 1000)
+    import shutil
+
+    shutil.copytree(REF, shifted)
+    qa = next(shifted.rglob("samples_tinyqa_a_*.jsonl"))
+    qa.write_text("".join(json.dumps({**json.loads(line), "doc_id": json.loads(line)["doc_id"] + 1000}) + "\n"
+                          for line in qa.read_text().splitlines() if line.strip()))
     return [
+        # issue 17: accepted silently, the task's deviated samples vanished and the analysis passed
+        (["--results", str(BAD), "--reference", str(shifted)],
+         "task tinyqa_a: none of its 12 samples pairs with one of the target's 12 by (doc_id, filter) "
+         "(reference doc_id 1000-1011, filter none; target doc_id 0-11, filter none)"),
         (["--results", str(tmp_path / "missing")], "does not exist"),
         (["--results", str(empty)], "holds no results_*.json"),
         (["--results", str(tmp_path / "broken")], "results_2026-01-01T00-00-00.json is not valid JSON"),

@@ -185,7 +185,8 @@ def _nan_layer(name, which, positions=slice(None)):
 def test_kv_verdict_fails_when_the_actual_is_nan_where_the_references_are_finite():
     rng = np.random.default_rng(11)
     raws = [kv_prompt(rng, bug=_nan_layer("layers.1", "k"))[1] for _ in range(3)]
-    v = aggregate_kv_verdict(raws, prompt_lens=[8] * 3, prompt_ids=["p0", "p1", "p2"], run="RUN-A")
+    v = aggregate_kv_verdict(raws, prompt_lens=[8] * 3, prompt_ids=["p0", "p1", "p2"], run="RUN-A",
+                             last_never_fed=True)
     assert not v.passed and v.first_failing_layer == "layers.1"
     lk = v.layers[1].k
     # 2 heads x 32 values at 11 of each prompt's 12 positions: the wholly NaN last position is
@@ -207,9 +208,14 @@ def test_kv_verdict_exempts_only_a_wholly_unwritten_last_position():
             act = _nan_layer(name, "v", -1)(base, act)
         return act
 
-    v = aggregate_kv_verdict([kv_prompt(rng, bug=last_never_fed)[1] for _ in range(4)], prompt_lens=[8] * 4)
+    raws = [kv_prompt(rng, bug=last_never_fed)[1] for _ in range(4)]
+    v = aggregate_kv_verdict(raws, prompt_lens=[8] * 4, last_never_fed=True)
     assert v.passed, v.summary()
     assert all(lv.k.n_nonfinite == 0 and lv.k.n_values == 4 * 11 * 64 for lv in v.layers)
+    # a run that writes the last position (a prefill over prompt + teacher tokens) gets no exemption
+    v = aggregate_kv_verdict(raws, prompt_lens=[8] * 4)
+    assert not v.passed and v.first_failing_layer == "layers.0"
+    assert all(lv.k.n_nonfinite == 4 * 64 and lv.v.n_nonfinite == 4 * 64 for lv in v.layers)
 
     def one_value_more(base, act):  # the same plus one NaN value at position 3 of layer 2's V
         act = last_never_fed(base, act)
@@ -219,7 +225,7 @@ def test_kv_verdict_exempts_only_a_wholly_unwritten_last_position():
         act["layers.2"] = (k, vv)
         return act
 
-    v = aggregate_kv_verdict([kv_prompt(rng, bug=one_value_more)[1]], prompt_lens=[8])
+    v = aggregate_kv_verdict([kv_prompt(rng, bug=one_value_more)[1]], prompt_lens=[8], last_never_fed=True)
     assert not v.passed and v.first_failing_layer == "layers.2"
     assert v.layers[2].v.n_nonfinite == 1 and v.nonfinite[0]["first_position"] == 3
     assert not v.prefill.passed and v.decode.passed  # position 3 is prefill
@@ -231,7 +237,7 @@ def test_kv_verdict_exempts_only_a_wholly_unwritten_last_position():
         act["layers.0"] = (k, vv)
         return act
 
-    v = aggregate_kv_verdict([kv_prompt(rng, bug=partly_written_last)[1]])
+    v = aggregate_kv_verdict([kv_prompt(rng, bug=partly_written_last)[1]], last_never_fed=True)
     assert not v.passed and v.layers[0].k.n_nonfinite == 32
 
 
