@@ -428,8 +428,43 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     return 0
 
 
+def write_diff(store, r, fmt: str, out: str | None) -> None:
+    """table (stdout), json (``out`` or stdout), html (the reports diff page in directory ``out``)."""
+    from capturestore.diff import format_diff, to_json
+
+    if fmt == "html":
+        if not out:
+            raise ValueError("diff --format html needs --out DIR")
+        from reports import render_diff
+
+        print(render_diff(store, r.base_id, r.head_id, out, result=r))
+        return
+    target = _output_path(out, "json", "--out")
+    text = format_diff(r) + "\n" if fmt == "table" else json.dumps(to_json(r.to_dict()), default=str, indent=1,
+                                                                     allow_nan=False) + "\n"
+    if target is not None:
+        _write_file(target, lambda p: Path(p).write_text(text), "--out")
+    else:
+        sys.stdout.write(text)
+
+
+def write_history(t: pa.Table, fmt: str, out: str | None) -> None:
+    """table / csv / json (``out`` or stdout), html (the reports history page written to file ``out``)."""
+    if fmt == "html":
+        if not out:
+            raise ValueError("history --format html needs --out FILE")
+        from reports import history_html
+
+        html = history_html(t)
+        target = _output_path(out, "html", "--out")
+        _write_file(target, lambda p: Path(p).write_text(html), "--out")
+        print(target)
+        return
+    write_result(t, fmt, out, "--out")
+
+
 def cmd_diff(args: argparse.Namespace) -> int:
-    from capturestore.diff import diff, write_diff
+    from capturestore.diff import diff
 
     store = _open(args.store)
     result = diff(store, args.base, args.head, common_prompts=args.common_prompts, seed=args.seed,
@@ -439,7 +474,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_history(args: argparse.Namespace) -> int:
-    from capturestore.diff import history, write_history
+    from capturestore.diff import history
 
     store = _open(args.store)
     write_history(history(store, args.model, args.metric), args.format, args.out)

@@ -25,7 +25,6 @@ entirely below ``-BC_MARGIN``. Two-way comparisons have no ``base_*`` errors: on
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
@@ -35,7 +34,7 @@ import pyarrow as pa
 
 __all__ = ["BC_MARGIN", "DiffResult", "SIGMA_MARGIN", "StatChange", "VerdictChange", "bootstrap_bc_change",
            "bootstrap_sigma_change", "diff",
-           "history", "resolve_comparison", "write_diff", "write_history"]
+           "format_diff", "history", "resolve_comparison", "to_json"]
 
 SIGMA_MARGIN = 0.25  # σ-ratio change (in units of the BF16 noise RMS) below which nothing is a regression
 BC_MARGIN = 0.05  # aggregate-BC drop below which nothing is a regression
@@ -511,36 +510,14 @@ def format_diff(r: DiffResult) -> str:
     return "\n".join(lines)
 
 
-def write_diff(store, r: DiffResult, fmt: str, out: str | None) -> None:
-    """table (stdout), json (``out`` or stdout), html (the reports diff page in directory ``out``)."""
-    import sys
-    from pathlib import Path
-
-    if fmt == "html":
-        if not out:
-            raise ValueError("diff --format html needs --out DIR")
-        from reports import render_diff
-
-        print(render_diff(store, r.base_id, r.head_id, out, result=r))
-        return
-    from capturestore.cli import _output_path, _write_file
-
-    target = _output_path(out, "json", "--out")
-    text = format_diff(r) + "\n" if fmt == "table" else json.dumps(_json(r.to_dict()), default=str, indent=1,
-                                                                     allow_nan=False) + "\n"
-    if target is not None:
-        _write_file(target, lambda p: Path(p).write_text(text), "--out")
-    else:
-        sys.stdout.write(text)
-
-
-def _json(v):
+def to_json(v):
+    """``v`` with non-finite floats as None (JSON has no NaN)."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dict):
-        return {k: _json(x) for k, x in v.items()}
+        return {k: to_json(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_json(x) for x in v]
+        return [to_json(x) for x in v]
     return v
 
 
@@ -604,30 +581,3 @@ def history(store, model: str, metric: str = "logit_sigma_ratio") -> pa.Table:
         models = sorted({f"{r['model_path']} ({r['model_hash']})" for r in rows})
         raise ValueError(f"history: no comparison of model {model!r} (models compared: {', '.join(models) or 'none'})")
     return t
-
-
-def write_history(t: pa.Table, fmt: str, out: str | None) -> None:
-    from pathlib import Path
-
-    if fmt == "html":
-        if not out:
-            raise ValueError("history --format html needs --out FILE")
-        import plotly.graph_objects as go
-
-        metric = t.column_names[-1]
-        rows = t.to_pylist()
-        x = [f"{r['release'] or '?'} · {r['comparison_id'][-8:]}" for r in rows]
-        y = [None if r[metric] is None else float(r[metric]) for r in rows]
-        fig = go.Figure(go.Scatter(x=x, y=y, mode="lines+markers", marker={
-            "color": ["#2a9d3a" if r["passed"] else "#c0392b" for r in rows], "size": 10}))
-        fig.update_layout(title=f"{metric} across releases", xaxis_title="release · comparison", yaxis_title=metric)
-        from capturestore.cli import _output_path, _write_file
-
-        html = fig.to_html(include_plotlyjs=True, full_html=True)
-        target = _output_path(out, "html", "--out")
-        _write_file(target, lambda p: Path(p).write_text(html), "--out")
-        print(target)
-        return
-    from capturestore.cli import write_result
-
-    write_result(t, fmt, out, "--out")

@@ -142,11 +142,25 @@ def test_report_is_regenerated_by_a_fresh_process_from_the_store_alone(compared,
 
 
 def test_modules_and_tasks_tabs_render_whatever_their_views_hold(compared, tmp_path):
+    from capturestore.analysis import compare_runs
+    from capturestore.comparators import Comparator
+    from capturestore.comparators.modules import ModulesComparator
+    from tests.reports.synthetic import add_runs
+
+    class ModuleRows(Comparator):  # module_metrics rows written with the comparison (its evidence is sealed after)
+        name, judges = "module_rows", False
+        tables = {"module_metrics": ModulesComparator.tables["module_metrics"]}
+
+        def finish(self):
+            cid = self.context.comparison_id
+            return {"module_metrics": {"comparison_id": [cid, cid], "module": ["model.layers.1.mlp", "model.layers.0.mlp"],
+                                       "phase": ["prefill", "prefill"], "l2_ratio": [2.5, 1.25]}}
+
     store = Store.open(tmp_path / "s")
-    res = __import__("tests.reports.synthetic", fromlist=["make_comparison"]).make_comparison(store, n_prompts=1)
+    runs = add_runs(store, n_prompts=1)
+    res = compare_runs(store, expected_run=runs["expected"], actual_run=runs["actual"], baseline_run=runs["baseline"],
+                       label="synthetic", comparators=[ModuleRows()])
     cid = res.comparison_id
-    store.append_table("module_metrics", {"comparison_id": [cid, cid], "module": ["model.layers.1.mlp", "model.layers.0.mlp"],
-                                          "phase": ["prefill", "prefill"], "l2_ratio": [2.5, 1.25]})
     store.append_table("task_scores", {"run_id": [res.runs["actual"]], "task": ["gsm8k"], "score": [0.4375],
                                        "sample_note": ["<script>alert(1)</script>"]})
     store.append_table("task_samples", {"run_id": [res.runs["actual"]] * 3, "question": ["q-dev", "q-ok1", "q-ok2"],
