@@ -207,6 +207,12 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     from capturestore.errors import StoreError
     from capturestore.integrity import commit_comparison
 
+    if label is not None:
+        from capturestore.writer import check_label
+
+        if not isinstance(label, str):
+            raise ValueError(f"compare_runs: label must be text, got {label!r}")
+        check_label(label, "compare_runs: label")  # printed on one line wherever it is shown
     runs = {"expected": expected_run, "actual": actual_run}
     if baseline_run is not None:
         runs = {"baseline": baseline_run, **runs}

@@ -313,6 +313,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     store = args.store
     if (store_root(store) / FORMAT_FILE).exists():  # an existing store must be writable before any capture
         _require_writable(_open(store), "run")
+    with _sigterm_as_interrupt():  # a terminated run rolls back like an interrupted one (docs/run.md)
+        return _run(args, pipeline, store)
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    """SIGTERM (a CI cancel, ``timeout``) raises KeyboardInterrupt while ``run`` works, so it keeps
+    its complete references and rolls back the rest instead of dying midway."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _run(args: argparse.Namespace, pipeline, store: str) -> int:
     kwargs = dict(target=args.target, num_tokens=args.num_tokens, release=args.release, store=store,
                   plugins=args.plugins, modules=args.modules, tp=args.tp, quiet=args.quiet, label=args.label,
                   fp8_scales=args.fp8_scales, from_task=args.from_task, task_reference=args.task_reference)

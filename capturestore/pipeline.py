@@ -2,11 +2,15 @@
 
 ``run(model, prompts, target, num_tokens, ...)`` (the CLI's ``capturestore run``; docs/run.md):
 
-1. Checks every input before the store is touched: the model directory (``config.json``,
-   weights), the prompt file (``.txt`` one prompt per line, ``.jsonl`` with ``"prompt"`` or
-   ``"token_ids"`` and an optional ``"id"``), the target, the plugins, ``num_tokens`` and each
-   prompt's length against the model's context. Bad input is one ``ValueError`` line naming the
-   file, line or prompt; nothing is written.
+1. Checks every input before the store is touched: the model directory (``config.json`` with
+   ``model_type``, whole safetensors weights), the prompt file (``.txt`` one prompt per line,
+   ``.jsonl`` with ``"prompt"`` or ``"token_ids"`` and an optional ``"id"``), the target, the
+   plugins, the ``--modules`` patterns (against the module names of the model's meta-device
+   skeleton), ``num_tokens`` and each prompt's length against the context of the model's
+   effective config (transformers' defaults filled in), the labels, what can be probed of the
+   engine's start. Bad input is one ``ValueError`` line naming the file, line or prompt; nothing
+   is written. A run failing later rolls back every run it committed and removes a store it
+   created; interrupted, it keeps its complete references for the next run (docs/run.md).
 2. References (DESIGN.md "Roles"): the HF FP32 ``baseline`` generates ``num_tokens`` greedy
    tokens per prompt (the teacher tokens) and the HF ``expected`` run in the target's dtype is
    teacher-forced on them. Each is reused when the store already holds a run of the same model

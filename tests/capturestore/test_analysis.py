@@ -350,6 +350,18 @@ def test_an_actual_run_without_kv_is_not_compared_and_does_not_pass(synthetic, c
     assert compare_runs(store, expected_run=exp, actual_run=no_kv, baseline_run=base, kv=False).passed
 
 
+def test_a_comparison_label_of_two_lines_is_refused_before_anything_is_stored(synthetic, capsys):
+    from capturestore.cli import main
+
+    store, *_, base, exp, actual = synthetic
+    act = actual()
+    with pytest.raises(ValueError, match=r"compare_runs: label 'x\\nFAKE overall: PASS' holds a control character"):
+        compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base, label="x\nFAKE overall: PASS")
+    assert main(["compare", "--store", str(store.root), "--expected", exp, "--actual", act, "--label", "a\rb"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+    assert not _segments(store, "comparisons")
+
+
 @pytest.mark.parametrize("lacking", ["expected", "baseline"])
 def test_kv_asked_for_and_absent_from_a_reference_is_not_compared_and_holds_the_comparison_back(synthetic, capsys,
                                                                                                lacking):

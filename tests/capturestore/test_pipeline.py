@@ -714,3 +714,37 @@ def test_an_engine_failing_after_the_references_leaves_no_run_no_store_and_one_l
 
         assert Path(m.group(1)).is_file()
         Path(m.group(1)).unlink()
+
+
+def test_a_terminated_cli_run_keeps_its_references_rolls_back_its_target_and_the_rerun_resumes(model, prompt_file,
+                                                                                               tmp_path):
+    """SIGTERM (a CI cancel) while the target is captured: the references this run captured stay
+    (whole, reusable), the target run is rolled back, no comparison; the same command again reuses
+    both references and passes. Before issue 17 the process died where it was."""
+    import signal
+    import subprocess
+    import sys
+
+    store = tmp_path / "s"
+    cmd = [sys.executable, "-m", "capturestore.cli", "run", "--model", str(model), "--prompts", str(prompt_file),
+           "--target", "hf:bfloat16", "--num-tokens", "24", "--store", str(store), "--release", "r1"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if "capturing target" in line:
+            p.send_signal(signal.SIGTERM)
+            break
+    out, err = p.communicate(timeout=300)
+    text = "".join(seen) + out
+    assert p.returncode == 130 and err == "capturestore run: interrupted\n", (p.returncode, text, err)
+    kept = _runs(store)
+    assert [(r["dtype"], r["release"]) for r in kept] == [("float32", None), ("bfloat16", None)], text
+    assert "interrupted: kept the complete reference run(s)" in text
+    assert not list((store / "tables").glob("comparisons/[!_]*.parquet"))  # no comparison
+    r = subprocess.run(cmd[:-4] + ["--num-tokens", "24", "--store", str(store), "--release", "r1", "--quiet"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stderr == "", r.stdout + r.stderr
+    assert (f"references: baseline {kept[0]['run_id']} (reused); expected {kept[1]['run_id']} (reused)"
+            in r.stdout.splitlines()), r.stdout
+    assert Store.open(store).verify().ok
