@@ -21,8 +21,8 @@ compaction     free         5 ragged requests; two finish mid-batch (a middle ro
                             survivors decode on after the batch is compacted
 reuse          free         a long request finishes; a short new one takes its slot/blocks
 cancel         free         a request aborted mid-decode; a new one joins in its blocks
-truncate       truncate     cut back to k (mid-block, then a block boundary), continued with
-                            another token: positions restart at k
+truncate       truncate     cut back to k (mid-block; then a block boundary: bs, or 3 bs within
+                            a window of the end), continued with another token: positions restart at k
 fork           fork         a prefix (mid-block and block-aligned) continued n ways, batched:
                             each branch == its own full prefix (copy-on-write)
 chunk_C        prefill      chunked prefill, C = 1, 7, bs, and one not dividing the prompt
@@ -80,7 +80,7 @@ class _Seq:
 
     name: str
     tokens: list
-    segments: list
+    segments: list  # [(from_position, kind)]
     positions: list = field(default_factory=list)
     logits: list = field(default_factory=list)
     last: Any = None
@@ -167,10 +167,9 @@ class _Session:
     def truncate(self, h, k: int, token: int):
         """Cut ``h`` back to ``k`` tokens and feed ``token`` (another than the one it had at k)."""
         s = self.live[h]
-        before = _Seq(f"{s.name}@before-cut", list(s.tokens), list(s.segments), list(s.positions), list(s.logits))
-        self.done.append(before)
+        self.done.append(_Seq(s.name, list(s.tokens), list(s.segments), list(s.positions), list(s.logits)))
         self.a.truncate(h, k)
-        s.name = f"{s.name}@cut{k}"
+        s.name = f"{s.name.split('@')[0]}@cut{k}"
         s.tokens, s.positions, s.logits, s.segments = s.tokens[:k], [], [], [(0, "truncate")]
         self.step([h], [token])
 
@@ -289,10 +288,15 @@ def _sc_truncate(s):
     p = s.prompt(2 * bs + 3)
     h = s.prefill(["r0"], [p])[0]
     s.decode([h], 6)
-    for k in (2 * bs + 1, bs):
+    # cut 1: mid-block, then grow past the next block boundary; cut 2: back to a block boundary,
+    # deep (bs) where the engine has no window, else the boundary just passed (a windowed cache
+    # keeps only the last W-1 positions beyond what it decoded since, so it can roll back no further)
+    for k, grow in ((2 * bs + 1, bs), (None, 5)):
+        if k is None:
+            k = 3 * bs if s.a.window else bs
         old = s.live[h].tokens[k]
         s.truncate(h, k, (old + 1 - 4) % (s.a.vocab_size - 4) + 4)
-        s.decode([h], 5)
+        s.decode([h], grow)
 
 
 def _sc_fork(s):
@@ -357,7 +361,7 @@ def _scenarios() -> dict:
             Scenario("compaction", "compaction", (*base, "free"), _sc_compaction, lambda a: 2 * _bs(a) + 11),
             Scenario("reuse", "reuse", (*base, "free"), _sc_reuse, lambda a: 2 * _bs(a) + 6),
             Scenario("cancel", "cancel", (*base, "free"), _sc_cancel, lambda a: 2 * _bs(a) + 2),
-            Scenario("truncate", "truncate", (*base, "truncate"), _sc_truncate, lambda a: 2 * _bs(a) + 9),
+            Scenario("truncate", "truncate", (*base, "truncate"), _sc_truncate, lambda a: 3 * _bs(a) + 9),
             Scenario("fork", "fork", (*base, "fork"), _sc_fork, lambda a: 2 * _bs(a) + 6)]
     out += [Scenario(f"chunk_{c}", "chunk", base, _sc_chunk(c), lambda a: 2 * _bs(a) + 9) for c in ("1", "7", "bs", "nondiv")]
     out += [Scenario("long", "long", base, _sc_long, lambda a: _long_len(a) + 8),
@@ -575,9 +579,10 @@ def check_cache(adapter, *, scenarios=None, seed: int = 0, progress=None) -> Cac
         results[n] = ScenarioResult(n, sc.kind, status, None if reqs else "no evidence", reqs, seconds=secs,
                                     generated_tokens=gen)
     baseline = _baseline_state(results)
+    stale_seen = any(q.kind in ("reuse", "cancel") for r in results.values() for q in r.failed)
     for r in results.values():
         for q in r.failed:
-            q.diagnosis = diagnose(q.kind, baseline)
+            q.diagnosis = diagnose(q.kind, baseline, stale_seen)
         if r.failed:
             r.diagnosis = r.failed[0].diagnosis
     return CacheCheckResult(None, adapter.name, adapter.dtype, noise, tol, [results[n] for n in names],

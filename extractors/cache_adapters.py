@@ -349,6 +349,11 @@ class HFCacheAdapter(CacheAdapter):
         if not 0 < length <= n:
             raise ValueError(f"HFCacheAdapter: truncate to {length} of a {n}-token sequence")
         if length < n:
+            for layer in g.cache.layers:  # a sliding layer holds its last W-1 positions after a crop
+                w = getattr(layer, "sliding_window", None)
+                if w and layer.keys is not None and layer.keys.shape[-2] < (n - length) + min(w - 1, length):
+                    raise NotSupported(f"transformers' sliding-window cache holds {layer.keys.shape[-2]} positions: "
+                                       f"it cannot roll back {n - length} of {n}")
             g.cache.crop(-(n - length))
             g.mask = g.mask[:, : g.mask.shape[1] - (n - length)]
         g.pos = g.pos.clone()

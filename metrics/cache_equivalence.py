@@ -161,13 +161,24 @@ def first_kv_difference(k, v, k_ref, v_ref, tol: float):
     return None
 
 
-def diagnose(kind: str, baseline: str) -> str:
-    """The bug class of a failing scenario of ``kind``, given the baseline scenario's state
-    (``"clean"``, ``"from_start"``: failed at its first position, ``"late"``: failed later):
-    a baseline failing from the start makes every failure systematic, one failing only late makes
-    them windows or truncation; otherwise the scenario's own kind says it (``KIND_CLASS``)."""
+# histories that follow a free of blocks (a finished row, a cut): a stale block can reach them
+AFTER_FREE = ("compaction", "truncate")
+
+
+def diagnose(kind: str, baseline: str, stale_seen: bool = False) -> str:
+    """The bug class of a failing position whose history is ``kind``, given the baseline
+    scenario's state (``"clean"``, ``"from_start"``: failed at its first position, ``"late"``:
+    failed later) and whether a request in freed blocks failed anywhere (``stale_seen``).
+
+    A baseline failing from the start makes every failure systematic, one failing only late makes
+    them windows or truncation. Otherwise the history says it (``KIND_CLASS``), except that a
+    failure after blocks were freed (compaction, truncation) is a stale cache when a new request
+    in freed blocks fails too: the freed blocks reach the survivor or the cut sequence when it
+    grows into a recycled block."""
     if baseline == "from_start":
         return SYSTEMATIC
     if baseline == "late":
         return LATE
+    if stale_seen and kind in AFTER_FREE:
+        return STALE
     return KIND_CLASS.get(kind, SYSTEMATIC)
