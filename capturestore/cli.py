@@ -20,7 +20,7 @@
                                            capturestore.aggregate.aggregate_bc(...)
     capturestore diff BASE HEAD            capturestore.diff.diff(...)  exit status 1 on regression
     capturestore history --model M         capturestore.diff.history(...)
-    capturestore cachecheck --model DIR --engine hf|paged|vllm|pkg.mod:Class
+    capturestore cachecheck --model DIR --engine hf|paged|pkg.mod:Class
                                            capturestore.cachecheck.cachecheck(...)  exit 1 unless PASS
 
 Every command takes ``--store PATH`` (default: $CAPTURESTORE, else ./capturestore-store).
@@ -508,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("cachecheck", cmd_cachecheck, "prove an engine's KV cache equivalent to its full-prefix recomputation over a "
              "scenario matrix (docs/cachecheck.md); exit status 1 unless every scenario ran and passed")
     sp.add_argument("--model", required=True, help="model directory (config.json + weights)")
-    sp.add_argument("--engine", default="hf", help="hf | paged (the reference paged engine) | vllm | "
+    sp.add_argument("--engine", default="hf", help="hf | paged (the reference paged engine) | "
                     "package.module:Class (your own adapter; default hf)")
     sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     sp.add_argument("--scenarios", help="comma-separated scenario names (default all: single, offset, batch_2, ...)")

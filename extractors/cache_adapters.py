@@ -180,6 +180,11 @@ class HFCacheAdapter(CacheAdapter):
     def __init__(self, model_dir, dtype: str = "float32", *, max_batch: int = 8, max_context: int | None = None):
         from extractors.hf import load_hf_model
 
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+        limit = (raw.get("text_config") or raw).get("max_position_embeddings")
+        if max_context and limit and max_context > limit:  # refused before the model loads
+            raise ValueError(f"HFCacheAdapter: max_context {max_context} exceeds the model's "
+                             f"max_position_embeddings {limit}")
         self.model = load_hf_model(model_dir, dtype)
         cfg = self.model.config
         cfg = getattr(cfg, "text_config", None) or cfg
