@@ -86,6 +86,7 @@ class _Seq:
     last: Any = None
     kv: Any = None
     reference: Any = None  # {position: logits} instead of the full prefix (batch invariance)
+    prompt_len: int = 0  # tokens it was prefilled with (or held when it forked / was cut)
 
     def kind_at(self, position: int) -> str:
         kind = self.segments[0][1]
@@ -121,7 +122,7 @@ class _Session:
         for h, name, p, lg in zip(handles, names, prompts, logits):
             lg = np.asarray(lg, np.float32).reshape(-1, np.shape(lg)[-1])
             first = len(p) - lg.shape[0]
-            s = _Seq(name, list(p), [(0, kind)], list(range(first, len(p))), list(lg), lg[-1])
+            s = _Seq(name, list(p), [(0, kind)], list(range(first, len(p))), list(lg), lg[-1], prompt_len=len(p))
             self.live[h] = s
         return list(handles)
 
@@ -167,9 +168,11 @@ class _Session:
     def truncate(self, h, k: int, token: int):
         """Cut ``h`` back to ``k`` tokens and feed ``token`` (another than the one it had at k)."""
         s = self.live[h]
-        self.done.append(_Seq(s.name, list(s.tokens), list(s.segments), list(s.positions), list(s.logits)))
+        self.done.append(_Seq(s.name, list(s.tokens), list(s.segments), list(s.positions), list(s.logits),
+                              prompt_len=s.prompt_len))
         self.a.truncate(h, k)
         s.name = f"{s.name.split('@')[0]}@cut{k}"
+        s.prompt_len = k
         s.tokens, s.positions, s.logits, s.segments = s.tokens[:k], [], [], [(0, "truncate")]
         self.step([h], [token])
 
@@ -177,7 +180,8 @@ class _Session:
         new = list(self.a.fork(h, n))
         parent = self.live[h]
         for i, x in enumerate(new):
-            self.live[x] = _Seq(f"{parent.name}/branch{i + 1}", list(parent.tokens), [(0, "fork")], last=parent.last)
+            self.live[x] = _Seq(f"{parent.name}/branch{i + 1}", list(parent.tokens), [(0, "fork")], last=parent.last,
+                                prompt_len=len(parent.tokens))
         parent.segments.append((len(parent.tokens), "fork"))
         return new
 
@@ -402,7 +406,7 @@ class ScenarioResult:
     requests: list = field(default_factory=list)
     diagnosis: str | None = None
     seconds: float = 0.0
-    generated_tokens: int = 0
+    generations: list = field(default_factory=list)  # (prompt_len, tokens) of each request: its plain generation
 
     @property
     def failed(self) -> list:
@@ -574,10 +578,10 @@ def check_cache(adapter, *, scenarios=None, seed: int = 0, progress=None) -> Cac
             continue
         s, secs = ran
         reqs = _judge(adapter, sc, s, tol, ref_cache)
-        gen = sum(len(q.positions) for q in s.done if q.reference is None)
+        gens = [(q.prompt_len, list(q.tokens)) for q in s.done if q.reference is None and q.positions]
         status = "pass" if reqs and all(r.status == "pass" for r in reqs) else "fail"
         results[n] = ScenarioResult(n, sc.kind, status, None if reqs else "no evidence", reqs, seconds=secs,
-                                    generated_tokens=gen)
+                                    generations=gens)
     baseline = _baseline_state(results)
     stale_seen = any(q.kind in ("reuse", "cancel") for r in results.values() for q in r.failed)
     for r in results.values():
