@@ -150,13 +150,17 @@ class _Session:
             s = self.live[h]
             s.segments.append((len(s.tokens), kind))
 
-    def _record(self, h):
-        s = self.live.pop(h)
+    def _kv(self, h):
         if self.a.supports("kv") and self.a.supports("full_kv"):
             try:
-                s.kv = self.a.kv(h)
+                return self.a.kv(h)
             except Exception:  # noqa: BLE001 - KV is extra evidence; the logits still judge
-                s.kv = None
+                return None
+        return None
+
+    def _record(self, h):
+        s = self.live.pop(h)
+        s.kv = self._kv(h)
         self.done.append(s)
         return s
 
@@ -169,7 +173,7 @@ class _Session:
         """Cut ``h`` back to ``k`` tokens and feed ``token`` (another than the one it had at k)."""
         s = self.live[h]
         self.done.append(_Seq(s.name, list(s.tokens), list(s.segments), list(s.positions), list(s.logits),
-                              prompt_len=s.prompt_len))
+                              kv=self._kv(h), prompt_len=s.prompt_len))
         self.a.truncate(h, k)
         s.name = f"{s.name.split('@')[0]}@cut{k}"
         s.prompt_len = k
@@ -473,13 +477,18 @@ class CacheCheckResult:
 
 
 def measure_noise(adapter, rng) -> float:
-    """The engine's own spread: the same requests' full-prefix logits alone vs among companions of
-    other lengths at batch sizes 2, 4 and max_batch (relative L-inf, the worst position)."""
+    """The engine's own spread, no cache involved: the same requests' full-prefix logits alone vs
+    among companions of other lengths at batch sizes 2, 4 and max_batch, and vs the same positions
+    computed within a longer sequence (another matmul shape, as a cache's shapes differ); the
+    worst position's relative L-inf."""
     bs = _bs(adapter)
     worst = 0.0
     for n in (7, bs + 3):
-        r = rng.integers(4, adapter.vocab_size, n).tolist()
+        r = rng.integers(4, adapter.vocab_size, n + 9).tolist()
+        longer = np.asarray(adapter.full_logits([r])[0])
+        r = r[:n]
         alone = np.asarray(adapter.full_logits([r])[0])
+        worst = max(worst, float(np.nanmax(relative_linf(longer[:n], alone))))
         for size in sorted({2, 4, min(8, adapter.max_batch)}):
             comp = [rng.integers(4, adapter.vocab_size, int(m)).tolist() for m in rng.integers(2, 2 * bs + 4, size - 1)]
             batched = np.asarray(adapter.full_logits([*comp[: size // 2], r, *comp[size // 2:]])[size // 2])

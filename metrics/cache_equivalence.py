@@ -12,7 +12,8 @@ full-prefix recomputation).
 - ``tol``: ``max(floor, NOISE_FACTOR * noise)``, ``floor`` 1e-5 in FP32 (different matmul shapes
   round differently) and ``BF16_FLOOR`` in BF16, ``noise`` the engine's own measured spread of the
   same request's logits across batch compositions (the spread between its own batch sizes is
-  noise; a difference beyond it is not);
+  noise; a difference beyond it is not), and of the same positions computed within a longer
+  sequence (another matmul shape, no cache involved);
 - non-finite cached logits where the reference is finite fail; a position never fails quietly.
 """
 from __future__ import annotations
