@@ -19,7 +19,8 @@ batch_N        step         N = 2, 3, 5, 8 ragged prompts prefilled together (pa
 invariance     step         one request alone, then among 5 companions: alone == batched
 compaction     free         5 ragged requests; two finish mid-batch (a middle row first), the
                             survivors decode on after the batch is compacted
-reuse          free         a long request finishes; a short new one takes its slot/blocks
+reuse          free         a long request finishes; a short new one takes its slot/blocks: equal
+                            to its full prefix and to the same request on a fresh engine
 cancel         free         a request aborted mid-decode; a new one joins in its blocks
 truncate       truncate     cut back to k (mid-block; then a block boundary: bs, or 3 bs within
                             a window of the end), continued with another token: positions restart at k
@@ -278,6 +279,17 @@ def _sc_reuse(s):
     s.mark([b], "compaction")
     c = s.prefill(["new-in-freed"], [s.prompt(3)], kind="reuse")[0]
     s.decode([b, c], 6)
+    reused = s.live[c]
+    s.finish()
+    # the same request on a fresh engine, its tokens fed as they came: equal to the reused slot's
+    s.a.reset()
+    f = s.prefill(["fresh"], [reused.tokens[: reused.prompt_len]], kind="reuse")[0]
+    for t in reused.tokens[reused.prompt_len:]:
+        s.step([f], [t])
+    fresh = s.live[f]
+    s.finish()
+    s.done.append(_Seq("new-in-freed-vs-fresh", list(reused.tokens), [(0, "reuse")], list(reused.positions),
+                       list(reused.logits), reference=dict(zip(fresh.positions, fresh.logits))))
 
 
 def _sc_cancel(s):
@@ -467,6 +479,8 @@ class CacheCheckResult:
 
     def summary(self) -> str:
         lines = [s.summary() for s in self.scenarios]
+        classes = dict.fromkeys(s.diagnosis for s in self.failed if s.diagnosis)
+        lines += [f"  {c}: {CLASS_TEXT[c]}" for c in classes if c in CLASS_TEXT]
         tail = (f"overall: {self.verdict()} ({len(self.scenarios) - len(self.failed) - len(self.not_run)} passed, "
                 f"{len(self.failed)} failed, {len(self.not_run)} not run; engine {self.engine} {self.dtype}, "
                 f"tolerance {self.tolerance:.1e} rel (noise {self.noise:.1e})")
@@ -736,8 +750,3 @@ def store_result(store, result: CacheCheckResult, *, model: str | None, label: s
     commit_comparison(store, cid, staged, to_arrow([[row]], TableSpec(spec.schema, COMPARISONS_SCHEMA_VERSION),
                                                    "comparisons"))
     return cid
-
-
-def diagnosis_text(diagnosis: str | None) -> str:
-    return CLASS_TEXT.get(diagnosis or "", "")
-

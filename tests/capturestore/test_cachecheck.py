@@ -169,8 +169,9 @@ def test_cli_stores_a_passing_check_as_a_comparison_with_its_tables(tmp_path, gq
                    "block_size": 16}
     n = s.sql("SELECT count(*) AS n, max(logit_err) AS e, bool_and(token_match) AS t FROM cachecheck_positions "
               f"WHERE comparison_id = '{cid}'").to_pylist()[0]
-    # single: 11 prompt positions + 8 steps; reuse: long 34 + 4, companion 5 + 4 + 6, new 3 + 6
-    assert n["n"] == 19 + (34 + 4) + (5 + 4 + 6) + (3 + 6)
+    # single: 11 prompt positions + 8 steps; reuse: long 34 + 4, companion 5 + 4 + 6, new 3 + 6, the same
+    # new request on a fresh engine 3 + 6 and the reused one against it 3 + 6
+    assert n["n"] == 19 + (34 + 4) + (5 + 4 + 6) + 3 * (3 + 6)
     assert 0 < n["e"] <= 1e-5 and n["t"] is True
     assert not s.verify()
 
@@ -249,3 +250,28 @@ def test_hf_truncate_past_what_a_sliding_window_keeps_is_not_supported_never_wro
     a.step(h, [6])
     with pytest.raises(NotSupported, match="sliding-window cache holds"):
         a.truncate(h[0], 10)
+
+
+def test_bf16_is_judged_against_its_noise_floor_and_still_catches_a_bug(gqa):
+    """BF16 on this CPU: the cached logits equal the full prefix within the BF16 floor (the measured
+    noise of the engine's own batch compositions and shapes is below it); a chunk bug is 30x it."""
+    clean = check_cache(PagedEngineAdapter(gqa, "bfloat16", max_context=64), scenarios=["single", "chunk_7"])
+    assert clean.passed, clean.summary()
+    assert clean.tolerance == pytest.approx(2.0 ** -7) and clean.noise <= clean.tolerance / 4
+    bad = check_cache(PagedEngineAdapter(gqa, "bfloat16", max_context=64, bugs=("chunk_pos_off_by_one",)),
+                      scenarios=["single", "chunk_7"])
+    chunk = bad.scenarios[1]
+    assert chunk.status == "fail" and chunk.diagnosis == CHUNK and chunk.failed[0].first_position == 7
+    assert chunk.failed[0].judgement.max_err > 10 * bad.tolerance
+
+
+def test_cli_runs_your_own_adapter_class_and_a_missing_operation_is_exit_1_not_run(tmp_path, gqa, capsys):
+    own = "tests.capturestore.test_cachecheck:_NoTruncateNoFork"
+    rc = main(["cachecheck", "--model", str(gqa), "--engine", own, "--scenarios", "single,truncate",
+               "--store", str(tmp_path / "s"), "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "truncate: not run (the adapter lacks truncate)" in out and "overall: NOT PASSED" in out
+    rc = main(["cachecheck", "--model", str(gqa), "--engine", own, "--scenarios", "single",
+               "--store", str(tmp_path / "s"), "--quiet"])
+    assert rc == 0 and "overall: PASS" in capsys.readouterr().out
