@@ -49,9 +49,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
-from typing import Any, Callable
+from datetime import UTC, datetime
+from typing import Any
 
 import numpy as np
 
@@ -64,8 +65,17 @@ from metrics.cache_equivalence import (
     tolerance,
 )
 
-__all__ = ["CacheCheckResult", "SCENARIOS", "ScenarioResult", "RequestResult", "cachecheck", "check_cache",
-           "make_adapter", "measure_noise", "scenario_names"]
+__all__ = [
+    "SCENARIOS",
+    "CacheCheckResult",
+    "RequestResult",
+    "ScenarioResult",
+    "cachecheck",
+    "check_cache",
+    "make_adapter",
+    "measure_noise",
+    "scenario_names",
+]
 
 ENGINES = ("hf", "paged")  # a vLLM adapter is not written yet (issue 23: last, if time allowed)
 
@@ -561,6 +571,8 @@ def _judge(adapter, sc: Scenario, s, tol: float, ref_cache: dict) -> list:
 
 
 def _baseline_state(results: dict) -> str:
+    if results.get("oracle") is not None and results["oracle"].status == "fail":
+        return "from_start"  # the full-prefix reference itself differs from the second oracle
     base = results.get("single")
     if base is None or base.status != "fail":
         return "clean"
@@ -569,11 +581,32 @@ def _baseline_state(results: dict) -> str:
     return "from_start" if r.first_position is None or r.first_position <= first_compared else "late"
 
 
-def check_cache(adapter, *, scenarios=None, seed: int = 0, progress=None) -> CacheCheckResult:
+def _oracle_scenario(adapter, oracle, tol: float, seed: int) -> ScenarioResult:
+    """``oracle``: the engine's own full-prefix logits against a second oracle's (HF's plain
+    forward) on prompts of several lengths: a reference that is itself wrong fails here, from its
+    first position (systematic), rather than hiding a cache bug."""
+    rng = np.random.default_rng([seed, 11])
+    lens = sorted({11, 2 * _bs(adapter) + 5, min(_long_len(adapter), adapter.max_context)})
+    t0 = time.perf_counter()
+    reqs = []
+    for n in lens:
+        tokens = rng.integers(4, adapter.vocab_size, n).tolist()
+        mine = np.asarray(adapter.full_logits([tokens])[0], np.float32)
+        ref = np.asarray(oracle.full_logits([tokens])[0], np.float32)
+        j = judge_request(mine, ref, np.arange(n), tol)
+        reqs.append(RequestResult("oracle", f"full-prefix/len{n}", "oracle", "pass" if j.passed else "fail",
+                                  j.positions, j, j.first_diff))
+    status = "pass" if all(r.status == "pass" for r in reqs) else "fail"
+    return ScenarioResult("oracle", "oracle", status, None, reqs, seconds=time.perf_counter() - t0)
+
+
+def check_cache(adapter, *, scenarios=None, seed: int = 0, progress=None, oracle=None) -> CacheCheckResult:
     """Run the scenario matrix on ``adapter`` and judge it (no store): the pure part of ``cachecheck``.
 
     ``scenarios``: names (default every one, ``scenario_names()``); refused up front
-    (ValueError) when a scenario needs more positions than the adapter's ``max_context``."""
+    (ValueError) when a scenario needs more positions than the adapter's ``max_context``.
+    ``oracle``: a second oracle (anything with ``full_logits``, e.g. ``HFCacheAdapter``): the
+    engine's full-prefix reference is first checked against it (scenario ``oracle``)."""
     names = list(scenarios) if scenarios else scenario_names()
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -590,8 +623,12 @@ def check_cache(adapter, *, scenarios=None, seed: int = 0, progress=None) -> Cac
     noise = measure_noise(adapter, rng)
     tol = tolerance(adapter.dtype, noise)
     results: dict = {}
-    ref_cache: dict = {}
+    if oracle is not None:
+        if progress:
+            progress("scenario oracle")
+        results["oracle"] = _oracle_scenario(adapter, oracle, tol, seed)
     for n in names:
+        ref_cache: dict = {}  # references of this scenario only: memory is bounded by the largest scenario
         sc = SCENARIOS[n]
         if progress:
             progress(f"scenario {n}")
@@ -612,7 +649,7 @@ def check_cache(adapter, *, scenarios=None, seed: int = 0, progress=None) -> Cac
             q.diagnosis = diagnose(q.kind, baseline, stale_seen)
         if r.failed:
             r.diagnosis = r.failed[0].diagnosis
-    return CacheCheckResult(None, adapter.name, adapter.dtype, noise, tol, [results[n] for n in names],
+    return CacheCheckResult(None, adapter.name, adapter.dtype, noise, tol, list(results.values()),
                             time.perf_counter() - t0)
 
 
@@ -681,10 +718,13 @@ def validate_inputs(model, engine: str = "hf", dtype: str = "float32", scenarios
 
 def cachecheck(model, *, engine: str = "hf", dtype: str = "float32", store=None, scenarios=None,
                label: str | None = None, seed: int = 0, max_context: int | None = None,
-               block_size: int | None = None, bugs=(), adapter=None, progress=None) -> CacheCheckResult:
+               block_size: int | None = None, bugs=(), adapter=None, hf_reference: bool = False,
+               progress=None) -> CacheCheckResult:
     """Prove ``engine``'s KV cache on ``model`` equivalent to its full-prefix recomputation over
     the scenario matrix (module docstring), and store the result in ``store`` (a path or Store;
     None: not stored). ``adapter``: an adapter instance to use instead of ``engine`` (your own).
+    ``hf_reference``: also check the engine's full-prefix forward against HF's plain forward of
+    ``model`` in the same dtype (the ``oracle`` scenario, the second oracle).
 
     Refused with ValueError before anything runs: an unknown engine, scenario or dtype, a model
     directory without config.json, scenarios beyond the engine's context. An engine that cannot
@@ -702,7 +742,12 @@ def cachecheck(model, *, engine: str = "hf", dtype: str = "float32", store=None,
     if own:
         adapter = make_adapter(model, engine, dtype, max_context=max_context, block_size=block_size, bugs=bugs)
     try:
-        result = check_cache(adapter, scenarios=scenarios, seed=seed, progress=progress)
+        oracle = None
+        if hf_reference:
+            from extractors.cache_adapters import HFCacheAdapter
+
+            oracle = HFCacheAdapter(model, dtype, max_context=adapter.max_context)
+        result = check_cache(adapter, scenarios=scenarios, seed=seed, progress=progress, oracle=oracle)
     finally:
         if own:
             adapter.close()
@@ -715,11 +760,21 @@ def cachecheck(model, *, engine: str = "hf", dtype: str = "float32", store=None,
 def store_result(store, result: CacheCheckResult, *, model: str | None, label: str | None, adapter) -> str:
     """Commit ``result`` as a comparison of its own kind: the ``cachecheck_*`` tables, then the
     ``comparisons`` row last (``integrity.commit_comparison``). -> the comparison id."""
-    from capturestore.comparators.base import COMPARISONS_SCHEMA_VERSION, TableSpec, to_arrow
-    from capturestore.comparators.cachecheck import TABLES, engine_row, position_rows, request_rows, scenario_rows
+    from capturestore.comparators.base import (
+        COMPARISONS_SCHEMA_VERSION,
+        TableSpec,
+        to_arrow,
+    )
+    from capturestore.comparators.cachecheck import (
+        TABLES,
+        engine_row,
+        position_rows,
+        request_rows,
+        scenario_rows,
+    )
     from capturestore.integrity import commit_comparison
 
-    cid = f"cmp-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+    cid = f"cmp-{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
     model_hash = None
     if model:
         try:
@@ -739,7 +794,7 @@ def store_result(store, result: CacheCheckResult, *, model: str | None, label: s
     from capturestore.comparators import declared_tables
 
     spec = declared_tables()["comparisons"]
-    row = {"comparison_id": cid, "label": label, "created_at": datetime.now(timezone.utc), "baseline_run": None,
+    row = {"comparison_id": cid, "label": label, "created_at": datetime.now(UTC), "baseline_run": None,
            "expected_run": None, "actual_run": None, "three_way": False,
            "n_prompts": sum(len(s.requests) for s in result.scenarios), "models_differ": False,
            "passed": result.passed,

@@ -380,7 +380,8 @@ def cmd_cachecheck(args: argparse.Namespace) -> int:
     _require_writable(store, "cachecheck")
     result = cachecheck(args.model, engine=args.engine, dtype=args.dtype, store=store, scenarios=scenarios,
                         label=args.label, seed=args.seed, max_context=args.max_context, block_size=args.block_size,
-                        bugs=bugs, progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
+                        bugs=bugs, hf_reference=args.hf_reference,
+                        progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
     print(f"cache check {result.comparison_id}: engine {result.engine} on {args.model}")
     print(result.summary())
     return 0 if result.passed else 1
@@ -516,6 +517,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--block-size", type=int, help="block size of a paged engine")
     sp.add_argument("--bug", help="plant these bugs in the paged engine (comma-separated; extractors.cache_engine.BUGS)")
     sp.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
+    sp.add_argument("--hf-reference", action="store_true", help="also check the engine's full-prefix forward "
+                    "against HF's plain forward of the model (scenario oracle: the second oracle)")
     sp.add_argument("--label", help="label stored with the check")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     return p

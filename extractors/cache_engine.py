@@ -92,7 +92,7 @@ class LlamaWeights:
         w = {k: v.to(self.dtype) for k, v in load_file(str(model_dir / "model.safetensors")).items()}
         self.embed = w["model.embed_tokens.weight"]
         self.norm = w["model.norm.weight"]
-        self.lm_head = w["lm_head.weight"] if "lm_head.weight" in w else self.embed
+        self.lm_head = w.get("lm_head.weight", self.embed)
         p = "model.layers.{}."
         self.layers = [_Layer(*(w[p.format(i) + n] for n in (
             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",

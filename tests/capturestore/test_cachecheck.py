@@ -9,12 +9,12 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from capturestore.cachecheck import SCENARIOS, cachecheck, check_cache, make_adapter  # noqa: E402
-from capturestore.cli import main  # noqa: E402
-from extractors.cache_adapters import NotSupported, PagedEngineAdapter  # noqa: E402
-from extractors.cache_engine import BUGS  # noqa: E402
-from extractors.models import tiny_model  # noqa: E402
-from metrics.cache_equivalence import BATCH, CHUNK, CONTEXT, LATE, STALE  # noqa: E402
+from capturestore.cachecheck import SCENARIOS, cachecheck, check_cache, make_adapter
+from capturestore.cli import main
+from extractors.cache_adapters import NotSupported, PagedEngineAdapter
+from extractors.cache_engine import BUGS
+from extractors.models import tiny_model
+from metrics.cache_equivalence import BATCH, CHUNK, CONTEXT, LATE, STALE
 
 # ------------------------------------------------------------------------ correct engines
 
@@ -89,8 +89,8 @@ def test_pad_read_fails_the_short_row_at_its_first_decode_position(gqa):
 
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 
 @pytest.mark.slow
@@ -275,3 +275,23 @@ def test_cli_runs_your_own_adapter_class_and_a_missing_operation_is_exit_1_not_r
     rc = main(["cachecheck", "--model", str(gqa), "--engine", own, "--scenarios", "single",
                "--store", str(tmp_path / "s"), "--quiet"])
     assert rc == 0 and "overall: PASS" in capsys.readouterr().out
+
+
+def test_the_second_oracle_catches_an_engine_equal_to_its_own_wrong_full_prefix(gqa):
+    """A wrong weight makes cached and full prefix agree with each other: the matrix alone passes.
+    HF's plain forward (the second oracle) fails it from position 0, systematic."""
+    from extractors.cache_adapters import HFCacheAdapter
+    from metrics.cache_equivalence import SYSTEMATIC
+
+    hf = HFCacheAdapter(gqa, max_context=64)
+    good = check_cache(PagedEngineAdapter(gqa, max_context=64), scenarios=["single"], oracle=hf)
+    assert good.passed and good.scenarios[0].name == "oracle"
+    assert max(q.judgement.max_err for q in good.scenarios[0].requests) <= 1e-6  # the paged Llama is HF's, bit for bit
+    wrong = PagedEngineAdapter(gqa, max_context=64)
+    wrong.weights.layers[1].o.mul_(1.01)
+    alone = check_cache(wrong, scenarios=["single"])
+    assert alone.passed  # equivalent to itself: the first oracle cannot see a wrong weight
+    r = check_cache(wrong, scenarios=["single"], oracle=hf)
+    oracle = r.scenarios[0]
+    assert oracle.status == "fail" and oracle.diagnosis == SYSTEMATIC
+    assert oracle.failed[0].first_position == 0 and not r.passed

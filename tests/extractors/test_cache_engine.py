@@ -8,7 +8,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from extractors.cache_engine import BUGS, ContextOverflowError, LlamaWeights, PagedEngine  # noqa: E402
+from extractors.cache_engine import (
+    BUGS,
+    ContextOverflowError,
+    LlamaWeights,
+    PagedEngine,
+)
 
 BS = 16
 
@@ -29,7 +34,7 @@ def _rel(a, b):
 def test_full_prefix_forward_equals_hf_plain_forward_logits_and_kv(weights):
     from extractors.hf import load_hf_model
 
-    arch, path, w = weights
+    _, path, w = weights
     model = load_hf_model(path)
     seq = _prompt(40)
     logits, k, v = w.forward_full([seq, seq[:17]])
