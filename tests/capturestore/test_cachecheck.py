@@ -295,3 +295,17 @@ def test_the_second_oracle_catches_an_engine_equal_to_its_own_wrong_full_prefix(
     oracle = r.scenarios[0]
     assert oracle.status == "fail" and oracle.diagnosis == SYSTEMATIC
     assert oracle.failed[0].first_position == 0 and not r.passed
+
+
+def test_report_of_a_cache_check_is_a_scenario_by_criterion_grid_from_sql(tmp_path, gqa):
+    from capturestore import Store
+    from reports.render import render_comparison
+
+    s = Store.open(tmp_path / "store")
+    r = cachecheck(gqa, engine="paged", max_context=64, bugs=("stale_slot",), scenarios=["single", "reuse"], store=s)
+    index = render_comparison(s, r.comparison_id, tmp_path / "report")
+    page = index.read_text()
+    assert f"Cache check {r.comparison_id}: FAIL" in page
+    assert '<td class="fail">from position 0 (max' in page and "stale or shared cache" in page
+    assert "new-in-freed" in page and '<td class="pass">identical</td>' in page  # single: tokens identical
+    assert "FROM cachecheck_scenarios" in (tmp_path / "report" / "queries.sql").read_text()
