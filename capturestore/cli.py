@@ -20,6 +20,8 @@
                                            capturestore.aggregate.aggregate_bc(...)
     capturestore diff BASE HEAD            capturestore.diff.diff(...)  exit status 1 on regression
     capturestore history --model M         capturestore.diff.history(...)
+    capturestore cachecheck --model DIR --engine hf|paged|pkg.mod:Class
+                                           capturestore.cachecheck.cachecheck(...)  exit 1 unless PASS
 
 Every command takes ``--store PATH`` (default: $CAPTURESTORE, else ./capturestore-store).
 
@@ -507,6 +509,22 @@ def cmd_history(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cachecheck(args: argparse.Namespace) -> int:
+    from capturestore.cachecheck import cachecheck, validate_inputs
+
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()] if args.scenarios else None
+    bugs = tuple(b.strip() for b in args.bug.split(",") if b.strip()) if args.bug else ()
+    validate_inputs(args.model, args.engine, args.dtype, scenarios, bugs)  # before the store is created
+    store = _open(args.store, create=True)
+    _require_writable(store, "cachecheck")
+    result = cachecheck(args.model, engine=args.engine, dtype=args.dtype, store=store, scenarios=scenarios,
+                        label=args.label, seed=args.seed, max_context=args.max_context, block_size=args.block_size,
+                        bugs=bugs, hf_reference=args.hf_reference,
+                        progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
+    print(f"cache check {result.comparison_id}: engine {result.engine} on {args.model}")
+    print(result.summary())
+    return 0 if result.passed else 1
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a usage error in one line (the usage itself is in --help), exit status 2."""
 
@@ -627,6 +645,21 @@ def build_parser() -> argparse.ArgumentParser:
                          "(worst layer)")
     sp.add_argument("--format", choices=["table", "json", "html"], default="table")
     sp.add_argument("--out", help="html: the file to write (required); json: file (default stdout)")
+    sp = add("cachecheck", cmd_cachecheck, "prove an engine's KV cache equivalent to its full-prefix recomputation over a "
+             "scenario matrix (docs/cachecheck.md); exit status 1 unless every scenario ran and passed")
+    sp.add_argument("--model", required=True, help="model directory (config.json + weights)")
+    sp.add_argument("--engine", default="hf", help="hf | paged (the reference paged engine) | "
+                    "package.module:Class (your own adapter; default hf)")
+    sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    sp.add_argument("--scenarios", help="comma-separated scenario names (default all: single, offset, batch_2, ...)")
+    sp.add_argument("--max-context", type=int, help="context of the engine (default: the model's, 128 for paged)")
+    sp.add_argument("--block-size", type=int, help="block size of a paged engine")
+    sp.add_argument("--bug", help="plant these bugs in the paged engine (comma-separated; extractors.cache_engine.BUGS)")
+    sp.add_argument("--seed", type=int, default=0, help="seed of the prompts (default 0)")
+    sp.add_argument("--hf-reference", action="store_true", help="also check the engine's full-prefix forward "
+                    "against HF's plain forward of the model (scenario oracle: the second oracle)")
+    sp.add_argument("--label", help="label stored with the check")
+    sp.add_argument("--quiet", action="store_true", help="no progress lines")
     return p
 
 

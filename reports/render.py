@@ -349,6 +349,11 @@ def render_comparison(store, comparison_id: str, out_dir) -> Path:
     store = _open_store(store)
     q = Queries(store)
     cid = comparison_id
+    if isinstance(cid, str) and cid.strip():
+        from reports.cachecheck import is_cachecheck, render_cachecheck
+
+        if is_cachecheck(store, cid):  # a cache check (capturestore cachecheck) has no runs: its own page
+            return render_cachecheck(store, cid, out)
     row, runs = _load(q, cid)
     expected = next((r["run_id"] for r in runs if r["role"] == "expected"), None)
     summary = q.prompt_summary(cid, expected or "")

@@ -57,6 +57,7 @@ _BUILTIN = {
     "fp8_kv_floor": "nki_fp8.target:Fp8KVFloorComparator",
     "modules": "capturestore.comparators.modules:ModulesComparator",
     "raw_errors": "capturestore.comparators.raw_errors:RawErrorsComparator",
+    "cachecheck": "capturestore.comparators.cachecheck:CacheCheckTables",  # tables only (capturestore.cachecheck)
 }
 _registry: dict[str, type[Comparator]] = {}
 _loaded = False

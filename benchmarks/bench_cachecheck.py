@@ -1,0 +1,67 @@
+"""Benchmark of the cache check (issue 23, "Performance").
+
+Run: ``python benchmarks/bench_cachecheck.py`` (a few minutes on 2 cores; ``--engines
+paged:llama-gqa`` for one). For each engine, the full scenario matrix on a tiny model
+(``check_cache``: the noise measurement, every scenario, every full-prefix reference, the
+judgement) against the sum of the plain generations of the same tokens measured in the same
+run: each judged request generated alone on a fresh engine (its prompt prefilled, then its
+tokens fed one step at a time, nothing judged). The ratio is what proving the cache costs per
+generated token; peak RSS says memory stays bounded (the largest scenario, not the matrix).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (run as a script)
+
+ENGINES = ["paged:llama-gqa", "hf:llama-mha", "hf:llama-gqa", "hf:gemma3-sliding"]
+
+
+def plain_generations(adapter, generations) -> float:
+    """Seconds to generate every (prompt_len, tokens) alone, the cache used but nothing judged."""
+    t0 = time.perf_counter()
+    for plen, tokens in generations:
+        adapter.reset()
+        handles, _ = adapter.prefill([tokens[:plen]])
+        for t in tokens[plen:]:
+            adapter.step(handles, [t])
+    return time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default=",".join(ENGINES), help="engine:arch, comma-separated")
+    args = ap.parse_args(argv)
+    import torch
+
+    from capturestore.cachecheck import check_cache, make_adapter
+    from extractors.models import tiny_model
+
+    torch.manual_seed(0)
+    rows = []
+    for spec in args.engines.split(","):
+        engine, arch = spec.split(":")
+        adapter = make_adapter(tiny_model(arch), engine, "float32", max_context=128 if engine == "paged" else None)
+        t0 = time.perf_counter()
+        result = check_cache(adapter)
+        wall = time.perf_counter() - t0
+        gens = [g for s in result.scenarios for g in s.generations]
+        plain = plain_generations(adapter, gens)
+        positions = sum(len(q.positions) for s in result.scenarios for q in s.requests)
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        rows.append((spec, result.verdict(), len(result.scenarios), len(gens), positions, wall, plain, wall / plain, rss))
+        print(f"{spec}: {result.verdict()} in {wall:.1f} s", file=sys.stderr)
+    head = ("engine", "verdict", "scenarios", "requests", "positions", "matrix s", "plain gen s", "ratio", "peak RSS MB")
+    print(" | ".join(head))
+    print(" | ".join("---" for _ in head))
+    for r in rows:
+        print(f"{r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.1f} | {r[6]:.1f} | {r[7]:.2f}x | {r[8]:.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
