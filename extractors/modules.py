@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -105,7 +106,9 @@ class ModuleHooks:
     """Forward hooks on ``modules`` of ``model`` that hand each output (``[batch, token, ...]``,
     batch row 0 kept) to ``sink(module, phase, step, tensor)`` as a clone. Set ``phase`` and
     ``step`` before each forward. ``order``: modules in the order their outputs were first
-    produced (execution order: a parent finishes after its children). Use as a context manager."""
+    produced (execution order: a parent finishes after its children). Use as a context manager.
+    Only forwards of the thread that entered it are captured (a streamed model runs the forwards
+    of a group in one thread each, through the same modules)."""
 
     def __init__(self, model, modules: Sequence[str], sink: Callable, inputs: bool = False):
         self.model, self.modules, self.sink, self.inputs = model, list(modules), sink, inputs
@@ -120,6 +123,8 @@ class ModuleHooks:
 
     def _hook(self, name: str):
         def hook(module, args, output):
+            if threading.current_thread() is not self._thread:
+                return  # another capture's forward through the same (streamed, shared) model
             if name in self._seen:
                 return  # a second call in the same forward: keep the first
             self._seen.add(name)
@@ -135,6 +140,7 @@ class ModuleHooks:
         return hook
 
     def __enter__(self) -> "ModuleHooks":
+        self._thread = threading.current_thread()
         mods = dict(self.model.named_modules())
         for name in self.modules:
             self._handles.append(mods[name].register_forward_hook(self._hook(name)))

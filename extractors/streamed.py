@@ -307,6 +307,13 @@ class StreamedModel:
         self.checkpoint.check(expected, str(cfg_dtype).removeprefix("torch.") if cfg_dtype else None, self.tied)
         self.loads = 0  # units loaded so far (a teacher-forced group: one per unit)
         self.bytes_read = 0
+        self.streaming = False
+        self.units[0].modules[0][1].register_forward_pre_hook(self._outside)
+
+    def _outside(self, module, args):
+        if not self.streaming:
+            raise RuntimeError(f"streamed model {self.path}: a forward ran outside run_streamed (its weights are "
+                               f"on the meta device until run_streamed loads them)")
 
     def _named_params(self) -> dict:
         out = {}
@@ -505,8 +512,14 @@ def run_streamed(sm: StreamedModel, fns: Sequence[Callable]) -> list:
     weights streamed: each unit is loaded once for every forward of every ``fn`` that reaches it
     in the same sweep, run by each in turn, then freed. Returns the ``fn`` results in order; a
     worker's exception is raised here (the others are stopped)."""
-    with _Stream(sm) as stream:
-        return stream.run(fns)
+    if sm.streaming:
+        raise RuntimeError(f"streamed model {sm.path}: run_streamed is already running on it")
+    sm.streaming = True
+    try:
+        with _Stream(sm) as stream:
+            return stream.run(fns)
+    finally:
+        sm.streaming = False
 
 
 # ----------------------------------------------------------------------------------------------
