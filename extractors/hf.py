@@ -319,7 +319,7 @@ def generate_hf_logits_and_kv(model, input_ids, num_tokens: int, cache_factory=N
 def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: int = 8,
                    dtype: str = "float32", release=None, model=None, config: dict | None = None,
                    device: str = "cpu", memory: int | None = None, stream: bool | None = None,
-                   info: dict | None = None) -> str:
+                   info: dict | None = None, model_hash: str | None = None) -> str:
     """Capture HF logits + KV for ``prompts`` into ``store``; returns the run id.
 
     prompts: list of token-id lists. With ``teacher_tokens`` (one list per prompt) the run is
@@ -335,7 +335,8 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     budget in bytes (default: what the device has available); when the weights do not fit it, the
     reference is **streamed** layer by layer (``extractors.streamed``, bit-identical) in groups of
     prompts sized to it. stream: True / False force the path. info: a dict that receives the
-    plan (``path``, ``groups``, ``plan``) and the peak memory (``peak``).
+    plan (``path``, ``groups``, ``plan``) and the peak memory (``peak``). model_hash: the
+    checkpoint's ``model_content_hash`` when the caller has it (it reads every weight).
     """
     import transformers
 
@@ -395,7 +396,8 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
 
     run = begin_capture_run(store, engine="hf", capture="teacher_forced_prefill" if teacher_tokens is not None else "greedy",
                             prompts=prompt_rows, layer_names=names, logits_kind="logits", config=config,
-                            model_path=str(Path(model_path)), model_hash=model_content_hash(model_path), dtype=dtype,
+                            model_path=str(Path(model_path)), dtype=dtype,
+                            model_hash=model_hash or model_content_hash(model_path),
                             device=device, engine_version=transformers.__version__, release=release)
     with run, PeakMemory(device) as peak:
         for group in groups:

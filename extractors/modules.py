@@ -224,7 +224,8 @@ def collect_hf_modules(model, prompts, continuations, modules: Iterable[str] | s
 def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: Iterable[str] | str = DEFAULT_MODULES,
                           dtype: str = "float32", inputs: bool = False, release=None, model=None,
                           config: dict | None = None, device: str = "cpu", memory: int | None = None,
-                          stream: bool | None = None, info: dict | None = None) -> str:
+                          stream: bool | None = None, info: dict | None = None,
+                          model_hash: str | None = None) -> str:
     """Capture module tensors (and the logits of the same forwards) of ``prompts`` teacher-forced
     with ``teacher_tokens`` (one list per prompt, >= 1 token) into ``store``; returns the run id.
 
@@ -316,7 +317,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
                     **(config or {}),
                 }
                 run = store.begin_run(engine="hf", model_path=str(Path(model_path)),
-                                      model_hash=model_content_hash(model_path), dtype=dtype, device=device,
+                                      model_hash=model_hash or model_content_hash(model_path), dtype=dtype, device=device,
                                       engine_version=transformers.__version__, release=release, config=cfg)
                 run.__enter__()
             try:

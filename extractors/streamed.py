@@ -557,8 +557,8 @@ class ReferencePlan:
 
     def describe(self) -> str:
         g = ", ".join(str(len(x)) for x in self.groups)
-        return (f"{self.path} ({self.weights / GiB:.2f} GiB of weights, budget {self.budget / GiB:.2f} GiB, "
-                f"largest unit {self.largest_unit[0]} {self.largest_unit[1] / GiB:.2f} GiB; "
+        return (f"{self.path} ({size_text(self.weights)} of weights, budget {size_text(self.budget)}, "
+                f"largest unit {self.largest_unit[0]} {size_text(self.largest_unit[1])}; "
                 f"{len(self.groups)} group(s) of {g} prompt(s))")
 
 
@@ -579,6 +579,11 @@ def prompt_activation_bytes(config, dtype: str, seq: int, logits_rows: int) -> i
     return kv + layer + 2 * logits_rows * c.vocab_size * 4
 
 
+def size_text(n: int) -> str:
+    """Bytes for a person: GiB from 1 GiB up, MiB below."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB else f"{n / (1 << 20):.2f} MiB"
+
+
 def plan_reference(*, weights: int, units: Sequence[tuple[str, int]], budget: int, per_prompt: Sequence[int],
                    stream: bool | None = None) -> ReferencePlan:
     """``whole`` when the weights and the largest prompt's activations fit ``budget`` (or
@@ -589,9 +594,9 @@ def plan_reference(*, weights: int, units: Sequence[tuple[str, int]], budget: in
     if stream is False or (stream is None and weights + most <= budget):
         return ReferencePlan("whole", weights, (name, big), budget, [list(range(len(per_prompt)))])
     if big > budget:
-        raise MemoryBudgetError(f"reference memory budget {budget / GiB:.2f} GiB is smaller than one layer of the "
-                                f"model: {name} needs {big / GiB:.2f} GiB ({big} bytes); give at least "
-                                f"{(big + most) / GiB:.2f} GiB")
+        raise MemoryBudgetError(f"reference memory budget {size_text(budget)} is smaller than one layer of the "
+                                f"model: {name} needs {size_text(big)} ({big} bytes); give at least "
+                                f"{(big + most) / GiB:.4f} GiB")
     room = budget - big
     groups, cur, used = [], [], 0
     for i, b in enumerate(per_prompt):
@@ -664,9 +669,9 @@ class PeakMemory:
             self.cuda = int(torch.cuda.max_memory_allocated(torch.device(self.device)))
 
     def describe(self) -> str:
-        s = f"peak RSS {self.rss / GiB:.2f} GiB" + ("" if self.reset else " (process lifetime)")
+        s = f"peak RSS {size_text(self.rss)}" + ("" if self.reset else " (process lifetime)")
         if self.cuda is not None:
-            s += f", peak CUDA {self.cuda / GiB:.2f} GiB"
+            s += f", peak CUDA {size_text(self.cuda)}"
         return s
 
 

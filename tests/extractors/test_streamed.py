@@ -293,7 +293,7 @@ def test_a_budget_smaller_than_one_layer_is_refused_with_the_size_a_layer_needs(
     assert name == "model.layers.0" and big == 4 * (2 * 128 * 128 + 2 * 64 * 128 + 3 * 128 * 256 + 2 * 128)
     st = Store.open(tmp_path / "store")
     with pytest.raises(MemoryBudgetError, match=rf"smaller than one layer of the model: {name} needs "
-                                                rf"0\.00 GiB \({big} bytes\)"):
+                                                rf"0\.56 MiB \({big} bytes\)"):
         capture_hf_run(st, path, PROMPTS, num_tokens=2, memory=big - 1)
     assert st.runs().num_rows == 0
 
