@@ -298,9 +298,7 @@ class StreamedModel:
         self.model._capture_device = torch.device(self.device)
         self.units = self._units()
         expected = {n: tuple(p.shape) for n, p in self._named_params().items()}
-        self.tied = self._tied()
-        for t in self.tied:
-            expected.pop(t, None) if t not in self.checkpoint.entries else None
+        self.tied = self._tied()  # parameters the checkpoint may omit: read from their source
         raw = json.loads((self.path / "config.json").read_text())  # the checkpoint's own dtype, as written
         raw = raw.get("text_config", raw) if "dtype" not in raw and "torch_dtype" not in raw else raw
         cfg_dtype = raw.get("dtype") or raw.get("torch_dtype")
@@ -638,23 +636,33 @@ def prepare_reference(model_path, dtype: str, device: str = "cpu", memory: float
 class PeakMemory:
     """Peak resident memory of this process (and of the CUDA device) over a ``with`` block.
 
-    CPU: ``VmHWM`` of ``/proc/self/status``, reset on entry by writing ``5`` to
-    ``/proc/self/clear_refs`` (Linux); where that cannot be reset, the process's lifetime peak.
+    CPU: resident set size sampled every ``interval`` seconds by a thread (``/proc/self/statm``),
+    so nothing of the process's own peak counters is reset (a caller measuring ``VmHWM`` keeps its
+    figure); where ``/proc`` is absent, the process's lifetime peak (``ru_maxrss``).
+    CUDA: ``torch.cuda.max_memory_allocated`` since entry.
     """
 
-    def __init__(self, device: str = "cpu"):
-        self.device = str(device)
+    def __init__(self, device: str = "cpu", interval: float = 0.01):
+        self.device, self.interval = str(device), interval
         self.rss = None
         self.cuda = None
-        self.reset = False
+        self.sampled = Path("/proc/self/statm").exists()
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _sample(self):
+        page = os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/statm", "rb", buffering=0) as f:
+            while True:
+                f.seek(0)
+                self.rss = max(self.rss or 0, int(f.read().split()[1]) * page)
+                if self._stop.wait(self.interval):
+                    return
 
     def __enter__(self):
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.reset = True
-        except OSError:
-            self.reset = False
+        if self.sampled:
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
         if self.device.startswith("cuda"):
             import torch
 
@@ -662,26 +670,24 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc):
-        self.rss = _vm_hwm()
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        else:
+            self.rss = _lifetime_peak()
         if self.device.startswith("cuda"):
             import torch
 
             self.cuda = int(torch.cuda.max_memory_allocated(torch.device(self.device)))
 
     def describe(self) -> str:
-        s = f"peak RSS {size_text(self.rss)}" + ("" if self.reset else " (process lifetime)")
+        s = f"peak RSS {size_text(self.rss)}" + ("" if self.sampled else " (process lifetime)")
         if self.cuda is not None:
             s += f", peak CUDA {size_text(self.cuda)}"
         return s
 
 
-def _vm_hwm() -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+def _lifetime_peak() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
