@@ -5,7 +5,9 @@ Run: ``python benchmarks/bench_streamed_reference.py [--quick] [--skip-whole]``.
 Builds once (cached under ``.bench-tmp/``, git-ignored) a random Llama of ~3B parameters: hidden
 3072, 28 layers, GQA 24/8 heads of 128, MLP 8192, vocabulary 128,256, as sharded BF16 safetensors
 (~6 GB), written shard by shard (a few layers each) so that building it never holds the model.
-``--quick``: the same shape scaled down (hidden 512, 6 layers, vocabulary 32,000).
+``--quick``: the same shape scaled down (hidden 512, 6 layers, vocabulary 32,000). ``--cli``
+(or ``--cli-only``): also ``capturestore run --target hf:bfloat16 --reference-memory`` end to end
+on it, its peak RSS (from outside) against one FP32 copy of the weights.
 
 Then, each step in its own child process, peak RSS measured from outside (psutil polling the
 child every 10 ms) and wall time of the step's work (imports and skeleton excluded, printed apart):
@@ -231,6 +233,38 @@ def compare_runs_bits(store_a: Path, run_a: str, store_b: Path, run_b: str) -> s
     return f"bit-identical ({n} prompts: logits + KV)"
 
 
+def cli_run(args) -> None:
+    """``capturestore run --target hf:bfloat16 --reference-memory`` on the model, as a child;
+    prints its own lines (plans, peaks, verdict), its wall time and its peak RSS from outside."""
+    import psutil
+
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    prompts, _ = _prompts(cfg["vocab_size"], args.prompts, args.length, args.teach)
+    with tempfile.TemporaryDirectory(dir=ROOT / ".bench-tmp") as tmp:
+        pf = Path(tmp) / "prompts.jsonl"
+        pf.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in prompts))
+        cmd = [sys.executable, "-m", "capturestore.cli", "run", "--model", str(args.model), "--prompts", str(pf),
+               "--target", "hf:bfloat16", "--num-tokens", str(args.teach), "--store", str(Path(tmp) / "store"),
+               "--reference-memory", str(args.memory)]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=str(ROOT))
+        ps, peak = psutil.Process(proc.pid), 0
+        while proc.poll() is None:
+            try:
+                peak = max(peak, ps.memory_info().rss)
+            except psutil.Error:
+                pass
+            time.sleep(0.01)
+        out = proc.communicate()[0]
+        wall = time.perf_counter() - t0
+    fp32 = sum(e.nbytes for e in __import__("extractors.streamed", fromlist=["Checkpoint"]).Checkpoint(
+        args.model).entries.values()) * 2
+    print("\n".join("  | " + line for line in out.strip().splitlines()[-30:]))
+    print(f"capturestore run --target hf:bfloat16 --reference-memory {args.memory}: exit {proc.returncode}, "
+          f"{wall:.1f} s, peak RSS {peak / GiB:.2f} GiB (one FP32 copy of the weights: {fp32 / GiB:.2f} GiB; "
+          f"{'below' if peak < fp32 else 'NOT below'})", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small model of the same shape (seconds)")
@@ -240,6 +274,11 @@ def main():
     ap.add_argument("--length", type=int, default=64, help="tokens of the longest prompt (others 3 fewer each)")
     ap.add_argument("--teach", type=int, default=8, help="teacher tokens per prompt")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--cli", action="store_true", help="also `capturestore run --target hf:bfloat16 "
+                    "--reference-memory MEMORY` end to end (peak RSS from outside, against one FP32 copy)")
+    ap.add_argument("--cli-only", action="store_true", help="only the --cli step")
+    ap.add_argument("--steps", help="comma-separated subset of: read, streamed fp32, streamed bf16, streamed fp32 "
+                    "greedy, whole bf16, whole fp32 (read is always run; a ratio whose steps did not run is not shown)")
     ap.add_argument("--step", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
@@ -261,11 +300,18 @@ def main():
     if not hash_file.exists():
         hash_file.write_text(model_content_hash(args.model))
     args.model_hash = hash_file.read_text()
+    if args.cli or args.cli_only:
+        cli_run(args)
+        if args.cli_only:
+            return
     with tempfile.TemporaryDirectory(dir=ROOT / ".bench-tmp") as tmp:
         tmp = Path(tmp)
         steps = ["read", "streamed fp32", "streamed bf16", "streamed fp32 greedy"]
         if not args.skip_whole:
             steps += ["whole bf16", "whole fp32"]
+        if args.steps:
+            keep = {x.strip() for x in args.steps.split(",")} | {"read"}
+            steps = [x for x in steps if x in keep]
         res = {}
         for step in steps:
             store = tmp / step.replace(" ", "-")
@@ -286,9 +332,10 @@ def main():
             fwd = res.get(f"whole {dtype}", {}).get("forward_s")
             limit = max(read, fwd) if fwd is not None else read
             what = "max(read, whole forward)" if fwd is not None else "read (no whole step)"
-            s = res[f"streamed {dtype}"]
-            rows.append((f"streamed {dtype} teacher-forced", s["wall_s"], limit, what, 1.2, s["peak_rss"]))
-            if dtype == "fp32":
+            s = res.get(f"streamed {dtype}")
+            if s is not None:
+                rows.append((f"streamed {dtype} teacher-forced", s["wall_s"], limit, what, 1.2, s["peak_rss"]))
+            if dtype == "fp32" and "streamed fp32 greedy" in res:
                 g = res["streamed fp32 greedy"]
                 k = g["passes"]
                 rows.append((f"streamed fp32 greedy ({k:.0f} passes)", g["wall_s"], k * limit, f"{k:.0f} x ({what})",
@@ -303,7 +350,7 @@ def main():
             print(f"{name:36s} {wall:8.2f} {limit:8.2f} {ratio:6.2f} {goal:5.1f}  {peak / GiB:7.2f} G "
                   f"{'ok' if mem_ok else 'OVER':>10s}  {what}")
         for dtype in ("fp32", "bf16"):
-            if f"whole {dtype}" in res:
+            if f"whole {dtype}" in res and f"streamed {dtype}" in res:
                 w = res[f"whole {dtype}"]
                 print(f"whole {dtype}: load {w['load_s']:.1f} s, forward {w['forward_s']:.1f} s, peak RSS "
                       f"{w['peak_rss'] / GiB:.2f} GiB; streamed vs whole: "
