@@ -174,6 +174,11 @@ def child_step(args) -> dict:
         out.update(run=rid, groups=info["groups"], passes=info["weight_passes"], plan=info["plan"])
     elif args.step.startswith("whole"):
         dtype = "float32" if "fp32" in args.step else "bfloat16"
+        from extractors.streamed import available_memory
+
+        need = Checkpoint(args.model).nbytes() * (2 if dtype == "float32" else 1) + 3 * GiB
+        if available_memory() < need:  # a shared machine: never push others' jobs out
+            raise SystemExit(f"whole {dtype}: {available_memory() / GiB:.1f} GiB available, {need / GiB:.1f} needed")
         model = load_hf_model(args.model, dtype)
         out["load_s"] = time.perf_counter() - t0
         t1 = time.perf_counter()
