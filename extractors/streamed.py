@@ -172,23 +172,30 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: no {SINGLE_FILE} and no {INDEX_FILE} (streamed references read "
                                   f"safetensors checkpoints)")
 
-    def check(self, expected: dict, dtype: str | None, tied: dict[str, str]) -> None:
+    def check(self, expected: dict, dtype: str | None, tied: dict[str, str], ignored=()) -> None:
         """Refuse (``CheckpointError``, naming file and tensor) a tensor missing, unexpected, of
         another shape than ``expected`` (``{name: shape}``) or of a floating dtype other than
         ``dtype`` (the checkpoint's own, ``config.json``'s ``dtype``; None: the first tensor's).
-        ``tied``: ``{name: source}`` parameters the checkpoint may omit (read from ``source``)."""
+        ``tied``: ``{name: source}`` parameters the checkpoint may omit (read from ``source``).
+        ``ignored``: regular expressions of tensors ``from_pretrained`` itself skips without a word
+        (old checkpoints' ``rotary_emb.inv_freq``, the model's ``_keys_to_ignore_on_load_unexpected``)."""
+        import re
+
+        skip = [re.compile(p) for p in ignored]
         where = lambda name: self.entries[name].file  # noqa: E731
         for name in sorted(expected):
             if name not in self.entries and not (name in tied and tied[name] in self.entries):
                 raise CheckpointError(f"{self.path}: tensor {name} is missing (the model has it, no file holds it)")
         allowed = set(expected)
         for name in sorted(self.entries):
+            if name not in allowed and any(p.search(name) for p in skip):
+                continue
             if name not in allowed:
                 raise CheckpointError(f"{where(name)}: tensor {name} is unexpected (the model has no such parameter)")
             want, got = tuple(expected[name]), self.entries[name].shape
             if want != got:
                 raise CheckpointError(f"{where(name)}: tensor {name} has shape {list(got)}, the model's is {list(want)}")
-        floats = {n: e.dtype for n, e in self.entries.items() if e.dtype.startswith(("F", "BF"))}
+        floats = {n: e.dtype for n, e in self.entries.items() if e.dtype.startswith(("F", "BF")) and n in allowed}
         if floats:
             ref = dtype or _ST_DTYPES[floats[min(floats)]][0]
             for name in sorted(floats):
@@ -302,7 +309,9 @@ class StreamedModel:
         raw = json.loads((self.path / "config.json").read_text())  # the checkpoint's own dtype, as written
         raw = raw.get("text_config", raw) if "dtype" not in raw and "torch_dtype" not in raw else raw
         cfg_dtype = raw.get("dtype") or raw.get("torch_dtype")
-        self.checkpoint.check(expected, str(cfg_dtype).removeprefix("torch.") if cfg_dtype else None, self.tied)
+        ignored = {r"rotary_emb\.inv_freq$", *(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())}
+        self.checkpoint.check(expected, str(cfg_dtype).removeprefix("torch.") if cfg_dtype else None, self.tied,
+                              ignored)
         self.loads = 0  # units loaded so far (a teacher-forced group: one per unit)
         self.bytes_read = 0
         self.streaming = False

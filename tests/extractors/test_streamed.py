@@ -424,3 +424,17 @@ def test_plan_takes_the_whole_path_when_the_weights_fit(tiny_model):
     assert plan.path == "whole" and plan.groups == [[0, 1, 2]]
     assert plan.weights == sm.weights_nbytes() == sum(p.numel() * 2 for p in sm.model.parameters())
     assert "whole" in plan.describe() and "3 prompt" in plan.describe()
+
+
+def test_tensors_from_pretrained_skips_silently_are_accepted_not_refused(tiny_model, whole, tmp_path):
+    # old Llama checkpoints carry rotary_emb.inv_freq per layer: transformers ignores them, so do we
+    path = reshard(tiny_model("llama-mha"), tmp_path / "ck", 2)
+    shard = path / "model-00001-of-00002.safetensors"
+    _edit_shard(shard, lambda t: t.__setitem__("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(16)))
+    idx = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    _write_index(path, {**idx, "model.layers.0.self_attn.rotary_emb.inv_freq": shard.name})
+    sm = StreamedModel(path, "float32")
+    got = run_streamed(sm, [lambda: extract_hf_kv_caches_teacher_forced(sm.model, [PROMPTS[0]], [TEACHERS[0]],
+                                                                         return_logits=True)])
+    _same_capture(got[0], extract_hf_kv_caches_teacher_forced(whole(path, "float32"), [PROMPTS[0]], [TEACHERS[0]],
+                                                              return_logits=True), "with inv_freq")
