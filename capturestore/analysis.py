@@ -83,17 +83,22 @@ def prompt_split(store, run_id: str, prompt_id: str) -> tuple[np.ndarray, int]:
 
 
 def find_reference_run(store, *, model_hash: str, dtype: str, prompt_ids, engine: str = "hf",
-                       teacher_tokens: dict | None = None, config: dict | None = None) -> str | None:
+                       teacher_tokens: dict | None = None, config: dict | None = None,
+                       device: str | None = None) -> str | None:
     """The newest complete ``engine`` run of ``model_hash`` in ``dtype`` holding every prompt in
     ``prompt_ids`` (and, when given, the same captured tokens per prompt, and a run config holding
-    every key of ``config`` with the same value, e.g. ``{"capture": "greedy", "num_tokens": 8}``), or None.
+    every key of ``config`` with the same value, e.g. ``{"capture": "greedy", "num_tokens": 8}``; and,
+    when given, captured on ``device``: ``cpu``, ``cuda:0``; a CUDA reference differs from a CPU one
+    by rounding), or None. How a reference was computed (whole model or streamed layer by layer) is
+    not a key: both give the same bits.
 
     References are captured once and reused by every comparison sharing model + prompts + dtype.
     """
     want = set(prompt_ids)
     runs = sorted(
         (r for r in _committed_runs(store).values()
-         if r["engine"] == engine and r["model_hash"] == model_hash and r["dtype"] == dtype),
+         if r["engine"] == engine and r["model_hash"] == model_hash and r["dtype"] == dtype
+         and (device is None or r.get("device") == device)),
         key=lambda r: r["committed_at"], reverse=True,
     )
     for r in runs:

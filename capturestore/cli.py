@@ -343,7 +343,8 @@ def _sigterm_as_interrupt():
 def _run(args: argparse.Namespace, pipeline, store: str) -> int:
     kwargs = dict(target=args.target, num_tokens=args.num_tokens, release=args.release, store=store,
                   plugins=args.plugins, modules=args.modules, tp=args.tp, quiet=args.quiet, label=args.label,
-                  fp8_scales=args.fp8_scales, from_task=args.from_task, task_reference=args.task_reference)
+                  fp8_scales=args.fp8_scales, from_task=args.from_task, task_reference=args.task_reference,
+                  reference_device=args.reference_device, reference_memory=args.reference_memory)
     if args.debug:  # the engines' and libraries' own output as it comes
         result = pipeline.run(args.model, args.prompts, **kwargs)
         return 0 if result.passed else 1
@@ -588,6 +589,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--modules", help="module patterns for the modules plugin, comma-separated "
                     "(default model.layers.*.self_attn,model.layers.*.mlp,model.layers.*,model.norm)")
     sp.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the vllm target")
+    sp.add_argument("--reference-device", default="cpu", metavar="DEVICE",
+                    help="where the HF references run: cpu or cuda[:N] (FP32 without TF32; default cpu)")
+    sp.add_argument("--reference-memory", type=float, metavar="GiB",
+                    help="memory budget of the HF references (default: the device's available memory); weights "
+                    "that do not fit are streamed layer by layer, bit-identically (docs/references.md)")
     sp.add_argument("--label", help="label stored with the comparison")
     sp.add_argument("--fp8-scales", metavar="PATH", help="KV scales (checkpoint dir or .safetensors) of the "
                     "hf-fp8-kv target (default: absmax calibration on the expected run)")

@@ -599,7 +599,7 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
         out: Callable[[str], None] = print, label: str | None = None, progress_bar: bool | None = None,
         engine_options: dict | None = None, engine_hook: Callable | None = None, fp8_scales=None,
         fp8_platform: str | None = None, timings: dict | None = None, from_task=None, task_reference=None,
-        bar_file=None):
+        bar_file=None, reference_device: str = "cpu", reference_memory: float | None = None):
     """The main job (module docstring); returns the ``ComparisonResult`` of the stored comparison.
 
     model: a Hugging Face model directory. prompts: a ``.txt`` / ``.jsonl`` file, or a sequence
@@ -619,6 +619,11 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
     calibrated by absmax on the expected run's KV). bar_file: the stream of the progress bars
     (default sys.stderr; the CLI passes the terminal while library output goes to a log). timings: a dict receiving seconds per stage
     (``checks``, ``baseline``, ``expected``, ``target``, ``modules``, ``compare``, ``total``).
+    reference_device: where the HF references run, ``cpu`` or ``cuda[:N]`` (FP32 without TF32; a
+    reference is reused only from the same device). reference_memory: the references' memory
+    budget in GiB (default: the device's available memory); a model whose weights do not fit it
+    is streamed layer by layer (``extractors.streamed``, bit-identical; docs/references.md), and
+    the output says which path each reference took, its prompt groups and its peak memory.
     Bad input raises ValueError before anything is written; an engine that cannot start raises
     ``EngineStartError``.
     """
@@ -647,14 +652,39 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
         if from_task is not None:
             prompts = lambda: task_prompts(from_task, task_reference)  # noqa: E731 - read after the cheap checks
         return _run(model, prompts, target, num_tokens, release, store, plugins, modules, tp, quiet, out, label,
-                    progress, engine_options, engine_hook, fp8_scales, fp8_platform, timings)
+                    progress, engine_options, engine_hook, fp8_scales, fp8_platform, timings,
+                    _Reference(reference_device, reference_memory))
     finally:
         if hf_bars:
             hf_logging.enable_progress_bar()
 
 
+class _Reference:
+    """Where and within what memory the HF references run (checked before anything is written)."""
+
+    def __init__(self, device, memory_gib):
+        from extractors.hf import _device_str
+
+        try:
+            self.device = _device_str(device)
+        except ValueError as e:
+            raise ValueError(f"--reference-device: {e}") from None
+        if memory_gib is not None and (isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float))
+                                       or not memory_gib > 0 or memory_gib != memory_gib):
+            raise ValueError(f"--reference-memory must be a number of GiB > 0, got {memory_gib!r}")
+        self.memory = None if memory_gib is None else int(memory_gib * (1 << 30))
+
+    def check(self, model_path, dtypes, rows, num_tokens):
+        """Refuse a checkpoint whose files disagree, or a budget below one layer, before any write."""
+        from extractors.streamed import prepare_reference
+
+        for dtype in dtypes:
+            prepare_reference(model_path, dtype, self.device, self.memory, None,
+                              [(len(r) + num_tokens, num_tokens + 1) for r in rows])
+
+
 def _run(model, prompts, target, num_tokens, release, store, plugins, modules, tp, quiet, out, label, progress,
-         engine_options, engine_hook, fp8_scales, fp8_platform, timings):
+         engine_options, engine_hook, fp8_scales, fp8_platform, timings, ref=None):
     t_start = time.perf_counter()
     tm = timings if timings is not None else {}
     tm.clear()
@@ -706,6 +736,8 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     if fp8_scales is not None and tgt.kind != "hf-fp8-kv":
         raise ValueError(f"--fp8-scales {fp8_scales}: scales are for --target hf-fp8-kv, not {tgt}")
     scales = _load_fp8_scales(fp8_scales, cfg) if fp8_scales is not None else None
+    ref = ref or _Reference("cpu", None)
+    ref.check(model_path, ("float32", tgt.dtype), rows, num_tokens)
 
     from capturestore import Store
     from capturestore.writer import prompt_id
@@ -722,7 +754,8 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     try:
         result, reused = _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns, model_path, cfg,
                                       model_hash, rows, pids, given, analysis, num_tokens, release, label, tp,
-                                      engine_options, engine_hook, server_capture, scales, fp8_platform, references)
+                                      engine_options, engine_hook, server_capture, scales, fp8_platform, references,
+                                      ref)
     except BaseException as e:
         _roll_back(st, pstore, references, interrupted=isinstance(e, KeyboardInterrupt), fresh=fresh, say=say)
         raise
@@ -783,7 +816,7 @@ def _roll_back(st, pstore, references: list, *, interrupted: bool, fresh: bool, 
 
 def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns, model_path, cfg, model_hash,
                          rows, pids, given, analysis, num_tokens, release, label, tp, engine_options, engine_hook,
-                         server_capture, scales, fp8_platform, references: list):
+                         server_capture, scales, fp8_platform, references: list, ref=None):
     """Steps 2-4 of ``run``: references, the target, one comparison. Appends each complete reference
     run to ``references`` as it is found or captured. Returns ``(ComparisonResult, reused)``: which
     references were reused, for the output."""
@@ -800,13 +833,13 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
     # 2. references
     base, reused["baseline"] = _reference(
         st, pstore, progress, tm, "baseline", "HF FP32 baseline", "greedy continuation = teacher tokens",
-        model_path, model_hash, "float32", rows, pids, num_tokens, teacher=None)
+        model_path, model_hash, "float32", rows, pids, num_tokens, teacher=None, ref=ref)
     references.append(base)
     teacher = {p: st.read_tokens(base, p) for p in pids}
     teacher_rows = [teacher[p][len(r):].tolist() for p, r in zip(pids, rows)]
     exp, reused["expected"] = _reference(
         st, pstore, progress, tm, "expected", f"HF {_dt(tgt.dtype)} expected", "teacher-forced",
-        model_path, model_hash, tgt.dtype, rows, pids, num_tokens, teacher=teacher)
+        model_path, model_hash, tgt.dtype, rows, pids, num_tokens, teacher=teacher, ref=ref)
     references.append(exp)
 
     # 3. the target
@@ -836,7 +869,7 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
     say(f"target {tgt}: run {act} captured")
     if mod_act is not None:
         mod_runs = _module_references(st, pstore, progress, tm, model_path, model_hash, rows, pids, mod_act,
-                                      tgt.dtype, references)
+                                      tgt.dtype, references, ref)
         reused["module references"] = mod_runs.pop("reused")
 
     # 4. one comparison
@@ -896,7 +929,7 @@ def _load_fp8_scales(path, cfg):
 
 
 def _reference(st, pstore, progress, tm, role, what, how, model_path, model_hash, dtype, rows, pids, num_tokens,
-               teacher):
+               teacher, ref=None):
     """The run of a reference role: reused from the store (same model content, prompts, dtype,
     tokens, eager HF capture) or captured. Returns ``(run_id, reused)``."""
     from capturestore.analysis import find_reference_run
@@ -907,17 +940,21 @@ def _reference(st, pstore, progress, tm, role, what, how, model_path, model_hash
         want = {"capture": "greedy", "num_tokens": num_tokens, "attn_implementation": "eager", "model_given": False}
     else:
         want = {"capture": "teacher_forced_prefill", "attn_implementation": "eager", "model_given": False}
+    ref = ref or _Reference("cpu", None)
     rid = find_reference_run(st, model_hash=model_hash, dtype=dtype, prompt_ids=pids, teacher_tokens=teacher,
-                             config=want)
+                             config=want, device=ref.device)
     found = rid is not None
     if found:
         progress.say(f"reusing {what} run {rid}")
     else:
-        progress.say(f"capturing {what} ({how})")
+        progress.say(f"capturing {what} ({how}) on {ref.device}")
         progress.begin(what, len(rows), num_tokens)
         teacher_rows = None if teacher is None else [teacher[p][len(r):].tolist() for p, r in zip(pids, rows)]
-        rid = capture_hf_run(pstore, model_path, rows, teacher_tokens=teacher_rows, num_tokens=num_tokens, dtype=dtype)
+        info = {}
+        rid = capture_hf_run(pstore, model_path, rows, teacher_tokens=teacher_rows, num_tokens=num_tokens, dtype=dtype,
+                             device=ref.device, memory=ref.memory, model_hash=model_hash, info=info)
         progress.end()
+        progress.say(f"{what}: {info['plan']}; {info['peak'].describe()}")
     tm[role] = time.perf_counter() - t0
     return rid, found
 
@@ -1036,7 +1073,7 @@ def _capture_fp8(st, pstore, progress, model_path, exp, rows, teacher_rows, rele
 
 
 def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, pids, mod_act, dtype,
-                       references: list) -> dict:
+                       references: list, ref=None) -> dict:
     """HF FP32 and ``dtype`` (the target's) module runs on the target module run's tokens, over its
     modules (reused when the store holds them). Returns ``{"baseline", "expected", "actual", "reused"}``."""
     from capturestore.analysis import find_reference_run
@@ -1051,16 +1088,20 @@ def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, p
     for role, dtype in (("baseline", "float32"), ("expected", dtype)):
         want = {"mode": "teacher_forced_stepwise", "attn_implementation": "eager", "module_order": order,
                 "model_given": False}  # a run of a model passed in (a patched fault) is never a reference
+        ref = ref or _Reference("cpu", None)
         rid = find_reference_run(st, model_hash=model_hash, dtype=dtype, prompt_ids=pids, teacher_tokens=tokens,
-                                 config=want)
+                                 config=want, device=ref.device)
         if rid is not None:
             progress.say(f"reusing HF {_dt(dtype)} module run {rid}")
             reused.append(rid)
         else:
             progress.say(f"capturing HF {_dt(dtype)} module tensors ({len(order)} modules, teacher-forced)")
             progress.begin(f"HF {_dt(dtype)} modules", len(rows), len(teach[0]))
-            rid = capture_hf_module_run(pstore, model_path, rows, teach, order, dtype=dtype)
+            info = {}
+            rid = capture_hf_module_run(pstore, model_path, rows, teach, order, dtype=dtype, device=ref.device,
+                                        memory=ref.memory, model_hash=model_hash, info=info)
             progress.end()
+            progress.say(f"HF {_dt(dtype)} modules: {info['plan']}; {info['peak'].describe()}")
         out[role] = rid
         references.append(rid)
     tm["module references"] = time.perf_counter() - t0

@@ -34,11 +34,12 @@ def hf_layer_names(model) -> list[str]:
     return [LAYER_NAME.format(i=i) for i in range(n)]
 
 
-def load_hf_model(path, dtype: str = "float32"):
-    """Load a causal LM from a local directory on CPU in eval mode.
+def load_hf_model(path, dtype: str = "float32", device: str = "cpu"):
+    """Load a causal LM from a local directory on ``device`` (``cpu`` or ``cuda[:N]``) in eval mode.
 
     ``dtype``: ``"float32"`` or ``"bfloat16"`` (also ``"float16"``). Attention is ``"eager"`` so
-    sliding windows and masks are applied exactly as written (no fused-kernel shortcuts).
+    sliding windows and masks are applied exactly as written (no fused-kernel shortcuts). On CUDA,
+    FP32 means FP32: :func:`strict_fp32` turns TF32 off first.
     """
     import torch
     from transformers import AutoModelForCausalLM
@@ -49,7 +50,44 @@ def load_hf_model(path, dtype: str = "float32"):
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=dtypes[dtype], attn_implementation="eager", device_map=None
     )
-    return model.to("cpu").eval()
+    if str(device) != "cpu":
+        strict_fp32()
+    return model.to(device).eval()
+
+
+def strict_fp32() -> dict:
+    """Turn TF32 off for CUDA matmuls and cuDNN (an FP32 reference computes in FP32); returns the
+    settings now in force, for the run config."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return {"cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32}
+
+
+def model_device(model):
+    """The device a model computes on: a streamed skeleton's (its parameters live on meta) or its
+    parameters'."""
+    dev = getattr(model, "_capture_device", None)
+    return dev if dev is not None else next(model.parameters()).device
+
+
+def device_name(device: str) -> str:
+    """What ``device`` is, for the run config: the CUDA device's name, or the CPU's model name."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -146,6 +184,7 @@ def _align_kv(cache, lengths: Sequence[int], names: list[str]) -> dict:
         raise ValueError(f"HF cache has {len(layers)} layers, model has {len(names)} decoder layers")
     out = {}
     for name, (k, v) in zip(names, layers):
+        k, v = k.cpu(), v.cpu()
         B, H, S, D = k.shape
         if S > width:
             raise ValueError(f"{name}: cache holds {S} positions, more than the {width} fed")
@@ -171,6 +210,7 @@ def _gather_logits(kept, teacher_lens):
     """
     import torch
 
+    kept = kept.cpu()
     B, K, V = kept.shape
     G = K - 1
     out = torch.full((G, B, V), float("nan"), dtype=kept.dtype)
@@ -212,7 +252,8 @@ def extract_hf_kv_caches_teacher_forced(model, input_ids, teacher_tokens, return
 
     rows = [p + t for p, t in zip(prompts, teachers)]
     lengths = [len(r) for r in rows]
-    ids, mask, pos = _left_pad(rows, _pad_id(model))
+    dev = model_device(model)
+    ids, mask, pos = (x.to(dev) for x in _left_pad(rows, _pad_id(model)))
     teacher_lens = [len(t) for t in teachers]
     # Only the last max(teacher_len) + 1 columns hold logits we return: skip the LM head elsewhere.
     keep = max(teacher_lens) + 1 if return_logits else 1
@@ -249,7 +290,8 @@ def generate_hf_logits_and_kv(model, input_ids, num_tokens: int, cache_factory=N
         raise ValueError(f"generate_hf_logits_and_kv: num_tokens must be an int >= 1, got {num_tokens!r}")
     prompts = _to_rows(input_ids, "input_ids")
     _check_rows(prompts, _text_config(model).vocab_size, "input_ids", allow_empty=False)
-    ids, mask, pos = _left_pad(prompts, _pad_id(model))
+    dev = model_device(model)
+    ids, mask, pos = (x.to(dev) for x in _left_pad(prompts, _pad_id(model)))
     cache = _new_cache(model, cache_factory)
     steps = []
     with torch.inference_mode():
@@ -267,7 +309,7 @@ def generate_hf_logits_and_kv(model, input_ids, num_tokens: int, cache_factory=N
             next_pos = next_pos + 1
     lengths = [len(p) + num_tokens for p in prompts]
     kv = _align_kv(out.past_key_values, lengths, hf_layer_names(model))
-    return torch.stack(steps), kv
+    return torch.stack(steps).cpu(), kv
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,7 +317,9 @@ def generate_hf_logits_and_kv(model, input_ids, num_tokens: int, cache_factory=N
 
 
 def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: int = 8,
-                   dtype: str = "float32", release=None, model=None, config: dict | None = None) -> str:
+                   dtype: str = "float32", release=None, model=None, config: dict | None = None,
+                   device: str = "cpu", memory: int | None = None, stream: bool | None = None,
+                   info: dict | None = None, model_hash: str | None = None) -> str:
     """Capture HF logits + KV for ``prompts`` into ``store``; returns the run id.
 
     prompts: list of token-id lists. With ``teacher_tokens`` (one list per prompt) the run is
@@ -283,28 +327,49 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     generated. Per prompt the store gets tokens = prompt + forced/generated tokens (the prompt
     id hashes the prompt alone; the forced/generated tokens are its ``continuation``), logits
     ``[gen_token, vocab]`` and KV ``[layer, kv_head, seq, head_dim]`` (sliding layers NaN outside
-    HF's window). Prompts are captured one at a time so memory stays bounded by one prompt.
+    HF's window). Every prompt runs alone (a batch of one), so what is stored does not depend on
+    which prompts share a run.
     ``model``: an already loaded model of ``model_path`` in ``dtype`` (skips loading). ``config``:
     extra entries for the run config.
+    device: ``cpu`` or ``cuda[:N]`` (FP32 on CUDA without TF32). memory: the reference's memory
+    budget in bytes (default: what the device has available); when the weights do not fit it, the
+    reference is **streamed** layer by layer (``extractors.streamed``, bit-identical) in groups of
+    prompts sized to it. stream: True / False force the path. info: a dict that receives the
+    plan (``path``, ``groups``, ``plan``) and the peak memory (``peak``). model_hash: the
+    checkpoint's ``model_content_hash`` when the caller has it (it reads every weight).
     """
     import transformers
 
     from capturestore.capture import begin_capture_run, write_prompt_capture
     from extractors.models import model_content_hash
+    from extractors.streamed import PeakMemory, prepare_reference, run_streamed
 
     prompt_rows = [_to_rows(p, f"prompts[{i}]")[0] for i, p in enumerate(prompts)]
+    teacher_rows = None
     if teacher_tokens is not None:
         teacher_rows = [_to_rows(t, f"teacher_tokens[{i}]")[0] for i, t in enumerate(teacher_tokens)]
         if len(teacher_rows) != len(prompt_rows):
             raise ValueError(f"capture_hf_run: {len(teacher_rows)} teacher rows for {len(prompt_rows)} prompts")
+    device = _device_str(device)
+    info = info if info is not None else {}
     model_given = model is not None  # its content may differ from model_path's (a patched fault): never a reference
+    sm = plan = None
     if model is None:
-        model = load_hf_model(model_path, dtype)
+        seqs = [(len(p) + (len(teacher_rows[i]) if teacher_rows is not None else num_tokens),
+                 (len(teacher_rows[i]) + 1) if teacher_rows is not None else num_tokens) for i, p in enumerate(prompt_rows)]
+        plan, sm = prepare_reference(model_path, dtype, device, memory, stream, seqs)  # checks before any write
+        if plan is None or plan.path == "whole":
+            model, sm = load_hf_model(model_path, dtype, device), None
+        else:
+            model = sm.model
     model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     if model_dtype != dtype:
         raise ValueError(f"capture_hf_run: the model passed is {model_dtype}, the run says dtype={dtype!r}")
     names = hf_layer_names(model)
     cfg = _text_config(model)
+    groups = plan.groups if sm is not None else [list(range(len(prompt_rows)))]
+    info.update(path="streamed" if sm is not None else "whole", groups=[len(g) for g in groups],
+                plan=plan.describe() if plan is not None else "whole (model given or no safetensors)")
     config = {
         "mode": "teacher_forced" if teacher_tokens is not None else "greedy",
         "num_tokens": None if teacher_tokens is not None else num_tokens,
@@ -317,19 +382,63 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
                      "sliding-window cache dropped positions",
         "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j",
         "model_given": model_given,
+        **reference_config(device, info["path"], info["groups"], plan),
         **(config or {}),
     }
+
+    def one(i):
+        if teacher_rows is not None:
+            logits, kv = extract_hf_kv_caches_teacher_forced(model, [prompt_rows[i]], [teacher_rows[i]],
+                                                             return_logits=True)
+            return teacher_rows[i], logits, kv
+        logits, kv = generate_hf_logits_and_kv(model, [prompt_rows[i]], num_tokens)
+        return logits[:, 0].argmax(-1).tolist(), logits, kv
+
     run = begin_capture_run(store, engine="hf", capture="teacher_forced_prefill" if teacher_tokens is not None else "greedy",
                             prompts=prompt_rows, layer_names=names, logits_kind="logits", config=config,
-                            model_path=str(Path(model_path)), model_hash=model_content_hash(model_path), dtype=dtype,
-                            device="cpu", engine_version=transformers.__version__, release=release)
-    with run:
-        for i, prompt in enumerate(prompt_rows):
-            if teacher_tokens is not None:
-                logits, kv = extract_hf_kv_caches_teacher_forced(model, [prompt], [teacher_rows[i]], return_logits=True)
-                gen = teacher_rows[i]
-            else:
-                logits, kv = generate_hf_logits_and_kv(model, [prompt], num_tokens)
-                gen = logits[:, 0].argmax(-1).tolist()
-            write_prompt_capture(run, prompt, gen, logits[:, 0], {n: (kv[n][0][0], kv[n][1][0]) for n in names}, names)
+                            model_path=str(Path(model_path)), dtype=dtype,
+                            model_hash=model_hash or model_content_hash(model_path),
+                            device=device, engine_version=transformers.__version__, release=release)
+    with run, PeakMemory(device) as peak:
+        for group in groups:
+            if sm is None:
+                results = ((i, one(i)) for i in group)  # one prompt in memory at a time
+            else:  # one pass over the weights for the whole group (per forward: greedy runs num_tokens + 1)
+                results = zip(group, run_streamed(sm, [lambda i=i: one(i) for i in group]))
+            for i, (gen, logits, kv) in results:
+                write_prompt_capture(run, prompt_rows[i], gen, logits[:, 0],
+                                     {n: (kv[n][0][0], kv[n][1][0]) for n in names}, names)
+    info["peak"] = peak
+    if sm is not None:
+        info["weight_passes"] = sm.loads / len(sm.units)
     return run.run_id
+
+
+def _device_str(device) -> str:
+    """``cpu``, or ``cuda:N`` (an index always: it is what the run records)."""
+    d = str(device)
+    if d == "cpu":
+        return d
+    if d.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"reference device {d}: torch sees no CUDA device here")
+        dev = torch.device(d)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"reference device {d}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+        return f"cuda:{index}"
+    raise ValueError(f"reference device {d!r}: give cpu or cuda[:N]")
+
+
+def reference_config(device: str, path: str, groups, plan=None) -> dict:
+    """Run-config entries saying where and how a reference was computed (none is a reuse key:
+    a streamed reference is the same reference as a whole-model one)."""
+    out = {"reference_device": device, "device_name": device_name(device), "reference_path": path,
+           "reference_groups": list(groups)}
+    if device.startswith("cuda"):
+        out.update(strict_fp32())
+    if plan is not None:
+        out["reference_memory_budget"] = plan.budget
+    return out

@@ -285,8 +285,6 @@ def model_content_hash(path) -> str:
     file: safetensors as (name, dtype, shape, raw bytes) per tensor in name order, so the hash
     does not depend on how tensors are split across shards; other weight files by bytes.
     """
-    from safetensors import safe_open
-
     path = Path(path)
     if not (path / "config.json").exists():
         raise ValueError(f"model_content_hash: {path} has no config.json")
@@ -296,13 +294,23 @@ def model_content_hash(path) -> str:
     if st_files:
         import torch
 
+        from extractors.streamed import read_safetensors_header, safetensors_torch_dtype
+
         digests = {}  # name -> digest of (name, dtype, shape, bytes); sharding-independent
         for f in st_files:
-            with safe_open(str(f), framework="pt") as sf:
-                for name in sf.keys():
-                    t = sf.get_tensor(name).contiguous()
-                    d = hashlib.sha256(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-                    d.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+            # plain chunked reads (no mmap, no whole-tensor copy): bounded memory on any model size
+            with open(f, "rb", buffering=0) as fh:
+                for name, e in sorted(read_safetensors_header(f).items(), key=lambda x: x[1].offset):
+                    dt = getattr(torch, safetensors_torch_dtype(e.dtype))
+                    d = hashlib.sha256(f"{name}\0{dt}\0{e.shape}\0".encode())
+                    fh.seek(e.offset)
+                    left = e.nbytes
+                    while left:
+                        chunk = fh.read(min(left, 1 << 24))
+                        if not chunk:
+                            raise ValueError(f"model_content_hash: {f}: tensor {name} truncated")
+                        d.update(chunk)
+                        left -= len(chunk)
                     digests[name] = d.digest()
         for name in sorted(digests):
             h.update(digests[name])

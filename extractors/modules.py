@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -105,7 +106,9 @@ class ModuleHooks:
     """Forward hooks on ``modules`` of ``model`` that hand each output (``[batch, token, ...]``,
     batch row 0 kept) to ``sink(module, phase, step, tensor)`` as a clone. Set ``phase`` and
     ``step`` before each forward. ``order``: modules in the order their outputs were first
-    produced (execution order: a parent finishes after its children). Use as a context manager."""
+    produced (execution order: a parent finishes after its children). Use as a context manager.
+    Only forwards of the thread that entered it are captured (a streamed model runs the forwards
+    of a group in one thread each, through the same modules)."""
 
     def __init__(self, model, modules: Sequence[str], sink: Callable, inputs: bool = False):
         self.model, self.modules, self.sink, self.inputs = model, list(modules), sink, inputs
@@ -120,6 +123,8 @@ class ModuleHooks:
 
     def _hook(self, name: str):
         def hook(module, args, output):
+            if threading.current_thread() is not self._thread:
+                return  # another capture's forward through the same (streamed, shared) model
             if name in self._seen:
                 return  # a second call in the same forward: keep the first
             self._seen.add(name)
@@ -128,13 +133,14 @@ class ModuleHooks:
             if self.inputs:
                 t = _first_tensor(args)
                 if t is not None:
-                    self.sink(name + INPUT_SUFFIX, self.phase, self.step, t.detach()[0].clone())
+                    self.sink(name + INPUT_SUFFIX, self.phase, self.step, t.detach()[0].to("cpu", copy=True))
             t = _first_tensor(output)
             if t is not None:
-                self.sink(name, self.phase, self.step, t.detach()[0].clone())
+                self.sink(name, self.phase, self.step, t.detach()[0].to("cpu", copy=True))
         return hook
 
     def __enter__(self) -> "ModuleHooks":
+        self._thread = threading.current_thread()
         mods = dict(self.model.named_modules())
         for name in self.modules:
             self._handles.append(mods[name].register_forward_hook(self._hook(name)))
@@ -165,7 +171,7 @@ def capture_hf_modules(model, prompt: Sequence[int], continuation: Sequence[int]
     import torch
     from transformers import DynamicCache
 
-    from extractors.hf import _check_rows, _text_config, _to_rows
+    from extractors.hf import _check_rows, _text_config, _to_rows, model_device
 
     prompt = _to_rows(prompt, "prompt")[0]
     continuation = _to_rows(continuation, "continuation")[0] if len(continuation) else []
@@ -178,18 +184,19 @@ def capture_hf_modules(model, prompt: Sequence[int], continuation: Sequence[int]
                          f"(continuation tokens)")
     names = _modules_of(model, modules)
     P = len(prompt)
+    dev = model_device(model)
     cache = DynamicCache(config=model.config)
     rows = []
     with ModuleHooks(model, names, sink, inputs) as hooks, torch.inference_mode():
         hooks.new_forward("prefill", 0)
-        out = model(input_ids=torch.tensor([prompt]), position_ids=torch.arange(P)[None],
+        out = model(input_ids=torch.tensor([prompt], device=dev), position_ids=torch.arange(P, device=dev)[None],
                     past_key_values=cache, use_cache=True)
-        rows.append(out.logits[0, -1].float().clone())
+        rows.append(out.logits[0, -1].float().to("cpu", copy=True))
         for n in range(n_dec):
             hooks.new_forward("decode", n)
-            out = model(input_ids=torch.tensor([[continuation[n]]]), position_ids=torch.tensor([[P + n]]),
-                        past_key_values=cache, use_cache=True)
-            rows.append(out.logits[0, -1].float().clone())
+            out = model(input_ids=torch.tensor([[continuation[n]]], device=dev),
+                        position_ids=torch.tensor([[P + n]], device=dev), past_key_values=cache, use_cache=True)
+            rows.append(out.logits[0, -1].float().to("cpu", copy=True))
     return torch.stack(rows), list(hooks.order)
 
 
@@ -216,7 +223,9 @@ def collect_hf_modules(model, prompts, continuations, modules: Iterable[str] | s
 
 def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: Iterable[str] | str = DEFAULT_MODULES,
                           dtype: str = "float32", inputs: bool = False, release=None, model=None,
-                          config: dict | None = None) -> str:
+                          config: dict | None = None, device: str = "cpu", memory: int | None = None,
+                          stream: bool | None = None, info: dict | None = None,
+                          model_hash: str | None = None) -> str:
     """Capture module tensors (and the logits of the same forwards) of ``prompts`` teacher-forced
     with ``teacher_tokens`` (one list per prompt, >= 1 token) into ``store``; returns the run id.
 
@@ -225,13 +234,16 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     ``tensors/<module>/<phase>`` as in the module docstring. The run config records the patterns,
     the modules in execution order (``module_order``) and the phase layout. ``model``: an already
     loaded model (e.g. with a fault patched in) of ``model_path`` in ``dtype``. ``config``: extra
-    entries for the run config.
+    entries for the run config. device, memory, stream, info: as in
+    ``extractors.hf.capture_hf_run`` (a streamed module run reads the weights once per forward of
+    the stepwise capture: prefill + ``len(teacher) - 1`` decode steps, for the whole group).
     """
     import torch
     import transformers
 
-    from extractors.hf import _to_rows, load_hf_model
+    from extractors.hf import _device_str, _to_rows, load_hf_model, reference_config
     from extractors.models import model_content_hash
+    from extractors.streamed import PeakMemory, prepare_reference, run_streamed
 
     prompt_rows = [_to_rows(p, f"prompts[{i}]")[0] for i, p in enumerate(prompts)]
     if teacher_tokens is None or len(teacher_tokens) != len(prompt_rows):
@@ -242,51 +254,104 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
         if not t:
             raise ValueError(f"capture_hf_module_run: teacher_tokens[{i}] is empty; module capture needs >= 1 "
                              "continuation token per prompt")
+    device = _device_str(device)
+    info = info if info is not None else {}
     model_given = model is not None
+    patterns = [modules] if isinstance(modules, str) else list(modules)
+    sm = plan = None
     if model is None:
-        model = load_hf_model(model_path, dtype)
+        seqs = [(len(p) + len(t), len(t)) for p, t in zip(prompt_rows, teacher_rows)]
+        plan, sm = prepare_reference(model_path, dtype, device, memory, stream, seqs,
+                                     extra_per_prompt=_module_bytes_bound(model_path, dtype, patterns,
+                                                                          max(a for a, _ in seqs)))
+        if plan is None or plan.path == "whole":
+            model, sm = load_hf_model(model_path, dtype, device), None
+        else:
+            model = sm.model
     model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     if model_dtype != dtype:
         raise ValueError(f"capture_hf_module_run: the model passed is {model_dtype}, the run says dtype={dtype!r}")
-    patterns = [modules] if isinstance(modules, str) else list(modules)
     names = _modules_of(model, patterns)  # refuse a bad pattern before a run exists
-    # execution order, from a one-token forward (hooks fire as each module finishes)
-    _, order = capture_hf_modules(model, prompt_rows[0][:1], [], lambda *a: None, names, decode_steps=0)
-    cfg = {
-        "mode": "teacher_forced_stepwise",
-        "attn_implementation": getattr(model.config, "_attn_implementation", None),
-        "module_patterns": patterns,
-        "modules": names,
-        "module_order": order,
-        "module_inputs": bool(inputs),
-        "prompt_lens": [len(p) for p in prompt_rows],
-        "tensor_layout": "tensors/<module>/prefill: step 0 [prompt_len, ...]; tensors/<module>/decode: step n "
-                         "[1, ...] feeding continuation token n at position prompt_len + n",
-        "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j",
-        "model_given": model_given,  # a model passed in (e.g. a patched fault) is never taken for a reference
-        **(config or {}),
-    }
-    run = store.begin_run(engine="hf", model_path=str(Path(model_path)), model_hash=model_content_hash(model_path),
-                          dtype=dtype, device="cpu", engine_version=transformers.__version__,
-                          release=release, config=cfg)
-    with run:
-        for prompt, teacher in zip(prompt_rows, teacher_rows):
-            pid = run.add_prompt(prompt, continuation=teacher)
+    # whole model: one prompt at a time (its tensors written before the next runs)
+    groups = plan.groups if sm is not None else [[i] for i in range(len(prompt_rows))]
+    info.update(path="streamed" if sm is not None else "whole",
+                groups=[len(g) for g in groups] if sm is not None else [len(prompt_rows)],
+                plan=plan.describe() if plan is not None else "whole (model given or no safetensors)")
 
-            decode: dict = {}  # module -> decode steps of this prompt, written at once (one resize each)
+    def one(i, sink):
+        return capture_hf_modules(model, prompt_rows[i], teacher_rows[i], sink, names, inputs=inputs)
 
-            def sink(module, phase, step, t, pid=pid):
-                if phase == "decode":
-                    decode.setdefault(module, []).append(t)
-                else:
-                    run.write_tensor(pid, module, t, step=step, phase=phase, dims=_dims(t))
+    run = None
+    with PeakMemory(device) as peak:
+        for group in groups:
+            held = {i: {"prefill": [], "decode": {}} for i in group}
 
-            logits, _ = capture_hf_modules(model, prompt, teacher, sink, names, inputs=inputs)
-            for module, ts in decode.items():
-                run.write_tensor_steps(pid, module, torch.stack(ts), range(len(ts)), phase="decode", dims=_dims(ts[0]))
-            decode.clear()
-            run.write_logits(pid, logits)
+            def sink_of(i):
+                def sink(module, phase, step, t):
+                    if phase == "decode":
+                        held[i]["decode"].setdefault(module, []).append(t)
+                    else:
+                        held[i]["prefill"].append((module, step, t))
+                return sink
+
+            if sm is None:
+                results = [one(i, sink_of(i)) for i in group]
+            else:
+                results = run_streamed(sm, [lambda i=i: one(i, sink_of(i)) for i in group])
+            if run is None:
+                # execution order, as the hooks saw the modules finish in the first prompt's prefill
+                order = results[0][1]
+                cfg = {
+                    "mode": "teacher_forced_stepwise",
+                    "attn_implementation": getattr(model.config, "_attn_implementation", None),
+                    "module_patterns": patterns,
+                    "modules": names,
+                    "module_order": order,
+                    "module_inputs": bool(inputs),
+                    "prompt_lens": [len(p) for p in prompt_rows],
+                    "tensor_layout": "tensors/<module>/prefill: step 0 [prompt_len, ...]; tensors/<module>/decode: "
+                                     "step n [1, ...] feeding continuation token n at position prompt_len + n",
+                    "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j",
+                    "model_given": model_given,  # a model passed in (e.g. a patched fault) is never a reference
+                    **reference_config(device, info["path"], info["groups"], plan),
+                    **(config or {}),
+                }
+                run = store.begin_run(engine="hf", model_path=str(Path(model_path)),
+                                      model_hash=model_hash or model_content_hash(model_path), dtype=dtype, device=device,
+                                      engine_version=transformers.__version__, release=release, config=cfg)
+                run.__enter__()
+            try:
+                for i, (logits, _) in zip(group, results):
+                    pid = run.add_prompt(prompt_rows[i], continuation=teacher_rows[i])
+                    for module, step, t in held[i]["prefill"]:
+                        run.write_tensor(pid, module, t, step=step, phase="prefill", dims=_dims(t))
+                    for module, ts in held[i]["decode"].items():
+                        run.write_tensor_steps(pid, module, torch.stack(ts), range(len(ts)), phase="decode",
+                                               dims=_dims(ts[0]))
+                    run.write_logits(pid, logits)
+                    del held[i]
+            except BaseException as e:
+                run.__exit__(type(e), e, e.__traceback__)
+                raise
+    run.__exit__(None, None, None)
+    info["peak"] = peak
+    if sm is not None:
+        info["weight_passes"] = sm.loads / len(sm.units)
     return run.run_id
+
+
+def _module_bytes_bound(model_path, dtype, patterns, seq) -> int:
+    """A bound on one prompt's captured module tensors: every matched module's output as wide as
+    the widest activation (hidden, MLP or vocabulary) for ``seq`` tokens, in float32."""
+    import json
+
+    c = json.loads((Path(model_path) / "config.json").read_text())
+    c = c.get("text_config", c)
+    layers = int(c.get("num_hidden_layers", 1))
+    width = max(int(c.get("hidden_size", 1)), int(c.get("intermediate_size", 1)))
+    per_layer_modules = 12  # a decoder layer and what is inside it, at most, that patterns pick
+    n = 2 + layers * per_layer_modules if any("**" in p or p.endswith("*") for p in patterns) else len(patterns) * layers
+    return n * seq * width * 4
 
 
 def _dims(t) -> list[str]:
