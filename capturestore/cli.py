@@ -296,7 +296,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     result = pipeline.run(args.model, args.prompts, target=args.target, num_tokens=args.num_tokens,
                           release=args.release, store=store, plugins=args.plugins, modules=args.modules,
                           tp=args.tp, quiet=args.quiet, label=args.label, fp8_scales=args.fp8_scales,
-                          from_task=args.from_task, task_reference=args.task_reference)
+                          from_task=args.from_task, task_reference=args.task_reference,
+                          engine_options={"kv_cache_dtype": args.kv_cache_dtype, "fp8_emulate": args.fp8_emulate})
     return 0 if result.passed else 1
 
 
@@ -434,6 +435,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--label", help="label stored with the comparison")
     sp.add_argument("--fp8-scales", metavar="PATH", help="KV scales (checkpoint dir or .safetensors) of the "
                     "hf-fp8-kv target (default: absmax calibration on the expected run)")
+    sp.add_argument("--kv-cache-dtype", default="auto", help="vllm target's KV cache: auto | fp8 | fp8_e4m3 | "
+                    "fp8_e5m2; FP8 is judged against an FP8-aware expected run (docs/fp8.md)")
+    sp.add_argument("--fp8-emulate", action="store_true", help="FP8 KV cache on a CPU without AVX-512/AMX: a BF16 "
+                    "cache whose writes capturestore rounds through FP8 (not vLLM's FP8 kernels)")
     sp.add_argument("--quiet", action="store_true", help="no progress; print the verdict only")
     sp = add("demo", cmd_demo, "tiny local model: HF FP32 + BF16 references vs vLLM-CPU BF16, three-way verdict")
     sp.set_defaults(store=os.environ.get("CAPTURESTORE") or "demo-store")

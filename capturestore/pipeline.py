@@ -571,9 +571,12 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
             check_server(tgt.url, model_path)
         except ValueError as e:
             raise ValueError(f"target {tgt}: {e}") from None
-    if fp8_scales is not None and tgt.kind != "hf-fp8-kv":
+    # FP8 vLLM KV cache (issue 20 §1): checks here, engine options/hook and expected run below
+    from extractors.vllm_fp8 import plan_from_options
+    fp8_plan, engine_options = plan_from_options(tgt.kind, engine_options, fp8_scales, cfg)
+    if fp8_scales is not None and tgt.kind != "hf-fp8-kv" and fp8_plan is None:
         raise ValueError(f"--fp8-scales {fp8_scales}: scales are for --target hf-fp8-kv, not {tgt}")
-    scales = _load_fp8_scales(fp8_scales, cfg) if fp8_scales is not None else None
+    scales = _load_fp8_scales(fp8_scales, cfg) if fp8_scales is not None and fp8_plan is None else None
 
     from capturestore import Store
     from capturestore.writer import prompt_id
@@ -603,6 +606,10 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     exp, reused["expected"] = _reference(
         st, pstore, progress, tm, "expected", f"HF {_dt(tgt.dtype)} expected", "teacher-forced",
         model_path, model_hash, tgt.dtype, rows, pids, num_tokens, teacher=teacher)
+
+    if fp8_plan is not None:  # FP8-aware baseline/expected runs take those roles; the engine gets the scales
+        base, exp = fp8_plan.reference_runs(st, model_path, model_hash, rows, teacher_rows, say)
+        engine_options, engine_hook = fp8_plan.engine_options(engine_options), fp8_plan.hook(engine_hook)
 
     # 3. the target
     t0 = time.perf_counter()

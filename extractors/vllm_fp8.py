@@ -361,8 +361,8 @@ def fp8_expected_cache(config, k_scales, v_scales, kv_cache_dtype: str = "fp8", 
 
 def capture_fp8_expected_run(store, model_path, prompts, teacher_tokens, k_scales, v_scales, *,
                              kv_cache_dtype: str = "fp8", clamp: float | None = None, model=None,
-                             model_hash: str | None = None) -> str:
-    """The FP8-aware expected run: HF bfloat16, teacher-forced, its cache round-tripped through FP8 with
+                             model_hash: str | None = None, dtype: str = "bfloat16") -> str:
+    """The FP8-aware expected run: HF ``dtype`` (the engine's; float32 for the FP8-aware baseline), teacher-forced, its cache round-tripped through FP8 with
     the engine's scales and clamp at every write (``fp8_expected_cache``). Same layout as
     ``extractors.hf.capture_hf_run``; engine ``hf-fp8-expected``; config records dtype, clamp, scales."""
     import transformers
@@ -372,23 +372,23 @@ def capture_fp8_expected_run(store, model_path, prompts, teacher_tokens, k_scale
     from extractors.models import model_content_hash
 
     if model is None:
-        model = load_hf_model(model_path, "bfloat16")
+        model = load_hf_model(model_path, dtype)
     names = hf_layer_names(model)
     rows = [list(map(int, p)) for p in prompts]
     teach = [list(map(int, t)) for t in teacher_tokens]
     m = FP8_KV_DTYPES[kv_cache_dtype][1] if clamp is None else float(clamp)
-    config = {"mode": "teacher_forced", "role": "fp8_expected", "kv_cache_dtype": kv_cache_dtype,
+    config = {"mode": "teacher_forced", "role": "fp8_expected" if dtype != "float32" else "fp8_baseline", "kv_cache_dtype": kv_cache_dtype,
               "fp8_dtype": FP8_KV_DTYPES[kv_cache_dtype][0], "fp8_clamp": m,
               "fp8_k_scale": [float(x) for x in k_scales], "fp8_v_scale": [float(x) for x in v_scales],
               "fp8_scale_convention": "checkpoint (x_fp8 = fp8(clamp(x / s)), read x_fp8 * s)",
               "fp8_points": "every K/V write quantized; attention reads the dequantized cache at every position "
                             "(vLLM-CPU prefill and decode both read the cache)",
               "layer_names": names, "prompt_lens": [len(p) for p in rows],
-              "kv_layout": "[layer, kv_head, seq, head_dim]; dequantized FP8 cache values in bfloat16",
+              "kv_layout": f"[layer, kv_head, seq, head_dim]; dequantized FP8 cache values in {dtype}",
               "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j"}
     run = begin_capture_run(store, engine="hf-fp8-expected", capture="teacher_forced_prefill", prompts=rows,
                             layer_names=names, logits_kind="logits", config=config, model_path=str(model_path),
-                            model_hash=model_hash or model_content_hash(model_path), dtype="bfloat16", device="cpu",
+                            model_hash=model_hash or model_content_hash(model_path), dtype=dtype, device="cpu",
                             engine_version=transformers.__version__)
     factory = lambda cfg: fp8_expected_cache(cfg, k_scales, v_scales, kv_cache_dtype, m)  # noqa: E731
     with run:
@@ -417,3 +417,72 @@ def load_checkpoint_scales(path, num_layers: int) -> tuple[list[float], list[flo
     if sc.missing_layers:
         raise ValueError(f"--fp8-scales {path}: no k_scale/v_scale for layers {list(sc.missing_layers)}")
     return ([float(x) for x in np.asarray(sc.checkpoint_k_scale)], [float(x) for x in np.asarray(sc.checkpoint_v_scale)])
+
+
+# ------------------------------------------------------------------------------------ the pipeline (capturestore run)
+
+
+class Fp8Plan:
+    """``capturestore run --target vllm --kv-cache-dtype fp8 [--fp8-scales DIR] [--fp8-emulate]``.
+
+    ``plan_from_options`` checks everything before the store is touched; the pipeline then takes
+    ``engine_options`` for the engine, ``hook`` as its engine hook (sets the scales, installs the
+    emulation, records what the engine uses), and ``expected_run`` as the comparison's expected run.
+    """
+
+    def __init__(self, kv_cache_dtype: str, emulate: bool, k_scales, v_scales, scales_source: str):
+        self.kv_cache_dtype, self.emulate = kv_cache_dtype, emulate
+        self.k_scales, self.v_scales, self.scales_source = k_scales, v_scales, scales_source
+
+    def engine_options(self, options: dict) -> dict:
+        return {**options, **engine_options(self.kv_cache_dtype, self.emulate)}
+
+    def hook(self, inner=None):
+        def engine_hook(llm, rows, say):
+            cfg = dict(inner(llm, rows, say) or {}) if inner is not None else {}
+            cfg.update(prepare_engine(llm, self.kv_cache_dtype, self.k_scales, self.v_scales, emulate=self.emulate))
+            cfg["fp8_scales_source"] = self.scales_source
+            say(f"FP8 KV cache {self.kv_cache_dtype}{' (emulated in a BF16 cache)' if self.emulate else ''}: engine "
+                f"k_scale {cfg['fp8_engine_k_scale']}, v_scale {cfg['fp8_engine_v_scale']}")
+            return cfg
+        return engine_hook
+
+    def reference_runs(self, store, model_path, model_hash, rows, teacher_rows, say) -> tuple[str, str]:
+        """(FP8-aware baseline, FP8-aware expected): HF FP32 and BF16, K/V through the FP8 cache."""
+        runs = []
+        for dtype in ("float32", "bfloat16"):
+            say(f"capturing the FP8-aware {'baseline' if dtype == 'float32' else 'expected'} run (HF {dtype}, K/V "
+                f"through {self.kv_cache_dtype} with the engine's scales at every write)")
+            runs.append(capture_fp8_expected_run(store, model_path, rows, teacher_rows, self.k_scales, self.v_scales,
+                                                 kv_cache_dtype=self.kv_cache_dtype, model_hash=model_hash,
+                                                 dtype=dtype))
+        return runs[0], runs[1]
+
+
+def plan_from_options(target_kind: str, engine_options: dict | None, fp8_scales, model_config: dict):
+    """``(Fp8Plan | None, engine_options without the FP8 keys)``; ValueError (one line) on bad input:
+    an FP8 cache for another target, a CPU vLLM would refuse (without ``fp8_emulate``), scales for
+    another number of layers."""
+    opts = dict(engine_options or {})
+    kvd = opts.pop("kv_cache_dtype", "auto") or "auto"
+    emulate = bool(opts.pop("fp8_emulate", False))
+    check_kv_cache_dtype(kvd)
+    if not is_fp8(kvd):
+        if emulate:
+            raise ValueError("--fp8-emulate needs --kv-cache-dtype fp8, fp8_e4m3 or fp8_e5m2")
+        return None, opts
+    if target_kind != "vllm":
+        raise ValueError(f"--kv-cache-dtype {kvd}: the FP8 vLLM cache is for --target vllm (the HF simulation is "
+                         f"--target hf-fp8-kv)")
+    layers = int(model_config["num_hidden_layers"])
+    head_dim = model_config.get("head_dim") or (int(model_config["hidden_size"])
+                                                // int(model_config["num_attention_heads"]))
+    reason = fp8_kv_unsupported_reason(kvd, int(head_dim))
+    if reason is not None and not (emulate and "AVX-512" in reason):
+        raise ValueError(reason)
+    if fp8_scales is not None:
+        ks, vs = load_checkpoint_scales(fp8_scales, layers)
+        src = str(fp8_scales)
+    else:
+        ks, vs, src = [1.0] * layers, [1.0] * layers, "vLLM default 1.0 (the checkpoint has no KV scales)"
+    return Fp8Plan(kvd, emulate, ks, vs, src), opts
