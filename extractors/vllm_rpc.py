@@ -484,7 +484,8 @@ def extract_vllm_batch_kv(llm, kv_config: dict, request_ids: Sequence[str], seq_
     n_ranks = len(rows[0])
     for rank in range(n_ranks):
         answers = [r[rank] for r in rows]
-        if all(a.get("full_cache") for a in answers):  # in-process, all live: read the cache itself
+        fp8 = any(g.get("fp8") for g in kv_config["groups"])  # decode only the requests' own blocks
+        if all(a.get("full_cache") for a in answers) and not fp8:  # in-process, all live: read the cache itself
             per_rank.append(answers[0]["layers"])
             tables = [[a["block_tables"][gi] for a in answers] for gi in range(len(kv_config["groups"]))]
             continue
