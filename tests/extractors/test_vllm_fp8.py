@@ -4,7 +4,7 @@ Three-way: the FP8-aware baseline (HF FP32, K/V through FP8 with the same scales
 expected (HF BF16, the same) and the engine: the engine passes when it departs from FP8 math no
 more than BF16 arithmetic does. One engine (module-scoped) of a tiny Llama whose layers hold K/V of very different magnitudes
 (``nki_fp8.target.rescale_kv_magnitudes``, function-preserving powers of two), with per-layer
-power-of-two checkpoint scales calibrated on the HF BF16 KV. Where the CPU has AVX-512 or AMX the
+checkpoint scales calibrated on the HF BF16 KV as llm-compressor does (absmax / 448). Where the CPU has AVX-512 or AMX the
 engine runs vLLM's FP8 cache; elsewhere (this CI's AVX2 machines) ``--fp8-emulate``: a BF16 cache
 whose writes capturestore rounds through FP8 (``extractors.vllm_fp8``; ``docs/fp8.md`` says why).
 Every planted fault is first shown to change the engine's raw logits, then to fail the verdict.
@@ -102,7 +102,11 @@ def setup(tmp_path_factory):
         for i in range(3):
             amax[i] = np.maximum(amax[i], [float(k[i].float().nan_to_num().abs().max()),
                                            float(v[i].float().nan_to_num().abs().max())])
-    ks, vs = F.power_of_two_scales(amax[:, 0]), F.power_of_two_scales(amax[:, 1])
+    # llm-compressor's calibration: c = absmax / 448 (float32), so the cache uses the whole E4M3 range and a
+    # clamp at 240 cuts its top (power-of-two scales leave up to half of it unused: the clamp fault then
+    # moved the logit sigma-ratio only to 1.10, KV not at all)
+    ks = [float(np.float32(a / 448.0)) for a in amax[:, 0]]
+    vs = [float(np.float32(a / 448.0)) for a in amax[:, 1]]
     fp8_exp = {d: F.capture_fp8_expected_run(st, path, PROMPTS, TEACHER, ks, vs, kv_cache_dtype=d, model=m16,
                                              model_hash=mh) for d in ("fp8", "fp8_e5m2")}
     fp8_base = {d: F.capture_fp8_expected_run(st, path, PROMPTS, TEACHER, ks, vs, kv_cache_dtype=d, model=m32,
