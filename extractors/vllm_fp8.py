@@ -173,7 +173,9 @@ _PATCH = {"orig": None, "spec": None}
 
 
 def _install_write_wrapper(spec: dict | None) -> None:
-    """Wrap (or unwrap, spec None) ``vllm._custom_ops.cpu_attn_reshape_and_cache`` in this process."""
+    """Wrap (or unwrap, spec None) ``vllm._custom_ops.cpu_attn_reshape_and_cache`` in this process. The
+    wrapper acts only on writes into ``spec["caches"]`` (the storages of the installing engine's paged
+    caches, held weakly): index-map probes and other engines in the process write through untouched."""
     import torch
     from vllm import _custom_ops as ops
 
@@ -188,7 +190,8 @@ def _install_write_wrapper(spec: dict | None) -> None:
     def write(key, value, key_cache, value_cache, slot_mapping, isa, k_scale=1.0, v_scale=1.0,
               kv_cache_dtype="auto"):
         s = _PATCH["spec"]
-        if s is not None:
+        ref = None if s is None else s["caches"].get(key_cache.untyped_storage().data_ptr())
+        if ref is not None and ref() is not None:  # only this engine's own caches (not probes, not other engines)
             if s.get("clamp") is not None:  # planted: the clamp of another FP8 format, before the cast
                 c = float(s["clamp"])
                 key = (key.float() / k_scale).clamp(-c, c).mul(k_scale).to(key.dtype)
@@ -202,6 +205,10 @@ def _install_write_wrapper(spec: dict | None) -> None:
     ops.cpu_attn_reshape_and_cache = write
 
 
+def _public(spec):
+    return None if spec is None else {k: v for k, v in spec.items() if k != "caches"}
+
+
 class Fp8CaptureMixin:
     """Worker-extension RPC methods (``llm.collective_rpc(name, kwargs=...)``) for the FP8 KV cache."""
 
@@ -212,7 +219,7 @@ class Fp8CaptureMixin:
                 "layer_kv_cache_dtype": {n: str(getattr(m, "kv_cache_dtype", "")) for n, m in layers.items()},
                 "k_scale": {n: float(m._k_scale_float) for n, m in layers.items()},
                 "v_scale": {n: float(m._v_scale_float) for n, m in layers.items()},
-                "write_wrapper": _PATCH["spec"]}
+                "write_wrapper": _public(_PATCH["spec"])}
 
     def fp8_set_scales(self, k_scale: list, v_scale: list) -> int:
         """Give layer i (model order) the checkpoint scales k_scale[i], v_scale[i], as loading a
@@ -234,10 +241,13 @@ class Fp8CaptureMixin:
         """Wrap the cache writes: emulate an FP8 cache in a BF16 engine, and/or plant ``fault``."""
         if fault is not None and fault not in FAULTS:
             raise ValueError(f"fp8_install: unknown fault {fault!r}; known: {FAULTS}")
+        import weakref
+
+        caches = {t.untyped_storage().data_ptr(): weakref.ref(t) for t in self._kvcap_layers().values()}
         spec = {"kv_cache_dtype": kv_cache_dtype, "emulate": bool(emulate), "fault": fault,
-                "clamp": 240.0 if fault == "clamp240" else None}
+                "clamp": 240.0 if fault == "clamp240" else None, "caches": caches}
         _install_write_wrapper(spec if (emulate or fault) else None)
-        return spec
+        return _public(spec)
 
 
 # ------------------------------------------------------------------------------------ engine options / hook

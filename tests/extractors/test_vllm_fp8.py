@@ -74,6 +74,31 @@ def test_our_detection_agrees_with_vllm_on_this_cpu():
     assert (F.fp8_kv_unsupported_reason("fp8", 32) is not None) == vllm_refuses
 
 
+def test_write_wrapper_touches_only_the_registered_caches():
+    """The emulation/fault wrapper is process-wide: it must leave index-map probes and other engines' caches
+    alone (a probe written through it once broke the in-block map derivation)."""
+    import weakref
+
+    pytest.importorskip("vllm")
+    from vllm import _custom_ops as ops
+
+    h, bs, d = 1, 32, 32
+    mine = torch.zeros(2, h, bs, 2 * d, dtype=torch.bfloat16)
+    other = torch.zeros_like(mine)
+    F._install_write_wrapper({"kv_cache_dtype": "fp8", "emulate": True, "fault": None, "clamp": None,
+                              "caches": {mine.untyped_storage().data_ptr(): weakref.ref(mine)}})
+    try:
+        key = torch.full((1, h, d), 17.0, dtype=torch.bfloat16)  # not an E4M3 value: 17 rounds to 16
+        for c in (mine, other):
+            kc, vc = c.view(2, h, 2 * bs, d).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(key, key, kc, vc, torch.tensor([0]), "vec")
+        assert set(mine.unique().tolist()) == {0.0, 16.0}
+        assert set(other.unique().tolist()) == {0.0, 17.0}
+    finally:
+        F._install_write_wrapper(None)
+    assert ops.cpu_attn_reshape_and_cache is F._PATCH["orig"]
+
+
 # ---------------------------------------------------------------- one engine
 
 
