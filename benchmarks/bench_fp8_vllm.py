@@ -9,7 +9,9 @@ Where the CPU lacks AVX-512/AMX the engine's FP8 cache is emulated (``--fp8-emul
 whose writes are rounded through FP8 by a wrapper) and the line says so; the figure then includes the
 wrapper's cost, not vLLM's FP8 kernels.
 
-Usage: python benchmarks/bench_fp8_vllm.py [--prompts 4] [--len 128] [--steps 16] [--repeat 2]
+``--kv-cache-dtype auto`` gives the BF16 control (the ordinary capture's ratio on the same engine setup).
+
+Usage: python benchmarks/bench_fp8_vllm.py [--prompts 4] [--len 128] [--steps 16] [--repeat 2] [--kv-cache-dtype fp8]
 """
 from __future__ import annotations
 
@@ -44,9 +46,11 @@ def main() -> None:
     from vllm import SamplingParams
 
     path = tiny_model("llama-gqa")
-    emulate = F.fp8_kv_unsupported_reason(a.kv_cache_dtype, 32) is not None
-    llm = make_llm(path, dtype="bfloat16", max_model_len=512, block_size=32, **F.engine_options(a.kv_cache_dtype, emulate))
-    cfg = F.prepare_engine(llm, a.kv_cache_dtype, [2.0 ** -4] * 3, [2.0 ** -4] * 3, emulate=emulate)
+    fp8 = F.is_fp8(a.kv_cache_dtype)
+    emulate = fp8 and F.fp8_kv_unsupported_reason(a.kv_cache_dtype, 32) is not None
+    opts = F.engine_options(a.kv_cache_dtype, emulate) if fp8 else {"enable_prefix_caching": False}
+    llm = make_llm(path, dtype="bfloat16", max_model_len=512, block_size=32, **opts)
+    cfg = F.prepare_engine(llm, a.kv_cache_dtype, [2.0 ** -4] * 3, [2.0 ** -4] * 3, emulate=emulate) if fp8 else {}
     kv_config = extract_vllm_kv_cache_config(llm)
     prompts = [[(7 * i + j) % 900 + 10 for j in range(a.len)] for i in range(a.prompts)]
     params = SamplingParams(temperature=0.0, max_tokens=a.steps, ignore_eos=True, detokenize=False)
@@ -63,7 +67,7 @@ def main() -> None:
             capture_vllm_run(st, llm, path, prompts, teacher, mode="decode", kv_config=kv_config, config=cfg)
             capture = min(capture, time.perf_counter() - t)
     close_llm(llm)
-    mode = "emulated (this CPU lacks AVX-512/AMX)" if emulate else "vLLM FP8 kernels"
+    mode = "emulated (this CPU lacks AVX-512/AMX)" if emulate else "vLLM FP8 kernels" if fp8 else "BF16 control"
     print(f"fp8 capture ({a.kv_cache_dtype}, {mode}): {a.prompts} prompts x {a.len} tokens x {a.steps} steps: "
           f"plain generate {plain:.2f} s, capture {capture:.2f} s, ratio {capture / plain:.2f}x "
           f"(best of {a.repeat}; load average {os.getloadavg()[0]:.1f})")

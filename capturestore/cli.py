@@ -434,7 +434,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the vllm target")
     sp.add_argument("--label", help="label stored with the comparison")
     sp.add_argument("--fp8-scales", metavar="PATH", help="KV scales (checkpoint dir or .safetensors) of the "
-                    "hf-fp8-kv target (default: absmax calibration on the expected run)")
+                    "hf-fp8-kv target (default: absmax calibration on the expected run), or of the vllm target's "
+                    "--kv-cache-dtype fp8 (default: vLLM's 1.0)")
     sp.add_argument("--kv-cache-dtype", default="auto", help="vllm target's KV cache: auto | fp8 | fp8_e4m3 | "
                     "fp8_e5m2; FP8 is judged against an FP8-aware expected run (docs/fp8.md)")
     sp.add_argument("--fp8-emulate", action="store_true", help="FP8 KV cache on a CPU without AVX-512/AMX: a BF16 "
