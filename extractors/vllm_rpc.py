@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from extractors.paged import reconstruct_contiguous_kv_batch
+from extractors.vllm_fp8 import Fp8CaptureMixin, decode_paged_kv
 from extractors.vllm_logits import LogitsCaptureMixin
 from extractors.vllm_modules import ModuleCaptureMixin
 from extractors.vllm_transport import (
@@ -167,7 +168,7 @@ def _spec_dict(spec) -> dict:
     }
 
 
-class KVCaptureWorkerExtension(LogitsCaptureMixin, ModuleCaptureMixin):
+class KVCaptureWorkerExtension(LogitsCaptureMixin, ModuleCaptureMixin, Fp8CaptureMixin):
     """Mixed into the vLLM worker (``worker_extension_cls``); ``self`` is the worker.
 
     RPC methods (all via ``llm.collective_rpc(name, kwargs=...)``, one result per rank):
@@ -309,8 +310,11 @@ class KVCaptureWorkerExtension(LogitsCaptureMixin, ModuleCaptureMixin):
             if first.shape[2] != g["block_size"]:
                 raise RuntimeError(f"group of {group.layer_names[0]}: kernel block size {first.shape[2]} differs "
                                    f"from the manager's {g['block_size']}; not supported")
-            if first.dtype == torch.uint8:
-                raise NotImplementedError("quantized (fp8) vLLM CPU KV caches are not supported")
+            if first.dtype == torch.uint8:  # FP8: layout maps + the scales the kernels get (extractors.vllm_fp8)
+                from extractors.vllm_fp8 import fp8_group
+                g.update(fp8_group(self, group, first, g, getattr(ctx[group.layer_names[0]], "isa", None)))
+                groups.append(g)
+                continue
             g["num_kv_heads"] = int(first.shape[1])
             isa = getattr(ctx[group.layer_names[0]], "isa", None)
             if isa is None:
@@ -480,7 +484,8 @@ def extract_vllm_batch_kv(llm, kv_config: dict, request_ids: Sequence[str], seq_
     n_ranks = len(rows[0])
     for rank in range(n_ranks):
         answers = [r[rank] for r in rows]
-        if all(a.get("full_cache") for a in answers):  # in-process, all live: read the cache itself
+        fp8 = any(g.get("fp8") for g in kv_config["groups"])  # decode only the requests' own blocks
+        if all(a.get("full_cache") for a in answers) and not fp8:  # in-process, all live: read the cache itself
             per_rank.append(answers[0]["layers"])
             tables = [[a["block_tables"][gi] for a in answers] for gi in range(len(kv_config["groups"]))]
             continue
@@ -499,6 +504,7 @@ def extract_vllm_batch_kv(llm, kv_config: dict, request_ids: Sequence[str], seq_
                 layers.setdefault(name, []).append(x)
         per_rank.append({name: (ts[0] if len(ts) == 1 else torch.cat(ts)) for name, ts in layers.items()})
     paged_kv = per_rank[0] if len(per_rank) == 1 else per_rank
+    paged_kv = decode_paged_kv(paged_kv, kv_config)  # FP8 groups -> dequantized values (no-op otherwise)
     out = reconstruct_contiguous_kv_batch(paged_kv, kv_config, tables, lens, len(rows))
     if seq_len is not None:
         out = {name: (_fit_seq(k, seq_len), _fit_seq(v, seq_len)) for name, (k, v) in out.items()}
