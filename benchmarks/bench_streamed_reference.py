@@ -262,7 +262,9 @@ def cli_run(args) -> None:
         wall = time.perf_counter() - t0
     fp32 = sum(e.nbytes for e in __import__("extractors.streamed", fromlist=["Checkpoint"]).Checkpoint(
         args.model).entries.values()) * 2
-    print("\n".join("  | " + line for line in out.strip().splitlines()[-30:]))
+    lines = out.strip().splitlines()
+    plans = [x for x in lines[:-30] if ": streamed (" in x or ": whole (" in x]  # the references' plans
+    print("\n".join("  | " + line for line in plans + lines[-30:]))
     print(f"capturestore run --target hf:bfloat16 --reference-memory {args.memory}: exit {proc.returncode}, "
           f"{wall:.1f} s, peak RSS {peak / GiB:.2f} GiB (one FP32 copy of the weights: {fp32 / GiB:.2f} GiB; "
           f"{'below' if peak < fp32 else 'NOT below'})", flush=True)
