@@ -395,6 +395,28 @@ class StreamedModel:
         for mod, attr in u.params.values():
             old = mod._parameters[attr]
             mod._parameters[attr] = nn.Parameter(old.to("meta"), requires_grad=False)
+        del old
+        _release_freed_memory()
+
+
+def _release_freed_memory() -> None:
+    """Hand the freed unit's pages back to the OS. glibc serves the unit's tensors of up to 32 MB
+    (k/v projections) from its heaps, which it does not shrink while later allocations sit above
+    them: without this, a greedy baseline's peak RSS grew pass after pass (5.4 GiB at a 2 GiB
+    budget on a 3.6 B model after 9 passes; 2.2 GiB with every allocation over 1 MB mmapped)."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc: nothing to do
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
 
 
 # ----------------------------------------------------------------------------------------------
