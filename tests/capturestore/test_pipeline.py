@@ -401,9 +401,13 @@ def test_vllm_server_target_passes_and_a_server_of_another_model_is_refused_stor
     from extractors.models import tiny_model
 
     store = tmp_path / "s"
+    # a correct engine's pooled verdict needs tokens: 3 prompts x 4 tokens failed narrowly on an AVX2
+    # machine (sigma-ratio 1.005); docs/run.md: 8 x 8 passes
+    eight = tmp_path / "eight.txt"
+    eight.write_text("\n".join([f"{t} (variant {i})" for i in range(3) for t in TEXTS][:8]) + "\n")
     with serve.vllm_server(model, dtype="bfloat16", log_dir=tmp_path) as url:
-        rc, out, err = _cli(capsys, "--model", model, "--prompts", prompt_file, "--target", f"vllm-server={url}",
-                            "--num-tokens", 4, "--store", store, "--release", "served")
+        rc, out, err = _cli(capsys, "--model", model, "--prompts", eight, "--target", f"vllm-server={url}",
+                            "--num-tokens", 8, "--store", store, "--release", "served")
         assert rc == 0, out + err
         assert "logit verdict: PASS" in out and "overall:       PASS" in out
         runs = _runs(store)
