@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from capturestore.arrays import bad_chunks
@@ -211,8 +212,6 @@ def _manifest_entry(store, table: str, seg: Any, rows: int) -> dict[str, Any]:
 
 def with_manifest(rows, entries: list[dict[str, Any]]):
     """``rows`` (the comparisons row) with its manifest columns set to ``entries``."""
-    import pyarrow as pa
-
     for col, key in MANIFEST_FIELDS:
         typ = pa.list_(pa.int64() if key == "rows" else pa.string())
         values = pa.array([[e[key] for e in entries]] * rows.num_rows, typ)
@@ -224,12 +223,10 @@ def with_manifest(rows, entries: list[dict[str, Any]]):
 def comparison_manifests(store) -> dict[str, list[dict[str, Any]] | None] | None:
     """{comparison_id: manifest entries, or None for a comparison committed without one} of every
     committed comparison; None when a ``comparisons`` segment is unreadable."""
-    import pyarrow.parquet as pq_
-
     out: dict[str, list[dict[str, Any]] | None] = {}
     for name in store.segment_names("comparisons"):
         try:
-            t = pq_.read_table(_io_bytes(store.read_segment("comparisons", name)))
+            t = pq.read_table(pa.BufferReader(store.read_segment("comparisons", name)))
         except Exception:  # noqa: BLE001 - verify reports unreadable segments
             return None
         cols = {c: t.column(c).to_pylist() if c in t.column_names else [None] * t.num_rows
@@ -243,14 +240,6 @@ def comparison_manifests(store) -> dict[str, list[dict[str, Any]] | None] | None
                 continue
             out[cid] = [dict(zip((k for _, k in MANIFEST_FIELDS), e)) for e in zip(*lists)]
     return out
-
-
-def _io_bytes(data: bytes):
-    import io
-
-    import pyarrow as pa
-
-    return pa.BufferReader(data) if not isinstance(data, io.IOBase) else data
 
 
 def evidence_problems(store, comparison_ids=None) -> list[Problem]:
@@ -284,7 +273,7 @@ def evidence_problems(store, comparison_ids=None) -> list[Problem]:
             if hashlib.sha256(data).hexdigest() == e["sha256"]:
                 continue
             try:
-                n = pq.read_metadata(_io_bytes(data)).num_rows
+                n = pq.read_metadata(pa.BufferReader(data)).num_rows
                 what = f"holds {n} rows where its manifest lists {e['rows']}" if n != e["rows"] else \
                     "differs from what the comparison wrote (SHA-256)"
             except Exception:  # noqa: BLE001

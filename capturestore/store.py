@@ -561,8 +561,9 @@ class Store:
         if comparisons is None:
             raise StoreError(f"remove_run: a comparisons segment of {self.root} is unreadable, so which comparisons use "
                              f"run {run_id} is unknown; it stays (run capturestore verify)")
-        used = [] if not comparisons else self.sql(f"SELECT comparison_id FROM comparisons WHERE '{run_id}' IN (baseline_run, expected_run, "
-                        f"actual_run) OR coalesce(comparator_runs, '') LIKE '%\"{run_id}\"%' LIMIT 3").to_pylist()
+        used = [] if not comparisons else self.sql(
+            "SELECT comparison_id FROM comparisons WHERE $run IN (baseline_run, expected_run, actual_run) "
+            "OR coalesce(comparator_runs, '') LIKE '%\"' || $run || '\"%' LIMIT 3", params={"run": run_id}).to_pylist()
         if used:
             raise StoreError(f"remove_run: run {run_id} is used by comparison(s) "
                              f"{', '.join(r['comparison_id'] for r in used)}; it stays")
