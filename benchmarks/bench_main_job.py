@@ -1,0 +1,282 @@
+"""Benchmark of the main job at a realistic size (issue 18 §2): ``capturestore run --target vllm`` on
+a 1B-class model, stage by stage, each stage against the unavoidable work of that stage.
+
+Run: ``python benchmarks/bench_main_job.py [--quick] [--prompts 4] [--length 64] [--tokens 8]``.
+
+Builds once (cached under ``.bench-tmp/``, git-ignored) a random Llama of the shape of a small real
+model: hidden 2048, 16 layers, GQA 32/8 heads of 64, MLP 8192, vocabulary 128,256 (1.5 B parameters,
+untied LM head), sharded BF16 safetensors (~2.8 GiB) and the local tokenizer. ``--quick``: hidden
+512, 4 layers, vocabulary 32,000 (seconds; checks the script, not a figure).
+
+Each measured job runs in its own child process (fresh memory; peak RSS sampled every 20 ms inside
+the child, per stage):
+
+- ``run``: ``pipeline.run(target="vllm")`` with logits + KV into a fresh store; its stage timers
+  (checks, baseline, expected, target, compare) and ``reports.render_comparison`` (report);
+- ``run modules``: the same job again into the same store with the modules plugin on two decoder
+  layers (first and last): the references are reused, so its stages are the target, its module
+  run, the HF module references and the comparison;
+- the limits, each the plain work of a stage on the same tokens, loads included:
+  ``read`` one read of every weight of the checkpoint; ``hf fp32 generate`` the whole FP32 model
+  loaded and ``generate`` greedy of the same lengths (the baseline's work); ``hf bf16 forward`` the BF16
+  model loaded and one forward per prompt over prompt + teacher tokens (the expected reference's);
+  ``vllm generate`` the engine started and a plain ``generate`` of the same prompts and lengths
+  (the target's); ``hf modules`` FP32 + BF16 loaded and a stepwise forward of the same tokens (the
+  module references').
+
+Printed: each stage's seconds, its limit, the ratio, and its peak RSS; then the tool's own overhead —
+total minus the model forwards and weight reads (the sum of the limits of the stages that ran) —
+as a share of the total (goal <= 15%).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the repo (run as a script)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+FULL = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+            intermediate_size=8192, vocab_size=128256)
+QUICK = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+             intermediate_size=1536, vocab_size=32000)
+GOAL = 0.15
+GiB = 1 << 30
+STAGES = ("checks", "baseline", "expected", "target", "modules", "module references", "compare", "report")
+
+
+def build(path: Path, shape: dict) -> Path:
+    """The sharded checkpoint (bench_streamed_reference's writer) plus the local tokenizer."""
+    from bench_streamed_reference import build_model
+
+    from extractors.models import _build_tokenizer, _save_tokenizer
+
+    build_model(path, shape)
+    if not (path / "tokenizer.json").exists():
+        _save_tokenizer(_build_tokenizer(min(shape["vocab_size"], 4096)), path, 4096)
+    return path
+
+
+def prompts(vocab: int, n: int, length: int, tokens: int):
+    import numpy as np
+
+    rng = np.random.default_rng(11)
+    rows = [[1] + rng.integers(3, vocab, length - 1 - 5 * i).tolist() for i in range(n)]  # ragged
+    return rows
+
+
+class Sampler:
+    """Peak RSS of this process per stage; the stage is read from a callable at each sample."""
+
+    def __init__(self, stage):
+        import psutil
+
+        self.stage, self.peaks, self._ps, self._stop = stage, {}, psutil.Process(), threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    def _loop(self):
+        while not self._stop.wait(0.02):
+            try:
+                rss = self._ps.memory_info().rss
+            except Exception:  # noqa: BLE001 - a sample missed is not a figure wrong
+                continue
+            s = self.stage()
+            self.peaks[s] = max(self.peaks.get(s, 0), rss)
+
+    def close(self):
+        self._stop.set()
+        self._t.join()
+        return self.peaks
+
+
+# ----------------------------------------------------------------------------------------------
+# children
+
+
+def child(args) -> dict:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    cfg = json.loads((Path(args.model) / "config.json").read_text())
+    rows = prompts(cfg["vocab_size"], args.prompts, args.length, args.tokens)
+    out: dict = {"step": args.step}
+    # imports before any clock: they are neither the tool's work nor the model's
+    import transformers.models.llama.modeling_llama  # noqa: F401
+
+    import capturestore.pipeline  # noqa: F401
+    import extractors.hf  # noqa: F401
+    if "vllm" in args.step or args.step.startswith("run"):
+        import vllm  # noqa: F401
+
+        import extractors.vllm_rpc  # noqa: F401
+    if args.step in ("run", "run modules"):
+        from capturestore import Store, pipeline
+        from reports import render_comparison
+
+        tm: dict = {}
+        lines: list[str] = []
+
+        def stage():
+            if "checks" not in tm:
+                return "checks"
+            for s in ("baseline", "expected"):
+                if s not in tm:
+                    return s
+            if "target" not in tm:
+                return "modules" if any("capturing vLLM module tensors" in x for x in lines) else "target"
+            if "modules" in tm and "module references" not in tm:
+                return "module references"
+            return "compare" if "compare" not in tm else "report"
+
+        sampler = Sampler(stage)
+        kw = {"plugins": "logits,kv,modules", "modules": args.module_patterns} if args.step == "run modules" else {}
+        t0 = time.perf_counter()
+        res = pipeline.run(args.model, rows, target="vllm", num_tokens=args.tokens, store=args.store, timings=tm,
+                           out=lines.append, engine_options={"max_model_len": args.length + args.tokens + 8},
+                           **kw)
+        total = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        render_comparison(Store.open(args.store), res.comparison_id, Path(args.store).parent / f"report-{len(tm)}")
+        tm["report"] = time.perf_counter() - t1
+        tm["total"] = total + tm["report"]
+        out.update(timings=tm, peaks=sampler.close(), verdict="PASS" if res.passed else "FAIL",
+                   reused=[s for s in ("baseline", "expected") if any(x.startswith("reusing") and "module" not in x
+                                                                     and ("FP32" in x) == (s == "baseline") for x in lines)],
+                   lines=[x for x in lines if "whole (" in x or "streamed (" in x or "reusing" in x] + lines[-12:])
+        return out
+    sampler = Sampler(lambda: "all")
+    t0 = time.perf_counter()
+    if args.step == "read":
+        from extractors.streamed import Checkpoint
+
+        ck = Checkpoint(args.model)
+        for name, e in ck.entries.items():
+            ck.read(name, getattr(torch, {"BF16": "bfloat16", "F32": "float32"}[e.dtype]))
+    elif args.step == "hf fp32 generate":
+        from extractors.hf import load_hf_model
+
+        model = load_hf_model(args.model, "float32")
+        with torch.no_grad():
+            for r in rows:
+                ids = torch.tensor([r])
+                model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens,
+                               min_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
+    elif args.step == "hf bf16 forward":
+        from extractors.hf import load_hf_model
+
+        model = load_hf_model(args.model, "bfloat16")
+        with torch.no_grad():
+            for r in rows:
+                model(torch.tensor([r + [5] * args.tokens]), use_cache=False)
+    elif args.step == "hf modules":  # FP32 and BF16 loads, then stepwise forwards of the same tokens
+        from extractors.hf import load_hf_model
+
+        for dtype in ("float32", "bfloat16"):
+            model = load_hf_model(args.model, dtype)
+            with torch.no_grad():
+                for r in rows:
+                    ids = torch.tensor([r + [5] * args.tokens])
+                    model.generate(ids[:, :len(r)], attention_mask=torch.ones((1, len(r)), dtype=torch.long),
+                                   max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
+                                   pad_token_id=0)
+            del model
+    elif args.step == "vllm generate":
+        from capturestore.pipeline import start_vllm_engine
+        from extractors.vllm_rpc import close_llm
+
+        llm = start_vllm_engine(args.model, max_model_len=args.length + args.tokens + 8)
+        from vllm import SamplingParams, TokensPrompt
+
+        sp = SamplingParams(max_tokens=args.tokens, min_tokens=args.tokens, temperature=0.0)
+        llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sp, use_tqdm=False)
+        close_llm(llm)
+    out["wall_s"] = time.perf_counter() - t0
+    out["peaks"] = sampler.close()
+    return out
+
+
+def run_child(args, step: str, store: Path) -> dict:
+    cmd = [sys.executable, __file__, "--step", step, "--model", str(args.model), "--store", str(store),
+           "--prompts", str(args.prompts), "--length", str(args.length), "--tokens", str(args.tokens),
+           "--threads", str(args.threads), "--module-patterns", args.module_patterns]
+    print(f"  {step} ...", flush=True)
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
+                          start_new_session=True)  # an engine that signals its process group spares this one
+    if proc.returncode != 0:
+        raise SystemExit(f"step {step} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a small model of the same kind (checks the script)")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--length", type=int, default=64, help="tokens of the longest prompt (others 5 fewer each)")
+    ap.add_argument("--tokens", type=int, default=8, help="generated / teacher tokens per prompt")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--step", help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--store", help=argparse.SUPPRESS)
+    ap.add_argument("--module-patterns", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.step:
+        print(json.dumps(child(args)))
+        return 0
+    import tempfile
+
+    shape = QUICK if args.quick else FULL
+    args.model = ROOT / ".bench-tmp" / ("main-job-quick" if args.quick else "main-job-1b")
+    last = shape["num_hidden_layers"] - 1
+    args.module_patterns = f"model.layers.0.*,model.layers.{last}.*"
+    print(f"model {args.model}: {shape}; {args.prompts} prompts of {args.length - 5 * (args.prompts - 1)}.."
+          f"{args.length} tokens x {args.tokens} tokens; load {os.getloadavg()[0]:.1f}", flush=True)
+    build(args.model, shape)
+    (ROOT / ".bench-tmp").mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=ROOT / ".bench-tmp") as tmp:
+        store = Path(tmp) / "store"
+        runs = [run_child(args, "run", store), run_child(args, "run modules", store)]
+        lim = {s: run_child(args, s, Path(tmp) / "unused")
+               for s in ("read", "hf fp32 generate", "hf bf16 forward", "vllm generate", "hf modules")}
+    limit_of = {"checks": "read", "baseline": "hf fp32 generate", "expected": "hf bf16 forward",
+                "target": "vllm generate", "modules": "vllm generate", "module references": "hf modules"}
+    print(f"\nload average {os.getloadavg()[0]:.1f} (ratios are measured in the same run)")
+    print(f"{'job':<12} {'stage':<18} {'seconds':>8} {'limit':>17} {'limit s':>8} {'ratio':>6} {'peak RSS':>9}")
+    for job, r in zip(("logits+KV", "+modules"), runs):
+        tm, peaks, work = r["timings"], r["peaks"], 0.0
+        for s in STAGES:
+            if s not in tm:
+                continue
+            ref = limit_of.get(s)
+            ls = lim[ref]["wall_s"] if ref else None
+            if s in r["reused"]:
+                ref, ls = "(reused)", None
+            if ref and ls and s != "checks":
+                work += ls
+            ratio = f"{tm[s] / ls:6.2f}" if ls else "     -"
+            print(f"{job:<12} {s:<18} {tm[s]:8.1f} {ref or '-':>17} {ls or 0:8.1f} {ratio} "
+                  f"{peaks.get(s, 0) / GiB:8.2f}G")
+        own = tm["total"] - work
+        print(f"{job:<12} {'total':<18} {tm['total']:8.1f}   model work {work:8.1f}   own overhead "
+              f"{own / tm['total']:6.1%} (goal <= {GOAL:.0%}){'' if own / tm['total'] <= GOAL else '  MISSED'}")
+        for x in r["lines"]:
+            print(f"{'':<12} | {x}")
+        print(f"{'':<12} verdict: {r['verdict']}")
+    for s, r in lim.items():
+        print(f"limit {s:<18} {r['wall_s']:8.1f} s  peak RSS {max(r['peaks'].values(), default=0) / GiB:.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
