@@ -434,8 +434,9 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
             from extractors.vllm_launch import start_vllm_serve
 
             line(f"starting vllm serve for {model_path} ({dtype}) on 127.0.0.1:{port or 'a free port'}")
-            started = start_vllm_serve(model_path, port=port, dtype=dtype, max_model_len=context, extra=serve_args,
-                                       env=serve_env, log_dir=out, timeout=timeout)
+            with _Ticker("waiting for vllm serve", progress_bar and not quiet, bar_file or sys.stderr):
+                started = start_vllm_serve(model_path, port=port, dtype=dtype, max_model_len=context,
+                                           extra=serve_args, env=serve_env, log_dir=out, timeout=timeout)
             url, server_pid = started.url, started.pid
             line(f"vllm serve answers at {url} after {time.perf_counter() - t0:.0f} s (pid {started.pid}, log "
                  f"{started.log})")
@@ -462,8 +463,9 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
             line(f"evaluating {','.join(names)}" + (f" (limit {limit} docs per task)" if limit else "")
                  + f" against {url}")
             t1 = time.perf_counter()
-            evaluate_tasks(model_path, names, results_dir, url=url, include_path=include_path, limit=limit,
-                           max_length=context, health=health)
+            with _Ticker(f"evaluating {','.join(names)}", progress_bar and not quiet, bar_file or sys.stderr):
+                evaluate_tasks(model_path, names, results_dir, url=url, include_path=include_path, limit=limit,
+                               max_length=context, health=health)
             line(f"evaluation done in {time.perf_counter() - t1:.0f} s: {results_dir}")
         finally:
             if started is not None:
@@ -489,7 +491,10 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
         return EvalResult(results_dir, analysis, None, None, server_pid, bool(reused))
 
     # 3. prompt analysis (resumed: a stored comparison of the same analysis is reused)
-    cid = state.get("comparison_id")
+    akey = {"reference": None if reference is None else str(Path(reference).resolve()), "tolerance": tolerance,
+            "thresholds": thresholds or {}, "target": target, "num_tokens": num_tokens, "label": label,
+            "store": str(store)}
+    cid = state.get("comparison_id") if state.get("analysis") == akey else None
     stored = _stored_verdict(store, cid) if cid else None
     if stored is not None:
         comparison = Comparison(cid, stored)
@@ -502,7 +507,7 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
                               from_task=analysis, quiet=quiet, out=say, progress_bar=progress_bar,
                               bar_file=bar_file, engine_hook=engine_hook)
         comparison = Comparison(result.comparison_id, bool(result.passed))
-        state["comparison_id"] = comparison.comparison_id
+        state.update(comparison_id=comparison.comparison_id, analysis=akey)
         _write_state(out, state)
 
     # 4. report
@@ -571,6 +576,37 @@ def _fault_hooks(model_path, cfg, layer, factor, serve_args, serve_env, server_h
         return {"injected_bug": fault.as_config()}
 
     return (tuple(serve_args) + SERVER_FAULT_ARGS, {**(serve_env or {}), **SERVER_FAULT_ENV}, on_server, on_engine)
+
+
+class _Ticker:
+    """On a terminal (``progress_bar``), one self-rewriting line with the seconds a step has taken
+    (lm-eval's and vLLM's own bars go to the log); elsewhere nothing: the step's plain lines say it."""
+
+    def __init__(self, what: str, enabled: bool, stream):
+        self.what, self.enabled, self.stream = what, bool(enabled) and stream is not None, stream
+
+    def __enter__(self):
+        if self.enabled:
+            import threading
+
+            self.done = threading.Event()
+            self.t0 = time.perf_counter()
+            self.thread = threading.Thread(target=self._tick, daemon=True)
+            self.thread.start()
+        return self
+
+    def _tick(self):
+        while not self.done.wait(1.0):
+            self.stream.write(f"\r{self.what}: {time.perf_counter() - self.t0:.0f} s")
+            self.stream.flush()
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.done.set()
+            self.thread.join()
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+        return False
 
 
 def _verdict(passed) -> str:

@@ -217,3 +217,18 @@ def test_eval_end_to_end_degraded_engine(tmp_path, tasks_dir, long_model):
     assert again.reused_eval and again.server_pid is None
     assert again.comparison.comparison_id == r.comparison.comparison_id
     assert any("reusing the prompt analysis" in s for s in lines)
+
+
+def test_ticker_only_on_a_terminal():
+    import io
+
+    from capturestore.evaluate import _Ticker
+
+    bar = io.StringIO()
+    with _Ticker("evaluating cs_gen", True, bar):
+        time.sleep(2.2)
+    assert bar.getvalue().startswith("\revaluating cs_gen: 1 s\r") and bar.getvalue().endswith("\r\x1b[K")
+    plain = io.StringIO()
+    with _Ticker("evaluating cs_gen", False, plain):
+        time.sleep(1.2)
+    assert plain.getvalue() == ""
