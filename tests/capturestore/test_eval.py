@@ -115,7 +115,7 @@ def test_cli_refusals_before_any_server(case, tmp_path, tasks_dir, long_model, c
         (out / "eval.json").write_text(json.dumps({"eval": {"tasks": ["cs_gen"], "limit": 3}, "eval_done": True}))
         want = f"--out {out} holds the evaluation of other inputs (eval.json: tasks cs_gen, limit 3)"
     try:
-        rc, stdout, err = _cli(capsys, *args)
+        rc, _, err = _cli(capsys, *args)
     finally:
         if sock is not None:
             sock.close()
