@@ -16,6 +16,8 @@
                                            reports.render_comparison(...)
     capturestore tasks --results DIR [--reference DIR]
                                            capturestore.tasks.run_task_analysis(...)  exit 1 unless PASS
+    capturestore eval --model DIR --tasks T --out DIR
+                                           capturestore.evaluate.eval(...)  exit 1 unless PASS
     capturestore aggregate COMPARISON --where "..."
                                            capturestore.aggregate.aggregate_bc(...)
     capturestore diff BASE HEAD            capturestore.diff.diff(...)  exit status 1 on regression
@@ -445,6 +447,32 @@ def cmd_tasks(args: argparse.Namespace) -> int:
     return 0 if analysis.passed else 1
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    from capturestore import evaluate
+    from capturestore.tasks import parse_thresholds
+
+    kwargs = dict(out=args.out, store=args.store, include_path=args.include_path, limit=args.limit,
+                  server=args.server, port=args.port, thresholds=parse_thresholds(args.threshold),
+                  reference=args.reference, tolerance=args.tolerance, target=args.target, num_tokens=args.num_tokens,
+                  dtype=args.dtype, label=args.label, analyse=not args.eval_only,
+                  inject_bug_layer=args.inject_bug_layer, inject_bug_factor=args.inject_bug_factor, quiet=args.quiet)
+    with _sigterm_as_interrupt():  # a terminated eval stops its server and rolls back like an interrupted run
+        if args.debug:
+            result = evaluate.eval(args.model, args.tasks, **kwargs)
+        else:
+            with _library_output_to_log() as (log, out, tty, bars):
+                try:
+                    result = evaluate.eval(args.model, args.tasks, say=out, progress_bar=tty, bar_file=bars, **kwargs)
+                except BaseException as e:
+                    if log.stat().st_size:
+                        e.capturestore_log = str(log)
+                    else:
+                        log.unlink(missing_ok=True)
+                    raise
+            log.unlink(missing_ok=True)
+    return 0 if result.passed else 1
+
+
 def cmd_aggregate(args: argparse.Namespace) -> int:
     from capturestore.aggregate import aggregate_bc, where_prompts
 
@@ -634,6 +662,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --reference: no worse than its score (mean) or than it minus 2 standard errors (std, "
                         "the default)")
     sp.add_argument("--label", help="free-form label stored with the analysis")
+    sp = add("eval", cmd_eval, "Level 1 in one command: lm-eval tasks on a served vLLM engine, scores vs thresholds, "
+             "the deviated prompts analysed (run --from-task), one report (docs/eval.md)")
+    sp.add_argument("--model", required=True, help="Hugging Face model directory (config.json + weights)")
+    sp.add_argument("--tasks", required=True, help="lm-eval task names, comma-separated")
+    sp.add_argument("--out", required=True, metavar="DIR", help="the evaluation's directory: lm-eval output "
+                    "(eval_results/), eval.json (what was done: a second eval resumes), report/")
+    sp.add_argument("--include-path", metavar="DIR", help="a directory of local lm-eval task YAML files")
+    sp.add_argument("--limit", type=int, help="docs per task")
+    sp.add_argument("--server", metavar="URL", help="a running vllm serve of the model (default: start one)")
+    sp.add_argument("--port", type=int, help="port of the server eval starts on 127.0.0.1 (default: a free one)")
+    sp.add_argument("--dtype", default="bfloat16", help="dtype of the server eval starts (default bfloat16)")
+    g = sp.add_mutually_exclusive_group()
+    g.add_argument("--threshold", action="append", metavar="METRIC=VALUE", help="minimum score (repeatable)")
+    g.add_argument("--tolerance", choices=["mean", "std"], help="with --reference: mean or std (the default)")
+    sp.add_argument("--reference", metavar="DIR", help="lm-eval output directory of a reference run of the tasks")
+    sp.add_argument("--target", default="vllm", help="target of the prompt analysis (capturestore run; default vllm)")
+    sp.add_argument("--num-tokens", type=int, default=8, help="teacher tokens per analysed prompt (default 8)")
+    sp.add_argument("--label", help="label stored with the task analysis and the comparison")
+    sp.add_argument("--eval-only", action="store_true", help="stop after the evaluation and the task analysis "
+                    "(nothing stored; e.g. a reference run)")
+    sp.add_argument("--inject-bug-layer", type=int, metavar="L", help="degrade the engine on purpose: layer L's "
+                    "attention output scaled (served and analysed engine), each proven to change the output")
+    sp.add_argument("--inject-bug-factor", type=float, default=1.1, help="factor of --inject-bug-layer (default 1.1)")
+    sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp = add("aggregate", cmd_aggregate, "cross-prompt KV BC per generation token x layer over a SQL selection of "
                                          "a comparison's prompts (from its stored raw errors)")
     sp.add_argument("comparison", help="comparison id (stored with --raw-errors)")

@@ -340,13 +340,16 @@ def _jsonl_prompt(obj, where: str, say: str) -> Prompt:
 def task_prompts(results, reference=None):
     """``(prompts, analysis)``: the deviated samples' prompts of an lm-eval output directory and
     its ``capturestore.tasks`` analysis, against ``reference`` (another lm-eval output directory)
-    when given; a prompt several samples share is analysed once."""
+    when given; a prompt several samples share is analysed once. ``results`` may also be a
+    ``TaskAnalysis`` already made (``capturestore eval``: its thresholds are stored with it)."""
     try:
         from capturestore.tasks import analyse_tasks
     except ImportError as e:
         raise EngineStartError(f"--from-task: this installation has no task analysis "
                                f"(capturestore.tasks: {e})") from None
-    analysis = analyse_tasks(results, reference)
+    from capturestore.tasks import TaskAnalysis
+
+    analysis = results if isinstance(results, TaskAnalysis) else analyse_tasks(results, reference)
     found = analysis.deviated_prompts()
     if not found:
         raise ValueError(f"--from-task {results}: no deviated prompt"

@@ -25,6 +25,7 @@ vLLM is imported lazily (through ``extractors.vllm_rpc``): this module imports w
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -32,7 +33,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["InjectedFault", "o_proj_module", "inject_output_scale", "remove_faults", "engine_cpu_paths"]
+__all__ = ["SERVER_FAULT_ARGS", "SERVER_FAULT_ENV", "InjectedFault", "ServerFaultExtension", "engine_cpu_paths",
+           "inject_output_scale", "inject_server_output_scale", "o_proj_module", "remove_faults"]
 
 _FAULT_ATTR = "_capturestore_fault"  # per faulted module on the worker: {"factor", "calls", "handle"}
 
@@ -215,3 +217,80 @@ def inject_output_scale(llm, module: str, factor: float, probe: Sequence[int]) -
 def remove_faults(llm) -> int:
     """Remove every fault from the engine; returns how many there were."""
     return _rpc_in_process(llm, _worker_remove_faults)
+
+
+# ---------------------------------------------------------------------------------- a served engine
+
+
+class ServerFaultExtension:
+    """``vllm serve --worker-extension-cls extractors.faults.ServerFaultExtension``: the worker
+    methods that install, count and remove an output-scale fault in a served engine, called
+    through vLLM's development route ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``), which
+    passes string arguments and returns JSON. ``inject_server_output_scale`` drives them."""
+
+    def capturestore_install_scale(self, name: str, factor: str) -> dict:
+        return {"linear_backend": _worker_install_scale(self, name, float(factor))}
+
+    def capturestore_hook_calls(self, name: str) -> dict:
+        return {"calls": _worker_hook_calls(self, name)}
+
+    def capturestore_remove_faults(self) -> dict:
+        return {"removed": _worker_remove_faults(self)}
+
+
+SERVER_FAULT_ARGS = ("--worker-extension-cls", "extractors.faults.ServerFaultExtension")
+SERVER_FAULT_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def _server_rpc(url: str, method: str, *args) -> dict:
+    from extractors.vllm_server import _base, _request
+
+    ans, _ = _request(_base(url), "/collective_rpc", {"method": method, "args": [str(a) for a in args]}, timeout=120)
+    results = ans.get("results") if isinstance(ans, dict) else None
+    if not results or not isinstance(results[0], dict):
+        raise ValueError(f"fault injection: the vLLM server {url} answered {method} with {ans!r}; start it with "
+                         f"{' '.join(SERVER_FAULT_ARGS)} and VLLM_SERVER_DEV_MODE=1")
+    return results[0]
+
+
+def _server_probe(info, probe: Sequence[int]) -> np.ndarray:
+    from extractors.vllm_server import server_teacher_forced_logprobs
+
+    return server_teacher_forced_logprobs(info, [list(probe[:1])], [list(probe[1:])], concurrency=1)[0]
+
+
+def inject_server_output_scale(url: str, model_path, module: str, factor: float,
+                               probe: Sequence[int]) -> InjectedFault:
+    """``inject_output_scale`` for a running ``vllm serve`` started with ``SERVER_FAULT_ARGS``,
+    ``SERVER_FAULT_ENV``, ``--enforce-eager`` and ``--max-logprobs -1``: the same proof (two clean
+    probes through the server's full-vocabulary prompt logprobs, one faulty, the hook's call
+    count), the prefix cache reset afterwards; ValueError, with the fault removed, when the
+    output did not change."""
+    from extractors.vllm_server import _base, _request, check_server
+
+    factor = float(factor)
+    if not math.isfinite(factor):
+        raise ValueError(f"fault injection: factor must be finite, got {factor}")
+    probe = [int(t) for t in probe]
+    if len(probe) < 2:
+        raise ValueError(f"fault injection: the probe needs >= 2 tokens, got {len(probe)}")
+    info = check_server(url, model_path)
+    clean = _server_probe(info, probe)
+    spread = _max_abs_diff(clean, _server_probe(info, probe))
+    backend = _server_rpc(url, "capturestore_install_scale", module, factor)["linear_backend"]
+    try:
+        effect = _max_abs_diff(clean, _server_probe(info, probe))
+        calls = int(_server_rpc(url, "capturestore_hook_calls", module)["calls"])
+    finally:
+        with contextlib.suppress(ValueError):
+            _request(_base(url), "/reset_prefix_cache", {}, timeout=60)
+    fault = InjectedFault(module=module, factor=factor, method="forward hook scaling the module output (served)",
+                          linear_backend=backend, attn_isa=None, hook_calls=calls,
+                          probe_positions=len(probe) - 1, max_abs_dlogprob=effect, clean_spread=spread)
+    if calls == 0 or not effect > spread:
+        _server_rpc(url, "capturestore_remove_faults")
+        why = ("the hook never fired (start the server with --enforce-eager)" if calls == 0
+               else f"max |Δ logprob| {effect:.3g} <= clean repeat spread {spread:.3g}")
+        raise ValueError(f"injected fault changed nothing on the served engine (linear {backend}): {module} x "
+                         f"{factor:g}, probe of {len(probe) - 1} positions: {why}")
+    return fault
