@@ -44,7 +44,6 @@ def test_chunked_prefill_captures_equal_the_unchunked_and_a_prefix_hit_names_its
     path = tiny_model("llama-gqa")
     rng = np.random.default_rng(3)
     prompts = [rng.integers(4, 1000, size=n).tolist() for n in (40, 23)]
-    mods = ["model.layers.*.self_attn", "model.layers.*.mlp", "model.layers.*"]
     llm = make_llm(path, dtype="float32", max_model_len=128, block_size=32, enable_prefix_caching=True,
                    enable_chunked_prefill=True, max_num_batched_tokens=16, max_num_seqs=2)
     try:
