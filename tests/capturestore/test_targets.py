@@ -208,3 +208,13 @@ def test_the_vllm_target_runs_in_float16_and_float32_each_against_its_expected_r
         act_err = np.max(np.abs((act - act.mean(-1, keepdims=True)) - (base - base.mean(-1, keepdims=True))))
         exp_err = np.max(np.abs((exp - exp.mean(-1, keepdims=True)) - (base - base.mean(-1, keepdims=True))))
         assert act_err < 1e-3 < exp_err, (pid, act_err, exp_err)
+
+
+def test_the_fp8_kv_target_refuses_a_task_analysis_in_its_check():
+    from capturestore.targets import TargetCheck
+
+    t = parse_target("hf-fp8-kv")
+    check = TargetCheck(t, "m", {}, [[1, 2]], 3, 1, frozenset({"logits", "kv"}), from_task=True)
+    with pytest.raises(ValueError, match="--from-task: the hf-fp8-kv target's run cannot name the task analysis"):
+        engine_target("hf-fp8-kv").check(check)
+    engine_target("hf-fp8-kv").check(TargetCheck(t, "m", {}, [[1, 2]], 3, 1, frozenset(), from_task=False))
