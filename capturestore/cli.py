@@ -346,7 +346,7 @@ def _run(args: argparse.Namespace, pipeline, store: str) -> int:
     kwargs = dict(target=args.target, num_tokens=args.num_tokens, release=args.release, store=store,
                   plugins=args.plugins, modules=args.modules, tp=args.tp, quiet=args.quiet, label=args.label,
                   fp8_scales=args.fp8_scales, from_task=args.from_task, task_reference=args.task_reference,
-                  reference_device=args.reference_device, reference_memory=args.reference_memory,
+                  reference_device=args.reference_device, reference_memory=args.reference_memory, dtype=args.dtype,
                   engine_options={"kv_cache_dtype": args.kv_cache_dtype, "fp8_emulate": args.fp8_emulate})
     if args.debug:  # the engines' and libraries' own output as it comes
         result = pipeline.run(args.model, args.prompts, **kwargs)
@@ -610,7 +610,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "prompts (capturestore tasks)")
     sp.add_argument("--task-reference", metavar="DIR", help="the reference lm-eval output directory of --from-task")
     sp.add_argument("--target", default="vllm", help="vllm | vllm-server=URL | hf:bfloat16 | hf:float16 | hf-fp8-kv "
-                    "(default vllm)")
+                    "| an installed plugin target (entry-point group capturestore.targets; default vllm)")
+    sp.add_argument("--dtype", help="the target's dtype where it takes one: vllm bfloat16 (default) | float16 | "
+                    "float32 (FP32 is judged against the BF16 noise; docs/run.md)")
     sp.add_argument("--num-tokens", type=int, default=8, help="teacher tokens per prompt (default 8)")
     sp.add_argument("--release", help="release label of the target run")
     sp.add_argument("--plugins", help="comma-separated: logits, kv, modules, fp8-kv or a registered plugin "

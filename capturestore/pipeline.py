@@ -21,7 +21,8 @@
    vLLM server, ``extractors.vllm_server``: checked to answer and serve this model before anything
    is written), ``hf:bfloat16`` / ``hf:float16`` (HF with SDPA
    attention against the eager reference), ``hf-fp8-kv`` (the FP8 KV cache of ``nki_fp8``, scales
-   calibrated on the expected run's KV unless given).
+   calibrated on the expected run's KV unless given), or a target another package registers
+   (``capturestore.targets``: what it gives, its dtypes, its check and its capture).
 4. The plugins compare them in one ``compare_runs`` comparison and its verdict is returned.
 
 Plugins are the comparators (``capturestore.comparators``: ``name``, ``needs`` = what they need
@@ -43,7 +44,6 @@ from pathlib import Path
 
 __all__ = [
     "DEFAULT_MODULE_PATTERNS",
-    "DEFAULT_PLUGINS",
     "EngineStartError",
     "PLUGIN_ALIASES",
     "Prompt",
@@ -57,13 +57,7 @@ __all__ = [
     "run",
 ]
 
-TARGETS = ("vllm", "vllm-server=URL", "hf:bfloat16", "hf:float16", "hf-fp8-kv")
 PLUGIN_ALIASES = {"fp8-kv": "fp8_kv_floor"}
-DEFAULT_PLUGINS = {"vllm": ("logits", "kv"), "vllm-server": ("logits",), "hf": ("logits", "kv"),
-                   "hf-fp8-kv": ("fp8-kv",)}  # FP8 is judged against its rounding floor, not BF16 noise
-# What each target can give: a plugin needing more is refused before anything is captured.
-TARGET_GIVES = {"vllm": {"logits", "kv", "tensors"}, "vllm-server": {"logits"}, "hf": {"logits", "kv", "tensors"},
-                "hf-fp8-kv": {"logits", "kv"}}
 DEFAULT_MODULE_PATTERNS = ("model.layers.*.self_attn", "model.layers.*.mlp", "model.layers.*", "model.norm")
 INSTALL = {"vllm": "pip install 'capturestore[vllm]'", "hf": "pip install 'capturestore[hf]'"}
 
@@ -78,46 +72,74 @@ class EngineStartError(RuntimeError):
 
 @dataclass(frozen=True)
 class Target:
-    """The engine under test: ``kind`` (vllm | vllm-server | hf | hf-fp8-kv), its ``dtype`` (the
-    expected reference is captured in it) and, for a server, its ``url``."""
+    """The engine under test: ``kind`` (the target's name: vllm | vllm-server | hf | hf-fp8-kv or an
+    installed plugin target, ``capturestore.targets``), its ``dtype``, the dtype of its expected
+    reference (``expected_dtype``; the target decides it, default its own dtype) and, for a
+    server, its ``url``."""
 
     kind: str
     dtype: str = "bfloat16"
     url: str | None = None
+    expected_dtype: str | None = None
+    show_dtype: bool = False  # written in the target's name (hf:float16, vllm:float32)
+
+    @property
+    def reference_dtype(self) -> str:
+        return self.expected_dtype or self.dtype
 
     def __str__(self) -> str:
-        return {"vllm-server": f"vllm-server={self.url}", "hf": f"hf:{self.dtype}"}.get(self.kind, self.kind)
+        if self.kind == "hf" or self.show_dtype:
+            return f"{self.kind}:{self.dtype}"
+        return f"{self.kind}={self.url}" if self.url else self.kind
 
 
-def parse_target(spec: str) -> Target:
-    """``vllm``, ``vllm-server=URL``, ``hf:bfloat16``, ``hf:float16`` or ``hf-fp8-kv``."""
+def parse_target(spec: str, dtype: str | None = None) -> Target:
+    """``NAME``, ``NAME:DTYPE`` or ``NAME=URL`` of an installed target (``capturestore.targets``):
+    ``vllm``, ``vllm:float16``, ``vllm-server=URL``, ``hf:bfloat16``, ``hf:float16``, ``hf-fp8-kv``, or a
+    plugin's name. ``dtype`` (``--dtype``): the target's dtype, for targets that take one."""
+    from capturestore.targets import engine_target
+
     s = str(spec).strip()
-    if s == "vllm":
-        return Target("vllm")
-    if s == "hf-fp8-kv":
-        return Target("hf-fp8-kv")
-    if s.startswith("hf:"):
-        if s[3:] not in ("bfloat16", "float16"):
-            raise ValueError(f"--target {spec}: the HF target's dtype must be bfloat16 or float16")
-        return Target("hf", s[3:])
-    if s.startswith("vllm-server="):
+    cut = min([i for i in (s.find(":"), s.find("=")) if i > 0] or [len(s)])
+    name, sep, arg = s[:cut], s[cut:cut + 1], s[cut + 1:].strip()
+    eng = engine_target(name)
+    url = None
+    if sep == ":":
+        if "dtype" not in eng.options:
+            raise ValueError(f"--target {spec}: target {name} takes no dtype (it runs in {', '.join(eng.dtypes)})")
+        if dtype is not None and dtype != arg:
+            raise ValueError(f"--target {spec} and --dtype {dtype} disagree; give the dtype once")
+        dtype = arg
+    elif sep == "=":
+        if "url" not in eng.options:
+            raise ValueError(f"--target {spec}: target {name} takes no URL")
         from urllib.parse import urlparse
 
-        url = s.split("=", 1)[1].strip().rstrip("/")
+        url = arg.rstrip("/")
         u = urlparse(url)
         if u.scheme not in ("http", "https") or not u.netloc:
             raise ValueError(f"--target {spec}: the server URL must be http(s)://HOST:PORT")
-        return Target("vllm-server", url=url)
-    raise ValueError(f"unknown target {spec!r}; one of: {', '.join(TARGETS)}")
+    elif "url" in eng.options:
+        raise ValueError(f"--target {spec}: give the server, {name}=http://HOST:PORT")
+    if dtype is not None and "dtype" not in eng.options:
+        raise ValueError(f"--dtype {dtype}: target {name} takes no dtype (it runs in {', '.join(eng.dtypes)})")
+    if dtype is None:
+        dtype = eng.dtypes[0]
+    elif dtype not in eng.dtypes:
+        raise ValueError(f"--target {spec}: the {name} target's dtype must be one of {', '.join(eng.dtypes)}, "
+                         f"not {dtype!r}")
+    return Target(name, dtype, url, eng.expected_dtype(dtype), show_dtype=dtype != eng.dtypes[0])
 
 
 def resolve_plugins(names, target: Target) -> list[str]:
     """Comparator names of the plugins ``names`` (a comma-separated string or names; None: the
     target's defaults), checked against the registry and against what the target can give."""
     from capturestore.comparators import comparator_class, comparator_names
+    from capturestore.targets import engine_target
 
+    eng = engine_target(target.kind)
     if names is None:
-        names = DEFAULT_PLUGINS[target.kind]
+        names = eng.default_plugins
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",")]
     out = []
@@ -130,10 +152,10 @@ def resolve_plugins(names, target: Target) -> list[str]:
             raise ValueError(f"unknown plugin {n!r}; registered: {', '.join(known)}")
         if name in out:
             raise ValueError(f"--plugins names {n!r} twice")
-        lacking = set(comparator_class(name).needs) - TARGET_GIVES[target.kind]
+        lacking = set(comparator_class(name).needs) - set(eng.gives)
         if lacking:
             raise ValueError(f"plugin {n!r} needs {', '.join(sorted(lacking))} captures, which target {target} "
-                             f"does not give (it gives {', '.join(sorted(TARGET_GIVES[target.kind]))})")
+                             f"does not give (it gives {', '.join(sorted(eng.gives))})")
         if name == "fp8_kv_floor" and target.kind != "hf-fp8-kv":
             raise ValueError(f"plugin {n!r} judges an FP8 KV cache: it needs --target hf-fp8-kv, not {target}")
         out.append(name)
@@ -602,15 +624,17 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
         out: Callable[[str], None] = print, label: str | None = None, progress_bar: bool | None = None,
         engine_options: dict | None = None, engine_hook: Callable | None = None, fp8_scales=None,
         fp8_platform: str | None = None, timings: dict | None = None, from_task=None, task_reference=None,
-        bar_file=None, reference_device: str = "cpu", reference_memory: float | None = None):
+        bar_file=None, reference_device: str = "cpu", reference_memory: float | None = None,
+        dtype: str | None = None):
     """The main job (module docstring); returns the ``ComparisonResult`` of the stored comparison.
 
     model: a Hugging Face model directory. prompts: a ``.txt`` / ``.jsonl`` file, or a sequence
     of texts / token-id lists; or, instead, ``from_task``: an lm-eval output directory whose
     deviated samples' prompts are analysed (``capturestore.tasks``; against ``task_reference``,
     another lm-eval output directory, when given). target: ``vllm`` | ``vllm-server=URL`` | ``hf:bfloat16`` |
-    ``hf:float16`` | ``hf-fp8-kv``. plugins: comparator names (comma-separated or a list;
-    ``fp8-kv`` = ``fp8_kv_floor``), default per target (``DEFAULT_PLUGINS``). modules: module
+    ``hf:float16`` | ``hf-fp8-kv`` | an installed plugin target's name (``capturestore.targets``).
+    dtype: the target's dtype where it takes one (``vllm``: bfloat16, float16, float32). plugins: comparator names (comma-separated or a list;
+    ``fp8-kv`` = ``fp8_kv_floor``), default per target (its ``default_plugins``, ``capturestore.targets``). modules: module
     patterns for the ``modules`` plugin (default ``DEFAULT_MODULE_PATTERNS``). release: the
     target run's release label (references are shared across releases and carry none).
     quiet: no progress lines (the verdict is still printed). out: where lines go. label: the
@@ -656,7 +680,7 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
             prompts = lambda: task_prompts(from_task, task_reference)  # noqa: E731 - read after the cheap checks
         return _run(model, prompts, target, num_tokens, release, store, plugins, modules, tp, quiet, out, label,
                     progress, engine_options, engine_hook, fp8_scales, fp8_platform, timings,
-                    _Reference(reference_device, reference_memory))
+                    _Reference(reference_device, reference_memory), dtype)
     finally:
         if hf_bars:
             hf_logging.enable_progress_bar()
@@ -687,7 +711,7 @@ class _Reference:
 
 
 def _run(model, prompts, target, num_tokens, release, store, plugins, modules, tp, quiet, out, label, progress,
-         engine_options, engine_hook, fp8_scales, fp8_platform, timings, ref=None):
+         engine_options, engine_hook, fp8_scales, fp8_platform, timings, ref=None, dtype=None):
     t_start = time.perf_counter()
     tm = timings if timings is not None else {}
     tm.clear()
@@ -705,11 +729,12 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
             if not isinstance(text, str):
                 raise ValueError(f"{what} must be text, got {text!r}")
             check_label(text, what)
-    tgt = target if isinstance(target, Target) else parse_target(target)
-    if tp != 1 and tgt.kind != "vllm":
+    from capturestore.targets import TargetCheck, engine_target
+
+    tgt = target if isinstance(target, Target) else parse_target(target, dtype)
+    eng = engine_target(tgt.kind)
+    if tp != 1 and "tp" not in eng.options:
         raise ValueError(f"--tp {tp}: tensor parallelism is for --target vllm, not {tgt}")
-    if callable(prompts) and tgt.kind == "hf-fp8-kv":
-        raise ValueError("--from-task: the hf-fp8-kv target's run cannot name the task analysis; use another target")
     names = resolve_plugins(plugins, tgt)
     needs = _needs(names)
     if modules is not None and "tensors" not in needs:
@@ -720,8 +745,6 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
         check_module_patterns(model_path, patterns)
     given, analysis = prompts() if callable(prompts) else (_as_prompts(prompts), None)
     rows = _token_rows(model_path, cfg, given, num_tokens)
-    if tgt.kind == "vllm":
-        check_engine_can_start(tgt)
     from extractors.models import model_content_hash
 
     try:
@@ -729,13 +752,8 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     except Exception as e:  # noqa: BLE001 - weights that cannot be read: one line, nothing written
         msg = " ".join(str(e).split())[:300] or type(e).__name__
         raise ValueError(f"--model {model_path}: its weights cannot be read ({type(e).__name__}: {msg})") from None
-    server_capture = None
-    if tgt.kind == "vllm-server":  # reachable, and serving this model, before anything is written
-        check_server, server_capture = _server_capture()
-        try:
-            check_server(tgt.url, model_path)
-        except ValueError as e:
-            raise ValueError(f"target {tgt}: {e}") from None
+    # the target's own check (an engine that can start, a server that serves this model) before any write
+    eng.check(TargetCheck(tgt, model_path, cfg, rows, num_tokens, tp, frozenset(needs), callable(prompts)))
     # FP8 vLLM KV cache (issue 20 §1): checks here, engine options/hook and expected run below
     from extractors.vllm_fp8 import plan_from_options
     fp8_plan, engine_options = plan_from_options(tgt.kind, engine_options, fp8_scales, cfg)
@@ -743,7 +761,7 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
         raise ValueError(f"--fp8-scales {fp8_scales}: scales are for --target hf-fp8-kv, not {tgt}")
     scales = _load_fp8_scales(fp8_scales, cfg) if fp8_scales is not None and fp8_plan is None else None
     ref = ref or _Reference("cpu", None)
-    ref.check(model_path, ("float32", tgt.dtype), rows, num_tokens)
+    ref.check(model_path, ("float32", tgt.reference_dtype), rows, num_tokens)
 
     from capturestore import Store
     from capturestore.writer import prompt_id
@@ -760,7 +778,7 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     try:
         result, reused = _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns, model_path, cfg,
                                       model_hash, rows, pids, given, analysis, num_tokens, release, label, tp,
-                                      engine_options, engine_hook, server_capture, scales, fp8_platform, references,
+                                      engine_options, engine_hook, eng, scales, fp8_platform, references,
                                       ref, fp8_plan)
     except BaseException as e:
         _roll_back(st, pstore, references, interrupted=isinstance(e, KeyboardInterrupt), fresh=fresh, say=say)
@@ -822,7 +840,7 @@ def _roll_back(st, pstore, references: list, *, interrupted: bool, fresh: bool, 
 
 def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns, model_path, cfg, model_hash,
                          rows, pids, given, analysis, num_tokens, release, label, tp, engine_options, engine_hook,
-                         server_capture, scales, fp8_platform, references: list, ref=None, fp8_plan=None):
+                         eng, scales, fp8_platform, references: list, ref=None, fp8_plan=None):
     """Steps 2-4 of ``run``: references, the target, one comparison. Appends each complete reference
     run to ``references`` as it is found or captured. Returns ``(ComparisonResult, reused)``: which
     references were reused, for the output."""
@@ -844,8 +862,8 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
     teacher = {p: st.read_tokens(base, p) for p in pids}
     teacher_rows = [teacher[p][len(r):].tolist() for p, r in zip(pids, rows)]
     exp, reused["expected"] = _reference(
-        st, pstore, progress, tm, "expected", f"HF {_dt(tgt.dtype)} expected", "teacher-forced",
-        model_path, model_hash, tgt.dtype, rows, pids, num_tokens, teacher=teacher, ref=ref)
+        st, pstore, progress, tm, "expected", f"HF {_dt(tgt.reference_dtype)} expected", "teacher-forced",
+        model_path, model_hash, tgt.reference_dtype, rows, pids, num_tokens, teacher=teacher, ref=ref)
     references.append(exp)
 
     if fp8_plan is not None:  # FP8-aware baseline/expected runs take those roles; the engine gets the scales
@@ -855,36 +873,25 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
     # 3. the target
     t0 = time.perf_counter()
     mod_runs = None
-    if tgt.kind == "vllm":
-        act, mod_act = _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, release, tp,
-                                     "kv" in needs, patterns if "tensors" in needs else None, engine_options or {},
-                                     engine_hook, tm, model_context(cfg), target_config)
-    elif tgt.kind == "vllm-server":
-        progress.begin(f"target {tgt}", len(rows), num_tokens)
-        say(f"capturing target {tgt} (teacher-forced prompt logprobs)")
-        import inspect
+    from capturestore.targets import TargetContext
 
-        kw = {"dtype": tgt.dtype} if "dtype" in inspect.signature(server_capture).parameters else {}
-        act = server_capture(pstore, tgt.url, model_path, rows, teacher_rows, model_hash=model_hash, release=release,
-                             config=target_config, **kw)
-        mod_act = None
-    elif tgt.kind == "hf":
-        act, mod_act = _capture_hf_target(pstore, progress, model_path, tgt.dtype, rows, teacher_rows, release,
-                                          patterns if "tensors" in needs else None, tm, target_config)
-    else:
-        act = _capture_fp8(st, pstore, progress, model_path, exp, rows, teacher_rows, release, scales, fp8_platform)
-        mod_act = None
+    got = eng.capture(TargetContext(
+        tgt, pstore, model_path, cfg, model_hash, rows, pids, teacher_rows, num_tokens, release, frozenset(needs),
+        patterns if "tensors" in needs else None, target_config, say, progress, expected_run=exp, baseline_run=base,
+        tp=tp, engine_options=engine_options or {}, engine_hook=engine_hook, timings=tm,
+        extra={"store": st, "fp8_scales": scales, "fp8_platform": fp8_platform}))
+    act, mod_act = got.run_id, got.module_run_id
     progress.end()
     tm["target"] = time.perf_counter() - t0 - tm.get("modules", 0.0)
     say(f"target {tgt}: run {act} captured")
     if mod_act is not None:
         mod_runs = _module_references(st, pstore, progress, tm, model_path, model_hash, rows, pids, mod_act,
-                                      tgt.dtype, references, ref)
+                                      tgt.reference_dtype, references, ref)
         reused["module references"] = mod_runs.pop("reused")
 
     # 4. one comparison
     t0 = time.perf_counter()
-    say(f"comparing runs (three-way: FP32 baseline, {_dt(tgt.dtype)} expected, {tgt} actual)")
+    say(f"comparing runs (three-way: FP32 baseline, {_dt(tgt.reference_dtype)} expected, {tgt} actual)")
     from capturestore.analysis import compare_runs
 
     result = compare_runs(st, expected_run=exp, actual_run=act, baseline_run=base, label=label,
@@ -970,19 +977,19 @@ def _reference(st, pstore, progress, tm, role, what, how, model_path, model_hash
 
 
 def _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, release, tp, kv, patterns,
-                  engine_options, engine_hook, tm, context, target_config):
+                  engine_options, engine_hook, tm, context, target_config, dtype: str = "bfloat16"):
     """The in-process vLLM target: raw logits (and paged KV) teacher-forced through the decode path,
     and with ``patterns`` a module-tensor run of the same engine. Returns ``(run_id, module_run_id)``."""
     from extractors.vllm_rpc import capture_vllm_run, close_llm, extract_vllm_kv_cache_config
 
     say = progress.say
-    say(f"starting vLLM (bfloat16{f', TP {tp}' if tp > 1 else ''}) with the KV capture worker extension")
+    say(f"starting vLLM ({dtype}{f', TP {tp}' if tp > 1 else ''}) with the KV capture worker extension")
     need = max(len(r) + len(t) for r, t in zip(rows, teacher_rows))
     max_len = max(256, -(-need // 256) * 256)  # a few sizes, not one per prompt set
     opts = {"max_model_len": min(max_len, context) if isinstance(context, int) else max_len, **engine_options}
     if patterns is not None:  # module capture needs every prefill to run in full, never from cached blocks
         opts.setdefault("enable_prefix_caching", False)
-    llm = start_vllm_engine(model_path, "bfloat16", tp, **opts)
+    llm = start_vllm_engine(model_path, dtype, tp, **opts)
     mod_run = None
     try:
         config = dict(target_config)

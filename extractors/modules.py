@@ -43,12 +43,16 @@ __all__ = [
     "capture_hf_modules",
     "capture_hf_module_run",
     "collect_hf_modules",
+    "write_prompt_modules",
 ]
 
 DEFAULT_MODULES = ("model.embed_tokens", "model.layers.*", "model.layers.*.**", "model.norm", "lm_head")
 PHASES = ("prefill", "decode")
 _RANGE = re.compile(r"^(\d+)-(\d+)$")
 INPUT_SUFFIX = ":input"
+MODULE_TENSOR_LAYOUT = ("tensors/<module>/prefill: step 0 [prompt_len, ...]; tensors/<module>/decode: step n [1, ...] "
+                        "feeding continuation token n at position prompt_len + n")
+MODULE_LOGITS_LAYOUT = "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j"
 
 
 def _seg_match(pat: str, seg: str) -> bool:
@@ -108,7 +112,8 @@ class ModuleHooks:
     ``step`` before each forward. ``order``: modules in the order their outputs were first
     produced (execution order: a parent finishes after its children). Use as a context manager.
     Only forwards of the thread that entered it are captured (a streamed model runs the forwards
-    of a group in one thread each, through the same modules)."""
+    of a group in one thread each, through the same modules). For an engine whose loop is not
+    this module's (its own phases, batch rows, padding): ``extractors.engine_capture.EngineCapture``."""
 
     def __init__(self, model, modules: Sequence[str], sink: Callable, inputs: bool = False):
         self.model, self.modules, self.sink, self.inputs = model, list(modules), sink, inputs
@@ -238,7 +243,6 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     ``extractors.hf.capture_hf_run`` (a streamed module run reads the weights once per forward of
     the stepwise capture: prefill + ``len(teacher) - 1`` decode steps, for the whole group).
     """
-    import torch
     import transformers
 
     from extractors.hf import _device_str, _to_rows, load_hf_model, reference_config
@@ -309,9 +313,8 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
                     "module_order": order,
                     "module_inputs": bool(inputs),
                     "prompt_lens": [len(p) for p in prompt_rows],
-                    "tensor_layout": "tensors/<module>/prefill: step 0 [prompt_len, ...]; tensors/<module>/decode: "
-                                     "step n [1, ...] feeding continuation token n at position prompt_len + n",
-                    "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j",
+                    "tensor_layout": MODULE_TENSOR_LAYOUT,
+                    "logits_layout": MODULE_LOGITS_LAYOUT,
                     "model_given": model_given,  # a model passed in (e.g. a patched fault) is never a reference
                     **reference_config(device, info["path"], info["groups"], plan),
                     **(config or {}),
@@ -322,13 +325,8 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
                 run.__enter__()
             try:
                 for i, (logits, _) in zip(group, results):
-                    pid = run.add_prompt(prompt_rows[i], continuation=teacher_rows[i])
-                    for module, step, t in held[i]["prefill"]:
-                        run.write_tensor(pid, module, t, step=step, phase="prefill", dims=_dims(t))
-                    for module, ts in held[i]["decode"].items():
-                        run.write_tensor_steps(pid, module, torch.stack(ts), range(len(ts)), phase="decode",
-                                               dims=_dims(ts[0]))
-                    run.write_logits(pid, logits)
+                    write_prompt_modules(run, prompt_rows[i], teacher_rows[i], held[i]["prefill"], held[i]["decode"],
+                                         logits)
                     del held[i]
             except BaseException as e:
                 run.__exit__(type(e), e, e.__traceback__)
@@ -338,6 +336,25 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     if sm is not None:
         info["weight_passes"] = sm.loads / len(sm.units)
     return run.run_id
+
+
+def write_prompt_modules(run, prompt, continuation, prefill, decode: dict, logits) -> str:
+    """One prompt of a module run into ``run`` (a ``RunWriter``): its tokens, prefill tensors
+    (``[(module, step, [prompt_len, ...])]``), decode steps (``{module: [step tensors [1, ...]]}``,
+    step n at index n) and logits ``[gen_token, vocab]`` (None: not captured). Returns the prompt id.
+    The one writer of the module layout: ``capture_hf_module_run`` and the user's own engine
+    (``extractors.engine_capture.write_module_run``) both go through it."""
+    import torch
+
+    pid = run.add_prompt(prompt, continuation=continuation)
+    for module, step, t in prefill:
+        run.write_tensor(pid, module, t, step=step, phase="prefill", dims=_dims(t))
+    for module, ts in decode.items():
+        if ts:
+            run.write_tensor_steps(pid, module, torch.stack(ts), range(len(ts)), phase="decode", dims=_dims(ts[0]))
+    if logits is not None:
+        run.write_logits(pid, logits)
+    return pid
 
 
 def _module_bytes_bound(model_path, dtype, patterns, seq) -> int:

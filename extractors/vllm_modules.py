@@ -11,8 +11,9 @@ buffers in place); the records cross back as tensors in-process, as bytes otherw
 Layout: vLLM runs a flattened batch, ``[num_tokens, ...]``; a pre-hook on the model records the
 forward's ``positions``. Prompts run one at a time (no prefix caching), so every
 row of a forward belongs to the one request and row r sits at ``positions[r]`` (rows past
-``len(positions)``, padding, are trimmed). A forward starting at position 0 is the prefill
-(``[P, ...]``); one with a single token at position ``P + n`` is decode step n (``[1, ...]``): the
+``len(positions)``, padding, are trimmed). Forwards over prompt positions are the prefill
+(``[P, ...]``; chunks of a chunked prefill stitched in position order; a prefill starting past 0,
+served from the prefix cache, is refused); one with a single token at position ``P + n`` is decode step n (``[1, ...]``): the
 same layout as the HF capture, so HF references captured teacher-forced on the engine's own tokens
 line up step for step (prefill + ``T - 1`` decode forwards for ``T`` generated tokens).
 
@@ -345,24 +346,44 @@ def remove_vllm_module_capture(llm) -> int:
 
 
 def _group(records, prompt_len: int, where: str) -> dict:
-    """Records of one request -> ``{(hf, phase): [token, ...] tensors}`` (prefill, decode by step)."""
+    """Records of one request -> ``{(hf, phase): [token, ...] tensors}`` (prefill, decode by step).
+
+    Forwards over positions below ``prompt_len`` are prefill chunks (chunked prefill: the scheduler
+    split the prompt across forwards): stitched in position order when they tile ``0 .. P-1``.
+    A prompt whose first forward starts past position 0 had its first positions served from the
+    prefix cache (never computed here): refused, as is a gap or overlap between chunks."""
     import torch
 
-    pre, dec = {}, {}
+    chunks, dec = {}, {}
     for hf, p, t in records:
         p = list(p)
-        if p and p[0] == 0:
-            if len(p) != prompt_len:
-                raise ValueError(f"{where}: {hf}: a prefill forward of {len(p)} tokens for a prompt of {prompt_len} "
-                                 "(chunked prefill or prefix caching? build the engine with "
-                                 "enable_prefix_caching=False)")
-            pre[hf] = t
+        if p and p[0] < prompt_len:
+            if p != list(range(p[0], p[0] + len(p))) or p[-1] >= prompt_len:
+                raise ValueError(f"{where}: {hf}: a forward over positions {p[:4]}...{p[-1:]} mixes the prompt of "
+                                 f"{prompt_len} tokens with other positions")
+            chunks.setdefault(hf, []).append((p[0], len(p), t))
         elif len(p) == 1:
             dec.setdefault(hf, {})[p[0] - prompt_len] = t
         else:
             raise ValueError(f"{where}: {hf}: a forward over positions {p[:4]}... is neither prefill nor one "
                              "decode step")
-    out = {(hf, "prefill"): t for hf, t in pre.items()}
+    out = {}
+    for hf, cs in chunks.items():
+        cs.sort(key=lambda c: c[0])
+        if cs[0][0] > 0:
+            raise ValueError(f"{where}: {hf}: the prefill starts at position {cs[0][0]} of a prompt of {prompt_len}: "
+                             f"positions 0..{cs[0][0] - 1} were served from the prefix cache, not computed (build "
+                             f"the engine with enable_prefix_caching=False)")
+        at = 0
+        for start, n, _ in cs:
+            if start != at:
+                raise ValueError(f"{where}: {hf}: prefill chunks leave positions {at}..{start - 1} uncovered or "
+                                 f"overlap there (chunks at {[c[0] for c in cs]})")
+            at = start + n
+        if at != prompt_len:
+            raise ValueError(f"{where}: {hf}: the prefill chunks cover positions 0..{at - 1} of a prompt of "
+                             f"{prompt_len}")
+        out[(hf, "prefill")] = torch.cat([t for _, _, t in cs], dim=0) if len(cs) > 1 else cs[0][2]
     for hf, steps in dec.items():
         n = sorted(steps)
         if n != list(range(len(n))):
@@ -406,7 +427,7 @@ def _sampling(prompt_len: int, num_tokens: int, teacher):
 
 def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int | None,
                          modules: Iterable[str] | str = ("**",), sink=None, *,
-                         teacher_tokens: Sequence[Sequence[int]] | None = None):
+                         teacher_tokens: Sequence[Sequence[int]] | None = None, first_index: int = 0):
     """Run each prompt (one at a time) through the engine with module capture: ``num_tokens`` greedy
     tokens, or, with ``teacher_tokens`` (one list per prompt), the engine made to sample those
     (``extractors.vllm_teacher``; the engine needs ``make_llm``'s logits processor; ``num_tokens``
@@ -416,7 +437,8 @@ def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int 
     float32 numpy [token, ...]}`` (None when ``sink`` is given: ``sink(i, module, phase, step,
     tensor)`` receives each step instead), the tokens the engine sampled per prompt (the teacher
     tokens when forced), and the HF names in execution order. Under tensor parallelism every
-    rank's output is taken and merged (``merge_tp_records``)."""
+    rank's output is taken and merged (``merge_tp_records``). ``first_index``: the index of
+    ``prompts[0]`` in the caller's prompts, for the messages (a caller passing one prompt at a time)."""
     from metrics.errors import as_float
 
     where = "vLLM module capture"
@@ -424,9 +446,9 @@ def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int 
     names, info = _install(llm, modules)
     caps, toks = [], []
     try:
-        for i, prompt in enumerate(prompts):
+        for i, prompt in enumerate(prompts, start=first_index):
             _take(llm, info, where)  # drop anything recorded outside this prompt
-            forced = None if teacher is None else teacher[i]
+            forced = None if teacher is None else teacher[i - first_index]
             out = llm.generate([{"prompt_token_ids": prompt}], _sampling(len(prompt), num_tokens, forced),
                                use_tqdm=False)
             toks.append(list(out[0].outputs[0].token_ids))
@@ -491,7 +513,8 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
             pending.clear()
             _, toks, _ = collect_vllm_modules(llm, [prompt], num_tokens, order,
                                               sink=lambda _i, *a: pending.append(a),
-                                              teacher_tokens=None if teacher is None else [teacher[i]])
+                                              teacher_tokens=None if teacher is None else [teacher[i]],
+                                              first_index=i)
             pid = run.add_prompt(list(prompt), continuation=toks[0])
             for hf, phase, step, t in pending:
                 run.write_tensor(pid, hf, t, step=step, phase=phase,
