@@ -483,46 +483,74 @@ EINSUM_MAX_WIDTH = 8192  # wider rows are summed in buffer-sized pieces by einsu
 
 @_njit()
 def _row_sums(b, e, a, be, te, acc, sums):  # pragma: no cover - compiled
-    """sums[0:7] of one row (einsum's order, see above); be, te: its absolute errors."""
+    """sums[0:7] of one row (einsum's order, see above); be, te: its absolute errors. The 14
+    lane accumulators are scalars (registers), not acc's memory; acc is unused (kept for the
+    signature)."""
     n = b.size
-    acc[:, :] = 0.0
+    s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = s40 = s41 = s50 = s51 = s60 = s61 = 0.0
     i = 0
     while n - i >= 8:
         for u in range(3, -1, -1):
-            for ln in range(2):
-                k = i + 2 * u + ln
-                bv = np.float64(b[k])
-                ev = np.float64(e[k])
-                av = np.float64(a[k])
-                x = np.float64(be[k])
-                y = np.float64(te[k])
-                acc[0, ln] = acc[0, ln] + bv * bv
-                acc[1, ln] = acc[1, ln] + x * x
-                acc[2, ln] = acc[2, ln] + y * y
-                acc[3, ln] = acc[3, ln] + bv * ev
-                acc[4, ln] = acc[4, ln] + ev * ev
-                acc[5, ln] = acc[5, ln] + bv * av
-                acc[6, ln] = acc[6, ln] + av * av
+            k = i + 2 * u
+            bv = np.float64(b[k])
+            ev = np.float64(e[k])
+            av = np.float64(a[k])
+            x = np.float64(be[k])
+            y = np.float64(te[k])
+            bw = np.float64(b[k + 1])
+            ew = np.float64(e[k + 1])
+            aw = np.float64(a[k + 1])
+            xw = np.float64(be[k + 1])
+            yw = np.float64(te[k + 1])
+            s00 = s00 + bv * bv
+            s01 = s01 + bw * bw
+            s10 = s10 + x * x
+            s11 = s11 + xw * xw
+            s20 = s20 + y * y
+            s21 = s21 + yw * yw
+            s30 = s30 + bv * ev
+            s31 = s31 + bw * ew
+            s40 = s40 + ev * ev
+            s41 = s41 + ew * ew
+            s50 = s50 + bv * av
+            s51 = s51 + bw * aw
+            s60 = s60 + av * av
+            s61 = s61 + aw * aw
         i += 8
     while i < n:
-        for ln in range(2):
-            k = i + ln
-            if k < n:
-                bv = np.float64(b[k])
-                ev = np.float64(e[k])
-                av = np.float64(a[k])
-                x = np.float64(be[k])
-                y = np.float64(te[k])
-                acc[0, ln] = acc[0, ln] + bv * bv
-                acc[1, ln] = acc[1, ln] + x * x
-                acc[2, ln] = acc[2, ln] + y * y
-                acc[3, ln] = acc[3, ln] + bv * ev
-                acc[4, ln] = acc[4, ln] + ev * ev
-                acc[5, ln] = acc[5, ln] + bv * av
-                acc[6, ln] = acc[6, ln] + av * av
+        bv = np.float64(b[i])
+        ev = np.float64(e[i])
+        av = np.float64(a[i])
+        x = np.float64(be[i])
+        y = np.float64(te[i])
+        s00 = s00 + bv * bv
+        s10 = s10 + x * x
+        s20 = s20 + y * y
+        s30 = s30 + bv * ev
+        s40 = s40 + ev * ev
+        s50 = s50 + bv * av
+        s60 = s60 + av * av
+        if i + 1 < n:
+            bw = np.float64(b[i + 1])
+            ew = np.float64(e[i + 1])
+            aw = np.float64(a[i + 1])
+            xw = np.float64(be[i + 1])
+            yw = np.float64(te[i + 1])
+            s01 = s01 + bw * bw
+            s11 = s11 + xw * xw
+            s21 = s21 + yw * yw
+            s31 = s31 + bw * ew
+            s41 = s41 + ew * ew
+            s51 = s51 + bw * aw
+            s61 = s61 + aw * aw
         i += 2
-    for q in range(_MOD_SUMS):
-        sums[q] = 0.0 + (acc[q, 0] + acc[q, 1])
+    sums[0] = 0.0 + (s00 + s01)
+    sums[1] = 0.0 + (s10 + s11)
+    sums[2] = 0.0 + (s20 + s21)
+    sums[3] = 0.0 + (s30 + s31)
+    sums[4] = 0.0 + (s40 + s41)
+    sums[5] = 0.0 + (s50 + s51)
+    sums[6] = 0.0 + (s60 + s61)
 
 
 @_njit()
@@ -592,7 +620,14 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, bad):  #
             for i in range(n):
                 hist[_bin_of(ber[i], lo, step, scale, last, zero, one)] += 1
                 hist[2 * bins + _bin_of(ter[i], lo, step, scale, last, zero, one)] += 1
-        _bc_terms(hist, bins, n, n, sq[r])
+        # sqrt(p q) is 0.0 exactly where either count is 0 (sq starts zeroed): only shared bins
+        da = np.float64(n) + 1e-10
+        sqr = sq[r]
+        for jb in range(bins):
+            ha = hist[jb] + hist[bins + jb]
+            hb = hist[2 * bins + jb] + hist[3 * bins + jb]
+            if ha != 0 and hb != 0:
+                sqr[jb] = np.sqrt((np.float64(ha) / da) * (np.float64(hb) / da))
 
 
 def module_row_metrics(b, e, a, bins: int):
