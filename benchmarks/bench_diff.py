@@ -3,9 +3,10 @@
 A synthetic store is written through the public Store API: an FP32 baseline, its BF16 rounding
 (expected) and two BF16 "releases" of the engine under test (r1: the BF16 rounding of the baseline
 times 1 + 5e-4 noise; r2: the same with layer L/2's K scaled by 1.02 at decode positions), each
-with KV of every prompt (default 1000 prompts x 80 layers x (16 prompt + 64 generated) positions,
-2 KV heads x 8 head_dim). Each release is compared three-way with ``compare_runs(...,
-comparators=["raw_errors"])`` (timed: that is recomputing everything from the arrays), then:
+with KV of every prompt (default 100 prompts x 16 layers x (16 prompt + 16 generated) positions,
+2 KV heads x 8 head_dim: a size ``make bench`` finishes in minutes on 2 cores; the former default,
+1000 x 80 x (16 + 64), never ran to the end: ``--prompts 1000 --layers 80 --gen 64``). Each
+release is compared three-way with ``compare_runs(..., comparators=["raw_errors"])`` (timed: that is recomputing everything from the arrays), then:
 
 - ``capturestore.diff.diff(store, "r1", "r2")`` (2000 bootstrap resamples) against the two
   ``compare_runs`` it saves (ratio = diff / recompute);
@@ -14,7 +15,12 @@ comparators=["raw_errors"])`` (timed: that is recomputing everything from the ar
   + ``aggregate_kv_bc_arrays``): times, ratio and the largest |difference| (must be <= 1e-12);
 - the storage of ``raw_errors`` against the KV arrays of the three runs it derives from.
 
-Usage: python benchmarks/bench_diff.py [--quick] [--prompts 1000] [--layers 80] [--gen 64] [--prompt-tokens 16]
+Goals, printed beside each ratio: the diff below 1x the two ``compare_runs`` it reuses (it reads their
+saved tables), the aggregate equal to the recomputation (<= 1e-12) and the injected regression found
+(these two decide the exit status); the aggregate's time against recomputing is informational (about
+even with 2 KV heads x 8, docs/diff.md).
+
+Usage: python benchmarks/bench_diff.py [--quick] [--prompts 100] [--layers 16] [--gen 16] [--prompt-tokens 16]
        [--dir DIR]
 """
 from __future__ import annotations
@@ -99,17 +105,17 @@ def _dir_bytes(p: Path) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=1000)
-    ap.add_argument("--layers", type=int, default=80)
-    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--prompts", type=int, default=100)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--gen", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=16, help="prompt tokens per prompt (default 16)")
-    ap.add_argument("--quick", action="store_true", help="100 prompts x 16 layers x 16 generated tokens")
+    ap.add_argument("--quick", action="store_true", help="20 prompts x 8 layers x 8 generated tokens (a smoke run)")
     ap.add_argument("--n-boot", type=int, default=2000)
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--dir", default=str(REPO / ".bench-tmp" / "bench_diff"))
     args = ap.parse_args()
     if args.quick:
-        args.prompts, args.layers, args.gen = 100, 16, 16
+        args.prompts, args.layers, args.gen = 20, 8, 8
     global N_PROMPT_TOKENS
     N_PROMPT_TOKENS = args.prompt_tokens
     from capturestore.aggregate import aggregate_bc, raw_errors_storage, where_prompts
@@ -168,11 +174,11 @@ def main() -> int:
     rows = [
         ("compare_runs r1 + r2 (recompute from arrays)", f"{recompute_both:.2f} s", "1.00"),
         (f"diff r1 -> r2 ({args.n_boot} resamples, best of {args.repeat})", f"{diff_s:.2f} s",
-         f"{diff_s / recompute_both:.3f}"),
+         f"{diff_s / recompute_both:.3f}  goal < 1"),
         (f"aggregate_bc over 10% ({len(pids)} prompts), best of {args.repeat}", f"{agg_s:.3f} s",
-         f"{agg_s / ref_s:.3f}"),
+         f"{agg_s / ref_s:.3f}  (informational)"),
         ("recompute the same from the KV arrays", f"{ref_s:.3f} s", "1.00"),
-        ("max |aggregate_bc - recomputed|", f"{max_diff:.1e}", "<= 1e-12" + ("" if same_nan else " (NaN differ!)")),
+        ("max |aggregate_bc - recomputed|", f"{max_diff:.1e}", "goal <= 1e-12" + ("" if same_nan else " (NaN differ!)")),
         ("raw_errors of one comparison", f"{raw_b / 1e6:.1f} MB", f"{raw_b / kv_b:.2f} x the KV of its 3 runs"),
         ("KV arrays of baseline + expected + actual", f"{kv_b / 1e6:.1f} MB", "1.00"),
         ("other metric tables of the 2 comparisons", f"{others / 1e6:.1f} MB", f"{others / kv_b:.2f}"),

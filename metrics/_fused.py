@@ -467,3 +467,263 @@ def hist_counts(x, lo, step, scale, bins):
 
     _run_split(part, rows, x.size)
     return counts
+
+
+# ---- module tensors: per-row metrics of [row, width] float32 tensors (metrics.modules) ----
+#
+# Every sum here is the one ``np.einsum("ij,ij->i", x, y, dtype=np.float64)`` forms, in its order:
+# per row, two float64 lanes (element i to lane i % 2) fed in blocks of 8 elements, the block's
+# last pair first (its SIMD loop unrolled four times), the row's tail pair by pair, then lane 0 +
+# lane 1 added to 0. A product of two float32 values is exact in float64, so a fused multiply-add
+# gives the same bits. ``einsum_order_holds`` checks this order against the installed numpy
+# before the kernel is used (another numpy build may sum differently: then numpy runs).
+_MOD_SUMS = 7  # b.b, be.be, te.te, b.e, e.e, b.a, a.a
+EINSUM_MAX_WIDTH = 8192  # wider rows are summed in buffer-sized pieces by einsum: numpy does them
+
+
+@_njit()
+def _row_sums(b, e, a, be, te, acc, sums):  # pragma: no cover - compiled
+    """sums[0:7] of one row (einsum's order, see above); be, te: its absolute errors. The 14
+    lane accumulators are scalars (registers), not acc's memory; acc is unused (kept for the
+    signature)."""
+    n = b.size
+    s00 = s01 = s10 = s11 = s20 = s21 = s30 = s31 = s40 = s41 = s50 = s51 = s60 = s61 = 0.0
+    i = 0
+    while n - i >= 8:
+        for u in range(3, -1, -1):
+            k = i + 2 * u
+            bv = np.float64(b[k])
+            ev = np.float64(e[k])
+            av = np.float64(a[k])
+            x = np.float64(be[k])
+            y = np.float64(te[k])
+            bw = np.float64(b[k + 1])
+            ew = np.float64(e[k + 1])
+            aw = np.float64(a[k + 1])
+            xw = np.float64(be[k + 1])
+            yw = np.float64(te[k + 1])
+            s00 = s00 + bv * bv
+            s01 = s01 + bw * bw
+            s10 = s10 + x * x
+            s11 = s11 + xw * xw
+            s20 = s20 + y * y
+            s21 = s21 + yw * yw
+            s30 = s30 + bv * ev
+            s31 = s31 + bw * ew
+            s40 = s40 + ev * ev
+            s41 = s41 + ew * ew
+            s50 = s50 + bv * av
+            s51 = s51 + bw * aw
+            s60 = s60 + av * av
+            s61 = s61 + aw * aw
+        i += 8
+    while i < n:
+        bv = np.float64(b[i])
+        ev = np.float64(e[i])
+        av = np.float64(a[i])
+        x = np.float64(be[i])
+        y = np.float64(te[i])
+        s00 = s00 + bv * bv
+        s10 = s10 + x * x
+        s20 = s20 + y * y
+        s30 = s30 + bv * ev
+        s40 = s40 + ev * ev
+        s50 = s50 + bv * av
+        s60 = s60 + av * av
+        if i + 1 < n:
+            bw = np.float64(b[i + 1])
+            ew = np.float64(e[i + 1])
+            aw = np.float64(a[i + 1])
+            xw = np.float64(be[i + 1])
+            yw = np.float64(te[i + 1])
+            s01 = s01 + bw * bw
+            s11 = s11 + xw * xw
+            s21 = s21 + yw * yw
+            s31 = s31 + bw * ew
+            s41 = s41 + ew * ew
+            s51 = s51 + bw * aw
+            s61 = s61 + aw * aw
+        i += 2
+    sums[0] = 0.0 + (s00 + s01)
+    sums[1] = 0.0 + (s10 + s11)
+    sums[2] = 0.0 + (s20 + s21)
+    sums[3] = 0.0 + (s30 + s31)
+    sums[4] = 0.0 + (s40 + s41)
+    sums[5] = 0.0 + (s50 + s51)
+    sums[6] = 0.0 + (s60 + s61)
+
+
+@_njit()
+def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, bad):  # pragma: no cover - compiled
+    """Rows [r0, r1) of float32 [rows, width] b (baseline), e (expected), a (actual).
+
+    Writes be = |e - b|, te = |a - b| (float32, as numpy), sums [rows, 7] (einsum order),
+    maxes [rows, 3] float32: max |b|, max be, max te; sq [rows, bins]: the sqrt(p q) terms of
+    the row's BC of be vs te (metrics.bc's bins). bad[row] = 1 where be or te holds a NaN or b
+    an infinity (the numpy path's test for its NaN-aware reductions), 2 where only the BC is
+    left to numpy (an infinite error: np.histogram has no finite range); nothing else is
+    meaningful in a flagged row.
+    """
+    n = b.shape[1]
+    acc = np.zeros((_MOD_SUMS, 2), np.float64)
+    ti = np.empty(n, np.uint32)
+    bi_ = np.empty(n, np.uint32)
+    hist = np.zeros(4 * bins, np.int32)
+    last = _F32(bins - 1)
+    zero = _F32(0.0)
+    one = _F32(1.0)
+    for r in range(r0, r1):
+        br = b[r]
+        er = e[r]
+        ar = a[r]
+        ber = be[r]
+        ter = te[r]
+        bmax = _U32(0)
+        dmax = _U32(0)
+        dmin = _U32(0xFFFFFFFF)
+        emax = _U32(0)
+        emin = _U32(0xFFFFFFFF)
+        for k in range(n):
+            bv = _F32(br[k])
+            bu = _U32(bv.view(np.uint32) & _ABS)
+            eu = _U32(_F32(er[k] - bv).view(np.uint32) & _ABS)
+            du = _U32(_F32(ar[k] - bv).view(np.uint32) & _ABS)
+            ber[k] = _U32(eu).view(np.float32)
+            ter[k] = _U32(du).view(np.float32)
+            bmax = bu if bu > bmax else bmax
+            emax = eu if eu > emax else emax
+            emin = eu if eu < emin else emin
+            dmax = du if du > dmax else dmax
+            dmin = du if du < dmin else dmin
+        if emax > _NONFINITE or dmax > _NONFINITE or bmax >= _NONFINITE:  # NaN error / infinite baseline
+            bad[r] = 1
+            continue
+        _row_sums(br, er, ar, ber, ter, acc, sums[r])
+        maxes[r, 0] = _U32(bmax).view(np.float32)
+        maxes[r, 1] = _U32(emax).view(np.float32)
+        maxes[r, 2] = _U32(dmax).view(np.float32)
+        if emax == _NONFINITE or dmax == _NONFINITE:  # an infinite error: BC by numpy (NaN)
+            bad[r] = 2
+            continue
+        lo = _U32(emin if emin < dmin else dmin).view(np.float32)
+        hi = _U32(emax if emax > dmax else dmax).view(np.float32)
+        step, scale = _bin_params(lo, hi, bins)
+        hist[:] = 0
+        if step == zero:
+            hist[bins - 1] = n
+            hist[3 * bins - 1] = n
+        elif scale < np.inf:
+            _bin_row(ber, n, lo, step, scale, last, zero, one, bi_)
+            _bin_row(ter, n, lo, step, scale, last, zero, one, ti)
+            _scatter2(bi_, ti, n, hist, bins)
+        else:
+            for i in range(n):
+                hist[_bin_of(ber[i], lo, step, scale, last, zero, one)] += 1
+                hist[2 * bins + _bin_of(ter[i], lo, step, scale, last, zero, one)] += 1
+        # sqrt(p q) is 0.0 exactly where either count is 0 (sq starts zeroed): only shared bins
+        da = np.float64(n) + 1e-10
+        sqr = sq[r]
+        for jb in range(bins):
+            ha = hist[jb] + hist[bins + jb]
+            hb = hist[2 * bins + jb] + hist[3 * bins + jb]
+            if ha != 0 and hb != 0:
+                sqr[jb] = np.sqrt((np.float64(ha) / da) * (np.float64(hb) / da))
+
+
+def module_row_metrics(b, e, a, bins: int):
+    """The per-row quantities of ``metrics.modules`` for float32 ``[rows, width]`` b, e, a
+    (C-contiguous, width <= EINSUM_MAX_WIDTH): ``(base_err, tgt_err, sums [rows, 7], maxes
+    [rows, 3], bc [rows], bad [rows])``; see ``_module_rows_kernel``. bc is NaN where bad."""
+    rows, n = b.shape
+    be = np.empty((rows, n), np.float32)
+    te = np.empty((rows, n), np.float32)
+    sums = np.empty((rows, _MOD_SUMS))
+    maxes = np.empty((rows, 3), np.float32)
+    sq = np.zeros((rows, bins))
+    bad = np.zeros(rows, np.uint8)
+
+    def part(r0, r1):
+        _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, bad)
+
+    _run_split(part, rows, rows * n)
+    bc = np.clip(sq.sum(axis=1), 0.0, 1.0)
+    bc[bad != 0] = np.nan
+    return be, te, sums, maxes, bc, bad
+
+
+_EINSUM_OK = None
+
+
+def einsum_order_holds() -> bool:
+    """Whether the installed numpy's ``einsum("ij,ij->i", x, y, dtype=float64)`` sums float32
+    rows in the order ``_row_sums`` replays (checked once, on rows of every length up to 40 and
+    a few longer ones, values spread over many binades so that any other order shows)."""
+    global _EINSUM_OK
+    if _EINSUM_OK is None:
+        rng = np.random.default_rng(20261202)
+        ok = True
+        for n in [*range(1, 41), 127, 1000, 4099]:
+            x = (rng.standard_normal((3, n)) * np.exp2(rng.integers(-20, 20, (3, n)))).astype(np.float32)
+            y = (rng.standard_normal((3, n)) * np.exp2(rng.integers(-20, 20, (3, n)))).astype(np.float32)
+            z = (rng.standard_normal((3, n)) * np.exp2(rng.integers(-20, 20, (3, n)))).astype(np.float32)
+            _, _, sums, _, _, _ = module_row_metrics(x, y, z, 10)
+            with np.errstate(all="ignore"):
+                be, te = np.abs(y - x), np.abs(z - x)
+            want = [np.einsum("ij,ij->i", p, q, dtype=np.float64)
+                    for p, q in ((x, x), (be, be), (te, te), (x, y), (y, y), (x, z), (z, z))]
+            ok &= bool(np.array_equal(sums, np.stack(want, axis=1)))
+        _EINSUM_OK = ok
+    return _EINSUM_OK
+
+
+@_njit()
+def _pooled_bc_kernel(x, y, bins, sq):  # pragma: no cover - compiled
+    """sq[:] = the sqrt(p q) terms of the BC of two finite float32 samples x, y (metrics.bc's
+    bins over their joint range)."""
+    lo = np.inf
+    hi = -np.inf
+    for v in x:
+        lo = v if v < lo else lo
+        hi = v if v > hi else hi
+    for v in y:
+        lo = v if v < lo else lo
+        hi = v if v > hi else hi
+    lo = _F32(lo)
+    hi = _F32(hi)
+    nx = x.size
+    ny = y.size
+    hist = np.zeros(4 * bins, np.int64)
+    last = _F32(bins - 1)
+    zero = _F32(0.0)
+    one = _F32(1.0)
+    step, scale = _bin_params(lo, hi, bins)
+    if step == zero:
+        hist[bins - 1] = nx
+        hist[3 * bins - 1] = ny
+    elif scale < np.inf:
+        ix = np.empty(nx, np.uint32)
+        iy = np.empty(ny, np.uint32)
+        _bin_row(x, nx, lo, step, scale, last, zero, one, ix)
+        _bin_row(y, ny, lo, step, scale, last, zero, one, iy)
+        for i in range(nx):
+            hist[ix[i]] += 1
+        for i in range(ny):
+            hist[2 * bins + iy[i]] += 1
+    else:
+        for i in range(nx):
+            hist[_bin_of(x[i], lo, step, scale, last, zero, one)] += 1
+        for i in range(ny):
+            hist[2 * bins + _bin_of(y[i], lo, step, scale, last, zero, one)] += 1
+    da = np.float64(nx) + 1e-10
+    db = np.float64(ny) + 1e-10
+    for j in range(bins):
+        sq[j] = np.sqrt((np.float64(hist[j]) / da) * (np.float64(hist[2 * bins + j]) / db))
+
+
+def pooled_bc(x, y, bins: int) -> float:
+    """``metrics.bc.bhattacharyya_coefficient(x, y, bins)`` of two non-empty 1-D float32
+    samples with every value finite, in one kernel call: the same bins and counts, hence the
+    same bits."""
+    sq = np.empty(bins)
+    _pooled_bc_kernel(np.ascontiguousarray(x), np.ascontiguousarray(y), bins, sq)
+    return float(np.clip(sq.reshape(1, bins).sum(axis=1), 0.0, 1.0)[0])

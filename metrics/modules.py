@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .bc import DEFAULT_BINS, bhattacharyya_batched
+from .bc import DEFAULT_BINS, bhattacharyya_batched, numba_available
 from .errors import COS_EPS, EPS, as_float, cosine, rel_l2, rel_linf
 from .verdict import KVTensorVerdict, KVVerdictConfig, _all_finite, _tensor_verdict
 
@@ -138,20 +138,29 @@ def _fast_token_metrics(b, e, a, base_err, tgt_err, row_max=None):
 
 def _fast_token_metrics_(b, e, a, base_err, tgt_err, row_max):
     b_max, be_max, te_max = row_max or (np.abs(b).max(axis=1), base_err.max(axis=1), tgt_err.max(axis=1))
+
+    def dot(x, y):
+        return np.einsum("ij,ij->i", x, y, dtype=np.float64)
+
+    return _metrics_from_sums(b_max, be_max, te_max, dot(b, b), dot(base_err, base_err), dot(tgt_err, tgt_err),
+                              dot(b, e), dot(e, e), dot(b, a), dot(a, a))
+
+
+def _metrics_from_sums(b_max, be_max, te_max, nb2, be2, te2, b_e, e_e, b_a, a_a):
+    """The six per-row metrics from the row maxima (float32) and the float64 row sums
+    (``b.b, be.be, te.te, b.e, e.e, b.a, a.a``), however they were summed."""
     ref_max = np.maximum(b_max.astype(np.float64), EPS)
     bl = be_max / ref_max
     tl = te_max / ref_max
-    nb2 = np.einsum("ij,ij->i", b, b, dtype=np.float64)
     ref_l2 = np.maximum(np.sqrt(nb2), EPS)
-    b2 = np.sqrt(np.einsum("ij,ij->i", base_err, base_err, dtype=np.float64)) / ref_l2
-    t2 = np.sqrt(np.einsum("ij,ij->i", tgt_err, tgt_err, dtype=np.float64)) / ref_l2
+    b2 = np.sqrt(be2) / ref_l2
+    t2 = np.sqrt(te2) / ref_l2
     nb = np.maximum(np.sqrt(nb2), COS_EPS)
 
-    def cos(x):
-        return np.einsum("ij,ij->i", b, x, dtype=np.float64) / (
-            nb * np.maximum(np.sqrt(np.einsum("ij,ij->i", x, x, dtype=np.float64)), COS_EPS))
+    def cos(bx, xx):
+        return bx / (nb * np.maximum(np.sqrt(xx), COS_EPS))
 
-    return bl, tl, b2, t2, cos(e), cos(a)
+    return bl, tl, b2, t2, cos(b_e, e_e), cos(b_a, a_a)
 
 
 def _checked(baseline, expected, actual, module, phase, positions):
@@ -191,6 +200,7 @@ def compare_module_tensors(baseline, expected, actual, module: str = "", phase: 
 # Tensors narrower than this are compared one by one: batching them would put more rows in one BC
 # step than the numpy histogram's float32 bin offsets hold exactly (metrics.bc, nrows * bins < 2**24).
 _MIN_BATCH_WIDTH = 4
+_MAX_FUSED_WIDTH = 8192  # metrics._fused.EINSUM_MAX_WIDTH (einsum sums wider rows in pieces)
 
 
 def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
@@ -220,15 +230,22 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
         e = np.concatenate([p[1] for p in parts])
         a = np.concatenate([p[2] for p in parts])
         bounds = np.cumsum([0] + [p[0].shape[0] for p in parts])
-        with np.errstate(invalid="ignore", over="ignore"):
-            base_err, tgt_err = np.abs(e - b), np.abs(a - b)
-            # the row maxima the L-inf needs also find the rows the single form would not call clean:
-            # a NaN error propagates through max, an infinite baseline value makes max |b| infinite
-            row_max = (np.abs(b).max(axis=1), base_err.max(axis=1), tgt_err.max(axis=1))
-            row_bad = np.isnan(row_max[1]) | np.isnan(row_max[2]) | np.isinf(row_max[0])
+        fused = _fused_rows(b, e, a, bins)
+        if fused is not None:  # one pass of metrics._fused: the same numbers (see _fused_rows)
+            base_err, tgt_err, sums, row_max, bc, row_bad = fused
+        else:
+            with np.errstate(invalid="ignore", over="ignore"):
+                base_err, tgt_err = np.abs(e - b), np.abs(a - b)
+                # the row maxima the L-inf needs also find the rows the single form would not call clean:
+                # a NaN error propagates through max, an infinite baseline value makes max |b| infinite
+                row_max = (np.abs(b).max(axis=1), base_err.max(axis=1), tgt_err.max(axis=1))
+                row_bad = np.isnan(row_max[1]) | np.isnan(row_max[2]) | np.isinf(row_max[0])
         bad_before = np.concatenate([[0], np.cumsum(row_bad)])
         clean = bad_before[bounds[1:]] == bad_before[bounds[:-1]]  # per tensor
-        if clean.all():
+        if fused is not None:  # every row; the rows of a tensor that is not clean are redone below
+            with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+                cols = list(_metrics_from_sums(*row_max, *sums))
+        elif clean.all():
             cols = list(_fast_token_metrics(b, e, a, base_err, tgt_err, row_max))
         else:
             cols = [np.empty(b.shape[0]) for _ in range(6)]
@@ -237,15 +254,18 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
                 fast = _fast_token_metrics(b[rows], e[rows], a[rows], base_err[rows], tgt_err[rows])
                 for c, f in zip(cols, fast):
                     c[rows] = f
-            for k in np.flatnonzero(~clean):
-                r0, r1 = bounds[k], bounds[k + 1]
-                bk, ek, ak = b[r0:r1], e[r0:r1], a[r0:r1]
-                slow = (rel_linf(bk, ek), rel_linf(bk, ak), rel_l2(bk, ek), rel_l2(bk, ak), cosine(bk, ek),
-                        cosine(bk, ak))
-                for c, f in zip(cols, slow):
-                    c[r0:r1] = f
+        for k in np.flatnonzero(~clean):
+            r0, r1 = bounds[k], bounds[k + 1]
+            bk, ek, ak = b[r0:r1], e[r0:r1], a[r0:r1]
+            slow = (rel_linf(bk, ek), rel_linf(bk, ak), rel_l2(bk, ek), rel_l2(bk, ak), cosine(bk, ek),
+                    cosine(bk, ak))
+            for c, f in zip(cols, slow):
+                c[r0:r1] = f
         bl, tl, b2, t2, bcos, tcos = cols
-        bc = bhattacharyya_batched(base_err, tgt_err, bins=bins)
+        if fused is None:
+            bc = bhattacharyya_batched(base_err, tgt_err, bins=bins)
+        elif row_bad.any():  # a NaN error: the row's BC excludes it (metrics.bc)
+            bc[row_bad] = bhattacharyya_batched(base_err[row_bad], tgt_err[row_bad], bins=bins)
         lr, l2r = _ratio(tl, bl), _ratio(t2, b2)
         for k, i in enumerate(idx):
             r = slice(bounds[k], bounds[k + 1])
@@ -253,6 +273,25 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
             out[i] = ModuleTokenMetrics(m, ph, parts[k][3], bl[r], tl[r], lr[r], b2[r], t2[r], l2r[r], bcos[r],
                                         tcos[r], bc[r], base_err[r], tgt_err[r])
     return out
+
+
+def _fused_rows(b, e, a, bins):
+    """``metrics._fused.module_row_metrics`` of a stack of rows, or None where it does not
+    apply: no numba, rows wider than einsum sums in one piece, or a numpy whose einsum sums
+    in another order than the kernel replays (checked once). Returns ``(base_err, tgt_err,
+    sums, row_max, bc, row_bad)``: sums the seven float64 row sums of ``_metrics_from_sums``,
+    row_max its three float32 row maxima, bc the row BCs (rows where row_bad is set are left
+    to the numpy path: a NaN error, or an infinite baseline value)."""
+    if b.shape[1] > _MAX_FUSED_WIDTH or not b.shape[0] or not numba_available():
+        return None
+    from . import _fused
+
+    if not _fused.einsum_order_holds():
+        return None
+    be, te, sums, maxes, bc, bad = _fused.module_row_metrics(np.ascontiguousarray(b), np.ascontiguousarray(e),
+                                                              np.ascontiguousarray(a), bins)
+    row_bad = bad == 1
+    return be, te, tuple(sums.T), tuple(maxes.T), bc, row_bad
 
 
 def align_decode_captures(ref_positions, target_positions):

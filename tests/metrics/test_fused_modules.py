@@ -1,0 +1,176 @@
+"""The fused module-compare kernels of metrics._fused against the numpy path they replace.
+
+``compare_module_tensors_many`` takes ``module_row_metrics`` (one pass per row: errors, maxima,
+the seven einsum row sums in einsum's own order, BC) when numba imports and the installed
+numpy's einsum sums in the order the kernel replays; the verdict's pooled BCs take
+``pooled_bc``. The oracle is the numpy path of the same functions (``_fused_rows`` forced to
+None, numba reported absent): every per-token metric, error array and verdict identical to the
+last bit, on random tensors with NaN / inf / -inf in any role, float32 / float16 / bfloat16
+captures, hypothesis-drawn shapes."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import metrics.bc as bc_mod
+import metrics.modules as mod
+from metrics.bc import bhattacharyya_coefficient
+from metrics.modules import ModuleJudge, compare_module_tensors_many
+
+numba = pytest.importorskip("numba")
+from metrics import _fused  # noqa: E402 - after the importorskip
+
+FIELDS = ("positions", "base_linf", "tgt_linf", "linf_ratio", "base_l2", "tgt_l2", "l2_ratio", "base_cos",
+          "tgt_cos", "bc", "base_err", "tgt_err")
+DTYPES = (np.float32, np.float16, ml_dtypes.bfloat16)
+
+
+def _same_bits(x, y, what):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape, (what, x.dtype, y.dtype, x.shape, y.shape)
+    assert np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes(), what
+
+
+@st.composite
+def _tensor(draw, module):
+    width = draw(st.one_of(st.integers(4, 40), st.sampled_from([64, 100, 127, 128, 1000, 8192])))
+    rows = draw(st.integers(1, 12 if width < 1000 else 2))
+    trailing = (width,) if width % 2 or not draw(st.booleans()) else (2, width // 2)
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    scale = draw(st.sampled_from([1e-3, 1.0, 300.0]))
+    b = (scale * rng.standard_normal((rows, width))).astype(np.float32)
+    e = (b * (1 + 4e-3 * rng.standard_normal(b.shape))).astype(np.float32)
+    a = (b * (1 + draw(st.sampled_from([4e-3, 5e-2])) * rng.standard_normal(b.shape))).astype(np.float32)
+    for _ in range(draw(st.integers(0, 3))):  # non-finite values anywhere, in any role
+        arr = draw(st.sampled_from([b, e, a]))
+        arr[rng.integers(rows), rng.integers(width)] = draw(st.sampled_from([np.nan, np.inf, -np.inf]))
+    row = draw(st.sampled_from(["", "zero", "exact", "flat"]))
+    r = rng.integers(rows)
+    if row == "zero":  # a zero baseline row: the EPS guards
+        b[r] = 0
+    elif row == "exact":  # both errors zero: one BC bin (lo == hi)
+        e[r] = a[r] = b[r]
+    elif row == "flat":  # every error 1 (lo == hi again)
+        b[r] = np.round(b[r])
+        e[r], a[r] = b[r] + 1, b[r] - 1
+    dt = draw(st.sampled_from(DTYPES))
+    b = b.reshape(rows, *trailing)
+    e, a = (x.reshape(rows, *trailing).astype(dt) for x in (e, a))
+    if draw(st.booleans()):
+        b = b.astype(dt)
+    pos = None if draw(st.booleans()) else np.arange(rows) + draw(st.integers(0, 50))
+    return b, e, a, module, draw(st.sampled_from(["prefill", "decode"])), pos
+
+
+_ITEMS = st.lists(st.integers(0, 20), min_size=1, max_size=8).flatmap(
+    lambda ids: st.tuples(*[_tensor(f"model.layers.{i % 3}.m{i}") for i in ids]))
+
+
+def _numpy_path(monkeypatch):
+    monkeypatch.setattr(mod, "_fused_rows", lambda *a: None)
+    monkeypatch.setattr(bc_mod, "_NUMBA_OK", False)
+
+
+def test_the_einsum_order_is_replayed_or_the_kernel_is_not_used():
+    """On this numpy the kernel's row sums are einsum's bit for bit (then the fused path runs);
+    where they are not, ``_fused_rows`` declines and the numpy path runs."""
+    rng = np.random.default_rng(7)
+    for n in (1, 5, 8, 9, 17, 128, 1000, 8192):
+        x, y, z = ((rng.standard_normal((4, n)) * np.exp2(rng.integers(-30, 30, (4, n)))).astype(np.float32)
+                   for _ in range(3))
+        be, te, sums, maxes, _, bad = _fused.module_row_metrics(x, y, z, 100)
+        _same_bits(be, np.abs(y - x), "base_err")
+        _same_bits(te, np.abs(z - x), "tgt_err")
+        assert not bad.any()
+        want = np.stack([np.einsum("ij,ij->i", p, q, dtype=np.float64) for p, q in
+                         ((x, x), (be, be), (te, te), (x, y), (y, y), (x, z), (z, z))], axis=1)
+        if _fused.einsum_order_holds():
+            _same_bits(sums, want, f"sums width {n}")
+            _same_bits(maxes, np.stack([np.abs(x).max(1), be.max(1), te.max(1)], axis=1), "maxima")
+            assert mod._fused_rows(x, y, z, 100) is not None
+        else:
+            assert mod._fused_rows(x, y, z, 100) is None
+
+
+def test_the_order_check_rejects_sums_one_ulp_off(monkeypatch):
+    """einsum_order_holds compares bits: a kernel whose sums differ by one ulp anywhere is refused."""
+    real = _fused.module_row_metrics
+
+    def off(*a, **k):
+        be, te, sums, maxes, bc, bad = real(*a, **k)
+        sums[-1, 3] = np.nextafter(sums[-1, 3], np.inf)
+        return be, te, sums, maxes, bc, bad
+
+    monkeypatch.setattr(_fused, "module_row_metrics", off)
+    monkeypatch.setattr(_fused, "_EINSUM_OK", None)
+    assert _fused.einsum_order_holds() is False
+    monkeypatch.setattr(_fused, "module_row_metrics", real)
+    monkeypatch.setattr(_fused, "_EINSUM_OK", None)
+    assert _fused.einsum_order_holds() is bool(_fused.einsum_order_holds())
+
+
+def test_wider_rows_than_one_einsum_buffer_take_the_numpy_path():
+    x = np.ones((2, 8193), np.float32)
+    assert mod._fused_rows(x, x, x, 100) is None
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(items=_ITEMS)
+def test_fused_rows_equal_the_numpy_path_bit_for_bit(monkeypatch, items):
+    taken = []
+    real = mod._fused_rows
+    with monkeypatch.context() as m:
+        m.setattr(mod, "_fused_rows", lambda *a: taken.append(real(*a)) or taken[-1])
+        got = compare_module_tensors_many(items)
+    # the kernel ran wherever it applies (numba here; einsum's order replayed on this numpy)
+    assert all(t is not None for t in taken) or not _fused.einsum_order_holds()
+    with monkeypatch.context() as m:
+        _numpy_path(m)
+        want = compare_module_tensors_many(items)
+    for g, w in zip(got, want):
+        for f in FIELDS:
+            _same_bits(getattr(g, f), getattr(w, f), f"{g.module} {g.phase} {f} {g.base_err.shape}")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts=st.lists(_ITEMS, min_size=1, max_size=3))
+def test_fused_verdict_equals_the_numpy_verdict(monkeypatch, prompts):
+    def judge():
+        j = ModuleJudge()
+        for p, items in enumerate(prompts):
+            j.add_many(str(p), [(m, ph, b, e, a, pos) for b, e, a, m, ph, pos in items], prompt_len=5)
+        return j.verdict()
+
+    got = judge()
+    with monkeypatch.context() as m:
+        _numpy_path(m)
+        want = judge()
+    assert repr(got) == repr(want)
+
+
+def _pooled_cases():
+    rng = np.random.default_rng(11)
+    x = np.abs(rng.standard_normal(5000)).astype(np.float32)
+    edges = np.linspace(np.float32(0), np.float32(3), 101, dtype=np.float32)
+    on_edges = np.concatenate([edges, np.nextafter(edges, np.float32(0)), np.nextafter(edges, np.float32(9))])
+    sub = np.array([0, 1e-45, 3e-45, 4e-45], np.float32)  # a subnormal-wide range: bins / width overflows
+    return [
+        (x, np.abs(rng.standard_normal(3001)).astype(np.float32) * 2),
+        (on_edges, x * 3),
+        (np.full(10, 0.5, np.float32), np.full(7, 0.5, np.float32)),  # lo == hi: all in the last bin
+        (np.zeros(4, np.float32), np.ones(1, np.float32)),
+        (sub, sub[::-1].copy()),
+        (np.array([1.0, 1.0000001], np.float32), np.array([1.0000001], np.float32)),  # edges collapse
+    ]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_pooled_bc_equals_bhattacharyya_coefficient(monkeypatch, case):
+    x, y = _pooled_cases()[case]
+    got = _fused.pooled_bc(x, y, 100)
+    monkeypatch.setattr(bc_mod, "_NUMBA_OK", False)
+    want = bhattacharyya_coefficient(x, y, bins=100)
+    assert np.float64(got).tobytes() == np.float64(want).tobytes(), (got, want)
