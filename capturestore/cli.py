@@ -555,6 +555,23 @@ def cmd_cachecheck(args: argparse.Namespace) -> int:
     print(result.summary())
     return 0 if result.passed else 1
 
+def cmd_isolate(args: argparse.Namespace) -> int:
+    from capturestore.isolate import isolate
+
+    store = _open(args.store)
+    _require_writable(store, "isolate")
+    r = isolate(store, args.comparison, rebuild=args.rebuild, max_prompts=args.max_prompts,
+                even_if_passed=args.even_if_passed, progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
+    if r.comparison_id is not None:
+        print(f"isolation {r.comparison_id} of comparison {r.source}")
+    print(r.summary())
+    if r.localisation is not None:
+        loc = r.localisation
+        print(f"localisation (local): phase {loc['phase']}, layer {loc['layer']}, module {loc['module']}, "
+              f"token {loc['token']}")
+    return 1 if r.status == "not_local" else 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a usage error in one line (the usage itself is in --help), exit status 2."""
 
@@ -600,6 +617,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also store the KV raw errors (three-way) that `capturestore aggregate` reads")
     sp.add_argument("--scheduler", metavar="ADDRESS",
                     help="run the per-prompt work on this Dask scheduler's workers (tcp://HOST:PORT; docs/scale.md)")
+    sp = add("isolate", cmd_isolate, "from a failing comparison, the first module whose local error (on the expected "
+             "reference's inputs) exceeds BF16 noise; stored as a comparison of its own (docs/isolate.md)")
+    sp.add_argument("comparison", help="the failing comparison's id")
+    sp.add_argument("--rebuild", action="store_true", help="re-run the target rebuilt from the actual run's checkpoint "
+                    "even though it was captured from a model passed in (a patched engine the checkpoint lacks)")
+    sp.add_argument("--max-prompts", type=int, help="judge the first N prompts only")
+    sp.add_argument("--even-if-passed", action="store_true", help="judge every module locally even when the "
+                    "comparison passed (a small fault late in the model can pass every in-place verdict)")
+    sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp = add("run", cmd_run, "the main job on your model: HF FP32 + expected references (reused when stored), the "
              "target teacher-forced, the plugins' comparison, verdict and localisation (docs/run.md)")
     sp.add_argument("--model", required=True, help="Hugging Face model directory (config.json + weights)")

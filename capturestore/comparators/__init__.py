@@ -58,6 +58,7 @@ _BUILTIN = {
     "modules": "capturestore.comparators.modules:ModulesComparator",
     "raw_errors": "capturestore.comparators.raw_errors:RawErrorsComparator",
     "cachecheck": "capturestore.comparators.cachecheck:CacheCheckTables",  # tables only (capturestore.cachecheck)
+    "isolation": "capturestore.isolate:IsolationTables",  # tables only (capturestore.isolate)
 }
 _registry: dict[str, type[Comparator]] = {}
 _loaded = False

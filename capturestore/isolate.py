@@ -1,0 +1,436 @@
+"""Isolation: from a failing comparison, the first module whose *local* error exceeds BF16 noise.
+
+A module judged in place (``comparators.modules``) carries every error made upstream of it; a
+small fault late in the model drowns in what the layers before it inherited, and a module that
+fails in place may only have been handed a bad input. Isolation re-runs the engine under test
+with modules' inputs replaced by the expected (BF16) reference's inputs at the same positions
+(``extractors.replace``) and judges each module on its own:
+
+- actual: the target's module on the expected reference's input;
+- expected: the BF16 module on that same input (the expected run's own output there);
+- baseline: the FP32 module on that same input (exact in FP32: a BF16 value upcast);
+judged by the module verdict's noise-relative rule (``metrics.modules``, unchanged). So the
+noise is one module's BF16 rounding, not the rounding of everything before it. (The FP32 module
+runs on the BF16 reference's input, not on the FP32 reference's own input: with the FP32 input
+the noise would carry every upstream difference again, and a faithful upstream would make the
+local verdict the in-place one.)
+
+Search: modules nest (a decoder layer holds its attention, which holds its projections), and
+replacing a module's input and its child's in the same forward would hide the child's error from
+the parent. Modules of the same depth in the tree of captured modules never nest, so one engine
+re-run judges all of them at once: level 1 the top-level modules (embedding, every decoder layer,
+final norm, LM head), level 2 all their children (every layer's norms, attention, MLP), level 3
+theirs (projections). Every module is judged locally, and the one named is the first failing in
+execution order (phases in time order, then the order modules finish: a child before its
+parent, so the most specific module of the earliest failure; a parent failing with every child
+passing holds the fault in its own arithmetic: a residual add, the softmax, RoPE, a cache write).
+Judging every depth, not only below a failing parent, matters: a parent's output can hide a
+child's error (a 1% MLP scale is small next to the residual stream it is added to; Gemma3's norm
+after the MLP takes a wrong scale back out). Re-runs of the engine: the depth of the module tree
+(``engine_reruns``; 3 for the default modules of a Llama model, whatever its number of layers),
+as many of the FP32 reference, and one of the BF16 reference capturing every module's input
+(its first prompt checked bit for bit against the stored expected run: the inputs fed are those
+of the reference the comparison judged).
+
+Stored as a comparison of its own (``integrity.commit_comparison``: the manifest covers it):
+``module_local_metrics`` (per token), ``module_local_verdicts`` (per module and phase: the local
+verdict beside the source comparison's in-place verdict) and ``isolations`` (one row: the
+source comparison, what was found, the re-runs); the ``comparisons`` row's localisation is the
+local one, with ``"local": true`` and ``"isolates"``: the source comparison. The source
+comparison's row is never rewritten (its manifest covers it).
+
+The engine re-run here is HF (a ``transformers`` model: the target passed in, or rebuilt from
+the actual run's checkpoint, dtype and attention implementation). A server target cannot be
+re-run; vLLM replacement through the worker extension is not implemented yet.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import numpy as np
+import pyarrow as pa
+
+from capturestore.comparators.base import (
+    Comparator,
+    ComparisonContext,
+    TableSpec,
+    finite_or_null,
+)
+
+__all__ = [
+    "ISOLATIONS",
+    "MODULE_LOCAL_METRICS",
+    "MODULE_LOCAL_VERDICTS",
+    "IsolationError",
+    "IsolationResult",
+    "isolate",
+    "module_tree",
+]
+
+_D, _I, _S, _B = pa.float64(), pa.int64(), pa.string(), pa.bool_()
+
+MODULE_LOCAL_METRICS = TableSpec(pa.schema([
+    ("comparison_id", _S), ("prompt_id", _S), ("module", _S), ("phase", _S), ("layer", _I), ("level", _I),
+    ("position", _I), ("gen_token_idx", _I), ("base_linf", _D), ("tgt_linf", _D), ("linf_ratio", _D),
+    ("base_l2", _D), ("tgt_l2", _D), ("l2_ratio", _D), ("base_cos", _D), ("tgt_cos", _D), ("bc", _D),
+]), 1)
+MODULE_LOCAL_VERDICTS = TableSpec(pa.schema([
+    ("comparison_id", _S), ("source_comparison_id", _S), ("module", _S), ("phase", _S), ("layer", _I),
+    ("level", _I), ("exec_order", _I), ("passed", _B), ("decided_by", _S), ("sigma_ratio", _D), ("bc", _D),
+    ("noise_bc", _D), ("bc_threshold", _D), ("linf_ratio", _D), ("linf_threshold", _D), ("max_l2_ratio", _D),
+    ("n_prompts", _I), ("n_tokens", _I), ("first_position", _I), ("first_token", _I), ("first_prompt_id", _S),
+    ("problem", _S), ("inplace_passed", _B), ("inplace_sigma_ratio", _D),
+]), 1)
+ISOLATIONS = TableSpec(pa.schema([
+    ("comparison_id", _S), ("source_comparison_id", _S), ("status", _S), ("phase", _S), ("layer", _I),
+    ("module", _S), ("token", _I), ("engine_reruns", _I), ("reference_reruns", _I), ("levels", _I),
+    ("search", _S), ("wall_s", _D),
+]), 1)
+TABLES = {"module_local_metrics": MODULE_LOCAL_METRICS, "module_local_verdicts": MODULE_LOCAL_VERDICTS,
+          "isolations": ISOLATIONS}
+
+
+class IsolationTables(Comparator):
+    """Declares isolation's tables (module docstring); not a comparator of stored runs."""
+
+    name = "isolation"
+    tables = TABLES
+
+    def prepare(self, context: ComparisonContext) -> None:
+        raise ValueError("isolation is not a comparator of stored runs: run `capturestore isolate COMPARISON` "
+                         "(capturestore.isolate.isolate)")
+
+
+class IsolationError(ValueError):
+    """Isolation refused: the comparison or its runs cannot be isolated (one line saying why)."""
+
+
+@dataclass(frozen=True)
+class IsolationResult:
+    source: str  # the comparison isolated
+    status: str  # "nothing_to_isolate" | "found" | "not_local" (no module fails on the reference's inputs)
+    comparison_id: str | None = None  # the isolation's own comparison (None: nothing stored)
+    localisation: dict | None = None  # {"phase", "layer", "module", "token", "local": True, "isolates"}
+    engine_reruns: int = 0
+    reference_reruns: int = 0
+    search: tuple = ()  # per level: {"parent", "modules", "first_failing"}
+    verdicts: tuple = ()  # metrics.modules.ModuleVerdict of every level, local
+    inplace: dict = field(default_factory=dict)  # (module, phase) -> in-place passed (source comparison)
+    wall_s: float = 0.0
+
+    @property
+    def found(self):
+        """The local verdict of the module isolation names (None unless ``status == "found"``)."""
+        if self.localisation is None:
+            return None
+        return next((v for v in self.verdicts if v.module == self.localisation["module"]
+                     and v.phase == self.localisation["phase"]), None)
+
+    def summary(self) -> str:
+        if self.status == "nothing_to_isolate":
+            return f"nothing to isolate: comparison {self.source} passed"
+        runs = (f"{self.engine_reruns} engine re-run(s), {self.reference_reruns} reference re-run(s), "
+                f"{len(self.search)} level(s)")
+        if self.status == "not_local":
+            return (f"no module fails locally (on the expected reference's inputs) in comparison {self.source}; "
+                    f"the failure is not a module's own error ({runs})")
+        v, loc = self.found, self.localisation
+        ip = self.inplace.get((loc["module"], loc["phase"]))
+        ip_text = {True: "PASS", False: "FAIL", None: "not judged in place"}[ip]
+        return (f"local verdict (module on the expected reference's inputs): FAIL at {loc['module']} ({loc['phase']}, "
+                f"layer {loc['layer']}, token {loc['token']}): sigma-ratio {v.tensor.sigma_ratio:.3f}, BC "
+                f"{v.tensor.bc:.4f} vs bar {v.tensor.bc_threshold_used:.4f}, L-inf ratio {v.tensor.linf_ratio:.2f} "
+                f"vs bar {v.tensor.linf_threshold_used:.2f}; in-place verdict of that module: {ip_text} ({runs})")
+
+
+def module_tree(order) -> dict:
+    """``{parent or None: [children in order]}`` of dotted module names: a module's parent is the
+    longest other name in ``order`` that is a dotted prefix of it."""
+    names = set(order)
+    tree: dict = {}
+    for m in order:
+        parts = m.split(".")
+        parent = next((".".join(parts[:k]) for k in range(len(parts) - 1, 0, -1) if ".".join(parts[:k]) in names),
+                      None)
+        tree.setdefault(parent, []).append(m)
+    return tree
+
+
+def _row(store, cid: str) -> dict:
+    rows = store.sql("SELECT * FROM comparisons WHERE comparison_id = ?", [cid]).to_pylist()
+    if not rows:
+        raise IsolationError(f"comparison {cid} not found in the store")
+    return rows[0]
+
+
+def _run(store, rid: str) -> dict:
+    rows = store.sql("SELECT * FROM runs WHERE run_id = ?", [rid]).to_pylist()
+    if not rows:
+        raise IsolationError(f"run {rid} not found in the store")
+    r = rows[0]
+    r["config"] = json.loads(r.get("config") or "{}")
+    return r
+
+
+def _module_runs(row: dict) -> dict:
+    own = json.loads(row.get("comparator_runs") or "null") or {}
+    if "modules" in own:
+        return dict(own["modules"])
+    return {role: row[f"{role}_run"] for role in ("baseline", "expected", "actual") if row.get(f"{role}_run")}
+
+
+def _has_tensors(store, rid: str) -> bool:
+    return bool(store.sql("SELECT count(*) FROM captures WHERE run_id = ? AND kind = 'tensor'", [rid]).column(0)[0]
+                .as_py())
+
+
+def _checked_runs(store, cid: str, row: dict) -> tuple[dict, dict]:
+    """The runs by role (module runs when the comparison has its own) and their records; refuses
+    what cannot be isolated, naming the run and the capture it needs."""
+    from extractors.vllm_server import ENGINE as SERVER
+
+    runs = _module_runs(row)
+    recs = {role: _run(store, rid) for role, rid in runs.items()}
+    act = recs.get("actual")
+    if act is not None and act["engine"] == SERVER:
+        raise IsolationError(f"the actual run {runs['actual']} of comparison {cid} is a server target ({SERVER}): it "
+                             f"cannot be re-run with replaced tensors; the way for such an engine is an input snapshot "
+                             f"(its module inputs captured at the engine boundary, replayed through the HF module off "
+                             f"the engine; docs/isolate.md, 'Engines that cannot be re-run')")
+    if "baseline" not in runs:
+        raise IsolationError(f"comparison {cid} is two-way: a module's local error is judged against the BF16 "
+                             f"module's on the same input, relative to FP32; compare with a baseline (FP32) run")
+    for role in ("expected", "actual", "baseline"):
+        if not _has_tensors(store, runs[role]):
+            raise IsolationError(f"the {role} run {runs[role]} of comparison {cid} holds no module tensors: isolation "
+                                 f"needs module captures of all three runs (capturestore run --plugins ...,modules, "
+                                 f"or extractors.modules.capture_hf_module_run)")
+    if act["engine"] != "hf":
+        raise IsolationError(f"the actual run {runs['actual']} is a {act['engine']} engine: isolation re-runs HF "
+                             f"engines only so far (vLLM replacement through the worker extension is not implemented)")
+    for role in ("expected", "baseline"):
+        r = recs[role]
+        if r["engine"] != "hf" or r["config"].get("model_given"):
+            raise IsolationError(f"the {role} run {runs[role]} is not an HF reference rebuilt from its checkpoint "
+                                 f"(engine {r['engine']}, model given: {bool(r['config'].get('model_given'))}); "
+                                 f"isolation re-runs the references")
+    if recs["baseline"]["dtype"] != "float32":
+        raise IsolationError(f"the baseline run {runs['baseline']} is {recs['baseline']['dtype']}, not float32")
+    return runs, recs
+
+
+def _target_model(rec: dict, rid: str, target, rebuild: bool):
+    if target is not None:
+        return target
+    cfg = rec["config"]
+    if cfg.get("model_given") and not rebuild:
+        raise IsolationError(f"the actual run {rid} was captured from a model passed in (model_given: a patched "
+                             f"engine the checkpoint does not hold); pass that engine (isolate(..., target=model)) or "
+                             f"rebuild it from {rec['model_path']} (CLI: --rebuild)")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    return AutoModelForCausalLM.from_pretrained(str(rec["model_path"]), dtype=dtypes[rec["dtype"]],
+                                                attn_implementation=cfg.get("attn_implementation") or "eager",
+                                                device_map=None).to("cpu").eval()
+
+
+def _prompts(store, runs: dict, max_prompts: int | None):
+    from capturestore.analysis import prompt_split
+
+    rows = store.sql("SELECT prompt_id FROM prompts WHERE run_id = ? ORDER BY prompt_idx",
+                     [runs["expected"]]).column(0).to_pylist()
+    held = {r: set(store.sql("SELECT prompt_id FROM prompts WHERE run_id = ?", [rid]).column(0).to_pylist())
+            for r, rid in runs.items()}
+    pids = [p for p in rows if all(p in h for h in held.values())]
+    if max_prompts is not None:
+        pids = pids[:max(1, int(max_prompts))]
+    out = []
+    for pid in pids:
+        tokens, plen = prompt_split(store, runs["expected"], pid)
+        out.append((pid, tokens[:plen].tolist(), tokens[plen:].tolist()))
+    return out
+
+
+def _inplace(store, cid: str) -> dict:
+    try:
+        rows = store.sql("SELECT module, phase, passed, sigma_ratio FROM module_verdicts WHERE comparison_id = ?",
+                         [cid]).to_pylist()
+    except Exception:  # noqa: BLE001 - no module_verdicts view in this store: nothing judged in place
+        return {}
+    return {(r["module"], r["phase"]): (r["passed"], r["sigma_ratio"]) for r in rows}
+
+
+def _levels(tree) -> list[list[str]]:
+    """The captured modules by depth in their tree: level 1 the top-level ones, level 2 their
+    children, ...; no module of a level nests in another of the same level."""
+    out, frontier = [], list(tree.get(None, []))
+    while frontier:
+        out.append(frontier)
+        frontier = [c for m in frontier for c in tree.get(m, [])]
+    return out
+
+
+def _check_reproduced(store, runs, prompts, exp_caps, modules):
+    """The BF16 reference re-run gives the stored expected tensors bit for bit (else the inputs fed
+    would not be those of the reference the comparison judged)."""
+    for (pid, _, _), caps in zip(prompts, exp_caps):
+        for m in modules:
+            for phase in ("prefill", "decode"):
+                if (m, phase) not in caps:
+                    continue
+                try:
+                    held = store.read_tensor(runs["expected"], pid, m, phase=phase)
+                except ValueError:
+                    continue  # not stored for this phase: judged from the re-run only
+                held = np.asarray(held, dtype=np.float32).reshape(-1, *caps[(m, phase)].shape[1:])
+                if held.shape != caps[(m, phase)].shape or not np.array_equal(held, caps[(m, phase)], equal_nan=True):
+                    raise IsolationError(f"the expected run {runs['expected']} is not reproduced by re-running its "
+                                         f"HF reference: {m} ({phase}) of prompt {pid} differs; isolation feeds the "
+                                         f"inputs of the reference the comparison judged")
+
+
+def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, max_prompts: int | None = None,
+            config=None, progress=None, even_if_passed: bool = False) -> IsolationResult:
+    """Isolate the failure of ``comparison_id`` (module docstring). target: the engine under test
+    (a transformers model; default: rebuilt from the actual run's checkpoint, which a run of a
+    model passed in refuses unless ``rebuild``). max_prompts: judge the first N prompts only.
+    config: ``metrics.modules.ModuleVerdictConfig``. Raises ``IsolationError`` (a ValueError) on
+    what cannot be isolated; a passing comparison returns ``status="nothing_to_isolate"`` and
+    stores nothing, unless ``even_if_passed`` (judge every module locally all the same: a
+    correct engine's check that no module fails on the reference's inputs)."""
+    from extractors.hf import load_hf_model
+    from extractors.replace import collect_hf_replaced
+    from metrics.modules import ModuleJudge, first_failing_module, module_layer
+
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    row = _row(store, comparison_id)
+    if row["passed"] and not even_if_passed:
+        return IsolationResult(comparison_id, "nothing_to_isolate")
+    runs, recs = _checked_runs(store, comparison_id, row)
+    order = recs["expected"]["config"].get("module_order") or recs["actual"]["config"].get("module_order")
+    if not order:
+        raise IsolationError(f"the expected run {runs['expected']} records no module_order")
+    prompts = _prompts(store, runs, max_prompts)
+    if not prompts:
+        raise IsolationError(f"comparison {comparison_id}: no prompt is held by all three runs")
+    tgt = _target_model(recs["actual"], runs["actual"], target, rebuild)
+    say(f"loading the references: FP32 {recs['baseline']['model_path']}, {recs['expected']['dtype']} "
+        f"{recs['expected']['model_path']}")
+    base_model = load_hf_model(recs["baseline"]["model_path"], "float32")
+    exp_model = load_hf_model(recs["expected"]["model_path"], recs["expected"]["dtype"])
+    tree = module_tree(order)
+    rank = {m: i for i, m in enumerate(order)}
+    inplace = _inplace(store, comparison_id)
+    P = [p for _, p, _ in prompts]
+    C = [c for _, _, c in prompts]
+    levels = _levels(tree)
+    search, verdicts, metric_rows = [], [], []
+    engine_reruns = ref_reruns = 0
+    say(f"BF16 reference re-run capturing the inputs of {len(order)} modules")
+    exp_caps = [c for c, _, _ in collect_hf_replaced(exp_model, P, C, order, inputs=True)]
+    ref_reruns += 1
+    _check_reproduced(store, runs, prompts[:1], exp_caps[:1], order)
+    for level, mods in enumerate(levels, start=1):
+        say(f"level {level}: {len(mods)} module(s) on the expected reference's inputs")
+        act = collect_hf_replaced(tgt, P, C, mods, replace_inputs=mods, sources=exp_caps, what="expected reference")
+        engine_reruns += 1
+        base = collect_hf_replaced(base_model, P, C, mods, replace_inputs=mods, sources=exp_caps,
+                                   what="expected reference")
+        ref_reruns += 1
+        judge = ModuleJudge(config)
+        for (pid, prompt, _), e, a, b in zip(prompts, exp_caps, act, base):
+            a, b = a[0], b[0]
+            items = []
+            for m in mods:
+                for phase in ("prefill", "decode"):
+                    if (m, phase) not in e:
+                        continue
+                    if (m, phase) not in a or (m, phase) not in b:
+                        judge.add_problem(pid, m, phase, f"the re-run produced no {m} ({phase})")
+                        continue
+                    n = e[(m, phase)].shape[0]
+                    pos = np.arange(n) + (len(prompt) if phase == "decode" else 0)
+                    items.append((m, phase, b[(m, phase)], e[(m, phase)], a[(m, phase)], pos))
+            for (m, phase, *_), tm in zip(items, judge.add_many(pid, items, prompt_len=len(prompt))):
+                if tm is None:
+                    continue
+                c = tm.to_columns()
+                k = c["position"].size
+                metric_rows.append({"prompt_id": [pid] * k, "module": [m] * k, "phase": [phase] * k,
+                                    "layer": [module_layer(m)] * k, "level": [level] * k, "position": c["position"],
+                                    "gen_token_idx": c["position"] - len(prompt),
+                                    **{x: c[x] for x in MODULE_LOCAL_METRICS.schema.names[8:]}})
+        res = judge.verdict(order)
+        verdicts += [(level, v) for v in res.modules]
+        first = res.first_failing
+        search.append({"level": level, "modules": len(mods),
+                       "first_failing": None if first is None else f"{first.module} ({first.phase})"})
+    # children finish before their parents: the first failing in execution order is the most specific
+    found = first_failing_module([v for _, v in verdicts], order)
+    wall = time.perf_counter() - t0
+    status = "found" if found is not None else "not_local"
+    loc = None
+    if found is not None:
+        loc = {"phase": found.phase, "layer": found.layer, "module": found.module, "token": found.token,
+               "local": True, "isolates": comparison_id}
+    cid = _store(store, comparison_id, row, runs, prompts, status, loc, search, verdicts, metric_rows, inplace, rank,
+                 engine_reruns, ref_reruns, wall)
+    return IsolationResult(comparison_id, status, cid, loc, engine_reruns, ref_reruns, tuple(search),
+                           tuple(v for _, v in verdicts), {k: v[0] for k, v in inplace.items()}, wall)
+
+
+def _store(store, source, row, runs, prompts, status, loc, search, verdicts, metric_rows, inplace, rank,
+           engine_reruns, ref_reruns, wall) -> str:
+    from capturestore.comparators import declared_tables
+    from capturestore.comparators.base import COMPARISONS_SCHEMA_VERSION, to_arrow
+    from capturestore.integrity import commit_comparison
+
+    _f = finite_or_null
+    cid = f"cmp-{datetime.now(UTC):%Y%m%dT%H%M%S}-{uuid.uuid4().hex[:8]}"
+    for r in metric_rows:
+        n = len(r["prompt_id"])
+        r["comparison_id"] = [cid] * n
+        for k in MODULE_LOCAL_METRICS.schema.names[8:]:
+            x = np.asarray(r[k], dtype=np.float64)
+            r[k] = np.where(np.isfinite(x), x, np.nan)
+    vrows = []
+    for level, v in verdicts:
+        t = v.tensor
+        ip = inplace.get((v.module, v.phase), (None, None))
+        vrows.append({
+            "comparison_id": cid, "source_comparison_id": source, "module": v.module, "phase": v.phase,
+            "layer": v.layer, "level": level, "exec_order": rank.get(v.module), "passed": v.passed,
+            "decided_by": v.decided_by, "sigma_ratio": _f(t.sigma_ratio) if t else None,
+            "bc": _f(t.bc) if t else None, "noise_bc": _f(t.noise_bc) if t else None,
+            "bc_threshold": _f(t.bc_threshold_used) if t else None, "linf_ratio": _f(t.linf_ratio) if t else None,
+            "linf_threshold": _f(t.linf_threshold_used) if t else None, "max_l2_ratio": _f(v.max_l2_ratio),
+            "n_prompts": v.n_prompts, "n_tokens": v.n_tokens, "first_position": v.position, "first_token": v.token,
+            "first_prompt_id": v.token_prompt, "problem": v.problem, "inplace_passed": ip[0],
+            "inplace_sigma_ratio": None if ip[1] is None else _f(ip[1]),
+        })
+    iso = [{"comparison_id": cid, "source_comparison_id": source, "status": status,
+            "phase": loc and loc["phase"], "layer": loc and loc["layer"], "module": loc and loc["module"],
+            "token": loc and loc["token"], "engine_reruns": engine_reruns, "reference_reruns": ref_reruns,
+            "levels": len(search), "search": json.dumps(search), "wall_s": wall}]
+    staged = {"module_local_metrics": to_arrow(metric_rows, MODULE_LOCAL_METRICS, "module_local_metrics"),
+              "module_local_verdicts": to_arrow([vrows], MODULE_LOCAL_VERDICTS, "module_local_verdicts"),
+              "isolations": to_arrow([iso], ISOLATIONS, "isolations")}
+    staged = {t: x for t, x in staged.items() if x.num_rows}
+    spec = declared_tables()["comparisons"]
+    crow = {"comparison_id": cid, "label": f"isolate {source}", "created_at": datetime.now(UTC),
+            "baseline_run": runs["baseline"], "expected_run": runs["expected"], "actual_run": runs["actual"],
+            "three_way": True, "n_prompts": len(prompts), "models_differ": bool(row.get("models_differ")),
+            "passed": status != "found",
+            "failure_phase": loc and loc["phase"], "localisation": None if loc is None else json.dumps(loc),
+            "failure_layer": loc and loc["layer"], "failure_module": loc and loc["module"],
+            "failure_token": loc and loc["token"], "judged": ["isolation"]}
+    commit_comparison(store, cid, staged, to_arrow([[crow]], TableSpec(spec.schema, COMPARISONS_SCHEMA_VERSION),
+                                                   "comparisons"))
+    return cid
