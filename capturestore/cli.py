@@ -41,8 +41,9 @@ import math
 import os
 import sys
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import pyarrow as pa
 
@@ -308,7 +309,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from capturestore import pipeline
-
     from capturestore.layout import FORMAT_FILE
     from capturestore.store import store_root
 
@@ -434,7 +434,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    from capturestore.tasks import analyse_tasks, parse_thresholds, store_task_analysis, summary_lines
+    from capturestore.tasks import (
+        analyse_tasks,
+        parse_thresholds,
+        store_task_analysis,
+        summary_lines,
+    )
 
     analysis = analyse_tasks(args.results, args.reference, thresholds=parse_thresholds(args.threshold),
                              tolerance=args.tolerance)  # every input check before the store is touched
@@ -497,10 +502,45 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from capturestore.diff import diff
 
     store = _open(args.store)
+    if _cachecheck_diff_wanted(store, args):
+        return _cmd_diff_cachecheck(store, args)
     result = diff(store, args.base, args.head, common_prompts=args.common_prompts, seed=args.seed,
                   n_boot=args.n_boot)
     write_diff(store, result, args.format, args.out)
     return 1 if result.regression else 0
+
+
+def _cachecheck_diff_wanted(store, args) -> bool:
+    from capturestore.cachecheck_diff import is_cachecheck
+    from capturestore.diff import _comparisons
+
+    kinds = [is_cachecheck(store, x) for x in (args.base, args.head)]
+    if any(kinds) and not all(kinds):
+        other = args.head if kinds[0] else args.base
+        if any(other in (r["comparison_id"], r["release"]) for r in _comparisons(store)):
+            raise ValueError(f"diff: {other!r} is a comparison of runs and the other a cache check; diff a cache "
+                             "check against another cache check")
+    return any(kinds)
+
+
+def _cmd_diff_cachecheck(store, args) -> int:
+    """``diff`` of two cache checks (capturestore.cachecheck_diff): exit 1 on a regression."""
+
+    from capturestore.cachecheck_diff import (
+        diff_cachecheck,
+        format_cachecheck_diff,
+        to_dict,
+    )
+
+    d = diff_cachecheck(store, args.base, args.head)
+    if args.format == "html":
+        raise ValueError("diff: --format html is for comparisons of runs; a cache-check diff is table or json")
+    text = json.dumps(to_dict(d), indent=1, default=str) if args.format == "json" else format_cachecheck_diff(d)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    else:
+        print(text)
+    return 1 if d.regression else 0
 
 
 def cmd_history(args: argparse.Namespace) -> int:
@@ -678,7 +718,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """What a user can cause and fix: bad input, store problems, files that cannot be read or written."""
     from capturestore.errors import StoreError
-
     from capturestore.pipeline import EngineStartError
 
     errors: tuple[type[BaseException], ...] = (StoreError, ValueError, OSError, EngineStartError)
