@@ -285,6 +285,8 @@ def _emit(s, outs: dict, kinds: dict | None = None, hits: bool = True):
             seg = k if isinstance(k, list) else [(0, k)]
             if o.extra.get("chunked"):
                 seg = [(0, "chunk")]
+            elif any(x == "chunk" for _, x in seg):  # prefilled whole after all: no chunk history
+                seg = [(p, "batch" if x == "chunk" else x) for p, x in seg]
             elif hits and o.cached_tokens:
                 seg = [(0, "offset")]
             s.done.append(_seq(s, o, seg[0][1], seg))
