@@ -551,6 +551,19 @@ def cmd_history(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_options(items) -> dict:
+    """``KEY=VALUE`` pairs of ``--engine-option``: integers, on/off/true/false, none, else text."""
+    out = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"cachecheck: --engine-option {item!r} is not KEY=VALUE")
+        low = value.lower()
+        out[key.replace("-", "_")] = (int(value) if value.lstrip("-").isdigit() else True if low in ("on", "true")
+                                      else False if low in ("off", "false") else None if low == "none" else value)
+    return out
+
+
 def cmd_cachecheck(args: argparse.Namespace) -> int:
     from capturestore.cachecheck import cachecheck, validate_inputs
 
@@ -561,7 +574,7 @@ def cmd_cachecheck(args: argparse.Namespace) -> int:
     _require_writable(store, "cachecheck")
     result = cachecheck(args.model, engine=args.engine, dtype=args.dtype, store=store, scenarios=scenarios,
                         label=args.label, seed=args.seed, max_context=args.max_context, block_size=args.block_size,
-                        bugs=bugs, hf_reference=args.hf_reference,
+                        bugs=bugs, hf_reference=args.hf_reference, engine_options=_engine_options(args.engine_option),
                         progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
     print(f"cache check {result.comparison_id}: engine {result.engine} on {args.model}")
     print(result.summary())
@@ -700,8 +713,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("cachecheck", cmd_cachecheck, "prove an engine's KV cache equivalent to its full-prefix recomputation over a "
              "scenario matrix (docs/cachecheck.md); exit status 1 unless every scenario ran and passed")
     sp.add_argument("--model", required=True, help="model directory (config.json + weights)")
-    sp.add_argument("--engine", default="hf", help="hf | paged (the reference paged engine) | "
+    sp.add_argument("--engine", default="hf", help="hf | paged (the reference paged engine) | vllm (in-process) | "
                     "package.module:Class (your own adapter; default hf)")
+    sp.add_argument("--engine-option", action="append", metavar="KEY=VALUE",
+                    help="a keyword of the engine's adapter, repeatable (vllm: prefix_caching=on|off, chunk=N, "
+                         "num_blocks=N)")
     sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     sp.add_argument("--scenarios", help="comma-separated scenario names (default all: single, offset, batch_2, ...)")
     sp.add_argument("--max-context", type=int, help="context of the engine (default: the model's, 128 for paged)")
