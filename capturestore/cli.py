@@ -570,11 +570,12 @@ def cmd_cachecheck(args: argparse.Namespace) -> int:
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()] if args.scenarios else None
     bugs = tuple(b.strip() for b in args.bug.split(",") if b.strip()) if args.bug else ()
     validate_inputs(args.model, args.engine, args.dtype, scenarios, bugs)  # before the store is created
+    options = _engine_options(args.engine_option)
     store = _open(args.store, create=True)
     _require_writable(store, "cachecheck")
     result = cachecheck(args.model, engine=args.engine, dtype=args.dtype, store=store, scenarios=scenarios,
                         label=args.label, seed=args.seed, max_context=args.max_context, block_size=args.block_size,
-                        bugs=bugs, hf_reference=args.hf_reference, engine_options=_engine_options(args.engine_option),
+                        bugs=bugs, hf_reference=args.hf_reference, engine_options=options,
                         progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
     print(f"cache check {result.comparison_id}: engine {result.engine} on {args.model}")
     print(result.summary())

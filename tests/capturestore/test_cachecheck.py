@@ -199,6 +199,9 @@ def test_cli_exit_1_names_the_failing_scenario_and_its_diagnosis(tmp_path, gqa, 
     (["--model", "{gqa}", "--engine", "no_such_module:Adapter"], "engine no_such_module:Adapter cannot start"),
     (["--model", "{gqa}", "--engine", "tgi"], "unknown engine"),
     (["--model", "{gqa}", "--engine", "hf", "--bug", "stale_slot"], "paged test engine only"),
+    (["--model", "{gqa}", "--engine", "vllm", "--bug", "stale_slot"], "unknown bug(s) ['stale_slot']; known: chunk_pos"),
+    (["--model", "{gqa}", "--engine", "vllm", "--scenarios", "chunk_7"], "unknown scenario(s) ['chunk_7']"),
+    (["--model", "{gqa}", "--engine", "paged", "--engine-option", "num_blocks"], "is not KEY=VALUE"),
     (["--model", "{gqa}", "--engine", "hf", "--max-context", "100000"], "exceeds the model's max_position_embeddings"),
 ])
 def test_cli_bad_input_is_one_line_exit_2_and_no_store_for_invalid_arguments(tmp_path, gqa, capsys, argv, message):
