@@ -19,6 +19,39 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (run as a script)
 
 ENGINES = ["paged:llama-gqa", "hf:llama-mha", "hf:llama-gqa", "hf:gemma3-sliding"]
+# vLLM configurations: engine:arch:options (bs block size, pc prefix caching on, chunkN chunked
+# prefill at N tokens, blocksN a KV budget of N blocks: preemption), the wider matrix the tests
+# leave out (they start two configurations)
+VLLM = ["vllm:llama-gqa:bs32,pc,chunk32,blocks20", "vllm:llama-gqa:bs32", "vllm:llama-gqa:bs128,pc",
+        "vllm:llama-gqa:bs128,chunk64", "vllm:gemma3-sliding:bs32,pc,chunk32"]
+
+
+def vllm_options(text: str) -> dict:
+    opts = {"prefix_caching": False, "chunk": None}
+    for o in filter(None, text.split(",")):
+        if o == "pc":
+            opts["prefix_caching"] = True
+        elif o.startswith("chunk"):
+            opts["chunk"] = int(o[5:])
+        elif o.startswith("blocks"):
+            opts["num_blocks"] = int(o[6:])
+        elif o.startswith("bs"):
+            opts["block_size"] = int(o[2:])
+    return opts
+
+
+def plain_vllm_generations(adapter, generations) -> float:
+    """vLLM: each request alone on the engine under test, greedy, as many tokens as it generated
+    (the cost of the same tokens; nothing captured or judged)."""
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    for plen, tokens in generations:
+        n = max(len(tokens) - plen, 1)
+        adapter.llm.generate([{"prompt_token_ids": tokens[:plen]}],
+                             SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False),
+                             use_tqdm=False)
+    return time.perf_counter() - t0
 
 
 def plain_generations(adapter, generations) -> float:
@@ -34,7 +67,8 @@ def plain_generations(adapter, generations) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", default=",".join(ENGINES), help="engine:arch, comma-separated")
+    ap.add_argument("--engines", default=";".join(ENGINES + VLLM),
+                    help="engine:arch[:vllm options], separated by ';' (default: every one)")
     args = ap.parse_args(argv)
     import torch
 
@@ -43,14 +77,21 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     rows = []
-    for spec in args.engines.split(","):
-        engine, arch = spec.split(":")
-        adapter = make_adapter(tiny_model(arch), engine, "float32", max_context=128 if engine == "paged" else None)
+    for spec in args.engines.split(";"):
+        engine, arch, *rest = spec.split(":")
+        if engine == "vllm":
+            opts = vllm_options(rest[0] if rest else "")
+            adapter = make_adapter(tiny_model(arch), "vllm", "float32", block_size=opts.pop("block_size", 32),
+                                   max_context=512 if "block_size=128" in spec or "bs128" in spec else 256,
+                                   engine_options=opts)
+        else:
+            adapter = make_adapter(tiny_model(arch), engine, "float32", max_context=128 if engine == "paged" else None)
         t0 = time.perf_counter()
         result = check_cache(adapter)
         wall = time.perf_counter() - t0
         gens = [g for s in result.scenarios for g in s.generations]
-        plain = plain_generations(adapter, gens)
+        plain = (plain_vllm_generations if engine == "vllm" else plain_generations)(adapter, gens)
+        adapter.close()
         positions = sum(len(q.positions) for s in result.scenarios for q in s.requests)
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         rows.append((spec, result.verdict(), len(result.scenarios), len(gens), positions, wall, plain, wall / plain, rss))

@@ -77,7 +77,7 @@ __all__ = [
     "scenario_names",
 ]
 
-ENGINES = ("hf", "paged")  # a vLLM adapter is not written yet (issue 23: last, if time allowed)
+ENGINES = ("hf", "paged", "vllm")
 
 
 # ------------------------------------------------------------------------------ records
@@ -123,6 +123,7 @@ class _Session:
         self.live: dict = {}
         self.done: list = []
         self.checks: list = []
+        self.notes: list = []  # what a scenario observed beyond its judgements (prefix hits, preemptions)
 
     def prompt(self, n: int) -> list:
         return self.rng.integers(4, self.a.vocab_size, n).tolist()
@@ -406,6 +407,13 @@ def scenario_names() -> list:
     return list(SCENARIOS)
 
 
+def _table(adapter) -> dict:
+    """The scenarios of ``adapter``: its own (``scenario_table()``: vLLM's request patterns) or
+    the step-level matrix."""
+    own = getattr(adapter, "scenario_table", None)
+    return own() if callable(own) else SCENARIOS
+
+
 # ------------------------------------------------------------------------------ results
 
 
@@ -433,6 +441,7 @@ class ScenarioResult:
     diagnosis: str | None = None
     seconds: float = 0.0
     generations: list = field(default_factory=list)  # (prompt_len, tokens) of each request: its plain generation
+    notes: list = field(default_factory=list)  # what the scenario observed (prefix-cache hits, preemptions)
 
     @property
     def failed(self) -> list:
@@ -443,7 +452,8 @@ class ScenarioResult:
             return f"{self.name}: not run ({self.reason})"
         if self.status == "pass":
             worst = max((r.judgement.max_err for r in self.requests if r.judgement is not None), default=float("nan"))
-            return f"{self.name}: pass ({len(self.requests)} requests, max rel logit error {worst:.2e})"
+            note = "".join(f"; {n}" for n in self.notes)
+            return f"{self.name}: pass ({len(self.requests)} requests, max rel logit error {worst:.2e}{note})"
         r = self.failed[0]
         where = f"request {r.request}, first difference at position {r.first_position}"
         if r.judgement is not None:
@@ -607,14 +617,15 @@ def check_cache(adapter, *, scenarios=None, seed: int = 0, progress=None, oracle
     (ValueError) when a scenario needs more positions than the adapter's ``max_context``.
     ``oracle``: a second oracle (anything with ``full_logits``, e.g. ``HFCacheAdapter``): the
     engine's full-prefix reference is first checked against it (scenario ``oracle``)."""
-    names = list(scenarios) if scenarios else scenario_names()
-    unknown = [n for n in names if n not in SCENARIOS]
+    table = _table(adapter)
+    names = list(scenarios) if scenarios else list(table)
+    unknown = [n for n in names if n not in table]
     if unknown:
-        raise ValueError(f"cachecheck: unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
+        raise ValueError(f"cachecheck: unknown scenario(s) {unknown}; known: {', '.join(table)}")
     if not adapter.max_context or adapter.max_context < 2:
         raise ValueError(f"cachecheck: adapter {adapter.name} declares no max_context")
     for n in names:
-        need = SCENARIOS[n].min_context(adapter)
+        need = table[n].min_context(adapter)
         if need > adapter.max_context:
             raise ValueError(f"cachecheck: scenario {n} needs {need} positions, beyond the engine's context of "
                              f"{adapter.max_context}: leave it out (--scenarios) or give a longer context")
@@ -629,7 +640,7 @@ def check_cache(adapter, *, scenarios=None, seed: int = 0, progress=None, oracle
         results["oracle"] = _oracle_scenario(adapter, oracle, tol, seed)
     for n in names:
         ref_cache: dict = {}  # references of this scenario only: memory is bounded by the largest scenario
-        sc = SCENARIOS[n]
+        sc = table[n]
         if progress:
             progress(f"scenario {n}")
         ran, reason = _run_scenario(adapter, sc, seed)
@@ -641,7 +652,7 @@ def check_cache(adapter, *, scenarios=None, seed: int = 0, progress=None, oracle
         gens = [(q.prompt_len, list(q.tokens)) for q in s.done if q.reference is None and q.positions]
         status = "pass" if reqs and all(r.status == "pass" for r in reqs) else "fail"
         results[n] = ScenarioResult(n, sc.kind, status, None if reqs else "no evidence", reqs, seconds=secs,
-                                    generations=gens)
+                                    generations=gens, notes=list(s.notes))
     baseline = _baseline_state(results)
     stale_seen = any(q.kind in ("reuse", "cancel") for r in results.values() for q in r.failed)
     for r in results.values():
@@ -677,6 +688,11 @@ def make_adapter(model, engine: str = "hf", dtype: str = "float32", *, max_conte
 
             return PagedEngineAdapter(model, dtype, block_size=block_size or 16, max_context=max_context or 128,
                                       bugs=bugs, **opts)
+        if engine == "vllm":
+            from extractors.cache_vllm import VllmCacheAdapter
+
+            return VllmCacheAdapter(model, dtype, block_size=block_size or 32, max_context=max_context or 256,
+                                    bugs=bugs, **opts)
         if ":" in engine:
             import importlib
 
@@ -703,14 +719,20 @@ def validate_inputs(model, engine: str = "hf", dtype: str = "float32", scenarios
         raise ValueError(f"cachecheck: {model} is not a model directory (no config.json)")
     if engine not in ENGINES and ":" not in engine:
         raise ValueError(f"cachecheck: unknown engine {engine!r}; one of {', '.join(ENGINES)} or package.module:Class")
-    unknown = [n for n in scenarios or () if n not in SCENARIOS]
-    if unknown:
-        raise ValueError(f"cachecheck: unknown scenario(s) {unknown}; known: {', '.join(SCENARIOS)}")
-    if bugs:
+    if engine == "vllm":
+        from extractors.cache_vllm import BUGS, _scenarios
+
+        table = _scenarios()
+    else:
         from extractors.cache_engine import BUGS
 
-        if engine != "paged":
-            raise ValueError("cachecheck: planted bugs (--bug) exist in the paged test engine only")
+        table = SCENARIOS
+    unknown = [n for n in scenarios or () if n not in table]
+    if unknown:
+        raise ValueError(f"cachecheck: unknown scenario(s) {unknown}; known: {', '.join(table)}")
+    if bugs:
+        if engine not in ("paged", "vllm"):
+            raise ValueError("cachecheck: planted bugs (--bug) exist in the paged test engine only (and in vllm)")
         bad = [b for b in bugs if b not in BUGS]
         if bad:
             raise ValueError(f"cachecheck: unknown bug(s) {bad}; known: {', '.join(BUGS)}")
@@ -719,12 +741,13 @@ def validate_inputs(model, engine: str = "hf", dtype: str = "float32", scenarios
 def cachecheck(model, *, engine: str = "hf", dtype: str = "float32", store=None, scenarios=None,
                label: str | None = None, seed: int = 0, max_context: int | None = None,
                block_size: int | None = None, bugs=(), adapter=None, hf_reference: bool = False,
-               progress=None) -> CacheCheckResult:
+               progress=None, engine_options: dict | None = None) -> CacheCheckResult:
     """Prove ``engine``'s KV cache on ``model`` equivalent to its full-prefix recomputation over
     the scenario matrix (module docstring), and store the result in ``store`` (a path or Store;
     None: not stored). ``adapter``: an adapter instance to use instead of ``engine`` (your own).
     ``hf_reference``: also check the engine's full-prefix forward against HF's plain forward of
-    ``model`` in the same dtype (the ``oracle`` scenario, the second oracle).
+    ``model`` in the same dtype (the ``oracle`` scenario, the second oracle). ``engine_options``:
+    keywords of the engine's adapter (vllm: ``prefix_caching``, ``chunk``, ``num_blocks``).
 
     Refused with ValueError before anything runs: an unknown engine, scenario or dtype, a model
     directory without config.json, scenarios beyond the engine's context. An engine that cannot
@@ -740,7 +763,8 @@ def cachecheck(model, *, engine: str = "hf", dtype: str = "float32", store=None,
         st = store if hasattr(store, "append_table") else Store.open(store)
     own = adapter is None
     if own:
-        adapter = make_adapter(model, engine, dtype, max_context=max_context, block_size=block_size, bugs=bugs)
+        adapter = make_adapter(model, engine, dtype, max_context=max_context, block_size=block_size, bugs=bugs,
+                               engine_options=engine_options)
     try:
         oracle = None
         if hf_reference:

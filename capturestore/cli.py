@@ -43,8 +43,9 @@ import math
 import os
 import sys
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import pyarrow as pa
 
@@ -310,7 +311,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from capturestore import pipeline
-
     from capturestore.layout import FORMAT_FILE
     from capturestore.store import store_root
 
@@ -436,7 +436,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    from capturestore.tasks import analyse_tasks, parse_thresholds, store_task_analysis, summary_lines
+    from capturestore.tasks import (
+        analyse_tasks,
+        parse_thresholds,
+        store_task_analysis,
+        summary_lines,
+    )
 
     analysis = analyse_tasks(args.results, args.reference, thresholds=parse_thresholds(args.threshold),
                              tolerance=args.tolerance)  # every input check before the store is touched
@@ -525,10 +530,45 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from capturestore.diff import diff
 
     store = _open(args.store)
+    if _cachecheck_diff_wanted(store, args):
+        return _cmd_diff_cachecheck(store, args)
     result = diff(store, args.base, args.head, common_prompts=args.common_prompts, seed=args.seed,
                   n_boot=args.n_boot)
     write_diff(store, result, args.format, args.out)
     return 1 if result.regression else 0
+
+
+def _cachecheck_diff_wanted(store, args) -> bool:
+    from capturestore.cachecheck_diff import is_cachecheck
+    from capturestore.diff import _comparisons
+
+    kinds = [is_cachecheck(store, x) for x in (args.base, args.head)]
+    if any(kinds) and not all(kinds):
+        other = args.head if kinds[0] else args.base
+        if any(other in (r["comparison_id"], r["release"]) for r in _comparisons(store)):
+            raise ValueError(f"diff: {other!r} is a comparison of runs and the other a cache check; diff a cache "
+                             "check against another cache check")
+    return any(kinds)
+
+
+def _cmd_diff_cachecheck(store, args) -> int:
+    """``diff`` of two cache checks (capturestore.cachecheck_diff): exit 1 on a regression."""
+
+    from capturestore.cachecheck_diff import (
+        diff_cachecheck,
+        format_cachecheck_diff,
+        to_dict,
+    )
+
+    d = diff_cachecheck(store, args.base, args.head)
+    if args.format == "html":
+        raise ValueError("diff: --format html is for comparisons of runs; a cache-check diff is table or json")
+    text = json.dumps(to_dict(d), indent=1, default=str) if args.format == "json" else format_cachecheck_diff(d)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    else:
+        print(text)
+    return 1 if d.regression else 0
 
 
 def cmd_history(args: argparse.Namespace) -> int:
@@ -539,17 +579,31 @@ def cmd_history(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_options(items) -> dict:
+    """``KEY=VALUE`` pairs of ``--engine-option``: integers, on/off/true/false, none, else text."""
+    out = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"cachecheck: --engine-option {item!r} is not KEY=VALUE")
+        low = value.lower()
+        out[key.replace("-", "_")] = (int(value) if value.lstrip("-").isdigit() else True if low in ("on", "true")
+                                      else False if low in ("off", "false") else None if low == "none" else value)
+    return out
+
+
 def cmd_cachecheck(args: argparse.Namespace) -> int:
     from capturestore.cachecheck import cachecheck, validate_inputs
 
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()] if args.scenarios else None
     bugs = tuple(b.strip() for b in args.bug.split(",") if b.strip()) if args.bug else ()
     validate_inputs(args.model, args.engine, args.dtype, scenarios, bugs)  # before the store is created
+    options = _engine_options(args.engine_option)
     store = _open(args.store, create=True)
     _require_writable(store, "cachecheck")
     result = cachecheck(args.model, engine=args.engine, dtype=args.dtype, store=store, scenarios=scenarios,
                         label=args.label, seed=args.seed, max_context=args.max_context, block_size=args.block_size,
-                        bugs=bugs, hf_reference=args.hf_reference,
+                        bugs=bugs, hf_reference=args.hf_reference, engine_options=options,
                         progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
     print(f"cache check {result.comparison_id}: engine {result.engine} on {args.model}")
     print(result.summary())
@@ -740,8 +794,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("cachecheck", cmd_cachecheck, "prove an engine's KV cache equivalent to its full-prefix recomputation over a "
              "scenario matrix (docs/cachecheck.md); exit status 1 unless every scenario ran and passed")
     sp.add_argument("--model", required=True, help="model directory (config.json + weights)")
-    sp.add_argument("--engine", default="hf", help="hf | paged (the reference paged engine) | "
+    sp.add_argument("--engine", default="hf", help="hf | paged (the reference paged engine) | vllm (in-process) | "
                     "package.module:Class (your own adapter; default hf)")
+    sp.add_argument("--engine-option", action="append", metavar="KEY=VALUE",
+                    help="a keyword of the engine's adapter, repeatable (vllm: prefix_caching=on|off, chunk=N, "
+                         "num_blocks=N)")
     sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     sp.add_argument("--scenarios", help="comma-separated scenario names (default all: single, offset, batch_2, ...)")
     sp.add_argument("--max-context", type=int, help="context of the engine (default: the model's, 128 for paged)")
@@ -758,7 +815,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """What a user can cause and fix: bad input, store problems, files that cannot be read or written."""
     from capturestore.errors import StoreError
-
     from capturestore.pipeline import EngineStartError
 
     errors: tuple[type[BaseException], ...] = (StoreError, ValueError, OSError, EngineStartError)

@@ -58,6 +58,7 @@ KIND_CLASS = {
     "chunk": CHUNK,
     "offset": CHUNK,
     "overflow": CONTEXT,
+    "preempt": STALE,  # recomputed after a preemption (vLLM): its blocks were freed and taken again
     "oracle": SYSTEMATIC,  # the engine's own full prefix differs from a second oracle (HF)
 }
 

@@ -199,6 +199,9 @@ def test_cli_exit_1_names_the_failing_scenario_and_its_diagnosis(tmp_path, gqa, 
     (["--model", "{gqa}", "--engine", "no_such_module:Adapter"], "engine no_such_module:Adapter cannot start"),
     (["--model", "{gqa}", "--engine", "tgi"], "unknown engine"),
     (["--model", "{gqa}", "--engine", "hf", "--bug", "stale_slot"], "paged test engine only"),
+    (["--model", "{gqa}", "--engine", "vllm", "--bug", "stale_slot"], "unknown bug(s) ['stale_slot']; known: chunk_pos"),
+    (["--model", "{gqa}", "--engine", "vllm", "--scenarios", "chunk_7"], "unknown scenario(s) ['chunk_7']"),
+    (["--model", "{gqa}", "--engine", "paged", "--engine-option", "num_blocks"], "is not KEY=VALUE"),
     (["--model", "{gqa}", "--engine", "hf", "--max-context", "100000"], "exceeds the model's max_position_embeddings"),
 ])
 def test_cli_bad_input_is_one_line_exit_2_and_no_store_for_invalid_arguments(tmp_path, gqa, capsys, argv, message):
@@ -309,3 +312,44 @@ def test_report_of_a_cache_check_is_a_scenario_by_criterion_grid_from_sql(tmp_pa
     assert '<td class="fail">from position 0 (max' in page and "stale or shared cache" in page
     assert "new-in-freed" in page and '<td class="pass">identical</td>' in page  # single: tokens identical
     assert "FROM cachecheck_scenarios" in (tmp_path / "report" / "queries.sql").read_text()
+
+
+# ------------------------------------------------------------------------ diff between two checks
+
+
+def test_diff_of_two_cache_checks_shows_the_regression_and_exits_1(tmp_path, gqa, capsys):
+    """Two releases of an engine: the second reuses a slot without clearing it. `diff` names the
+    scenario that went from pass to fail, where it first differs and by how much; the reverse
+    diff is a fix (exit 0); bad input is one line, exit 2."""
+    import json
+
+    from capturestore import Store
+    from capturestore.cachecheck_diff import diff_cachecheck
+
+    s = Store.open(tmp_path / "store")
+    scen = ["single", "reuse", "chunk_7"]
+    good = cachecheck(gqa, engine="paged", max_context=64, scenarios=scen, store=s, label="r1")
+    bad = cachecheck(gqa, engine="paged", max_context=64, bugs=("stale_slot",), scenarios=scen, store=s, label="r2")
+    assert good.passed and not bad.passed
+    d = diff_cachecheck(s, "r1", "r2")
+    by = {c.scenario: c for c in d.scenarios}
+    assert d.regression and [c.scenario for c in d.regressions] == ["reuse"]
+    reuse = by["reuse"]
+    assert (reuse.base_status, reuse.head_status, reuse.change) == ("pass", "fail", "regressed")
+    assert reuse.head_first == ("new-in-freed", 0) and reuse.base_first is None
+    assert reuse.head_err > 100 * reuse.tolerance[1] and reuse.base_err <= 1e-5
+    assert reuse.head_diagnosis == STALE and "new-in-freed" in reuse.requests_regressed
+    assert by["single"].change == "unchanged" and not by["single"].regression
+
+    rc = main(["diff", "r1", "r2", "--store", str(tmp_path / "store")])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "reuse     regressed" in out and "new-in-freed@0" in out and "verdict: REGRESSION" in out
+    rc = main(["diff", bad.comparison_id, good.comparison_id, "--store", str(tmp_path / "store"), "--format", "json"])
+    js = json.loads(capsys.readouterr().out)
+    assert rc == 0 and not js["regression"]
+    assert {c["scenario"]: c["change"] for c in js["scenarios"]}["reuse"] == "fixed"
+    for argv, message in ((["r1", "r1"], "same cache check"), (["r1", "nope"], "neither the id nor the label")):
+        rc = main(["diff", *argv, "--store", str(tmp_path / "store")])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1 and message in err, err
