@@ -84,7 +84,7 @@ ENGINES = ("hf", "paged", "vllm")
 
 
 @dataclass
-class _Seq:
+class ScenarioSeq:
     """One request's evidence while a scenario runs: the realised tokens, the positions whose
     logits the engine returned (the logits at position p come from input token p), and the
     history kind of each position range (``segments``: [(from_position, kind)])."""
@@ -107,7 +107,7 @@ class _Seq:
         return kind
 
 
-class _Check:
+class ScenarioCheck:
     """Not a logit judgement: an expected engine behaviour (an error at the context limit)."""
 
     def __init__(self, name, kind, position, passed, detail):
@@ -134,7 +134,7 @@ class _Session:
         for h, name, p, lg in zip(handles, names, prompts, logits):
             lg = np.asarray(lg, np.float32).reshape(-1, np.shape(lg)[-1])
             first = len(p) - lg.shape[0]
-            s = _Seq(name, list(p), [(0, kind)], list(range(first, len(p))), list(lg), lg[-1], prompt_len=len(p))
+            s = ScenarioSeq(name, list(p), [(0, kind)], list(range(first, len(p))), list(lg), lg[-1], prompt_len=len(p))
             self.live[h] = s
         return list(handles)
 
@@ -184,7 +184,7 @@ class _Session:
     def truncate(self, h, k: int, token: int):
         """Cut ``h`` back to ``k`` tokens and feed ``token`` (another than the one it had at k)."""
         s = self.live[h]
-        self.done.append(_Seq(s.name, list(s.tokens), list(s.segments), list(s.positions), list(s.logits),
+        self.done.append(ScenarioSeq(s.name, list(s.tokens), list(s.segments), list(s.positions), list(s.logits),
                               kv=self._kv(h), prompt_len=s.prompt_len))
         self.a.truncate(h, k)
         s.name = f"{s.name.split('@')[0]}@cut{k}"
@@ -196,7 +196,7 @@ class _Session:
         new = list(self.a.fork(h, n))
         parent = self.live[h]
         for i, x in enumerate(new):
-            self.live[x] = _Seq(f"{parent.name}/branch{i + 1}", list(parent.tokens), [(0, "fork")], last=parent.last,
+            self.live[x] = ScenarioSeq(f"{parent.name}/branch{i + 1}", list(parent.tokens), [(0, "fork")], last=parent.last,
                                 prompt_len=len(parent.tokens))
         parent.segments.append((len(parent.tokens), "fork"))
         return new
@@ -230,7 +230,7 @@ def _sc_offset(s):
         s.finish()
 
 
-def _ragged(s, n: int, lo: int, hi: int) -> list:
+def ragged_prompts(s, n: int, lo: int, hi: int) -> list:
     lens = s.rng.choice(np.arange(lo, hi + 1), size=n, replace=False) if hi - lo + 1 >= n else \
         s.rng.integers(lo, hi + 1, n)
     return [s.prompt(int(x)) for x in lens]
@@ -239,7 +239,7 @@ def _ragged(s, n: int, lo: int, hi: int) -> list:
 def _sc_batch(n):
     def run(s):
         bs = _bs(s.a)
-        prompts = _ragged(s, n, 2, 2 * bs + 3)
+        prompts = ragged_prompts(s, n, 2, 2 * bs + 3)
         h = s.prefill([f"b{i}/len{len(p)}" for i, p in enumerate(prompts)], prompts, kind="batch")
         s.decode(h, 6)
     run.batch = n
@@ -254,7 +254,7 @@ def _sc_invariance(s):
     alone = s.live[h[0]]
     s.finish()
     s.a.reset()
-    companions = _ragged(s, 5, 2, 2 * bs + 3)
+    companions = ragged_prompts(s, 5, 2, 2 * bs + 3)
     prompts = companions[:2] + [r] + companions[2:]
     hs = s.prefill([f"c{i}" for i in range(2)] + ["batched"] + [f"c{i}" for i in range(2, 5)], prompts, kind="batch")
     s.decode(hs, 6)
@@ -262,14 +262,14 @@ def _sc_invariance(s):
     s.finish()
     same = dict(zip(alone.positions, alone.logits))
     pos = [p for p in batched.positions if p in same]
-    s.done.append(_Seq("batched-vs-alone", list(batched.tokens), [(0, "invariance")], pos,
+    s.done.append(ScenarioSeq("batched-vs-alone", list(batched.tokens), [(0, "invariance")], pos,
                        [batched.logits[batched.positions.index(p)] for p in pos],
                        reference={p: same[p] for p in pos}))
 
 
 def _sc_compaction(s):
     bs = _bs(s.a)
-    prompts = _ragged(s, 5, 3, 2 * bs + 3)
+    prompts = ragged_prompts(s, 5, 3, 2 * bs + 3)
     hs = s.prefill([f"r{i}/len{len(p)}" for i, p in enumerate(prompts)], prompts, kind="batch")
     s.decode(hs, 2)
     s.free([hs[1]])  # a middle row finishes (length cap)
@@ -299,7 +299,7 @@ def _sc_reuse(s):
         s.step([f], [t])
     fresh = s.live[f]
     s.finish()
-    s.done.append(_Seq("new-in-freed-vs-fresh", list(reused.tokens), [(0, "reuse")], list(reused.positions),
+    s.done.append(ScenarioSeq("new-in-freed-vs-fresh", list(reused.tokens), [(0, "reuse")], list(reused.positions),
                        list(reused.logits), reference=dict(zip(fresh.positions, fresh.logits))))
 
 
@@ -368,9 +368,9 @@ def _sc_overflow(s):
     try:
         s.a.step(h, [int(np.argmax(s.live[h[0]].last))])
     except Exception as e:  # noqa: BLE001 - any clear error passes; the message is kept
-        s.checks.append(_Check("step-past-limit", "overflow", n, True, f"refused: {type(e).__name__}: {e}"))
+        s.checks.append(ScenarioCheck("step-past-limit", "overflow", n, True, f"refused: {type(e).__name__}: {e}"))
     else:
-        s.checks.append(_Check("step-past-limit", "overflow", n, False,
+        s.checks.append(ScenarioCheck("step-past-limit", "overflow", n, False,
                                f"a step at position {n} (context {n}) ran without an error: a silent wrap"))
 
 
@@ -545,7 +545,7 @@ def _run_scenario(adapter, sc: Scenario, seed: int):
         return None, f"the adapter does not support it: {e}"
     except Exception as e:  # noqa: BLE001 - an engine raising inside a scenario fails it
         s.finish()
-        s.checks.append(_Check("engine", sc.kind, None, False, f"the engine raised {type(e).__name__}: {e}"))
+        s.checks.append(ScenarioCheck("engine", sc.kind, None, False, f"the engine raised {type(e).__name__}: {e}"))
     s.finish()
     return (s, time.perf_counter() - t0), None
 
@@ -720,9 +720,9 @@ def validate_inputs(model, engine: str = "hf", dtype: str = "float32", scenarios
     if engine not in ENGINES and ":" not in engine:
         raise ValueError(f"cachecheck: unknown engine {engine!r}; one of {', '.join(ENGINES)} or package.module:Class")
     if engine == "vllm":
-        from extractors.cache_vllm import BUGS, _scenarios
+        from extractors.cache_vllm import BUGS, vllm_scenarios
 
-        table = _scenarios()
+        table = vllm_scenarios()
     else:
         from extractors.cache_engine import BUGS
 

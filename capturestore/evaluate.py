@@ -452,10 +452,10 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
             def health():
                 if started is not None:
                     return started.death()
-                from extractors.vllm_server import _request
+                from extractors.vllm_server import request_json
 
                 try:
-                    _request(url, "/v1/models", timeout=5)
+                    request_json(url, "/v1/models", timeout=5)
                 except ValueError:
                     return f"the vLLM server {url} stopped answering"
                 return None

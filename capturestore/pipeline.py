@@ -606,7 +606,7 @@ def start_vllm_engine(model_path, dtype: str = "bfloat16", tp: int = 1, max_mode
                                f"{INSTALL['vllm']} is installed and that the model directory loads in vLLM") from None
 
 
-def _server_capture():
+def server_capture_functions():
     """``(check_server, capture_vllm_server_run)`` of ``extractors.vllm_server``, or EngineStartError."""
     try:
         from extractors.vllm_server import capture_vllm_server_run, check_server
@@ -976,7 +976,7 @@ def _reference(st, pstore, progress, tm, role, what, how, model_path, model_hash
     return rid, found
 
 
-def _capture_vllm(pstore, progress, model_path, model_hash, rows, teacher_rows, release, tp, kv, patterns,
+def capture_vllm_target(pstore, progress, model_path, model_hash, rows, teacher_rows, release, tp, kv, patterns,
                   engine_options, engine_hook, tm, context, target_config, dtype: str = "bfloat16"):
     """The in-process vLLM target: raw logits (and paged KV) teacher-forced through the decode path,
     and with ``patterns`` a module-tensor run of the same engine. Returns ``(run_id, module_run_id)``."""
@@ -1034,7 +1034,7 @@ def _vllm_module_run(pstore, progress, llm, model_path, rows, teacher_rows, patt
     return rid
 
 
-def _capture_hf_target(pstore, progress, model_path, dtype, rows, teacher_rows, release, patterns, tm, config):
+def capture_hf_target(pstore, progress, model_path, dtype, rows, teacher_rows, release, patterns, tm, config):
     """HF in ``dtype`` with SDPA attention (the references run eager attention) as the target."""
     from extractors.hf import capture_hf_run, load_hf_model
 
@@ -1067,7 +1067,7 @@ def _load_sdpa(model_path, dtype, load_hf_model):
                                                 device_map=None).to("cpu").eval()
 
 
-def _capture_fp8(st, pstore, progress, model_path, exp, rows, teacher_rows, release, scales, platform):
+def capture_fp8_target(st, pstore, progress, model_path, exp, rows, teacher_rows, release, scales, platform):
     """The FP8 KV cache target (``nki_fp8.target``): kernel scales from ``scales`` or calibrated by
     absmax on the expected run's KV."""
     import numpy as np

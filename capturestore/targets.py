@@ -214,9 +214,9 @@ class VllmTarget(EngineTarget):
         check_engine_can_start(ctx.target)
 
     def capture(self, ctx: TargetContext) -> TargetRuns:
-        from capturestore.pipeline import _capture_vllm, model_context
+        from capturestore.pipeline import capture_vllm_target, model_context
 
-        act, mod = _capture_vllm(ctx.store, ctx.progress, ctx.model_path, ctx.model_hash, ctx.rows, ctx.teacher_rows,
+        act, mod = capture_vllm_target(ctx.store, ctx.progress, ctx.model_path, ctx.model_hash, ctx.rows, ctx.teacher_rows,
                                  ctx.release, ctx.tp, "kv" in ctx.needs, ctx.patterns, ctx.engine_options or {},
                                  ctx.engine_hook, ctx.timings, model_context(ctx.model_config), ctx.config,
                                  dtype=ctx.target.dtype)
@@ -233,9 +233,9 @@ class VllmServerTarget(EngineTarget):
     default_plugins = ("logits",)
 
     def check(self, ctx: TargetCheck) -> None:
-        from capturestore.pipeline import _server_capture
+        from capturestore.pipeline import server_capture_functions
 
-        check_server, _ = _server_capture()
+        check_server, _ = server_capture_functions()
         try:
             check_server(ctx.target.url, ctx.model_path)
         except ValueError as e:
@@ -244,9 +244,9 @@ class VllmServerTarget(EngineTarget):
     def capture(self, ctx: TargetContext) -> TargetRuns:
         import inspect
 
-        from capturestore.pipeline import _server_capture
+        from capturestore.pipeline import server_capture_functions
 
-        _, server_capture = _server_capture()
+        _, server_capture = server_capture_functions()
         ctx.progress.begin(f"target {ctx.target}", len(ctx.rows), ctx.num_tokens)
         ctx.say(f"capturing target {ctx.target} (teacher-forced prompt logprobs)")
         kw = {"dtype": ctx.target.dtype} if "dtype" in inspect.signature(server_capture).parameters else {}
@@ -265,9 +265,9 @@ class HfTarget(EngineTarget):
     default_plugins = ("logits", "kv")
 
     def capture(self, ctx: TargetContext) -> TargetRuns:
-        from capturestore.pipeline import _capture_hf_target
+        from capturestore.pipeline import capture_hf_target
 
-        act, mod = _capture_hf_target(ctx.store, ctx.progress, ctx.model_path, ctx.target.dtype, ctx.rows,
+        act, mod = capture_hf_target(ctx.store, ctx.progress, ctx.model_path, ctx.target.dtype, ctx.rows,
                                       ctx.teacher_rows, ctx.release, ctx.patterns, ctx.timings, ctx.config)
         return TargetRuns(act, mod)
 
@@ -288,9 +288,9 @@ class HfFp8KVTarget(EngineTarget):
                              "target")
 
     def capture(self, ctx: TargetContext) -> TargetRuns:
-        from capturestore.pipeline import _capture_fp8
+        from capturestore.pipeline import capture_fp8_target
 
         st = ctx.extra["store"]
-        act = _capture_fp8(st, ctx.store, ctx.progress, ctx.model_path, ctx.expected_run, ctx.rows, ctx.teacher_rows,
+        act = capture_fp8_target(st, ctx.store, ctx.progress, ctx.model_path, ctx.expected_run, ctx.rows, ctx.teacher_rows,
                            ctx.release, ctx.extra.get("fp8_scales"), ctx.extra.get("fp8_platform"))
         return TargetRuns(act)

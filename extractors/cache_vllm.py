@@ -173,7 +173,7 @@ class VllmCacheAdapter(CacheAdapter):
 
     def scenario_table(self) -> dict:
         """This adapter's scenarios (request patterns) instead of the step-level ones."""
-        return _scenarios()
+        return vllm_scenarios()
 
     def reset(self):
         """Nothing to do between scenarios: finished requests free their blocks (the prefix cache
@@ -269,9 +269,9 @@ class VllmCacheAdapter(CacheAdapter):
 
 
 def _seq(s, out: VOut, kind: str, segments=None):
-    from capturestore.cachecheck import _Seq
+    from capturestore.cachecheck import ScenarioSeq
 
-    return _Seq(out.name, list(out.tokens), segments or [(0, kind)], list(out.positions), list(out.logits),
+    return ScenarioSeq(out.name, list(out.tokens), segments or [(0, kind)], list(out.positions), list(out.logits),
                 prompt_len=out.prompt_len)
 
 
@@ -310,22 +310,22 @@ def _v_prefix_hit(s):
 
 def _v_batch(n):
     def run(s):
-        from capturestore.cachecheck import _ragged
+        from capturestore.cachecheck import ragged_prompts
 
         bs = s.a.block_size
-        prompts = _ragged(s, n, 2, 2 * bs + 3)
+        prompts = ragged_prompts(s, n, 2, 2 * bs + 3)
         reqs = [VReq(f"b{i}/len{len(p)}", p, 6, kind="batch") for i, p in enumerate(prompts)]
         _emit(s, s.a.run(reqs), {r.name: "batch" for r in reqs})
     return run
 
 
 def _v_invariance(s):
-    from capturestore.cachecheck import _ragged, _Seq
+    from capturestore.cachecheck import ragged_prompts, ScenarioSeq
 
     bs = s.a.block_size
     r = s.prompt(bs + 3)
     alone = s.a.run([VReq("alone", r, 6)])["alone"][0]
-    comp = _ragged(s, 5, 2, 2 * bs + 3)
+    comp = ragged_prompts(s, 5, 2, 2 * bs + 3)
     reqs = [VReq(f"c{i}", p, 6, kind="batch") for i, p in enumerate(comp[:2])] + [VReq("batched", r, 6, kind="batch")] + \
         [VReq(f"c{i}", p, 6, kind="batch") for i, p in enumerate(comp[2:], 2)]
     outs = s.a.run(reqs)
@@ -334,15 +334,15 @@ def _v_invariance(s):
     _emit(s, outs, {q.name: "batch" for q in reqs})
     same = dict(zip(alone.positions, alone.logits))
     pos = [p for p in batched.positions if p in same]
-    s.done.append(_Seq("batched-vs-alone", list(batched.tokens), [(0, "invariance")], pos,
+    s.done.append(ScenarioSeq("batched-vs-alone", list(batched.tokens), [(0, "invariance")], pos,
                        [batched.logits[batched.positions.index(p)] for p in pos], reference={p: same[p] for p in pos}))
 
 
 def _v_compaction(s):
-    from capturestore.cachecheck import _ragged
+    from capturestore.cachecheck import ragged_prompts
 
     bs = s.a.block_size
-    prompts = _ragged(s, 5, 3, 2 * bs + 3)
+    prompts = ragged_prompts(s, 5, 3, 2 * bs + 3)
     caps = [8, 2, 8, 4, 8]  # a middle row finishes first, then another: the batch is compacted twice
     reqs = [VReq(f"r{i}/len{len(p)}/max{c}", p, c) for i, (p, c) in enumerate(zip(prompts, caps))]
     # a survivor's positions after the first row finished (its own 2nd decoded token on) are "compaction"
@@ -416,21 +416,21 @@ def _v_long(s):
 
 
 def _v_overflow(s):
-    from capturestore.cachecheck import _Check
+    from capturestore.cachecheck import ScenarioCheck
 
     n = s.a.max_context
     outs = s.a.run([VReq("to-limit", s.prompt(n - 2), 10, kind="overflow")])
     o = outs["to-limit"][0]
     _emit(s, outs, {"to-limit": "overflow"})
     fed = len(o.tokens)
-    s.checks.append(_Check("stopped-at-limit", "overflow", fed, fed == n and o.finish == "length",
+    s.checks.append(ScenarioCheck("stopped-at-limit", "overflow", fed, fed == n and o.finish == "length",
                            f"{fed} tokens (context {n}), finish reason {o.finish}"))
     try:
         s.a.run([VReq("past-limit", s.prompt(n + 1), 1, kind="overflow")])
     except Exception as e:  # noqa: BLE001 - any clear error passes; the message is kept
-        s.checks.append(_Check("prompt-past-limit", "overflow", n, True, f"refused: {type(e).__name__}: {str(e)[:160]}"))
+        s.checks.append(ScenarioCheck("prompt-past-limit", "overflow", n, True, f"refused: {type(e).__name__}: {str(e)[:160]}"))
     else:
-        s.checks.append(_Check("prompt-past-limit", "overflow", n, False,
+        s.checks.append(ScenarioCheck("prompt-past-limit", "overflow", n, False,
                                f"a prompt of {n + 1} tokens (context {n}) ran without an error"))
 
 
@@ -438,7 +438,7 @@ def _v_truncate(s):
     raise NotSupported("vLLM has no operation that cuts a live request's cache back to k tokens")
 
 
-def _scenarios() -> dict:
+def vllm_scenarios() -> dict:
     from capturestore.cachecheck import Scenario
 
     need = ("run",)

@@ -43,7 +43,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from extractors.modules import DEFAULT_MODULES, INPUT_SUFFIX, _first_tensor, _modules_of
+from extractors.modules import DEFAULT_MODULES, INPUT_SUFFIX, first_tensor, modules_of
 
 __all__ = ["EngineCapture", "RequestCapture", "write_module_run"]
 
@@ -72,7 +72,7 @@ class EngineCapture:
                                        or prompt_len < 1):
             raise ValueError(f"EngineCapture: prompt_len must be an integer >= 1, got {prompt_len!r}")
         self.model, self.inputs, self.want_logits = model, inputs, logits
-        self.modules = _modules_of(model, [modules] if isinstance(modules, str) else list(modules))
+        self.modules = modules_of(model, [modules] if isinstance(modules, str) else list(modules))
         self.row = int(row)
         self._prompt_len = prompt_len
         self._forced: dict | None = None  # phase/step/row/columns stated by step()
@@ -207,10 +207,10 @@ class EngineCapture:
             if name not in self._order:
                 self._order.append(name)
             if self.inputs:
-                t = _first_tensor(args)
+                t = first_tensor(args)
                 if t is not None:
                     self._keep(name + INPUT_SUFFIX, self._take(t))
-            t = _first_tensor(output)
+            t = first_tensor(output)
             if t is not None:
                 self._keep(name, self._take(t))
         return hook

@@ -243,9 +243,9 @@ SERVER_FAULT_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 
 
 def _server_rpc(url: str, method: str, *args) -> dict:
-    from extractors.vllm_server import _base, _request
+    from extractors.vllm_server import base_url, request_json
 
-    ans, _ = _request(_base(url), "/collective_rpc", {"method": method, "args": [str(a) for a in args]}, timeout=120)
+    ans, _ = request_json(base_url(url), "/collective_rpc", {"method": method, "args": [str(a) for a in args]}, timeout=120)
     results = ans.get("results") if isinstance(ans, dict) else None
     if not results or not isinstance(results[0], dict):
         raise ValueError(f"fault injection: the vLLM server {url} answered {method} with {ans!r}; start it with "
@@ -266,7 +266,7 @@ def inject_server_output_scale(url: str, model_path, module: str, factor: float,
     probes through the server's full-vocabulary prompt logprobs, one faulty, the hook's call
     count), the prefix cache reset afterwards; ValueError, with the fault removed, when the
     output did not change."""
-    from extractors.vllm_server import _base, _request, check_server
+    from extractors.vllm_server import base_url, request_json, check_server
 
     factor = float(factor)
     if not math.isfinite(factor):
@@ -283,7 +283,7 @@ def inject_server_output_scale(url: str, model_path, module: str, factor: float,
         calls = int(_server_rpc(url, "capturestore_hook_calls", module)["calls"])
     finally:
         with contextlib.suppress(ValueError):
-            _request(_base(url), "/reset_prefix_cache", {}, timeout=60)
+            request_json(base_url(url), "/reset_prefix_cache", {}, timeout=60)
     fault = InjectedFault(module=module, factor=factor, method="forward hook scaling the module output (served)",
                           linear_backend=backend, attn_isa=None, hook_calls=calls,
                           probe_positions=len(probe) - 1, max_abs_dlogprob=effect, clean_spread=spread)

@@ -96,7 +96,7 @@ def resolve_modules(names: Sequence[str], patterns: Iterable[str] | str, where: 
     return [names[i] for i in sorted(chosen)]
 
 
-def _first_tensor(x):
+def first_tensor(x):
     import torch
 
     if torch.is_tensor(x):
@@ -136,10 +136,10 @@ class ModuleHooks:
             if name not in self.order:
                 self.order.append(name)
             if self.inputs:
-                t = _first_tensor(args)
+                t = first_tensor(args)
                 if t is not None:
                     self.sink(name + INPUT_SUFFIX, self.phase, self.step, t.detach()[0].to("cpu", copy=True))
-            t = _first_tensor(output)
+            t = first_tensor(output)
             if t is not None:
                 self.sink(name, self.phase, self.step, t.detach()[0].to("cpu", copy=True))
         return hook
@@ -157,7 +157,7 @@ class ModuleHooks:
         self._handles.clear()
 
 
-def _modules_of(model, patterns) -> list[str]:
+def modules_of(model, patterns) -> list[str]:
     names = [n for n, _ in model.named_modules() if n]
     return resolve_modules(names, patterns, where=f"module capture ({type(model).__name__})")
 
@@ -187,7 +187,7 @@ def capture_hf_modules(model, prompt: Sequence[int], continuation: Sequence[int]
     if not 0 <= n_dec <= len(continuation):
         raise ValueError(f"capture_hf_modules: decode_steps {decode_steps} outside [0, {len(continuation)}] "
                          f"(continuation tokens)")
-    names = _modules_of(model, modules)
+    names = modules_of(model, modules)
     P = len(prompt)
     dev = model_device(model)
     cache = DynamicCache(config=model.config)
@@ -275,7 +275,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     if model_dtype != dtype:
         raise ValueError(f"capture_hf_module_run: the model passed is {model_dtype}, the run says dtype={dtype!r}")
-    names = _modules_of(model, patterns)  # refuse a bad pattern before a run exists
+    names = modules_of(model, patterns)  # refuse a bad pattern before a run exists
     # whole model: one prompt at a time (its tensors written before the next runs)
     groups = plan.groups if sm is not None else [[i] for i in range(len(prompt_rows))]
     info.update(path="streamed" if sm is not None else "whole",

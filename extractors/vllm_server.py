@@ -48,7 +48,7 @@ class ServerInfo(dict):
     ``version`` (vLLM's), ``vocab_size`` (of ``model_path``)."""
 
 
-def _base(url: str) -> str:
+def base_url(url: str) -> str:
     if not isinstance(url, str) or not url.strip():
         raise ValueError("vLLM server URL is empty; give e.g. http://127.0.0.1:8000")
     u = url.strip().rstrip("/")
@@ -59,7 +59,7 @@ def _base(url: str) -> str:
     return u
 
 
-def _request(base: str, path: str, payload: dict | None = None, timeout: float = 30.0) -> tuple[dict, int]:
+def request_json(base: str, path: str, payload: dict | None = None, timeout: float = 30.0) -> tuple[dict, int]:
     """(decoded JSON, bytes received) of GET (payload None) or POST ``base + path``; one-line ValueError."""
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"},
@@ -114,11 +114,11 @@ def _same_model(root: str, model_path: Path) -> bool:
 
 def check_server(url: str, model_path, *, timeout: float = 10.0) -> ServerInfo:
     """Check that ``url`` answers and serves ``model_path`` (see the module docstring)."""
-    base = _base(url)
+    base = base_url(url)
     model_path = Path(model_path)
     if not (model_path / "config.json").is_file():
         raise ValueError(f"model directory {model_path} has no config.json")
-    models, _ = _request(base, "/v1/models", timeout=timeout)
+    models, _ = request_json(base, "/v1/models", timeout=timeout)
     cards = (models.get("data") or []) if isinstance(models, dict) else []
     if not cards:
         raise ValueError(f"vLLM server {base}: /v1/models lists no model")
@@ -129,7 +129,7 @@ def check_server(url: str, model_path, *, timeout: float = 10.0) -> ServerInfo:
         raise ValueError(f"vLLM server {base} serves {served}, not the model {model_path} (neither the same "
                          f"directory nor the same weights and config)")
     try:
-        version = _request(base, "/version", timeout=timeout)[0].get("version")
+        version = request_json(base, "/version", timeout=timeout)[0].get("version")
     except ValueError:
         version = None
     return ServerInfo(url=base, served_model_name=card["id"], root=card.get("root"),
@@ -172,7 +172,7 @@ def server_teacher_forced_logprobs(info: ServerInfo, prompts: Sequence[Sequence[
         ids = p + t
         payload = {"model": info["served_model_name"], "prompt": ids, "max_tokens": 1, "temperature": 0.0,
                    "prompt_logprobs": vocab, "return_token_ids": True}
-        return _request(info["url"], "/v1/completions", payload, timeout=timeout)
+        return request_json(info["url"], "/v1/completions", payload, timeout=timeout)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=max(1, int(concurrency))) as pool:
