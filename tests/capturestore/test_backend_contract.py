@@ -115,3 +115,51 @@ def test_every_backend_finds_the_same_corruption(store_url, fault):
     assert all(p.run_id == run_id for p in report), report.summary()
     if fault == "prompt-group":
         assert report[0].prompt_id == pids[0]
+
+
+def _scaled_run(store: Store, scale: float, dtype: str = "bfloat16") -> str:
+    """The same prompts, K/V and logits scaled (two runs of it compare as nearly equal)."""
+    import ml_dtypes
+
+    with store.begin_run(engine="test", model_path="m", dtype=dtype) as w:
+        for i in range(2):
+            d = prompt_data(5, i)
+            pid = w.add_prompt(d["tokens"][:PROMPT_LEN], continuation=d["tokens"][PROMPT_LEN:])
+            w.write_kv(pid, (d["k"].astype(np.float32) * scale).astype(ml_dtypes.bfloat16),
+                       (d["v"].astype(np.float32) * scale).astype(ml_dtypes.bfloat16))
+            w.write_logits(pid, d["logits"] * scale)
+    return w.run_id
+
+
+@pytest.mark.parametrize("how", ["deleted", "truncated"])
+def test_every_backend_checks_a_comparisons_evidence_against_its_manifest(store_url, how):
+    """test_evidence's checks, on every backend: a segment the manifest lists, deleted or cut
+    short through the backend, fails the queries that read it, ``check_evidence`` and ``verify``."""
+    from capturestore.analysis import compare_runs
+    from capturestore.errors import QueryError, StoreError
+
+    store = Store.open(store_url)
+    exp = _scaled_run(store, 1.0)
+    c1 = compare_runs(store, expected_run=exp, actual_run=_scaled_run(store, 1.002))
+    c2 = compare_runs(store, expected_run=exp, actual_run=_scaled_run(store, 1.05))
+    assert store.verify().ok
+    b = store.backend
+    (seg,) = [n for n in b.segment_names("kv_head_metrics")
+              if c2.comparison_id in (store.segment_comparison_ids("kv_head_metrics", n) or set())]
+    rel = f"tables/kv_head_metrics/{seg}"
+    data = b.read(rel)
+    if how == "deleted":
+        b.remove([rel])
+    else:
+        b.put(rel, data[: len(data) // 2])
+    assert b.read_many([rel])[rel] != data  # the fault is in place
+    fresh = Store.open(store_url, create=False)
+    with pytest.raises(QueryError, match="kv_head_metrics"):
+        fresh.sql("SELECT count(*) FROM kv_head_metrics WHERE comparison_id = $c", params={"c": c2.comparison_id})
+    with pytest.raises(StoreError, match="evidence incomplete: .*kv_head_metrics"):
+        fresh.check_evidence([c2.comparison_id], "diff")
+    if how == "deleted":  # (a cut-short segment makes the whole table unreadable, for every comparison)
+        fresh.check_evidence([c1.comparison_id], "diff")  # the other comparison's evidence is whole
+    kinds = [p.kind for p in fresh.verify()]
+    want = {"deleted": ["missing-segment"], "truncated": ["bad-segment", "altered-segment"]}[how]
+    assert sorted(kinds) == sorted(want), kinds
