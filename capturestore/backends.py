@@ -244,7 +244,10 @@ class LocalBackend(Backend):
         from capturestore.tables import fsync_path
 
         final = self._p(rel)
-        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:  # a file where the directory should be: not "the key exists"
+            raise NotADirectoryError(f"{final.parent} is not a directory") from None
         tmp = final.with_name(f".{final.name}.{os.getpid()}.{threading.get_ident():x}{TMP_SUFFIX}")
         try:
             tmp.write_bytes(data)

@@ -35,7 +35,6 @@ from capturestore.layout import (
 from capturestore.tables import (
     RUN_TABLES,
     SCHEMA_SEGMENT,
-    committed_comparison_ids,
     rows_to_table,
     segment_comparison_ids,
 )
