@@ -89,7 +89,7 @@ def kv_data(prompts: int, layers: int, heads: int, seq: int, dim: int, vocab: in
 def objects_under(store, run_id: str) -> int:
     if isinstance(store.root, Path):
         return sum(len(f) for _, _, f in os.walk(store.root / "arrays.zarr" / run_id))
-    return len(store.storage.find(f"arrays.zarr/{run_id}/"))
+    return len(store.backend.find(f"arrays.zarr/{run_id}/"))
 
 
 def write_run(store, data) -> str:

@@ -19,7 +19,6 @@ indices every selected prompt has are aggregated (as ``aggregate_kv_bc_arrays`` 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -51,15 +50,24 @@ class AggregateBC:
         })
 
 
-def _q(s: str) -> str:
+def _literal(s: str) -> str:
+    """``s`` as a SQL string literal, for SQL text handed out (``where_prompts``); queries run
+    here bind their values instead (``Store.sql(..., params=...)``)."""
     return "'" + str(s).replace("'", "''") + "'"
+
+
+def in_params(name: str, values) -> tuple[str, dict[str, str]]:
+    """(``$name0, $name1, ...``, {name0: value, ...}): an IN list whose values DuckDB binds (as
+    constants: a filter on them is pushed down to the Parquet row groups as a literal list is)."""
+    params = {f"{name}{i}": str(v) for i, v in enumerate(values)}
+    return ", ".join(f"${k}" for k in params), params
 
 
 def comparison_row(store, comparison: str, command: str = "aggregate") -> dict:
     """The committed ``comparisons`` row of ``comparison``, else ValueError in one line."""
     if not isinstance(comparison, str) or not comparison:
         raise ValueError(f"{command}: give a comparison id")
-    rows = store.sql(f"SELECT * FROM comparisons WHERE comparison_id = {_q(comparison)}").to_pylist() \
+    rows = store.sql("SELECT * FROM comparisons WHERE comparison_id = $c", params={"c": comparison}).to_pylist() \
         if "comparisons" in _views(store) else []
     if not rows:
         raise ValueError(f"{command}: no committed comparison {comparison!r} in {store.root} "
@@ -78,7 +86,7 @@ def where_prompts(store, comparison: str, where: str) -> str:
     row = comparison_row(store, comparison)
     if not where or not where.strip():
         raise ValueError("aggregate: --where is empty; give a condition on the prompts view (e.g. \"n_tokens > 512\")")
-    return (f"SELECT prompt_id FROM prompts WHERE run_id = {_q(row['expected_run'])} AND (\n{where}\n)")
+    return (f"SELECT prompt_id FROM prompts WHERE run_id = {_literal(row['expected_run'])} AND (\n{where}\n)")
 
 
 def selected_prompts(store, prompts_sql: str) -> list[str]:
@@ -118,11 +126,12 @@ def iter_raw_errors(store, comparison: str, pids, n_layers: int, order: str = "g
     (``"prompt"``). Several layers are read per query, about ``BATCH_BYTES`` at a time."""
     import pyarrow.compute as pc
 
-    ids = ", ".join(_q(p) for p in pids)
-    where = f"comparison_id = {_q(comparison)} AND prompt_id IN ({ids})" + (
+    ids, params = in_params("p", pids)
+    params["c"] = comparison
+    where = f"comparison_id = $c AND prompt_id IN ({ids})" + (
         f" AND gen_token_idx < {int(n_gen)}" if n_gen is not None else "")
     probe = store.sql(f"SELECT len(base_k) + len(base_v) AS w, count(*) OVER () AS n FROM raw_errors WHERE {where} "
-                      f"AND layer_idx = 0 LIMIT 1").to_pylist()
+                      f"AND layer_idx = 0 LIMIT 1", params=params).to_pylist()
     if not probe:
         return
     per_layer = 2 * 4 * int(probe[0]["w"]) * int(probe[0]["n"])  # bytes of one layer's four vectors
@@ -130,7 +139,7 @@ def iter_raw_errors(store, comparison: str, pids, n_layers: int, order: str = "g
     value_set = pa.array(list(pids), pa.string())
     for l0 in range(0, n_layers, step):
         t = store.sql(f"SELECT layer_idx, prompt_id, gen_token_idx, base_k, tgt_k, base_v, tgt_v FROM raw_errors "
-                      f"WHERE {where} AND layer_idx >= {l0} AND layer_idx < {l0 + step}")
+                      f"WHERE {where} AND layer_idx >= {l0} AND layer_idx < {l0 + step}", params=params)
         layer = t.column("layer_idx").to_numpy()
         prompt = pc.index_in(t.column("prompt_id"), value_set=value_set).to_numpy(zero_copy_only=False)
         gen = t.column("gen_token_idx").to_numpy()
@@ -157,23 +166,23 @@ def aggregate_bc(store, comparison: str, prompts_sql: str) -> AggregateBC:
     store.check_evidence([comparison], "aggregate")
     wanted = selected_prompts(store, prompts_sql)
     if "raw_errors" not in _views(store) or not store.sql(
-            f"SELECT 1 FROM raw_errors WHERE comparison_id = {_q(comparison)} LIMIT 1").num_rows:
+            "SELECT 1 FROM raw_errors WHERE comparison_id = $c LIMIT 1", params={"c": comparison}).num_rows:
         raise ValueError(f"aggregate: comparison {comparison} stored no raw errors (a three-way comparison run with "
                          f"comparators=['raw_errors'], CLI: capturestore compare ... --baseline RUN --raw-errors)")
     if not wanted:
         raise ValueError(f"aggregate: the selection matches no prompt (of {row['n_prompts']} in comparison "
                          f"{comparison})")
-    ids = ", ".join(_q(p) for p in wanted)
+    ids, params = in_params("p", wanted)
     have = store.sql(f"SELECT prompt_id, min(layer_idx) AS l0, count(DISTINCT layer_idx) AS n_layers, "
-                     f"max(gen_token_idx) + 1 AS n_gen FROM raw_errors WHERE comparison_id = {_q(comparison)} "
-                     f"AND prompt_id IN ({ids}) GROUP BY prompt_id").to_pylist()
+                     f"max(gen_token_idx) + 1 AS n_gen FROM raw_errors WHERE comparison_id = $c "
+                     f"AND prompt_id IN ({ids}) GROUP BY prompt_id", params={**params, "c": comparison}).to_pylist()
     if not have:
         raise ValueError(f"aggregate: the selection ({len(wanted)} prompt id(s), first {wanted[0]}) matches no prompt "
                          f"of comparison {comparison} ({row['n_prompts']} prompts)")
     pids = tuple(p for p in wanted if p in {h["prompt_id"] for h in have})
     n_gen = min(int(h["n_gen"]) for h in have)
-    layers_t = store.sql(f"SELECT DISTINCT layer_idx, layer FROM raw_errors WHERE comparison_id = {_q(comparison)} "
-                         f"ORDER BY layer_idx").to_pylist()
+    layers_t = store.sql("SELECT DISTINCT layer_idx, layer FROM raw_errors WHERE comparison_id = $c "
+                         "ORDER BY layer_idx", params={"c": comparison}).to_pylist()
     layers = tuple(r["layer"] for r in layers_t)
     if [r["layer_idx"] for r in layers_t] != list(range(len(layers))):
         raise ValueError(f"aggregate: comparison {comparison}: raw_errors layer indices are not 0..{len(layers) - 1}")
@@ -194,22 +203,20 @@ def aggregate_bc(store, comparison: str, prompts_sql: str) -> AggregateBC:
 
 
 def raw_errors_storage(store, comparison: str) -> tuple[int | None, int]:
-    """(bytes of the raw_errors segments of ``comparison`` (None on object storage: not measured),
-    stored bytes of the KV arrays of its runs): what storing raw errors costs next to the captures
-    they derive from."""
-    import pyarrow.parquet as pq
+    """(bytes of the raw_errors segments of ``comparison``, stored bytes of the KV arrays of its
+    runs): what storing raw errors costs next to the captures they derive from. Sizes are the
+    backend's (a file's, an object's) on every backend."""
+    from capturestore.layout import TABLES_DIR
 
-    from capturestore.tables import table_dir
-
-    local = isinstance(store.root, Path)
-    raw = 0 if local else None  # segment sizes are measured on a local store only
-    for f in sorted(table_dir(store.root, "raw_errors").glob("*.parquet")) if local and "raw_errors" in _views(store) \
-            else []:
-        if f.name.startswith("_"):
+    raw = 0
+    sizes = store.backend.find(f"{TABLES_DIR}/raw_errors") if "raw_errors" in _views(store) else {}
+    for rel, size in sorted(sizes.items()):
+        name = rel.rsplit("/", 1)[-1]
+        if name.startswith("_") or not name.endswith(".parquet"):
             continue
-        ids = pq.read_table(f, columns=["comparison_id"]).column(0).unique().to_pylist()
-        raw += f.stat().st_size if comparison in ids else 0
+        raw += size if comparison in (store.segment_comparison_ids("raw_errors", name) or set()) else 0
     row = comparison_row(store, comparison)
-    runs = ", ".join(_q(r) for r in (row["baseline_run"], row["expected_run"], row["actual_run"]) if r)
-    kv = store.sql(f"SELECT sum(stored_bytes) FROM captures WHERE kind IN ('kv_k', 'kv_v') AND run_id IN ({runs})")
+    runs, params = in_params("r", [r for r in (row["baseline_run"], row["expected_run"], row["actual_run"]) if r])
+    kv = store.sql(f"SELECT sum(stored_bytes) FROM captures WHERE kind IN ('kv_k', 'kv_v') AND run_id IN ({runs})",
+                   params=params)
     return raw, int(kv.column(0)[0].as_py() or 0)

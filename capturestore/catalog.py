@@ -67,10 +67,12 @@ def _quote_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-# A store on object storage passes its objectstore.ObjectStorage as ``root`` to the functions of
-# the in-memory connection (connect_memory, add_views, view_sql, table_names): it lists its own
-# tables and segments, and DuckDB reads them through its fsspec filesystem, registered on the
-# connection before the lockdown; the confinement is the same (allowed_directories = its tables/).
+# ``root`` is what the store's backend gives (Backend.catalog_root): a directory's Path, or for a
+# store on object storage or in memory its backends.FsspecBackend, passed to the functions of the
+# in-memory connection (connect_memory, add_views, view_sql, table_names): it lists its own tables
+# and segments, and DuckDB reads them through its fsspec filesystem, registered on the connection
+# before the lockdown; the confinement is the same (allowed_directories = its tables/). The
+# quoters below build DDL (views, settings), where DuckDB binds no parameters; queries bind theirs.
 def _remote(root) -> bool:
     return not isinstance(root, Path)
 

@@ -77,15 +77,11 @@ def _require_writable(store, command: str) -> None:
     from capturestore.errors import StoreError
     from capturestore.layout import ARRAYS_DIR, PENDING_DIR, TABLES_DIR
 
-    if not isinstance(store.root, Path):  # object storage: a refused PUT says so at the first write
-        return
-    tables = store.root / TABLES_DIR
-    dirs = [store.root, tables, store.root / PENDING_DIR, store.root / ARRAYS_DIR]
-    dirs += sorted(p for p in tables.iterdir() if p.is_dir()) if tables.is_dir() else []
-    for d in dirs:
-        if d.exists() and not os.access(d, os.W_OK | os.X_OK):
-            raise StoreError(f"store {store.root} is not writable ({d}: {_why_unwritable(d)}); "
-                             f"`capturestore {command}` writes to the store")
+    b = store.backend
+    bad = b.unwritable(["", TABLES_DIR, PENDING_DIR, ARRAYS_DIR, *(f"{TABLES_DIR}/{t}" for t in b.listdir(TABLES_DIR))])
+    if bad:
+        raise StoreError(f"store {store.root} is not writable ({bad[0]}: {bad[1]}); "
+                         f"`capturestore {command}` writes to the store")
 
 
 def _why_unwritable(d: Path) -> str:

@@ -99,7 +99,7 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
         f"WHERE comparison_id = '{result.comparison_id}' GROUP BY layer ORDER BY layer\"")
     from reports import render_comparison  # the report sits beside the store, rendered from its queries
 
-    beside = (store.root.parent / f"{store.root.name}-report" if isinstance(store.root, Path)
+    beside = (store.backend.path.parent / f"{store.backend.path.name}-report" if store.backend.path is not None
               else Path(f"{store.root.rstrip('/').rsplit('/', 1)[-1]}-report"))  # a bucket's store: here
     report = render_comparison(store, result.comparison_id, beside)
     out(f"report: {report} (capturestore report {result.comparison_id} --store {store_path} --out DIR)")

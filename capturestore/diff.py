@@ -42,8 +42,10 @@ CI_LEVEL = 0.95
 _VERDICT_COLUMNS = ("passed", "logit_passed", "kv_passed", "fp8_floor_passed")
 
 
-def _q(s) -> str:
-    return "'" + str(s).replace("'", "''") + "'"
+def _in(name: str, values) -> tuple[str, dict[str, str]]:
+    from capturestore.aggregate import in_params
+
+    return in_params(name, values)
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,7 @@ def _comparisons(store) -> list[dict]:
 
 
 def _prompt_set(store, row) -> frozenset:
-    return frozenset(store.sql(f"SELECT prompt_id FROM prompts WHERE run_id = {_q(row['actual_run'])}")
+    return frozenset(store.sql("SELECT prompt_id FROM prompts WHERE run_id = $r", params={"r": row["actual_run"]})
                      .column(0).to_pylist())
 
 
@@ -262,7 +264,8 @@ def _bc_stats(store, q, base_id, head_id, pids, idx) -> list[StatChange]:
         return []
     names = {}
     for cid in (base_id, head_id):
-        t = store.sql(f"SELECT DISTINCT layer_idx, layer FROM raw_errors WHERE comparison_id = {_q(cid)}").to_pylist()
+        t = store.sql("SELECT DISTINCT layer_idx, layer FROM raw_errors WHERE comparison_id = $c",
+                      params={"c": cid}).to_pylist()
         names[cid] = {r["layer_idx"]: r["layer"] for r in t}
     if not names[base_id] or names[base_id] != names[head_id]:
         return []  # one stored none, or their layers differ: no aggregate BC to compare
@@ -285,11 +288,11 @@ def _bc_stats(store, q, base_id, head_id, pids, idx) -> list[StatChange]:
 
 def _group_sums(store, cid, sql_from, keys, tcol, bcol, pids) -> dict:
     """{(prompt, *keys): (Σ tcol², Σ bcol²)} of one comparison's rows."""
-    ids = ", ".join(_q(p) for p in pids)
+    ids, params = _in("p", pids)
     ks = ", ".join(keys)
     t = store.sql(f"SELECT prompt_id, {ks}, sum({tcol} * {tcol}) AS t, sum({bcol} * {bcol}) AS b FROM {sql_from} "
-                  f"WHERE comparison_id = {_q(cid)} AND prompt_id IN ({ids}) AND {tcol} IS NOT NULL "
-                  f"AND {bcol} IS NOT NULL GROUP BY ALL").to_pylist()
+                  f"WHERE comparison_id = $c AND prompt_id IN ({ids}) AND {tcol} IS NOT NULL "
+                  f"AND {bcol} IS NOT NULL GROUP BY ALL", params={**params, "c": cid}).to_pylist()
     return {tuple(r[k] for k in ("prompt_id", *keys)): (r["t"] or 0.0, r["b"] or 0.0) for r in t}
 
 
@@ -395,7 +398,7 @@ class _Q:
 
     def __init__(self, store, b, h, pids):
         self.store, self.b, self.h = store, b, h
-        self.ids = ", ".join(_q(p) for p in pids)
+        self.ids, self.id_params = _in("p", pids)
         t = store.sql("SELECT table_name, column_name FROM information_schema.columns")
         self.views: dict = {}
         for tn, c in zip(t.column(0).to_pylist(), t.column(1).to_pylist()):
@@ -405,8 +408,12 @@ class _Q:
         return view in self.views and set(cols) <= self.views[view]
 
     def side(self, view, cid, prompts=False) -> str:
+        """Rows of one side: ``$b`` (base) or ``$h`` (head), bound by ``params``."""
         extra = f" AND prompt_id IN ({self.ids})" if prompts else ""
-        return f"(SELECT * FROM {view} WHERE comparison_id = {_q(cid)}{extra})"
+        return f"(SELECT * FROM {view} WHERE comparison_id = {'$b' if cid == self.b else '$h'}{extra})"
+
+    def params(self, prompts: bool) -> dict:
+        return {"b": self.b, "h": self.h, **(self.id_params if prompts else {})}
 
     def joined(self, view, keys, cols, prompts=False) -> pa.Table | None:
         if not self.has(view, *keys, *cols):
@@ -417,7 +424,7 @@ class _Q:
         return self.store.sql(f"SELECT {', '.join(f'coalesce(b.{k}, h.{k}) AS {k}' for k in keys)}, {sel} "
                               f"FROM {self.side(view, self.b, prompts)} b "
                               f"FULL JOIN {self.side(view, self.h, prompts)} h "
-                              f"USING ({', '.join(keys)}) ORDER BY ALL")
+                              f"USING ({', '.join(keys)}) ORDER BY ALL", params=self.params(prompts))
 
     def tables(self) -> dict:
         out = {
@@ -437,8 +444,8 @@ class _Q:
         rows = self.store.sql(
             f"SELECT comparison_id, prompt_id, list(gen_token_idx ORDER BY gen_token_idx) AS d "
             f"FROM logit_token_metrics "
-            f"WHERE comparison_id IN ({_q(self.b)}, {_q(self.h)}) AND prompt_id IN ({self.ids}) AND divergence "
-            f"GROUP BY ALL").to_pylist()
+            f"WHERE comparison_id IN ($b, $h) AND prompt_id IN ({self.ids}) AND divergence "
+            f"GROUP BY ALL", params=self.params(True)).to_pylist()
         div = {(r["comparison_id"], r["prompt_id"]): set(r["d"]) for r in rows}
         out = []
         for pid in sorted({p for _, p in div}):
@@ -571,12 +578,12 @@ def history(store, model: str, metric: str = "logit_sigma_ratio") -> pa.Table:
             model = model_content_hash(os.path.expanduser(model))
         except Exception:  # noqa: BLE001 - unreadable weights: nothing matches, said below
             pass
-    match = " OR ".join([f"r.model_path = {_q(model)}", f"r.model_hash = {_q(model)}",
-                         *(f"r.model_path = {_q(p)}" for p in sorted(paths))])
+    same, params = _in("path", sorted(paths))
+    match = " OR ".join(["r.model_path = $model", "r.model_hash = $model", *([f"r.model_path IN ({same})"] if same else [])])
     t = store.sql(f"SELECT c.created_at, r.release, c.comparison_id, c.passed, {expr} AS {metric} "
                   f"FROM comparisons c JOIN runs r ON r.run_id = c.actual_run "
                   f"WHERE {match} "
-                  f"ORDER BY c.created_at, c.comparison_id")
+                  f"ORDER BY c.created_at, c.comparison_id", params={**params, "model": model})
     if not t.num_rows:
         models = sorted({f"{r['model_path']} ({r['model_hash']})" for r in rows})
         raise ValueError(f"history: no comparison of model {model!r} (models compared: {', '.join(models) or 'none'})")

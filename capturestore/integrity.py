@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -26,18 +25,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from capturestore.arrays import bad_chunks
-from capturestore.layout import ARRAYS_DIR, COMPARISON_ID_PREFIX, PENDING_DIR, TABLES_DIR, TMP_SUFFIX
+from capturestore.layout import (
+    ARRAYS_DIR,
+    COMPARISON_ID_PREFIX,
+    PENDING_DIR,
+    TABLES_DIR,
+    TMP_SUFFIX,
+)
 from capturestore.tables import (
     RUN_TABLES,
-    rows_to_table,
     SCHEMA_SEGMENT,
-    committed_comparison_ids,
-    committed_run_ids,
-    comparison_tables,
+    rows_to_table,
     segment_comparison_ids,
-    segment_files,
-    table_dir,
 )
 
 
@@ -126,24 +125,6 @@ class PendingLock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
-
-
-def check_comparison_rows(root: Path, table: str, comparison_ids) -> None:
-    """Refuse rows of ``table`` whose ``comparison_id`` is NULL or names a comparison that is neither
-    committed nor being written (a live pending lock, as ``commit_comparison`` holds): such rows
-    would be invisible in every view and removed by ``gc``, i.e. lost."""
-    ids = set(comparison_ids)
-    if None in ids:
-        raise ValueError(f"append_table {table}: a comparison_id is NULL; rows with a comparison_id column belong to "
-                         f"a comparison (see docs/tables.md) - name the column otherwise for rows of no comparison")
-    open_ids = [c for c in ids if not writer_is_alive(root / PENDING_DIR / f"{c}.json")]
-    if open_ids:
-        committed = committed_comparison_ids(root) or set()
-        orphans = sorted(c for c in open_ids if c not in committed)
-        if orphans:
-            raise ValueError(f"append_table {table}: comparison_id {orphans[0]!r} is no committed comparison and none is "
-                             f"being written; its rows would be invisible and removed by gc (write them through "
-                             f"integrity.commit_comparison, or name the column otherwise)")
 
 
 def is_comparison_id(writer_id: str) -> bool:
@@ -357,152 +338,155 @@ def pid_is_alive(pid: int) -> bool:
     return True
 
 
-def _run_is_live(root: Path, run_id: str) -> bool:
-    return writer_is_alive(root / PENDING_DIR / f"{run_id}.json")
+# ---- verify and gc: written once over backends.Backend --------------------------------------------
+# Everything below reads and removes through the backend's public interface (keys relative to the
+# store root), so each check runs on a directory, a bucket and in memory alike; liveness is the
+# backend's (a flock, a lease by the server's clock, a held lock object).
+
+def _as_backend(store_or_root: Any):
+    from capturestore.backends import Backend, LocalBackend
+
+    if isinstance(store_or_root, Backend):
+        return store_or_root
+    if isinstance(store_or_root, Path):
+        return LocalBackend(store_or_root)
+    return store_or_root.backend
 
 
-def _pending_ids(root: Path) -> set[str]:
-    pending = root / PENDING_DIR
-    return {p.name.removesuffix(".json") for p in pending.iterdir() if p.name.endswith(".json")} if pending.is_dir() else set()
+def _segment_ids(b, table: str) -> set[str]:
+    return {n.removesuffix(".parquet") for n in b.segment_names(table) if n != SCHEMA_SEGMENT}
 
 
-def _uncommitted_runs(root: Path) -> list[str]:
-    """Run ids with arrays or segments but no runs segment, whose writer is dead."""
-    committed = committed_run_ids(root)
-    seen: set[str] = set()
-    arrays = root / ARRAYS_DIR
-    if arrays.is_dir():
-        seen |= {p.name for p in arrays.iterdir() if p.is_dir()}
-    for t in ("prompts", "captures"):
-        seen |= {p.name.removesuffix(".parquet") for p in segment_files(root, t) if p.name != SCHEMA_SEGMENT}
-    seen |= {i for i in _pending_ids(root) if not is_comparison_id(i)}
-    out = []
-    for run_id in sorted(seen - committed):
-        if _run_is_live(root, run_id):
-            continue
-        if run_id in committed_run_ids(root):  # committed while we looked
-            continue
-        out.append(run_id)
+def committed_comparisons(b) -> set[str] | None:
+    out: set[str] = set()
+    for name in b.segment_names("comparisons"):
+        try:
+            out |= set(b.read_parquet(f"{TABLES_DIR}/comparisons/{name}", ["comparison_id"]).column(0).to_pylist())
+        except Exception:  # noqa: BLE001 - verify reports unreadable segments
+            return None
+    out.discard(None)
     return out
 
 
-def _uncommitted_comparisons(root: Path) -> tuple[dict[str, list[Path]], list[Path]]:
-    """({comparison_id: its segments}, pending files) of comparisons without a ``comparisons``
-    row whose writer is dead, and pending files of dead comparison writers that did commit.
-
-    A segment counts when every row belongs to such a comparison (compare_runs writes one
-    comparison per segment); rows of a live writer are never counted, and nothing counts while
-    a ``comparisons`` segment is unreadable (verify reports that segment)."""
-    segments: dict[str, list[Path]] = {}
-    for t in comparison_tables(root):
-        for seg in segment_files(root, t):
+def _comparison_tables(b) -> list[str]:
+    """Tables whose rows belong to comparisons: a ``comparison_id`` column, other than ``comparisons``."""
+    out = []
+    for t in b.listdir(TABLES_DIR):
+        if t in (*RUN_TABLES, "comparisons"):
+            continue
+        for name in b.segment_names(t):
             try:
-                ids = segment_comparison_ids(seg)
+                if "comparison_id" in pq.read_schema(pa.BufferReader(b.read(f"{TABLES_DIR}/{t}/{name}"))).names:
+                    out.append(t)
+                    break
+            except Exception:  # noqa: BLE001 - an unreadable segment is verify's to report
+                continue
+    return out
+
+
+def _leftovers(b) -> tuple[list[str], dict[str, list[str]], list[str]]:
+    """(run ids, {comparison id: its segments}, stale pending keys) that dead writers left.
+
+    Runs: arrays or segments but no runs segment. Comparisons: no ``comparisons`` row; a segment
+    counts when every row belongs to one such comparison (compare_runs writes one comparison per
+    segment); nothing counts while a ``comparisons`` segment is unreadable (verify reports it).
+    Stale: pending objects of dead writers that did commit. A live writer's are never listed."""
+    alive = b.liveness()
+    committed = _segment_ids(b, "runs")
+    pending = {n.removesuffix(".json") for n in b.listdir(PENDING_DIR) if n.endswith(".json")}
+    seen = {n for n in b.listdir(ARRAYS_DIR) if n != "zarr.json" and not n.startswith(".")}
+    for t in ("prompts", "captures"):
+        seen |= _segment_ids(b, t)
+    seen |= {i for i in pending if not is_comparison_id(i)}
+    runs = [r for r in sorted(seen - committed) if not alive(r)]
+    committed = _segment_ids(b, "runs")  # committed while we looked: not an orphan
+    runs = [r for r in runs if r not in committed]
+    segments: dict[str, list[str]] = {}
+    for t in _comparison_tables(b):
+        for name in b.segment_names(t):
+            rel = f"{TABLES_DIR}/{t}/{name}"
+            try:
+                ids = segment_comparison_ids(b.read(rel))
             except Exception:  # noqa: BLE001 - reported as a bad segment
                 continue
             if ids and len(ids) == 1:
-                segments.setdefault(next(iter(ids)), []).append(seg)
-    pending = {i for i in _pending_ids(root) if is_comparison_id(i)}
-    committed = committed_comparison_ids(root)
-    if committed is None:
-        return {}, []
-    dead = {}
-    for cid in sorted((set(segments) | pending) - committed):
-        if writer_is_alive(root / PENDING_DIR / f"{cid}.json"):
-            continue
-        dead[cid] = segments.get(cid, [])
-    committed = committed_comparison_ids(root)  # committed while we looked: not an orphan
-    if committed is None:
-        return {}, []
-    dead = {cid: segs for cid, segs in dead.items() if cid not in committed}
-    stale = [root / PENDING_DIR / f"{cid}.json" for cid in sorted(pending) if cid in dead
-             or (cid in committed and not writer_is_alive(root / PENDING_DIR / f"{cid}.json"))]
-    return dead, stale
+                segments.setdefault(next(iter(ids)), []).append(rel)
+    stale = [f"{PENDING_DIR}/{i}.json" for i in sorted(pending)
+             if not is_comparison_id(i) and i in committed and not alive(i)]
+    ccommitted = committed_comparisons(b)
+    if ccommitted is None:
+        return runs, {}, stale
+    cpending = {i for i in pending if is_comparison_id(i)}
+    dead = {c: segments.get(c, []) for c in sorted((set(segments) | cpending) - ccommitted) if not alive(c)}
+    ccommitted = committed_comparisons(b)
+    if ccommitted is None:
+        return runs, {}, stale
+    dead = {c: segs for c, segs in dead.items() if c not in ccommitted}
+    stale += [f"{PENDING_DIR}/{c}.json" for c in sorted(cpending) if c in dead or (c in ccommitted and not alive(c))]
+    return runs, dead, stale
 
 
-_TMP_PID = re.compile(r"\.(\d+)(?:\.[0-9a-f]+)?\.tmp$")
-
-
-def _dead_temp_files(root: Path) -> list[Path]:
-    """Temp files (segments, catalog, pending, format) whose writing process is gone."""
-    out = []
-    dirs = [root, root / PENDING_DIR]
-    tables = root / TABLES_DIR
-    if tables.is_dir():
-        dirs += [p for p in tables.iterdir() if p.is_dir()]
-    for d in dirs:
-        if not d.is_dir():
-            continue
-        for p in d.iterdir():
-            if not p.name.endswith(TMP_SUFFIX) and not p.name.endswith(".tmp.wal"):
-                continue
-            m = _TMP_PID.search(p.name.removesuffix(".wal"))
-            if m is None or not pid_is_alive(int(m.group(1))):
-                out.append(p)
-    return out
-
-
-def verify(root: Path) -> VerifyReport:
+def verify(store_or_root: Any) -> VerifyReport:
+    """Every check that needs no catalog: segments readable, each committed run's marker, group
+    metadata, every catalogued array present with the catalogued shape and dtype and every
+    chunk's CRC32C, tokens as catalogued, leftovers of dead writers, and (where the backend keeps
+    one) catalog.duckdb against a rebuild. ``store_or_root``: a Store, a Backend or a directory."""
+    b = _as_backend(store_or_root)
     report = VerifyReport()
-    committed = committed_run_ids(root)
     # 1. every segment must be readable Parquet
-    tables = root / TABLES_DIR
-    for tdir in sorted(p for p in tables.iterdir() if p.is_dir()) if tables.is_dir() else []:
-        for seg in segment_files(root, tdir.name):
+    for t in b.listdir(TABLES_DIR):
+        for name in b.segment_names(t):
             try:
-                pq.read_metadata(seg)
+                pq.read_metadata(pa.BufferReader(b.read(f"{TABLES_DIR}/{t}/{name}")))
             except Exception as e:  # noqa: BLE001
-                run = seg.name.removesuffix(".parquet") if tdir.name in RUN_TABLES else None
-                report.append(Problem("bad-segment", f"table {tdir.name} segment {seg.name} is unreadable: {e}", run_id=run))
-    # 2. every capture of a committed run: array present, shape as catalogued, every chunk's CRC
-    zroot = root / ARRAYS_DIR
-    _verify_group(zroot, "", report)
-    for run_id in sorted(committed):
-        if not _verify_run_marker(root, run_id, report):
+                run = name.removesuffix(".parquet") if t in RUN_TABLES else None
+                report.append(Problem("bad-segment", f"table {t} segment {name} is unreadable: {e}", run_id=run))
+    # 2. every capture of a committed run: array present, shape and dtype as catalogued, every chunk's CRC
+    _verify_group(b, "", report)
+    for run_id in sorted(_segment_ids(b, "runs")):
+        if not _verify_run_marker(b, run_id, report):
             continue
-        cap_seg = table_dir(root, "captures") / f"{run_id}.parquet"
-        pr_seg = table_dir(root, "prompts") / f"{run_id}.parquet"
         try:
-            caps = pq.read_table(cap_seg).to_pylist()
-            prompts = pq.read_table(pr_seg).to_pylist()
+            caps = b.read_parquet(f"{TABLES_DIR}/captures/{run_id}.parquet").to_pylist()
+            prompts = b.read_parquet(f"{TABLES_DIR}/prompts/{run_id}.parquet").to_pylist()
         except Exception as e:  # noqa: BLE001
             report.append(Problem("bad-segment", f"prompts/captures segment unreadable: {e}", run_id=run_id))
             continue
         have_tokens = {c["prompt_id"] for c in caps if c["array_name"] == "tokens"}
         for p in prompts:
             if p["prompt_id"] not in have_tokens:
-                report.append(Problem("missing-tokens", "prompt has no tokens capture", run_id=run_id, prompt_id=p["prompt_id"]))
+                report.append(Problem("missing-tokens", "prompt has no tokens capture", run_id=run_id,
+                                      prompt_id=p["prompt_id"]))
         n_before = len(report)
         groups = {run_id} | {f"{run_id}/{p['prompt_id']}" for p in prompts}
         for c in caps:  # every group from the run down to each array: plain zarr needs their zarr.json
             parts = f"{run_id}/{c['prompt_id']}/{c['array_name']}".split("/")
             groups |= {"/".join(parts[:i]) for i in range(1, len(parts))}
         for g in sorted(groups):
-            _verify_group(zroot, g, report)
+            _verify_group(b, g, report)
+        metas = b.read_many([f"{ARRAYS_DIR}/{run_id}/{c['prompt_id']}/{c['array_name']}/zarr.json" for c in caps])
         for c in caps:
-            _verify_capture(zroot, c, report)
+            _verify_capture(b, c, metas, report)
         if len(report) == n_before:  # arrays sound: do the tokens agree with the catalog?
             for p in prompts:
-                _verify_prompt_tokens(zroot, p, report)
+                _verify_prompt_tokens(b, p, report)
     # 3. leftovers of dead writers (gc removes them)
-    for run_id in _uncommitted_runs(root):
+    runs, dead, stale = _leftovers(b)
+    for run_id in runs:
         report.append(Problem("orphan", "uncommitted run left by a dead writer (run `capturestore gc`)", run_id=run_id))
-    dead, stale = _uncommitted_comparisons(root)
     for cid, segs in dead.items():
-        where = ", ".join(str(s.relative_to(root)) for s in segs) or "no segment"
         report.append(Problem("orphan", f"comparison {cid} never committed (no comparisons row), its writer is "
-                                        f"dead; its rows are hidden: {where} (run `capturestore gc`)"))
-    for p in stale:
-        if p.name.removesuffix(".json") not in dead:
-            report.append(Problem("orphan", f"pending file {p.relative_to(root)} of a dead comparison writer "
-                                            "(run `capturestore gc`)"))
-    for p in _dead_temp_files(root):
-        report.append(Problem("orphan", f"temp file {p.relative_to(root)} left by a dead writer (run `capturestore gc`)"))
+                                        f"dead; its rows are hidden: {', '.join(segs) or 'no segment'} "
+                                        f"(run `capturestore gc`)"))
+    for rel in stale:
+        if rel.rsplit("/", 1)[-1].removesuffix(".json") not in dead:
+            who = "comparison writer" if is_comparison_id(rel.rsplit("/", 1)[-1]) else "writer"
+            report.append(Problem("orphan", f"pending file {rel} of a dead {who} (run `capturestore gc`)"))
+    for rel in b.dead_temp_files():
+        report.append(Problem("orphan", f"temp file {rel} left by a dead writer (run `capturestore gc`)"))
     # 4. catalog.duckdb holds exactly what rebuild-catalog would write
-    from capturestore.catalog import catalog_problems
-
     try:
-        msgs = catalog_problems(root)
+        msgs = b.catalog_problems()
     except Exception as e:  # noqa: BLE001 - e.g. no room for the copy it reads: say so, keep the rest
         msgs = [f"catalog.duckdb could not be checked: {e}"]
     for msg in msgs:
@@ -510,86 +494,112 @@ def verify(root: Path) -> VerifyReport:
     return report
 
 
-def _verify_run_marker(root: Path, run_id: str, report: VerifyReport) -> bool:
+def _verify_run_marker(b, run_id: str, report: VerifyReport) -> bool:
     """The runs segment of a run is its commit marker: exactly one complete row naming it."""
-    seg = table_dir(root, "runs") / f"{run_id}.parquet"
     try:
-        rows = pq.read_table(seg, columns=["run_id", "status"]).to_pylist()
+        rows = b.read_parquet(f"{TABLES_DIR}/runs/{run_id}.parquet", ["run_id", "status"]).to_pylist()
     except Exception:  # noqa: BLE001 - already reported as a bad segment
         return False
     if rows != [{"run_id": run_id, "status": "complete"}]:
         what = "no row" if not rows else f"{len(rows)} rows {[r['run_id'] for r in rows][:3]}"
-        report.append(Problem("bad-marker", f"runs segment {seg.name} (the run's commit marker) holds {what}, "
+        report.append(Problem("bad-marker", f"runs segment {run_id}.parquet (the run's commit marker) holds {what}, "
                                             "not one complete row of this run", run_id=run_id))
         return False
     return True
 
 
-def _verify_group(zroot: Path, path: str, report: VerifyReport) -> None:
+def _verify_group(b, path: str, report: VerifyReport) -> None:
     """``arrays.zarr/<path>`` has group metadata; without it plain zarr/xarray cannot open the store."""
-    meta = zroot / path / "zarr.json"
+    rel = "/".join(p for p in (ARRAYS_DIR, path, "zarr.json") if p)
     parts = path.split("/") if path else []
     where = {"run_id": parts[0] if parts else None, "prompt_id": parts[1] if len(parts) > 1 else None}
     try:
-        node = json.loads(meta.read_text()).get("node_type")
+        node = json.loads(b.read(rel)).get("node_type")
     except FileNotFoundError:
-        report.append(Problem("missing-group", f"group metadata {meta.relative_to(zroot.parent)} is missing; "
+        report.append(Problem("missing-group", f"group metadata {rel} is missing; "
                                                "plain zarr/xarray cannot open this group", **where))
         return
-    except (OSError, ValueError) as e:
-        report.append(Problem("missing-group", f"group metadata {meta.relative_to(zroot.parent)} is unreadable: {e}", **where))
+    except (OSError, ValueError, AttributeError) as e:
+        report.append(Problem("missing-group", f"group metadata {rel} is unreadable: {e}", **where))
         return
     if node != "group":
-        report.append(Problem("missing-group", f"{meta.relative_to(zroot.parent)} is a {node!r} node, not a group", **where))
+        report.append(Problem("missing-group", f"{rel} is a {node!r} node, not a group", **where))
 
 
-def _verify_capture(zroot: Path, c: dict, report: VerifyReport) -> None:
+_CHUNK_BATCH = 64  # chunks read at once: bounded memory on arrays of any size
+
+
+def _verify_capture(b, c: dict, metas: dict[str, bytes | None], report: VerifyReport) -> None:
+    from capturestore.arrays import crc_problem
+    from capturestore.layout import chunk_keys
+
     run_id, pid, name = c["run_id"], c["prompt_id"], c["array_name"]
-    adir = zroot / run_id / pid / name
-    meta_path = adir / "zarr.json"
+    where = {"run_id": run_id, "prompt_id": pid, "array": name}
+    base = f"{ARRAYS_DIR}/{run_id}/{pid}/{name}"
+    raw = metas.get(f"{base}/zarr.json")
+    if raw is None:
+        report.append(Problem("missing-array", "array is catalogued but missing from arrays.zarr", **where))
+        return
     try:
-        meta = json.loads(meta_path.read_text())
-    except FileNotFoundError:
-        report.append(Problem("missing-array", "array is catalogued but missing from arrays.zarr",
-                              run_id=run_id, prompt_id=pid, array=name))
+        meta = json.loads(raw)
+        shape = tuple(meta["shape"])
+        chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        report.append(Problem("missing-array", f"array metadata unreadable: {e}", **where))
         return
-    except (OSError, json.JSONDecodeError) as e:
-        report.append(Problem("missing-array", f"array metadata unreadable: {e}", run_id=run_id, prompt_id=pid, array=name))
-        return
-    shape = tuple(meta["shape"])
-    chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
     if list(shape) != list(c["shape"]):
-        report.append(Problem("shape-mismatch", f"catalog says shape {c['shape']}, array has {list(shape)}",
-                              run_id=run_id, prompt_id=pid, array=name))
+        report.append(Problem("shape-mismatch", f"catalog says shape {c['shape']}, array has {list(shape)}", **where))
         return
     attrs = meta.get("attributes", {})
     if attrs.get("logical_dtype") != c["dtype"] or meta.get("data_type") != c["storage_dtype"]:
         report.append(Problem("dtype-mismatch",
                               f"catalog says {c['dtype']} stored as {c['storage_dtype']}, array has "
-                              f"{attrs.get('logical_dtype')} stored as {meta.get('data_type')}",
-                              run_id=run_id, prompt_id=pid, array=name))
+                              f"{attrs.get('logical_dtype')} stored as {meta.get('data_type')}", **where))
         return
     report.checked_arrays += 1
-    from capturestore.layout import chunk_keys
+    keys = [k for _, k in chunk_keys(shape, chunks)]
+    report.checked_chunks += len(keys)
+    codecs = [x.get("name") for x in meta.get("codecs", [])]
+    if not codecs or codecs[-1] == "crc32c":  # the CRC sits in each chunk object: checked without decoding
+        for i in range(0, len(keys), _CHUNK_BATCH):
+            batch = keys[i:i + _CHUNK_BATCH]
+            got = b.read_many([f"{base}/{k}" for k in batch])
+            for k in batch:
+                why = crc_problem(got[f"{base}/{k}"])
+                if why:
+                    report.append(Problem("corrupt-chunk", why, chunk=k, **where))
+        return
+    present = b.find(f"{base}/c")  # sharded: each shard's index and inner chunks carry their CRCs
+    for k in keys:
+        if f"{base}/{k}" not in present:
+            report.append(Problem("corrupt-chunk", "chunk file is missing", chunk=k, **where))
+    from zarr.core.array import Array, AsyncArray
+    from zarr.storage import StorePath
 
-    report.checked_chunks += len(chunk_keys(shape, chunks))
-    for key, why in bad_chunks(adir, shape, chunks):
-        report.append(Problem("corrupt-chunk", why, run_id=run_id, prompt_id=pid, array=name, chunk=key))
+    try:
+        Array(AsyncArray(metadata=meta, store_path=StorePath(b.zarr_store(base))))[...]
+    except Exception as e:  # noqa: BLE001
+        report.append(Problem("corrupt-chunk", f"shard unreadable: {' '.join(str(e).split())}", **where))
 
 
-def _verify_prompt_tokens(zroot: Path, p: dict, report: VerifyReport) -> None:
+def _verify_prompt_tokens(b, p: dict, report: VerifyReport) -> None:
     """The tokens array equals the prompts row's token_ids, and prompt_id hashes its prompt part."""
     from capturestore.chunkio import read_region
     from capturestore.writer import prompt_id
 
     run_id, pid = p["run_id"], p["prompt_id"]
-    adir = zroot / run_id / pid / "tokens"
-    meta = json.loads((adir / "zarr.json").read_text())
+    base = f"{ARRAYS_DIR}/{run_id}/{pid}/tokens"
+    meta = json.loads(b.read(f"{base}/zarr.json"))
     shape = tuple(meta["shape"])
     chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
     codecs = [c["name"] for c in meta["codecs"]]
-    tokens = read_region(adir, shape, chunks, np.dtype(meta["data_type"]), (slice(0, shape[0]),),
-                         f"run {run_id}, prompt {pid}, array tokens", compressed="blosc" in codecs)
+
+    def fetch(keys: list[str]) -> dict[str, bytes | None]:
+        got = b.read_many([f"{base}/{k}" for k in keys])
+        return {k: got[f"{base}/{k}"] for k in keys}
+
+    tokens = read_region(None, shape, chunks, np.dtype(meta["data_type"]), (slice(0, shape[0]),),
+                         f"run {run_id}, prompt {pid}, array tokens", compressed="blosc" in codecs, fetch=fetch)
     want = p.get("token_ids")
     if want is not None and list(tokens) != list(want):
         report.append(Problem("tokens-mismatch", "tokens array differs from the prompts row's token_ids",
@@ -601,41 +611,29 @@ def _verify_prompt_tokens(zroot: Path, p: dict, report: VerifyReport) -> None:
                               run_id=run_id, prompt_id=pid, array="tokens"))
 
 
-def gc(root: Path, dry_run: bool = False) -> list[str]:
-    """Remove arrays, segments and pending files of uncommitted runs and comparisons whose writer
-    is dead, and temp files of dead processes. A live writer (lock held) is never touched."""
+def gc(store_or_root: Any, dry_run: bool = False) -> list[str]:
+    """Remove arrays, segments and pending objects of uncommitted runs and comparisons whose writer
+    is dead, and temp files of dead processes; returns the keys removed. A live writer is never
+    touched. Arrays and segments go before their pending object: a gc cut short is resumed."""
+    b = _as_backend(store_or_root)
     removed: list[str] = []
-    for run_id in _uncommitted_runs(root):
-        targets = [root / ARRAYS_DIR / run_id]
-        targets += [table_dir(root, t) / f"{run_id}.parquet" for t in ("prompts", "captures")]
-        targets.append(root / PENDING_DIR / f"{run_id}.json")
-        for t in targets:
-            if t.exists():
-                removed.append(str(t.relative_to(root)))
-                if not dry_run:
-                    shutil.rmtree(t) if t.is_dir() else t.unlink(missing_ok=True)
-    # pending files of committed runs whose writer died between commit and cleanup
-    committed = committed_run_ids(root)
-    pdir = root / PENDING_DIR
-    for p in sorted(pdir.iterdir()) if pdir.is_dir() else []:
-        rid = p.name.removesuffix(".json")
-        if p.name.endswith(".json") and rid in committed and not writer_is_alive(p):
-            removed.append(str(p.relative_to(root)))
+    runs, dead, stale = _leftovers(b)
+    for run_id in runs:
+        arrays = f"{ARRAYS_DIR}/{run_id}"
+        segs = [r for t in ("prompts", "captures") for r in [f"{TABLES_DIR}/{t}/{run_id}.parquet"] if b.exists(r)]
+        lease = [r for r in [f"{PENDING_DIR}/{run_id}.json"] if b.exists(r)]
+        if b.exists(arrays) or b.find(arrays):
+            removed.append(arrays)
             if not dry_run:
-                p.unlink(missing_ok=True)
-    # comparisons without their comparisons row, then their pending files (segments first: a
-    # gc killed in between leaves a pending file, not segments without one)
-    dead, stale = _uncommitted_comparisons(root)
-    for p in [s for segs in dead.values() for s in segs] + stale:
-        removed.append(str(p.relative_to(root)))
+                b.remove_tree(arrays)
+        removed += segs + lease
         if not dry_run:
-            p.unlink(missing_ok=True)
-    for p in _dead_temp_files(root):
-        removed.append(str(p.relative_to(root)))
+            b.remove(segs)
+            b.remove(lease)
+    for rel in [s for segs in dead.values() for s in segs] + stale + b.dead_temp_files():
+        removed.append(rel)
         if not dry_run:
-            p.unlink(missing_ok=True)
+            b.remove([rel])
     if removed and not dry_run:  # a table may have lost its last segment: its view goes too
-        from capturestore.catalog import ensure_catalog_file
-
-        ensure_catalog_file(root)
+        b.refresh_catalog()
     return removed

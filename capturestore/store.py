@@ -3,17 +3,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import threading
+import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import zarr
 
 from capturestore import catalog, integrity
-from capturestore.arrays import ArrayRef, check_compression, checked_read, open_array, open_zarr_store, stored_bytes
+from capturestore.arrays import ArrayRef, bad_chunks, check_compression
 from capturestore.chunkio import read_region, write_block
 from capturestore.dtypes import LOGICAL_DTYPES, from_storage
 from capturestore.errors import FormatVersionError, StoreError
@@ -30,28 +32,17 @@ from capturestore.layout import (
 )
 from capturestore.tables import (
     RUN_TABLES,
+    SCHEMA_SEGMENT,
+    SCHEMAS,
     SegmentSchemas,
-    committed_run_ids,
     ensure_schema_segments,
-    fsync_tree,
-    read_table,
     rows_to_table,
-    segment_files,
-    table_dir,
-    write_segment,
+    segment_bytes,
 )
 from capturestore.writer import RunWriter, new_run_id, run_meta
 
-
-def read_format(root: Path) -> dict[str, Any] | None:
-    p = root / FORMAT_FILE
-    if not p.exists():
-        return None
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise StoreError(f"{p}: unreadable format file ({e})") from None
-    return parse_format(text, p)
+if TYPE_CHECKING:
+    from capturestore.backends import Backend
 
 
 def parse_format(text: str, p: Any) -> dict[str, Any]:
@@ -96,11 +87,18 @@ def _is_layout_entry(name: str) -> bool:
 
 
 class Store:
-    """A capture store directory. Open with ``Store.open(path)``."""
+    """A capture store: a directory, ``s3://bucket/prefix`` or ``memory://name``. Open with
+    ``Store.open(path)``. Every method is written once over its ``backend`` (backends.py), which
+    holds the bytes and the medium's commit protocol."""
 
-    def __init__(self, root: Path):
-        self.root = root
-        self._zstore = open_zarr_store(root / ARRAYS_DIR)
+    def __init__(self, backend: Backend | Path):
+        from capturestore.backends import Backend, LocalBackend
+
+        if not isinstance(backend, Backend):
+            backend = LocalBackend(Path(backend))
+        self.backend = backend
+        self.root = backend.root  # a Path for a directory, the URL otherwise
+        self._zstore = backend.zarr_store(ARRAYS_DIR)
         self._committed: set[str] = set()
         self._con = None  # in-memory DuckDB connection with the catalog views, made on first sql()
         self._con_tables: list[str] = []
@@ -108,109 +106,146 @@ class Store:
         self._con_pid = -1
         self._con_lock = threading.Lock()
         self._segment_schemas: dict[str, SegmentSchemas] = {}  # table -> its segments' column types
+        self.shard_bytes = backend.shard_bytes  # arrays written whole go into shards of this size
+        # where every read is a round trip, what never changes (a committed run's segments and
+        # array metadata) is read once per Store
+        self._cache = backend.path is None
+        self._run_segments: dict[tuple[str, str], pa.Table] = {}
+        self._array_meta: dict[str, dict] = {}
 
     # ---- opening ---------------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike, create: bool = True) -> Store:
         """Open (and by default create) the store at ``path``; refuses a newer format version.
 
-        ``path``: a directory (or ``file://`` URL), or ``s3://bucket/prefix`` for a store on
-        object storage (objectstore.py; endpoint and credentials from the AWS_* variables)."""
-        from capturestore import objectstore
+        ``path``: a directory (or ``file://`` URL), ``s3://bucket/prefix`` for a store on
+        object storage (objectstore.py; endpoint and credentials from the AWS_* variables), or
+        ``memory://name`` for one in this process's memory (backends.backend_for)."""
+        from capturestore.backends import backend_for
 
-        if objectstore.is_url(path):
-            return objectstore.open_url(str(path), create=create)
-        if isinstance(path, str) and path.startswith("file://"):
-            path = path.removeprefix("file://")
-        root = store_root(path)
-        info = read_format(root)
+        b = backend_for(path)
+        b.check()  # unreachable, no bucket, credentials refused: one line, before anything is written
+        try:
+            raw = b.read(FORMAT_FILE)
+        except FileNotFoundError:
+            raw = None
+        except Exception as e:  # noqa: BLE001 - one line naming the file
+            raise (b.explain(e) or StoreError(f"{b.where(FORMAT_FILE)}: unreadable format file ({e})")) from None
+        info = None if raw is None else parse_format(raw.decode(errors="replace"), b.where(FORMAT_FILE))
         if info is None:
             if not create:
-                raise StoreError(f"{root} is not a capture store (no {FORMAT_FILE}); Store.open(path, create=True) makes a new one")
-            if root.exists() and not root.is_dir():
-                raise StoreError(f"{root} exists and is not a directory")
-            if root.is_dir() and any(not _is_layout_entry(p.name) for p in root.iterdir()):
-                raise StoreError(f"{root} is a non-empty directory without {FORMAT_FILE}; refusing to make it a store")
-            cls._create_layout(root)
+                raise StoreError(f"{b.url} is not a capture store (no {FORMAT_FILE}); Store.open(path, create=True) "
+                                 f"makes a new one")
+            why = b.refuse_creation([n for n in b.listdir("") if not _is_layout_entry(n)])
+            if why:
+                raise StoreError(why)
+            cls._create_layout(b)
         elif info["format_version"] > FORMAT_VERSION:
             raise FormatVersionError(
-                f"store {root} has format version {info['format_version']}, newer than the {FORMAT_VERSION} this "
+                f"store {b.url} has format version {info['format_version']}, newer than the {FORMAT_VERSION} this "
                 f"capturestore reads; upgrade capturestore to open it"
             )
-        store = cls(root)
-        store._committed = committed_run_ids(root)
+        store = cls(b)
+        store._committed = store._committed_ids()
         try:
-            catalog.ensure_catalog_file(root)  # only when catalog.stamp is out of date
+            b.refresh_catalog()  # only when catalog.stamp is out of date
         except Exception:  # noqa: BLE001 - the file catalog is a convenience; queries never need it
             pass
         return store
 
     @staticmethod
-    def _create_layout(root: Path) -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        for d in (ARRAYS_DIR, TABLES_DIR, PENDING_DIR):
-            (root / d).mkdir(exist_ok=True)
+    def _create_layout(b: Backend) -> None:
+        """Every step may race another creation or resume one cut short; the format file goes last."""
+        b.makedirs([ARRAYS_DIR, TABLES_DIR, PENDING_DIR])
         try:
-            zarr.open_group(store=zarr.storage.LocalStore(str(root / ARRAYS_DIR)), mode="a", zarr_format=3)
+            zarr.open_group(store=b.zarr_store(ARRAYS_DIR), mode="a", zarr_format=3)
         except zarr.errors.ContainsGroupError:  # a concurrent creation made it between zarr's check and write
             pass
-        ensure_schema_segments(root)
-        tmp = root / f".{FORMAT_FILE}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({"format": FORMAT_NAME, "format_version": FORMAT_VERSION}, indent=2) + "\n")
-        os.replace(tmp, root / FORMAT_FILE)  # written last: a half-created directory is not a store
+        for name, schema in SCHEMAS.items():
+            try:
+                b.put(f"{TABLES_DIR}/{name}/{SCHEMA_SEGMENT}", segment_bytes(schema.empty_table()), if_absent=True)
+            except FileExistsError:
+                pass
+        try:  # written last: a half-created store is not a store
+            b.put(FORMAT_FILE, (json.dumps({"format": FORMAT_NAME, "format_version": FORMAT_VERSION}, indent=2)
+                                + "\n").encode(), if_absent=True)
+        except FileExistsError:  # a concurrent creation made it first
+            pass
 
     def __repr__(self) -> str:
         return f"Store({str(self.root)!r})"
 
-    def __reduce__(self):  # picklable (multiprocessing): reopen by path in the other process
+    def __reduce__(self):  # picklable (multiprocessing, Dask): reopen by path or URL in the other process
         return (Store.open, (str(self.root), False))
 
-    # ---- storage: what a store on object storage does otherwise (objectstore.RemoteStore) ----
+    # ---- storage, through the backend ---------------------------------------------------------
     def _committed_ids(self) -> set[str]:
-        return committed_run_ids(self.root)
+        """Run ids with a runs segment (the commit marker); segments are named after the run."""
+        return {n.removesuffix(".parquet") for n in self.backend.segment_names("runs") if n != SCHEMA_SEGMENT}
 
-    def _pending_lock(self, writer_id: str, info: dict[str, Any]) -> integrity.PendingLock:
-        """``pending/<writer_id>.json``, held until ``release()`` (a lock the kernel drops on death)."""
-        return integrity.PendingLock(self.root, writer_id, info)
+    def _pending_lock(self, writer_id: str, info: dict[str, Any]):
+        """``pending/<writer_id>.json``, held until ``release()`` (the backend's liveness says so)."""
+        return self.backend.writer_lock(writer_id, info)
 
     def _write_block(self, ref: ArrayRef, arr: zarr.Array, block: np.ndarray, offset: tuple[int, ...],
                      compressed: bool, pending: list | None) -> bool:
-        """Write chunk-aligned ``block`` straight to the chunk files; False: left to zarr (``arr[...] = block``)."""
-        return write_block(self.root / ARRAYS_DIR / ref.path, tuple(arr.shape), tuple(arr.chunks), block, offset,
-                           compressed=compressed, pending=pending)
+        """Write chunk-aligned ``block`` straight to the chunk files of a directory; False: left to
+        zarr (``arr[...] = block``: one PUT per chunk on object storage)."""
+        if self.backend.path is None:
+            return False
+        return write_block(self.backend.path / ARRAYS_DIR / ref.path, tuple(arr.shape), tuple(arr.chunks), block,
+                           offset, compressed=compressed, pending=pending)
 
     def _shard_shape(self, shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
-        """Shard shape of an array written whole (None: one file per chunk, as here: benchmarks/bench_scale.py)."""
-        return None
+        """Shard shape of an array written whole (None: one object per chunk)."""
+        from capturestore.backends import shard_shape
 
-    def _write_segment(self, table: str, data: pa.Table, segment: str | None = None, durable: bool = False) -> Path:
-        """One Parquet segment of ``table``, whole or not at all (written under a temp name, renamed)."""
-        return write_segment(self.root, table, data, segment=segment, durable=durable)
+        return shard_shape(shape, chunks, itemsize, self.shard_bytes)
+
+    def _write_segment(self, table: str, data: pa.Table, segment: str | None = None, durable: bool = False) -> Any:
+        """One Parquet segment of ``table``, whole or not at all and never replacing one; a Path
+        on a directory, the object key otherwise."""
+        b = self.backend
+        if segment is None:
+            segment = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        rel = f"{TABLES_DIR}/{table}/{segment}.parquet"
+        if table == "runs" and not b.exists(f"{PENDING_DIR}/{segment}.json"):
+            # the marker would point at what gc may be removing: a writer stalled past its lease
+            raise StoreError(f"{self.root}: run {segment} lost its lease (stalled longer than "
+                             f"{getattr(b, 'lease_s', 0):g} s, $CAPTURESTORE_LEASE_S); gc may have removed its "
+                             f"arrays, so it is not committed")
+        try:
+            b.put(rel, segment_bytes(data), if_absent=table in RUN_TABLES or b.path is None, durable=durable)
+        except FileExistsError:
+            raise StoreError(f"{self.root}: segment {rel} already exists; segments are never replaced") from None
+        return b.path / rel if b.path is not None else rel
 
     def _segment_exists(self, table: str, segment: str) -> bool:
-        return (table_dir(self.root, table) / f"{segment}.parquet").exists()
+        return self.backend.exists(f"{TABLES_DIR}/{table}/{segment}.parquet")
 
     def _remove_segment(self, table: str, segment: str) -> None:
-        (table_dir(self.root, table) / f"{segment}.parquet").unlink(missing_ok=True)
+        self.backend.remove([f"{TABLES_DIR}/{table}/{segment}.parquet"])
 
-    def _remove_written(self, segment: Path) -> None:
+    def _remove_written(self, segment: Any) -> None:
         """Remove a segment ``append_table`` wrote (a comparison that failed before its marker)."""
-        segment.unlink(missing_ok=True)
+        if isinstance(segment, Path):
+            segment = segment.relative_to(self.backend.path).as_posix()
+        self.backend.remove([segment])
 
     # ---- segments as bytes: what comparison manifests are checked against (integrity.evidence_problems)
     def segment_names(self, table: str) -> list[str]:
         """File names of ``table``'s segments."""
-        return [p.name for p in segment_files(self.root, table)]
+        return self.backend.segment_names(table)
 
     def read_segment(self, table: str, name: str) -> bytes:
         """The bytes of one segment of ``table``."""
-        return (table_dir(self.root, table) / name).read_bytes()
+        return self.backend.read(f"{TABLES_DIR}/{table}/{name}")
 
     def segment_comparison_ids(self, table: str, name: str) -> set[str] | None:
         """Comparison ids of one segment's rows (None: it has no ``comparison_id`` column)."""
         from capturestore.tables import segment_comparison_ids
 
-        return segment_comparison_ids(table_dir(self.root, table) / name)
+        return segment_comparison_ids(self.read_segment(table, name))
 
     def check_evidence(self, comparison_ids, command: str = "check") -> None:
         """StoreError naming comparison, table and segment when any of ``comparison_ids`` lacks
@@ -218,21 +253,19 @@ class Store:
         integrity.check_evidence(self, comparison_ids, command)
 
     def _committed_comparison_ids(self) -> set[str] | None:
-        from capturestore.tables import committed_comparison_ids
-
-        return committed_comparison_ids(self.root)
+        return integrity.committed_comparisons(self.backend)
 
     def _refresh_catalog(self) -> None:
-        catalog.ensure_catalog_file(self.root)
+        self.backend.refresh_catalog()
 
     def _remove_run_arrays(self, run_id: str) -> None:
-        shutil.rmtree(self.root / ARRAYS_DIR / run_id, ignore_errors=True)
+        self.backend.remove_tree(f"{ARRAYS_DIR}/{run_id}")
 
     def _sync_run_arrays(self, run_id: str) -> None:
-        fsync_tree(self.root / ARRAYS_DIR / run_id)
+        self.backend.sync_tree(f"{ARRAYS_DIR}/{run_id}")
 
     def _stored_bytes(self, ref: ArrayRef) -> int:
-        return stored_bytes(self.root / ARRAYS_DIR / ref.path)
+        return sum(self.backend.find(f"{ARRAYS_DIR}/{ref.path}/c").values())
 
     # ---- writing ---------------------------------------------------------------------------
     def begin_run(self, engine: str, model_path: str, model_hash: str | None = None, dtype: str = "bfloat16",
@@ -268,7 +301,7 @@ class Store:
         if name != "comparisons" and "comparison_id" in table.column_names:
             self._check_comparison_rows(name, table.column("comparison_id").unique().to_pylist())
         self._check_segment_types(name, table)
-        is_new = not self._table_exists(name)
+        is_new = name not in self.backend.listdir(TABLES_DIR)
         path = self._write_segment(name, table)
         if is_new:
             try:
@@ -277,18 +310,29 @@ class Store:
                 pass
         return path
 
-    # the storage-specific checks of append_table (objectstore.RemoteStore has its own)
     def _check_comparison_rows(self, table: str, comparison_ids) -> None:
-        """Rows of a comparison must belong to one being written or committed, and not sealed."""
-        integrity.check_comparison_rows(self.root, table, comparison_ids)
-        integrity.check_sealed(self, table, [c for c in comparison_ids if c is not None and not integrity.writer_is_alive(
-            self.root / PENDING_DIR / f"{c}.json")])
+        """Refuse rows whose ``comparison_id`` is NULL or names a comparison that is neither committed
+        nor being written (a live writer, as ``commit_comparison`` holds): such rows would be
+        invisible in every view and removed by ``gc``, i.e. lost; and rows of a committed
+        comparison, whose evidence its manifest sealed."""
+        ids = set(comparison_ids)
+        if None in ids:
+            raise ValueError(f"append_table {table}: a comparison_id is NULL; rows with a comparison_id column belong "
+                             f"to a comparison (see docs/tables.md) - name the column otherwise for rows of no "
+                             f"comparison")
+        alive = self.backend.liveness()
+        open_ids = sorted(c for c in ids if not alive(c))
+        if open_ids:
+            committed = self._committed_comparison_ids() or set()
+            orphans = [c for c in open_ids if c not in committed]
+            if orphans:
+                raise ValueError(f"append_table {table}: comparison_id {orphans[0]!r} is no committed comparison and "
+                                 f"none is being written; its rows would be invisible and removed by gc (write them "
+                                 f"through integrity.commit_comparison, or name the column otherwise)")
+        integrity.check_sealed(self, table, open_ids)
 
     def _check_segment_types(self, name: str, table: pa.Table) -> None:
-        self._segment_schemas.setdefault(name, SegmentSchemas()).check(self.root, name, table)
-
-    def _table_exists(self, name: str) -> bool:
-        return table_dir(self.root, name).is_dir()
+        self._segment_schemas.setdefault(name, SegmentSchemas()).check(self.backend, name, table)
 
     # ---- reading ---------------------------------------------------------------------------
     def _require_run(self, run_id: str) -> None:
@@ -304,28 +348,35 @@ class Store:
     def _ref(self, run_id: str, prompt_id: str, name: str) -> tuple[ArrayRef, dict[str, Any]]:
         """The array's ref and its zarr.json metadata; ValueError for an unknown run/prompt/array."""
         self._require_run(run_id)
-        ref = ArrayRef(run_id, prompt_id, name)
-        pdir = self.root / ARRAYS_DIR / run_id / str(prompt_id)
-        if not isinstance(prompt_id, str) or not pdir.is_dir():
+        if not isinstance(prompt_id, str):
             raise ValueError(f"run {run_id} has no prompt {prompt_id!r}")
+        ref = ArrayRef(run_id, prompt_id, name)
+        if ref.path in self._array_meta:
+            return ref, self._array_meta[ref.path]
+        b = self.backend
         try:
-            meta = json.loads((pdir / name / "zarr.json").read_text())
+            raw = b.read(f"{ARRAYS_DIR}/{ref.path}/zarr.json")
         except FileNotFoundError:
-            have = sorted(self._array_names(pdir))
+            if not b.listdir(f"{ARRAYS_DIR}/{run_id}/{prompt_id}"):
+                raise ValueError(f"run {run_id} has no prompt {prompt_id!r}") from None
+            have = sorted(self._array_names(run_id, prompt_id))
             raise ValueError(f"run {run_id}, prompt {prompt_id} has no array {name!r}; it has {have}") from None
-        except (OSError, json.JSONDecodeError) as e:
+        except OSError as e:
             raise StoreError(f"{ref.where()}: array metadata zarr.json is unreadable ({e})") from None
+        try:
+            meta = json.loads(raw)
+        except ValueError as e:
+            raise StoreError(f"{ref.where()}: array metadata zarr.json is unreadable ({e})") from None
+        if self._cache:
+            self._array_meta[ref.path] = meta
         return ref, meta
 
-    @staticmethod
-    def _array_names(pdir: Path) -> list[str]:
-        out = []
-        for dirpath, _, files in os.walk(pdir):
-            if "zarr.json" in files and Path(dirpath) != pdir:
-                rel = Path(dirpath).relative_to(pdir).as_posix()
-                if json.loads((Path(dirpath) / "zarr.json").read_text()).get("node_type") == "array":
-                    out.append(rel)
-        return out
+    def _array_names(self, run_id: str, prompt_id: str) -> list[str]:
+        base = f"{ARRAYS_DIR}/{run_id}/{prompt_id}/"
+        metas = [k for k in self.backend.find(base) if k.endswith("/zarr.json") and k != base + "zarr.json"]
+        got = self.backend.read_many(metas)
+        return [k[len(base):-len("/zarr.json")] for k, v in got.items()
+                if v is not None and json.loads(v).get("node_type") == "array"]
 
     def _read(self, ref: ArrayRef, meta: dict[str, Any], region: tuple[slice, ...] | None, as_torch: bool) -> Any:
         shape = tuple(meta["shape"])
@@ -333,11 +384,18 @@ class Store:
         full = tuple(slice(0, n) for n in shape)
         region = full if region is None else tuple(region) + full[len(region):]
         codecs = [c["name"] for c in meta.get("codecs", [])]
+        b, base = self.backend, f"{ARRAYS_DIR}/{ref.path}"
         if codecs in (["bytes", "blosc", "crc32c"], ["bytes", "crc32c"]):
-            bits = read_region(self.root / ARRAYS_DIR / ref.path, shape, chunks, np.dtype(meta["data_type"]),
-                               region, ref.where(), compressed=len(codecs) == 3)
-        else:  # not our codec chain: let zarr decode, still naming corrupt chunks
-            bits = checked_read(self.root / ARRAYS_DIR, open_array(self._zstore, ref), ref, region)
+
+            def fetch(keys: list[str]) -> dict[str, bytes | None]:
+                got = b.read_many([f"{base}/{k}" for k in keys])
+                return {k: got[f"{base}/{k}"] for k in keys}
+
+            bits = read_region(None if b.path is None else b.path / base, shape, chunks, np.dtype(meta["data_type"]),
+                               region, ref.where(), compressed=len(codecs) == 3,
+                               fetch=fetch if b.path is None else None)
+        else:  # sharded or another codec chain: zarr decodes (its crc32c codec checks every inner chunk)
+            bits = _checked_zarr_read(self, ref, meta, region)
         return from_storage(bits, meta["attributes"]["logical_dtype"], as_torch, ref.where())
 
     def read_tokens(self, run_id: str, prompt_id: str) -> np.ndarray:
@@ -418,16 +476,20 @@ class Store:
     def _tensor_phases(self, run_id: str, prompt_id: str, module: str, phase: Any = None) -> list[str]:
         """The module's phases; only ``[phase]`` when that one is there (no listing: the others are
         only named in errors)."""
-        mdir = self.root / ARRAYS_DIR / run_id / prompt_id / "tensors" / module
+        b, mdir = self.backend, f"{ARRAYS_DIR}/{run_id}/{prompt_id}/tensors/{module}"
         if (isinstance(phase, str) and phase not in ("", ".", "..") and "/" not in phase and os.sep not in phase
-                and (mdir / phase / "zarr.json").is_file()):
+                and b.exists(f"{mdir}/{phase}/zarr.json")):
             return [phase]
-        return sorted(p.name for p in mdir.iterdir() if (p / "zarr.json").exists()) if mdir.is_dir() else []
+        names = b.listdir(mdir)
+        have = b.read_many([f"{mdir}/{n}/zarr.json" for n in names])
+        return sorted(n for n in names if have.get(f"{mdir}/{n}/zarr.json") is not None)
 
     def _prompt_group(self, run_id: str, prompt_id: str) -> Any:
         """What ``xarray.open_zarr`` opens for one prompt's group, None when the run has no such prompt."""
-        pdir = self.root / ARRAYS_DIR / run_id / str(prompt_id)
-        return str(pdir) if isinstance(prompt_id, str) and pdir.is_dir() else None
+        rel = f"{ARRAYS_DIR}/{run_id}/{prompt_id}"
+        if not isinstance(prompt_id, str) or not self.backend.listdir(rel):
+            return None
+        return self.backend.zarr_location(rel)
 
     def open_xarray(self, run_id: str, prompt_id: str, decode_dtypes: bool = True):
         """The prompt's arrays as an xarray.Dataset with their named dims (tokens, logits,
@@ -467,7 +529,27 @@ class Store:
 
     # ---- tables and queries ----------------------------------------------------------------
     def _read_run_table(self, table: str, run_id: str | None = None) -> pa.Table:
-        return read_table(self.root, table, run_id)
+        if self._cache and run_id is not None and table != "runs":  # _require_run checked it is committed
+            if (table, run_id) not in self._run_segments:
+                self._run_segments[(table, run_id)] = self._read_run_table_now(table, run_id)
+            return self._run_segments[(table, run_id)]
+        return self._read_run_table_now(table, run_id)
+
+    def _read_run_table_now(self, table: str, run_id: str | None = None) -> pa.Table:
+        """All rows of one run table (committed runs only for prompts/captures)."""
+        schema = SCHEMAS[table]
+        names = [n for n in self.backend.segment_names(table) if n != SCHEMA_SEGMENT]
+        if table != "runs":
+            ok = self._committed_ids()
+            names = [n for n in names if n.removesuffix(".parquet") in ok]
+        if run_id is not None:
+            names = [n for n in names if n == f"{run_id}.parquet"]
+        got = self.backend.read_many([f"{TABLES_DIR}/{table}/{n}" for n in names])
+        parts = [pq.read_table(pa.BufferReader(v)) for v in got.values() if v is not None]
+        parts = [p.select([n for n in schema.names if n in p.column_names]) for p in parts]
+        if not parts:
+            return schema.empty_table()
+        return pa.concat_tables(parts, promote_options="default")
 
     def runs(self) -> pa.Table:
         return self._read_run_table("runs")
@@ -492,15 +574,16 @@ class Store:
         segment fails only the queries that read its table. ``params``: values DuckDB binds
         (``$name`` with a dict, ``?`` with a list), never spliced into the SQL text.
         """
+        where = self.backend.catalog_root()  # a directory, or the backend DuckDB reads through
         with self._con_lock:
-            names = catalog.table_names(self.root)
+            names = catalog.table_names(where)
             if self._con is None or self._con_pid != os.getpid():
-                self._con = catalog.connect_memory(self.root)
+                self._con = catalog.connect_memory(where)
                 self._con_pid = os.getpid()
                 self._con_tables, self._con_broken = [], {}
             todo = sorted(set(names) - set(self._con_tables) | set(self._con_broken))  # new tables, unreadable ones
             if todo:  # views are created after the lockdown: they read only under tables/
-                self._con_broken = catalog.add_views(self._con, self.root, todo)
+                self._con_broken = catalog.add_views(self._con, where, todo)
                 self._con_tables = names
             return catalog.run_query(self._con, query, names, self._con_broken, params)
 
@@ -518,18 +601,19 @@ class Store:
 
         A dead one (alive False) is what ``gc`` removes; none of them is in the catalog."""
         out = []
-        pdir = self.root / PENDING_DIR
-        for p in sorted(pdir.glob("*.json")) if pdir.is_dir() else []:
-            rid = p.name.removesuffix(".json")
-            if rid in committed_run_ids(self.root) or integrity.is_comparison_id(rid):
+        committed = self._committed_ids()
+        alive = self.backend.liveness()
+        for n in self.backend.listdir(PENDING_DIR):
+            rid = n.removesuffix(".json")
+            if not n.endswith(".json") or rid in committed or integrity.is_comparison_id(rid):
                 continue
             try:
-                info = json.loads(p.read_text() or "{}")
-            except (OSError, json.JSONDecodeError):
+                info = json.loads(self.backend.read(f"{PENDING_DIR}/{n}") or b"{}")
+            except (OSError, ValueError):
                 info = {}
             out.append({"run_id": rid, "pid": info.get("pid"), "hostname": info.get("hostname"),
                         "started_at": info.get("started_at"), "status": info.get("status"),
-                        "alive": integrity.writer_is_alive(p)})
+                        "alive": alive(rid)})
         return out
 
     # ---- maintenance -----------------------------------------------------------------------
@@ -537,14 +621,14 @@ class Store:
         """Checksums of every chunk, catalog-vs-array consistency, commit markers, Zarr group
         metadata, catalog.duckdb against a rebuild, leftovers of dead writers, every committed
         comparison's segments against its manifest; see integrity.verify."""
-        report = integrity.verify(self.root)
+        report = integrity.verify(self.backend)
         report.extend(integrity.evidence_problems(self))
         return report
 
     def gc(self, dry_run: bool = False) -> list[str]:
         """Remove what dead writers left (arrays, segments of uncommitted runs and comparisons,
         pending and temp files); returns what was removed. A live writer is never touched."""
-        return integrity.gc(self.root, dry_run=dry_run)
+        return integrity.gc(self.backend, dry_run=dry_run)
 
     def remove_run(self, run_id: str) -> None:
         """Uncommit and delete committed run ``run_id``: its ``runs`` segment (the commit marker)
@@ -582,6 +666,9 @@ class Store:
         names the tables whose segments are unreadable (their views in the new file raise that)."""
         import duckdb
 
+        if not self.backend.has_catalog_file:
+            raise StoreError(f"{self.root}: a store on object storage has no {TABLES_DIR}-side catalog.duckdb; its "
+                             f"queries (capturestore sql) build their views in memory")
         try:
             ensure_schema_segments(self.root)
             path, broken = catalog.rebuild_catalog_file(self.root)
@@ -614,3 +701,33 @@ def _numpy_to_torch(bits: np.ndarray, ref: ArrayRef) -> Any:
     name = logical_dtype_name(bits)
     ld = LOGICAL_DTYPES[name]
     return from_storage(bits.view(ld.storage), name, True, ref.where())
+
+
+def _checked_zarr_read(store: Store, ref: ArrayRef, meta: dict, region) -> np.ndarray:
+    """arr[region] through zarr, refusing missing chunk/shard objects (zarr would read the fill
+    value) and naming the chunks of a read that fails."""
+    from zarr.core.array import Array, AsyncArray
+    from zarr.storage import StorePath
+
+    from capturestore.errors import CorruptChunkError
+    from capturestore.layout import chunk_keys_in_region
+
+    grid = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+    keys = [k for _, k in chunk_keys_in_region(tuple(meta["shape"]), grid, region)]
+    base = f"{ARRAYS_DIR}/{ref.path}/"
+    present = set(store.backend.find(base + "c"))
+    missing = [k for k in keys if base + k not in present]
+    if missing:
+        raise CorruptChunkError(f"{ref.where()}, chunk {missing[0]}: chunk file is missing")
+    arr = Array(AsyncArray(metadata=meta, store_path=StorePath(store._zstore, ref.path)))  # no second GET of zarr.json
+    try:
+        return arr[region]
+    except Exception as e:  # noqa: BLE001
+        if store.backend.path is not None:  # a directory: name each bad chunk by its CRC
+            bad = bad_chunks(store.backend.path / base, tuple(meta["shape"]), grid, region)
+            if bad:
+                listing = "; ".join(f"chunk {k}: {why}" for k, why in bad[:8])
+                more = f" (+{len(bad) - 8} more)" if len(bad) > 8 else ""
+                raise CorruptChunkError(f"{ref.where()}: {len(bad)} corrupt chunk(s): {listing}{more}") from e
+        listing = ", ".join(keys[:4]) + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
+        raise CorruptChunkError(f"{ref.where()}, shard {listing}: {' '.join(str(e).split())}") from None

@@ -147,6 +147,20 @@ def write_segment(root: Path, table: str, data: pa.Table, segment: str | None = 
     return final
 
 
+def segment_bytes(data: pa.Table) -> bytes:
+    """``data`` as one segment's bytes, encoded as ``write_segment`` writes it."""
+    sink = pa.BufferOutputStream()
+    rows = _row_group_rows(data)
+    if rows is None:
+        pq.write_table(data, sink)
+    else:
+        vec = [f.name for f in data.schema if pa.types.is_list(f.type) and pa.types.is_floating(f.type.value_type)]
+        pq.write_table(data, sink, row_group_size=rows, compression="zstd",
+                       use_dictionary=[n for n in data.column_names if n not in vec],
+                       column_encoding=dict.fromkeys(vec, "BYTE_STREAM_SPLIT"))
+    return sink.getvalue().to_pybytes()
+
+
 def ensure_schema_segments(root: Path) -> None:
     for name, schema in SCHEMAS.items():
         p = table_dir(root, name) / SCHEMA_SEGMENT
@@ -217,19 +231,20 @@ class SegmentSchemas:
         self.read: set[str] = set()  # segment file names already read
         self.columns: dict[str, tuple[pa.DataType, str]] = {}  # column -> (type, first segment with it)
 
-    def check(self, root: Path, table: str, data: pa.Table) -> None:
+    def check(self, backend, table: str, data: pa.Table) -> None:
         """Refuse ``data`` as a new segment of ``table`` when a column's type cannot be read together
-        with an existing segment's: one such segment makes every query on the table fail."""
-        for seg in segment_files(root, table):
-            if seg.name in self.read:
+        with an existing segment's: one such segment makes every query on the table fail.
+        ``backend``: the store's (backends.Backend)."""
+        for name in backend.segment_names(table):
+            if name in self.read:
                 continue
             try:
-                schema = pq.read_schema(seg)
+                schema = backend.read_schema(f"{TABLES_DIR}/{table}/{name}")
             except Exception:  # noqa: BLE001 - an unreadable segment is verify's to report
                 continue
-            self.read.add(seg.name)
+            self.read.add(name)
             for f in schema:
-                self.columns.setdefault(f.name, (f.type, seg.name))
+                self.columns.setdefault(f.name, (f.type, name))
         for f in data.schema:
             have = self.columns.get(f.name)
             if have is not None and not _unifiable(have[0], f.type):
@@ -273,9 +288,15 @@ def committed_comparison_ids(root: Path) -> set[str] | None:
     return out
 
 
-def segment_comparison_ids(seg: Path) -> set[str] | None:
+def segment_comparison_ids(seg: Path | bytes) -> set[str] | None:
     """The comparison ids of one segment's rows (from the footer's statistics where they pin a
-    single id, else from the column); None when the segment has no ``comparison_id`` column."""
+    single id, else from the column); None when the segment has no ``comparison_id`` column.
+    ``seg``: its path, or its bytes."""
+    if isinstance(seg, (bytes, bytearray, memoryview)):
+        data = seg
+        seg = pa.BufferReader(data)
+    else:
+        data = None
     meta = pq.read_metadata(seg)
     leaves = [meta.schema.column(j).path for j in range(meta.num_columns)]
     if "comparison_id" not in leaves:
@@ -285,7 +306,8 @@ def segment_comparison_ids(seg: Path) -> set[str] | None:
     for i in range(meta.num_row_groups):
         st = meta.row_group(i).column(col).statistics
         if st is None or not st.has_min_max or st.min != st.max or (st.has_null_count and st.null_count):
-            return set(pq.read_table(seg, columns=["comparison_id"]).column(0).to_pylist()) - {None}
+            src = seg if data is None else pa.BufferReader(data)
+            return set(pq.read_table(src, columns=["comparison_id"]).column(0).to_pylist()) - {None}
         ids.add(st.min if isinstance(st.min, str) else st.min.decode())
     return ids
 

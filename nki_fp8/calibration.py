@@ -177,11 +177,10 @@ def calibrate_kv_scales(
     if record:
         from capturestore.layout import TABLES_DIR
 
-        tables = Path(store.root) / TABLES_DIR
-        for d in (tables, tables / "kv_scales"):
-            if d.exists() and not os.access(d, os.W_OK | os.X_OK):
-                raise ValueError(f"store {store.root} is not writable ({d}); pass record=False to calibrate "
-                                 f"without recording the kv_scales rows")
+        bad = store.backend.unwritable([TABLES_DIR, f"{TABLES_DIR}/kv_scales"])  # a bucket: one probe PUT
+        if bad:
+            raise ValueError(f"store {store.root} is not writable ({bad[0]}); pass record=False to calibrate "
+                             f"without recording the kv_scales rows")
     m = fp8_clamp_max(plat)
     pids = store.prompts(run_id).column("prompt_id").to_pylist()
     if not pids:

@@ -192,7 +192,7 @@ def test_a_writer_whose_lease_gc_took_does_not_commit(s3_url, monkeypatch):
     d = prompt_data(0, 0)
     pid = run.add_prompt(d["tokens"])
     run.write_kv(pid, d["k"], d["v"])
-    store.storage.remove([f"pending/{run.run_id}.json"])  # as gc does once the lease has run out
+    store.backend.remove([f"pending/{run.run_id}.json"])  # as gc does once the lease has run out
     with pytest.raises(StoreError, match=f"run {run.run_id} lost its lease"):
         run.commit()
     assert run.run_id not in {r["run_id"] for r in store.runs().to_pylist()}
