@@ -57,31 +57,15 @@ def default_store() -> str:
 
 
 def _open(path: str, create: bool = False):
-    from capturestore.errors import StoreError
-    from capturestore.layout import FORMAT_FILE
-    from capturestore.objectstore import is_url
-    from capturestore.store import Store, store_root
+    from capturestore.store import open_store_path
 
-    if is_url(path):  # s3://bucket/prefix: Store.open says what is wrong in one line
-        return Store.open(path, create=create)
-    root = store_root(path.removeprefix("file://"))
-    if not create and not (root / FORMAT_FILE).exists():
-        raise StoreError(f"{root} is not a capture store (no {FORMAT_FILE}); name an existing store with "
-                         f"--store PATH or $CAPTURESTORE (`capturestore demo --store PATH` makes one)")
-    return Store.open(root, create=create)
+    return open_store_path(path, create=create)
 
 
 def _require_writable(store, command: str) -> None:
-    """Refuse before any work when the store cannot be written (a read-only mount, a directory
-    without write permission): the command would otherwise fail at its first write, midway."""
-    from capturestore.errors import StoreError
-    from capturestore.layout import ARRAYS_DIR, PENDING_DIR, TABLES_DIR
+    from capturestore.store import require_writable
 
-    b = store.backend
-    bad = b.unwritable(["", TABLES_DIR, PENDING_DIR, ARRAYS_DIR, *(f"{TABLES_DIR}/{t}" for t in b.listdir(TABLES_DIR))])
-    if bad:
-        raise StoreError(f"store {store.root} is not writable ({bad[0]}: {bad[1]}); "
-                         f"`capturestore {command}` writes to the store")
+    require_writable(store, command)
 
 
 def _why_unwritable(d: Path) -> str:
@@ -536,12 +520,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def _cachecheck_diff_wanted(store, args) -> bool:
     from capturestore.cachecheck_diff import is_cachecheck
-    from capturestore.diff import _comparisons
+    from capturestore.diff import comparison_rows
 
     kinds = [is_cachecheck(store, x) for x in (args.base, args.head)]
     if any(kinds) and not all(kinds):
         other = args.head if kinds[0] else args.base
-        if any(other in (r["comparison_id"], r["release"]) for r in _comparisons(store)):
+        if any(other in (r["comparison_id"], r["release"]) for r in comparison_rows(store)):
             raise ValueError(f"diff: {other!r} is a comparison of runs and the other a cache check; diff a cache "
                              "check against another cache check")
     return any(kinds)

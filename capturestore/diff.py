@@ -132,7 +132,7 @@ class DiffResult:
 
 
 # ---- resolving ids and labels -------------------------------------------------------------------
-def _comparisons(store) -> list[dict]:
+def comparison_rows(store) -> list[dict]:
     views = set(store.sql("SELECT table_name FROM information_schema.tables").column("table_name").to_pylist())
     if "comparisons" not in views:
         return []
@@ -150,7 +150,7 @@ def resolve_comparison(store, ref: str, other: dict | None = None, *, command: s
     """The comparisons row (with the actual run's release / model) of ``ref``: a comparison id, or a
     release label (the latest comparison whose actual run has that release, preferring the model and
     prompts of ``other``). ValueError in one line when neither."""
-    rows = _comparisons(store)
+    rows = comparison_rows(store)
     for r in rows:
         if r["comparison_id"] == ref:
             return r
@@ -345,7 +345,7 @@ def diff(store, base: str, head: str, *, common_prompts: bool = False, seed: int
     or (unless ``common_prompts``) differ."""
     if n_boot < 100:
         raise ValueError(f"diff: n_boot {n_boot} is too few resamples for a 95% interval (at least 100)")
-    ids = {r["comparison_id"] for r in _comparisons(store)}
+    ids = {r["comparison_id"] for r in comparison_rows(store)}
     if base in ids and head not in ids:  # a label resolves against the side given by id
         brow = resolve_comparison(store, base)
         hrow = resolve_comparison(store, head, brow)
@@ -555,7 +555,7 @@ def history(store, model: str, metric: str = "logit_sigma_ratio") -> pa.Table:
     directory of the same content (its hash, when no path matches), oldest first: ``created_at, release, comparison_id, passed, <metric>``. ``metric``:
     a comparisons column, or ``kv_sigma_ratio`` (worst layer), ``kv_bc`` (lowest layer),
     ``module_sigma_ratio`` (worst module)."""
-    rows = _comparisons(store)
+    rows = comparison_rows(store)
     cols = set(store.sql("DESCRIBE comparisons").column("column_name").to_pylist()) if rows else set()
     if metric in _DERIVED:
         view = {"kv_sigma_ratio": "kv_layer_verdicts", "kv_bc": "kv_layer_verdicts",

@@ -404,13 +404,13 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out} is not writable")
-    from capturestore.cli import _open, _require_writable
+    from capturestore.store import open_store_path, require_writable
     from capturestore.layout import FORMAT_FILE
     from capturestore.store import store_root
     from extractors.models import model_content_hash
 
     if (store_root(str(store)) / FORMAT_FILE).exists():
-        _require_writable(_open(str(store)), "eval")
+        require_writable(open_store_path(str(store)), "eval")
     model_hash = model_content_hash(model_path)
     key = _eval_key(model_hash, names, include_path, limit, dtype, "server" if server else "started")
     key["injected_bug"] = None if inject_bug_layer is None else [inject_bug_layer, float(inject_bug_factor)]

@@ -731,3 +731,32 @@ def _checked_zarr_read(store: Store, ref: ArrayRef, meta: dict, region) -> np.nd
                 raise CorruptChunkError(f"{ref.where()}: {len(bad)} corrupt chunk(s): {listing}{more}") from e
         listing = ", ".join(keys[:4]) + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
         raise CorruptChunkError(f"{ref.where()}, shard {listing}: {' '.join(str(e).split())}") from None
+
+
+def open_store_path(path: str, create: bool = False):
+    """The store at ``path`` (a directory, ``file://``, ``s3://`` or ``memory://``); a directory that is not
+    a capture store is refused in one line unless ``create``."""
+    from capturestore.errors import StoreError
+    from capturestore.layout import FORMAT_FILE
+    from capturestore.objectstore import is_url
+
+    if is_url(path):  # s3://bucket/prefix: Store.open says what is wrong in one line
+        return Store.open(path, create=create)
+    root = store_root(path.removeprefix("file://"))
+    if not create and not (root / FORMAT_FILE).exists():
+        raise StoreError(f"{root} is not a capture store (no {FORMAT_FILE}); name an existing store with "
+                         f"--store PATH or $CAPTURESTORE (`capturestore demo --store PATH` makes one)")
+    return Store.open(root, create=create)
+
+
+def require_writable(store, command: str) -> None:
+    """Refuse before any work when the store cannot be written (a read-only mount, a directory
+    without write permission): the command would otherwise fail at its first write, midway."""
+    from capturestore.errors import StoreError
+    from capturestore.layout import ARRAYS_DIR, PENDING_DIR, TABLES_DIR
+
+    b = store.backend
+    bad = b.unwritable(["", TABLES_DIR, PENDING_DIR, ARRAYS_DIR, *(f"{TABLES_DIR}/{t}" for t in b.listdir(TABLES_DIR))])
+    if bad:
+        raise StoreError(f"store {store.root} is not writable ({bad[0]}: {bad[1]}); "
+                         f"`capturestore {command}` writes to the store")
