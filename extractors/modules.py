@@ -173,10 +173,7 @@ def capture_hf_modules(model, prompt: Sequence[int], continuation: Sequence[int]
     predicts continuation token j; ``decode_steps + 1`` rows) and the modules in execution order.
     decode_steps: default ``len(continuation) - 1``.
     """
-    import torch
-    from transformers import DynamicCache
-
-    from extractors.hf import _check_rows, _text_config, _to_rows, model_device
+    from extractors.hf import _check_rows, _text_config, _to_rows
 
     prompt = _to_rows(prompt, "prompt")[0]
     continuation = _to_rows(continuation, "continuation")[0] if len(continuation) else []
@@ -188,11 +185,25 @@ def capture_hf_modules(model, prompt: Sequence[int], continuation: Sequence[int]
         raise ValueError(f"capture_hf_modules: decode_steps {decode_steps} outside [0, {len(continuation)}] "
                          f"(continuation tokens)")
     names = modules_of(model, modules)
-    P = len(prompt)
-    dev = model_device(model)
+    with ModuleHooks(model, names, sink, inputs) as hooks:
+        logits = stepwise_forward(model, hooks, prompt, continuation, n_dec)
+    return logits, list(hooks.order)
+
+
+def stepwise_forward(model, hooks, prompt: Sequence[int], continuation: Sequence[int], n_dec: int):
+    """The module captures' forwards on a fresh ``DynamicCache``: the prefill of ``prompt``, then
+    decode step n feeding ``continuation[n]`` at position ``len(prompt) + n``, each announced to
+    ``hooks.new_forward(phase, step)``. Returns the last position's logits of each forward, float
+    on the CPU ``[1 + n_dec, vocab]``."""
+    import torch
+    from transformers import DynamicCache
+
+    from extractors.hf import model_device
+
+    P, dev = len(prompt), model_device(model)
     cache = DynamicCache(config=model.config)
     rows = []
-    with ModuleHooks(model, names, sink, inputs) as hooks, torch.inference_mode():
+    with torch.inference_mode():
         hooks.new_forward("prefill", 0)
         out = model(input_ids=torch.tensor([prompt], device=dev), position_ids=torch.arange(P, device=dev)[None],
                     past_key_values=cache, use_cache=True)
@@ -202,7 +213,7 @@ def capture_hf_modules(model, prompt: Sequence[int], continuation: Sequence[int]
             out = model(input_ids=torch.tensor([[continuation[n]]], device=dev),
                         position_ids=torch.tensor([[P + n]], device=dev), past_key_values=cache, use_cache=True)
             rows.append(out.logits[0, -1].float().to("cpu", copy=True))
-    return torch.stack(rows), list(hooks.order)
+    return torch.stack(rows)
 
 
 def collect_hf_modules(model, prompts, continuations, modules: Iterable[str] | str = DEFAULT_MODULES,

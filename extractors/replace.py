@@ -165,27 +165,12 @@ def run_hf_replaced(model, prompt: Sequence[int], continuation: Sequence[int], h
     """``extractors.modules.capture_hf_modules``' stepwise forwards (prefill, then decode step n
     feeding continuation token n at position ``P + n``) under ``hooks`` (entered here). Returns
     the logits ``[gen_token, vocab]`` float of the forwards run."""
-    import torch
-    from transformers import DynamicCache
-
-    from extractors.hf import model_device
+    from extractors.modules import stepwise_forward
 
     prompt, continuation = [int(t) for t in prompt], [int(t) for t in continuation]
     n_dec = max(0, len(continuation) - 1) if decode_steps is None else int(decode_steps)
-    P, dev = len(prompt), model_device(model)
-    cache = DynamicCache(config=model.config)
-    rows = []
-    with hooks, torch.inference_mode():
-        hooks.new_forward("prefill", 0)
-        out = model(input_ids=torch.tensor([prompt], device=dev), position_ids=torch.arange(P, device=dev)[None],
-                    past_key_values=cache, use_cache=True)
-        rows.append(out.logits[0, -1].float().to("cpu", copy=True))
-        for n in range(n_dec):
-            hooks.new_forward("decode", n)
-            out = model(input_ids=torch.tensor([[continuation[n]]], device=dev),
-                        position_ids=torch.tensor([[P + n]], device=dev), past_key_values=cache, use_cache=True)
-            rows.append(out.logits[0, -1].float().to("cpu", copy=True))
-    return torch.stack(rows)
+    with hooks:
+        return stepwise_forward(model, hooks, prompt, continuation, n_dec)
 
 
 def collect_hf_replaced(model, prompts, continuations, capture: Sequence[str] = (), inputs: bool = False,
