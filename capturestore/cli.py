@@ -332,15 +332,7 @@ def _run(args: argparse.Namespace, pipeline, store: str) -> int:
         result = pipeline.run(args.model, args.prompts, **kwargs)
         return 0 if result.passed else 1
     with _library_output_to_log() as (log, out, tty, bars):
-        try:
-            result = pipeline.run(args.model, args.prompts, out=out, progress_bar=tty, bar_file=bars, **kwargs)
-        except BaseException as e:
-            if log.stat().st_size:  # the one error line names where the engine's own words went
-                e.capturestore_log = str(log)
-            else:
-                log.unlink(missing_ok=True)
-            raise
-    log.unlink(missing_ok=True)
+        result = pipeline.run(args.model, args.prompts, out=out, progress_bar=tty, bar_file=bars, **kwargs)
     return 0 if result.passed else 1
 
 
@@ -371,10 +363,14 @@ def _library_output_to_log():
     def out(line: str) -> None:
         print(line, file=real_out, flush=True)
 
+    failed = None
     try:
         for n in redirect:
             os.dup2(fd, n)
         yield Path(name), out, real_out.isatty(), bars
+    except BaseException as e:
+        failed = e
+        raise
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -388,6 +384,10 @@ def _library_output_to_log():
         bars.close()
         if real_out is not sys.stdout:
             real_out.close()
+        if failed is not None and os.path.getsize(name):  # the one error line names where the engine's words went
+            failed.capturestore_log = name
+        else:
+            os.unlink(name)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -446,15 +446,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             result = evaluate.eval(args.model, args.tasks, **kwargs)
         else:
             with _library_output_to_log() as (log, out, tty, bars):
-                try:
-                    result = evaluate.eval(args.model, args.tasks, say=out, progress_bar=tty, bar_file=bars, **kwargs)
-                except BaseException as e:
-                    if log.stat().st_size:
-                        e.capturestore_log = str(log)
-                    else:
-                        log.unlink(missing_ok=True)
-                    raise
-            log.unlink(missing_ok=True)
+                result = evaluate.eval(args.model, args.tasks, say=out, progress_bar=tty, bar_file=bars, **kwargs)
     return 0 if result.passed else 1
 
 
