@@ -36,7 +36,7 @@ tools:
 	fi
 
 test: $(STAMP) tools
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=40 tests
 
 # Every benchmark runs even when an earlier one misses its goal; the exit status says whether any did.
 bench: $(STAMP)
