@@ -652,6 +652,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--even-if-passed", action="store_true", help="judge every module locally even when the "
                     "comparison passed (a small fault late in the model can pass every in-place verdict)")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
+    from capturestore.reduce import add_arguments as add_reduce_arguments
+
+    add_reduce_arguments(add)  # reduce, reproduce (capturestore/reduce.py)
     sp = add("run", cmd_run, "the main job on your model: HF FP32 + expected references (reused when stored), the "
              "target teacher-forced, the plugins' comparison, verdict and localisation (docs/run.md)")
     sp.add_argument("--model", required=True, help="Hugging Face model directory (config.json + weights)")

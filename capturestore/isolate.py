@@ -67,6 +67,8 @@ __all__ = [
     "MODULE_LOCAL_VERDICTS",
     "IsolationError",
     "IsolationResult",
+    "checked_runs",
+    "held_prompts",
     "isolate",
     "module_tree",
 ]
@@ -188,9 +190,10 @@ def _has_tensors(store, rid: str) -> bool:
                 .as_py())
 
 
-def _checked_runs(store, cid: str, row: dict) -> tuple[dict, dict]:
+def checked_runs(store, cid: str, row: dict) -> tuple[dict, dict]:
     """The runs by role (module runs when the comparison has its own) and their records; refuses
-    what cannot be isolated, naming the run and the capture it needs."""
+    what cannot be re-run on the reference's inputs (``IsolationError``), naming the run and the
+    capture it needs. Also ``capturestore.reduce``'s check."""
     from extractors.vllm_server import ENGINE as SERVER
 
     runs = _module_runs(row)
@@ -240,7 +243,9 @@ def _target_model(rec: dict, rid: str, target, rebuild: bool):
                                                 device_map=None).to("cpu").eval()
 
 
-def _prompts(store, runs: dict, max_prompts: int | None):
+def held_prompts(store, runs: dict, max_prompts: int | None = None) -> list:
+    """``[(prompt_id, prompt tokens, continuation tokens)]`` of the expected run's prompts every
+    run of ``runs`` holds, in prompt order (the first ``max_prompts``)."""
     from capturestore.analysis import prompt_split
 
     rows = store.sql("SELECT prompt_id FROM prompts WHERE run_id = ? ORDER BY prompt_idx",
@@ -313,11 +318,11 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     row = _row(store, comparison_id)
     if row["passed"] and not even_if_passed:
         return IsolationResult(comparison_id, "nothing_to_isolate")
-    runs, recs = _checked_runs(store, comparison_id, row)
+    runs, recs = checked_runs(store, comparison_id, row)
     order = recs["expected"]["config"].get("module_order") or recs["actual"]["config"].get("module_order")
     if not order:
         raise IsolationError(f"the expected run {runs['expected']} records no module_order")
-    prompts = _prompts(store, runs, max_prompts)
+    prompts = held_prompts(store, runs, max_prompts)
     if not prompts:
         raise IsolationError(f"comparison {comparison_id}: no prompt is held by all three runs")
     tgt = _target_model(recs["actual"], runs["actual"], target, rebuild)

@@ -1,0 +1,498 @@
+"""Minimal reproduction: shrink a failing module comparison to a small self-contained bundle.
+
+``reduce(store, comparison_id, engine, out)`` takes a comparison whose module verdict failed
+(first failing module ``M`` in phase ``P``, in place) and searches, with the engine under test
+re-run in memory on each candidate, for the smallest case that still fails **at the same module
+and phase** (the same bug, not another failure the shrinking made):
+
+1. prompts: the first prompt that fails alone, else prompts removed one at a time while it fails
+   (the full case judged first: where the engine does not fail on it, nothing is reduced);
+2. continuation: the fewest teacher tokens that fail (binary search, at least 1: a decode-only
+   bug keeps as many as its decode step needs);
+3. prompt length: the shortest prefix of the prompt(s) that fails (binary search);
+4. layers: the fewest decoder layers (a checkpoint of the first ``n`` layers; ``M``'s layer
+   ``L`` needs ``n > L``, a module outside the layers, ``model.norm``, any ``n``): binary search.
+
+Each step makes the next one's trials cheaper (the last ones run one prompt of a few tokens).
+
+Each candidate is judged like the comparison was (``metrics.modules.judge_modules``: the
+module verdict's noise-relative rule) on the FP32 and BF16 references re-run from the reduced
+checkpoint and the engine built by ``engine(model_dir)`` on it. The binary searches assume
+that a smaller case fails only if a larger one does; the end result is judged again.
+
+The bundle (``out``): ``model/`` the reduced checkpoint (the original's first ``n`` layers, bit
+for bit, and its tokenizer), ``store/`` a capture store with the FP32 and BF16 module references
+of the reduced case, ``case.json`` (the case, the failure, the sizes, the engine) and
+``reproduce.sh``: one command, ``capturestore reproduce BUNDLE [--engine MODULE:FUNCTION]``,
+which builds the engine on ``model/``, judges its module tensors against the stored references
+and exits 1 when a module fails (the bug reproduces), 0 when every module passes. ``reduce``
+runs it on the bundle before returning: it must fail with the engine given, and pass with
+``correct`` (a correct engine) where one is given.
+
+Engines: ``engine`` is a callable ``(model_dir) -> transformers model`` (the engine under test,
+e.g. a fault installed on a loaded model) or a ``"module:function"`` naming one; the bundle
+records the name so its command rebuilds it (a callable without an importable name is refused:
+the bundle would not be self-contained). Without an engine the actual run's HF engine is rebuilt
+from the checkpoint (its dtype and attention implementation). HF engines only (vLLM replacement
+is not here yet).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["ReductionError", "ReductionResult", "add_arguments", "cmd_reduce", "cmd_reproduce", "reduce",
+           "reduced_checkpoint", "reproduce"]
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+class ReductionError(ValueError):
+    """Reduction refused or failed (one line saying why)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    """One candidate: the prompts, their teacher tokens, the decoder layers kept."""
+
+    prompts: tuple
+    continuations: tuple
+    layers: int
+
+    def size(self) -> str:
+        p = sum(len(x) for x in self.prompts)
+        c = sum(len(x) for x in self.continuations)
+        return (f"{len(self.prompts)} prompt(s), {p} prompt + {c} continuation tokens, {self.layers} decoder "
+                f"layer(s)")
+
+    def as_dict(self) -> dict:
+        return {"prompts": len(self.prompts), "prompt_tokens": sum(len(x) for x in self.prompts),
+                "continuation_tokens": sum(len(x) for x in self.continuations), "layers": self.layers}
+
+
+@dataclass(frozen=True)
+class ReductionResult:
+    source: str  # the comparison reduced
+    status: str  # "reduced" | "nothing_to_reduce" (the comparison passed; nothing written)
+    bundle: Path | None = None
+    failure: dict | None = None  # {"module", "phase", "layer"}: the failure kept
+    start: dict | None = None  # sizes of the source case (Case.as_dict)
+    end: dict | None = None  # sizes of the bundle's case
+    trials: int = 0  # candidates judged (re-runs of the engine under test and the references)
+    command: str | None = None  # the bundle's command
+    faulty_exit: int | None = None  # the command's exit status with the engine under test (1: fails)
+    correct_exit: int | None = None  # with the correct engine given (0: passes), None without one
+    wall_s: float = 0.0
+
+    def summary(self) -> str:
+        if self.status == "nothing_to_reduce":
+            return f"nothing to reduce: comparison {self.source} passed"
+        s, e = self.start, self.end
+        return (f"reduced comparison {self.source} (fails at {self.failure['module']}, {self.failure['phase']}) from "
+                f"{s['prompts']} prompt(s) x {s['prompt_tokens']}+{s['continuation_tokens']} tokens, {s['layers']} "
+                f"layer(s) to {e['prompts']} prompt(s) x {e['prompt_tokens']}+{e['continuation_tokens']} tokens, "
+                f"{e['layers']} layer(s) in {self.trials} trial(s); bundle {self.bundle}: `{self.command}` exits "
+                f"{self.faulty_exit} on the engine under test"
+                + ("" if self.correct_exit is None else f", {self.correct_exit} on the correct engine"))
+
+
+# ------------------------------------------------------------------------------ engines and checkpoints
+
+
+def _engine_name(engine) -> str | None:
+    """The ``module:function`` that names ``engine`` (None: not importable by name)."""
+    if isinstance(engine, str):
+        return engine
+    name = f"{getattr(engine, '__module__', '')}:{getattr(engine, '__qualname__', '')}"
+    try:
+        return name if _import_engine(name) is engine else None
+    except ReductionError:
+        return None
+
+
+def _import_engine(spec: str):
+    mod, _, attr = spec.partition(":")
+    if not mod or not attr:
+        raise ReductionError(f"engine {spec!r}: give MODULE:FUNCTION (a function taking the model directory and "
+                             f"returning the engine under test)")
+    try:
+        obj = importlib.import_module(mod)
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise ReductionError(f"engine {spec!r} cannot be imported: {e}") from None
+    if not callable(obj):
+        raise ReductionError(f"engine {spec!r} is not callable")
+    return obj
+
+
+def _hf_engine(dtype: str, attn: str):
+    def build(model_dir):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype),
+                                                    attn_implementation=attn).eval()
+    return build
+
+
+def _build_engine(engine, default: dict):
+    """A ``(model_dir) -> model`` callable: ``engine`` (callable or name), else the HF engine of
+    ``default`` (``{"dtype", "attn_implementation"}``)."""
+    if engine is None:
+        return _hf_engine(default["dtype"], default.get("attn_implementation") or "eager")
+    return _import_engine(engine) if isinstance(engine, str) else engine
+
+
+def reduced_checkpoint(model_dir, out, layers: int) -> Path:
+    """Write the checkpoint of ``model_dir`` reduced to its first ``layers`` decoder layers into
+    ``out`` (weights in their stored dtype, bit for bit; tokenizer and other files copied)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir, out = Path(model_dir), Path(out)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
+    n = len(model.model.layers)
+    if not 1 <= layers <= n:
+        raise ReductionError(f"{model_dir}: cannot keep {layers} of its {n} decoder layers")
+    model.model.layers = torch.nn.ModuleList(list(model.model.layers)[:layers])
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = list(model.config.layer_types)[:layers]
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out))
+    for f in model_dir.iterdir():
+        if f.is_file() and not (out / f.name).exists() and not f.name.endswith(WEIGHT_SUFFIXES):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
+# ------------------------------------------------------------------------------ judging one case
+
+
+def _modules_of(order, layers: int) -> list[str]:
+    from metrics.modules import module_layer
+
+    return [m for m in order if module_layer(m) is None or module_layer(m) < layers]
+
+
+def _judge(refs, engine, case: Case, order):
+    """The module verdict of ``engine`` on ``case`` against ``refs`` (``[(baseline caps,
+    expected caps)]`` per prompt, or a callable giving them)."""
+    from extractors.modules import collect_hf_modules
+    from metrics.modules import judge_modules
+
+    mods = _modules_of(order, case.layers)
+    got, _ = collect_hf_modules(engine, case.prompts, case.continuations, mods)
+    per = []
+    for (b, e), a in zip(refs, got):
+        caps = {}
+        for k in e:
+            if k in b:
+                caps[k] = (b[k], e[k], a[k]) if k in a else None
+        per.append(caps)
+    missing = [(k, i) for i, caps in enumerate(per) for k, v in caps.items() if v is None]
+    if missing:
+        (m, ph), i = missing[0]
+        raise ReductionError(f"the engine under test produced no {m} ({ph}) for prompt {i}")
+    return judge_modules(per, mods, prompt_lens=[len(p) for p in case.prompts])
+
+
+def _first(verdict):
+    f = verdict.first_failing
+    return None if f is None else (f.module, f.phase)
+
+
+# ------------------------------------------------------------------------------ the search
+
+
+class _Trials:
+    """Judges candidates: checkpoints per layer count (written once), references re-run per case."""
+
+    def __init__(self, model_dir, work: Path, engine, exp_dtype, order, failure, say):
+        self.model_dir, self.work, self.engine, self.exp_dtype = Path(model_dir), work, engine, exp_dtype
+        self.order, self.failure, self.say, self.n = order, failure, say, 0
+        self._models: dict = {}
+        self._seen: dict = {}  # Case -> fails (the searches ask some cases twice)
+
+    def checkpoint(self, layers: int, full: int) -> Path:
+        if layers == full:
+            return self.model_dir
+        return self.work / f"layers-{layers}"
+
+    def models(self, layers: int, full: int):
+        if layers not in self._models:
+            from extractors.hf import load_hf_model
+
+            path = self.checkpoint(layers, full)
+            if path != self.model_dir and not path.exists():
+                reduced_checkpoint(self.model_dir, path, layers)
+            self._models.clear()  # one layer count at a time: the tiny models are cheap, memory is not
+            self._models[layers] = (load_hf_model(path, "float32"), load_hf_model(path, self.exp_dtype),
+                                    self.engine(str(path)))
+        return self._models[layers]
+
+    def fails(self, case: Case, full: int) -> bool:
+        from extractors.modules import collect_hf_modules
+
+        if case in self._seen:
+            return self._seen[case]
+        base, exp, eng = self.models(case.layers, full)
+        mods = _modules_of(self.order, case.layers)
+        b, _ = collect_hf_modules(base, case.prompts, case.continuations, mods)
+        e, _ = collect_hf_modules(exp, case.prompts, case.continuations, mods)
+        first = _first(_judge(list(zip(b, e)), eng, case, self.order))
+        self.n += 1
+        self.say(f"trial {self.n}: {case.size()}: {'fails at ' + ' '.join(first) if first else 'passes'}")
+        self._seen[case] = first == self.failure
+        return self._seen[case]
+
+
+def _smallest(lo: int, hi: int, fails) -> int:
+    """The smallest x in [lo, hi] with fails(x), given fails(hi) (binary search; monotone assumed,
+    the end result is checked)."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fails(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
+
+
+def _search(trials: _Trials, case: Case, full: int, fail_layer) -> Case:
+    """Prompts, continuation, prompt length, then layers: each step shrinks what the next one's
+    trials cost. The full case is judged only when no prompt fails alone."""
+    n = case.layers
+    keep = next((i for i in range(len(case.prompts))
+                 if trials.fails(Case((case.prompts[i],), (case.continuations[i],), n), full)), None)
+    if keep is not None:
+        P, C = (case.prompts[keep],), (case.continuations[keep],)
+    else:
+        if len(case.prompts) > 1 and not trials.fails(case, full):
+            raise ReductionError("the engine under test does not fail at the comparison's first failing module on "
+                                 "its case")
+        idx = list(range(len(case.prompts)))
+        for i in list(idx):
+            rest = [j for j in idx if j != i]
+            if rest and trials.fails(Case(tuple(case.prompts[j] for j in rest),
+                                          tuple(case.continuations[j] for j in rest), n), full):
+                idx = rest
+        P, C = tuple(case.prompts[j] for j in idx), tuple(case.continuations[j] for j in idx)
+    top = max(len(c) for c in C)
+    m = _smallest(1, top, lambda m: m == top or trials.fails(Case(P, tuple(c[:m] for c in C), n), full))
+    C = tuple(c[:m] for c in C)
+    top = max(len(p) for p in P)
+    k = _smallest(1, top, lambda k: k == top or trials.fails(Case(tuple(p[:k] for p in P), C, n), full))
+    P = tuple(p[:k] for p in P)
+    lo = 1 if fail_layer is None else fail_layer + 1
+    n = _smallest(lo, n, lambda x: x == case.layers or trials.fails(Case(P, C, x), full))
+    return Case(P, C, n)
+
+
+# ------------------------------------------------------------------------------ the bundle
+
+
+def _write_bundle(out: Path, trials: _Trials, case: Case, full: int, info: dict) -> str:
+    from capturestore import Store
+    from extractors.modules import capture_hf_module_run
+
+    out.mkdir(parents=True, exist_ok=True)
+    src = trials.checkpoint(case.layers, full)
+    shutil.copytree(src, out / "model")
+    store = Store.open(out / "store")
+    mods = _modules_of(trials.order, case.layers)
+    runs = {}
+    for role, dtype in (("baseline", "float32"), ("expected", trials.exp_dtype)):
+        runs[role] = capture_hf_module_run(store, out / "model", [list(p) for p in case.prompts],
+                                           [list(c) for c in case.continuations], modules=mods, dtype=dtype)
+    cmd = "capturestore reproduce BUNDLE" + ("" if info["engine"] is None else f" --engine {info['engine']}")
+    case_json = {**info, "runs": runs, "modules": mods, "prompts": [list(p) for p in case.prompts],
+                 "continuations": [list(c) for c in case.continuations], "command": cmd}
+    (out / "case.json").write_text(json.dumps(case_json, indent=1) + "\n")
+    sh = out / "reproduce.sh"
+    eng = "" if info["engine"] is None else f" --engine {info['engine']}"
+    sh.write_text("#!/bin/sh\n# exits 1 when the bug reproduces (a module fails), 0 when every module passes;\n"
+                  "# another engine: ./reproduce.sh --engine MODULE:FUNCTION\n"
+                  f'exec "${{PYTHON:-python3}}" -m capturestore.cli reproduce "$(dirname "$0")"{eng} "$@"\n')
+    sh.chmod(0o755)
+    return cmd
+
+
+def reproduce(bundle, engine=None, progress=None) -> tuple[int, str]:
+    """Judge ``engine`` (callable or ``module:function``; default the bundle's) on a bundle
+    written by ``reduce``: ``(1, summary)`` when a module fails, ``(0, summary)`` when every
+    module passes. The bundle is only read."""
+    from capturestore import Store
+
+    bundle = Path(bundle)
+    try:
+        info = json.loads((bundle / "case.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ReductionError(f"{bundle} is not a reduction bundle (case.json: {e})") from None
+    say = progress or (lambda m: None)
+    engine = engine if engine is not None else info.get("engine")
+    build = _build_engine(engine, info["actual"])
+    store = Store.open(bundle / "store")
+    runs, mods = info["runs"], info["modules"]
+    pids = store.sql("SELECT prompt_id FROM prompts WHERE run_id = ? ORDER BY prompt_idx",
+                     [runs["expected"]]).column(0).to_pylist()
+    case = Case(tuple(tuple(p) for p in info["prompts"]), tuple(tuple(c) for c in info["continuations"]),
+                info["end"]["layers"])
+    if len(pids) != len(case.prompts):
+        raise ReductionError(f"{bundle}: the store holds {len(pids)} prompts, case.json {len(case.prompts)}")
+    refs = []
+    for pid in pids:
+        caps = []
+        for role in ("baseline", "expected"):
+            got = {}
+            for m in mods:
+                for phase in ("prefill", "decode"):
+                    try:
+                        t = store.read_tensor(runs[role], pid, m, phase=phase)
+                    except ValueError:
+                        continue
+                    t = np.asarray(t, dtype=np.float32)
+                    got[(m, phase)] = t.reshape(-1, *t.shape[2:]) if t.ndim > 2 else t
+            caps.append(got)
+        refs.append(tuple(caps))
+    say(f"engine {engine or 'HF ' + info['actual']['dtype']} on {bundle / 'model'}: {case.size()}")
+    verdict = _judge(refs, build(str(bundle / "model")), case, mods)
+    f = verdict.first_failing
+    if f is None:
+        return 0, f"PASS: every module passes ({case.size()})"
+    same = (f.module, f.phase) == (info["failure"]["module"], info["failure"]["phase"])
+    return 1, (f"FAIL at {f.module} ({f.phase}, layer {f.layer}, token {f.token}): sigma-ratio "
+               f"{f.tensor.sigma_ratio:.3f}" if f.tensor is not None else f"FAIL at {f.module} ({f.phase})") + (
+        " (the reduced failure)" if same else f" (reduced from a failure at {info['failure']['module']})")
+
+
+def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, progress=None) -> ReductionResult:
+    """Reduce the failing module comparison ``comparison_id`` (module docstring) and write the
+    bundle to ``out`` (a new or empty directory). engine: the engine under test, a callable
+    ``(model_dir) -> model`` or ``"module:function"`` (default: the actual run's HF engine
+    rebuilt from its checkpoint). correct: a correct engine the bundle's command must pass on."""
+    from capturestore.isolate import IsolationError, checked_runs, held_prompts
+
+    say = progress or (lambda m: None)
+    t0 = time.perf_counter()
+    if out is None:
+        raise ReductionError("give the bundle's directory (out)")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ReductionError(f"bundle directory {out} is not empty")
+    rows = store.sql("SELECT * FROM comparisons WHERE comparison_id = ?", [comparison_id]).to_pylist()
+    if not rows:
+        raise ReductionError(f"comparison {comparison_id} not found in the store")
+    row = rows[0]
+    if row["passed"]:
+        return ReductionResult(comparison_id, "nothing_to_reduce")
+    try:
+        runs, recs = checked_runs(store, comparison_id, row)
+    except IsolationError as e:
+        raise ReductionError(str(e)) from None
+    try:
+        mv = store.sql("SELECT module, phase, layer FROM module_verdicts WHERE comparison_id = ? AND passed = false "
+                       "ORDER BY CASE phase WHEN 'prefill' THEN 0 ELSE 1 END, exec_order", [comparison_id]).to_pylist()
+    except Exception:  # noqa: BLE001 - no module_verdicts view: no module was judged in this store
+        mv = []
+    if not mv:
+        raise ReductionError(f"comparison {comparison_id} has no failing module verdict: reduce shrinks a module "
+                             f"failure (capturestore run --plugins ...,modules; a failure seen only locally: "
+                             f"capturestore isolate)")
+    failure = {"module": mv[0]["module"], "phase": mv[0]["phase"], "layer": mv[0]["layer"]}
+    order = recs["expected"]["config"].get("module_order")
+    act = recs["actual"]
+    default = {"dtype": act["dtype"], "attn_implementation": act["config"].get("attn_implementation") or "eager"}
+    if engine is None and act["config"].get("model_given"):
+        raise ReductionError(f"the actual run {runs['actual']} was captured from a model passed in (a patched engine "
+                             f"the checkpoint does not hold): give that engine (--engine MODULE:FUNCTION)")
+    name = None if engine is None else _engine_name(engine)
+    if engine is not None and name is None:
+        raise ReductionError(f"engine {engine!r} has no importable MODULE:FUNCTION name: the bundle's command "
+                             f"could not rebuild it")
+    build = _build_engine(engine, default)
+    prompts = held_prompts(store, runs)
+    model_dir = Path(recs["expected"]["model_path"])
+    full = len(json.loads((model_dir / "config.json").read_text()).get("layer_types") or []) or \
+        int(json.loads((model_dir / "config.json").read_text())["num_hidden_layers"])
+    start = Case(tuple(tuple(p) for _, p, _ in prompts), tuple(tuple(c) for _, _, c in prompts), full)
+    work = out / ".work"
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        trials = _Trials(model_dir, work, build, recs["expected"]["dtype"], order,
+                         (failure["module"], failure["phase"]), say)
+        say(f"start: {start.size()}; failure {failure['module']} ({failure['phase']})")
+        try:
+            end = _search(trials, start, full, failure["layer"])
+        except ReductionError as e:
+            raise ReductionError(f"comparison {comparison_id}: {e} ({failure['module']}, {failure['phase']}): give "
+                                 f"the engine of its actual run {runs['actual']}") from None
+        if not trials.fails(end, full):  # the binary searches assume monotone failure: check the result
+            raise ReductionError(f"the reduced case ({end.size()}) does not fail: the failure is not monotone in "
+                                 f"the case's size")
+        info = {"source_comparison": comparison_id, "failure": failure, "engine": name, "actual": default,
+                "expected_dtype": recs["expected"]["dtype"], "start": start.as_dict(), "end": end.as_dict(),
+                "trials": trials.n}
+        cmd = _write_bundle(out, trials, end, full, info)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    faulty_exit, text = reproduce(out, engine if engine is not None else None)
+    say(f"bundle on the engine under test: {text}")
+    if faulty_exit != 1:
+        raise ReductionError(f"the bundle {out} does not reproduce the failure: {text}")
+    correct_exit = None
+    if correct is not None:
+        correct_exit, text = reproduce(out, correct)
+        say(f"bundle on the correct engine: {text}")
+        if correct_exit != 0:
+            raise ReductionError(f"the bundle {out} fails on the correct engine too: {text}")
+    return ReductionResult(comparison_id, "reduced", out, failure, start.as_dict(), end.as_dict(), trials.n, cmd,
+                           faulty_exit, correct_exit, time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def add_arguments(add) -> None:
+    """Register ``reduce`` and ``reproduce`` with cli.build_parser's ``add(name, func, help)``."""
+    sp = add("reduce", cmd_reduce, "shrink a failing module comparison to the fewest prompts, tokens and decoder "
+             "layers that still fail, into a self-contained bundle with one command (docs/isolate.md)")
+    sp.add_argument("comparison", help="the failing comparison's id")
+    sp.add_argument("--out", required=True, help="the bundle's directory (new or empty)")
+    sp.add_argument("--engine", metavar="MODULE:FUNCTION", help="the engine under test: a function taking the model "
+                    "directory and returning the model (default: the actual run's HF engine from its checkpoint)")
+    sp.add_argument("--correct", metavar="MODULE:FUNCTION", help="a correct engine the bundle must pass on")
+    sp.add_argument("--quiet", action="store_true", help="no progress lines")
+    sp = add("reproduce", cmd_reproduce, "judge an engine on a bundle written by `capturestore reduce`: exit 1 when "
+             "a module fails (the bug reproduces), 0 when every module passes")
+    sp.add_argument("bundle", help="the bundle's directory")
+    sp.add_argument("--engine", metavar="MODULE:FUNCTION", help="the engine to judge (default: the bundle's)")
+    sp.add_argument("--quiet", action="store_true", help="no progress lines")
+
+
+def _progress(args):
+    return None if args.quiet else (lambda m: print(m, file=sys.stderr))
+
+
+def cmd_reduce(args: argparse.Namespace) -> int:
+    from capturestore.store import open_store_path
+
+    store = open_store_path(args.store)  # only read: the bundle is a store of its own
+    r = reduce(store, args.comparison, args.engine, args.out, correct=args.correct, progress=_progress(args))
+    print(r.summary())
+    return 0
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    code, text = reproduce(args.bundle, args.engine, progress=_progress(args))
+    print(text)
+    return code
