@@ -87,7 +87,8 @@ def find_reference_run(store, *, model_hash: str, dtype: str, prompt_ids, engine
                        device: str | None = None) -> str | None:
     """The newest complete ``engine`` run of ``model_hash`` in ``dtype`` holding every prompt in
     ``prompt_ids`` (and, when given, the same captured tokens per prompt, and a run config holding
-    every key of ``config`` with the same value, e.g. ``{"capture": "greedy", "num_tokens": 8}``; and,
+    every key of ``config`` with the same value, e.g. ``{"capture": "greedy", "num_tokens": 8}``, a
+    value None meaning the key absent or None; and,
     when given, captured on ``device``: ``cpu``, ``cuda:0``; a CUDA reference differs from a CPU one
     by rounding), or None. How a reference was computed (whole model or streamed layer by layer) is
     not a key: both give the same bits.
@@ -104,7 +105,8 @@ def find_reference_run(store, *, model_hash: str, dtype: str, prompt_ids, engine
     for r in runs:
         if config:
             held = json.loads(r.get("config") or "{}")
-            if any(k not in held or held[k] != v for k, v in config.items()):
+            if any(held.get(k) is not None if v is None else (k not in held or held[k] != v)
+                   for k, v in config.items()):
                 continue
         have = {p["prompt_id"] for p in store.prompts(r["run_id"]).to_pylist()}
         if not want <= have:

