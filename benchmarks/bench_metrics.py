@@ -34,6 +34,18 @@ kernel still ~1.5x leaner. Threads split positions (CAPTURESTORE_METRICS_THREADS
 usable CPUs); on a shared, loaded machine the second thread gains little. Times are wall clock,
 best of two (limit: best of three): the ratios come from one run but not from one instant of
 the machine's load.
+
+Tried and not kept (2026-12-02, one 8 x 1024 x 128 bf16 tensor, one thread, CPU time of the
+thread, old and new kernel interleaved 40 times in one process at load 18-20, bits asserted
+identical): the lane sums stay scalar because numba compiles with LLVM's SLP vectoriser off
+(``NUMBA_SLP_VECTORIZE`` defaults to 0) and the loop vectoriser does not touch lanes kept in
+``acc``'s memory, nor an inner ``for j in range(8)`` over them. Lanes as 32 scalar locals, a
+first pass for the errors and extrema (its integer max/min do vectorise) and a second,
+store-free pass for the sums: three-way 8.12 -> 7.46 ms (min; median 10.69 -> 9.32), two-way
+4.10 -> 4.98 ms (it reads each head vector twice). With ``NUMBA_SLP_VECTORIZE=1`` the scalar
+adds fall from ~100 to ~40 in the kernel's assembly but no time difference showed under that
+load, and the flag is process-wide. Neither moves the ratio near 0.25x: the BC half (binning,
+scatter) and the per-value widening remain.
 """
 from __future__ import annotations
 

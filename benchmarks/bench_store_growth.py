@@ -1,0 +1,205 @@
+"""A store after a year of nightly CI: do its queries stay within 2x of a young store's (issue 24 §3)?
+
+Every committed run adds three Parquet segments (prompts, captures, runs: the last is the commit
+marker) and every comparison one segment per table it writes plus its comparisons row, and each
+catalog view is a glob over its table's segments. This builds, through the public API
+(``Store.begin_run``/``commit`` and ``integrity.commit_comparison``, the path ``compare_runs``
+takes), an old store of --runs runs and --comparisons comparisons over one fixed prompt set, and a
+young store of 10 comparisons (and the 20 runs they compare), and times the same queries on both:
+the README's two queries, one comparison's metrics (what ``diff``/``report`` read), one run's
+prompts, ``check_evidence`` of one comparison (what ``diff``/``report`` call first) and
+``diff.history`` of the model's pass/fail (``capturestore history``). Ratio old/young, goal
+<= 2x, printed beside each.
+
+``diff`` and ``report`` themselves are not timed here (their comparisons need real captures
+and comparator tables); the queries above are the reads they make of the catalog.
+``capturestore compact`` (issue 24 §3, docs/compact.md) does not exist yet. A second table
+estimates it at the DuckDB level, on the two tables that grow most (runs: one segment a run;
+kv_head_metrics: one a comparison): the same aggregate over today's glob of the old store's
+segments, over the same segments through the reader rule of docs/compact.md (a window over one
+scan; no merged segment yet: what every query would pay for compaction to be possible), and
+over one merged segment of all their rows through that rule (the store after ``compact``), each
+against today's glob of the young store.
+
+Usage: python benchmarks/bench_store_growth.py [--quick] [--year] [--runs N] [--comparisons N] [--dir DIR]
+The default (= --quick, what `make bench` runs) is 300 runs and 100 comparisons; --year is the
+issue's year of nightly CI, 10,000 runs and 3,000 comparisons. Building dominates: each run's
+prompts are zarr arrays (about 0.1 s a prompt on this 2-core machine at load 20), so --year takes
+hours here.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).parent))
+
+from timing import best_of
+
+GOAL = 2.0
+PROMPTS = [[1 + p, 2 + p, 3 + p, 5 + p, 8 + p] for p in range(4)]  # the fixed prompt set of every night
+LAYERS = 4
+
+
+def build(root: Path, n_runs: int, n_cmp: int) -> list[str]:
+    """A store of ``n_runs`` runs and ``n_cmp`` comparisons, each of two consecutive runs."""
+    from capturestore import Store
+    from capturestore.comparators import comparisons_schema
+    from capturestore.comparators.base import (
+        COMPARISONS_SCHEMA_VERSION,
+        TableSpec,
+        to_arrow,
+    )
+    from capturestore.comparators.kv import KVComparator
+    from capturestore.integrity import commit_comparison
+
+    store = Store.open(root)
+    runs = []
+    for r in range(n_runs):
+        with store.begin_run("vllm" if r % 2 else "hf", "tiny-llama", dtype="bfloat16",
+                             release=f"nightly-{r // 2:05d}") as w:
+            for toks in PROMPTS:
+                w.add_prompt(toks)
+        runs.append(w.run_id)
+    spec = KVComparator.tables["kv_head_metrics"]
+    cspec = TableSpec(comparisons_schema([]), COMPARISONS_SCHEMA_VERSION)
+    rng = np.random.default_rng(0)
+    n_rows = len(PROMPTS) * LAYERS
+    ids = []
+    for c in range(n_cmp):
+        cid = f"cmp-{c:05d}"
+        expected, actual = runs[(2 * c) % n_runs], runs[(2 * c + 1) % n_runs]
+        cols = {"comparison_id": [cid] * n_rows, "prompt_id": [f"p{i // LAYERS}" for i in range(n_rows)],
+                "layer": [f"model.layers.{i % LAYERS}" for i in range(n_rows)],
+                "layer_idx": np.arange(n_rows) % LAYERS, "gen_token_idx": np.zeros(n_rows, dtype=np.int64),
+                "k_l2": rng.random(n_rows), "v_l2": rng.random(n_rows)}
+        data = to_arrow([cols], spec, "kv_head_metrics")
+        row = {"comparison_id": cid, "expected_run": expected, "actual_run": actual, "passed": bool(c % 7),
+               "n_prompts": len(PROMPTS)}
+        commit_comparison(store, cid, {"kv_head_metrics": data}, to_arrow([[row]], cspec, "comparisons"))
+        ids.append(cid)
+    return ids
+
+
+def queries(cid: str) -> dict[str, str]:
+    return {
+        "README: runs": "SELECT run_id, engine, dtype, release FROM runs",
+        "README: kv per layer": "SELECT layer, max(k_l2), max(v_l2) FROM kv_head_metrics GROUP BY layer",
+        "one comparison's metrics (diff/report)": f"SELECT * FROM kv_head_metrics WHERE comparison_id = '{cid}'",
+        "one run's prompts (show)": None,  # filled in by main: needs a run id of that store
+    }
+
+
+def timings(root: Path, cid: str, repeat: int) -> dict[str, float]:
+    from capturestore import Store
+
+    store = Store.open(root, create=False)
+    run_id = store.sql("SELECT max(run_id) AS r FROM runs").column("r")[0].as_py()
+    out = {}
+    for name, q in queries(cid).items():
+        q = q or f"SELECT prompt_id, n_prompt_tokens FROM prompts WHERE run_id = '{run_id}'"
+        store.sql(q)  # views built, files cached
+        out[name] = best_of(lambda q=q: store.sql(q), repeat)
+    out["check_evidence (diff/report, first)"] = best_of(lambda: store.check_evidence([cid]), repeat)
+    from capturestore.diff import history
+
+    assert history(store, "tiny-llama", "passed").num_rows > 0
+    out["diff.history (capturestore history)"] = best_of(lambda: history(store, "tiny-llama", "passed"), repeat)
+    return out
+
+
+RULE = ("SELECT * EXCLUDE (__capturestore_source, filename, __s, __covered) FROM ("
+        "SELECT *, coalesce(__capturestore_source, parse_filename(filename)) AS __s, "
+        "bool_or(__capturestore_source IS NOT NULL) OVER (PARTITION BY __s) AS __covered FROM ("
+        "SELECT NULL::VARCHAR AS __capturestore_source WHERE false UNION ALL BY NAME "
+        "SELECT * FROM read_parquet('{glob}', union_by_name = true, filename = true))) "
+        "WHERE __capturestore_source IS NOT NULL OR NOT __covered")
+PLAIN = "SELECT * FROM read_parquet('{glob}', union_by_name = true)"
+AGGREGATES = {"runs": "SELECT engine, count(*) FROM ({src}) GROUP BY engine",
+              "kv_head_metrics": "SELECT layer, max(k_l2), max(v_l2) FROM ({src}) GROUP BY layer"}
+
+
+def merged_copy(tables: Path, table: str, out: Path) -> Path:
+    """One segment of every row of ``table``, each with its source's file name (docs/compact.md)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parts = []
+    for f in sorted((tables / table).glob("*.parquet")):
+        t = pq.read_table(f)
+        parts.append(t.append_column("__capturestore_source", pa.array([f.name] * t.num_rows, pa.string())))
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.concat_tables(parts, promote_options="default"), out / "compacted-0.parquet")
+    return out
+
+
+def compaction_estimate(base: Path, repeat: int) -> bool:
+    import duckdb
+
+    con = duckdb.connect()
+    print(f"\n{'DuckDB level, per table':50s} {'s':>9s} {'young s':>9s} {'ratio':>7s} {'goal':>6s}")
+    missed = False
+    for table, agg in AGGREGATES.items():
+        old_glob = base / "old" / "tables" / table / "*.parquet"
+        merged = merged_copy(base / "old" / "tables", table, base / "merged" / table) / "*.parquet"
+        yq = agg.format(src=PLAIN.format(glob=base / "young" / "tables" / table / "*.parquet"))
+        young = best_of(lambda q=yq: con.sql(q).fetchall(), repeat)
+        for what, q, goal in (
+                ("today's glob", agg.format(src=PLAIN.format(glob=old_glob)), GOAL),
+                ("reader rule, not compacted", agg.format(src=RULE.format(glob=old_glob)), None),
+                ("reader rule, one merged segment", agg.format(src=RULE.format(glob=merged)), GOAL)):
+            # max and count: exact whatever the order, so the rule must give today's answer
+            assert sorted(con.sql(q).fetchall()) == sorted(con.sql(agg.format(src=PLAIN.format(glob=old_glob))).fetchall()), \
+                f"{table}: {what} answers differently from the segments it replaces"
+            t = best_of(lambda q=q: con.sql(q).fetchall(), repeat)
+            r = t / young
+            miss = goal is not None and r > goal
+            missed |= miss
+            print(f"{table + ': ' + what:50s} {t:9.4f} {young:9.4f} {r:7.2f} "
+                  f"{'-' if goal is None else f'{goal:.1f}':>6s}{'  MISSED' if miss else ''}")
+    print("limit: today's glob over the young store's segments of the same table; the not-compacted rule row is "
+          "what compaction's reader rule costs before any compaction (no goal)")
+    return missed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the default size (300 runs, 100 comparisons)")
+    ap.add_argument("--year", action="store_true", help="10,000 runs and 3,000 comparisons")
+    ap.add_argument("--runs", type=int, default=300)
+    ap.add_argument("--comparisons", type=int, default=100)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--dir", default=str(REPO / ".bench-tmp" / "store-growth"))
+    a = ap.parse_args()
+    n_runs, n_cmp = (10_000, 3_000) if a.year else (a.runs, a.comparisons)
+    base = Path(a.dir)
+    shutil.rmtree(base, ignore_errors=True)
+    t = time.perf_counter()
+    young_ids = build(base / "young", 20, 10)
+    old_ids = build(base / "old", n_runs, n_cmp)
+    built = time.perf_counter() - t
+    print(f"old store: {n_runs} runs x {len(PROMPTS)} prompts, {n_cmp} comparisons; young store: 20 runs, "
+          f"10 comparisons; built in {built:.1f} s")
+    young = timings(base / "young", young_ids[5], a.repeat)
+    old = timings(base / "old", old_ids[len(old_ids) // 2], a.repeat)
+    print(f"{'query':40s} {'old s':>9s} {'young s':>9s} {'ratio':>7s} {'goal':>6s}")
+    missed = False
+    for name in old:
+        r = old[name] / young[name]
+        missed |= r > GOAL
+        print(f"{name:40s} {old[name]:9.4f} {young[name]:9.4f} {r:7.2f} {GOAL:6.1f}{'  MISSED' if r > GOAL else ''}")
+    print("limit: the same query on a store of 10 comparisons, same process, same disk; best of --repeat")
+    missed |= compaction_estimate(base, a.repeat)
+    shutil.rmtree(base, ignore_errors=True)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
