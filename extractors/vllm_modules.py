@@ -83,9 +83,11 @@ for _k, _v in _LLAMA.items():
         _GEMMA3["model.layers.{i}.post_feedforward_layernorm"] = ("model.layers.{i}.post_feedforward_layernorm",
                                                                  "first")
     _GEMMA3[_k] = _v
-# GPT-OSS: vLLM names the embedding ``embedding`` and the attention ``attn`` (HF: ``self_attn``);
-# the MoE block's router is a plain linear in both (HF returns (logits, scores, indices): its
-# logits); HF's experts take the routing as inputs and have no vLLM module of the same output.
+# GPT-OSS: vLLM names the embedding ``embedding`` and the attention ``attn`` (HF: ``self_attn``).
+# Not mapped: HF's ``mlp.router`` returns (logits, scores, indices) flattened to [batch * seq,
+# experts], not the [batch, seq, ...] the module capture takes row by row (routing capture is
+# its own, issue 20 section 2); HF's ``mlp.experts`` takes the routing as inputs and has no vLLM
+# module with the same output.
 _GPT_OSS = {
     "model.embed_tokens": ("model.embedding", "first"),
     "model.layers.{i}.input_layernorm": ("model.layers.{i}.input_layernorm", "first"),
@@ -95,7 +97,6 @@ _GPT_OSS = {
     "model.layers.{i}.self_attn.o_proj": ("model.layers.{i}.attn.o_proj", "first"),
     "model.layers.{i}.self_attn": ("model.layers.{i}.attn", "first"),
     "model.layers.{i}.post_attention_layernorm": ("model.layers.{i}.post_attention_layernorm", "first"),
-    "model.layers.{i}.mlp.router": ("model.layers.{i}.mlp.router", "first"),
     "model.layers.{i}.mlp": ("model.layers.{i}.mlp", "first"),
     "model.layers.{i}": ("model.layers.{i}", "sum"),
     "model.norm": ("model.norm", "first"),
