@@ -264,6 +264,18 @@ class HfTarget(EngineTarget):
     options: ClassVar[dict] = {"dtype": "bfloat16 | float16 (hf:DTYPE or --dtype)"}
     default_plugins = ("logits", "kv")
 
+    def check(self, ctx: TargetCheck) -> None:
+        # The target is HF's SDPA attention judged against the eager references: an architecture
+        # whose only CPU attention is eager (GPT-OSS: its sinks) would be the expected run itself.
+        import transformers
+
+        for arch in ctx.model_config.get("architectures") or []:
+            cls = getattr(transformers, arch, None)
+            if cls is not None and getattr(cls, "_supports_sdpa", True) is False:
+                raise ValueError(f"target hf: {arch} has no SDPA attention in transformers {transformers.__version__} "
+                                 f"(eager only), so the hf target would be the eager expected run itself; use "
+                                 f"--target vllm (docs/gpt-oss.md)")
+
     def capture(self, ctx: TargetContext) -> TargetRuns:
         from capturestore.pipeline import capture_hf_target
 

@@ -76,6 +76,25 @@ _ARCH_SPECS: dict[str, tuple[str, str, dict]] = {
         "MistralForCausalLM",
         dict(num_hidden_layers=3, num_key_value_heads=2, sliding_window=16),
     ),
+    # GPT-OSS: sliding (W=16, even layers) and full layers alternate, attention sinks, a
+    # 4-expert top-2 MoE with biases and the clamped SwiGLU; unquantized (no MXFP4). vLLM's
+    # gpt_oss hard-codes RMSNorm eps 1e-5 and the sliding layers as the even ones, so the
+    # config says the same. RoPE: GPT-OSS's own YaRN defaults (factor 32 over 4096).
+    "gpt-oss": (
+        "gpt_oss",
+        "GptOssForCausalLM",
+        dict(
+            num_hidden_layers=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=131072,  # = 4096 * YaRN factor 32, as GPT-OSS's own config
+        ),
+    ),
 }
 
 TINY_ARCHS: tuple[str, ...] = tuple(_ARCH_SPECS)
@@ -170,6 +189,13 @@ def _init_param(arch: str, name: str, init_value: np.ndarray, hidden: int, seed:
     """Deterministic draw for one parameter (see the module docstring for the scales)."""
     rng = _param_rng(seed, arch, name)
     noise = rng.standard_normal(init_value.shape, dtype=np.float32)
+    if name.endswith(".sinks"):
+        # Attention sinks (GPT-OSS): one logit per head beside the scores (std ~1), so a
+        # sink of N(0, 1) takes a visible share of the softmax and ignoring it shows.
+        return noise
+    if arch.startswith("gpt-oss") and name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        # GPT-OSS stores its fused expert weights [experts, in, out]: the fan-in is dim -2.
+        return (noise * np.float32(1.0 / np.sqrt(init_value.shape[-2]))).astype(np.float32)
     if init_value.ndim == 1:  # norm weights (and biases, if an arch had them)
         return (init_value.astype(np.float32) + np.float32(0.1) * noise).astype(np.float32)
     if "embed_tokens" in name:

@@ -54,7 +54,7 @@ import numpy as np
 
 from extractors.modules import resolve_modules
 
-__all__ = ["VLLM_TO_HF", "ModuleCaptureMixin", "mappable_hf_modules", "install_vllm_module_capture",
+__all__ = ["VLLM_TO_HF", "ModuleCaptureMixin", "hf_kv_layer_name", "mappable_hf_modules", "install_vllm_module_capture",
            "remove_vllm_module_capture", "merge_tp_records", "collect_vllm_modules", "capture_vllm_module_run"]
 
 _LLAMA = {
@@ -83,7 +83,40 @@ for _k, _v in _LLAMA.items():
         _GEMMA3["model.layers.{i}.post_feedforward_layernorm"] = ("model.layers.{i}.post_feedforward_layernorm",
                                                                  "first")
     _GEMMA3[_k] = _v
-VLLM_TO_HF = {"LlamaForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA, "Gemma3ForCausalLM": _GEMMA3}
+# GPT-OSS: vLLM names the embedding ``embedding`` and the attention ``attn`` (HF: ``self_attn``).
+# Not mapped: HF's ``mlp.router`` returns (logits, scores, indices) flattened to [batch * seq,
+# experts], not the [batch, seq, ...] the module capture takes row by row (routing capture is
+# its own, issue 20 section 2); HF's ``mlp.experts`` takes the routing as inputs and has no vLLM
+# module with the same output.
+_GPT_OSS = {
+    "model.embed_tokens": ("model.embedding", "first"),
+    "model.layers.{i}.input_layernorm": ("model.layers.{i}.input_layernorm", "first"),
+    "model.layers.{i}.self_attn.q_proj": ("model.layers.{i}.attn.qkv_proj", "split:0"),
+    "model.layers.{i}.self_attn.k_proj": ("model.layers.{i}.attn.qkv_proj", "split:1"),
+    "model.layers.{i}.self_attn.v_proj": ("model.layers.{i}.attn.qkv_proj", "split:2"),
+    "model.layers.{i}.self_attn.o_proj": ("model.layers.{i}.attn.o_proj", "first"),
+    "model.layers.{i}.self_attn": ("model.layers.{i}.attn", "first"),
+    "model.layers.{i}.post_attention_layernorm": ("model.layers.{i}.post_attention_layernorm", "first"),
+    "model.layers.{i}.mlp": ("model.layers.{i}.mlp", "first"),
+    "model.layers.{i}": ("model.layers.{i}", "sum"),
+    "model.norm": ("model.norm", "first"),
+}
+VLLM_TO_HF = {"LlamaForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA, "Gemma3ForCausalLM": _GEMMA3,
+              "GptOssForCausalLM": _GPT_OSS}
+
+
+
+_VLLM_ATTN_LAYER = re.compile(r"^model\.layers\.(\d+)\.(?:self_attn|attn)\.attn$")
+
+
+def hf_kv_layer_name(vllm_name: str) -> str:
+    """The KV layer name the HF references use (``extractors.hf.LAYER_NAME``) for a vLLM attention
+    layer: ``model.layers.{i}.self_attn.attn``. Llama-style models already use it; GPT-OSS's
+    attention module is ``attn`` in vLLM (``model.layers.{i}.attn.attn``), ``self_attn`` in HF.
+    A name of another shape is returned unchanged (it then must match the references' as it is)."""
+    m = _VLLM_ATTN_LAYER.match(vllm_name)
+    return f"model.layers.{m.group(1)}.self_attn.attn" if m else vllm_name
+
 
 _STATE = "_capturestore_module_capture"  # on the worker: {"records", "handles", "positions"}
 

@@ -38,7 +38,7 @@ import torch
 from extractors.paged import reconstruct_contiguous_kv_batch
 from extractors.vllm_fp8 import Fp8CaptureMixin, decode_paged_kv
 from extractors.vllm_logits import LogitsCaptureMixin
-from extractors.vllm_modules import ModuleCaptureMixin
+from extractors.vllm_modules import ModuleCaptureMixin, hf_kv_layer_name
 from extractors.vllm_transport import (
     EXTENSION_QUALNAME,
     TEACHER_FORCING_QUALNAME,
@@ -723,8 +723,11 @@ def capture_vllm_run(store, llm, model_path, prompts: Sequence[Sequence[int]],
         **(config or {}),
     }
     dtype = str(mc.dtype).removeprefix("torch.")
+    engine_names = [n for g in groups for n in g["layer_names"]]
+    if any(hf_kv_layer_name(n) != n for n in engine_names):  # stored under the references' names
+        meta["kv_layer_names"] = {n: hf_kv_layer_name(n) for n in engine_names}
     run = begin_capture_run(store, engine="vllm", capture=meta["capture"], prompts=prompts,
-                            layer_names=_layer_order([n for g in groups for n in g["layer_names"]]) if kv else None,
+                            layer_names=_layer_order([hf_kv_layer_name(n) for n in engine_names]) if kv else None,
                             logits_kind=meta["logits_kind"], config=meta, model_path=str(model_path),
                             model_hash=model_hash, dtype=dtype, device="cpu", engine_version=vllm.__version__,
                             tp_degree=int(kv_config.get("tp_size", 1)), release=release)
@@ -754,7 +757,10 @@ def capture_vllm_run(store, llm, model_path, prompts: Sequence[Sequence[int]],
 
 def _write_request_kv(run, pid: str, per_layer: dict, groups: list) -> None:
     """``{layer: (k, v) [1, kv_head, seq, head_dim]}`` as one KV array in model layer order, or one
-    per KV cache group when heads or head_dim differ between groups."""
+    per KV cache group when heads or head_dim differ between groups; layers under the HF names
+    (``hf_kv_layer_name``)."""
+    per_layer = {hf_kv_layer_name(n): kv for n, kv in per_layer.items()}
+    groups = [{**g, "layer_names": [hf_kv_layer_name(n) for n in g["layer_names"]]} for g in groups]
     names = _layer_order(list(per_layer))
     shapes = {tuple(per_layer[n][0].shape) for n in names}
     if len(shapes) == 1:

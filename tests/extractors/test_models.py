@@ -65,6 +65,11 @@ def test_init_scales_match_the_documented_stds(tiny_model):
     assert norm.mean().item() == pytest.approx(1.0, abs=0.04) and norm.std().item() == pytest.approx(0.1, rel=0.2)
     g = _tensors(tiny_model("gemma3-sliding"))  # Gemma norms are (1 + w): centred on 0
     assert g["model.layers.0.input_layernorm.weight"].mean().item() == pytest.approx(0.0, abs=0.04)
+    o = _tensors(tiny_model("gpt-oss"))  # experts stored [expert, in, out]: fan-in is dim -2
+    assert o["model.layers.0.mlp.experts.gate_up_proj"].std().item() == pytest.approx(hidden**-0.5, rel=0.03)
+    assert o["model.layers.0.mlp.experts.down_proj"].std().item() == pytest.approx(128**-0.5, rel=0.03)
+    sinks = np.concatenate([o[f"model.layers.{i}.self_attn.sinks"].numpy() for i in range(4)])
+    assert 0.5 < sinks.std() < 1.6  # N(0, 1): a sink takes a visible share of the softmax
 
 
 def test_config_fields_per_arch(tiny_arch):
@@ -72,15 +77,21 @@ def test_config_fields_per_arch(tiny_arch):
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["head_dim"] >= 32  # vLLM's CPU attention rejects 16
     assert cfg["hidden_size"] == cfg["num_attention_heads"] * cfg["head_dim"]
-    assert cfg["vocab_size"] == 1024 and cfg["max_position_embeddings"] == 512
+    assert cfg["vocab_size"] == 1024
+    assert cfg["max_position_embeddings"] == (131072 if arch == "gpt-oss" else 512)  # GPT-OSS: 4096 x YaRN 32
     assert cfg["dtype"] == "float32"
-    expect_kv = {"llama-mha": 4, "llama-gqa": 2, "gemma3-sliding": 2, "mistral-sliding": 2}[arch]
+    expect_kv = {"llama-mha": 4, "llama-gqa": 2, "gemma3-sliding": 2, "mistral-sliding": 2, "gpt-oss": 2}[arch]
     assert cfg["num_key_value_heads"] == expect_kv
     if arch == "gemma3-sliding":
         assert cfg["sliding_window"] == 16 and cfg["query_pre_attn_scalar"] == 32
         assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
     if arch == "mistral-sliding":
         assert cfg["sliding_window"] == 16
+    if arch == "gpt-oss":  # vLLM's gpt_oss hard-codes eps 1e-5 and windows on the even layers
+        assert cfg["sliding_window"] == 16 and cfg["rms_norm_eps"] == 1e-5
+        assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
+        assert (cfg["num_local_experts"], cfg["num_experts_per_tok"]) == (4, 2)
+        assert "quantization_config" not in cfg  # unquantized: no MXFP4
     gen = json.loads((path / "generation_config.json").read_text())
     assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (BOS_ID, EOS_ID, PAD_ID)
 
