@@ -27,10 +27,24 @@ own forward) for ONE request while the engine runs it:
   forward that ends the prefill (its last prompt column) and of each decode step make the
   ``[gen_token, vocab]`` logits rows. Hooked modules must return ``[batch, token, ...]``.
 
+- **KV cache contents** (the cache, not the projections that feed it): ``kv=reader`` calls
+  ``reader()`` when the ``with`` block ends (before the engine reuses the request's cache),
+  or the engine hands them itself with ``capture.set_kv(per_layer)`` while they are its own.
+  Either gives the request's K and V per layer, ``[kv_head, position, head_dim]`` (index ==
+  position; a leading batch axis of 1 is dropped): a dict ``{layer name: (k, v)}`` named as
+  the references name layers (``extractors.hf.hf_layer_names(model)``), or a sequence of
+  ``(k, v)`` in layer order, named so. They are copied at once; positions past the tokens the
+  request was fed are cut (never written for it: what they hold is another request's), and
+  positions it was fed but the cache does not hold are NaN (never a pass).
+
 ``capture.result()`` is the request's ``RequestCapture``; ``write_module_run(store, model_path,
 requests, dtype)`` writes requests into a run laid out like ``capture_hf_module_run``'s (the
 store writing both use: ``extractors.modules.write_prompt_modules``), so its run compares with
-HF module references like any other (``compare_runs(..., comparators=["modules"])``).
+HF module references like any other (``compare_runs(..., comparators=["modules"])``), and, with
+KV captured, its KV in the built-in layout (``[layer, kv_head, seq, head_dim]`` over prompt +
+continuation, NaN at the last continuation token, never fed: the run declares ``capture:
+"teacher_forced_decode"``) against HF runs' KV (``capture_hf_run``, ``compare_runs(...,
+kv=True)``).
 
 Teacher forcing is the engine's: feed the references' continuation (``capturestore run``'s
 teacher tokens) to the loop so the positions hold the same tokens in every run.
@@ -45,14 +59,15 @@ from pathlib import Path
 
 from extractors.modules import DEFAULT_MODULES, INPUT_SUFFIX, first_tensor, modules_of
 
-__all__ = ["EngineCapture", "RequestCapture", "write_module_run"]
+__all__ = ["EngineCapture", "RequestCapture", "nan_padded", "write_module_run"]
 
 
 @dataclass
 class RequestCapture:
     """One request's captures. prefill: ``{module: [prompt_len, ...]}``; decode: ``{module: [step
     tensors [1, ...]]}``; logits: ``[gen_token, vocab]`` float32 (prefill's last row, then one per
-    decode step); order: modules in execution order; fed: tokens the request was fed."""
+    decode step); order: modules in execution order; fed: tokens the request was fed; kv:
+    ``{layer: (k, v)}`` ``[kv_head, fed, head_dim]`` of the engine's cache (None: not captured)."""
 
     prompt_len: int
     prefill: dict = field(default_factory=dict)
@@ -60,6 +75,7 @@ class RequestCapture:
     logits: object = None
     order: list = field(default_factory=list)
     fed: int = 0
+    kv: dict | None = None
 
 
 class EngineCapture:
@@ -67,7 +83,7 @@ class EngineCapture:
     around the engine's loop; ``result()`` after it."""
 
     def __init__(self, model, modules: Iterable[str] | str = DEFAULT_MODULES, *, prompt_len: int | None = None,
-                 row: int = 0, inputs: bool = False, logits: bool = True):
+                 row: int = 0, inputs: bool = False, logits: bool = True, kv=None):
         if prompt_len is not None and (isinstance(prompt_len, bool) or not isinstance(prompt_len, int)
                                        or prompt_len < 1):
             raise ValueError(f"EngineCapture: prompt_len must be an integer >= 1, got {prompt_len!r}")
@@ -86,6 +102,11 @@ class EngineCapture:
         self._n_decode = 0
         self._handles: list = []
         self._thread = None
+        if kv is not None and not callable(kv):
+            raise ValueError(f"EngineCapture: kv must be a callable returning the request's K/V per layer, got "
+                             f"{type(kv).__name__}")
+        self._kv_reader = kv
+        self._kv: dict | None = None
 
     # ---------------------------------------------------------------- the user's side
 
@@ -102,6 +123,51 @@ class EngineCapture:
         finally:
             self._forced = old
 
+    def set_kv(self, per_layer, layer_names: Sequence[str] | None = None) -> None:
+        """The request's cache contents, ``{layer: (k, v)}`` or ``[(k, v), ...]`` in layer order
+        (named ``layer_names``, default ``extractors.hf.hf_layer_names(model)``); k, v
+        ``[kv_head, position, head_dim]`` (or ``[1, kv_head, position, head_dim]``). Copied now."""
+        import torch
+
+        if isinstance(per_layer, dict):
+            items = list(per_layer.items())
+        else:
+            pairs = list(per_layer)
+            if layer_names is None:
+                from extractors.hf import hf_layer_names
+
+                layer_names = hf_layer_names(self.model)
+            if len(layer_names) != len(pairs):
+                raise ValueError(f"EngineCapture.set_kv: {len(pairs)} layers of K/V for {len(layer_names)} layer "
+                                 f"names")
+            items = list(zip(layer_names, pairs))
+        if not items:
+            raise ValueError("EngineCapture.set_kv: no layers")
+        out = {}
+        for name, kv in items:
+            if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+                raise ValueError(f"EngineCapture.set_kv: layer {name}: expected a (k, v) pair")
+            pair = []
+            for what, t in zip("kv", kv):
+                t = torch.as_tensor(t).detach()
+                if t.ndim == 4 and t.shape[0] == 1:
+                    t = t[0]
+                if t.ndim != 3:
+                    raise ValueError(f"EngineCapture.set_kv: layer {name}: {what} of shape {tuple(t.shape)}, expected "
+                                     f"[kv_head, position, head_dim]")
+                pair.append(t.to("cpu", copy=True))
+            if pair[0].shape[:2] != pair[1].shape[:2]:
+                raise ValueError(f"EngineCapture.set_kv: layer {name}: k {tuple(pair[0].shape)} and v "
+                                 f"{tuple(pair[1].shape)} differ in heads or positions")
+            out[str(name)] = tuple(pair)
+        self._kv = out
+
+    def _kv_fed(self) -> dict | None:
+        """The K/V handed, cut or NaN-padded to the positions the request was fed."""
+        if self._kv is None:
+            return None
+        return {name: tuple(nan_padded(t[:, :self._fed], self._fed) for t in pair) for name, pair in self._kv.items()}
+
     def result(self) -> RequestCapture:
         """The request's captures; ValueError when its prefill is incomplete."""
         import torch
@@ -117,7 +183,7 @@ class EngineCapture:
         prefill = {m: torch.cat(ts, dim=0) for m, ts in self._prefill_chunks.items()}
         logits = torch.stack(self._logits) if self._logits else None
         return RequestCapture(P, prefill, {m: list(v) for m, v in self._decode.items()}, logits, list(self._order),
-                              self._fed)
+                              self._fed, self._kv_fed())
 
     # ---------------------------------------------------------------- hooks
 
@@ -130,10 +196,12 @@ class EngineCapture:
             self._handles.append(mods[name].register_forward_hook(self._hook(name)))
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._kv_reader is not None and exc_type is None:
+            self.set_kv(self._kv_reader())
 
     def _prefill_len(self) -> int:
         first = next(iter(self._prefill_chunks.values()), [])
@@ -244,7 +312,13 @@ def write_module_run(store, model_path, requests: Sequence[tuple], dtype: str, *
     decode steps captured at least, as ``capture_hf_module_run`` does: logits rows
     ``1 + decode steps``). The run's config records the modules in execution order
     (``module_order``) and the layout, as ``capture_hf_module_run``'s; ``mode`` says
-    ``engine_loop`` (never taken for a reference)."""
+    ``engine_loop`` (never taken for a reference). Captures holding KV (``EngineCapture(kv=...)``
+    / ``set_kv``; all requests or none, the same layers) also write it: ``[layer, kv_head, seq,
+    head_dim]`` over prompt + continuation in the given layer order, NaN past the positions fed
+    (the last continuation token is sampled, never fed: the run's ``capture`` is
+    ``teacher_forced_decode``, so the KV verdict exempts that position)."""
+    import torch
+
     from extractors.models import model_content_hash
     from extractors.modules import MODULE_LOGITS_LAYOUT, MODULE_TENSOR_LAYOUT, write_prompt_modules
 
@@ -262,10 +336,19 @@ def write_module_run(store, model_path, requests: Sequence[tuple], dtype: str, *
             raise ValueError(f"write_module_run: requests[{i}]: {n_dec} decode steps captured for {len(cont)} "
                              f"continuation tokens (need {max(len(cont) - 1, 0)})")
         rows.append((prompt, cont, cap))
+    with_kv = [cap.kv is not None for _, _, cap in rows]
+    kv_names = list(rows[0][2].kv) if with_kv[0] else None
+    for i, (_, _, cap) in enumerate(rows):
+        if with_kv[i] != with_kv[0] or (kv_names is not None and list(cap.kv) != kv_names):
+            raise ValueError(f"write_module_run: requests[{i}]: KV layers {list(cap.kv or [])[:3]} where requests[0] "
+                             f"holds {(kv_names or [])[:3]}: capture the same KV layers for every request, or none")
     order = rows[0][2].order
     cfg = {"mode": "engine_loop", "module_order": order, "modules": order,
            "module_patterns": order, "prompt_lens": [len(p) for p, _, _ in rows],
            "tensor_layout": MODULE_TENSOR_LAYOUT, "logits_layout": MODULE_LOGITS_LAYOUT, "model_given": True,
+           **({"capture": "teacher_forced_decode", "layer_names": kv_names,
+               "kv_layout": "[layer, kv_head, seq, head_dim]; seq index == position; the engine's cache contents, "
+                            "NaN at positions not fed (the last continuation token)"} if kv_names else {}),
            **(config or {})}
     run = store.begin_run(engine=engine, model_path=str(Path(model_path)),
                           model_hash=model_hash or model_content_hash(model_path), dtype=dtype, device=device,
@@ -275,5 +358,18 @@ def write_module_run(store, model_path, requests: Sequence[tuple], dtype: str, *
             n = len(cont) - 1
             decode = {m: steps[:n] for m, steps in cap.decode.items() if n}
             logits = None if cap.logits is None else cap.logits[:n + 1]
-            write_prompt_modules(run, prompt, cont, [(m, 0, t) for m, t in cap.prefill.items()], decode, logits)
+            pid = write_prompt_modules(run, prompt, cont, [(m, 0, t) for m, t in cap.prefill.items()], decode, logits)
+            if kv_names is not None:
+                seq = len(prompt) + len(cont)
+                k, v = (torch.stack([nan_padded(cap.kv[n][j][:, :seq], seq) for n in kv_names]) for j in (0, 1))
+                run.write_kv(pid, k, v, layer_names=kv_names)
     return run.run_id
+
+
+def nan_padded(t, n: int):
+    """``t`` ``[kv_head, position, head_dim]`` NaN-padded along positions to ``n`` (as is when it holds them)."""
+    import torch
+
+    if t.shape[1] >= n:
+        return t
+    return torch.cat([t, torch.full((t.shape[0], n - t.shape[1], t.shape[2]), float("nan"), dtype=t.dtype)], dim=1)

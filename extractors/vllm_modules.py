@@ -8,14 +8,16 @@ and call hooks). Each hook clones the rows it keeps before the forward goes on (
 buffers in place); the records cross back as tensors in-process, as bytes otherwise
 (``extractors.vllm_transport``).
 
-Layout: vLLM runs a flattened batch, ``[num_tokens, ...]``; a pre-hook on the model records the
-forward's ``positions``. Prompts run one at a time (no prefix caching), so every
-row of a forward belongs to the one request and row r sits at ``positions[r]`` (rows past
-``len(positions)``, padding, are trimmed). Forwards over prompt positions are the prefill
-(``[P, ...]``; chunks of a chunked prefill stitched in position order; a prefill starting past 0,
-served from the prefix cache, is refused); one with a single token at position ``P + n`` is decode step n (``[1, ...]``): the
-same layout as the HF capture, so HF references captured teacher-forced on the engine's own tokens
-line up step for step (prefill + ``T - 1`` decode forwards for ``T`` generated tokens).
+Layout: vLLM runs a flattened batch, ``[num_tokens, ...]``, request after request; a pre-hook on
+the model records the forward's ``positions`` and which rows are whose (``forward_segments``: the
+model runner's input-batch order and ``query_start_loc`` of the step), and each hook keeps every
+request's rows apart, so requests batched into one forward are captured by request. A request's
+forwards over prompt positions are its prefill (``[P, ...]``; chunks of a chunked prefill
+stitched in position order; positions served from the prefix cache, below its first computed
+position, are NaN rows listed as not computed, ``NOT_COMPUTED``); one with a single token at
+position ``P + n`` is decode step n (``[1, ...]``): the same layout as the HF capture, so HF
+references captured teacher-forced on the engine's own tokens line up step for step (prefill +
+``T - 1`` decode forwards for ``T`` generated tokens).
 
 Names: vLLM fuses and restructures modules. ``VLLM_TO_HF`` maps, per architecture, each HF module
 name to the vLLM module whose output gives it and how:
@@ -54,8 +56,9 @@ import numpy as np
 
 from extractors.modules import resolve_modules
 
-__all__ = ["VLLM_TO_HF", "ModuleCaptureMixin", "hf_kv_layer_name", "mappable_hf_modules", "install_vllm_module_capture",
-           "remove_vllm_module_capture", "merge_tp_records", "collect_vllm_modules", "capture_vllm_module_run"]
+__all__ = ["NOT_COMPUTED", "VLLM_TO_HF", "ModuleCaptureMixin", "capture_vllm_module_run", "collect_vllm_modules",
+           "forward_segments", "group_request_records", "hf_kv_layer_name", "install_vllm_module_capture",
+           "mappable_hf_modules", "merge_tp_records", "remove_vllm_module_capture"]
 
 _LLAMA = {
     "model.embed_tokens": ("model.embed_tokens", "first"),
@@ -166,18 +169,40 @@ def _shard_kind(mod, how: str) -> tuple[str, int]:
     return ("cat", 1)
 
 
+def forward_segments(runner, n_tokens: int) -> list[tuple[str | None, int, int]]:
+    """``[(request id, first row, end row)]`` of a forward's flattened batch, in row order.
+
+    vLLM lays a step's tokens out request after request, in the input batch's order (decodes
+    first on the CPU backend: the runner reorders before it prepares the inputs), request ``j``
+    owning rows ``query_start_loc[j] .. query_start_loc[j + 1] - 1``; both are the model
+    runner's, set for this step before the model runs. A runner without them (not a V1 GPU/CPU
+    model runner) gives one unnamed segment of every row, as before batching was mapped."""
+    batch = getattr(runner, "input_batch", None)
+    qsl = getattr(getattr(runner, "query_start_loc", None), "cpu", None)
+    if batch is None or qsl is None:
+        return [(None, 0, n_tokens)]
+    n_req = int(batch.num_reqs)
+    starts = [int(x) for x in qsl[:n_req + 1].tolist()]
+    ids = list(batch.req_ids[:n_req])
+    if starts[-1] > n_tokens:
+        raise ValueError(f"vLLM module capture: the step schedules {starts[-1]} tokens for {n_req} requests but the "
+                         f"model ran {n_tokens}")
+    return [(rid, starts[j], starts[j + 1]) for j, rid in enumerate(ids) if starts[j + 1] > starts[j]]
+
+
 def _worker_install(worker, plan: list[tuple[str, str, str]]) -> dict:
     import torch
 
     model = worker.model_runner.model
     if hasattr(model, _STATE):
         raise ValueError("vLLM module capture: already installed on this engine; remove it first")
-    state = {"records": [], "handles": [], "positions": None}
+    state = {"records": [], "handles": [], "positions": None, "segments": None}
     mods = dict(model.named_modules())
 
     def pre(module, args, kwargs):
         pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
         state["positions"] = pos.detach().clone().cpu() if pos is not None else None
+        state["segments"] = None if pos is None else forward_segments(worker.model_runner, int(pos.numel()))
 
     by_vllm: dict[str, list] = {}
     for hf, vl, how in plan:
@@ -194,17 +219,17 @@ def _worker_install(worker, plan: list[tuple[str, str, str]]) -> dict:
             pos = state["positions"]
             if pos is None:
                 return
-            n = int(pos.numel())
             first = output[0] if isinstance(output, (tuple, list)) else output
-            for hf, how in targets:
-                if how == "first":
-                    t = first[:n]
-                elif how == "sum":
-                    t = output[0][:n] + output[1][:n]
-                else:
-                    part = int(how.split(":")[1])
-                    t = torch.split(first[:n], sizes, dim=-1)[part]
-                state["records"].append((hf, pos, t.detach().to("cpu", copy=True)))
+            for req, lo, hi in state["segments"]:  # each request's rows of the flattened batch
+                for hf, how in targets:
+                    if how == "first":
+                        t = first[lo:hi]
+                    elif how == "sum":
+                        t = output[0][lo:hi] + output[1][lo:hi]
+                    else:
+                        part = int(how.split(":")[1])
+                        t = torch.split(first[lo:hi], sizes, dim=-1)[part]
+                    state["records"].append((hf, pos[lo:hi], t.detach().to("cpu", copy=True), req))
         return hook
 
     state["handles"].append(model.register_forward_pre_hook(pre, with_kwargs=True))
@@ -224,7 +249,7 @@ def _worker_pop(worker, transport: str = "tensor") -> list:
     if state is None:
         raise ValueError("vLLM module capture: not installed on this worker (install_vllm_module_capture first)")
     out, state["records"] = state["records"], []
-    return [(hf, pos.tolist(), encode_tensor(t, transport)) for hf, pos, t in out]
+    return [(hf, pos.tolist(), encode_tensor(t, transport), req) for hf, pos, t, req in out]
 
 
 def _worker_remove(worker) -> int:
@@ -317,12 +342,18 @@ def _same(a, b) -> bool:
 
 
 def _take(llm, info: dict, where: str) -> list:
-    """Every rank's records since the last take, in TP rank order, merged (``merge_tp_records``)."""
+    """Every rank's records since the last take, in TP rank order, merged (``merge_tp_records``):
+    ``[(hf, positions, tensor, engine request id)]``."""
     from extractors.vllm_transport import decode_tensor, rpc_transport
 
     answers = _rpc(llm, "take_module_capture", transport=rpc_transport(llm))
-    per_rank = [[(hf, pos, decode_tensor(t)) for hf, pos, t in answers[j]] for j in info["rank_order"]]
-    return merge_tp_records(per_rank, info["shards"], where)
+    per_rank = [[(hf, pos, decode_tensor(t), req) for hf, pos, t, req in answers[j]] for j in info["rank_order"]]
+    merged = merge_tp_records([[r[:3] for r in recs] for recs in per_rank], info["shards"], where)
+    reqs = [r[3] for r in per_rank[0]]
+    for k, recs in enumerate(per_rank[1:], start=1):
+        if [r[3] for r in recs] != reqs:
+            raise ValueError(f"{where}: rank {k} laid the requests of a forward out differently from rank 0")
+    return [(*m, req) for m, req in zip(merged, reqs)]
 
 
 def _arch_and_layers(llm) -> tuple[str, int]:
@@ -378,13 +409,16 @@ def remove_vllm_module_capture(llm) -> int:
     return sum(_rpc(llm, "remove_module_capture"))
 
 
-def _group(records, prompt_len: int, where: str) -> dict:
-    """Records of one request -> ``{(hf, phase): [token, ...] tensors}`` (prefill, decode by step).
+def group_request_records(records, prompt_len: int, where: str) -> tuple[dict, list[int]]:
+    """One request's records ``[(hf, positions, tensor)]`` -> ``({(hf, phase): [token, ...]},
+    not_computed)``: the prefill ``[prompt_len, ...]`` and the decode steps ``[steps, ...]``.
 
     Forwards over positions below ``prompt_len`` are prefill chunks (chunked prefill: the scheduler
-    split the prompt across forwards): stitched in position order when they tile ``0 .. P-1``.
-    A prompt whose first forward starts past position 0 had its first positions served from the
-    prefix cache (never computed here): refused, as is a gap or overlap between chunks."""
+    split the prompt across forwards), stitched in position order. A prefill whose first forward
+    starts at position ``s > 0`` had positions ``0 .. s-1`` served from the prefix cache: never
+    computed in this request, they are NaN rows and listed in ``not_computed`` (the same for every
+    module, or refused). A gap or overlap between chunks, a forward mixing prompt and generated
+    positions, or decode steps out of order are refused."""
     import torch
 
     chunks, dec = {}, {}
@@ -400,29 +434,32 @@ def _group(records, prompt_len: int, where: str) -> dict:
         else:
             raise ValueError(f"{where}: {hf}: a forward over positions {p[:4]}... is neither prefill nor one "
                              "decode step")
-    out = {}
+    out, cached = {}, {}
     for hf, cs in chunks.items():
         cs.sort(key=lambda c: c[0])
-        if cs[0][0] > 0:
-            raise ValueError(f"{where}: {hf}: the prefill starts at position {cs[0][0]} of a prompt of {prompt_len}: "
-                             f"positions 0..{cs[0][0] - 1} were served from the prefix cache, not computed (build "
-                             f"the engine with enable_prefix_caching=False)")
-        at = 0
+        cached[hf] = at = cs[0][0]  # served from the prefix cache below the first computed position
         for start, n, _ in cs:
             if start != at:
                 raise ValueError(f"{where}: {hf}: prefill chunks leave positions {at}..{start - 1} uncovered or "
                                  f"overlap there (chunks at {[c[0] for c in cs]})")
             at = start + n
         if at != prompt_len:
-            raise ValueError(f"{where}: {hf}: the prefill chunks cover positions 0..{at - 1} of a prompt of "
+            raise ValueError(f"{where}: {hf}: the prefill chunks cover positions {cs[0][0]}..{at - 1} of a prompt of "
                              f"{prompt_len}")
-        out[(hf, "prefill")] = torch.cat([t for _, _, t in cs], dim=0) if len(cs) > 1 else cs[0][2]
+        parts = [t for _, _, t in cs]
+        if cached[hf]:
+            t0 = parts[0]
+            parts.insert(0, torch.full((cached[hf], *t0.shape[1:]), float("nan"), dtype=t0.dtype))
+        out[(hf, "prefill")] = torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+    if len(set(cached.values())) > 1:
+        raise ValueError(f"{where}: modules disagree on where the prefill starts: "
+                         f"{dict(sorted(cached.items(), key=lambda kv: kv[1])[:4])}")
     for hf, steps in dec.items():
         n = sorted(steps)
         if n != list(range(len(n))):
             raise ValueError(f"{where}: {hf}: decode steps {n} are not 0..{len(n) - 1}")
         out[(hf, "decode")] = torch.cat([steps[s] for s in n], dim=0)
-    return out
+    return out, list(range(next(iter(cached.values()), 0)))
 
 
 def _token_plan(llm, prompts, num_tokens, teacher_tokens, where: str) -> tuple[list, list | None]:
@@ -458,47 +495,81 @@ def _sampling(prompt_len: int, num_tokens: int, teacher):
                           extra_args={CAPTURE_KEY: spec})
 
 
+def _request_index(req, batch: dict):
+    """The batch index of engine request ``req`` (``batch``: the outputs' request ids -> index;
+    the engine adds a ``-<8 chars>`` suffix to the id it was given), None if it is not one of them."""
+    if req is None:  # a runner without the batch layout: every row is the one request's
+        return next(iter(batch.values())) if len(batch) == 1 else None
+    if req in batch:
+        return batch[req]
+    return batch.get(req.rsplit("-", 1)[0])
+
+
 def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int | None,
                          modules: Iterable[str] | str = ("**",), sink=None, *,
-                         teacher_tokens: Sequence[Sequence[int]] | None = None, first_index: int = 0):
-    """Run each prompt (one at a time) through the engine with module capture: ``num_tokens`` greedy
-    tokens, or, with ``teacher_tokens`` (one list per prompt), the engine made to sample those
-    (``extractors.vllm_teacher``; the engine needs ``make_llm``'s logits processor; ``num_tokens``
-    then None or each list's length), so its decode forwards run on the teacher's tokens.
+                         teacher_tokens: Sequence[Sequence[int]] | None = None, first_index: int = 0,
+                         batch_size: int = 1, not_computed: list | None = None):
+    """Run the prompts through the engine with module capture, ``batch_size`` requests at a time
+    (one ``generate`` call: the scheduler batches them, chunks their prefills and serves prefix-
+    cache hits as it is configured to): ``num_tokens`` greedy tokens, or, with ``teacher_tokens``
+    (one list per prompt), the engine made to sample those (``extractors.vllm_teacher``; the
+    engine needs ``make_llm``'s logits processor; ``num_tokens`` then None or each list's length),
+    so its decode forwards run on the teacher's tokens. Each request's rows are taken out of every
+    forward it was in by the step's batch layout (``forward_segments``).
 
     Returns ``(captures, tokens, order)``: captures one dict per prompt ``{(hf_module, phase):
     float32 numpy [token, ...]}`` (None when ``sink`` is given: ``sink(i, module, phase, step,
     tensor)`` receives each step instead), the tokens the engine sampled per prompt (the teacher
-    tokens when forced), and the HF names in execution order. Under tensor parallelism every
-    rank's output is taken and merged (``merge_tp_records``). ``first_index``: the index of
-    ``prompts[0]`` in the caller's prompts, for the messages (a caller passing one prompt at a time)."""
+    tokens when forced), and the HF names in execution order. Prefill positions served from the
+    prefix cache are NaN rows; ``not_computed`` (a list, if given) receives per prompt the list
+    of those positions. Under tensor parallelism every rank's output is taken and merged
+    (``merge_tp_records``). ``first_index``: the index of ``prompts[0]`` in the caller's prompts,
+    for the messages (a caller passing a slice of its prompts)."""
     from metrics.errors import as_float
 
     where = "vLLM module capture"
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"{where}: batch_size must be an integer >= 1, got {batch_size!r}")
     prompts, teacher = _token_plan(llm, prompts, num_tokens, teacher_tokens, where)
     names, info = _install(llm, modules)
     caps, toks = [], []
     try:
-        for i, prompt in enumerate(prompts, start=first_index):
-            _take(llm, info, where)  # drop anything recorded outside this prompt
-            forced = None if teacher is None else teacher[i - first_index]
-            out = llm.generate([{"prompt_token_ids": prompt}], _sampling(len(prompt), num_tokens, forced),
-                               use_tqdm=False)
-            toks.append(list(out[0].outputs[0].token_ids))
-            if forced is not None and toks[-1] != forced:
-                k = next((j for j, (a, b) in enumerate(zip(toks[-1], forced)) if a != b), min(len(toks[-1]),
-                                                                                               len(forced)))
-                raise ValueError(f"{where}, prompt {i}: the engine sampled {toks[-1][k:k + 1]} at teacher index {k}, "
-                                 f"not the teacher's {forced[k:k + 1]}: teacher forcing is not in effect (build "
-                                 "the engine with extractors.vllm_rpc.make_llm, which adds its logits processor)")
-            got = _group(_take(llm, info, f"{where}, prompt {i}"), len(prompt), f"{where}, prompt {i}")
-            missing = [n for n in names if (n, "prefill") not in got]
-            if missing:
-                raise ValueError(f"{where}, prompt {i}: no output captured for {missing[:4]} (hooks not "
-                                 "called: build the engine with enforce_eager=True)")
-            if sink is None:
-                caps.append({k: as_float(t, np.float32) for k, t in got.items()})
-            else:
+        for lo in range(0, len(prompts), batch_size):
+            idx = list(range(lo, min(lo + batch_size, len(prompts))))
+            _take(llm, info, where)  # drop anything recorded outside these requests
+            params = [_sampling(len(prompts[j]), num_tokens, None if teacher is None else teacher[j]) for j in idx]
+            outs = llm.generate([{"prompt_token_ids": prompts[j]} for j in idx], params, use_tqdm=False)
+            span = f"prompt {idx[0] + first_index}" if len(idx) == 1 else \
+                f"prompts {idx[0] + first_index}..{idx[-1] + first_index}"
+            batch = {o.request_id: j for o, j in zip(outs, idx)}
+            per: dict = {j: [] for j in idx}
+            for hf, pos, t, req in _take(llm, info, f"{where}, {span}"):
+                j = _request_index(req, batch)
+                if j is None:
+                    raise ValueError(f"{where}, {span}: rows of engine request {req!r}, not one of these requests "
+                                     f"{sorted(batch)}, in their forwards")
+                per[j].append((hf, pos, t))
+            for j, o in zip(idx, outs):
+                i = j + first_index
+                toks.append(list(o.outputs[0].token_ids))
+                forced = None if teacher is None else teacher[j]
+                if forced is not None and toks[-1] != forced:
+                    k = next((m for m, (a, b) in enumerate(zip(toks[-1], forced)) if a != b),
+                             min(len(toks[-1]), len(forced)))
+                    raise ValueError(f"{where}, prompt {i}: the engine sampled {toks[-1][k:k + 1]} at teacher index "
+                                     f"{k}, not the teacher's {forced[k:k + 1]}: teacher forcing is not in effect "
+                                     "(build the engine with extractors.vllm_rpc.make_llm, which adds its logits "
+                                     "processor)")
+                got, nc = group_request_records(per[j], len(prompts[j]), f"{where}, prompt {i}")
+                missing = [n for n in names if (n, "prefill") not in got]
+                if missing:
+                    raise ValueError(f"{where}, prompt {i}: no output captured for {missing[:4]} (hooks not "
+                                     "called: build the engine with enforce_eager=True)")
+                if not_computed is not None:
+                    not_computed.append(nc)
+                if sink is None:
+                    caps.append({k: as_float(t, np.float32) for k, t in got.items()})
+                    continue
                 for (hf, phase), t in got.items():
                     if phase == "prefill":
                         sink(i, hf, phase, 0, t)
@@ -511,15 +582,21 @@ def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int 
     return caps, toks, names
 
 
+NOT_COMPUTED = "not_computed"  # tensors/not_computed/prefill: [n] int64, prompt positions served from the prefix cache
+
+
 def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | None,
                             modules: Iterable[str] | str = ("**",), release=None, config: dict | None = None, *,
-                            teacher_tokens: Sequence[Sequence[int]] | None = None) -> str:
+                            teacher_tokens: Sequence[Sequence[int]] | None = None, batch_size: int = 1) -> str:
     """Module tensors of a vLLM engine into ``store`` as a run (engine "vllm"): greedy ``num_tokens``
     per prompt, or teacher-forced on ``teacher_tokens`` (one list per prompt; ``num_tokens`` None
     or their length), e.g. the FP32 baseline's tokens, so every role's decode steps see the same
-    tokens. Per prompt tokens = prompt + sampled (teacher) tokens and ``tensors/<hf_module>/<phase>``
-    as the HF capture lays them out. Greedy: capture HF references with ``capture_hf_module_run``
-    on the generated tokens (``teacher_tokens``) to compare them."""
+    tokens. Prompts go to the engine ``batch_size`` at a time (``collect_vllm_modules``). Per
+    prompt tokens = prompt + sampled (teacher) tokens and ``tensors/<hf_module>/<phase>`` as the
+    HF capture lays them out; prompt positions served from the prefix cache are NaN rows, listed
+    in ``tensors/not_computed/prefill`` (``NOT_COMPUTED``; only where there are any), which the
+    module comparator leaves out of every verdict and counts. Greedy: capture HF references with
+    ``capture_hf_module_run`` on the generated tokens (``teacher_tokens``) to compare them."""
     import vllm
 
     from capturestore.capture import begin_capture_run
@@ -527,29 +604,38 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
 
     where = "capture_vllm_module_run"
     prompts, teacher = _token_plan(llm, prompts, num_tokens, teacher_tokens, where)
-    arch, n_layers = _arch_and_layers(llm)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"{where}: batch_size must be an integer >= 1, got {batch_size!r}")
+    arch, _ = _arch_and_layers(llm)
     dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     order, _ = _resolve(llm, modules)  # a bad pattern is refused before a run exists
     tp = int(llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
     cfg = {"mode": "greedy" if teacher is None else "teacher_forced_decode", "num_tokens": num_tokens,
            "module_patterns": list([modules] if isinstance(modules, str) else modules),
-           "modules": order, "module_order": order,
+           "modules": order, "module_order": order, "batch_size": batch_size,
+           "enable_prefix_caching": bool(getattr(llm.llm_engine.vllm_config.cache_config, "enable_prefix_caching",
+                                                 False)),
            "vllm_architecture": arch, "tensor_layout": "as extractors.modules (HF names via extractors.vllm_modules)",
            **(config or {})}
-    pending: list = []
     run = begin_capture_run(store, engine="vllm", capture="greedy" if teacher is None else "teacher_forced_decode",
                             prompts=prompts, layer_names=None, logits_kind=None, config=cfg,
                             model_path=str(Path(model_path)), model_hash=model_content_hash(model_path), dtype=dtype,
                             device="cpu", engine_version=vllm.__version__, tp_degree=tp, release=release)
     with run:
-        for i, prompt in enumerate(prompts):
-            pending.clear()
-            _, toks, _ = collect_vllm_modules(llm, [prompt], num_tokens, order,
-                                              sink=lambda _i, *a: pending.append(a),
-                                              teacher_tokens=None if teacher is None else [teacher[i]],
-                                              first_index=i)
-            pid = run.add_prompt(list(prompt), continuation=toks[0])
-            for hf, phase, step, t in pending:
-                run.write_tensor(pid, hf, t, step=step, phase=phase,
-                                 dims=["position", *(f"dim{d}" for d in range(1, t.ndim))])
+        for lo in range(0, len(prompts), batch_size):
+            part = prompts[lo:lo + batch_size]
+            pending: dict = {i: [] for i in range(lo, lo + len(part))}
+            skipped: list = []
+            _, toks, _ = collect_vllm_modules(llm, part, num_tokens, order,
+                                              sink=lambda i, *a, into=pending: into[i].append(a),
+                                              teacher_tokens=None if teacher is None else teacher[lo:lo + len(part)],
+                                              first_index=lo, batch_size=len(part), not_computed=skipped)
+            for k, prompt in enumerate(part):
+                pid = run.add_prompt(list(prompt), continuation=toks[k])
+                for hf, phase, step, t in pending[lo + k]:
+                    run.write_tensor(pid, hf, t, step=step, phase=phase,
+                                     dims=["position", *(f"dim{d}" for d in range(1, t.ndim))])
+                if skipped[k]:
+                    run.write_tensor(pid, NOT_COMPUTED, np.asarray(skipped[k], dtype=np.int64), phase="prefill",
+                                     dims=["index"])
     return run.run_id

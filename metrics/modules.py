@@ -19,6 +19,11 @@ Either way a module fails on
 - a non-finite target value where both references are finite (NaN in the target),
 and is unjudged (``passed`` None: never a pass) when no value is finite in all three.
 
+Positions the target never computed (prompt positions a vLLM engine served from its prefix cache,
+``extractors.vllm_modules.NOT_COMPUTED``) are left out before anything is measured and counted
+(``ModuleJudge.add_not_computed``, ``ModuleVerdict.n_not_computed``): they are never judged equal,
+and a module and phase with nothing but them is unjudged (never a pass).
+
 Localisation: ``first_failing_module`` in execution order: phases in time order (prefill,
 then decode), modules within a phase in the order they finish (the capture's ``module_order``).
 ``layer`` is the decoder-layer index from the name (``model.layers.3.mlp`` -> 3), None for
@@ -324,16 +329,18 @@ class ModuleVerdict:
     token: int | None  # that position as a generation token index (position - prompt_len)
     token_prompt: str | None
     problem: str | None = None  # shape mismatch / non-finite target, in words
+    n_not_computed: int = 0  # positions left out: the target never computed them (prefix cache)
 
     def summary(self) -> str:
         head = {True: "PASS", False: "FAIL", None: "NOT JUDGED"}[self.passed]
         where = f"{self.module} ({self.phase}, layer {self.layer})"
+        skipped = f"; {self.n_not_computed} positions not computed (left out)" if self.n_not_computed else ""
         if self.problem:
-            return f"{head}: {where}: {self.problem}"
+            return f"{head}: {where}: {self.problem}{skipped}"
         t = self.tensor
         return (f"{head}: {where}: sigma-ratio {t.sigma_ratio:.3f}, BC {t.bc:.4f} vs bar {t.bc_threshold_used:.4f}, "
                 f"L-inf ratio {t.linf_ratio:.2f} vs bar {t.linf_threshold_used:.2f}, max L2 ratio "
-                f"{self.max_l2_ratio:.2f} over {self.n_tokens} tokens of {self.n_prompts} prompts")
+                f"{self.max_l2_ratio:.2f} over {self.n_tokens} tokens of {self.n_prompts} prompts{skipped}")
 
 
 @dataclass(frozen=True)
@@ -355,15 +362,25 @@ class ModulesVerdict:
     def unjudged(self) -> tuple:
         return tuple(v for v in self.modules if v.passed is None)
 
+    @property
+    def n_not_computed(self) -> int:
+        """Positions left out of every module and phase because the target never computed them."""
+        return sum(v.n_not_computed for v in self.modules)
+
     def summary(self) -> str:
         if not self.modules:
             return "not compared: no module tensors held by all roles"
+        n_nc = self.n_not_computed
+        skipped = (f"; {n_nc} module positions not computed by the target (prefix cache), left out of "
+                   f"{sum(v.n_not_computed > 0 for v in self.modules)} module x phase outputs") if n_nc else ""
         if self.passed:
-            return f"PASS: {len(self.modules)} module x phase outputs within BF16 noise"
+            return f"PASS: {len(self.modules)} module x phase outputs within BF16 noise{skipped}"
         if self.first_failing is not None:
             n = sum(v.passed is False for v in self.modules)
-            return f"FAIL: first failing module {self.first_failing.summary()[6:]}; {n} module x phase outputs fail"
-        return f"FAIL: {len(self.unjudged)} module x phase outputs not judged (no value finite in all three roles)"
+            return (f"FAIL: first failing module {self.first_failing.summary()[6:]}; {n} module x phase outputs "
+                    f"fail{skipped}")
+        return (f"FAIL: {len(self.unjudged)} module x phase outputs not judged (no value finite in all three roles, "
+                f"or no position computed){skipped}")
 
 
 class ModuleJudge:
@@ -378,7 +395,8 @@ class ModuleJudge:
         self._acc: dict[tuple[str, str], dict] = {}
 
     def _slot(self, module, phase):
-        return self._acc.setdefault((module, phase), {"metrics": [], "prompts": [], "plens": [], "problems": []})
+        return self._acc.setdefault((module, phase), {"metrics": [], "prompts": [], "plens": [], "problems": [],
+                                                      "not_computed": 0})
 
     def add(self, prompt: str, module: str, phase: str, baseline, expected, actual, positions=None,
             prompt_len: int | None = None):
@@ -421,6 +439,14 @@ class ModuleJudge:
             out[i] = m
         return out
 
+    def add_not_computed(self, prompt: str, module: str, phase: str, n: int) -> None:
+        """Record ``n`` positions of a prompt's module and phase that the target never computed
+        (served from its prefix cache): left out of the tensors added, counted in the verdict,
+        never judged equal; a module and phase with nothing else is unjudged."""
+        if n < 0:
+            raise ValueError(f"add_not_computed: prompt {prompt}, {module} ({phase}): n must be >= 0, got {n}")
+        self._slot(module, phase)["not_computed"] += int(n)
+
     def add_problem(self, prompt: str, module: str, phase: str, problem: str) -> None:
         """Record that a module could not be compared for a prompt (it fails)."""
         self._slot(module, phase)["problems"].append(f"prompt {prompt}: {problem}")
@@ -430,9 +456,13 @@ class ModuleJudge:
         ms, prompts = slot["metrics"], slot["prompts"]
         n_tok = sum(m.positions.size for m in ms)
         layer = module_layer(module)
+        n_nc = slot["not_computed"]
         if not ms:
+            if n_nc and not slot["problems"]:  # only positions the target never computed: nothing judged
+                return ModuleVerdict(module, phase, layer, None, None, None, math.nan, None, 0, 0, None, None, None,
+                                     "no position computed by the target", n_nc)
             return ModuleVerdict(module, phase, layer, False, None, None, math.nan, None, 0, 0, None, None, None,
-                                 "; ".join(slot["problems"]))
+                                 "; ".join(slot["problems"]), n_nc)
         if all(_all_finite(m.tgt_err) for m in ms):  # a correct engine: nothing to count or mask
             bad, tgt = [0] * len(ms), [m.tgt_err for m in ms]
         else:
@@ -480,7 +510,7 @@ class ModuleJudge:
                 position, token_prompt, plen = min(cands, key=lambda c: (c[0] - (c[2] or 0), c[1]))
                 token = position - plen if plen is not None else position
         return ModuleVerdict(module, phase, layer, passed, why, tv, max_l2, static, len(ms), n_tok, position, token,
-                             token_prompt, "; ".join(problems) or None)
+                             token_prompt, "; ".join(problems) or None, n_nc)
 
     def verdict(self, order: Sequence[str] | None = None) -> ModulesVerdict:
         """Judge every module and phase added. order: module names in execution order (modules

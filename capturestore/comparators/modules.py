@@ -9,7 +9,11 @@ run holds; the execution order is the expected (else baseline) run's ``module_or
 Tables: ``module_metrics`` (prompt x module x phase x token: L-inf, L2, cosine of BF16 and target
 vs FP32, their ratios, BC) and ``module_verdicts`` (module x phase: the pooled verdict numbers,
 in execution order). Verdict: ``metrics.modules``; a module or decode step the actual run lacks,
-or a shape that differs, fails (named); a two-way comparison has no noise to judge against
+or a shape that differs, fails (named). Prompt positions a run lists in
+``tensors/not_computed/prefill`` (``[n]`` int64: positions a vLLM engine served from its prefix
+cache, ``extractors.vllm_modules.NOT_COMPUTED``; NaN in its module tensors) are left out of every
+module's prefill in every role, counted per module and phase (``module_verdicts.not_computed``)
+and in the verdict's text; never judged equal, they cannot make a verdict pass. A two-way comparison has no noise to judge against
 ("not judged"), and a comparison whose expected run holds no module tensors "not compared":
 neither passes. Localisation: the first failing module (phase, decoder layer, module, generation
 token), ranked before logits and KV evidence.
@@ -49,8 +53,10 @@ MODULE_VERDICTS = TableSpec(pa.schema([
     ("decided_by", _S), ("sigma_ratio", _D), ("bc", _D), ("noise_bc", _D), ("bc_threshold", _D), ("linf_ratio", _D),
     ("linf_threshold", _D), ("max_linf_ratio", _D), ("max_l2_ratio", _D), ("static_passed", _B), ("nonfinite", _I),
     ("n_prompts", _I), ("n_tokens", _I), ("first_position", _I), ("first_token", _I), ("first_prompt_id", _S),
-    ("problem", _S),
-]), 1)
+    ("problem", _S), ("not_computed", _I),
+]), 2)
+
+NOT_COMPUTED = "not_computed"  # extractors.vllm_modules.NOT_COMPUTED (this package does not import extractors)
 
 
 def _tensor_index(store, runs: dict) -> dict:
@@ -119,7 +125,13 @@ class ModulesComparator(Comparator):
         held = {role: self.index.get((rid, pid), {}) for role, rid in prompt.runs.items()}
         cols: dict[str, list] = {k: [] for k in MODULE_METRICS.schema.names}
         items = []
+        skip: set = set()  # prompt positions some role never computed
+        for role in prompt.runs:
+            if (NOT_COMPUTED, "prefill") in held[role]:
+                skip.update(int(x) for x in np.asarray(self._read(prompt, role, NOT_COMPUTED, "prefill")).ravel())
         for (module, phase), ref_steps in held["expected"].items():
+            if module == NOT_COMPUTED:
+                continue
             lacking = [role for role in prompt.runs if (module, phase) not in held[role]]
             if lacking:
                 self.judge.add_problem(pid, module, phase, f"the {lacking[0]} run {prompt.runs[lacking[0]]} holds no "
@@ -152,6 +164,13 @@ class ModulesComparator(Comparator):
                 pos = np.repeat(plen + step_ids, rows_per_step)
             else:
                 pos = np.arange(arrs["expected"].shape[0])
+                if skip and len({x.shape[0] for x in arrs.values()}) == 1:  # else: the shape problem is the finding
+                    keep = ~np.isin(pos, np.fromiter(skip, np.int64))
+                    self.judge.add_not_computed(pid, module, phase, int(pos.size - keep.sum()))
+                    pos = pos[keep]
+                    arrs = {role: a[keep] for role, a in arrs.items()}
+                    if not pos.size:
+                        continue
             items.append((module, phase, arrs["baseline"], arrs["expected"], arrs["actual"],
                           pos if pos.size == arrs["expected"].shape[0] else None))
         # every module of the prompt at once: one computation per width, not one per tensor
@@ -195,6 +214,7 @@ class ModulesComparator(Comparator):
                 "static_passed": v.static_passed, "nonfinite": int(t.n_nonfinite) if t else 0,
                 "n_prompts": v.n_prompts, "n_tokens": v.n_tokens, "first_position": v.position,
                 "first_token": v.token, "first_prompt_id": v.token_prompt, "problem": v.problem,
+                "not_computed": v.n_not_computed,
             })
         return {"module_verdicts": rows} if rows else {}
 

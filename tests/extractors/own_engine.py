@@ -14,6 +14,9 @@ Faults (``FAULTS``):
 - ``stale_read``: a decode step reads one slot past its own, left there by an earlier request;
 - ``fp8_cache_writes``: every cache write rounds K and V through FP8 E4M3;
 - ``v_head_scale``: kv head 1's V is written scaled by 1.25.
+The cache faults (all but ``rope_decode_offset``) act in every layer, or in ``fault_layers`` only.
+``cache_of(b)`` reads request ``b``'s cache row of the last ``run`` (what ``EngineCapture(kv=...)``
+is handed).
 """
 from __future__ import annotations
 
@@ -27,12 +30,14 @@ _ATTN = "capturestore_test_own_engine"
 
 class OwnEngine:
     def __init__(self, model, *, cache_rows: int = 4, max_len: int = 128, fault: str | None = None,
-                 padding: str = "left"):
+                 padding: str = "left", fault_layers=None):
         assert fault in (None, *FAULTS) and padding in ("left", "right")
         from transformers import AttentionInterface
 
         c = model.config
         self.model, self.fault, self.padding = model, fault, padding
+        self.fault_layers = None if fault_layers is None else set(fault_layers)
+        self.rows: list = []  # cache row of each request of the last run
         heads = c.num_attention_heads
         self.kv_heads = c.num_key_value_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
@@ -61,6 +66,7 @@ class OwnEngine:
         ``[request, gen_token, vocab]`` float32 (prefill's last row, then one per decode step)."""
         B, T = len(prompts), len(continuations[0])
         rows = [self.free.pop(0) for _ in range(B)]
+        self.rows = rows
         S = max(len(p) for p in prompts)
         ids = torch.zeros((B, S), dtype=torch.long)
         mask = torch.zeros((B, S), dtype=torch.long)
@@ -88,32 +94,38 @@ class OwnEngine:
         self.free = rows + self.free  # freed, not cleared: the next request takes the same cache rows
         return torch.stack(out, dim=1)
 
+    def cache_of(self, b: int) -> list:
+        """``[(k, v)]`` per layer, ``[kv_head, max_len, head_dim]``: request ``b``'s cache row of the last run."""
+        r = self.rows[b]
+        return [(self.k[i, r], self.v[i, r]) for i in range(self.k.shape[0])]
+
     # the engine's attention: write this forward's K/V into its cache, attend over the cache
     def attend(self, module, q, k, v, scaling):
         rows, pos, decode = self._fwd
         layer = module.layer_idx
+        fault = self.fault if self.fault_layers is None or layer in self.fault_layers else None
         B, H, S, D = q.shape
         out = torch.zeros((B, S, H, D), dtype=q.dtype)
         for b in range(B):
             r = rows[b]
             cols = [j for j in range(S) if pos[b, j] >= 0]
             for j in cols:
-                slot = int(pos[b, j]) - (1 if decode and self.fault == "kv_write_prev_slot" else 0)
+                slot = int(pos[b, j]) - (1 if decode and fault == "kv_write_prev_slot" else 0)
                 kk, vv = k[b, :, j], v[b, :, j].clone()
-                if self.fault == "fp8_cache_writes":
+                if fault == "fp8_cache_writes":
                     kk = kk.to(torch.float8_e4m3fn).to(kk.dtype)
                     vv = vv.to(torch.float8_e4m3fn).to(vv.dtype)
-                if self.fault == "v_head_scale":
+                if fault == "v_head_scale":
                     vv[1] = vv[1] * 1.25
                 self.k[layer, r, :, slot] = kk
                 self.v[layer, r, :, slot] = vv
             qp = pos[b, cols]  # positions of this row's queries
-            n_read = int(qp.max()) + 1 + (1 if decode and self.fault == "stale_read" else 0)
+            n_read = int(qp.max()) + 1 + (1 if decode and fault == "stale_read" else 0)
             rep = H // self.kv_heads
             K = self.k[layer, r, :, :n_read].repeat_interleave(rep, dim=0)  # [H, n_read, D]
             V = self.v[layer, r, :, :n_read].repeat_interleave(rep, dim=0)
             scores = torch.matmul(q[b][:, cols], K.transpose(1, 2)) * scaling  # [H, s, n_read]
-            limit = qp[:, None] + (1 if decode and self.fault == "stale_read" else 0)
+            limit = qp[:, None] + (1 if decode and fault == "stale_read" else 0)
             causal = torch.arange(n_read)[None, :] <= limit
             scores = scores.masked_fill(~causal[None], float("-inf"))
             attn = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

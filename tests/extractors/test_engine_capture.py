@@ -4,7 +4,10 @@ or right padding, two requests batched), lay tensors out as ``capture_hf_modules
 a run that the ``modules`` comparator judges against HF references. Every fault of the hand-written
 engine (``own_engine.py``: in its loop and cache, not in its model) is first shown to change its
 logits, is then named at its module and phase through the capture API, and is missed by
-re-running the engine's model through capturestore's own loop (``capture_hf_module_run(model=...)``)."""
+re-running the engine's model through capturestore's own loop (``capture_hf_module_run(model=...)``).
+The engine's KV cache contents, handed to the capture (``EngineCapture(kv=...)``), compare with HF
+runs' KV like any run: the correct engine passes, each cache fault is named at its layer."""
+import numpy as np
 import pytest
 import torch
 
@@ -38,16 +41,17 @@ def models(path):
     return {"float32": _model(path, torch.float32), "bfloat16": _model(path, torch.bfloat16)}
 
 
-def _serve(model, row, padding="left", fault=None, batched=True):
+def _serve(model, row, padding="left", fault=None, batched=True, fault_layers=None):
     """The engine serves EARLIER alone, then PROMPT (in batch ``row``, beside OTHER when batched),
-    capturing PROMPT. Returns ``(logits of PROMPT, RequestCapture)``."""
-    eng = OwnEngine(model, fault=fault, padding=padding)
+    capturing PROMPT's modules and cache contents. Returns ``(logits of PROMPT, RequestCapture)``."""
+    eng = OwnEngine(model, fault=fault, padding=padding, fault_layers=fault_layers)
     eng.run([EARLIER], [CONT])
     reqs = [OTHER, PROMPT] if row == 1 else [PROMPT, OTHER]
     conts = [OTHER_CONT, CONT] if row == 1 else [CONT, OTHER_CONT]
     if not batched:
         reqs, conts = [PROMPT], [CONT]
-    with EngineCapture(model, MODULES, prompt_len=len(PROMPT), row=row if batched else 0) as cap:
+    b = row if batched else 0
+    with EngineCapture(model, MODULES, prompt_len=len(PROMPT), row=b, kv=lambda: eng.cache_of(b)) as cap:
         logits = eng.run(reqs, conts)
     return logits[row if batched else 0], cap.result()
 
@@ -70,6 +74,16 @@ def test_a_padded_batched_request_is_captured_in_the_layout_of_capturestores_own
             torch.testing.assert_close(t, want[(m, "decode")][n], atol=2e-5, rtol=0)
     torch.testing.assert_close(got.logits, ref_logits, atol=2e-5, rtol=0)
     torch.testing.assert_close(got.logits, logits, atol=0, rtol=0)  # the engine's own output rows, taken as is
+    # its cache contents: the positions fed (prompt + all but the last continuation token), equal to HF's cache
+    from extractors.hf import extract_hf_kv_caches_teacher_forced, hf_layer_names
+
+    ref_kv = extract_hf_kv_caches_teacher_forced(model, [PROMPT], [CONT])
+    fed = len(PROMPT) + len(CONT) - 1
+    assert list(got.kv) == hf_layer_names(model)
+    for name, (k, v) in got.kv.items():
+        assert k.shape == (2, fed, 32)
+        torch.testing.assert_close(k, ref_kv[name][0][0, :, :fed], atol=2e-5, rtol=0)
+        torch.testing.assert_close(v, ref_kv[name][1][0, :, :fed], atol=2e-5, rtol=0)
 
 
 def test_phases_stated_with_step_and_a_row_outside_the_batch_capture_nothing(models):
@@ -105,6 +119,16 @@ def judged(path, models, tmp_path_factory):
     clean_logits, clean = _serve(models["bfloat16"], row=1)
     act = write_module_run(store, path, [(PROMPT, CONT, clean)], "bfloat16", release="clean")
     return store, base, exp, act, clean_logits
+
+
+@pytest.fixture(scope="module")
+def kv_references(judged, path, models):
+    """HF FP32 / BF16 runs with KV (and logits) of the request under test, teacher-forced."""
+    from extractors.hf import capture_hf_run
+
+    store = judged[0]
+    return tuple(capture_hf_run(store, path, [PROMPT], [CONT], dtype=dt, model=models[dt])
+                 for dt in ("float32", "bfloat16"))
 
 
 def test_the_correct_engine_captured_in_a_batch_passes_against_the_hf_references(judged):
@@ -158,3 +182,68 @@ def test_write_module_run_refuses_a_capture_that_does_not_fit_its_prompt(judged,
     wrong = RequestCapture(prompt_len=4)
     with pytest.raises(ValueError, match=r"requests\[0\]: the capture's prefill is 4 tokens, the prompt 13"):
         write_module_run(store, path, [(PROMPT, CONT, wrong)], "bfloat16")
+
+
+def _judge_kv(store, refs, act):
+    return compare_runs(store, baseline_run=refs[0], expected_run=refs[1], actual_run=act, logits=False, kv=True)
+
+
+def test_the_correct_engines_cache_contents_pass_the_kv_verdict(judged, kv_references):
+    store, _, _, act, _ = judged
+    pid = store.prompts(act).column("prompt_id").to_pylist()[0]
+    k, v = store.read_kv(act, pid)
+    assert k.shape == (3, 2, len(PROMPT) + len(CONT), 32)  # [layer, kv_head, seq, head_dim], the built-in layout
+    assert np.isnan(k[:, :, -1]).all() and not np.isnan(k[:, :, :-1]).any()  # the last token is never fed
+    r = _judge_kv(store, kv_references, act)
+    assert r.passed and r.verdicts["kv"].passed is True, r.verdicts["kv"].text
+
+
+KV_WHERE = {  # fault (cache faults in layer 1 only; RoPE in every layer) -> (phase, layer) the KV verdict names
+    "rope_decode_offset": ("decode", 0),
+    "kv_write_prev_slot": ("prefill", 1),  # decode step 0 overwrites the last prompt position's slot
+    "fp8_cache_writes": ("prefill", 1),
+    "v_head_scale": ("prefill", 1),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(KV_WHERE))
+def test_a_cache_fault_is_named_at_its_layer_by_the_kv_verdict(judged, kv_references, path, models, fault):
+    store, _, _, _, clean_logits = judged
+    logits, cap = _serve(models["bfloat16"], row=1, fault=fault, fault_layers={1})
+    changed = (logits - clean_logits).abs().amax(dim=-1)
+    assert (changed[1:] > 0.01).all(), changed  # proven to change the output
+    act = write_module_run(store, path, [(PROMPT, CONT, cap)], "bfloat16", release=f"kv {fault}")
+    r = _judge_kv(store, kv_references, act)
+    phase, layer = KV_WHERE[fault]
+    assert not r.passed and r.verdicts["kv"].passed is False
+    assert r.localisation["phase"] == phase and r.localisation["layer"] == layer, r.verdicts["kv"].text
+
+
+def test_a_read_fault_leaves_the_cache_contents_right(judged, kv_references, path, models):
+    """A stale read is in the attention, not the cache: the KV evidence passes (the module verdict
+    names it, above); the cache holds what was written."""
+    store, _, _, _, clean_logits = judged
+    logits, cap = _serve(models["bfloat16"], row=1, fault="stale_read")
+    assert ((logits - clean_logits).abs().amax(dim=-1)[1:] > 0.1).all()
+    act = write_module_run(store, path, [(PROMPT, CONT, cap)], "bfloat16", release="kv stale_read")
+    r = _judge_kv(store, kv_references, act)
+    assert r.verdicts["kv"].passed is True, r.verdicts["kv"].text
+
+
+def test_kv_handed_in_a_wrong_shape_or_to_some_requests_only_is_refused(judged, path, models):
+    store = judged[0]
+    cap = EngineCapture(models["float32"], ["model.norm"])
+    with pytest.raises(ValueError, match=r"set_kv: 2 layers of K/V for 3 layer names"):
+        cap.set_kv([(torch.zeros(2, 4, 32), torch.zeros(2, 4, 32))] * 2)
+    with pytest.raises(ValueError, match=r"layer model.layers.0.self_attn.attn: k of shape \(4, 32\), expected"):
+        cap.set_kv([(torch.zeros(4, 32), torch.zeros(4, 32))] * 3)
+    with pytest.raises(ValueError, match=r"kv must be a callable"):
+        EngineCapture(models["float32"], ["model.norm"], kv=[1])
+    _, with_kv = _serve(models["bfloat16"], row=1)
+    from dataclasses import replace
+
+    without = replace(with_kv, kv=None)
+    n_runs = store.sql("SELECT count(*) FROM runs").column(0)[0].as_py()
+    with pytest.raises(ValueError, match=r"requests\[1\]: KV layers \[\] where requests\[0\] holds"):
+        write_module_run(store, path, [(PROMPT, CONT, with_kv), (PROMPT, CONT, without)], "bfloat16")
+    assert store.sql("SELECT count(*) FROM runs").column(0)[0].as_py() == n_runs
