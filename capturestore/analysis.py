@@ -163,9 +163,11 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     The evidence is computed by comparators (``capturestore.comparators``): ``logits`` (unless
     ``logits=False``; ``tol_map``), ``kv`` (unless ``kv=False``; ``kv_verdict_config``) and any
     given in ``comparators`` (instances, or names of registered comparators). This function
-    checks the runs, feeds every comparator one prompt at a time (memory is bounded by one
-    prompt's captures of the three runs), and commits their tables with the ``comparisons`` row
-    last (``integrity.commit_comparison``).
+    checks the runs, feeds every comparator one prompt at a time (``map``: rows and a partial
+    state; memory is bounded by one prompt's captures of the three runs), writes the rows as they
+    come (``HeldRows``: at most ``ROWS_HELD_PROMPTS`` prompts' rows are held), hands every
+    comparator its partials in prompt order (``reduce``), and commits the comparison with the
+    ``comparisons`` row last (``integrity.PendingComparison``: nothing is visible before it).
 
     All runs must hold the same captured tokens for each shared prompt (teacher forcing), else
     ``ValueError`` names the prompt and the first differing position.
@@ -192,16 +194,15 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     same tokens among themselves), and the row records them in ``comparator_runs``.
 
     ``client``: a ``dask.distributed.Client``: the per-prompt work runs as Dask tasks (workers
-    read the captures from the store and return rows; capturestore/distributed.py); this process
-    merges their results in prompt order, writes the tables and the ``comparisons`` row last.
-    The stored results are the same as without a client, bit for bit.
+    read the captures from the store and return rows and partials; capturestore/distributed.py);
+    this process writes the rows as they arrive, reduces the partials in prompt order and writes
+    the ``comparisons`` row last. The stored results are the same as without a client, bit for bit.
     A comparator's own runs (``comparator_runs``) are compared in this process only, and under a
     client a comparator raising in ``compare`` on a worker fails the comparison rather than being
     recorded as errored.
     """
     from capturestore.comparators import (
         ComparisonContext,
-        PromptCaptures,
         Verdict,
         comparator_class,
         comparisons_schema,
@@ -212,7 +213,7 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     from capturestore.comparators.kv import KVComparator
     from capturestore.comparators.logits import LogitsComparator
     from capturestore.errors import StoreError
-    from capturestore.integrity import commit_comparison
+    from capturestore.integrity import PendingComparison
 
     if label is not None:
         from capturestore.writer import check_label
@@ -266,82 +267,84 @@ def compare_runs(store, *, expected_run: str, actual_run: str, baseline_run: str
     for c in active:
         guarded(c, c.prepare, contexts[c.name])  # may refuse (ValueError) before anything is computed or stored
 
-    parts: dict = {}  # (comparator, table) -> rows of each prompt, then of finish()
-    if client is not None:
-        from capturestore.distributed import compare_prompts
+    if client is not None and comparator_runs:
+        raise ValueError("compare_runs: comparator_runs are compared in one process; drop client= (CLI: "
+                         "--scheduler) for this comparison")
+    with PendingComparison(store, cid) as pending:  # rows written as they come, invisible until the row
+        rows = HeldRows(pending, errors)
+        partials: dict = {c.name: [None] * len(prompt_ids) for c in active}  # per prompt, in prompt order
+        if client is not None:
+            from capturestore.distributed import compare_prompts
 
-        if comparator_runs:
-            raise ValueError("compare_runs: comparator_runs are compared in one process; drop client= (CLI: "
-                             "--scheduler) for this comparison")
-        live = [c for c in active if c.name not in errors]  # those whose prepare() raised judge nothing
-        for outputs in compare_prompts(client, context, live, prompt_ids, progress):
-            for c, out in zip(live, outputs):
-                for table, rows in out.items():
-                    parts.setdefault((c, table), []).append(rows)
-    for n, pid in enumerate(prompt_ids if client is None else ()):
-        if progress:
-            progress(f"comparing prompt {n + 1}/{len(prompt_ids)} ({pid})")
-        for c, out in zip(active, compare_prompt(context, active, pid, contexts, guarded)):
-            for table, rows in out.items():
-                parts.setdefault((c, table), []).append(rows)
-    for c in active:
-        for table, rows in (guarded(c, c.finish) or {}).items():
-            parts.setdefault((c, table), []).append(rows)
-    verdicts = {c.name: guarded(c, c.verdict) for c in active}
+            live = [c for c in active if c.name not in errors]  # those whose prepare() raised judge nothing
+            results = ((i, pid, dict(zip((c.name for c in live), out)))
+                       for i, pid, out in compare_prompts(client, context, live, prompt_ids, progress))
+        else:
+            results = _in_process(context, active, prompt_ids, contexts, guarded, progress)
+        for i, pid, out in results:
+            for c in active:
+                res = out.get(c.name)
+                if res is not None and c.name not in errors:
+                    partials[c.name][i] = res.partial
+                    rows.add(c, pid, res.rows)
+            rows.prompt_done()
+        for c in active:  # reduce after the last prompt: the comparators' partials, in prompt order
+            rows.add(c, None, guarded(c, c.reduce, partials.pop(c.name)) or {})
+        rows.flush()
+        verdicts = {c.name: guarded(c, c.verdict) for c in active}
 
-    def errored_verdicts():  # an errored comparator judged nothing: never a pass
-        for c in active:
-            if c.name in errors:
-                last = errors[c.name].strip().splitlines()[-1]
-                verdicts[c.name] = Verdict(c.name, None, f"errored: {last} (traceback stored with the comparison)",
-                                           None, None, c.localisation_rank)
+        def errored_verdicts():  # an errored comparator judged nothing: never a pass
+            for c in active:
+                if c.name in errors:
+                    last = errors[c.name].strip().splitlines()[-1]
+                    verdicts[c.name] = Verdict(c.name, None, f"errored: {last} (traceback stored with the comparison)",
+                                               None, None, c.localisation_rank)
 
-    errored_verdicts()
-    for c in active:  # asked for (kv=True included) and judged nothing: not a pass (unless it only stores evidence)
-        if verdicts[c.name] is None and getattr(c, "judges", True):
-            verdicts[c.name] = Verdict(c.name, None, "judged nothing (its verdict is None)", None, None,
-                                       c.localisation_rank)
-
-    passed = overall_passed(verdicts.values())  # nothing judged is not a pass
-    cells: dict = {}
-    for c in active:  # each comparator's cells of the row; one raising here errors like anywhere else
-        if c.name not in errors:
-            cells[c.name] = guarded(c, c.comparison_columns, verdicts[c.name], passed) or {}
-    if any(name in errors for name in cells):
-        errored_verdicts()  # raised while filling its cells: no pass, and its verdict says so
-        passed = False
-        for c in active:  # the others' cells were filled for a pass that no longer holds
-            if c.name in cells and c.name not in errors:
-                cells[c.name] = guarded(c, c.comparison_columns, verdicts[c.name], passed) or {}
         errored_verdicts()
-    loc = None if passed else localise(verdicts.values())
-    staged = {table: to_arrow(rows, c.table_spec(table), table) for (c, table), rows in parts.items()
-              if c.name not in errors}  # an errored comparator's rows are partial: none are stored
-    staged = {table: t for table, t in staged.items() if t.num_rows}  # a table without rows gets no segment
-    row = {
-        "comparison_id": cid, "label": label, "created_at": datetime.now(timezone.utc),
-        "baseline_run": baseline_run, "expected_run": expected_run, "actual_run": actual_run,
-        "three_way": three_way, "n_prompts": len(prompt_ids), "models_differ": models_differ,
-        "passed": passed,
-    }
-    for c in (*_default_comparators(), *active):  # the built-in columns exist (NULL) when their comparator did not run
-        if c.name not in verdicts or c.name in errors:
-            row.update(dict.fromkeys(f.name for f in c.comparison_fields))
-    for c in active:
-        if c.name not in errors:
-            row.update(cells[c.name])
-    row.update({
-        "failure_phase": None if loc is None else loc.phase,
-        "localisation": None if loc is None else json.dumps(loc.as_dict()),
-        "failure_layer": None if loc is None else loc.layer,
-        "failure_module": None if loc is None else loc.module,
-        "failure_token": None if loc is None else loc.token,
-        "errored": json.dumps(errors) if errors else None,
-        "comparator_runs": json.dumps(comparator_runs) if comparator_runs else None,
-        "judged": [name for name, v in verdicts.items() if v is not None and v.passed is not None],
-    })
-    spec = TableSpec(comparisons_schema([*_default_comparators(), *active]), COMPARISONS_SCHEMA_VERSION)
-    commit_comparison(store, cid, staged, to_arrow([[row]], spec, "comparisons"))
+        for c in active:  # asked for (kv=True included) and judged nothing: not a pass (unless it only stores evidence)
+            if verdicts[c.name] is None and getattr(c, "judges", True):
+                verdicts[c.name] = Verdict(c.name, None, "judged nothing (its verdict is None)", None, None,
+                                           c.localisation_rank)
+
+        passed = overall_passed(verdicts.values())  # nothing judged is not a pass
+        cells: dict = {}
+        for c in active:  # each comparator's cells of the row; one raising here errors like anywhere else
+            if c.name not in errors:
+                cells[c.name] = guarded(c, c.comparison_columns, verdicts[c.name], passed) or {}
+        if any(name in errors for name in cells):
+            errored_verdicts()  # raised while filling its cells: no pass, and its verdict says so
+            passed = False
+            for c in active:  # the others' cells were filled for a pass that no longer holds
+                if c.name in cells and c.name not in errors:
+                    cells[c.name] = guarded(c, c.comparison_columns, verdicts[c.name], passed) or {}
+            errored_verdicts()
+        # an errored comparator's rows are partial: none are stored
+        pending.discard(t for c in active if c.name in errors for t in c.tables)
+        loc = None if passed else localise(verdicts.values())
+        row = {
+            "comparison_id": cid, "label": label, "created_at": datetime.now(timezone.utc),
+            "baseline_run": baseline_run, "expected_run": expected_run, "actual_run": actual_run,
+            "three_way": three_way, "n_prompts": len(prompt_ids), "models_differ": models_differ,
+            "passed": passed,
+        }
+        for c in (*_default_comparators(), *active):  # the built-in columns exist (NULL) when their comparator did not run
+            if c.name not in verdicts or c.name in errors:
+                row.update(dict.fromkeys(f.name for f in c.comparison_fields))
+        for c in active:
+            if c.name not in errors:
+                row.update(cells[c.name])
+        row.update({
+            "failure_phase": None if loc is None else loc.phase,
+            "localisation": None if loc is None else json.dumps(loc.as_dict()),
+            "failure_layer": None if loc is None else loc.layer,
+            "failure_module": None if loc is None else loc.module,
+            "failure_token": None if loc is None else loc.token,
+            "errored": json.dumps(errors) if errors else None,
+            "comparator_runs": json.dumps(comparator_runs) if comparator_runs else None,
+            "judged": [name for name, v in verdicts.items() if v is not None and v.passed is not None],
+        })
+        spec = TableSpec(comparisons_schema([*_default_comparators(), *active]), COMPARISONS_SCHEMA_VERSION)
+        pending.commit(to_arrow([[row]], spec, "comparisons"))
 
     logit = next((c for c in active if isinstance(c, LogitsComparator)), None)
     kvc = next((c for c in active if isinstance(c, KVComparator)), None)
@@ -377,10 +380,54 @@ def _comparator_context(store, known: dict, context, name: str, own: dict, names
                              context.label)
 
 
-def compare_prompt(context, active, pid: str, contexts: dict | None = None, guarded=None) -> list[dict]:
-    """Every comparator's rows of one prompt ({table: rows} each, in ``active``'s order). A
-    comparator with its own runs (``contexts[name]``, compare_runs' comparator_runs) gets the prompt
-    from them; ``guarded(c, call, arg)`` wraps each call (compare_runs' errored comparators)."""
+ROWS_HELD_PROMPTS = 16  # compare_runs writes the rows it holds once this many prompts' are held
+
+
+class HeldRows:
+    """The rows of a comparison not written yet: at most ``limit`` prompts' (``ROWS_HELD_PROMPTS``),
+    then written as one segment per table through ``pending`` (an ``integrity.PendingComparison``:
+    invisible until the comparison commits). Within a segment the rows are ordered by prompt id
+    (a selection of prompts reads few row groups), the rows of ``reduce`` last. The rows of a
+    comparator named in ``errors`` are never written."""
+
+    def __init__(self, pending, errors: dict, limit: int | None = None):
+        self.pending, self.errors = pending, errors
+        self.limit = ROWS_HELD_PROMPTS if limit is None else limit
+        self.parts: dict = {}  # (comparator, table) -> [(prompt id or None for reduce's, rows)]
+        self.held = 0
+
+    def add(self, c, pid: str | None, rows: dict) -> None:
+        for table, part in rows.items():
+            self.parts.setdefault((c, table), []).append((pid, part))
+
+    def prompt_done(self) -> None:
+        self.held += 1
+        if self.held >= self.limit:
+            self.flush()
+
+    def flush(self) -> None:
+        from capturestore.comparators.base import to_arrow
+
+        parts, self.parts, self.held = self.parts, {}, 0
+        for (c, table), rows in parts.items():
+            if c.name not in self.errors:
+                rows.sort(key=lambda r: (r[0] is None, r[0] or ""))
+                self.pending.append(table, to_arrow([part for _, part in rows], c.table_spec(table), table))
+
+
+def _in_process(context, active, prompt_ids, contexts, guarded, progress):
+    """(index, prompt id, {comparator name: PromptResult or None}) of each prompt, computed here."""
+    for i, pid in enumerate(prompt_ids):
+        if progress:
+            progress(f"comparing prompt {i + 1}/{len(prompt_ids)} ({pid})")
+        yield i, pid, dict(zip((c.name for c in active), compare_prompt(context, active, pid, contexts, guarded)))
+
+
+def compare_prompt(context, active, pid: str, contexts: dict | None = None, guarded=None) -> list:
+    """Every comparator's ``PromptResult`` of one prompt (rows and partial, in ``active``'s order;
+    None for one ``guarded`` found errored). A comparator with its own runs (``contexts[name]``,
+    compare_runs' comparator_runs) gets the prompt from them; ``guarded(c, call, arg)`` wraps each
+    call (compare_runs' errored comparators)."""
     from capturestore.comparators import PromptCaptures
 
     store, runs = context.store, context.runs
@@ -394,8 +441,8 @@ def compare_prompt(context, active, pid: str, contexts: dict | None = None, guar
             _check_tokens(store, ctx.runs, pid, own_tokens)
             prompts[name] = PromptCaptures(ctx, pid, own_tokens, own_plen)
     if guarded is None:
-        return [c.compare(prompts.get(c.name, prompt)) for c in active]
-    return [guarded(c, c.compare, prompts.get(c.name, prompt)) or {} for c in active]
+        return [c.map(prompts.get(c.name, prompt)) for c in active]
+    return [guarded(c, c.map, prompts.get(c.name, prompt)) for c in active]
 
 
 def _default_comparators():

@@ -143,32 +143,85 @@ def commit_comparison(store, comparison_id: str, tables: dict[str, Any], compari
     ``comparison_id``. Until the marker is written the rows are invisible in the views; a
     pending lock keeps ``gc`` away meanwhile. On an exception the segments written so far are
     removed again (unless the marker made it), so a failed comparison leaves nothing; a killed
-    one leaves rows that verify reports and gc removes.
+    one leaves rows that verify reports and gc removes. ``PendingComparison`` is the same in
+    steps (tables written as their rows come).
     """
-    if not is_comparison_id(comparison_id):
-        raise ValueError(f"comparison id {comparison_id!r} must start with {COMPARISON_ID_PREFIX!r}")
-    lock = store._pending_lock(comparison_id, {"comparison_id": comparison_id, "status": "running"})
-    written: list = []
-    try:
-        entries = []
+    with PendingComparison(store, comparison_id) as pending:
         for name, rows in tables.items():
-            data = rows_to_table(rows, f"append_table {name}")
-            seg = store.append_table(name, data)
-            written.append(seg)
-            entries.append(_manifest_entry(store, name, seg, data.num_rows))
-        store.append_table("comparisons", with_manifest(rows_to_table(comparisons_rows, "comparisons"), entries))
-    except BaseException:
-        committed = store._committed_comparison_ids()  # None: unreadable, so the marker may be there
-        if written and committed is not None and comparison_id not in committed:
-            for seg in written:
-                store._remove_written(seg)
-            try:  # a table that got its first segment here has none again: its catalog view goes
-                store._refresh_catalog()
-            except Exception:  # noqa: BLE001 - the next open catches up; the first error is the one to raise
+            pending.append(name, rows)
+        pending.commit(comparisons_rows)
+
+
+class PendingComparison:
+    """A comparison being written: ``commit_comparison``'s protocol in steps, so its rows can be
+    written as they come rather than held until the end (``analysis.compare_runs``).
+
+    Opening takes the pending lock (``gc`` keeps away); ``append(table, rows)`` writes one segment
+    and notes it for the manifest; ``discard(tables)`` removes what was written of tables whose
+    rows must not be stored after all (an errored comparator); ``commit(row)`` writes the
+    ``comparisons`` row with the manifest last: the marker. Leaving the ``with`` block without
+    the marker (an exception, ``KeyboardInterrupt``) removes every segment written; a killed
+    process leaves them invisible (no marker), reported by ``verify`` and removed by ``gc``."""
+
+    def __init__(self, store, comparison_id: str):
+        if not is_comparison_id(comparison_id):
+            raise ValueError(f"comparison id {comparison_id!r} must start with {COMPARISON_ID_PREFIX!r}")
+        self.store, self.comparison_id = store, comparison_id
+        self.written: list[tuple[Any, dict]] = []  # (segment, manifest entry) in write order
+        self.committed = False
+        self._lock = store._pending_lock(comparison_id, {"comparison_id": comparison_id, "status": "running"})
+
+    def __enter__(self) -> PendingComparison:
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        try:
+            if kind is not None and not self.committed:
+                self._remove(self.written)
+        finally:
+            self._lock.release()
+
+    def append(self, table: str, rows: Any) -> None:
+        """Write ``rows`` of ``table`` as one segment (nothing for no rows)."""
+        data = rows_to_table(rows, f"append_table {table}")
+        if data.num_rows:
+            seg = self.store.append_table(table, data)
+            self.written.append((seg, _manifest_entry(self.store, table, seg, data.num_rows)))
+
+    def discard(self, tables) -> None:
+        """Remove the segments written of ``tables``; they leave the manifest."""
+        tables = set(tables)
+        drop = [(seg, entry) for seg, entry in self.written if entry["table"] in tables]
+        self.written = [(seg, entry) for seg, entry in self.written if entry["table"] not in tables]
+        self._remove(drop, committed=set())
+
+    def commit(self, comparisons_rows: Any) -> None:
+        """The ``comparisons`` row with the manifest of every segment written: the marker."""
+        entries = [entry for _, entry in self.written]
+        self.store.append_table("comparisons", with_manifest(rows_to_table(comparisons_rows, "comparisons"), entries))
+        self.committed = True
+
+    def _remove(self, written: list, committed: set | None = None) -> None:
+        """Remove the ``written`` segments unless the marker made it (``committed``: the ids known
+        committed; None: read them, and keep everything when they cannot be read), and the
+        directory of a table left without segments."""
+        if committed is None:
+            committed = self.store._committed_comparison_ids()  # None: unreadable, so the marker may be there
+        if not written or committed is None or self.comparison_id in committed:
+            return
+        for seg, _ in written:
+            self.store._remove_written(seg)
+        root = self.store.backend.path  # None on object storage, which has no directories
+        for table in {entry["table"] for _, entry in written}:
+            try:
+                if root is not None:
+                    (root / TABLES_DIR / table).rmdir()  # only when empty: another writer's segment stays
+            except OSError:
                 pass
-        raise
-    finally:
-        lock.release()
+        try:  # a table that got its first segment here has none again: its catalog view goes
+            self.store._refresh_catalog()
+        except Exception:  # noqa: BLE001 - the next open catches up; the first error is the one to raise
+            pass
 
 
 # ---- comparison manifests ------------------------------------------------------------------------

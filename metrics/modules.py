@@ -451,6 +451,14 @@ class ModuleJudge:
         """Record that a module could not be compared for a prompt (it fails)."""
         self._slot(module, phase)["problems"].append(f"prompt {prompt}: {problem}")
 
+    def merge(self, other: ModuleJudge) -> None:
+        """Add what ``other`` accumulated (prompts after this judge's), as if added here: the
+        reduce of per-prompt judges (``capturestore.comparators.modules``)."""
+        for key, theirs in other._acc.items():
+            slot = self._slot(*key)
+            for name, items in theirs.items():
+                slot[name].extend(items)
+
     def _judge(self, module, phase, slot) -> ModuleVerdict:
         cfg = self.config
         ms, prompts = slot["metrics"], slot["prompts"]

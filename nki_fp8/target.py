@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from capturestore.comparators import Comparator, Localisation, TableSpec, Verdict, decoder_layer_index
+from capturestore.comparators import Comparator, Localisation, PromptResult, TableSpec, Verdict, decoder_layer_index
 
 from .formats import resolve_platform
 from .quant import dequantize_torch, quantize_torch
@@ -330,10 +330,10 @@ class Fp8KVFloorComparator(Comparator):
                 amax[i] = np.maximum(amax[i], here)
         self.floor_scales = [(float(kernel_scale_from_absmax(np.float64(a), self.platform).item()),
                               float(kernel_scale_from_absmax(np.float64(b), self.platform).item())) for a, b in amax]
-        self.raw_floor, self.raw_bf16 = [], []
-        self.l2 = {key: [] for key in ("k", "v", "floor_k", "floor_v")}
 
-    def compare(self, prompt) -> dict:
+    def map(self, prompt) -> PromptResult:
+        """No rows; partial: the prompt's raw errors against BF16 and against the floor, and its
+        relative-L2 parts per layer."""
         from metrics.kv import compare_kv_caches
 
         store, runs, pid = prompt.context.store, prompt.runs, prompt.prompt_id
@@ -347,19 +347,21 @@ class Fp8KVFloorComparator(Comparator):
                                         return_raw_errors=True)
         _, raw_floor = compare_kv_caches(floor, kv["actual"], layers=self.layers, baseline_kv=kv["baseline"],
                                          return_raw_errors=True)
-        self.raw_bf16.append(raw_bf16)
-        self.raw_floor.append(raw_floor)
+        l2 = {key: [] for key in ("k", "v", "floor_k", "floor_v")}
         for i, n in enumerate(self.layers):
             b, a, f = kv["baseline"][n], kv["actual"][n], floor[n]
-            self.l2["k"].append((i, _rel_l2_parts(a[0].float(), b[0].float())))
-            self.l2["v"].append((i, _rel_l2_parts(a[1].float(), b[1].float())))
-            self.l2["floor_k"].append((i, _rel_l2_parts(f[0].float(), b[0].float())))
-            self.l2["floor_v"].append((i, _rel_l2_parts(f[1].float(), b[1].float())))
-        return {}
+            l2["k"].append((i, _rel_l2_parts(a[0].float(), b[0].float())))
+            l2["v"].append((i, _rel_l2_parts(a[1].float(), b[1].float())))
+            l2["floor_k"].append((i, _rel_l2_parts(f[0].float(), b[0].float())))
+            l2["floor_v"].append((i, _rel_l2_parts(f[1].float(), b[1].float())))
+        return PromptResult({}, (raw_bf16, raw_floor, l2))
 
-    def finish(self) -> dict:
+    def reduce(self, partials: list) -> dict:
         from metrics.verdict import aggregate_kv_verdict
 
+        self.raw_bf16 = [p[0] for p in partials]
+        self.raw_floor = [p[1] for p in partials]
+        self.l2 = {key: [part for p in partials for part in p[2][key]] for key in ("k", "v", "floor_k", "floor_v")}
         self.floor_verdict = aggregate_kv_verdict(self.raw_floor, layers=self.layers)
         self.bf16_verdict = aggregate_kv_verdict(self.raw_bf16, layers=self.layers)
         rel = {key: [_rel_l2([p for j, p in parts if j == i]) for i in range(len(self.layers))]

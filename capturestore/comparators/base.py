@@ -2,9 +2,13 @@
 
 A comparator is one kind of evidence (logits, KV, module tensors, the FP8 KV floor). It
 declares the tables it writes (``tables``: {name: ``TableSpec(schema, version)``}) and the
-captures it reads (``needs``); ``compare_runs`` hands it one prompt's captures at a time
-(``compare(prompt) -> {table: rows}``), then asks for what it writes once (``finish()``) and for
-its ``verdict()`` after the last prompt. The rules that combine verdicts are written here once:
+captures it reads (``needs``). It is a map/reduce: ``compare_runs`` hands it one prompt's
+captures at a time (``map(prompt) -> PromptResult(rows, partial)``: that prompt's rows and a
+partial state, ``self`` untouched, so a prompt can run anywhere: on a Dask worker), then gives
+it every prompt's partial in prompt order (``reduce(partials) -> {table: rows}``: what it writes
+once, keeping what its ``verdict()`` needs). A comparator written before map/reduce (overriding
+``compare(prompt) -> {table: rows}`` and ``finish()``, keeping state in ``self``) still runs:
+the defaults of ``map`` / ``reduce`` call those. The rules that combine verdicts are written here once:
 
 - pass (``overall_passed``): at least one verdict judged, and every verdict passed; a verdict
   that judged nothing (``passed`` None) or failed is no pass;
@@ -37,6 +41,7 @@ __all__ = [
     "ComparisonContext",
     "Localisation",
     "PromptCaptures",
+    "PromptResult",
     "TableSpec",
     "Verdict",
     "comparisons_schema",
@@ -186,9 +191,18 @@ class PromptCaptures:
         return self.cached(("logits", role), lambda: self.context.store.read_logits(rid, self.prompt_id))
 
 
+class PromptResult(NamedTuple):
+    """What a comparator's ``map`` gives for one prompt: its rows (``{table: rows}``, written as
+    they come) and its partial state (anything picklable, None for nothing; ``reduce`` gets every
+    prompt's, in prompt order)."""
+
+    rows: dict
+    partial: Any = None
+
+
 class Comparator:
     """Base class of comparators (see the module docstring). Subclasses set the class attributes
-    and override ``compare`` / ``finish`` / ``verdict``; ``prepare`` may refuse the comparison
+    and override ``map`` / ``reduce`` / ``verdict``; ``prepare`` may refuse the comparison
     (ValueError) before anything is computed or stored.
 
     ``comparison_fields``: the columns this comparator adds to the ``comparisons`` row, filled
@@ -204,12 +218,28 @@ class Comparator:
         """Called once before the first prompt; the place to refuse bad input."""
         self.context = context
 
+    def map(self, prompt: PromptCaptures) -> PromptResult:
+        """One prompt's rows ({table: list of dicts | dict of columns}) and partial state, without
+        changing ``self`` (it runs on a copy on a Dask worker). The default calls ``compare``."""
+        return PromptResult(self.compare(prompt), None)
+
+    def reduce(self, partials: list) -> dict[str, Any]:
+        """Rows written once, after the last prompt (e.g. pooled per-layer numbers), from every
+        prompt's partial in prompt order; keeps what ``verdict`` needs. The default calls ``finish``."""
+        return self.finish()
+
+    @classmethod
+    def keeps_state_in_compare(cls) -> bool:
+        """Whether this comparator predates map/reduce (overrides ``compare``, not ``map``): its
+        ``compare`` may keep evidence in ``self``, so on Dask it is checked to keep none."""
+        return cls.map is Comparator.map and cls.compare is not Comparator.compare
+
     def compare(self, prompt: PromptCaptures) -> dict[str, Any]:
-        """Rows of one prompt: {table: list of dicts | dict of columns}."""
+        """Before map/reduce: rows of one prompt, evidence kept in ``self`` (see ``map``)."""
         return {}
 
     def finish(self) -> dict[str, Any]:
-        """Rows written once, after the last prompt (e.g. pooled per-layer numbers)."""
+        """Before map/reduce: rows written once, after the last prompt (see ``reduce``)."""
         return {}
 
     def verdict(self) -> Verdict | None:

@@ -11,6 +11,7 @@ passes.
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -20,6 +21,7 @@ from capturestore.comparators.base import (
     ComparisonContext,
     Localisation,
     PromptCaptures,
+    PromptResult,
     TableSpec,
     Verdict,
     decoder_layer_index,
@@ -157,8 +159,6 @@ class KVComparator(Comparator):
     def __init__(self, config=None):
         self.config = config
         self.not_compared: str | None = None
-        self.head_cols: list[dict] = []  # per prompt; kept for the per-layer worst L-inf
-        self.raw_errors, self.prompt_lens, self.prompt_ids = [], [], []
         self.layer_rows: list[dict] = []
         self._verdict = None
 
@@ -176,12 +176,13 @@ class KVComparator(Comparator):
         return prompt.cached(("kv", role), lambda: read_kv_layers(
             prompt.context.store, rid, prompt.prompt_id, self.names[(rid, prompt.prompt_id)]))
 
-    def compare(self, prompt: PromptCaptures) -> dict:
+    def map(self, prompt: PromptCaptures) -> PromptResult:
+        """The prompt's rows; partial: ``KVPartial`` (None for a prompt whose KV is not compared)."""
         from metrics.kv import compare_kv_caches
 
         pid, plen, cid = prompt.prompt_id, prompt.prompt_len, prompt.comparison_id
         if not all((rid, pid) in self.names for rid in prompt.runs.values()):
-            return {}
+            return PromptResult({})
         three_way = "baseline" in prompt.runs
         kvs = {role: self.kv(prompt, role) for role in prompt.runs}
         out = compare_kv_caches(kvs["expected"], kvs["actual"], baseline_kv=kvs.get("baseline"),
@@ -196,8 +197,8 @@ class KVComparator(Comparator):
             "comparison_id": np.full(n_rows, cid, dtype=object), "prompt_id": np.full(n_rows, pid, dtype=object),
             "position": pos, "gen_token_idx": pos - plen, "phase": phase_at(pos, plen), **cols,
         }
-        self.head_cols.append(head)
         rows = {"kv_head_metrics": head}
+        partial = KVPartial(pid, plen, _worst_linf(head), raw)
         if three_way:
             T, L = res.k_bc.shape[1:]
             t_idx, l_idx = np.meshgrid(np.arange(T), np.arange(L), indexing="ij")
@@ -207,42 +208,42 @@ class KVComparator(Comparator):
                 "layer": np.asarray(res.layers, dtype=object)[l_idx.ravel()],
                 "k_bc": res.k_bc[0].ravel(), "v_bc": res.v_bc[0].ravel(),
             }
-            self.raw_errors.append(raw)
             from capturestore.comparators.raw_errors import RAW_KEY
 
             prompt.cached(RAW_KEY, lambda: raw)  # shared with the raw_errors comparator (no second pass)
-            self.prompt_lens.append(plen)
-            self.prompt_ids.append(pid)
-        return rows
+        return PromptResult(rows, partial)
 
-    def finish(self) -> dict:
+    def reduce(self, partials: list) -> dict:
         from metrics.kv import aggregate_kv_bc_arrays
         from metrics.verdict import KVVerdict, aggregate_kv_verdict
 
         cid = self.context.comparison_id
         v = None
         out: dict = {}
+        compared = [p for p in partials if p is not None]
+        three = [p for p in compared if p.raw is not None]
+        raw_errors, prompt_lens = [p.raw for p in three], [p.prompt_len for p in three]
         if self.not_compared is not None:
             v = KVVerdict.not_compared_because(self.not_compared, self.config)
-        elif self.head_cols and not self.context.three_way:
+        elif compared and not self.context.three_way:
             v = KVVerdict.not_judged_because(
                 "two-way comparison: without a baseline (FP32) run there is no dtype noise to judge the KV against "
                 "(its metrics are in kv_head_metrics); pass baseline_run (CLI: --baseline) for a KV verdict, or "
                 "kv=False (CLI: --no-kv) to judge logits only", self.config)
-        if self.raw_errors:
-            v = aggregate_kv_verdict(self.raw_errors, prompt_lens=self.prompt_lens, config=self.config,
-                                     prompt_ids=self.prompt_ids, run=self.context.runs["actual"],
+        if raw_errors:
+            v = aggregate_kv_verdict(raw_errors, prompt_lens=prompt_lens, config=self.config,
+                                     prompt_ids=[p.prompt_id for p in three], run=self.context.runs["actual"],
                                      last_never_fed=self.last_never_fed)
-            layers, gk, gv = aggregate_kv_bc_arrays(self.raw_errors, self.prompt_lens)
+            layers, gk, gv = aggregate_kv_bc_arrays(raw_errors, prompt_lens)
             G, L = gk.shape
             g_idx, l_idx = np.meshgrid(np.arange(G), np.arange(L), indexing="ij")
             if G * L:
                 out["kv_gen_bc"] = {
                     "comparison_id": [cid] * (G * L), "gen_token_idx": g_idx.ravel().tolist(),
                     "layer": [layers[i] for i in l_idx.ravel()], "k_bc": [_f(x) for x in gk.ravel()],
-                    "v_bc": [_f(x) for x in gv.ravel()], "n_prompts": [len(self.raw_errors)] * (G * L),
+                    "v_bc": [_f(x) for x in gv.ravel()], "n_prompts": [len(raw_errors)] * (G * L),
                 }
-            self.layer_rows = _kv_layer_rows(cid, v, self.head_cols)
+            self.layer_rows = _kv_layer_rows(cid, v, [p.worst for p in compared])
             out["kv_layer_verdicts"] = self.layer_rows
         self._verdict = v
         return out
@@ -268,18 +269,45 @@ class KVComparator(Comparator):
         }
 
 
-def _kv_layer_rows(cid, verdict, head_cols) -> list[dict]:
-    """Per layer: the pooled verdict numbers plus the worst per-head L-inf of target and BF16."""
+class KVPartial(NamedTuple):
+    """What ``KVComparator.map`` keeps of one compared prompt for ``reduce``: the per-layer worst
+    L-inf (``_worst_linf``) and, three-way, the raw errors the pooled verdict bins."""
+
+    prompt_id: str
+    prompt_len: int
+    worst: dict
+    raw: Any = None
+
+
+_LINF = ("k_linf", "v_linf", "base_k_linf", "base_v_linf")
+
+
+def _fold_worst(worst: dict, layer: str, name: str, m: float) -> None:
+    """The worst so far of ``name`` in ``layer`` with ``m`` (NaN: nothing finite yet)."""
+    d = worst.setdefault(layer, {})
+    d[name] = m if math.isnan(d.get(name, math.nan)) else max(d[name], m)
+
+
+def _worst_linf(head: dict) -> dict:
+    """``{layer: {name: worst}}`` of one prompt's ``kv_head_metrics`` columns (NaN where none is finite)."""
     worst: dict[str, dict] = {}
-    for part in head_cols:
-        for name in ("k_linf", "v_linf", "base_k_linf", "base_v_linf"):
-            vals = np.asarray(part[name], dtype=np.float64)
-            layers = part["layer"]
-            for layer in np.unique(layers):
-                sel = vals[layers == layer]
-                m = float(np.nanmax(sel)) if np.isfinite(sel).any() else math.nan
-                d = worst.setdefault(str(layer), {})
-                d[name] = m if math.isnan(d.get(name, math.nan)) else max(d[name], m)
+    for name in _LINF:
+        vals = np.asarray(head[name], dtype=np.float64)
+        layers = head["layer"]
+        for layer in np.unique(layers):
+            sel = vals[layers == layer]
+            _fold_worst(worst, str(layer), name, float(np.nanmax(sel)) if np.isfinite(sel).any() else math.nan)
+    return worst
+
+
+def _kv_layer_rows(cid, verdict, worsts) -> list[dict]:
+    """Per layer: the pooled verdict numbers plus the worst per-head L-inf of target and BF16 over
+    every prompt's ``_worst_linf`` (in prompt order)."""
+    worst: dict[str, dict] = {}
+    for part in worsts:
+        for layer, names in part.items():
+            for name, m in names.items():
+                _fold_worst(worst, layer, name, m)
     rows = []
     for lv in verdict.layers:
         row = {"comparison_id": cid, "layer": lv.layer, "passed": lv.passed}

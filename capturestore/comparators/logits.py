@@ -20,6 +20,7 @@ from capturestore.comparators.base import (
     Comparator,
     Localisation,
     PromptCaptures,
+    PromptResult,
     TableSpec,
     Verdict,
     finite_or_null,
@@ -83,8 +84,8 @@ class LogitsComparator(Comparator):
 
     def __init__(self, tol_map=None):
         self.tol_map = tol_map
-        self.per_prompt: list = []  # [[token results]] per prompt, as aggregate_logit_verdict takes them
-        self.failures: list[tuple] = []  # (gen_token_idx, prompt_id, status, prompt_len)
+        self.per_prompt: list = []  # [[token results]] per prompt, as aggregate_logit_verdict takes them (reduce)
+        self.failures: list[tuple] = []  # (gen_token_idx, prompt_id, status, prompt_len) (reduce)
         self.log_softmax_roles: tuple = ()  # roles whose stored logits are log-softmaxed before comparing
 
     def prepare(self, context) -> None:
@@ -93,7 +94,8 @@ class LogitsComparator(Comparator):
         if any(k in LOG_SOFTMAX_KINDS for k in kinds.values()):
             self.log_softmax_roles = tuple(r for r, k in kinds.items() if k not in LOG_SOFTMAX_KINDS)
 
-    def compare(self, prompt: PromptCaptures) -> dict:
+    def map(self, prompt: PromptCaptures) -> PromptResult:
+        """The prompt's rows; partial: (its token results, its failures)."""
         from metrics.logits import validate_token_logits
 
         lg = {role: prompt.logits(role) for role in prompt.runs}
@@ -113,7 +115,7 @@ class LogitsComparator(Comparator):
                     raise ValueError(f"compare_runs: prompt {pid}: {role} run {prompt.runs[role]} holds "
                                      f"{int(bad.sum())} NaN/+inf logits (first at gen token {g}); a broken "
                                      f"reference cannot judge the target")
-        rows, results = [], []
+        rows, results, failures = [], [], []
         for g in range(lg["expected"].shape[0]):
             try:
                 r = validate_token_logits(lg["expected"][g], lg["actual"][g], tol_map=self.tol_map,
@@ -137,9 +139,13 @@ class LogitsComparator(Comparator):
                 "bc": _f(tw.bc) if tw else None,
             })
             if not r.passed:
-                self.failures.append((g, pid, r.status.name, plen))
-        self.per_prompt.append([results])
-        return {"logit_token_metrics": rows}
+                failures.append((g, pid, r.status.name, plen))
+        return PromptResult({"logit_token_metrics": rows}, (results, failures))
+
+    def reduce(self, partials: list) -> dict:
+        self.per_prompt = [[results] for results, _ in partials]
+        self.failures = [f for _, failures in partials for f in failures]
+        return {}
 
     def first_failing_token(self) -> dict | None:
         """The first failing token (lowest generation index, then prompt id), or None."""

@@ -35,6 +35,7 @@ from capturestore.comparators.base import (
     ComparisonContext,
     Localisation,
     PromptCaptures,
+    PromptResult,
     TableSpec,
     Verdict,
     finite_or_null,
@@ -102,7 +103,7 @@ class ModulesComparator(Comparator):
         super().prepare(context)
         self.index = _tensor_index(context.store, context.runs)
         self.order = _module_order(context.store, context.runs)
-        self.judge = ModuleJudge(self.config)
+        self.judge = ModuleJudge(self.config)  # judges nothing until reduce merges the prompts' judges
         exp = context.runs["expected"]
         if not any(rid == exp for rid, _ in self.index):
             self.unjudged = (f"not compared: the expected run {exp} holds no module tensors (capture them with "
@@ -116,11 +117,13 @@ class ModulesComparator(Comparator):
         return prompt.cached(("tensor", role, module, phase), lambda: prompt.context.store.read_tensor(
             rid, prompt.prompt_id, module, phase=phase))
 
-    def compare(self, prompt: PromptCaptures) -> dict:
+    def map(self, prompt: PromptCaptures) -> PromptResult:
+        """The prompt's rows; partial: the ``metrics.modules.ModuleJudge`` of this prompt alone."""
         if self.unjudged is not None:
-            return {}
-        from metrics.modules import align_decode_captures, module_layer
+            return PromptResult({})
+        from metrics.modules import ModuleJudge, align_decode_captures, module_layer
 
+        judge = ModuleJudge(self.config)
         pid, plen, cid = prompt.prompt_id, prompt.prompt_len, prompt.comparison_id
         held = {role: self.index.get((rid, pid), {}) for role, rid in prompt.runs.items()}
         cols: dict[str, list] = {k: [] for k in MODULE_METRICS.schema.names}
@@ -134,8 +137,8 @@ class ModulesComparator(Comparator):
                 continue
             lacking = [role for role in prompt.runs if (module, phase) not in held[role]]
             if lacking:
-                self.judge.add_problem(pid, module, phase, f"the {lacking[0]} run {prompt.runs[lacking[0]]} holds no "
-                                                           f"{module} ({phase})")
+                judge.add_problem(pid, module, phase, f"the {lacking[0]} run {prompt.runs[lacking[0]]} holds no "
+                                                      f"{module} ({phase})")
                 continue
             steps = {role: held[role][(module, phase)] for role in prompt.runs}
             ri = np.arange(len(ref_steps))
@@ -146,8 +149,8 @@ class ModulesComparator(Comparator):
                     continue
                 r_i, t_i, missing = align_decode_captures(ref_steps, steps[role])
                 if missing.size:
-                    self.judge.add_problem(pid, module, phase, f"the {role} run {prompt.runs[role]} lacks step(s) "
-                                                               f"{missing.tolist()[:4]}")
+                    judge.add_problem(pid, module, phase, f"the {role} run {prompt.runs[role]} lacks step(s) "
+                                                          f"{missing.tolist()[:4]}")
                 ri = np.intersect1d(ri, r_i)
                 idx[role] = dict(zip(r_i.tolist(), t_i.tolist()))
             if ri.size == 0:
@@ -174,10 +177,10 @@ class ModulesComparator(Comparator):
             items.append((module, phase, arrs["baseline"], arrs["expected"], arrs["actual"],
                           pos if pos.size == arrs["expected"].shape[0] else None))
         # every module of the prompt at once: one computation per width, not one per tensor
-        done = [(it[0], it[1], m.to_columns()) for it, m in zip(items, self.judge.add_many(pid, items, prompt_len=plen))
+        done = [(it[0], it[1], m.to_columns()) for it, m in zip(items, judge.add_many(pid, items, prompt_len=plen))
                 if m is not None]
         if not done:
-            return {}
+            return PromptResult({}, judge)
         n = sum(c["position"].size for _, _, c in done)
         cols["comparison_id"] = [cid] * n
         cols["prompt_id"] = [pid] * n
@@ -191,11 +194,14 @@ class ModulesComparator(Comparator):
         for k in MODULE_METRICS.schema.names[7:]:  # NaN / inf -> NULL (finite_or_null, for whole columns)
             x = np.concatenate([c[k] for _, _, c in done])
             cols[k] = np.where(np.isfinite(x), x, np.nan)
-        return {"module_metrics": cols}
+        return PromptResult({"module_metrics": cols}, judge)
 
-    def finish(self) -> dict:
+    def reduce(self, partials: list) -> dict:
         if self.unjudged is not None:
             return {}
+        for judge in partials:
+            if judge is not None:
+                self.judge.merge(judge)
         res = self.judge.verdict(self.order)
         self._result = res
         cid = self.context.comparison_id

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from capturestore.comparators.base import Comparator, ComparisonContext, PromptCaptures, TableSpec
+from capturestore.comparators.base import Comparator, ComparisonContext, PromptCaptures, PromptResult, TableSpec
 
 __all__ = ["RAW_ERRORS", "RAW_KEY", "RawErrorsComparator"]
 
@@ -59,15 +59,15 @@ class RawErrorsComparator(Comparator):
         from capturestore.comparators.kv import kv_layer_names
 
         self.names = kv_layer_names(context.store, context.runs)
-        self.parts: list = []  # (prompt_id, pa.Table) of each prompt, written by finish()
 
-    def compare(self, prompt: PromptCaptures) -> dict:
+    def map(self, prompt: PromptCaptures) -> PromptResult:
+        """The prompt's rows (no partial: it judges nothing)."""
         from capturestore.comparators.kv import read_kv_layers
         from metrics.kv import compare_kv_caches
 
         pid, plen = prompt.prompt_id, prompt.prompt_len
         if not all((rid, pid) in self.names for rid in prompt.runs.values()):
-            return {}
+            return PromptResult({})
 
         def compute():
             kvs = {role: prompt.cached(("kv", role), lambda r=role: read_kv_layers(
@@ -79,7 +79,7 @@ class RawErrorsComparator(Comparator):
         S, L = raw.base_k.shape[1], len(raw.layers)
         pos = np.arange(plen, S)
         if not len(pos):
-            return {}
+            return PromptResult({})
         cols: dict = {f: [] for f in ("base_k", "tgt_k", "base_v", "tgt_v")}
         for li in range(L):
             wk, wv = int(raw.widths[li]), int(raw.v_widths[li])
@@ -93,15 +93,4 @@ class RawErrorsComparator(Comparator):
             "layer_idx": np.repeat(np.arange(L), len(pos)),
         }
         table.update({f: pa.concat_arrays(parts) for f, parts in cols.items()})
-        self.parts.append((pid, pa.table(table)))
-        return {}
-
-    def finish(self) -> dict:
-        """Every prompt's rows, ordered by prompt id: a Parquet row group then holds a narrow range
-        of ids, so a selection of prompts reads only their row groups (``aggregate_bc``). compare_runs
-        holds every prompt's rows until the commit anyway: this costs no memory."""
-        parts, self.parts = sorted(self.parts, key=lambda p: p[0]), []
-        if not parts:
-            return {}
-        t = pa.concat_tables([t for _, t in parts]).combine_chunks()
-        return {"raw_errors": {n: t.column(n).chunk(0) for n in t.column_names}}
+        return PromptResult({"raw_errors": table})
