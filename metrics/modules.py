@@ -457,7 +457,10 @@ class ModuleJudge:
         for key, theirs in other._acc.items():
             slot = self._slot(*key)
             for name, items in theirs.items():
-                slot[name].extend(items)
+                if isinstance(items, int):  # counts (positions not computed) add; lists extend
+                    slot[name] += items
+                else:
+                    slot[name].extend(items)
 
     def _judge(self, module, phase, slot) -> ModuleVerdict:
         cfg = self.config

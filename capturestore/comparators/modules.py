@@ -169,7 +169,7 @@ class ModulesComparator(Comparator):
                 pos = np.arange(arrs["expected"].shape[0])
                 if skip and len({x.shape[0] for x in arrs.values()}) == 1:  # else: the shape problem is the finding
                     keep = ~np.isin(pos, np.fromiter(skip, np.int64))
-                    self.judge.add_not_computed(pid, module, phase, int(pos.size - keep.sum()))
+                    judge.add_not_computed(pid, module, phase, int(pos.size - keep.sum()))
                     pos = pos[keep]
                     arrs = {role: a[keep] for role, a in arrs.items()}
                     if not pos.size:
