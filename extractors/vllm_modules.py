@@ -83,7 +83,28 @@ for _k, _v in _LLAMA.items():
         _GEMMA3["model.layers.{i}.post_feedforward_layernorm"] = ("model.layers.{i}.post_feedforward_layernorm",
                                                                  "first")
     _GEMMA3[_k] = _v
-VLLM_TO_HF = {"LlamaForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA, "Gemma3ForCausalLM": _GEMMA3}
+
+
+def _moe_map(block: str, attention: dict) -> dict:
+    """A MoE architecture's map: ``attention`` (Llama's attention and norms) less the dense
+    MLP's projections, with the router (``mlp.gate``: its logits ``[token, expert]``), the experts
+    (``mlp.experts``: the routing-weighted sum of the chosen experts' outputs) and the MoE block
+    under vLLM's module ``block`` of each layer (docs/moe.md)."""
+    out = {}
+    for k, v in attention.items():
+        if k.startswith("model.layers.{i}.mlp"):
+            if k == "model.layers.{i}.mlp":
+                out["model.layers.{i}.mlp.gate"] = (f"model.layers.{{i}}.{block}.gate", "first")
+                out["model.layers.{i}.mlp.experts"] = (f"model.layers.{{i}}.{block}.experts", "first")
+                out[k] = (f"model.layers.{{i}}.{block}", "first")
+            continue
+        out[k] = v
+    return out
+
+
+VLLM_TO_HF = {"LlamaForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA, "Gemma3ForCausalLM": _GEMMA3,
+              "MixtralForCausalLM": _moe_map("block_sparse_moe", _LLAMA),
+              "Qwen3MoeForCausalLM": _moe_map("mlp", _LLAMA)}
 
 _STATE = "_capturestore_module_capture"  # on the worker: {"records", "handles", "positions"}
 
