@@ -92,7 +92,10 @@ _ARCH_SPECS: dict[str, tuple[str, str, dict]] = {
     ),
 }
 
-TINY_ARCHS: tuple[str, ...] = tuple(_ARCH_SPECS)
+# MoE archs are built like the others but kept out of TINY_ARCHS (the dense archs every generic
+# test runs on): their checkpoints take no streamed reference (docs/moe.md).
+MOE_ARCHS: tuple[str, ...] = ("mixtral-moe", "qwen3-moe")
+TINY_ARCHS: tuple[str, ...] = tuple(a for a in _ARCH_SPECS if a not in MOE_ARCHS)
 
 
 def tiny_model_spec(arch: str) -> dict:
