@@ -15,8 +15,15 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["NOISE_QUANTILE", "NOISE_FACTOR", "top_k_experts", "top_k_margin", "router_noise", "noise_scale",
-           "routing_flips"]
+__all__ = [
+    "NOISE_FACTOR",
+    "NOISE_QUANTILE",
+    "noise_scale",
+    "router_noise",
+    "routing_flips",
+    "top_k_experts",
+    "top_k_margin",
+]
 
 NOISE_QUANTILE = 0.95
 NOISE_FACTOR = 2.0

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pyarrow as pa
@@ -74,7 +75,7 @@ class RoutingComparator(Comparator):
     """Router logits of every role, judged per layer (module docstring)."""
 
     name = "routing"
-    tables = {"routing_layers": ROUTING_LAYERS, "routing_flips": ROUTING_FLIPS}
+    tables: ClassVar[dict] = {"routing_layers": ROUTING_LAYERS, "routing_flips": ROUTING_FLIPS}
     needs = ("routing",)
     localisation_rank = 5  # after module tensors, before logits and KV
 
