@@ -26,23 +26,10 @@ import tempfile
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (run as a script)
+from bench_modules import plain_forwards as plain_generation
 from timing import best_of
 
 ARCH, PROMPT_LEN = "mixtral-moe", 16
-
-
-def plain_generation(model, prompt, cont):
-    """The same forwards without hooks: prefill, then one decode forward per continuation token."""
-    import torch
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        model(input_ids=torch.tensor([prompt]), position_ids=torch.arange(len(prompt))[None], past_key_values=cache,
-              use_cache=True)
-        for n in range(len(cont) - 1):
-            model(input_ids=torch.tensor([[cont[n]]]), position_ids=torch.tensor([[len(prompt) + n]]),
-                  past_key_values=cache, use_cache=True)
 
 
 def main(n_tokens: int, n_prompts: int) -> None:
