@@ -741,6 +741,11 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
         raise ValueError("--modules is given but no plugin compares module tensors (add --plugins ...,modules)")
     patterns = _patterns(modules)
     model_path, cfg = check_model_dir(model)
+    if "routing" in needs:  # routing is captured as the router modules' tensors (docs/moe.md)
+        from extractors.routing import routing_patterns
+
+        patterns = routing_patterns(cfg, patterns if "tensors" in needs else ())
+        needs = needs | {"tensors"}
     if "tensors" in needs:
         check_module_patterns(model_path, patterns)
     given, analysis = prompts() if callable(prompts) else (_as_prompts(prompts), None)
@@ -923,7 +928,7 @@ def _tensor_plugin_runs(names, mod_runs) -> dict | None:
 
     if not mod_runs:
         return None
-    return {n: dict(mod_runs) for n in names if "tensors" in comparator_class(n).needs}
+    return {n: dict(mod_runs) for n in names if {"tensors", "routing"} & set(comparator_class(n).needs)}
 
 
 def _patterns(modules) -> tuple[str, ...]:

@@ -200,7 +200,7 @@ class VllmTarget(EngineTarget):
     error stays below BF16 noise passes it (docs/run.md)."""
 
     name = "vllm"
-    gives = frozenset({"logits", "kv", "tensors"})
+    gives = frozenset({"logits", "kv", "tensors", "routing"})
     dtypes = ("bfloat16", "float16", "float32")
     options: ClassVar[dict] = {"dtype": "bfloat16 | float16 | float32 (--dtype)", "tp": "tensor-parallel degree (--tp)"}
     default_plugins = ("logits", "kv")
@@ -259,7 +259,7 @@ class HfTarget(EngineTarget):
     """HF in ``hf:bfloat16`` / ``hf:float16`` with SDPA attention (the references run eager)."""
 
     name = "hf"
-    gives = frozenset({"logits", "kv", "tensors"})
+    gives = frozenset({"logits", "kv", "tensors", "routing"})
     dtypes = ("bfloat16", "float16")
     options: ClassVar[dict] = {"dtype": "bfloat16 | float16 (hf:DTYPE or --dtype)"}
     default_plugins = ("logits", "kv")

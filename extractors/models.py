@@ -95,9 +95,26 @@ _ARCH_SPECS: dict[str, tuple[str, str, dict]] = {
             max_position_embeddings=131072,  # = 4096 * YaRN factor 32, as GPT-OSS's own config
         ),
     ),
+    # MoE (docs/moe.md): 8 experts, top-2, every layer sparse. Mixtral renormalises the top-2
+    # weights; Qwen3-MoE with norm_topk_prob=False does not, and has per-head q/k norms.
+    "mixtral-moe": (
+        "mixtral",
+        "MixtralForCausalLM",
+        dict(num_hidden_layers=3, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+             intermediate_size=128),
+    ),
+    "qwen3-moe": (
+        "qwen3_moe",
+        "Qwen3MoeForCausalLM",
+        dict(num_hidden_layers=3, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+             moe_intermediate_size=128, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False),
+    ),
 }
 
-TINY_ARCHS: tuple[str, ...] = tuple(_ARCH_SPECS)
+# MoE archs are built like the others but kept out of TINY_ARCHS (the dense archs every generic
+# test runs on): their checkpoints take no streamed reference (docs/moe.md).
+MOE_ARCHS: tuple[str, ...] = ("mixtral-moe", "qwen3-moe")
+TINY_ARCHS: tuple[str, ...] = tuple(a for a in _ARCH_SPECS if a not in MOE_ARCHS)
 
 
 def tiny_model_spec(arch: str) -> dict:
@@ -234,6 +251,7 @@ def build_tiny_model(arch: str, path, seed: int = 0) -> Path:
         arr = _init_param(arch, name, p.detach().cpu().numpy(), hidden, seed)
         tensors[name] = torch.from_numpy(arr).contiguous()
     del model
+    tensors = checkpoint_layout(spec["model_type"], tensors)
 
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(str(path))
@@ -242,6 +260,42 @@ def build_tiny_model(arch: str, path, seed: int = 0) -> Path:
     ).save_pretrained(str(path))
     _save_tokenizer(_build_tokenizer(config.vocab_size), path, config.max_position_embeddings)
     return path
+
+
+# MoE checkpoints are written in the per-expert layout the published checkpoints use (which
+# vLLM's loaders read and transformers converts on load), not transformers 5's fused in-memory one.
+_MOE_LAYOUT = {
+    # model_type: (block prefix in the checkpoint, names of (gate, up, down) per expert)
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+
+
+def checkpoint_layout(model_type: str, tensors: dict) -> dict:
+    """``tensors`` (transformers' in-memory names) in the checkpoint layout of ``model_type``:
+    fused experts ``mlp.experts.gate_up_proj`` ``[expert, 2*inter, hidden]`` (gate rows first) and
+    ``mlp.experts.down_proj`` ``[expert, hidden, inter]`` become one ``[inter, hidden]`` /
+    ``[hidden, inter]`` weight per expert; the router ``mlp.gate`` moves under the block's
+    checkpoint name. Dense models are returned unchanged."""
+    if model_type not in _MOE_LAYOUT:
+        return tensors
+    block, (g, u, d) = _MOE_LAYOUT[model_type]
+    out = {}
+    for name, t in tensors.items():
+        head, sep, tail = name.partition(".mlp.")
+        if not sep:
+            out[name] = t
+        elif tail == "experts.gate_up_proj":
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                out[f"{head}.{block}.experts.{e}.{g}.weight"] = gate[e].contiguous()
+                out[f"{head}.{block}.experts.{e}.{u}.weight"] = up[e].contiguous()
+        elif tail == "experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"{head}.{block}.experts.{e}.{d}.weight"] = t[e].contiguous()
+        else:
+            out[f"{head}.{block}.{tail}"] = t
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

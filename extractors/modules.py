@@ -16,6 +16,8 @@ Phases (layout of what is stored, ``tensors/<module>/<phase>`` in the run):
   produce continuation logit rows ``1 .. T-1``, as a greedy engine asked for ``T`` tokens runs
   them (the last token it samples is never fed back).
 The batch dimension is dropped (one prompt per forward); a module's trailing dims are its own.
+A 2-D output is already flattened over batch and tokens (``[token, ...]``: MoE routers' logits
+``[token, expert]`` and experts' outputs) and is kept whole, as is (one prompt per forward).
 A tuple output (attention returns ``(output, weights)``) is captured as its first tensor. A
 module that runs several times in one forward (Gemma3's rotary embedding) keeps its first call.
 
@@ -138,10 +140,10 @@ class ModuleHooks:
             if self.inputs:
                 t = first_tensor(args)
                 if t is not None:
-                    self.sink(name + INPUT_SUFFIX, self.phase, self.step, t.detach()[0].to("cpu", copy=True))
+                    self.sink(name + INPUT_SUFFIX, self.phase, self.step, _prompt_rows(t))
             t = first_tensor(output)
             if t is not None:
-                self.sink(name, self.phase, self.step, t.detach()[0].to("cpu", copy=True))
+                self.sink(name, self.phase, self.step, _prompt_rows(t))
         return hook
 
     def __enter__(self) -> "ModuleHooks":
@@ -155,6 +157,13 @@ class ModuleHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _prompt_rows(t):
+    """The one prompt's rows of a captured tensor, cloned: batch row 0 of ``[batch, token, ...]``;
+    a 2-D ``[token, ...]`` (batch already flattened into tokens, module docstring) whole."""
+    t = t.detach()
+    return (t if t.ndim == 2 else t[0]).to("cpu", copy=True)
 
 
 def modules_of(model, patterns) -> list[str]:

@@ -45,6 +45,7 @@ __all__ = [
     "MemoryBudgetError",
     "Checkpoint",
     "StreamedModel",
+    "per_expert_checkpoint",
     "ReferencePlan",
     "plan_reference",
     "available_memory",
@@ -639,6 +640,18 @@ def plan_reference(*, weights: int, units: Sequence[tuple[str, int]], budget: in
     return ReferencePlan("streamed", weights, (name, big), budget, groups)
 
 
+def per_expert_checkpoint(path) -> bool:
+    """Whether a safetensors checkpoint stores MoE experts one tensor each (``...experts.<e>...``):
+    transformers fuses them into one parameter per layer on load, so the checkpoint's names are not
+    the model's and the streamed path (which reads parameters by name) cannot take it."""
+    import re
+
+    path = Path(path)
+    files = [path / SINGLE_FILE] if (path / SINGLE_FILE).exists() else sorted(path.glob("*.safetensors"))
+    pat = re.compile(r"\.experts\.\d+\.")
+    return any(pat.search(name) for f in files for name in _read_header(f))
+
+
 def prepare_reference(model_path, dtype: str, device: str = "cpu", memory: float | int | None = None,
                       stream: bool | None = None, seqs: Sequence[tuple[int, int]] = (), extra_per_prompt: int = 0):
     """Plan a reference of ``model_path`` in ``dtype`` on ``device`` before any run is written.
@@ -654,6 +667,11 @@ def prepare_reference(model_path, dtype: str, device: str = "cpu", memory: float
         if stream:
             raise CheckpointError(f"{path}: no {SINGLE_FILE} and no {INDEX_FILE}: a streamed reference reads "
                                   f"safetensors checkpoints")
+        return None, None
+    if per_expert_checkpoint(path):
+        if stream:
+            raise CheckpointError(f"{path}: a MoE checkpoint with one tensor per expert, which transformers fuses on "
+                                  f"load: a streamed reference cannot read it layer by layer (docs/moe.md)")
         return None, None
     sm = StreamedModel(path, dtype, device)
     budget = int(memory) if memory is not None else available_memory(device)

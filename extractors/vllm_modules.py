@@ -104,8 +104,6 @@ _GPT_OSS = {
     "model.layers.{i}": ("model.layers.{i}", "sum"),
     "model.norm": ("model.norm", "first"),
 }
-VLLM_TO_HF = {"LlamaForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA, "Gemma3ForCausalLM": _GEMMA3,
-              "GptOssForCausalLM": _GPT_OSS}
 
 
 
@@ -120,6 +118,28 @@ def hf_kv_layer_name(vllm_name: str) -> str:
     m = _VLLM_ATTN_LAYER.match(vllm_name)
     return f"model.layers.{m.group(1)}.self_attn.attn" if m else vllm_name
 
+
+
+def _moe_map(block: str, attention: dict) -> dict:
+    """A MoE architecture's map: ``attention`` (Llama's attention and norms) less the dense
+    MLP's projections, with the router (``mlp.gate``: its logits ``[token, expert]``), the experts
+    (``mlp.experts``: the routing-weighted sum of the chosen experts' outputs) and the MoE block
+    under vLLM's module ``block`` of each layer (docs/moe.md)."""
+    out = {}
+    for k, v in attention.items():
+        if k.startswith("model.layers.{i}.mlp"):
+            if k == "model.layers.{i}.mlp":
+                out["model.layers.{i}.mlp.gate"] = (f"model.layers.{{i}}.{block}.gate", "first")
+                out["model.layers.{i}.mlp.experts"] = (f"model.layers.{{i}}.{block}.experts", "first")
+                out[k] = (f"model.layers.{{i}}.{block}", "first")
+            continue
+        out[k] = v
+    return out
+
+
+VLLM_TO_HF = {"LlamaForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA, "Gemma3ForCausalLM": _GEMMA3,
+              "MixtralForCausalLM": _moe_map("block_sparse_moe", _LLAMA),
+              "Qwen3MoeForCausalLM": _moe_map("mlp", _LLAMA), "GptOssForCausalLM": _GPT_OSS}
 
 _STATE = "_capturestore_module_capture"  # on the worker: {"records", "handles", "positions"}
 

@@ -3,7 +3,7 @@
 ``compare_runs`` (``capturestore.analysis``) keeps the run checks, the prompt loop and the
 ``comparisons`` row (written last); the comparators do the rest (``base`` has the protocol and
 the pass / phase / localisation rules). Built in: ``logits``, ``kv``, ``fp8_kv_floor`` (``nki_fp8.target``),
-``modules``, ``raw_errors`` (opt-in: the KV errors ``capturestore.aggregate`` pools). Another
+``modules``, ``routing`` (MoE expert choices), ``raw_errors`` (opt-in: the KV errors ``capturestore.aggregate`` pools). Another
 package adds one by registering it (``register_comparator``) or through the Python entry-point
 group ``capturestore.comparators`` (``name = "package.module:ComparatorClass"``), loaded on the
 first lookup.
@@ -59,6 +59,7 @@ _BUILTIN = {
     "fp8_kv_floor": "nki_fp8.target:Fp8KVFloorComparator",
     "modules": "capturestore.comparators.modules:ModulesComparator",
     "raw_errors": "capturestore.comparators.raw_errors:RawErrorsComparator",
+    "routing": "capturestore.comparators.routing:RoutingComparator",
     "cachecheck": "capturestore.comparators.cachecheck:CacheCheckTables",  # tables only (capturestore.cachecheck)
     "isolation": "capturestore.isolate:IsolationTables",  # tables only (capturestore.isolate)
 }

@@ -60,7 +60,7 @@ MODULE_VERDICTS = TableSpec(pa.schema([
 NOT_COMPUTED = "not_computed"  # extractors.vllm_modules.NOT_COMPUTED (this package does not import extractors)
 
 
-def _tensor_index(store, runs: dict) -> dict:
+def tensor_index(store, runs: dict) -> dict:
     """``{(run_id, prompt_id): {(module, phase): steps}}`` of every module tensor of ``runs``."""
     ids = ", ".join(f"'{rid}'" for rid in runs.values())
     rows = store.sql(f"SELECT run_id, prompt_id, module, phase, steps FROM captures "
@@ -101,7 +101,7 @@ class ModulesComparator(Comparator):
         from metrics.modules import ModuleJudge
 
         super().prepare(context)
-        self.index = _tensor_index(context.store, context.runs)
+        self.index = tensor_index(context.store, context.runs)
         self.order = _module_order(context.store, context.runs)
         self.judge = ModuleJudge(self.config)  # judges nothing until reduce merges the prompts' judges
         exp = context.runs["expected"]

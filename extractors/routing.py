@@ -1,0 +1,57 @@
+"""MoE routing: which module of a model is its router, and how many experts it chooses (docs/moe.md).
+
+Routing is captured as module tensors (``extractors.modules`` on HF, ``extractors.vllm_modules``
+on vLLM): the router module's output, its logits ``[token, expert]`` under the HF name
+(``model.layers.<i>.mlp.gate``), prefill ``[prompt_len, expert]`` and one ``[1, expert]`` per
+decode step, in the run's ``tensors/<router>/<phase>``. The chosen experts of a token are the
+``top_k`` largest logits: what transformers' ``*TopKRouter`` and vLLM's CPU router
+(``fused_moe/router``) both choose, the softmax being monotone. vLLM's own record of the chosen
+experts (``enable_return_routed_experts``) needs its V2 model runner, which needs Triton: not
+available on CPU (docs/moe.md).
+
+``ROUTERS``: HF ``model_type`` -> the router modules' pattern and the config keys of the number
+of experts and of the experts per token. A MoE architecture plugs in by one entry here (and, for
+vLLM, its names in ``extractors.vllm_modules.VLLM_TO_HF``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ROUTERS", "RouterSpec", "router_spec", "routing_patterns"]
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    pattern: str  # the router modules, an ``extractors.modules`` pattern over HF names
+    experts_key: str  # config key: number of experts
+    top_k_key: str  # config key: experts chosen per token
+
+
+ROUTERS = {
+    "mixtral": RouterSpec("model.layers.*.mlp.gate", "num_local_experts", "num_experts_per_tok"),
+    "qwen3_moe": RouterSpec("model.layers.*.mlp.gate", "num_experts", "num_experts_per_tok"),
+    "qwen2_moe": RouterSpec("model.layers.*.mlp.gate", "num_experts", "num_experts_per_tok"),
+    "olmoe": RouterSpec("model.layers.*.mlp.gate", "num_experts", "num_experts_per_tok"),
+    "gpt_oss": RouterSpec("model.layers.*.mlp.router", "num_local_experts", "num_experts_per_tok"),
+}
+
+
+def router_spec(config: dict, where: str = "routing") -> tuple[RouterSpec, int, int]:
+    """``(spec, n_experts, top_k)`` of a model's text config (a dict), or ValueError in one line
+    naming the model type when it has no router (a dense model) or no usable counts."""
+    mt = config.get("model_type")
+    spec = ROUTERS.get(mt)
+    if spec is None:
+        raise ValueError(f"{where}: the model (model_type {mt!r}) is not a mixture of experts: it has no router "
+                         f"to compare (routing is for {', '.join(sorted(ROUTERS))})")
+    n, k = config.get(spec.experts_key), config.get(spec.top_k_key)
+    if not (isinstance(n, int) and isinstance(k, int) and 0 < k < n):
+        raise ValueError(f"{where}: the model's config gives {spec.experts_key}={n!r}, {spec.top_k_key}={k!r}; "
+                         f"routing needs 0 < top_k < experts")
+    return spec, n, k
+
+
+def routing_patterns(config: dict, patterns=()) -> tuple[str, ...]:
+    """``patterns`` plus the model's router modules (ValueError for a model without a router)."""
+    spec, _, _ = router_spec(config, "--plugins routing")
+    return tuple(patterns) + ((spec.pattern,) if spec.pattern not in patterns else ())

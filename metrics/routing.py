@@ -1,0 +1,77 @@
+"""MoE routing numerics: top-k expert sets, their flips against FP32, and which flips BF16 explains.
+
+A *flip* at a token of a layer: the target's top-k expert set differs from the FP32 baseline's.
+Whether BF16 noise explains it (docs/moe.md): the baseline's top-k margin ``m = z_(k) - z_(k+1)``
+(its k-th and (k+1)-th largest router logits) against the BF16 router-logit noise measured on
+the expected run, ``N = max_e |expected - baseline|`` at that token and layer. For the target to
+rank an expert outside the baseline's top-k (logit ``z_j``) above one inside (``z_i``, with
+``z_i - z_j >= m``) its errors must differ by at least ``m``: ``err_j - err_i >= m``. Errors of
+BF16 size are at most ``N`` each, so a flip is explained when ``m <= 2 * noise``, where ``noise``
+is the larger of ``N`` at that token and ``N``'s 95th percentile over every token of the layer
+(``noise_scale``: the target's error at a token need not match the expected run's error at that
+same token, only its size). Everything is vectorised over tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "NOISE_FACTOR",
+    "NOISE_QUANTILE",
+    "noise_scale",
+    "router_noise",
+    "routing_flips",
+    "top_k_experts",
+    "top_k_margin",
+]
+
+NOISE_QUANTILE = 0.95
+NOISE_FACTOR = 2.0
+
+
+def top_k_experts(logits: np.ndarray, k: int) -> np.ndarray:
+    """``[token, k]`` int64: the ``k`` largest logits' experts of ``logits [token, expert]``,
+    sorted by expert id (a set; ties go to the lower expert id, as a stable sort gives)."""
+    order = np.argsort(-np.asarray(logits, dtype=np.float64), axis=-1, kind="stable")[:, :k]
+    return np.sort(order, axis=-1).astype(np.int64)
+
+
+def top_k_margin(logits: np.ndarray, k: int) -> np.ndarray:
+    """``[token]``: the k-th largest logit minus the (k+1)-th of ``logits [token, expert]``."""
+    z = -np.sort(-np.asarray(logits, dtype=np.float64), axis=-1)
+    return z[:, k - 1] - z[:, k]
+
+
+def router_noise(expected: np.ndarray, baseline: np.ndarray) -> np.ndarray:
+    """``[token]``: ``max_e |expected - baseline|`` of router logits ``[token, expert]``."""
+    return np.abs(np.asarray(expected, np.float64) - np.asarray(baseline, np.float64)).max(axis=-1)
+
+
+def noise_scale(noise: np.ndarray) -> float:
+    """The layer's noise scale: the ``NOISE_QUANTILE`` quantile of its per-token noise (NaN if empty)."""
+    return float(np.quantile(noise, NOISE_QUANTILE)) if np.size(noise) else float("nan")
+
+
+def routing_flips(baseline: np.ndarray, expected: np.ndarray, actual: np.ndarray, k: int,
+                  layer_noise: float | None = None) -> dict:
+    """Flips of ``actual`` against ``baseline`` (router logits ``[token, expert]`` of one layer,
+    the same tokens in each) and their classification (module docstring).
+
+    Returns columns over tokens: ``base_experts``/``actual_experts``/``expected_experts``
+    ``[token, k]``, ``flip`` (actual's set differs), ``noise_flip`` (expected's set differs),
+    ``margin``, ``noise`` (per token), ``threshold`` (``NOISE_FACTOR * max(noise, layer_noise)``),
+    ``explained`` (a flip whose margin is within the threshold; False where no flip).
+    ``layer_noise``: the layer's ``noise_scale`` pooled over prompts (default: over these tokens)."""
+    b, e, a = (np.asarray(x, np.float64) for x in (baseline, expected, actual))
+    if not (b.shape == e.shape == a.shape and b.ndim == 2 and 0 < k < b.shape[1]):
+        raise ValueError(f"routing_flips: router logits of shapes {b.shape}, {e.shape}, {a.shape} with top_k {k}: "
+                         f"need three equal [token, expert] arrays and 0 < top_k < experts")
+    be, ee, ae = top_k_experts(b, k), top_k_experts(e, k), top_k_experts(a, k)
+    flip = (be != ae).any(axis=-1)
+    noise = router_noise(e, b)
+    scale = noise_scale(noise) if layer_noise is None else float(layer_noise)
+    threshold = NOISE_FACTOR * np.maximum(noise, scale)
+    margin = top_k_margin(b, k)
+    return {"base_experts": be, "expected_experts": ee, "actual_experts": ae, "flip": flip,
+            "noise_flip": (be != ee).any(axis=-1), "margin": margin, "noise": noise, "threshold": threshold,
+            "explained": flip & (margin <= threshold)}

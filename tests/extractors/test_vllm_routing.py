@@ -1,0 +1,76 @@
+"""MoE routing of a real vLLM-CPU engine (tiny random Mixtral) judged against HF FP32 / BF16
+(docs/moe.md): the correct BF16 engine passes with flips BF16 explains (asserted to occur); a
+router bias planted in a copy of the checkpoint before the engine loads it (ENGINES.md: weights
+mutated after load may be a no-op) changes the chosen experts and fails at its layer."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog and then", "Sta trou plai chean mou dou ser stan rai, and more",
+           "In 2024 the numbers were 17 and 42 while", "Hello world this is a longer prompt to have many tokens routed"]
+ROUTER = "model.layers.{}.mlp.gate"
+FAULT_LAYER = 1
+
+
+@pytest.fixture(scope="module")
+def vllm_moe(tmp_path_factory):
+    from capturestore import Store, pipeline
+    from extractors.models import tiny_model
+
+    model = tiny_model("mixtral-moe")
+    path = tmp_path_factory.mktemp("vllm-routing") / "store"
+    result = pipeline.run(model, PROMPTS, target="vllm", num_tokens=8, store=path, quiet=True,
+                          plugins="logits,routing", out=lambda s: None)
+    st = Store.open(path)
+    row = st.sql(f"SELECT comparator_runs FROM comparisons WHERE comparison_id = '{result.comparison_id}'").to_pylist()
+    runs = json.loads(row[0]["comparator_runs"])["routing"]
+    got = st.sql(f"SELECT prompt_id, n_prompt_tokens FROM prompts WHERE run_id = '{runs['expected']}' "
+                 f"ORDER BY prompt_idx").to_pylist()
+    pids = [r["prompt_id"] for r in got]
+    toks = [st.read_tokens(runs["expected"], r["prompt_id"]) for r in got]
+    n = [int(r["n_prompt_tokens"]) for r in got]
+    return {"model": model, "store": st, "result": result, "runs": runs, "pids": pids,
+            "prompts": [t[:k].tolist() for t, k in zip(toks, n)], "teacher": [t[k:].tolist() for t, k in zip(toks, n)]}
+
+
+def test_correct_vllm_bf16_engine_passes_with_explained_flips(vllm_moe):
+    st, res = vllm_moe["store"], vllm_moe["result"]
+    layers = st.sql("SELECT * FROM routing_layers ORDER BY layer").to_pylist()
+    assert [r["layer"] for r in layers] == [0, 1, 2] and all(r["problem"] is None for r in layers)
+    n_flips = sum(r["n_flips"] for r in layers)
+    assert n_flips > 0 and sum(r["n_unexplained"] for r in layers) == 0
+    assert res.verdicts["routing"].passed is True
+
+
+def test_router_bias_planted_before_load_fails_at_its_layer(vllm_moe, tmp_path):
+    from capturestore.analysis import compare_runs
+    from extractors.moe_faults import write_moe_fault
+    from extractors.vllm_modules import capture_vllm_module_run
+    from extractors.vllm_rpc import close_llm, make_llm
+    from metrics.routing import top_k_experts
+
+    st, runs = vllm_moe["store"], vllm_moe["runs"]
+    bad = write_moe_fault(vllm_moe["model"], tmp_path / "bad", "router_bias", FAULT_LAYER)
+    llm = make_llm(bad, dtype="bfloat16", max_model_len=256, enable_prefix_caching=False)
+    try:
+        act = capture_vllm_module_run(st, llm, bad, vllm_moe["prompts"], None,
+                                      modules=[ROUTER.format(i) for i in range(3)], teacher_tokens=vllm_moe["teacher"])
+    finally:
+        close_llm(llm)
+    pid = vllm_moe["pids"][0]
+    r_exp, r_act = (np.asarray(st.read_tensor(r, pid, ROUTER.format(FAULT_LAYER), phase="prefill"), np.float32)
+                    .reshape(-1, 8) for r in (runs["expected"], act))
+    assert (top_k_experts(r_exp, 2) != top_k_experts(r_act, 2)).any()  # the fault took effect in the engine
+    own = {"baseline": runs["baseline"], "expected": runs["expected"], "actual": act}
+    res = compare_runs(st, expected_run=runs["expected"], actual_run=act, baseline_run=runs["baseline"], kv=False, logits=False,
+                       comparators=["routing"], comparator_runs={"routing": own}, allow_different_models=True)
+    v = res.verdicts["routing"]
+    assert v.passed is False and v.localisation.layer == FAULT_LAYER
+    layers = {r["layer"]: r for r in st.sql(f"SELECT * FROM routing_layers WHERE comparison_id = "
+                                             f"'{res.comparison_id}'").to_pylist()}
+    assert layers[0]["n_unexplained"] == 0 and layers[FAULT_LAYER]["n_unexplained"] > 0
