@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -12,14 +11,14 @@ import pyarrow as pa
 
 from capturestore.cli.output import (
     format_table,
-    json_safe,
-    open_store,
+    json_text,
     output_path,
     printable,
-    require_writable,
-    write_file,
     write_result,
+    write_text,
 )
+from capturestore.store import open_store_path as open_store
+from capturestore.store import require_writable
 
 
 # ---- subcommands ------------------------------------------------------------------------------
@@ -40,7 +39,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     info = open_store(args.store).show(args.run)
     if args.format == "json":
-        sys.stdout.write(json.dumps(json_safe(info), default=str, indent=1, allow_nan=False) + "\n")
+        sys.stdout.write(json_text(info))
         return 0
     for k, v in info["run"].items():
         print(f"{k:>15}: {printable(str(v))}")
@@ -300,10 +299,46 @@ def cmd_aggregate(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_diff(r) -> str:
+    """A ``capturestore.diff.DiffResult`` as text: the verdict, what changed, where."""
+    import math
+
+    from capturestore.diff import BC_MARGIN, CI_LEVEL
+
+    lines = [f"diff {r.base_id} (base) -> {r.head_id} (head): {len(r.prompt_ids)} prompts, model {r.model_hash}"]
+    if r.note:
+        lines.append(f"note: {r.note}")
+    where = ", ".join(f"{k} {v}" for k, v in (r.localisation or {}).items() if v is not None)
+    lines.append(("REGRESSION" + (f" at {where}" if where else "")) if r.regression else "no regression")
+    if r.verdict_changes:
+        lines += ["", "verdict changes:"]
+        for c in r.verdict_changes:
+            where = ", ".join(f"{k} {getattr(c, k)}" for k in ("layer", "module", "phase") if getattr(c, k) is not None)
+            lines.append(f"  {'REGRESSION ' if c.regression else ''}{c.check}{f' ({where})' if where else ''}: "
+                         f"{c.base} -> {c.head}")
+    if r.stat_changes:
+        lines += ["", f"σ-ratio and aggregate BC changes (head - base, {int(CI_LEVEL * 100)}% bootstrap interval "
+                      f"over prompts, "
+                      f"seed {r.seed}, {r.n_boot} resamples; regression: a σ-ratio interval above +{r.margin}, "
+                      f"an aggregate-BC interval below -{BC_MARGIN}):"]
+        hdr = f"  {'metric':<19}{'layer/module':<34}{'kv':<3}{'phase':<8}{'base':>9}{'head':>9}{'delta':>9}  interval"
+        lines.append(hdr)
+        def rank(c):
+            return not c.regression, -abs(c.delta) if math.isfinite(c.delta) else 0.0
+
+        for c in sorted(r.stat_changes, key=rank):
+            where = c.module or c.layer or ""
+            lines.append(f"  {c.metric:<19}{where[-33:]:<34}{c.kv or '':<3}{c.phase or '':<8}{c.base:>9.4g}"
+                         f"{c.head:>9.4g}{c.delta:>+9.4g}  [{c.ci_low:+.4g}, {c.ci_high:+.4g}]"
+                         f"{'  REGRESSION' if c.regression else ''}")
+    if r.divergences:
+        lines += ["", "divergences (per prompt, generation tokens):"]
+        lines += [f"  {d['prompt_id']}: new {d['new']}, resolved {d['resolved']}" for d in r.divergences]
+    return "\n".join(lines)
+
+
 def write_diff(store, r, fmt: str, out: str | None) -> None:
     """table (stdout), json (``out`` or stdout), html (the reports diff page in directory ``out``)."""
-    from capturestore.diff import format_diff, to_json
-
     if fmt == "html":
         if not out:
             raise ValueError("diff --format html needs --out DIR")
@@ -312,12 +347,7 @@ def write_diff(store, r, fmt: str, out: str | None) -> None:
         print(render_diff(store, r.base_id, r.head_id, out, result=r))
         return
     target = output_path(out, "json", "--out")
-    text = format_diff(r) + "\n" if fmt == "table" else json.dumps(to_json(r.to_dict()), default=str, indent=1,
-                                                                     allow_nan=False) + "\n"
-    if target is not None:
-        write_file(target, lambda p: Path(p).write_text(text), "--out")
-    else:
-        sys.stdout.write(text)
+    write_text(format_diff(r) + "\n" if fmt == "table" else json_text(r.to_dict()), target, "--out")
 
 
 def write_history(t: pa.Table, fmt: str, out: str | None) -> None:
@@ -329,7 +359,7 @@ def write_history(t: pa.Table, fmt: str, out: str | None) -> None:
 
         html = history_html(t)
         target = output_path(out, "html", "--out")
-        write_file(target, lambda p: Path(p).write_text(html), "--out")
+        write_text(html, target, "--out")
         print(target)
         return
     write_result(t, fmt, out, "--out")
@@ -369,14 +399,11 @@ def _cmd_diff_cachecheck(store, args) -> int:
         to_dict,
     )
 
-    d = diff_cachecheck(store, args.base, args.head)
     if args.format == "html":
         raise ValueError("diff: --format html is for comparisons of runs; a cache-check diff is table or json")
-    text = json.dumps(to_dict(d), indent=1, default=str) if args.format == "json" else format_cachecheck_diff(d)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    else:
-        print(text)
+    target = output_path(args.out, "json", "--out")  # before the diff: a bad --out fails at once
+    d = diff_cachecheck(store, args.base, args.head)
+    write_text(json_text(to_dict(d)) if args.format == "json" else format_cachecheck_diff(d) + "\n", target, "--out")
     return 1 if d.regression else 0
 
 

@@ -1,5 +1,6 @@
-"""Output of the ``capturestore`` commands, written once: the store a command opens, the output
-file checks (before any work), atomic file writes, and the table / CSV / JSON / Parquet forms."""
+"""Output of the ``capturestore`` commands, written once: the output file checks (before any
+work), atomic file writes, JSON without NaN, and the table / CSV / JSON / Parquet forms of a table.
+The library returns results; only the commands (capturestore.cli.commands) print them."""
 from __future__ import annotations
 
 import io
@@ -18,18 +19,6 @@ DEFAULT_STORE = "capturestore-store"
 
 def default_store() -> str:
     return os.environ.get("CAPTURESTORE") or DEFAULT_STORE  # an empty $CAPTURESTORE counts as unset
-
-
-def open_store(path: str, create: bool = False):
-    from capturestore.store import open_store_path
-
-    return open_store_path(path, create=create)
-
-
-def require_writable(store, command: str) -> None:
-    from capturestore.store import require_writable
-
-    require_writable(store, command)
 
 
 def _why_unwritable(d: Path) -> str:
@@ -89,6 +78,19 @@ def write_file(out: Path, write: Callable[[str], None], flag: str = "--output") 
             pass
 
 
+def json_text(v: Any) -> str:
+    """``v`` as indented JSON text (NaN and infinities as null), one trailing newline."""
+    return json.dumps(json_safe(v), default=str, indent=1, allow_nan=False) + "\n"
+
+
+def write_text(text: str, out: Path | None, flag: str = "--output") -> None:
+    """``text`` into the checked file ``out`` (``output_path``; atomically), or to stdout (None)."""
+    if out is not None:
+        write_file(out, lambda p: Path(p).write_text(text), flag)
+    else:
+        sys.stdout.write(text)
+
+
 # ---- output formatting ------------------------------------------------------------------------
 def printable(s: str) -> str:
     """``s`` with line breaks and other control characters escaped (``\\n``, ``\\x1b``, ``\\u2028``):
@@ -140,10 +142,7 @@ def write_result(t: pa.Table, fmt: str, output: str | None, flag: str = "--outpu
         pcsv.write_csv(flat, buf)
         text = buf.getvalue().decode()
     elif fmt == "json":
-        text = json.dumps(json_safe(t.to_pylist()), default=str, indent=1, allow_nan=False) + "\n"
+        text = json_text(t.to_pylist())
     else:
         text = format_table(t) + "\n"
-    if out is not None:
-        write_file(out, lambda p: Path(p).write_text(text), flag)
-    else:
-        sys.stdout.write(text)
+    write_text(text, out, flag)
