@@ -161,7 +161,7 @@ def commit_comparison(store, comparison_id: str, tables: dict[str, Any], compari
         committed = store._committed_comparison_ids()  # None: unreadable, so the marker may be there
         if written and committed is not None and comparison_id not in committed:
             for seg in written:
-                store._remove_written(seg)
+                store.remove_written(seg)
             try:  # a table that got its first segment here has none again: its catalog view goes
                 store._refresh_catalog()
             except Exception:  # noqa: BLE001 - the next open catches up; the first error is the one to raise

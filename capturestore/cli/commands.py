@@ -127,11 +127,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from capturestore import pipeline
-    from capturestore.layout import FORMAT_FILE
-    from capturestore.store import store_root
+    from capturestore.store import store_exists
 
     store = args.store
-    if (store_root(store) / FORMAT_FILE).exists():  # an existing store must be writable before any capture
+    if store_exists(store):  # an existing store (a directory or a bucket) must be writable before any capture
         require_writable(open_store(store), "run")
     with _sigterm_as_interrupt():  # a terminated run rolls back like an interrupted one (docs/run.md)
         return _run(args, pipeline, store)
