@@ -27,6 +27,11 @@
 
 Every command takes ``--store PATH`` (default: $CAPTURESTORE, else ./capturestore-store).
 
+Here: the parser (``build_parser``: every command and its flags) and ``main``. Each handler
+(``cmd_<command>`` in capturestore.cli.commands) parses its arguments, calls the library, which
+returns results and prints nothing, and formats them with the helpers of capturestore.cli.output
+(tables, JSON, output-file checks, atomic writes). The library never imports this package.
+
 Errors: a user error (bad input, a refused or failing query, a missing or read-only store, a
 path that cannot be written) is one line on stderr, ``capturestore CMD: error: ...``, exit
 status 2, and nothing is left half-written: commands that write check first that they can.
