@@ -154,9 +154,41 @@ class Backend:
         return self.zarr_store(rel)
 
     def catalog_root(self) -> Any:
-        """What catalog.py's in-memory connection reads the tables through: a directory's Path, or
-        this backend (its ``fs``, ``tables_url``, ``table_names``, ``segment_urls``, ``has_column``)."""
+        """What catalog.py's in-memory connection reads the tables through: this backend (its
+        ``duckdb_filesystem``, ``tables_url``, ``sep``, ``table_names``, ``segment_urls``, ``has_column``)."""
         return self
+
+    # ---- the tables as DuckDB reads them (catalog.py) -----------------------------------------------
+    # Declared capability: the fsspec filesystem DuckDB must read the segments through (registered on
+    # its confined connection), None where DuckDB opens them as local files itself.
+    duckdb_filesystem: Any = None
+    sep = "/"  # what joins ``tables_url`` and a name in the paths DuckDB checks against allowed_directories
+
+    @property
+    def tables_url(self) -> str:
+        """``tables/`` as DuckDB opens it: a directory path or a URL."""
+        raise NotImplementedError
+
+    def segment_rels(self, table: str) -> list[str]:
+        return [f"{TABLES_DIR}/{table}/{n}" for n in self.segment_names(table)]
+
+    def segment_urls(self, table: str) -> list[str]:
+        """``table``'s segments as DuckDB opens them."""
+        return [f"{self.tables_url}{self.sep}{table}{self.sep}{n}" for n in self.segment_names(table)]
+
+    def table_names(self) -> list[str]:
+        """Tables that have at least one segment (run tables always exist in a store)."""
+        return [t for t in self.listdir(TABLES_DIR) if self.segment_names(t)]
+
+    def has_column(self, table: str, column: str) -> bool:
+        """Whether any readable segment of ``table`` has ``column`` (footers only)."""
+        for rel in self.segment_rels(table):
+            try:
+                if column in self.read_schema(rel).names:
+                    return True
+            except Exception:  # noqa: BLE001 - an unreadable segment is verify's to report
+                continue
+        return False
 
     def read_schema(self, rel: str) -> pa.Schema:
         return pq.read_schema(pa.BufferReader(self.read(rel)))
@@ -234,8 +266,11 @@ class LocalBackend(Backend):
                 return str(d), why
         return None
 
-    def catalog_root(self) -> Path:
-        return self.path
+    sep = os.sep
+
+    @property
+    def tables_url(self) -> str:
+        return str(self.path / TABLES_DIR)
 
     def read_schema(self, rel: str) -> pa.Schema:
         return pq.read_schema(self._p(rel))
@@ -418,27 +453,13 @@ class FsspecBackend(Backend):
                 pass
 
     # ---- tables (catalog.py reads these for the views) -----------------------------------------
-    def segment_rels(self, table: str) -> list[str]:
-        return [f"{TABLES_DIR}/{table}/{n}" for n in self.segment_names(table)]
-
-    def segment_urls(self, table: str) -> list[str]:
-        return [f"{self.scheme}{self.key(r)}" for r in self.segment_rels(table)]
-
-    def table_names(self) -> list[str]:
-        return [t for t in self.listdir(TABLES_DIR) if self.segment_names(t)]
+    @property
+    def duckdb_filesystem(self) -> Any:
+        return self.fs
 
     def read_schema(self, rel: str) -> pa.Schema:
         with self.fs.open(self.key(rel), "rb") as f:
             return pq.read_schema(f)
-
-    def has_column(self, table: str, column: str) -> bool:
-        for rel in self.segment_rels(table):
-            try:
-                if column in self.read_schema(rel).names:
-                    return True
-            except Exception:  # noqa: BLE001 - an unreadable segment is verify's to report
-                continue
-        return False
 
 
 # ------------------------------------------------------------------------------ memory

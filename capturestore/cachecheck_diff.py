@@ -16,10 +16,6 @@ from dataclasses import dataclass, field
 __all__ = ["CacheCheckDiff", "ScenarioChange", "diff_cachecheck", "format_cachecheck_diff", "is_cachecheck"]
 
 
-def _q(s) -> str:
-    return "'" + str(s).replace("'", "''") + "'"
-
-
 def _views(store) -> set:
     return set(store.sql("SELECT table_name FROM information_schema.tables").column("table_name").to_pylist())
 
@@ -91,14 +87,15 @@ class CacheCheckDiff:
 
 def _scenario_rows(store, cid) -> dict:
     return {r["scenario"]: r for r in store.sql(
-        f"SELECT * FROM cachecheck_scenarios WHERE comparison_id = {_q(cid)}").to_pylist()}
+        "SELECT * FROM cachecheck_scenarios WHERE comparison_id = $c", params={"c": cid}).to_pylist()}
 
 
 def _request_status(store, cid) -> dict:
     if "cachecheck_requests" not in _views(store):
         return {}
     return {(r["scenario"], r["request"]): r["status"] for r in store.sql(
-        f"SELECT scenario, request, status FROM cachecheck_requests WHERE comparison_id = {_q(cid)}").to_pylist()}
+        "SELECT scenario, request, status FROM cachecheck_requests WHERE comparison_id = $c",
+        params={"c": cid}).to_pylist()}
 
 
 def diff_cachecheck(store, base: str, head: str) -> CacheCheckDiff:

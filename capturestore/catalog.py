@@ -41,8 +41,10 @@ import pyarrow as pa
 if TYPE_CHECKING:
     import duckdb
 
+    from capturestore.backends import Backend
+
 from capturestore.layout import CATALOG_FILE, CATALOG_STAMP_FILE, LEGACY_CATALOG_ROOT_FILE, TABLES_DIR
-from capturestore.tables import RUN_TABLES, has_column, table_dir
+from capturestore.tables import RUN_TABLES
 
 # First line of catalog.stamp; a change to what view_sql writes changes it, so stores rebuild.
 CATALOG_STAMP = ("capturestore catalog views 6: segments relative to catalog.duckdb, committed rows only, "
@@ -67,36 +69,23 @@ def _quote_str(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
-# ``root`` is what the store's backend gives (Backend.catalog_root): a directory's Path, or for a
-# store on object storage or in memory its backends.FsspecBackend, passed to the functions of the
-# in-memory connection (connect_memory, add_views, view_sql, table_names): it lists its own tables
-# and segments, and DuckDB reads them through its fsspec filesystem, registered on the connection
-# before the lockdown; the confinement is the same (allowed_directories = its tables/). The
-# quoters below build DDL (views, settings), where DuckDB binds no parameters; queries bind theirs.
-def _remote(root) -> bool:
-    return not isinstance(root, Path)
+# ``root`` of the functions of the in-memory connection (connect_memory, add_views, view_sql,
+# table_names) is the store's backend (backends.Backend: a directory, a bucket, memory): it lists
+# its own tables and segments and says where DuckDB opens them (``tables_url``, ``segment_urls``),
+# and declares the filesystem DuckDB must read them through (``duckdb_filesystem``, registered on
+# the connection before the lockdown; None for a directory). The confinement is the same on every
+# backend (allowed_directories = its tables/). The file catalog (catalog.duckdb) exists for a
+# directory only: its functions take the directory's Path. The quoters above build DDL (views,
+# settings), where DuckDB binds no parameters; queries bind theirs.
+def _directory(root: Path) -> Backend:
+    from capturestore.backends import LocalBackend
+
+    return LocalBackend(root)
 
 
-def _tables_dir(root) -> str:
-    return root.tables_url if _remote(root) else str(root / TABLES_DIR)
-
-
-def _has_column(root, table: str, column: str) -> bool:
-    return root.has_column(table, column) if _remote(root) else has_column(root, table, column)
-
-
-def table_names(root: Path) -> list[str]:
+def table_names(root: Backend) -> list[str]:
     """Tables that have at least one segment (run tables always exist in a store)."""
-    if _remote(root):
-        return root.table_names()
-    d = root / TABLES_DIR
-    if not d.is_dir():
-        return []
-    out = []
-    for p in sorted(d.iterdir()):
-        if p.is_dir() and any(f.name.endswith(".parquet") for f in p.iterdir()):
-            out.append(p.name)
-    return out
+    return root.table_names()
 
 
 def glob_escape(path: str) -> str:
@@ -109,14 +98,14 @@ def _glob_escape_sql(expr: str) -> str:
     return f"regexp_replace({expr}, '([\\[*?])', '[\\1]', 'g')"
 
 
-def _segments(root: Path, table: str, relative: bool, allow_empty: bool = False, filename: bool = False) -> str:
+def _segments(root: Backend, table: str, relative: bool, allow_empty: bool = False, filename: bool = False) -> str:
     """``read_parquet`` of every segment of ``table``: by absolute path, or relative to the catalog file.
     The store's own path is escaped: a '*', '?' or '[' in it is no glob (``st*ar`` would otherwise
     also read a sibling store ``st-old-ar``)."""
     if relative:
         where = f"{_glob_escape_sql(f'({_STORE_DIR_SQL})')} || {_quote_str(f'{TABLES_DIR}/{table}/*.parquet')}"
     else:
-        where = _quote_str(glob_escape(f"{_tables_dir(root)}/{table}") + "/*.parquet")
+        where = _quote_str(glob_escape(f"{root.tables_url}/{table}") + "/*.parquet")
     opts = (", allow_empty = true" if allow_empty else "") + (", filename = true" if filename else "")
     return f"read_parquet({where}, union_by_name = true{opts})"
 
@@ -135,7 +124,7 @@ def catalog_stamp() -> str:
     return f"{CATALOG_STAMP}; declared schemas {versions}"
 
 
-def _columns_sql(root: Path, table: str, relative: bool, spec) -> str:
+def _columns_sql(root: Backend, table: str, relative: bool, spec) -> str:
     """The declared columns of ``table``, by name and type; a declared column an older segment
     lacks reads as NULL. Columns a segment holds beyond them are not shown (DuckDB's ``* EXCLUDE``
     serialises in no fixed order, so the view would not be reproducible for verify)."""
@@ -160,7 +149,7 @@ def _duck_type(t: pa.DataType) -> str:
         raise ValueError(f"catalog: no DuckDB type for declared Arrow type {t}") from None
 
 
-def view_sql(root: Path, table: str, relative: bool = False) -> str:
+def view_sql(root: Backend, table: str, relative: bool = False) -> str:
     """CREATE VIEW statement of ``table``: its committed rows (see the module docstring).
 
     A table declared in code (``capturestore.comparators.declared_tables``) and written by
@@ -169,7 +158,7 @@ def view_sql(root: Path, table: str, relative: bool = False) -> str:
     ``relative``: the catalog.duckdb form, whose paths follow the catalog file wherever it moves.
     """
     spec = _declared().get(table)
-    has_cid = table not in RUN_TABLES and _has_column(root, table, "comparison_id")
+    has_cid = table not in RUN_TABLES and root.has_column(table, "comparison_id")
     if spec is not None and has_cid:
         body = _columns_sql(root, table, relative, spec)
     else:  # not declared, or rows a user appended under a declared name (no comparison_id): as stored
@@ -220,7 +209,7 @@ def _manifest_guard(root, table: str, relative: bool, committed: str, body: str)
             f"WHERE CASE WHEN g.bad THEN error(g.why) ELSE false END")
 
 
-def create_views(con: duckdb.DuckDBPyConnection, root: Path, relative: bool = False) -> dict[str, str]:
+def create_views(con: duckdb.DuckDBPyConnection, root: Backend, relative: bool = False) -> dict[str, str]:
     """Create the view of every table on ``con`` (see add_views); returns {table: why} of those
     whose segments DuckDB cannot read."""
     return add_views(con, root, table_names(root), relative)
@@ -239,7 +228,7 @@ _CONFINED_CONFIG = {
 }
 
 
-def connect_memory(root: Path) -> duckdb.DuckDBPyConnection:
+def connect_memory(root: Backend) -> duckdb.DuckDBPyConnection:
     """A private in-memory connection, confined to ``root/tables`` and locked; no views yet (add_views)."""
     import duckdb  # lazily: a writer that never queries does not pay for it
 
@@ -250,9 +239,9 @@ def connect_memory(root: Path) -> duckdb.DuckDBPyConnection:
         con = duckdb.connect(":memory:", config={**_CONFINED_CONFIG, "temp_directory": str(temp)})
         # allowed_directories cannot be given to connect(); it must be set before access is switched off
         # the views' globs spell a '[' of the store's path as '[[]', and DuckDB checks the pattern as spelt
-        if _remote(root):  # before the lockdown; DuckDB reads s3:// URLs through it
-            con.register_filesystem(root.fs)
-        tables = _tables_dir(root) + ("/" if _remote(root) else os.sep)
+        if root.duckdb_filesystem is not None:  # before the lockdown; DuckDB reads s3:// URLs through it
+            con.register_filesystem(root.duckdb_filesystem)
+        tables = root.tables_url + root.sep
         allowed = dict.fromkeys((tables, glob_escape(tables)))
         con.execute(f"SET allowed_directories = [{', '.join(_quote_str(d) for d in allowed)}]")
         # footers are read once per connection and file version (DuckDB checks the file's modification
@@ -279,7 +268,7 @@ def _without_kind(msg: str) -> str:
     return re.sub(r"^[A-Z][A-Za-z ]{0,30} Error: ", "", msg, count=1)
 
 
-def add_views(con: duckdb.DuckDBPyConnection, root: Path, names: list[str], relative: bool = False) -> dict[str, str]:
+def add_views(con: duckdb.DuckDBPyConnection, root: Backend, names: list[str], relative: bool = False) -> dict[str, str]:
     """Create (or replace) the views of ``names`` on ``con``; returns {table: why} of unreadable ones.
 
     A table whose segments DuckDB cannot read (a truncated Parquet file) gets a view with the
@@ -303,15 +292,14 @@ def add_views(con: duckdb.DuckDBPyConnection, root: Path, names: list[str], rela
     return broken
 
 
-def _readable_columns(con: duckdb.DuckDBPyConnection, root: Path, table: str, value: str = "NULL") -> str:
+def _readable_columns(con: duckdb.DuckDBPyConnection, root: Backend, table: str, value: str = "NULL") -> str:
     """``CAST(NULL AS type) AS "column", ...`` of ``table``'s view: the declared columns of a
     declared table written by comparisons (or with no readable segment left), else those of the
     segments that DuckDB can read."""
     import duckdb
 
     cols: dict[str, str] = {}
-    files = root.segment_urls(table) if _remote(root) else sorted(table_dir(root, table).glob("*.parquet"))
-    for f in files:
+    for f in root.segment_urls(table):
         try:
             described = con.execute(f"DESCRIBE SELECT * FROM read_parquet({_quote_str(glob_escape(str(f)))})").fetchall()
         except duckdb.Error:
@@ -470,10 +458,11 @@ def _rebuild_locked(root: Path) -> dict[str, str]:
     tmp = root / f".{CATALOG_FILE}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
     wal = Path(f"{tmp}.wal")
     try:
-        names = table_names(root)
+        tables = _directory(root)
+        names = table_names(tables)
         con = _connect_as_catalog(root, str(tmp))
         try:
-            broken = create_views(con, root, relative=True)
+            broken = create_views(con, tables, relative=True)
             con.execute("CHECKPOINT")
         finally:
             con.close()
@@ -510,7 +499,7 @@ def catalog_is_current(root: Path) -> bool:
         lines = (root / CATALOG_STAMP_FILE).read_text().splitlines()
     except OSError:
         return False
-    return lines == [catalog_stamp(), *table_names(root)] and (root / CATALOG_FILE).is_file()
+    return lines == [catalog_stamp(), *table_names(_directory(root))] and (root / CATALOG_FILE).is_file()
 
 
 def ensure_catalog_file(root: Path) -> None:
@@ -533,7 +522,7 @@ def catalog_problems(root: Path) -> list[str]:
         return [f"{CATALOG_FILE} is missing ({fix})"]
     want_con = _connect_as_catalog(root, ":memory:")
     try:
-        broken = create_views(want_con, root, relative=True)  # unreadable segments: verify reports those
+        broken = create_views(want_con, _directory(root), relative=True)  # unreadable segments: verify reports those
         want = {v: sql for v, sql in want_con.execute(_VIEWS_SQL).fetchall()}
     finally:
         want_con.close()

@@ -34,7 +34,7 @@ import pyarrow as pa
 
 __all__ = ["BC_MARGIN", "DiffResult", "SIGMA_MARGIN", "StatChange", "VerdictChange", "bootstrap_bc_change",
            "bootstrap_sigma_change", "diff",
-           "format_diff", "history", "resolve_comparison", "to_json"]
+           "history", "resolve_comparison"]
 
 SIGMA_MARGIN = 0.25  # σ-ratio change (in units of the BF16 noise RMS) below which nothing is a regression
 BC_MARGIN = 0.05  # aggregate-BC drop below which nothing is a regression
@@ -480,52 +480,6 @@ def _verdict_changes(q: _Q, brow: dict, hrow: dict) -> list[VerdictChange]:
         add("module", r["base_passed"], r["head_passed"], module=r["module"], phase=r["phase"],
             layer=None if li is None else str(li))
     return out
-
-
-# ---- output -------------------------------------------------------------------------------------------
-def format_diff(r: DiffResult) -> str:
-    """The table form: the verdict, what changed, where."""
-    lines = [f"diff {r.base_id} (base) -> {r.head_id} (head): {len(r.prompt_ids)} prompts, model {r.model_hash}"]
-    if r.note:
-        lines.append(f"note: {r.note}")
-    where = ", ".join(f"{k} {v}" for k, v in (r.localisation or {}).items() if v is not None)
-    lines.append(("REGRESSION" + (f" at {where}" if where else "")) if r.regression else "no regression")
-    if r.verdict_changes:
-        lines += ["", "verdict changes:"]
-        for c in r.verdict_changes:
-            where = ", ".join(f"{k} {getattr(c, k)}" for k in ("layer", "module", "phase") if getattr(c, k) is not None)
-            lines.append(f"  {'REGRESSION ' if c.regression else ''}{c.check}{f' ({where})' if where else ''}: "
-                         f"{c.base} -> {c.head}")
-    if r.stat_changes:
-        lines += ["", f"σ-ratio and aggregate BC changes (head - base, {int(CI_LEVEL * 100)}% bootstrap interval "
-                      f"over prompts, "
-                      f"seed {r.seed}, {r.n_boot} resamples; regression: a σ-ratio interval above +{r.margin}, "
-                      f"an aggregate-BC interval below -{BC_MARGIN}):"]
-        hdr = f"  {'metric':<19}{'layer/module':<34}{'kv':<3}{'phase':<8}{'base':>9}{'head':>9}{'delta':>9}  interval"
-        lines.append(hdr)
-        def rank(c):
-            return not c.regression, -abs(c.delta) if math.isfinite(c.delta) else 0.0
-
-        for c in sorted(r.stat_changes, key=rank):
-            where = c.module or c.layer or ""
-            lines.append(f"  {c.metric:<19}{where[-33:]:<34}{c.kv or '':<3}{c.phase or '':<8}{c.base:>9.4g}"
-                         f"{c.head:>9.4g}{c.delta:>+9.4g}  [{c.ci_low:+.4g}, {c.ci_high:+.4g}]"
-                         f"{'  REGRESSION' if c.regression else ''}")
-    if r.divergences:
-        lines += ["", "divergences (per prompt, generation tokens):"]
-        lines += [f"  {d['prompt_id']}: new {d['new']}, resolved {d['resolved']}" for d in r.divergences]
-    return "\n".join(lines)
-
-
-def to_json(v):
-    """``v`` with non-finite floats as None (JSON has no NaN)."""
-    if isinstance(v, float) and not math.isfinite(v):
-        return None
-    if isinstance(v, dict):
-        return {k: to_json(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [to_json(x) for x in v]
-    return v
 
 
 # ---- history ------------------------------------------------------------------------------------------

@@ -210,7 +210,7 @@ class PendingComparison:
         if not written or committed is None or self.comparison_id in committed:
             return
         for seg, _ in written:
-            self.store._remove_written(seg)
+            self.store.remove_written(seg)
         root = self.store.backend.path  # None on object storage, which has no directories
         for table in {entry["table"] for _, entry in written}:
             try:
@@ -423,18 +423,7 @@ def committed_comparisons(b) -> set[str] | None:
 
 def _comparison_tables(b) -> list[str]:
     """Tables whose rows belong to comparisons: a ``comparison_id`` column, other than ``comparisons``."""
-    out = []
-    for t in b.listdir(TABLES_DIR):
-        if t in (*RUN_TABLES, "comparisons"):
-            continue
-        for name in b.segment_names(t):
-            try:
-                if "comparison_id" in pq.read_schema(pa.BufferReader(b.read(f"{TABLES_DIR}/{t}/{name}"))).names:
-                    out.append(t)
-                    break
-            except Exception:  # noqa: BLE001 - an unreadable segment is verify's to report
-                continue
-    return out
+    return [t for t in b.listdir(TABLES_DIR) if t not in (*RUN_TABLES, "comparisons") and b.has_column(t, "comparison_id")]
 
 
 def _leftovers(b) -> tuple[list[str], dict[str, list[str]], list[str]]:

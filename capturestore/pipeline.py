@@ -769,10 +769,11 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     ref.check(model_path, ("float32", tgt.reference_dtype), rows, num_tokens)
 
     from capturestore import Store
+    from capturestore.store import store_exists
     from capturestore.writer import prompt_id
 
     pids = [prompt_id(r) for r in rows]
-    fresh = _fresh_local_store(store)
+    fresh = not store_exists(store)  # run creates it, and removes it again when it fails
     st = Store.open(store)
     tm["checks"] = time.perf_counter() - t_start
     say(f"store {st.root}: {len(rows)} prompts, lengths {[len(r) for r in rows]}, {num_tokens} tokens each; "
@@ -793,30 +794,16 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     return result
 
 
-def _fresh_local_store(store) -> bool:
-    """Whether ``store`` is a local path holding no store yet (``run`` creates it, and removes it
-    again when it fails)."""
-    from capturestore.layout import FORMAT_FILE
-    from capturestore.objectstore import is_url
-    from capturestore.store import store_root
-
-    if is_url(str(store)):
-        return False
-    return not (store_root(str(store).removeprefix("file://")) / FORMAT_FILE).exists()
-
-
 def _roll_back(st, pstore, references: list, *, interrupted: bool, fresh: bool, say) -> None:
     """Undo what a failed invocation committed (docs/run.md "A run that fails commits nothing"):
     every run it began and committed, newest first, and the task-analysis segments it appended; a
     store it created is removed when nothing else is in it. Interrupted (Ctrl-C), the complete
     reference runs it captured are kept, so the next invocation reuses them and resumes. Runs of
     earlier invocations are never touched (reused ones are not in ``pstore.begun``)."""
-    import shutil
-
     from capturestore.errors import StoreError
 
     keep = set(references) if interrupted else set()
-    committed = st._committed_ids()
+    committed = st.committed_ids()
     undone, kept = [], []
     for rid in reversed(pstore.begun):
         if rid not in committed:
@@ -831,16 +818,15 @@ def _roll_back(st, pstore, references: list, *, interrupted: bool, fresh: bool, 
             say(f"could not roll back run {rid}: {' '.join(str(e).split())}")
     for seg in reversed(pstore.appended):
         try:
-            st._remove_written(seg)
+            st.remove_written(seg)
         except OSError:
             pass
     if undone:
         say(f"rolled back the {len(undone)} run(s) this invocation committed: {', '.join(reversed(undone))}")
     if kept:
         say(f"interrupted: kept the complete reference run(s) {', '.join(reversed(kept))} (the next run reuses them)")
-    if fresh and not kept and isinstance(st.root, Path) and not st._committed_ids() and not st.pending():
-        if not any(p.name[:1] not in ("_", ".") for p in (st.root / "tables").rglob("*.parquet")):
-            shutil.rmtree(st.root, ignore_errors=True)  # the store this invocation created, holding nothing
+    if fresh and not kept:
+        st.remove_if_empty()  # the store this invocation created, when it holds nothing
 
 
 def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns, model_path, cfg, model_hash,

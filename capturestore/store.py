@@ -146,7 +146,7 @@ class Store:
                 f"capturestore reads; upgrade capturestore to open it"
             )
         store = cls(b)
-        store._committed = store._committed_ids()
+        store._committed = store.committed_ids()
         try:
             b.refresh_catalog()  # only when catalog.stamp is out of date
         except Exception:  # noqa: BLE001 - the file catalog is a convenience; queries never need it
@@ -179,8 +179,9 @@ class Store:
         return (Store.open, (str(self.root), False))
 
     # ---- storage, through the backend ---------------------------------------------------------
-    def _committed_ids(self) -> set[str]:
-        """Run ids with a runs segment (the commit marker); segments are named after the run."""
+    def committed_ids(self) -> set[str]:
+        """Run ids committed now (read from the store, not cached): those with a runs segment, the
+        commit marker (segments are named after their run)."""
         return {n.removesuffix(".parquet") for n in self.backend.segment_names("runs") if n != SCHEMA_SEGMENT}
 
     def _pending_lock(self, writer_id: str, info: dict[str, Any]):
@@ -226,11 +227,24 @@ class Store:
     def _remove_segment(self, table: str, segment: str) -> None:
         self.backend.remove([f"{TABLES_DIR}/{table}/{segment}.parquet"])
 
-    def _remove_written(self, segment: Any) -> None:
-        """Remove a segment ``append_table`` wrote (a comparison that failed before its marker)."""
+    def remove_written(self, segment: Any) -> None:
+        """Remove a segment ``append_table`` wrote (what it returned), e.g. of a comparison or an
+        invocation that failed before its commit marker."""
         if isinstance(segment, Path):
             segment = segment.relative_to(self.backend.path).as_posix()
         self.backend.remove([segment])
+
+    def remove_if_empty(self) -> bool:
+        """Remove the whole store, on any backend, when it holds nothing: no committed run, no
+        writer pending, no segment of any table beyond the empty schema segments of its layout (a
+        store that one failed invocation created). True when removed."""
+        if self.committed_ids() or self.pending():
+            return False
+        if any(rel.endswith(".parquet") and rel.rsplit("/", 1)[-1][:1] not in ("_", ".")
+               for rel in self.backend.find(TABLES_DIR)):
+            return False
+        self.backend.remove_tree("")
+        return True
 
     # ---- segments as bytes: what comparison manifests are checked against (integrity.evidence_problems)
     def segment_names(self, table: str) -> list[str]:
@@ -340,7 +354,7 @@ class Store:
             raise ValueError(f"run id must be a string, got {run_id!r}")
         if run_id in self._committed:
             return
-        self._committed = self._committed_ids()
+        self._committed = self.committed_ids()
         if run_id not in self._committed:
             known = sorted(self._committed)[-5:]
             raise ValueError(f"unknown run id {run_id!r} in store {self.root} (latest committed runs: {known})")
@@ -540,7 +554,7 @@ class Store:
         schema = SCHEMAS[table]
         names = [n for n in self.backend.segment_names(table) if n != SCHEMA_SEGMENT]
         if table != "runs":
-            ok = self._committed_ids()
+            ok = self.committed_ids()
             names = [n for n in names if n.removesuffix(".parquet") in ok]
         if run_id is not None:
             names = [n for n in names if n == f"{run_id}.parquet"]
@@ -574,7 +588,7 @@ class Store:
         segment fails only the queries that read its table. ``params``: values DuckDB binds
         (``$name`` with a dict, ``?`` with a list), never spliced into the SQL text.
         """
-        where = self.backend.catalog_root()  # a directory, or the backend DuckDB reads through
+        where = self.backend.catalog_root()  # the backend: where DuckDB opens the segments, and how
         with self._con_lock:
             names = catalog.table_names(where)
             if self._con is None or self._con_pid != os.getpid():
@@ -601,7 +615,7 @@ class Store:
 
         A dead one (alive False) is what ``gc`` removes; none of them is in the catalog."""
         out = []
-        committed = self._committed_ids()
+        committed = self.committed_ids()
         alive = self.backend.liveness()
         for n in self.backend.listdir(PENDING_DIR):
             rid = n.removesuffix(".json")
@@ -639,7 +653,7 @@ class Store:
         import re
 
         if not isinstance(run_id, str) or not re.fullmatch(r"[0-9A-Za-z_.-]+", run_id) or \
-                run_id not in self._committed_ids():
+                run_id not in self.committed_ids():
             raise StoreError(f"remove_run: {run_id!r} is not a committed run of {self.root}")
         comparisons = self._committed_comparison_ids()
         if comparisons is None:
@@ -731,6 +745,15 @@ def _checked_zarr_read(store: Store, ref: ArrayRef, meta: dict, region) -> np.nd
                 raise CorruptChunkError(f"{ref.where()}: {len(bad)} corrupt chunk(s): {listing}{more}") from e
         listing = ", ".join(keys[:4]) + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
         raise CorruptChunkError(f"{ref.where()}, shard {listing}: {' '.join(str(e).split())}") from None
+
+
+def store_exists(path: str | os.PathLike) -> bool:
+    """Whether ``path`` (a directory, ``file://``, ``s3://`` or ``memory://``) holds a capture store:
+    its format file, written last when a store is created."""
+    from capturestore.backends import backend_for
+    from capturestore.layout import FORMAT_FILE
+
+    return backend_for(path).exists(FORMAT_FILE)
 
 
 def open_store_path(path: str, create: bool = False):

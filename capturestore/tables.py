@@ -257,24 +257,6 @@ def committed_run_ids(root: Path) -> set[str]:
     return {p.name.removesuffix(".parquet") for p in segment_files(root, "runs") if p.name != SCHEMA_SEGMENT}
 
 
-def comparison_tables(root: Path) -> list[str]:
-    """Tables whose rows belong to comparisons: a ``comparison_id`` column, other than ``comparisons``."""
-    d = root / TABLES_DIR
-    names = sorted(p.name for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
-    return [t for t in names if t not in (*RUN_TABLES, "comparisons") and has_column(root, t, "comparison_id")]
-
-
-def has_column(root: Path, table: str, column: str) -> bool:
-    """Whether any readable segment of ``table`` has ``column`` (footers only)."""
-    for seg in segment_files(root, table):
-        try:
-            if column in pq.read_schema(seg).names:
-                return True
-        except Exception:  # noqa: BLE001 - an unreadable segment is verify's to report
-            continue
-    return False
-
-
 def committed_comparison_ids(root: Path) -> set[str] | None:
     """Comparison ids with a ``comparisons`` row (the commit marker); None when a ``comparisons``
     segment is unreadable (then nobody can tell which comparisons committed)."""

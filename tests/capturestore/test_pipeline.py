@@ -610,6 +610,24 @@ def test_a_run_failing_after_its_captures_rolls_back_its_runs_and_removes_the_st
     assert not store.exists()  # it made the store: nothing of it is left
 
 
+def test_a_failing_run_removes_the_store_it_created_on_any_backend(model, prompt_file):
+    """Issue 19: the store a failed run created is removed through the backend, not only a local
+    directory; one that existed before (the second invocation) keeps its layout."""
+    import uuid
+
+    from capturestore import Store
+    from capturestore.store import store_exists
+
+    url = f"memory://rollback-{uuid.uuid4().hex[:8]}"
+    err, text = _run_with(Refuses, model, prompt_file, url, "r1")
+    assert "refused on purpose" in str(err)
+    assert "rolled back the 3 run(s) this invocation committed" in text, text
+    assert not store_exists(url)
+    Store.open(url)  # made before the run: rolled back, not removed
+    _run_with(Refuses, model, prompt_file, url, "r1")
+    assert store_exists(url) and Store.open(url, create=False).committed_ids() == set()
+
+
 def test_a_failing_run_keeps_the_references_an_earlier_run_committed_and_rolls_back_only_its_own(model, prompt_file,
                                                                                                 tmp_path):
     from capturestore import pipeline

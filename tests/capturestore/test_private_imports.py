@@ -94,3 +94,66 @@ def test_no_module_outside_storage_imports_a_private_name():
         "\n".join(f"{imp} imports {name}" for imp, name in new)
     fixed = sorted(KNOWN_DEBT - found)
     assert not fixed, f"fixed, so remove from KNOWN_DEBT: {fixed}"
+
+
+# ---- layers: the library below the report renderer below the command line ------------------------------
+# capturestore's library never imports the CLI or the reports; reports never import the CLI. Two
+# library entry points render a report as part of their job (demo: the report beside the store;
+# evaluate.eval: the evaluation's report/), so they sit above reports, still below the CLI.
+CLI = "capturestore.cli"
+ABOVE_REPORTS = {"capturestore.demo", "capturestore.evaluate"}
+
+
+def imported_modules(path: Path, name: tuple[str, bool] | None = None) -> set[str]:
+    """Every module of the project ``path`` imports, at its top or inside a function."""
+    mod, is_pkg = name or _module_name(path)
+    package = mod if is_pkg else mod.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                src = ".".join(base + ([node.module] if node.module else []))
+            else:
+                src = node.module or ""
+            out.add(src)
+            out |= {f"{src}.{a.name}" for a in node.names}  # `from capturestore import cli`
+    return {m for m in out if m.split(".")[0] in PACKAGES}
+
+
+def layer_violations(mod: str, imported: set[str]) -> set[str]:
+    def within(m: str, top: str) -> bool:
+        return m == top or m.startswith(top + ".")
+
+    if within(mod, CLI):
+        return set()
+    bad = {m for m in imported if within(m, CLI)}
+    if mod.split(".")[0] == "reports":
+        bad |= {m for m in imported if m in ABOVE_REPORTS}
+    elif mod.split(".")[0] != "reports" and mod not in ABOVE_REPORTS:
+        bad |= {m for m in imported if within(m, "reports") or m in ABOVE_REPORTS}
+    return bad
+
+
+def test_the_layer_scan_finds_an_upward_import(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("def f():\n    from reports import render_comparison\n    from capturestore import cli\n"
+                     "    import capturestore.cli.output\n    from capturestore.store import Store\n")
+    found = imported_modules(probe, ("capturestore.probe", False))
+    assert layer_violations("capturestore.probe", found) == {"reports", "reports.render_comparison",
+                                                             "capturestore.cli", "capturestore.cli.output"}
+    assert layer_violations("reports.probe", found) == {"capturestore.cli", "capturestore.cli.output"}
+    assert layer_violations("capturestore.cli.probe", found) == set()
+
+
+def test_library_reports_and_cli_are_layered():
+    found = {}
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            mod = _module_name(path)[0]
+            bad = layer_violations(mod, imported_modules(path))
+            if bad:
+                found[mod] = sorted(bad)
+    assert not found, f"imports against the layers (library < reports < CLI): {found}"
