@@ -330,8 +330,10 @@ def _write_bundle(out: Path, trials: _Trials, case: Case, full: int, info: dict)
 def reproduce(bundle, engine=None, progress=None) -> tuple[int, str]:
     """Judge ``engine`` (callable or ``module:function``; default the bundle's) on a bundle
     written by ``reduce``: ``(1, summary)`` when a module fails, ``(0, summary)`` when every
-    module passes. The bundle is only read."""
-    from capturestore import Store
+    module passes; ReductionError when the bundle cannot be read whole or a module is not judged. The
+    bundle is only read."""
+    from capturestore.errors import StoreError
+    from capturestore.store import open_store_path
 
     bundle = Path(bundle)
     try:
@@ -339,9 +341,16 @@ def reproduce(bundle, engine=None, progress=None) -> tuple[int, str]:
     except (OSError, ValueError) as e:
         raise ReductionError(f"{bundle} is not a reduction bundle (case.json: {e})") from None
     say = progress or (lambda m: None)
+    lacking = [k for k in ("actual", "runs", "modules", "prompts", "continuations", "end", "failure")
+               if not isinstance(info, dict) or k not in info]
+    if lacking:
+        raise ReductionError(f"{bundle} is not a reduction bundle (case.json lacks {', '.join(lacking)})")
     engine = engine if engine is not None else info.get("engine")
     build = _build_engine(engine, info["actual"])
-    store = Store.open(bundle / "store")
+    try:  # read only: a bundle without its store is refused, never given an empty one
+        store = open_store_path(str(bundle / "store"))
+    except StoreError as e:
+        raise ReductionError(f"{bundle} is not a reduction bundle ({e})") from None
     runs, mods = info["runs"], info["modules"]
     pids = store.sql("SELECT prompt_id FROM prompts WHERE run_id = ? ORDER BY prompt_idx",
                      [runs["expected"]]).column(0).to_pylist()
@@ -362,12 +371,19 @@ def reproduce(bundle, engine=None, progress=None) -> tuple[int, str]:
                         continue
                     t = np.asarray(t, dtype=np.float32)
                     got[(m, phase)] = t.reshape(-1, *t.shape[2:]) if t.ndim > 2 else t
+            absent = [m for m in mods if (m, "prefill") not in got]
+            if absent:  # evidence the case needs and the bundle lost: never judged as a pass
+                raise ReductionError(f"{bundle}: the {role} run {runs[role]} holds no {absent[0]} (prefill) for prompt "
+                                     f"{pid}" + (f" (and {len(absent) - 1} more modules)" if len(absent) > 1 else ""))
             caps.append(got)
         refs.append(tuple(caps))
     say(f"engine {engine or 'HF ' + info['actual']['dtype']} on {bundle / 'model'}: {case.size()}")
     verdict = _judge(refs, build(str(bundle / "model")), case, mods)
     f = verdict.first_failing
     if f is None:
+        if verdict.passed is not True:  # nothing failed, but not everything was judged: not a pass
+            raise ReductionError(f"{bundle}: not judged ({verdict.summary()}; {len(verdict.unjudged)} module x "
+                                 f"phase outputs unjudged)")
         return 0, f"PASS: every module passes ({case.size()})"
     same = (f.module, f.phase) == (info["failure"]["module"], info["failure"]["phase"])
     return 1, (f"FAIL at {f.module} ({f.phase}, layer {f.layer}, token {f.token}): sigma-ratio "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -117,6 +118,23 @@ def test_a_failing_comparison_reduces_to_one_prompt_few_tokens_and_the_layers_ne
     # the correct engine through the same command in this interpreter (a second fresh one costs ~15 s of imports)
     assert main(["reproduce", str(out), "--quiet", "--engine", CORRECT]) == 0
     assert "PASS" in capsys.readouterr().out
+    # a damaged bundle is never a pass: evidence it lost is named, exit 2, and the bundle is not written to
+    for damage, said in (("baseline run", "holds no model.layers.0.mlp (prefill)"), ("modules key", "lacks modules"),
+                         ("store", "not a capture store")):
+        copy = tmp_path / f"damaged-{damage.split()[0]}"
+        shutil.copytree(out, copy)
+        info2 = dict(info)
+        if damage == "baseline run":
+            info2["runs"] = {**info["runs"], "baseline": "20000101T000000-00000000"}
+        elif damage == "modules key":
+            del info2["modules"]
+        else:
+            shutil.rmtree(copy / "store")
+        (copy / "case.json").write_text(json.dumps(info2))
+        assert main(["reproduce", str(copy), "--quiet", "--engine", CORRECT]) == 2, damage
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and said in err[0], (damage, err)
+        assert damage != "store" or not (copy / "store").exists()
 
 
 def test_reduced_checkpoint_refuses_a_layer_count_it_does_not_have(case, tmp_path):
