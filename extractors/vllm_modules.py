@@ -525,6 +525,11 @@ def _request_index(req, batch: dict):
     return batch.get(req.rsplit("-", 1)[0])
 
 
+def _check_batch_size(batch_size, where: str) -> None:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"{where}: batch_size must be an integer >= 1, got {batch_size!r}")
+
+
 def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int | None,
                          modules: Iterable[str] | str = ("**",), sink=None, *,
                          teacher_tokens: Sequence[Sequence[int]] | None = None, first_index: int = 0,
@@ -548,8 +553,7 @@ def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int 
     from metrics.errors import as_float
 
     where = "vLLM module capture"
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"{where}: batch_size must be an integer >= 1, got {batch_size!r}")
+    _check_batch_size(batch_size, where)
     prompts, teacher = _token_plan(llm, prompts, num_tokens, teacher_tokens, where)
     names, info = _install(llm, modules)
     caps, toks = [], []
@@ -624,8 +628,7 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
 
     where = "capture_vllm_module_run"
     prompts, teacher = _token_plan(llm, prompts, num_tokens, teacher_tokens, where)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"{where}: batch_size must be an integer >= 1, got {batch_size!r}")
+    _check_batch_size(batch_size, where)
     arch, _ = _arch_and_layers(llm)
     dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     order, _ = _resolve(llm, modules)  # a bad pattern is refused before a run exists

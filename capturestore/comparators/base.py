@@ -228,12 +228,6 @@ class Comparator:
         prompt's partial in prompt order; keeps what ``verdict`` needs. The default calls ``finish``."""
         return self.finish()
 
-    @classmethod
-    def keeps_state_in_compare(cls) -> bool:
-        """Whether this comparator predates map/reduce (overrides ``compare``, not ``map``): its
-        ``compare`` may keep evidence in ``self``, so on Dask it is checked to keep none."""
-        return cls.map is Comparator.map and cls.compare is not Comparator.compare
-
     def compare(self, prompt: PromptCaptures) -> dict[str, Any]:
         """Before map/reduce: rows of one prompt, evidence kept in ``self`` (see ``map``)."""
         return {}
