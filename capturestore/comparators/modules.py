@@ -186,7 +186,8 @@ class ModulesComparator(Comparator):
                 pos = np.repeat(plen + step_ids, rows_per_step)
             else:
                 pos = np.arange(arrs["expected"].shape[0])
-                if skip.size and len({x.shape[0] for x in arrs.values()}) == 1:  # else: the shape problem is the finding
+                # different row counts: the shape problem is the finding, nothing to leave out
+                if skip.size and len({x.shape[0] for x in arrs.values()}) == 1:
                     pos, arrs, n_skipped = leave_out_not_computed(pos, arrs, skip)
                     judge.add_not_computed(pid, module, phase, n_skipped)
                     if not pos.size:

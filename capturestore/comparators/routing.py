@@ -34,9 +34,10 @@ Tables: ``routing_layers`` (layer: tokens, flips of the actual and of the expect
 and unexplained flips, the noise scale, positions not computed, the router-logit verdict, pass,
 problem) and ``routing_flips`` (one row per flip: prompt, layer, position, the baseline's /
 expected's / actual's experts, margin, noise, threshold, explained). ``top_k`` and ``n_experts``:
-from the expected run's config (``routing``, recorded at capture by ``extractors.routing.
-routing_run_config``), else, for stores captured before that, the model's ``config.json`` (the
-expected run's ``model_path``; the verdict text says so), or given.
+from the expected run's config (``routing``, recorded at capture by
+``extractors.routing.routing_run_config``; else another role's), else, for runs captured before
+that, the model's ``config.json`` (the expected run's ``model_path``; the verdict text says so).
+``top_k`` may also be given.
 
 Memory: the router logits of every layer and prompt of the three roles, float64, until ``finish``
 (tokens x layers x experts x 24 bytes; 1.5 MB for 1000 tokens x 8 layers x 8 experts), and the
@@ -80,17 +81,19 @@ ROUTING_FLIPS = TableSpec(pa.schema([
 ]), 1)
 
 
-def routing_config(store, run_id: str) -> tuple[int, int, str, str]:
-    """``(n_experts, top_k, router pattern, source)`` of the model a run was captured from:
-    its run config's ``routing`` entry (recorded at capture), else, for a store captured before
-    that, the model folder's ``config.json`` (``source`` says which); ValueError for a dense model
-    or a config that cannot be read."""
+def routing_config(store, run_id: str, others=()) -> tuple[int, int, str, str]:
+    """``(n_experts, top_k, router pattern, source)`` of the model run ``run_id`` was captured
+    from: the ``routing`` entry its run config (else the first of the runs ``others``) recorded at
+    capture, else, for a store captured before that, ``run_id``'s model folder's ``config.json``
+    (``source`` says which); ValueError for a dense model or a config that cannot be read."""
     from extractors.routing import router_spec
 
-    rows = store.sql(f"SELECT model_path, config FROM runs WHERE run_id = '{run_id}'").to_pylist()
-    rc = (json.loads(rows[0]["config"]) if rows and rows[0]["config"] else {}).get("routing")
-    if isinstance(rc, dict) and {"n_experts", "top_k", "router_pattern"} <= set(rc):
-        return int(rc["n_experts"]), int(rc["top_k"]), str(rc["router_pattern"]), "the run config"
+    for rid in (run_id, *others):
+        got = store.sql(f"SELECT config FROM runs WHERE run_id = '{rid}'").to_pylist()
+        rc = (json.loads(got[0]["config"]) if got and got[0]["config"] else {}).get("routing")
+        if isinstance(rc, dict) and {"n_experts", "top_k", "router_pattern"} <= set(rc):
+            return int(rc["n_experts"]), int(rc["top_k"]), str(rc["router_pattern"]), f"the config of run {rid}"
+    rows = store.sql(f"SELECT model_path FROM runs WHERE run_id = '{run_id}'").to_pylist()
     path = Path(rows[0]["model_path"]) / "config.json" if rows and rows[0]["model_path"] else None
     if path is None or not path.is_file():
         raise ValueError(f"routing comparator: run {run_id} records no top_k (captured before it was recorded) and "
@@ -119,7 +122,8 @@ class RoutingComparator(Comparator):
 
         super().prepare(context)
         exp = context.runs["expected"]
-        self.n_experts, k, pattern, self.config_source = routing_config(context.store, exp)
+        self.n_experts, k, pattern, self.config_source = routing_config(
+            context.store, exp, [rid for role, rid in context.runs.items() if role != "expected"])
         self.top_k = self.top_k or k
         self.index = tensor_index(context.store, context.runs)
         # routers of every role's run, not the expected run's alone: one only some runs hold fails, named
@@ -228,7 +232,8 @@ class RoutingComparator(Comparator):
             problem = self.problems.get(m)
             if not self.data[m] and problem is None:
                 problem = f"{m}: no prompt holds its router logits in every role"
-            scale = noise_scale(np.concatenate([router_noise(e, b) for _, _, _, b, e, _, _ in items])) if items else None
+            scale = (noise_scale(np.concatenate([router_noise(x[4], x[3]) for x in items]))
+                     if items else None)
             n_tok = n_flip = n_expl = n_noise = 0
             judge = ModuleJudge()  # the module verdict's noise-relative rule on the router logits themselves
             for pid, plen, pos, b, e, a, _ in items:
