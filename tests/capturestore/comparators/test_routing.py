@@ -206,14 +206,15 @@ def _copy_run(moe_run, rid, *, nan_prefill=(), not_computed=(), drop_decode=Fals
     return run.run_id
 
 
-def _routing(moe_run, runs):
+def _routing(moe_run, runs, modules=False):
     st = moe_run["store"]
+    names = ["routing", "modules"] if modules else ["routing"]
     res = compare_runs(st, expected_run=runs["expected"], actual_run=runs["actual"], baseline_run=runs["baseline"],
-                       kv=False, comparators=["routing"], comparator_runs={"routing": runs},
+                       kv=False, comparators=names, comparator_runs={n: runs for n in names},
                        allow_different_models=True)
     layers = st.sql(f"SELECT * FROM routing_layers WHERE comparison_id = '{res.comparison_id}' "
                     f"ORDER BY layer").to_pylist()
-    return res.verdicts["routing"], layers
+    return (res.verdicts["routing"], layers) + ((res,) if modules else ())
 
 
 SKIPPED = [0, 1, 2, 3]  # prompt positions a prefix cache served (NaN rows)
@@ -224,7 +225,7 @@ def test_prefix_cache_positions_are_left_out_of_routing_and_counted(moe_run):
     act = _copy_run(moe_run, runs["actual"], nan_prefill=SKIPPED, not_computed=SKIPPED)
     st, pid = moe_run["store"], moe_run["pids"][0]
     assert np.isnan(np.asarray(st.read_tensor(act, pid, ROUTER.format(1), phase="prefill"))[0, SKIPPED]).all()
-    v, layers = _routing(moe_run, {**runs, "actual": act})
+    v, layers, res = _routing(moe_run, {**runs, "actual": act}, modules=True)
     full = st.sql("SELECT layer, n_tokens FROM routing_layers WHERE comparison_id = "
                   f"'{moe_run['result'].comparison_id}' ORDER BY layer").to_pylist()
     n_skip = len(SKIPPED) * len(moe_run["pids"])
@@ -233,6 +234,11 @@ def test_prefix_cache_positions_are_left_out_of_routing_and_counted(moe_run):
     assert [r["n_tokens"] for r in layers] == [r["n_tokens"] - n_skip for r in full]
     assert all(r["problem"] is None and r["passed"] is True for r in layers)
     assert v.passed is True and f"{3 * n_skip} token-layer positions not computed" in v.text
+    # the modules comparator leaves out the same positions (one helper): every prefill module row counts them
+    mods = st.sql(f"SELECT module, phase, not_computed, passed FROM module_verdicts WHERE comparison_id = "
+                  f"'{res.comparison_id}'").to_pylist()
+    assert mods and all(r["not_computed"] == (n_skip if r["phase"] == "prefill" else 0) for r in mods)
+    assert res.verdicts["modules"].passed is True
 
 
 def test_a_layer_with_nothing_but_not_computed_positions_is_not_judged(moe_run):
