@@ -321,6 +321,7 @@ def write_module_run(store, model_path, requests: Sequence[tuple], dtype: str, *
 
     from extractors.models import model_content_hash
     from extractors.modules import MODULE_LOGITS_LAYOUT, MODULE_TENSOR_LAYOUT, write_prompt_modules
+    from extractors.routing import routing_run_config
 
     if not requests:
         raise ValueError("write_module_run: no requests")
@@ -349,7 +350,7 @@ def write_module_run(store, model_path, requests: Sequence[tuple], dtype: str, *
            **({"capture": "teacher_forced_decode", "layer_names": kv_names,
                "kv_layout": "[layer, kv_head, seq, head_dim]; seq index == position; the engine's cache contents, "
                             "NaN at positions not fed (the last continuation token)"} if kv_names else {}),
-           **(config or {})}
+           **routing_run_config(model_path), **(config or {})}
     run = store.begin_run(engine=engine, model_path=str(Path(model_path)),
                           model_hash=model_hash or model_content_hash(model_path), dtype=dtype, device=device,
                           engine_version=engine_version, release=release, config=cfg)

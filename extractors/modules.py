@@ -309,6 +309,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
         return capture_hf_modules(model, prompt_rows[i], teacher_rows[i], sink, names, inputs=inputs)
 
     from extractors.kernel_rounding import kernel_rounding as rounding_as
+    from extractors.routing import routing_run_config
 
     run = None
     with PeakMemory(device) as peak, rounding_as(model, kernel_rounding):
@@ -343,6 +344,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
                     "model_given": model_given,  # a model passed in (e.g. a patched fault) is never a reference
                     **({"kernel_rounding": kernel_rounding} if kernel_rounding not in (None, "nearest") else {}),
                     **reference_config(device, info["path"], info["groups"], plan),
+                    **routing_run_config(model_path),  # MoE: top_k and experts, so the store judges routing alone
                     **(config or {}),
                 }
                 run = store.begin_run(engine="hf", model_path=str(Path(model_path)),

@@ -625,6 +625,7 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
 
     from capturestore.capture import begin_capture_run
     from extractors.models import model_content_hash
+    from extractors.routing import routing_run_config
 
     where = "capture_vllm_module_run"
     prompts, teacher = _token_plan(llm, prompts, num_tokens, teacher_tokens, where)
@@ -639,7 +640,7 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
            "enable_prefix_caching": bool(getattr(llm.llm_engine.vllm_config.cache_config, "enable_prefix_caching",
                                                  False)),
            "vllm_architecture": arch, "tensor_layout": "as extractors.modules (HF names via extractors.vllm_modules)",
-           **(config or {})}
+           **routing_run_config(model_path), **(config or {})}
     run = begin_capture_run(store, engine="vllm", capture="greedy" if teacher is None else "teacher_forced_decode",
                             prompts=prompts, layer_names=None, logits_kind=None, config=cfg,
                             model_path=str(Path(model_path)), model_hash=model_content_hash(model_path), dtype=dtype,
