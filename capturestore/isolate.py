@@ -200,9 +200,9 @@ class IsolationResult:
             flag = [r for r in rows if r["flagged"]]
             text = f"{k}: {len(rows)} module-phase(s) judged, {len(bad)} failing locally"
             if flag:
-                text += "; flagged: " + ", ".join(f"{r['module']} ({r['phase']}, layer {r['layer']}, sigma-ratio "
-                                                  f"{r['sigma_ratio'] if r['sigma_ratio'] is None else round(r['sigma_ratio'], 3)})"
-                                                  for r in flag)
+                text += "; flagged: " + ", ".join(
+                    f"{r['module']} ({r['phase']}, layer {r['layer']}, sigma-ratio "
+                    f"{'-' if r['sigma_ratio'] is None else format(r['sigma_ratio'], '.3f')})" for r in flag)
             out.append(("FAIL " if bad else "PASS ") + text)
         return out
 

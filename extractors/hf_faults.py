@@ -46,7 +46,8 @@ def install_hf_fault(model, kind: str, layer: int | None = None, size: float = 0
     """Install fault ``kind`` (module docstring) on ``model``; returns the name of the module it
     sits in (where isolation should find it)."""
     layers = model.model.layers
-    if kind in ("mlp", "softmax", "kv_slot", "v_head", "rope_pos", "layer_norm_eps") and not (layer is not None and 0 <= layer < len(layers)):
+    per_layer = ("mlp", "softmax", "kv_slot", "v_head", "rope_pos", "layer_norm_eps")
+    if kind in per_layer and not (layer is not None and 0 <= layer < len(layers)):
         raise ValueError(f"fault {kind}: layer {layer} outside the model's {len(layers)} decoder layers")
     if kind == "mlp":
         layers[layer].mlp.register_forward_hook(lambda mod, a, o: o * (1.0 + size))
