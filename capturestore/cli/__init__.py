@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-prompts", type=int, help="judge the first N prompts only")
     sp.add_argument("--even-if-passed", action="store_true", help="judge every module locally even when the "
                     "comparison passed (a small fault late in the model can pass every in-place verdict)")
+    sp.add_argument("--level3", action="store_true", help="Level 3: every module kind (embedding, RMSNorm, attention, "
+                    "RoPE on q/k, MLP, decoder layer, final norm, LM head) judged on the reference's inputs, one table "
+                    "per kind (level3_<kind>); implies --even-if-passed; exit 1 when a kind fails")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     from capturestore.reduce import add_arguments as add_reduce_arguments
 
