@@ -122,3 +122,62 @@ def test_bad_replacement_requests_are_refused(engine):
                               sources=[short])
     # the engine is usable afterwards: nothing left installed
     collect_vllm_replaced(llm, prompts[:1], conts[:1], ["model.norm"])
+
+
+# ------------------------------------------------------------------------------ isolation
+
+
+def _stored_comparison(engine, store):
+    """HF FP32 and BF16 module references and the engine's module run (teacher-forced on the same
+    tokens) in ``store``, compared; the modules are those vLLM can give under HF names."""
+    from capturestore.analysis import compare_runs
+    from extractors.modules import capture_hf_module_run
+    from extractors.vllm_modules import capture_vllm_module_run
+
+    path, llm, prompts, conts, _, _ = engine
+    act = capture_vllm_module_run(store, llm, path, prompts, None, teacher_tokens=conts)
+    order = store.sql(f"SELECT config FROM runs WHERE run_id = '{act}'").column(0)[0].as_py()
+    import json
+
+    order = json.loads(order)["module_order"]
+    if not hasattr(store, "_refs"):
+        store._refs = (capture_hf_module_run(store, path, prompts, conts, order, dtype="float32"),
+                       capture_hf_module_run(store, path, prompts, conts, order, dtype="bfloat16"))
+    base, exp = store._refs
+    return compare_runs(store, baseline_run=base, expected_run=exp, actual_run=act, logits=False, kv=False,
+                        comparators=["modules"]), order
+
+
+def test_isolate_names_a_vllm_fault_at_its_module_and_a_correct_engine_fails_nothing(engine, tmp_path):
+    """One engine: correct (FP32) it fails no module locally; with the last layer's MLP output x
+    1.01 installed through the worker extension (proven to change the engine's output first),
+    isolation names model.layers.2.mlp, layer 2, prefill, with local: true, in 3 engine re-runs."""
+    import json
+
+    from capturestore import Store
+    from capturestore.isolate import isolate
+    from extractors.faults import inject_output_scale, remove_faults
+
+    path, llm, prompts, conts, _, _ = engine
+    store = Store.open(tmp_path / "s")
+    r, order = _stored_comparison(engine, store)
+    res = isolate(store, r.comparison_id, target=llm, even_if_passed=True)
+    assert res.status == "not_local", res.summary()
+    assert res.engine_reruns == 3 and all(v.passed for v in res.verdicts)
+    assert len(res.verdicts) == 2 * len(order)  # every module vLLM gives, prefill and decode
+    fault = inject_output_scale(llm, "model.layers.2.mlp", 1.01, prompts[0] + conts[0])
+    try:
+        assert fault.hook_calls > 0 and fault.max_abs_dlogprob > fault.clean_spread
+        r, _ = _stored_comparison(engine, store)
+        res = isolate(store, r.comparison_id, target=llm, even_if_passed=True)
+    finally:
+        remove_faults(llm)
+    assert res.status == "found", res.summary()
+    loc = res.localisation
+    assert (loc["module"], loc["layer"], loc["phase"], loc["local"]) == ("model.layers.2.mlp", 2, "prefill", True), loc
+    assert res.engine_reruns == 3 and res.reference_reruns == 4
+    stored = json.loads(store.sql(f"SELECT localisation FROM comparisons WHERE comparison_id = "
+                                  f"'{res.comparison_id}'").column(0)[0].as_py())
+    assert stored["local"] is True and stored["module"] == "model.layers.2.mlp"
+    row = store.sql(f"SELECT engine_reruns FROM isolations WHERE comparison_id = '{res.comparison_id}'").to_pylist()
+    assert row == [{"engine_reruns": 3}]
