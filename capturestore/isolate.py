@@ -39,9 +39,11 @@ source comparison, what was found, the re-runs); the ``comparisons`` row's local
 local one, with ``"local": true`` and ``"isolates"``: the source comparison. The source
 comparison's row is never rewritten (its manifest covers it).
 
-The engine re-run here is HF (a ``transformers`` model: the target passed in, or rebuilt from
-the actual run's checkpoint, dtype and attention implementation). A server target cannot be
-re-run; vLLM replacement through the worker extension is not implemented yet.
+The engine re-run is HF (a ``transformers`` model: the target passed in, or rebuilt from the
+actual run's checkpoint, dtype and attention implementation) or vLLM at TP 1 (one engine, passed
+in or built from the run's checkpoint and dtype, re-run with replacement through the worker
+extension: ``extractors.vllm_replace``; the modules judged are those the vLLM run holds). A
+server target cannot be re-run, nor a vLLM target under tensor parallelism.
 """
 from __future__ import annotations
 

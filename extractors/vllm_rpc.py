@@ -184,7 +184,9 @@ class KVCaptureWorkerExtension(LogitsCaptureMixin, ModuleCaptureMixin, ReplaceMi
     the raw-logits methods of ``extractors.vllm_logits.LogitsCaptureMixin``
     (``enable_logits_capture``, ``get_logits_capture_info``, ``take_request_logits``) and the
     module-capture methods of ``extractors.vllm_modules.ModuleCaptureMixin``
-    (``install_module_capture``, ``take_module_capture``, ``remove_module_capture``).
+    (``install_module_capture``, ``take_module_capture``, ``remove_module_capture``) and the
+    replacement methods of ``extractors.vllm_replace.ReplaceMixin`` (``install_module_replacement``,
+    ``module_replacement_counts``, ``remove_module_replacement``).
     State lives in attributes prefixed ``_kvcap_`` (the worker must not already have them).
     """
 
