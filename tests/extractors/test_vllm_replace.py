@@ -127,40 +127,46 @@ def test_bad_replacement_requests_are_refused(engine):
 # ------------------------------------------------------------------------------ isolation
 
 
-def _stored_comparison(engine, store):
-    """HF FP32 and BF16 module references and the engine's module run (teacher-forced on the same
-    tokens) in ``store``, compared; the modules are those vLLM can give under HF names."""
-    from capturestore.analysis import compare_runs
+@pytest.fixture(scope="module")
+def refs(engine, tmp_path_factory):
+    """A store with HF FP32 and BF16 module references of the prompts, teacher-forced on the
+    continuations, of the modules vLLM can give under HF names (shared by the isolation tests)."""
+    from capturestore import Store
     from extractors.modules import capture_hf_module_run
+    from extractors.vllm_modules import mappable_hf_modules, vllm_architecture
+
+    path, llm, prompts, conts, _, _ = engine
+    store = Store.open(tmp_path_factory.mktemp("vllm-iso") / "s")
+    order = list(mappable_hf_modules(*vllm_architecture(llm)))
+    base = capture_hf_module_run(store, path, prompts, conts, order, dtype="float32")
+    exp = capture_hf_module_run(store, path, prompts, conts, order, dtype="bfloat16")
+    return store, base, exp, order
+
+
+def _stored_comparison(engine, refs):
+    """The engine's module run (teacher-forced on the references' tokens) compared with them."""
+    from capturestore.analysis import compare_runs
     from extractors.vllm_modules import capture_vllm_module_run
 
     path, llm, prompts, conts, _, _ = engine
-    act = capture_vllm_module_run(store, llm, path, prompts, None, teacher_tokens=conts)
-    order = store.sql(f"SELECT config FROM runs WHERE run_id = '{act}'").column(0)[0].as_py()
-    import json
-
-    order = json.loads(order)["module_order"]
-    if not hasattr(store, "_refs"):
-        store._refs = (capture_hf_module_run(store, path, prompts, conts, order, dtype="float32"),
-                       capture_hf_module_run(store, path, prompts, conts, order, dtype="bfloat16"))
-    base, exp = store._refs
+    store, base, exp, order = refs
+    act = capture_vllm_module_run(store, llm, path, prompts, None, order, teacher_tokens=conts)
     return compare_runs(store, baseline_run=base, expected_run=exp, actual_run=act, logits=False, kv=False,
                         comparators=["modules"]), order
 
 
-def test_isolate_names_a_vllm_fault_at_its_module_and_a_correct_engine_fails_nothing(engine, tmp_path):
+def test_isolate_names_a_vllm_fault_at_its_module_and_a_correct_engine_fails_nothing(engine, refs):
     """One engine: correct (FP32) it fails no module locally; with the last layer's MLP output x
     1.01 installed through the worker extension (proven to change the engine's output first),
     isolation names model.layers.2.mlp, layer 2, prefill, with local: true, in 3 engine re-runs."""
     import json
 
-    from capturestore import Store
     from capturestore.isolate import isolate
     from extractors.faults import inject_output_scale, remove_faults
 
     path, llm, prompts, conts, _, _ = engine
-    store = Store.open(tmp_path / "s")
-    r, order = _stored_comparison(engine, store)
+    store = refs[0]
+    r, order = _stored_comparison(engine, refs)
     res = isolate(store, r.comparison_id, target=llm, even_if_passed=True)
     assert res.status == "not_local", res.summary()
     assert res.engine_reruns == 3 and all(v.passed for v in res.verdicts)
@@ -168,7 +174,7 @@ def test_isolate_names_a_vllm_fault_at_its_module_and_a_correct_engine_fails_not
     fault = inject_output_scale(llm, "model.layers.2.mlp", 1.01, prompts[0] + conts[0])
     try:
         assert fault.hook_calls > 0 and fault.max_abs_dlogprob > fault.clean_spread
-        r, _ = _stored_comparison(engine, store)
+        r, _ = _stored_comparison(engine, refs)
         res = isolate(store, r.comparison_id, target=llm, even_if_passed=True)
     finally:
         remove_faults(llm)
@@ -181,3 +187,39 @@ def test_isolate_names_a_vllm_fault_at_its_module_and_a_correct_engine_fails_not
     assert stored["local"] is True and stored["module"] == "model.layers.2.mlp"
     row = store.sql(f"SELECT engine_reruns FROM isolations WHERE comparison_id = '{res.comparison_id}'").to_pylist()
     assert row == [{"engine_reruns": 3}]
+
+
+def _scale_softmax(worker, layer, factor):
+    """On the worker: layer ``layer``'s attention softmax scale (vLLM's ``attn.impl.scale``) x factor."""
+    attn = worker.model_runner.model.get_submodule(f"model.layers.{int(layer)}.self_attn.attn")
+    attn.impl.scale = attn.impl.scale * factor
+    return attn.impl.scale
+
+
+def test_isolate_names_a_vllm_softmax_scale_fault_at_the_attention(engine, refs):
+    """Layer 1's softmax scale x 1.1 set through the worker (proven: that layer's q/k/v projections
+    are bit-identical to the clean engine's, its attention output is not): isolation names
+    model.layers.1.self_attn in prefill (the parent fails, every projection passes locally)."""
+    from capturestore.isolate import isolate
+    from extractors.vllm_modules import collect_vllm_modules
+
+    path, llm, prompts, conts, _, _ = engine
+    mods = ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn"]
+    clean, _, _ = collect_vllm_modules(llm, prompts[:1], None, mods, teacher_tokens=conts[:1])
+    llm.collective_rpc(_scale_softmax, args=(1, 1.1))
+    try:
+        faulty, _, _ = collect_vllm_modules(llm, prompts[:1], None, mods, teacher_tokens=conts[:1])
+        q = ("model.layers.1.self_attn.q_proj", "prefill")
+        a = ("model.layers.1.self_attn", "prefill")
+        assert np.array_equal(clean[0][q], faulty[0][q]) and np.abs(clean[0][a] - faulty[0][a]).max() > 1e-3
+        store = refs[0]
+        r, _ = _stored_comparison(engine, refs)
+        res = isolate(store, r.comparison_id, target=llm, even_if_passed=True)
+    finally:
+        llm.collective_rpc(_scale_softmax, args=(1, 1 / 1.1))
+    assert res.status == "found", res.summary()
+    loc = res.localisation
+    assert (loc["module"], loc["layer"], loc["phase"], loc["local"]) == ("model.layers.1.self_attn", 1, "prefill",
+                                                                         True), loc
+    assert all(v.passed for v in res.verdicts if v.module.startswith("model.layers.1.self_attn."))
+    assert res.engine_reruns == 3
