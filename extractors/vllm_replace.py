@@ -50,6 +50,7 @@ module asked for that was not replaced in every forward its request ran.
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -90,9 +91,8 @@ def replacement_plan(llm, replace_inputs: Sequence[str], replace_outputs: Sequen
     for kind, names in (("input", replace_inputs), ("output", replace_outputs)):
         for hf in names:
             if hf not in table:
-                raise ValueError(f"vLLM replacement: {hf} has no vLLM counterpart in {arch}; replaceable: "
-                                 f"{sorted({n.split('.layers.')[0] if '.layers.' not in n else n for n in table})[:6]}"
-                                 f"... ({len(table)} modules)")
+                kinds = sorted({re.sub(r"\.layers\.\d+", ".layers.*", n) for n in table})
+                raise ValueError(f"vLLM replacement: {hf} has no vLLM counterpart in {arch}; replaceable: {kinds}")
             plan.append([hf, *table[hf], kind])
     return plan
 
