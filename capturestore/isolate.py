@@ -50,9 +50,12 @@ Llama has no rotary module), and the verdicts also written one table per module 
 in a layer's MLP fails the MLP and may fail its decoder layer too (the layer holds the MLP), but
 is flagged in ``level3_mlp`` only; a fault in a projection is its attention's (or MLP's) own.
 
-The engine re-run here is HF (a ``transformers`` model: the target passed in, or rebuilt from
-the actual run's checkpoint, dtype and attention implementation). A server target cannot be
-re-run; vLLM replacement through the worker extension is not implemented yet.
+The engine re-run is HF (a ``transformers`` model: the target passed in, or rebuilt from the
+actual run's checkpoint, dtype and attention implementation) or vLLM at TP 1 (one engine, passed
+in or built from the run's checkpoint and dtype, re-run with replacement through the worker
+extension: ``extractors.vllm_replace``; the modules judged are those the vLLM run holds). A
+server target cannot be re-run, nor a vLLM target under tensor parallelism; Level 3 is HF only
+(RoPE in vLLM is a module of its own, ``rotary_emb``, not a function to patch).
 """
 from __future__ import annotations
 
@@ -286,9 +289,13 @@ def checked_runs(store, cid: str, row: dict) -> tuple[dict, dict]:
             raise IsolationError(f"the {role} run {runs[role]} of comparison {cid} holds no module tensors: isolation "
                                  f"needs module captures of all three runs (capturestore run --plugins ...,modules, "
                                  f"or extractors.modules.capture_hf_module_run)")
-    if act["engine"] != "hf":
-        raise IsolationError(f"the actual run {runs['actual']} is a {act['engine']} engine: isolation re-runs HF "
-                             f"engines only so far (vLLM replacement through the worker extension is not implemented)")
+    if act["engine"] not in ("hf", "vllm"):
+        raise IsolationError(f"the actual run {runs['actual']} is a {act['engine']} engine: isolation re-runs HF and "
+                             f"vLLM engines only")
+    if act["engine"] == "vllm" and int(act.get("tp_degree") or 1) > 1:
+        raise IsolationError(f"the actual run {runs['actual']} is a vLLM engine with tensor parallelism "
+                             f"{act['tp_degree']}: replacement through the worker extension supports TP = 1 only "
+                             f"(re-capture the target at TP 1, or an input snapshot: docs/isolate.md)")
     for role in ("expected", "baseline"):
         r = recs[role]
         if r["engine"] != "hf" or r["config"].get("model_given"):
@@ -383,11 +390,10 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     what cannot be isolated; a passing comparison returns ``status="nothing_to_isolate"`` and
     stores nothing, unless ``even_if_passed`` (judge every module locally all the same: a
     correct engine's check that no module fails on the reference's inputs). level3: Level 3
-    (module docstring; implies ``even_if_passed``): RoPE on q/k judged too, tables per kind."""
-    from extractors.hf import load_hf_model
-    from extractors.replace import ROPE_SUFFIX, collect_hf_replaced, rope_modules
-    from metrics.modules import ModuleJudge, first_failing_module, module_layer
-
+    (module docstring; implies ``even_if_passed``; HF targets): RoPE on q/k judged too, tables per kind.
+    A vLLM target (the actual run's engine "vllm", TP 1): ``target`` is the engine (``make_llm``; e.g.
+    carrying a fault installed through the worker extension), default one engine built from the run's
+    checkpoint and dtype for every re-run; only the modules the vLLM run holds are judged."""
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     row = _row(store, comparison_id)
@@ -400,13 +406,72 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     prompts = held_prompts(store, runs, max_prompts)
     if not prompts:
         raise IsolationError(f"comparison {comparison_id}: no prompt is held by all three runs")
-    tgt = _target_model(recs["actual"], runs["actual"], target, rebuild)
+    vllm_target = recs["actual"]["engine"] == "vllm"
+    if vllm_target and level3:
+        raise IsolationError(f"Level 3 judges HF targets only; the actual run {runs['actual']} is vLLM (its RoPE is "
+                             f"the rotary_emb module, not yet judged): run isolate without --level3")
+    if vllm_target:  # the modules vLLM can give under HF names (no lm_head, no act_fn): the actual run's
+        held = set(recs["actual"]["config"].get("module_order") or [])
+        order = [m for m in order if m in held]
+        if not order:
+            raise IsolationError(f"the actual run {runs['actual']} holds none of the expected run's modules")
+    close = None
+    if vllm_target:
+        tgt, close = _vllm_target(recs["actual"], runs["actual"], target, prompts)
+    else:
+        tgt = _target_model(recs["actual"], runs["actual"], target, rebuild)
     unchecked = {}
     if level3:
+        from extractors.replace import ROPE_SUFFIX, rope_modules
+
         order = _with_rope(order, rope_modules(tgt, [m for m in order if module_kind(m) == "attention"]))
         if not any(m.endswith(ROPE_SUFFIX) for m in order):
             unchecked["rope"] = (f"the target ({type(tgt).__name__}) has no captured attention calling "
                                  f"apply_rotary_pos_emb")
+    try:
+        return _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_target, config, say, t0,
+                        level3, unchecked)
+    finally:
+        if close is not None:
+            close()
+
+
+def _vllm_target(rec: dict, rid: str, target, prompts):
+    """(the vLLM engine to re-run, a closer or None): the engine passed in (a vllm ``LLM`` built
+    with ``extractors.vllm_rpc.make_llm``, e.g. carrying a fault installed through the worker
+    extension) or one built from the run's checkpoint and dtype, prefix caching off, closed after."""
+    if target is not None:
+        if not hasattr(target, "llm_engine"):
+            raise IsolationError(f"the actual run {rid} is a vLLM engine but the target passed in is a "
+                                 f"{type(target).__name__}, not a vllm LLM (extractors.vllm_rpc.make_llm)")
+        return target, None
+    from extractors.vllm_rpc import close_llm, make_llm
+
+    longest = max(len(p) + len(c) for _, p, c in prompts)
+    llm = make_llm(rec["model_path"], dtype=rec["dtype"], enable_prefix_caching=False,
+                   max_model_len=max(256, longest + 16))
+    return llm, lambda: close_llm(llm)
+
+
+def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_target, config, say, t0,
+             level3, unchecked):
+    from extractors.hf import load_hf_model
+    from extractors.replace import ROPE_SUFFIX, collect_hf_replaced
+    from metrics.modules import ModuleJudge, first_failing_module, module_layer
+
+    if vllm_target:
+        from extractors.vllm_replace import collect_vllm_replaced
+
+        def rerun_target(P, C, mods, sources):
+            try:
+                return [(c,) for c, _ in collect_vllm_replaced(tgt, P, C, mods, replace_inputs=mods, sources=sources,
+                                                               what="expected reference")]
+            except ValueError as e:
+                raise IsolationError(f"re-running the vLLM target of run {runs['actual']}: {e}") from None
+    else:
+        def rerun_target(P, C, mods, sources):
+            return collect_hf_replaced(tgt, P, C, mods, replace_inputs=mods, sources=sources,
+                                       what="expected reference")
     say(f"loading the references: FP32 {recs['baseline']['model_path']}, {recs['expected']['dtype']} "
         f"{recs['expected']['model_path']}")
     base_model = load_hf_model(recs["baseline"]["model_path"], "float32")
@@ -425,7 +490,7 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     _check_reproduced(store, runs, prompts[:1], exp_caps[:1], [m for m in order if not m.endswith(ROPE_SUFFIX)])
     for level, mods in enumerate(levels, start=1):
         say(f"level {level}: {len(mods)} module(s) on the expected reference's inputs")
-        act = collect_hf_replaced(tgt, P, C, mods, replace_inputs=mods, sources=exp_caps, what="expected reference")
+        act = rerun_target(P, C, mods, exp_caps)
         engine_reruns += 1
         base = collect_hf_replaced(base_model, P, C, mods, replace_inputs=mods, sources=exp_caps,
                                    what="expected reference")
