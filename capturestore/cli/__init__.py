@@ -58,7 +58,9 @@ from capturestore.cli.commands import (
     cmd_history,
     cmd_isolate,
     cmd_rebuild_catalog,
+    cmd_reduce,
     cmd_report,
+    cmd_reproduce,
     cmd_run,
     cmd_runs,
     cmd_show,
@@ -125,9 +127,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--even-if-passed", action="store_true", help="judge every module locally even when the "
                     "comparison passed (a small fault late in the model can pass every in-place verdict)")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
-    from capturestore.reduce import add_arguments as add_reduce_arguments
-
-    add_reduce_arguments(add)  # reduce, reproduce (capturestore/reduce.py)
+    sp = add("reduce", cmd_reduce, "shrink a failing module comparison to the fewest prompts, tokens and decoder "
+             "layers that still fail, into a self-contained bundle with one command (docs/isolate.md)")
+    sp.add_argument("comparison", help="the failing comparison's id")
+    sp.add_argument("--out", required=True, help="the bundle's directory (new or empty)")
+    sp.add_argument("--engine", metavar="MODULE:FUNCTION", help="the engine under test: a function taking the model "
+                    "directory and returning the model (default: the actual run's HF engine from its checkpoint)")
+    sp.add_argument("--correct", metavar="MODULE:FUNCTION", help="a correct engine the bundle must pass on")
+    sp.add_argument("--quiet", action="store_true", help="no progress lines")
+    sp = add("reproduce", cmd_reproduce, "judge an engine on a bundle written by `capturestore reduce`: exit 1 when "
+             "a module fails (the bug reproduces), 0 when every module passes")
+    sp.add_argument("bundle", help="the bundle's directory")
+    sp.add_argument("--engine", metavar="MODULE:FUNCTION", help="the engine to judge (default: the bundle's)")
+    sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp = add("run", cmd_run, "the main job on your model: HF FP32 + expected references (reused when stored), the "
              "target teacher-forced, the plugins' comparison, verdict and localisation (docs/run.md)")
     sp.add_argument("--model", required=True, help="Hugging Face model directory (config.json + weights)")
