@@ -7,7 +7,7 @@
     capturestore gc                        Store.gc()
     capturestore rebuild-catalog           Store.rebuild_catalog()
     capturestore compare --expected RUN --actual RUN [--baseline RUN]
-                                           capturestore.analysis.compare_runs(...)
+                                           capturestore.analysis.compare(...)  exit status 1 on FAIL
     capturestore run --model DIR --prompts FILE --target TARGET
                                            capturestore.pipeline.run(...)  exit status 1 on FAIL
     capturestore demo                      capturestore.demo.run_demo(...)  exit status 1 on FAIL
@@ -15,15 +15,18 @@
     capturestore report COMPARISON --out DIR
                                            reports.render_comparison(...)
     capturestore tasks --results DIR [--reference DIR]
-                                           capturestore.tasks.run_task_analysis(...)  exit 1 unless PASS
+                                           capturestore.tasks.tasks(...)  exit 1 unless PASS
     capturestore eval --model DIR --tasks T --out DIR
                                            capturestore.evaluate.eval(...)  exit 1 unless PASS
     capturestore aggregate COMPARISON --where "..."
-                                           capturestore.aggregate.aggregate_bc(...)
+                                           capturestore.aggregate.aggregate(...)
     capturestore diff BASE HEAD            capturestore.diff.diff(...)  exit status 1 on regression
     capturestore history --model M         capturestore.diff.history(...)
     capturestore cachecheck --model DIR --engine hf|paged|pkg.mod:Class
                                            capturestore.cachecheck.cachecheck(...)  exit 1 unless PASS
+    capturestore reduce COMPARISON --out DIR
+                                           capturestore.reduce.reduce(...)
+    capturestore reproduce BUNDLE          capturestore.reduce.reproduce(...)  exit 1 when the bug reproduces
 
 Every command takes ``--store PATH`` (default: $CAPTURESTORE, else ./capturestore-store).
 
