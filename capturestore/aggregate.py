@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-__all__ = ["AggregateBC", "aggregate_bc", "comparison_row", "raw_errors_storage", "where_prompts"]
+__all__ = ["AggregateBC", "aggregate", "aggregate_bc", "comparison_row", "raw_errors_storage", "where_prompts"]
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,18 @@ def aggregate_bc(store, comparison: str, prompts_sql: str) -> AggregateBC:
         k_bc[np.all(np.isnan(base_k) | np.isnan(tgt_k), axis=1), li] = np.nan
         v_bc[np.all(np.isnan(base_v) | np.isnan(tgt_v), axis=1), li] = np.nan
     return AggregateBC(comparison, pids, layers, k_bc, v_bc)
+
+
+def aggregate(store, comparison: str, *, where: str | None = None, sql: str | None = None) -> AggregateBC:
+    """``capturestore aggregate``: ``aggregate_bc`` over the prompts of ``comparison`` that satisfy
+    the condition ``where`` (``where_prompts``) or that the query ``sql`` returns, exactly one of
+    the two; ``store`` is a ``Store`` or its path / URL (only read)."""
+    from capturestore.store import as_store
+
+    if (where is None) == (sql is None):
+        raise ValueError("give exactly one of --where CONDITION and --sql QUERY")
+    store = as_store(store)
+    return aggregate_bc(store, comparison, sql if sql is not None else where_prompts(store, comparison, where))
 
 
 def raw_errors_storage(store, comparison: str) -> tuple[int | None, int]:

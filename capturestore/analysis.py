@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ComparisonResult", "compare_runs", "find_reference_run", "prompt_split"]
+__all__ = ["CompareResult", "ComparisonResult", "compare", "compare_runs", "find_reference_run", "prompt_split"]
 
 ROLES = ("baseline", "expected", "actual")
 
@@ -65,6 +65,48 @@ class ComparisonResult:
         if self.verdicts:
             return overall_passed(self.verdicts.values())
         return overall_passed([self.logit_verdict, self.kv_verdict])
+
+
+@dataclass(frozen=True)
+class CompareResult:
+    """What ``compare`` did: the stored comparison and, when the raw errors were stored, their
+    bytes and the stored bytes of the compared runs' KV (what storing them costs next to it)."""
+
+    comparison: ComparisonResult
+    raw_errors_bytes: int | None = None  # None: raw errors not stored
+    kv_bytes: int = 0
+
+
+def compare(store, expected: str, actual: str, baseline: str | None = None, *, label: str | None = None,
+            kv: bool = True, allow_different_models: bool = False, raw_errors: bool = False,
+            scheduler: str | None = None, progress=None) -> CompareResult:
+    """``capturestore compare``: compare stored runs (``compare_runs``; three-way with
+    ``baseline``) on the store ``store`` (a ``Store`` or its path / URL, refused before any work
+    when it cannot be written). raw_errors: also store the KV raw errors (``comparators=["raw_errors"]``;
+    ``capturestore.aggregate`` reads them) and measure their size. scheduler: the address of a Dask
+    scheduler whose workers do the per-prompt work (docs/scale.md)."""
+    from capturestore.store import as_store, require_writable
+
+    store = as_store(store)
+    require_writable(store, "compare")
+    client = None
+    if scheduler:
+        from capturestore.distributed import connect
+
+        client = connect(scheduler)
+    try:
+        result = compare_runs(store, expected_run=expected, actual_run=actual, baseline_run=baseline, label=label,
+                              kv=kv, allow_different_models=allow_different_models,
+                              comparators=["raw_errors"] if raw_errors else (), client=client, progress=progress)
+    finally:
+        if client is not None:
+            client.close()
+    if not raw_errors:
+        return CompareResult(result)
+    from capturestore.aggregate import raw_errors_storage
+
+    raw, kv_bytes = raw_errors_storage(store, result.comparison_id)
+    return CompareResult(result, raw, kv_bytes)
 
 
 def _committed_runs(store) -> dict[str, dict]:

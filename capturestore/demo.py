@@ -53,12 +53,13 @@ def inject_o_proj_bug(llm, layer: int, probe: Sequence[int], factor: float = 1.1
 
 def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int = 8, seed: int = 0,
              release: str | None = None, prompts: Sequence[str] = DEMO_PROMPTS,
-             out: Callable[[str], None] = print, inject_bug_layer: int | None = None,
+             out: Callable[[str], None] | None = None, inject_bug_layer: int | None = None,
              inject_bug_factor: float = 1.1):
     """Run the demo into ``store_path``; returns the ``ComparisonResult``.
 
     A thin call of ``capturestore.pipeline.run`` (``capturestore run``) on the built-in tiny
-    model with the in-process vLLM target, plus the demo's report.
+    model with the in-process vLLM target, plus the demo's report. out: where the progress,
+    verdict and report lines go (default: nowhere; ``capturestore demo`` passes ``print``).
 
     inject_bug_layer: scale that layer's attention output in the vLLM engine by
     ``inject_bug_factor`` (``inject_o_proj_bug``) to watch the verdict fail and name the first
@@ -71,6 +72,7 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
 
     if num_tokens < 1:
         raise ValueError(f"run_demo: num_tokens must be >= 1, got {num_tokens}")
+    out = out if out is not None else (lambda _line: None)
     say = pipeline._Progress(out, quiet=False, bar=False).say
     say(f"building (or reusing) tiny model {arch!r} seed {seed}")
     model_path = tiny_model(arch, seed=seed)
@@ -114,7 +116,7 @@ def format_layer_summary(result) -> str:
 
 
 def main(argv=None) -> int:  # pragma: no cover - the CLI's `demo` is the entry point
-    run_demo()
+    run_demo(out=print)
     return 0
 
 

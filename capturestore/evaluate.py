@@ -350,7 +350,7 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
          label: str | None = None, analyse: bool = True, serve_args: Sequence[str] = (),
          serve_env: dict | None = None, server_hook: Callable | None = None, engine_hook: Callable | None = None,
          inject_bug_layer: int | None = None, inject_bug_factor: float = 1.1, quiet: bool = False,
-         say: Callable[[str], None] = print, progress_bar: bool | None = None, bar_file=None,
+         say: Callable[[str], None] | None = None, progress_bar: bool | None = None, bar_file=None,
          timeout: float = 900.0) -> EvalResult:
     """The whole pipeline (module docstring); returns an ``EvalResult``.
 
@@ -368,10 +368,13 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
     inject_bug_layer: a degraded engine on purpose: layer L's attention output scaled by
     ``inject_bug_factor`` in the served engine (``inject_server_output_scale``; the server gets
     the fault extension) and in the prompt analysis's vLLM engine, each proven to change the
-    engine's output before anything is judged.
+    engine's output before anything is judged. say: where the progress and verdict lines go
+    (default: nowhere; ``capturestore eval`` passes its own).
     """
     from capturestore.pipeline import check_model_dir, model_context, parse_target
     from capturestore.tasks import analyse_tasks, load_task_results, store_task_analysis, summary_lines
+
+    say = say if say is not None else (lambda _line: None)
 
     def line(s: str) -> None:
         if not quiet:

@@ -455,6 +455,10 @@ def _token_rows(model_path: Path, cfg: dict, prompts: list[Prompt], num_tokens: 
 # ------------------------------------------------------------------------------------ progress
 
 
+def _silent(_line: str) -> None:
+    """Where the lines go when the caller gives no ``out``: nowhere."""
+
+
 class _Progress:
     """Stage lines, and per-capture progress over prompts and their tokens: a tqdm bar on a
     terminal, a few plain lines otherwise, nothing with ``quiet``."""
@@ -621,7 +625,7 @@ def server_capture_functions():
 
 def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8, release: str | None = None,
         store="capturestore-store", plugins=None, modules=None, tp: int = 1, quiet: bool = False,
-        out: Callable[[str], None] = print, label: str | None = None, progress_bar: bool | None = None,
+        out: Callable[[str], None] | None = None, label: str | None = None, progress_bar: bool | None = None,
         engine_options: dict | None = None, engine_hook: Callable | None = None, fp8_scales=None,
         fp8_platform: str | None = None, timings: dict | None = None, from_task=None, task_reference=None,
         bar_file=None, reference_device: str = "cpu", reference_memory: float | None = None,
@@ -637,7 +641,8 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
     ``fp8-kv`` = ``fp8_kv_floor``), default per target (its ``default_plugins``, ``capturestore.targets``). modules: module
     patterns for the ``modules`` plugin (default ``DEFAULT_MODULE_PATTERNS``). release: the
     target run's release label (references are shared across releases and carry none).
-    quiet: no progress lines (the verdict is still printed). out: where lines go. label: the
+    quiet: no progress lines (the verdict's lines still go to ``out``). out: where the progress and
+    verdict lines go (default: nowhere; the library prints nothing, the CLI passes its own). label: the
     comparison's label (default: the target and the release).
     engine_options: extra ``start_vllm_engine`` arguments (block_size, max_model_len, ...).
     engine_hook(llm, rows, say) -> dict: called once the vLLM engine runs, before the capture
@@ -664,6 +669,7 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
     except ImportError as e:
         raise EngineStartError(f"the HF references need torch and transformers ({e}); install them: "
                                f"{INSTALL['hf']}") from None
+    out = out if out is not None else _silent
     progress = _Progress(out, quiet, progress_bar, bar_file)
     from transformers.utils import logging as hf_logging
 

@@ -38,19 +38,17 @@ is not here yet).
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ReductionError", "ReductionResult", "add_arguments", "cmd_reduce", "cmd_reproduce", "reduce",
-           "checkpoint_layers", "reduced_checkpoint", "reproduce"]
+__all__ = ["ReductionError", "ReductionResult", "checkpoint_layers", "reduce", "reduced_checkpoint",
+           "reproduce"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
@@ -546,42 +544,3 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, pr
             raise ReductionError(f"the bundle {out} fails on the correct engine too: {text}")
     return ReductionResult(comparison_id, "reduced", out, failure, start.as_dict(), end.as_dict(), trials.n, cmd,
                            faulty_exit, correct_exit, time.perf_counter() - t0)
-
-
-# ------------------------------------------------------------------------------ CLI
-
-
-def add_arguments(add) -> None:
-    """Register ``reduce`` and ``reproduce`` with cli.build_parser's ``add(name, func, help)``."""
-    sp = add("reduce", cmd_reduce, "shrink a failing module comparison to the fewest prompts, tokens and decoder "
-             "layers that still fail, into a self-contained bundle with one command (docs/isolate.md)")
-    sp.add_argument("comparison", help="the failing comparison's id")
-    sp.add_argument("--out", required=True, help="the bundle's directory (new or empty)")
-    sp.add_argument("--engine", metavar="MODULE:FUNCTION", help="the engine under test: a function taking the model "
-                    "directory and returning the model (default: the actual run's HF engine from its checkpoint)")
-    sp.add_argument("--correct", metavar="MODULE:FUNCTION", help="a correct engine the bundle must pass on")
-    sp.add_argument("--quiet", action="store_true", help="no progress lines")
-    sp = add("reproduce", cmd_reproduce, "judge an engine on a bundle written by `capturestore reduce`: exit 1 when "
-             "a module fails (the bug reproduces), 0 when every module passes")
-    sp.add_argument("bundle", help="the bundle's directory")
-    sp.add_argument("--engine", metavar="MODULE:FUNCTION", help="the engine to judge (default: the bundle's)")
-    sp.add_argument("--quiet", action="store_true", help="no progress lines")
-
-
-def _progress(args):
-    return None if args.quiet else (lambda m: print(m, file=sys.stderr))
-
-
-def cmd_reduce(args: argparse.Namespace) -> int:
-    from capturestore.store import open_store_path
-
-    store = open_store_path(args.store)  # only read: the bundle is a store of its own
-    r = reduce(store, args.comparison, args.engine, args.out, correct=args.correct, progress=_progress(args))
-    print(r.summary())
-    return 0
-
-
-def cmd_reproduce(args: argparse.Namespace) -> int:
-    code, text = reproduce(args.bundle, args.engine, progress=_progress(args))
-    print(text)
-    return code

@@ -772,6 +772,12 @@ def open_store_path(path: str, create: bool = False):
     return Store.open(root, create=create)
 
 
+def as_store(store, create: bool = False):
+    """``store`` itself when it is a ``Store``, else the store at that path or URL
+    (``open_store_path``): the library functions the commands call take either."""
+    return store if isinstance(store, Store) else open_store_path(str(store), create=create)
+
+
 def require_writable(store, command: str) -> None:
     """Refuse before any work when the store cannot be written (a read-only mount, a directory
     without write permission): the command would otherwise fail at its first write, midway."""

@@ -428,12 +428,22 @@ def store_task_analysis(store, analysis: TaskAnalysis, label: str | None = None)
     return aid
 
 
-def run_task_analysis(store, results, reference=None, *, thresholds: dict | None = None,
-                      tolerance: str | None = None, label: str | None = None) -> TaskAnalysis:
-    """``analyse_tasks`` then ``store_task_analysis``: nothing is stored when the input is refused."""
+def tasks(store, results, reference=None, *, thresholds: dict | None = None, tolerance: str | None = None,
+          label: str | None = None) -> TaskAnalysis:
+    """``capturestore tasks``: ``analyse_tasks`` then ``store_task_analysis`` into ``store`` (a
+    ``Store``, or a path / URL where a store is created when there is none). Every input check
+    comes before the store is touched: nothing is stored, nor a store created, when the input is
+    refused; a store that cannot be written is refused before anything is written."""
+    from capturestore.store import as_store, require_writable
+
     analysis = analyse_tasks(results, reference, thresholds=thresholds, tolerance=tolerance)
+    store = as_store(store, create=True)
+    require_writable(store, "tasks")
     store_task_analysis(store, analysis, label)
     return analysis
+
+
+run_task_analysis = tasks  # its name before the command and its library function shared one
 
 
 def deviated_prompts(results, reference=None, *, thresholds: dict | None = None,

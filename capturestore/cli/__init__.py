@@ -7,7 +7,7 @@
     capturestore gc                        Store.gc()
     capturestore rebuild-catalog           Store.rebuild_catalog()
     capturestore compare --expected RUN --actual RUN [--baseline RUN]
-                                           capturestore.analysis.compare_runs(...)
+                                           capturestore.analysis.compare(...)  exit status 1 on FAIL
     capturestore run --model DIR --prompts FILE --target TARGET
                                            capturestore.pipeline.run(...)  exit status 1 on FAIL
     capturestore demo                      capturestore.demo.run_demo(...)  exit status 1 on FAIL
@@ -15,15 +15,18 @@
     capturestore report COMPARISON --out DIR
                                            reports.render_comparison(...)
     capturestore tasks --results DIR [--reference DIR]
-                                           capturestore.tasks.run_task_analysis(...)  exit 1 unless PASS
+                                           capturestore.tasks.tasks(...)  exit 1 unless PASS
     capturestore eval --model DIR --tasks T --out DIR
                                            capturestore.evaluate.eval(...)  exit 1 unless PASS
     capturestore aggregate COMPARISON --where "..."
-                                           capturestore.aggregate.aggregate_bc(...)
+                                           capturestore.aggregate.aggregate(...)
     capturestore diff BASE HEAD            capturestore.diff.diff(...)  exit status 1 on regression
     capturestore history --model M         capturestore.diff.history(...)
     capturestore cachecheck --model DIR --engine hf|paged|pkg.mod:Class
                                            capturestore.cachecheck.cachecheck(...)  exit 1 unless PASS
+    capturestore reduce COMPARISON --out DIR
+                                           capturestore.reduce.reduce(...)
+    capturestore reproduce BUNDLE          capturestore.reduce.reproduce(...)  exit 1 when the bug reproduces
 
 Every command takes ``--store PATH`` (default: $CAPTURESTORE, else ./capturestore-store).
 
@@ -58,7 +61,9 @@ from capturestore.cli.commands import (
     cmd_history,
     cmd_isolate,
     cmd_rebuild_catalog,
+    cmd_reduce,
     cmd_report,
+    cmd_reproduce,
     cmd_run,
     cmd_runs,
     cmd_show,
@@ -128,9 +133,19 @@ def build_parser() -> argparse.ArgumentParser:
                     "RoPE on q/k, MLP, decoder layer, final norm, LM head) judged on the reference's inputs, one table "
                     "per kind (level3_<kind>); implies --even-if-passed; exit 1 when a kind fails")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
-    from capturestore.reduce import add_arguments as add_reduce_arguments
-
-    add_reduce_arguments(add)  # reduce, reproduce (capturestore/reduce.py)
+    sp = add("reduce", cmd_reduce, "shrink a failing module comparison to the fewest prompts, tokens and decoder "
+             "layers that still fail, into a self-contained bundle with one command (docs/isolate.md)")
+    sp.add_argument("comparison", help="the failing comparison's id")
+    sp.add_argument("--out", required=True, help="the bundle's directory (new or empty)")
+    sp.add_argument("--engine", metavar="MODULE:FUNCTION", help="the engine under test: a function taking the model "
+                    "directory and returning the model (default: the actual run's HF engine from its checkpoint)")
+    sp.add_argument("--correct", metavar="MODULE:FUNCTION", help="a correct engine the bundle must pass on")
+    sp.add_argument("--quiet", action="store_true", help="no progress lines")
+    sp = add("reproduce", cmd_reproduce, "judge an engine on a bundle written by `capturestore reduce`: exit 1 when "
+             "a module fails (the bug reproduces), 0 when every module passes")
+    sp.add_argument("bundle", help="the bundle's directory")
+    sp.add_argument("--engine", metavar="MODULE:FUNCTION", help="the engine to judge (default: the bundle's)")
+    sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp = add("run", cmd_run, "the main job on your model: HF FP32 + expected references (reused when stored), the "
              "target teacher-forced, the plugins' comparison, verdict and localisation (docs/run.md)")
     sp.add_argument("--model", required=True, help="Hugging Face model directory (config.json + weights)")

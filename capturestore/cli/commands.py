@@ -83,31 +83,18 @@ def cmd_rebuild_catalog(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from capturestore.analysis import compare_runs
+    from capturestore.analysis import compare
 
-    store = open_store(args.store)
-    require_writable(store, "compare")
-    client = None
-    if args.scheduler:
-        from capturestore.distributed import connect
-
-        client = connect(args.scheduler)
-    try:
-        result = compare_runs(store, expected_run=args.expected, actual_run=args.actual,
-                              baseline_run=args.baseline, label=args.label, kv=not args.no_kv,
-                              allow_different_models=args.allow_different_models,
-                              comparators=["raw_errors"] if args.raw_errors else (), client=client)
-    finally:
-        if client is not None:
-            client.close()
+    r = compare(args.store, args.expected, args.actual, args.baseline, label=args.label, kv=not args.no_kv,
+                allow_different_models=args.allow_different_models, raw_errors=args.raw_errors,
+                scheduler=args.scheduler)
+    result = r.comparison
     print(f"comparison {result.comparison_id} over {len(result.prompt_ids)} prompts")
     for name, verdict in (("logit verdict", result.logit_verdict), ("KV verdict", result.kv_verdict)):
         if verdict is not None:
             print(f"{name}: {verdict.summary()}")
     if args.raw_errors:
-        from capturestore.aggregate import raw_errors_storage
-
-        raw, kv = raw_errors_storage(store, result.comparison_id)
+        raw, kv = r.raw_errors_bytes, r.kv_bytes
         if raw is None:
             print("raw_errors: stored (its size is measured on a local store only)")
         else:
@@ -121,7 +108,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from capturestore.demo import run_demo
 
     result = run_demo(store_path=args.store, arch=args.arch, num_tokens=args.num_tokens, seed=args.seed,
-                      release=args.release, inject_bug_layer=args.inject_bug_layer)
+                      release=args.release, inject_bug_layer=args.inject_bug_layer, out=print)
     return 0 if result.passed else 1
 
 
@@ -164,7 +151,7 @@ def _run(args: argparse.Namespace, pipeline, store: str) -> int:
                   reference_device=args.reference_device, reference_memory=args.reference_memory, dtype=args.dtype,
                   engine_options={"kv_cache_dtype": args.kv_cache_dtype, "fp8_emulate": args.fp8_emulate})
     if args.debug:  # the engines' and libraries' own output as it comes
-        result = pipeline.run(args.model, args.prompts, **kwargs)
+        result = pipeline.run(args.model, args.prompts, out=print, **kwargs)
         return 0 if result.passed else 1
     with _library_output_to_log() as (log, out, tty, bars):
         result = pipeline.run(args.model, args.prompts, out=out, progress_bar=tty, bar_file=bars, **kwargs)
@@ -251,18 +238,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    from capturestore.tasks import (
-        analyse_tasks,
-        parse_thresholds,
-        store_task_analysis,
-        summary_lines,
-    )
+    from capturestore.tasks import parse_thresholds, summary_lines, tasks
 
-    analysis = analyse_tasks(args.results, args.reference, thresholds=parse_thresholds(args.threshold),
-                             tolerance=args.tolerance)  # every input check before the store is touched
-    store = open_store(args.store, create=True)
-    require_writable(store, "tasks")
-    store_task_analysis(store, analysis, args.label)
+    analysis = tasks(args.store, args.results, args.reference, thresholds=parse_thresholds(args.threshold),
+                     tolerance=args.tolerance, label=args.label)
     print("\n".join(summary_lines(analysis)))
     return 0 if analysis.passed else 1
 
@@ -278,7 +257,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
                   inject_bug_layer=args.inject_bug_layer, inject_bug_factor=args.inject_bug_factor, quiet=args.quiet)
     with _sigterm_as_interrupt():  # a terminated eval stops its server and rolls back like an interrupted run
         if args.debug:
-            result = evaluate.eval(args.model, args.tasks, **kwargs)
+            result = evaluate.eval(args.model, args.tasks, say=print, **kwargs)
         else:
             with _library_output_to_log() as (log, out, tty, bars):
                 result = evaluate.eval(args.model, args.tasks, say=out, progress_bar=tty, bar_file=bars, **kwargs)
@@ -286,14 +265,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_aggregate(args: argparse.Namespace) -> int:
-    from capturestore.aggregate import aggregate_bc, where_prompts
+    from capturestore.aggregate import aggregate
 
     output_path(args.output, args.format)
-    if (args.where is None) == (args.sql is None):
-        raise ValueError("give exactly one of --where CONDITION and --sql QUERY")
-    store = open_store(args.store)
-    query = args.sql if args.sql is not None else where_prompts(store, args.comparison, args.where)
-    result = aggregate_bc(store, args.comparison, query)
+    result = aggregate(args.store, args.comparison, where=args.where, sql=args.sql)
     write_result(result.to_table(), args.format, args.output)
     return 0
 
@@ -474,6 +449,27 @@ def _cell(x) -> str:
     if isinstance(x, float):
         return f"{x:.4g}"
     return str(x)
+
+
+def _stderr_progress(args):
+    return None if args.quiet else (lambda m: print(m, file=sys.stderr))
+
+
+def cmd_reduce(args: argparse.Namespace) -> int:
+    from capturestore.reduce import reduce
+
+    store = open_store(args.store)  # only read: the bundle is a store of its own
+    r = reduce(store, args.comparison, args.engine, args.out, correct=args.correct, progress=_stderr_progress(args))
+    print(r.summary())
+    return 0
+
+
+def cmd_reproduce(args: argparse.Namespace) -> int:
+    from capturestore.reduce import reproduce
+
+    code, text = reproduce(args.bundle, args.engine, progress=_stderr_progress(args))
+    print(text)
+    return code
 
 
 def cmd_isolate(args: argparse.Namespace) -> int:

@@ -202,3 +202,34 @@ def test_cli_compare_raw_errors_prints_what_they_cost(compared, capsys):
     files = sorted((store.root / "tables" / "raw_errors").glob("*.parquet"))
     assert 0 < raw < sum(f.stat().st_size for f in files) and kv > 0  # one of the two comparisons' segments
     assert float(m.group(2)) == pytest.approx(raw / kv, abs=0.01)
+
+
+def test_compare_and_aggregate_print_nothing_and_return_what_the_cli_prints(compared, capsys):
+    """The library functions the commands call (analysis.compare, aggregate.aggregate) print
+    nothing, and return what the CLI formats: the raw errors' size as raw_errors_storage measures
+    it, and the same BC as aggregate_bc over where_prompts' selection."""
+    from capturestore.aggregate import aggregate, raw_errors_storage
+    from capturestore.analysis import CompareResult, compare
+
+    store, res, runs = compared
+    r = compare(str(store.root), runs["expected"], runs["actual"], runs["baseline"], raw_errors=True)
+    a = aggregate(str(store.root), res.comparison_id, where="prompt_idx < 3")
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err == ""
+    assert isinstance(r, CompareResult) and not r.comparison.passed  # the actual run's layer-1 V bug
+    assert (r.raw_errors_bytes, r.kv_bytes) == raw_errors_storage(store, r.comparison.comparison_id)
+    assert r.raw_errors_bytes > 0 and r.kv_bytes > 0
+    assert compare(store, runs["expected"], runs["actual"]).raw_errors_bytes is None  # not asked for
+    want = aggregate_bc(store, res.comparison_id, where_prompts(store, res.comparison_id, "prompt_idx < 3"))
+    assert a.prompt_ids == want.prompt_ids and len(a.prompt_ids) == 3
+    np.testing.assert_array_equal(a.k_bc, want.k_bc)
+    np.testing.assert_array_equal(a.v_bc, want.v_bc)
+
+
+@pytest.mark.parametrize("kw", [{}, {"where": "n_tokens > 1", "sql": "SELECT prompt_id FROM prompts"}])
+def test_aggregate_wants_exactly_one_selection_before_it_opens_the_store(kw, tmp_path):
+    from capturestore.aggregate import aggregate
+
+    with pytest.raises(ValueError, match="exactly one of --where CONDITION and --sql QUERY"):
+        aggregate(str(tmp_path / "no-store"), "c", **kw)
+    assert not (tmp_path / "no-store").exists()

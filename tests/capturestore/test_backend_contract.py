@@ -6,6 +6,9 @@ bucket's verify missed a changed dtype and a missing group (measured in issue 19
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 import uuid
 
 import numpy as np
@@ -163,3 +166,178 @@ def test_every_backend_checks_a_comparisons_evidence_against_its_manifest(store_
     kinds = [p.kind for p in fresh.verify()]
     want = {"deleted": ["missing-segment"], "truncated": ["bad-segment", "altered-segment"]}[how]
     assert sorted(kinds) == sorted(want), kinds
+
+
+# ---- crash and concurrency: the commit protocol on every backend -----------------------------
+# Which case runs where, and why:
+# - writers in other processes, one SIGKILLed in the middle of its commit (prompts and captures
+#   segments written, the runs marker not): local and S3. A memory:// store lives in the memory
+#   of one process: no other process can open it, so none can write to it or be killed in it.
+# - the same protocol in one process: two writers interleaved prompt by prompt with a reader between
+#   the steps (every backend), and a writer dying in the middle of its commit (memory: its lock
+#   object no longer held is how a memory store's writer is dead; a directory's writer is dead when
+#   the kernel drops its flock, a bucket's when its lease runs out: both need the process to end,
+#   which the SIGKILL case does for real).
+DISK_BACKENDS = ("local", "s3")
+CAPTURES_PER_PROMPT = 4  # tokens, kv_k, kv_v, logits
+
+
+@pytest.fixture(params=DISK_BACKENDS)
+def disk_url(request, tmp_path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "store")
+    request.getfixturevalue("s3_env")
+    return f"s3://{make_bucket()}/store"
+
+
+def _visible(url: str) -> set[str]:
+    """The runs a fresh client sees, each whole (all its prompts and captures), and no row of a
+    run it does not see. Rows are read before runs: a row seen belongs to a run committed by then."""
+    store = Store.open(url, create=False)
+    rows = {t: {r["run_id"]: r["n"] for r in store.sql(f"SELECT run_id, count(*) AS n FROM {t} GROUP BY run_id")
+                .to_pylist()} for t in ("prompts", "captures")}
+    runs = {r["run_id"]: r["n_prompts"] for r in store.runs().to_pylist()}
+    for t, per_run in rows.items():
+        assert set(per_run) <= set(runs), (t, per_run, runs)  # no row of a run that is not committed
+    late = set(runs) - set(rows["prompts"])
+    fresh = Store.open(url, create=False) if late else None  # runs committed since the rows were read
+    for t in rows if late else ():
+        rows[t].update({r["run_id"]: r["n"] for r in fresh.sql(f"SELECT run_id, count(*) AS n FROM {t} GROUP BY run_id")
+                        .to_pylist() if r["run_id"] in late})
+    for rid, n in runs.items():
+        assert rows["prompts"].get(rid) == n and rows["captures"].get(rid) == CAPTURES_PER_PROMPT * n, rid
+    return set(runs)
+
+
+def _assert_holds(store: Store, run_id: str, seed: int, n_prompts: int) -> None:
+    """The oracle is writer_proc.prompt_data, recomputed here, not read from the store."""
+    rows = sorted(store.prompts(run_id).to_pylist(), key=lambda p: p["prompt_idx"])
+    assert len(rows) == n_prompts
+    for i, p in enumerate(rows):
+        d = prompt_data(seed, i)
+        k, v = store.read_kv(run_id, p["prompt_id"])
+        assert k.view(np.uint16).tobytes() == d["k"].view(np.uint16).tobytes()
+        assert v.view(np.uint16).tobytes() == d["v"].view(np.uint16).tobytes()
+        assert np.array_equal(store.read_logits(run_id, p["prompt_id"]), d["logits"])
+        assert np.array_equal(store.read_tokens(run_id, p["prompt_id"]), d["tokens"].astype(np.int32))
+
+
+def _keys_of(b: Backend, run_id: str) -> list[str]:
+    return [k for k in b.find("") if run_id in k]
+
+
+def _assert_collected(store: Store, run_id: str) -> None:
+    report = store.verify()
+    assert [(p.kind, p.run_id) for p in report] == [("orphan", run_id)], report.summary()
+    removed = store.gc()
+    assert {f"arrays.zarr/{run_id}", f"tables/prompts/{run_id}.parquet", f"tables/captures/{run_id}.parquet"} \
+        <= set(removed), removed
+    assert _keys_of(store.backend, run_id) == []
+    assert store.verify().ok and store.gc() == []
+
+
+def test_a_writer_sigkilled_mid_commit_is_never_visible_and_gc_collects_it(disk_url, monkeypatch):
+    from tests.capturestore.conftest import start_writer
+
+    monkeypatch.setenv("CAPTURESTORE_LEASE_S", "3")  # a bucket's dead writer: dead once its lease ran out
+    store = Store.open(disk_url)
+    good, _ = _write_run(store, seed=5)
+    p = start_writer(disk_url, "hold-commit")
+    line = p.stdout.readline().split()
+    assert line and line[0] == "committing", p.stderr.read()[-2000:]
+    victim = line[1]
+    assert _keys_of(store.backend, f"tables/captures/{victim}")  # stopped mid-commit: its segments are written
+    assert _visible(disk_url) == {good}  # a reader during the commit sees none of it
+    live = Store.open(disk_url, create=False)
+    assert live.verify().ok and live.gc() == []  # a live writer's segments and arrays are not orphans
+    os.kill(p.pid, signal.SIGKILL)
+    p.communicate(timeout=30)
+    if disk_url.startswith("s3://"):
+        time.sleep(4.5)  # the lease (3 s) runs out by the server's clock
+    assert _visible(disk_url) == {good}
+    after = Store.open(disk_url, create=False)
+    _assert_collected(after, victim)
+    _assert_holds(after, good, seed=5, n_prompts=2)
+
+
+def test_two_writer_processes_and_a_reader_at_once_lose_nothing(disk_url):
+    from tests.capturestore.conftest import start_writer
+
+    Store.open(disk_url)  # created once, before the writers race
+    seeds = (11, 12)
+    writers = [start_writer(disk_url, "stream", "2", str(s)) for s in seeds]
+    polls = 0
+    while any(w.poll() is None for w in writers):
+        _visible(disk_url)  # every run a reader sees while they write is whole
+        polls += 1
+        time.sleep(0.5)
+    outs = [w.communicate(timeout=60) for w in writers]
+    assert [w.returncode for w in writers] == [0, 0], [err[-1500:] for _, err in outs]
+    runs = [out.split()[-1] for out, _ in outs]
+    assert polls > 0 and _visible(disk_url) == set(runs)
+    store = Store.open(disk_url, create=False)
+    for rid, seed in zip(runs, seeds):
+        _assert_holds(store, rid, seed=seed, n_prompts=2)
+    n = store.sql("SELECT seed, count(*) AS n FROM writer_metrics GROUP BY seed ORDER BY seed").to_pylist()
+    assert n == [{"seed": 11, "n": 2}, {"seed": 12, "n": 2}]
+    assert store.verify().ok and store.gc() == []
+
+
+def _add(run, seed: int, i: int) -> None:
+    d = prompt_data(seed, i)
+    pid = run.add_prompt(d["tokens"][:PROMPT_LEN], continuation=d["tokens"][PROMPT_LEN:])
+    run.write_kv(pid, d["k"], d["v"])
+    run.write_logits(pid, d["logits"])
+
+
+def test_two_writers_interleaved_prompt_by_prompt_with_a_reader_between_the_steps(store_url):
+    a, b = Store.open(store_url), Store.open(store_url, create=False)  # two clients of one store
+    wa, wb = a.begin_run(engine="test", model_path="a"), b.begin_run(engine="test", model_path="b")
+    for i in range(2):
+        _add(wa, 21, i)
+        _add(wb, 22, i)
+        assert _visible(store_url) == set()
+    assert a.gc() == [] and Store.open(store_url, create=False).verify().ok  # two live writers: nothing to collect
+    wb.commit()  # the later writer commits first
+    assert _visible(store_url) == {wb.run_id}
+    wa.commit()
+    assert _visible(store_url) == {wa.run_id, wb.run_id}
+    store = Store.open(store_url, create=False)
+    _assert_holds(store, wa.run_id, seed=21, n_prompts=2)
+    _assert_holds(store, wb.run_id, seed=22, n_prompts=2)
+    assert store.verify().ok and store.gc() == []
+
+
+class _Died(BaseException):
+    """The writer's end, at the moment its commit marker was next."""
+
+
+def test_a_writer_dying_mid_commit_in_one_process_is_never_visible_and_gc_collects_it(monkeypatch):
+    """The memory store's SIGKILL case (above): the writer stops before its runs marker, a reader
+    then sees none of it, and once its lock is no longer held (its end) gc collects it."""
+    url = f"memory://contract-{uuid.uuid4().hex[:12]}"
+    store = Store.open(url)
+    good, _ = _write_run(store, seed=5)
+    write_segment = Store._write_segment
+    during = []
+
+    def dies_at_the_marker(self, table, data, segment=None, durable=False):
+        if table == "runs":
+            during.append(_visible(url))  # a reader during the commit
+            raise _Died
+        return write_segment(self, table, data, segment=segment, durable=durable)
+
+    run = store.begin_run(engine="test", model_path="dies")
+    _add(run, 3, 0)
+    monkeypatch.setattr(Store, "_write_segment", dies_at_the_marker)
+    with pytest.raises(_Died):
+        run.commit()
+    monkeypatch.undo()
+    assert during == [{good}]
+    assert _keys_of(store.backend, f"tables/captures/{run.run_id}")  # it died mid-commit, segments written
+    assert Store.open(url, create=False).gc() == []  # still alive: its lock is held
+    store.backend.held.discard(run.run_id)  # its end: the lock is no longer held, the pending object stays
+    assert _visible(url) == {good}
+    after = Store.open(url, create=False)
+    _assert_collected(after, run.run_id)
+    _assert_holds(after, good, seed=5, n_prompts=2)

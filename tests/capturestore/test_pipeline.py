@@ -123,6 +123,21 @@ def test_a_plugin_that_raises_is_stored_as_errored_shown_and_the_others_still_ru
     assert row["passed"] is False and "RuntimeError: boom" in json.loads(row["errored"])["boom"]
 
 
+def test_run_without_out_prints_nothing_and_with_it_says_the_verdict(model, prompt_file, tmp_path, capsys):
+    """The library never prints: called without ``out``, ``pipeline.run`` writes nothing to stdout
+    or stderr (before, its lines went to ``print``); the same run with ``out`` gets them."""
+    from capturestore import pipeline
+
+    r = pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=2, store=tmp_path / "s")
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err == ""
+    assert r.passed
+    lines = []
+    pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=2, store=tmp_path / "s", out=lines.append)
+    assert capsys.readouterr().out == ""
+    assert "overall:       PASS" in lines and any("reusing HF FP32 baseline run" in x for x in lines)
+
+
 def test_progress_is_a_bar_on_a_terminal_and_plain_lines_otherwise(model, prompt_file, tmp_path, capsys):
     from capturestore import pipeline
 

@@ -2,6 +2,8 @@
 
     writer_proc.py STORE stream N_PROMPTS SEED   write one run step by step, print progress
     writer_proc.py STORE hold                    begin a run, write a little, wait for stdin, commit
+    writer_proc.py STORE hold-commit             write a run, stop mid-commit (prompts and captures
+                                                 segments written, the runs marker not), wait for stdin
 
 The data of prompt i is ``prompt_data(seed, i)``, so a test can recompute what was written.
 """
@@ -62,11 +64,34 @@ def hold(store_path: str) -> None:
     print("committed", run.run_id, flush=True)
 
 
+def hold_commit(store_path: str) -> None:
+    from capturestore import Store
+
+    store = Store.open(store_path)
+    write_segment = type(store)._write_segment
+
+    def stalled(self, table, data, segment=None, durable=False):
+        if table == "runs":  # the commit marker is next: stop here until told to go on
+            print("committing", segment, flush=True)
+            sys.stdin.readline()
+        return write_segment(self, table, data, segment=segment, durable=durable)
+
+    type(store)._write_segment = stalled
+    with store.begin_run(engine="test", model_path="hold-commit") as run:
+        d = prompt_data(3, 0)
+        pid = run.add_prompt(d["tokens"][:PROMPT_LEN], continuation=d["tokens"][PROMPT_LEN:])
+        run.write_kv(pid, d["k"], d["v"])
+        run.write_logits(pid, d["logits"])
+    print("committed", run.run_id, flush=True)
+
+
 if __name__ == "__main__":
     path, mode = sys.argv[1], sys.argv[2]
     if mode == "stream":
         stream(path, int(sys.argv[3]), int(sys.argv[4]))
     elif mode == "hold":
         hold(path)
+    elif mode == "hold-commit":
+        hold_commit(path)
     else:
         raise SystemExit(f"unknown mode {mode}")
