@@ -17,6 +17,7 @@ import zarr
 from capturestore import catalog, integrity
 from capturestore.arrays import ArrayRef, bad_chunks, check_compression
 from capturestore.chunkio import read_region, write_block
+from capturestore.compaction import SOURCE_COLUMN, coverage, is_merged, logical_names
 from capturestore.dtypes import LOGICAL_DTYPES, from_storage
 from capturestore.errors import FormatVersionError, StoreError
 from capturestore.layout import (
@@ -181,8 +182,9 @@ class Store:
     # ---- storage, through the backend ---------------------------------------------------------
     def committed_ids(self) -> set[str]:
         """Run ids committed now (read from the store, not cached): those with a runs segment, the
-        commit marker (segments are named after their run)."""
-        return {n.removesuffix(".parquet") for n in self.backend.segment_names("runs") if n != SCHEMA_SEGMENT}
+        commit marker (segments are named after their run; a runs segment merged by ``compact``
+        still counts: compaction.logical_names)."""
+        return {n.removesuffix(".parquet") for n in logical_names(self.backend, "runs")}
 
     def _pending_lock(self, writer_id: str, info: dict[str, Any]):
         """``pending/<writer_id>.json``, held until ``release()`` (the backend's liveness says so)."""
@@ -552,7 +554,9 @@ class Store:
     def _read_run_table_now(self, table: str, run_id: str | None = None) -> pa.Table:
         """All rows of one run table (committed runs only for prompts/captures)."""
         schema = SCHEMAS[table]
-        names = [n for n in self.backend.segment_names(table) if n != SCHEMA_SEGMENT]
+        listing = self.backend.segment_names(table)  # one listing: a source and its merged segment never both count
+        cover = coverage(self.backend, table, listing)
+        names = [n for n in listing if n != SCHEMA_SEGMENT and not is_merged(n) and n not in cover]
         if table != "runs":
             ok = self.committed_ids()
             names = [n for n in names if n.removesuffix(".parquet") in ok]
@@ -560,6 +564,18 @@ class Store:
             names = [n for n in names if n == f"{run_id}.parquet"]
         got = self.backend.read_many([f"{TABLES_DIR}/{table}/{n}" for n in names])
         parts = [pq.read_table(pa.BufferReader(v)) for v in got.values() if v is not None]
+        merged = sorted({m for src, m in cover.items()
+                         if (run_id is None or src == f"{run_id}.parquet")
+                         and (table == "runs" or src.removesuffix(".parquet") in ok)})
+        for m, v in self.backend.read_many([f"{TABLES_DIR}/{table}/{m}" for m in merged]).items():
+            if v is None:
+                raise StoreError(f"{self.root}: merged segment {m} was listed but is gone; retry the read")
+            t = pq.read_table(pa.BufferReader(v))
+            keep = [f"{run_id}.parquet"] if run_id is not None else \
+                [src for src, mm in cover.items() if mm == m.rsplit("/", 1)[-1]
+                 and (table == "runs" or src.removesuffix(".parquet") in ok)]
+            t = t.filter(pa.compute.is_in(t.column(SOURCE_COLUMN), pa.array(keep, pa.string())))
+            parts.append(t.drop_columns([SOURCE_COLUMN]).replace_schema_metadata(None))
         parts = [p.select([n for n in schema.names if n in p.column_names]) for p in parts]
         if not parts:
             return schema.empty_table()
@@ -665,6 +681,10 @@ class Store:
         if used:
             raise StoreError(f"remove_run: run {run_id} is used by comparison(s) "
                              f"{', '.join(r['comparison_id'] for r in used)}; it stays")
+        merged = [t for t in RUN_TABLES if f"{run_id}.parquet" in coverage(self.backend, t)]
+        if merged:
+            raise StoreError(f"remove_run: run {run_id} is merged into compacted segments of {', '.join(merged)} "
+                             f"(capturestore compact); removing one run from a merged segment is not supported; it stays")
         self._remove_segment("runs", run_id)  # uncommitted from here on
         self._committed.discard(run_id)
         for table in ("captures", "prompts"):
