@@ -552,7 +552,17 @@ class Store:
         return self._read_run_table_now(table, run_id)
 
     def _read_run_table_now(self, table: str, run_id: str | None = None) -> pa.Table:
-        """All rows of one run table (committed runs only for prompts/captures)."""
+        """All rows of one run table (committed runs only for prompts/captures). A segment listed
+        and gone before it was read (compaction removed a merged source after its grace, or
+        remove_run): listed and read again, so no row is ever missing from the answer."""
+        for _ in range(4):
+            try:
+                return self._read_run_table_once(table, run_id)
+            except _SourceGone:
+                continue
+        return self._read_run_table_once(table, run_id, retry=False)
+
+    def _read_run_table_once(self, table: str, run_id: str | None = None, retry: bool = True) -> pa.Table:
         schema = SCHEMAS[table]
         listing = self.backend.segment_names(table)  # one listing: a source and its merged segment never both count
         cover = coverage(self.backend, table, listing)
@@ -563,6 +573,8 @@ class Store:
         if run_id is not None:
             names = [n for n in names if n == f"{run_id}.parquet"]
         got = self.backend.read_many([f"{TABLES_DIR}/{table}/{n}" for n in names])
+        if retry and any(v is None for v in got.values()) and is_merged_anywhere(self.backend, table):
+            raise _SourceGone
         parts = [pq.read_table(pa.BufferReader(v)) for v in got.values() if v is not None]
         merged = sorted({m for src, m in cover.items()
                          if (run_id is None or src == f"{run_id}.parquet")
@@ -660,6 +672,13 @@ class Store:
         pending and temp files); returns what was removed. A live writer is never touched."""
         return integrity.gc(self.backend, dry_run=dry_run)
 
+    def compact(self, tables: list[str] | None = None, grace_s: float | None = None, on_step=None):
+        """Merge each table's committed segments into one merged segment and remove sources merged
+        longer than ``grace_s`` ago (compaction.compact; docs/compact.md). Returns a CompactResult."""
+        from capturestore.compaction import compact
+
+        return compact(self, tables, grace_s, on_step)
+
     def remove_run(self, run_id: str) -> None:
         """Uncommit and delete committed run ``run_id``: its ``runs`` segment (the commit marker)
         first, so no reader ever sees a committed run with missing data, then its ``prompts`` and
@@ -671,6 +690,10 @@ class Store:
         if not isinstance(run_id, str) or not re.fullmatch(r"[0-9A-Za-z_.-]+", run_id) or \
                 run_id not in self.committed_ids():
             raise StoreError(f"remove_run: {run_id!r} is not a committed run of {self.root}")
+        merged = [t for t in RUN_TABLES if f"{run_id}.parquet" in coverage(self.backend, t)]
+        if merged:
+            raise StoreError(f"remove_run: run {run_id} is merged into compacted segments of {', '.join(merged)} "
+                             f"(capturestore compact); removing one run from a merged segment is not supported; it stays")
         comparisons = self._committed_comparison_ids()
         if comparisons is None:
             raise StoreError(f"remove_run: a comparisons segment of {self.root} is unreadable, so which comparisons use "
@@ -681,10 +704,6 @@ class Store:
         if used:
             raise StoreError(f"remove_run: run {run_id} is used by comparison(s) "
                              f"{', '.join(r['comparison_id'] for r in used)}; it stays")
-        merged = [t for t in RUN_TABLES if f"{run_id}.parquet" in coverage(self.backend, t)]
-        if merged:
-            raise StoreError(f"remove_run: run {run_id} is merged into compacted segments of {', '.join(merged)} "
-                             f"(capturestore compact); removing one run from a merged segment is not supported; it stays")
         self._remove_segment("runs", run_id)  # uncommitted from here on
         self._committed.discard(run_id)
         for table in ("captures", "prompts"):
@@ -711,6 +730,15 @@ class Store:
         if broken:
             raise StoreError(f"rebuilt {path}, but {'; '.join(broken.values())} (run capturestore verify)")
         return path
+
+
+class _SourceGone(Exception):
+    """A segment listed a moment ago is gone (see Store._read_run_table_now)."""
+
+
+def is_merged_anywhere(b, table: str) -> bool:
+    """True when ``table`` has a merged segment now (a listed segment gone may have been merged)."""
+    return any(is_merged(n) for n in b.segment_names(table))
 
 
 def _decode_lazily(data: Any, logical: str, where: str) -> Any:
