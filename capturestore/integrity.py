@@ -588,6 +588,10 @@ def verify(store_or_root: Any) -> VerifyReport:
                                         f"dead; its rows are hidden: {', '.join(segs) or 'no segment'} "
                                         f"(run `capturestore gc`)"))
     for rel in stale:
+        if _is_compaction_lock(rel.rsplit("/", 1)[-1]):  # every state of a compaction is a consistent store
+            report.notes.append(f"a compaction was stopped midway ({rel} of a dead process); the store is "
+                                f"consistent, `capturestore compact` finishes it and `gc` removes the file")
+            continue
         if rel.rsplit("/", 1)[-1].removesuffix(".json") not in dead:
             who = "comparison writer" if is_comparison_id(rel.rsplit("/", 1)[-1]) else "writer"
             report.append(Problem("orphan", f"pending file {rel} of a dead {who} (run `capturestore gc`)"))
