@@ -17,6 +17,7 @@ import zarr
 from capturestore import catalog, integrity
 from capturestore.arrays import ArrayRef, bad_chunks, check_compression
 from capturestore.chunkio import read_region, write_block
+from capturestore.compaction import LOCK_PREFIX as COMPACTION_LOCK_PREFIX
 from capturestore.compaction import SOURCE_COLUMN, coverage, is_merged, logical_names
 from capturestore.dtypes import LOGICAL_DTYPES, from_storage
 from capturestore.errors import FormatVersionError, StoreError
@@ -647,7 +648,8 @@ class Store:
         alive = self.backend.liveness()
         for n in self.backend.listdir(PENDING_DIR):
             rid = n.removesuffix(".json")
-            if not n.endswith(".json") or rid in committed or integrity.is_comparison_id(rid):
+            if not n.endswith(".json") or rid in committed or integrity.is_comparison_id(rid) \
+                    or rid.startswith(COMPACTION_LOCK_PREFIX):  # a compaction's lock, no run
                 continue
             try:
                 info = json.loads(self.backend.read(f"{PENDING_DIR}/{n}") or b"{}")

@@ -103,6 +103,28 @@ def test_every_table_reads_the_same_rows_before_during_and_after_compaction(url)
     assert len(_seen(store)["runs"]) == 4
 
 
+def test_gc_removes_merged_sources_only_after_the_grace(tmp_path, monkeypatch):
+    store = Store.open(tmp_path / "store")
+    for i in range(3):
+        _scaled_run(store, 1.0 + i)
+    before = _seen(store)
+    sources = sorted(n for n in store.backend.segment_names("runs") if not n.startswith("_"))
+    assert len(sources) == 3
+    store.compact(tables=["runs"], grace_s=3600)
+    monkeypatch.setenv("CAPTURESTORE_LEASE_S", "3600")
+    assert store.gc() == [] and store.gc(dry_run=True) == []
+    assert set(sources) <= set(store.backend.segment_names("runs"))
+    monkeypatch.setenv("CAPTURESTORE_LEASE_S", "0.05")
+    time.sleep(0.1)
+    assert sorted(store.gc(dry_run=True)) == [f"tables/runs/{n}" for n in sources]
+    assert set(sources) <= set(store.backend.segment_names("runs"))  # a dry run removes nothing
+    assert sorted(store.gc()) == [f"tables/runs/{n}" for n in sources]
+    assert not set(sources) & set(store.backend.segment_names("runs"))
+    assert _seen(store) == before
+    rep = store.verify()
+    assert rep.ok and not rep.notes, rep.summary()
+
+
 def _damage(store: Store, table: str, how: str) -> None:
     (name,) = _merged(store, table)
     rel = f"tables/{table}/{name}"
@@ -111,7 +133,7 @@ def _damage(store: Store, table: str, how: str) -> None:
     if how == "row lost":
         t = t.slice(1)
     else:  # a value changed, the row count kept
-        col = t.schema.get_field_index("max_abs_err")
+        col = t.schema.get_field_index("k_l2")
         t = t.set_column(col, t.schema.field(col), pa.array([v + 1.0 for v in t.column(col).to_pylist()]))
     sink = pa.BufferOutputStream()
     pq.write_table(t.replace_schema_metadata(meta), sink)
