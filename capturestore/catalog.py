@@ -43,12 +43,14 @@ if TYPE_CHECKING:
 
     from capturestore.backends import Backend
 
+from capturestore.compaction import SOURCE_COLUMN
 from capturestore.layout import CATALOG_FILE, CATALOG_STAMP_FILE, LEGACY_CATALOG_ROOT_FILE, TABLES_DIR
 from capturestore.tables import RUN_TABLES
 
 # First line of catalog.stamp; a change to what view_sql writes changes it, so stores rebuild.
-CATALOG_STAMP = ("capturestore catalog views 6: segments relative to catalog.duckdb, committed rows only, "
-                 "declared tables by named columns, manifest guard, glob-escaped store path")
+CATALOG_STAMP = ("capturestore catalog views 7: segments relative to catalog.duckdb, committed rows only, "
+                 "declared tables by named columns, manifest guard, glob-escaped store path, "
+                 "compacted segments hide their sources")
 
 # The store directory with a trailing '/', as a constant DuckDB folds when it binds a view.
 _STORE_DIR_SQL = (
@@ -99,15 +101,29 @@ def _glob_escape_sql(expr: str) -> str:
 
 
 def _segments(root: Backend, table: str, relative: bool, allow_empty: bool = False, filename: bool = False) -> str:
-    """``read_parquet`` of every segment of ``table``: by absolute path, or relative to the catalog file.
-    The store's own path is escaped: a '*', '?' or '[' in it is no glob (``st*ar`` would otherwise
-    also read a sibling store ``st-old-ar``)."""
+    """A subquery of the rows of every segment of ``table``: by absolute path, or relative to the
+    catalog file. The store's own path is escaped: a '*', '?' or '[' in it is no glob (``st*ar``
+    would otherwise also read a sibling store ``st-old-ar``).
+
+    The reader rule of compaction (docs/compact.md): a row of a merged segment (its
+    ``__capturestore_source`` names the segment it came from) is shown; a row of a plain segment
+    is shown unless a merged segment of the same glob expansion names that segment. One scan
+    decides both, so a merge or a source removal between two listings never counts a row twice
+    nor hides it. ``filename``: a ``filename`` column naming the segment a writer wrote the row in
+    (the source, for a merged row)."""
     if relative:
         where = f"{_glob_escape_sql(f'({_STORE_DIR_SQL})')} || {_quote_str(f'{TABLES_DIR}/{table}/*.parquet')}"
     else:
         where = _quote_str(glob_escape(f"{root.tables_url}/{table}") + "/*.parquet")
-    opts = (", allow_empty = true" if allow_empty else "") + (", filename = true" if filename else "")
-    return f"read_parquet({where}, union_by_name = true{opts})"
+    opts = ", allow_empty = true" if allow_empty else ""
+    scan = f"read_parquet({where}, union_by_name = true, filename = true{opts})"
+    src = _quote_ident(SOURCE_COLUMN)
+    hidden = ", ".join(_quote_str(c) for c in (SOURCE_COLUMN, "filename", "__cs_seg", "__cs_covered"))
+    return (f"(SELECT COLUMNS(lambda c: c NOT IN ({hidden})){', __cs_seg AS filename' if filename else ''} FROM ("
+            f"SELECT *, bool_or({src} IS NOT NULL) OVER (PARTITION BY __cs_seg) AS __cs_covered FROM ("
+            f"SELECT *, coalesce({src}, parse_filename(filename)) AS __cs_seg FROM ("
+            f"SELECT NULL::VARCHAR AS {src} WHERE false UNION ALL BY NAME SELECT * FROM {scan}))) "
+            f"WHERE {src} IS NOT NULL OR NOT __cs_covered)")
 
 
 def _declared() -> dict:
@@ -305,7 +321,8 @@ def _readable_columns(con: duckdb.DuckDBPyConnection, root: Backend, table: str,
         except duckdb.Error:
             continue
         for name, typ, *_ in described:
-            cols.setdefault(name, typ)
+            if name != SOURCE_COLUMN:
+                cols.setdefault(name, typ)
     spec = _declared().get(table)
     if spec is not None and table not in RUN_TABLES and (not cols or "comparison_id" in cols):
         return ", ".join(f"CAST({value} AS {_duck_type(f.type)}) AS {_quote_ident(f.name)}" for f in spec.schema)

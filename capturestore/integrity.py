@@ -32,6 +32,7 @@ from capturestore.layout import (
     TABLES_DIR,
     TMP_SUFFIX,
 )
+from capturestore.compaction import coverage, grace_seconds, merged_segments, read_source, remove_finished_sources
 from capturestore.tables import (
     RUN_TABLES,
     SCHEMA_SEGMENT,
@@ -63,6 +64,11 @@ class VerifyReport(list):
 
     checked_chunks: int = 0
     checked_arrays: int = 0
+    notes: list[str]  # not problems: e.g. a compaction whose sources are still to be removed
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.notes = []
 
     @property
     def ok(self) -> bool:
@@ -70,7 +76,8 @@ class VerifyReport(list):
 
     def summary(self) -> str:
         head = f"{self.checked_arrays} arrays, {self.checked_chunks} chunks checked: "
-        return head + ("OK" if self.ok else f"{len(self)} problem(s)\n" + "\n".join(str(p) for p in self))
+        return head + ("OK" if self.ok else f"{len(self)} problem(s)\n" + "\n".join(str(p) for p in self)) + \
+            "".join(f"\nnote: {n}" for n in self.notes)
 
 
 def writer_is_alive(pending: Path) -> bool:
@@ -295,11 +302,27 @@ def evidence_problems(store, comparison_ids=None) -> list[Problem]:
         for e in entries or ():
             listed.setdefault(e["table"], set()).add(e["segment"])
     names_cache: dict[str, set[str]] = {}
+    merged_cache: dict[str, dict[str, Any]] = {}  # table -> {source: (merged name, its footer entry)}
+
+    def merged_of(t: str) -> dict[str, Any]:
+        if t not in merged_cache:
+            ms, _ = merged_segments(store.backend, t, sorted(names_cache.setdefault(t, set(store.segment_names(t)))))
+            merged_cache[t] = {src: (m.name, info) for m in ms for src, info in m.sources.items()}
+        return merged_cache[t]
+
     for cid, entries in sorted(checked.items()):
         for e in entries:
             t, seg = e["table"], e["segment"]
             names = names_cache.setdefault(t, set(store.segment_names(t)))
             where = f"comparison {cid}: table {t} segment {seg}"
+            if seg not in names and seg in merged_of(t):
+                # merged by compact, which checked the bytes against this manifest before merging;
+                # verify checks the merged rows against the footer (row count, row hash)
+                mname, info = merged_of(t)[seg]
+                if info.get("sha256") != e["sha256"] or info.get("rows") != e["rows"]:
+                    out.append(Problem("altered-segment", f"{where}: merged into {mname} from bytes other than its "
+                                                          f"manifest lists (SHA-256 or row count)"))
+                continue
             if seg not in names:
                 out.append(Problem("missing-segment", f"{where} is missing (its manifest lists {e['rows']} rows)"))
                 continue
@@ -315,7 +338,18 @@ def evidence_problems(store, comparison_ids=None) -> list[Problem]:
             out.append(Problem("altered-segment", f"{where} {what}"))
     # segments no manifest lists, holding rows of a checked comparison
     for t in sorted({e["table"] for m in checked.values() for e in m}):
-        for seg in sorted(names_cache.setdefault(t, set(store.segment_names(t))) - listed.get(t, set())):
+        merged_names = {m for m, _ in merged_of(t).values()}
+        for src, (mname, _) in sorted(merged_of(t).items()):
+            if src in listed.get(t, set()):
+                continue
+            try:
+                ids = set(read_source(store.backend, t, src, {src: mname}).column("comparison_id").to_pylist())
+            except Exception:  # noqa: BLE001 - verify reports it
+                continue
+            for cid in sorted(ids & set(checked)):
+                out.append(Problem("foreign-segment", f"comparison {cid}: table {t} segment {src} (merged into {mname}) "
+                                                      f"holds rows of the comparison but is not in its manifest"))
+        for seg in sorted(names_cache.setdefault(t, set(store.segment_names(t))) - listed.get(t, set()) - merged_names):
             try:
                 ids = store.segment_comparison_ids(t, seg)
             except Exception:  # noqa: BLE001 - an unreadable segment: verify's bad-segment
@@ -357,10 +391,29 @@ def check_evidence(store, comparison_ids, command: str) -> None:
         entries = [dict(zip((k for _, k in MANIFEST_FIELDS), e)) for e in
                    zip(*(r[f] for f, _ in MANIFEST_FIELDS))]
         for e in entries:
-            if hashlib.sha256(store.read_segment(e["table"], e["segment"])).hexdigest() != e["sha256"]:
+            if not _segment_matches(store, e["table"], e["segment"], e["sha256"], e["rows"]):
                 raise StoreError(f"{command}: evidence incomplete: comparison {r['comparison_id']}: table "
                                  f"{e['table']} segment {e['segment']} differs from what the comparison wrote "
                                  f"(SHA-256; run `capturestore verify`)")
+
+
+def _segment_matches(store, table: str, name: str, sha256: str, rows: int) -> bool:
+    """Segment ``name`` of ``table`` holds what a manifest lists: its bytes' SHA-256, or, when
+    ``compact`` merged it and it is gone, the merged segment's footer records those bytes and the
+    merged rows of it match the footer (count and canonical row hash)."""
+    from capturestore.compaction import merged_problems
+
+    try:
+        return hashlib.sha256(store.read_segment(table, name)).hexdigest() == sha256
+    except FileNotFoundError:
+        pass
+    ms, _ = merged_segments(store.backend, table)
+    for m in ms:
+        info = m.sources.get(name)
+        if info is not None:
+            return info["sha256"] == sha256 and info["rows"] == rows and not [
+                p for p in merged_problems(store.backend, table, m, only=name)]
+    return False
 
 
 def _guard_message(msg: str) -> str:
@@ -407,7 +460,16 @@ def _as_backend(store_or_root: Any):
 
 
 def _segment_ids(b, table: str) -> set[str]:
-    return {n.removesuffix(".parquet") for n in b.segment_names(table) if n != SCHEMA_SEGMENT}
+    """Names (without .parquet) of the segments writers wrote, whether a file or merged by compact."""
+    from capturestore.compaction import logical_names
+
+    return {n.removesuffix(".parquet") for n in logical_names(b, table)}
+
+
+def _is_compaction_lock(writer_id: str) -> bool:
+    from capturestore.compaction import LOCK_PREFIX
+
+    return writer_id.startswith(LOCK_PREFIX)
 
 
 def committed_comparisons(b) -> set[str] | None:
@@ -439,13 +501,15 @@ def _leftovers(b) -> tuple[list[str], dict[str, list[str]], list[str]]:
     seen = {n for n in b.listdir(ARRAYS_DIR) if n != "zarr.json" and not n.startswith(".")}
     for t in ("prompts", "captures"):
         seen |= _segment_ids(b, t)
-    seen |= {i for i in pending if not is_comparison_id(i)}
+    seen |= {i for i in pending if not is_comparison_id(i) and not _is_compaction_lock(i)}
     runs = [r for r in sorted(seen - committed) if not alive(r)]
     committed = _segment_ids(b, "runs")  # committed while we looked: not an orphan
     runs = [r for r in runs if r not in committed]
     segments: dict[str, list[str]] = {}
     for t in _comparison_tables(b):
         for name in b.segment_names(t):
+            if name.startswith("compacted-"):  # committed rows only (compaction.is_merged)
+                continue
             rel = f"{TABLES_DIR}/{t}/{name}"
             try:
                 ids = segment_comparison_ids(b.read(rel))
@@ -455,6 +519,7 @@ def _leftovers(b) -> tuple[list[str], dict[str, list[str]], list[str]]:
                 segments.setdefault(next(iter(ids)), []).append(rel)
     stale = [f"{PENDING_DIR}/{i}.json" for i in sorted(pending)
              if not is_comparison_id(i) and i in committed and not alive(i)]
+    stale += [f"{PENDING_DIR}/{i}.json" for i in sorted(pending) if _is_compaction_lock(i) and not alive(i)]
     ccommitted = committed_comparisons(b)
     if ccommitted is None:
         return runs, {}, stale
@@ -483,14 +548,16 @@ def verify(store_or_root: Any) -> VerifyReport:
             except Exception as e:  # noqa: BLE001
                 run = name.removesuffix(".parquet") if t in RUN_TABLES else None
                 report.append(Problem("bad-segment", f"table {t} segment {name} is unreadable: {e}", run_id=run))
+        _verify_compacted(b, t, report)
     # 2. every capture of a committed run: array present, shape and dtype as catalogued, every chunk's CRC
     _verify_group(b, "", report)
+    covers = {t: coverage(b, t) for t in RUN_TABLES}
     for run_id in sorted(_segment_ids(b, "runs")):
-        if not _verify_run_marker(b, run_id, report):
+        if not _verify_run_marker(b, run_id, report, covers["runs"]):
             continue
         try:
-            caps = b.read_parquet(f"{TABLES_DIR}/captures/{run_id}.parquet").to_pylist()
-            prompts = b.read_parquet(f"{TABLES_DIR}/prompts/{run_id}.parquet").to_pylist()
+            caps = read_source(b, "captures", f"{run_id}.parquet", covers["captures"]).to_pylist()
+            prompts = read_source(b, "prompts", f"{run_id}.parquet", covers["prompts"]).to_pylist()
         except Exception as e:  # noqa: BLE001
             report.append(Problem("bad-segment", f"prompts/captures segment unreadable: {e}", run_id=run_id))
             continue
@@ -521,6 +588,10 @@ def verify(store_or_root: Any) -> VerifyReport:
                                         f"dead; its rows are hidden: {', '.join(segs) or 'no segment'} "
                                         f"(run `capturestore gc`)"))
     for rel in stale:
+        if _is_compaction_lock(rel.rsplit("/", 1)[-1]):  # every state of a compaction is a consistent store
+            report.notes.append(f"a compaction was stopped midway ({rel} of a dead process); the store is "
+                                f"consistent, `capturestore compact` finishes it and `gc` removes the file")
+            continue
         if rel.rsplit("/", 1)[-1].removesuffix(".json") not in dead:
             who = "comparison writer" if is_comparison_id(rel.rsplit("/", 1)[-1]) else "writer"
             report.append(Problem("orphan", f"pending file {rel} of a dead {who} (run `capturestore gc`)"))
@@ -536,10 +607,34 @@ def verify(store_or_root: Any) -> VerifyReport:
     return report
 
 
-def _verify_run_marker(b, run_id: str, report: VerifyReport) -> bool:
+def _verify_compacted(b, table: str, report: VerifyReport) -> None:
+    """Each merged segment of ``table`` against its footer (every source's rows, count and hash),
+    no source merged twice; sources still present beside their merged segment are a note."""
+    from capturestore.compaction import merged_problems, merged_segments
+
+    names = b.segment_names(table)
+    merged, bad = merged_segments(b, table, names)
+    for n, why in bad.items():
+        report.append(Problem("bad-segment", f"table {table} merged segment {n}: its compaction footer is unreadable: {why}"))
+    seen: dict[str, str] = {}
+    for m in merged:
+        for msg in merged_problems(b, table, m):
+            report.append(Problem("bad-segment", msg))
+        for s in m.sources:
+            if s in seen:
+                report.append(Problem("bad-segment", f"table {table}: segment {s} is merged in both {seen[s]} and "
+                                                     f"{m.name}; its rows count twice"))
+            seen[s] = m.name
+        left = sorted(set(m.sources) & set(names))
+        if left:
+            report.notes.append(f"table {table}: compaction to finish: {len(left)} source segment(s) of {m.name} "
+                                f"still present (hidden; `capturestore compact` or `gc` removes them after the grace)")
+
+
+def _verify_run_marker(b, run_id: str, report: VerifyReport, cover: dict[str, str] | None = None) -> bool:
     """The runs segment of a run is its commit marker: exactly one complete row naming it."""
     try:
-        rows = b.read_parquet(f"{TABLES_DIR}/runs/{run_id}.parquet", ["run_id", "status"]).to_pylist()
+        rows = read_source(b, "runs", f"{run_id}.parquet", cover).select(["run_id", "status"]).to_pylist()
     except Exception:  # noqa: BLE001 - already reported as a bad segment
         return False
     if rows != [{"run_id": run_id, "status": "complete"}]:
@@ -676,6 +771,8 @@ def gc(store_or_root: Any, dry_run: bool = False) -> list[str]:
         removed.append(rel)
         if not dry_run:
             b.remove([rel])
+    for t in b.listdir(TABLES_DIR):  # sources of merged segments older than the grace
+        removed += remove_finished_sources(b, t, grace_seconds(), dry_run=dry_run)
     if removed and not dry_run:  # a table may have lost its last segment: its view goes too
         b.refresh_catalog()
     return removed

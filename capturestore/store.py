@@ -17,6 +17,8 @@ import zarr
 from capturestore import catalog, integrity
 from capturestore.arrays import ArrayRef, bad_chunks, check_compression
 from capturestore.chunkio import read_region, write_block
+from capturestore.compaction import LOCK_PREFIX as COMPACTION_LOCK_PREFIX
+from capturestore.compaction import SOURCE_COLUMN, coverage, is_merged, logical_names
 from capturestore.dtypes import LOGICAL_DTYPES, from_storage
 from capturestore.errors import FormatVersionError, StoreError
 from capturestore.layout import (
@@ -181,8 +183,9 @@ class Store:
     # ---- storage, through the backend ---------------------------------------------------------
     def committed_ids(self) -> set[str]:
         """Run ids committed now (read from the store, not cached): those with a runs segment, the
-        commit marker (segments are named after their run)."""
-        return {n.removesuffix(".parquet") for n in self.backend.segment_names("runs") if n != SCHEMA_SEGMENT}
+        commit marker (segments are named after their run; a runs segment merged by ``compact``
+        still counts: compaction.logical_names)."""
+        return {n.removesuffix(".parquet") for n in logical_names(self.backend, "runs")}
 
     def _pending_lock(self, writer_id: str, info: dict[str, Any]):
         """``pending/<writer_id>.json``, held until ``release()`` (the backend's liveness says so)."""
@@ -550,16 +553,42 @@ class Store:
         return self._read_run_table_now(table, run_id)
 
     def _read_run_table_now(self, table: str, run_id: str | None = None) -> pa.Table:
-        """All rows of one run table (committed runs only for prompts/captures)."""
+        """All rows of one run table (committed runs only for prompts/captures). A segment listed
+        and gone before it was read (compaction removed a merged source after its grace, or
+        remove_run): listed and read again, so no row is ever missing from the answer."""
+        for _ in range(4):
+            try:
+                return self._read_run_table_once(table, run_id)
+            except _SourceGone:
+                continue
+        return self._read_run_table_once(table, run_id, retry=False)
+
+    def _read_run_table_once(self, table: str, run_id: str | None = None, retry: bool = True) -> pa.Table:
         schema = SCHEMAS[table]
-        names = [n for n in self.backend.segment_names(table) if n != SCHEMA_SEGMENT]
+        listing = self.backend.segment_names(table)  # one listing: a source and its merged segment never both count
+        cover = coverage(self.backend, table, listing)
+        names = [n for n in listing if n != SCHEMA_SEGMENT and not is_merged(n) and n not in cover]
         if table != "runs":
             ok = self.committed_ids()
             names = [n for n in names if n.removesuffix(".parquet") in ok]
         if run_id is not None:
             names = [n for n in names if n == f"{run_id}.parquet"]
         got = self.backend.read_many([f"{TABLES_DIR}/{table}/{n}" for n in names])
+        if retry and any(v is None for v in got.values()) and is_merged_anywhere(self.backend, table):
+            raise _SourceGone
         parts = [pq.read_table(pa.BufferReader(v)) for v in got.values() if v is not None]
+        merged = sorted({m for src, m in cover.items()
+                         if (run_id is None or src == f"{run_id}.parquet")
+                         and (table == "runs" or src.removesuffix(".parquet") in ok)})
+        for m, v in self.backend.read_many([f"{TABLES_DIR}/{table}/{m}" for m in merged]).items():
+            if v is None:
+                raise StoreError(f"{self.root}: merged segment {m} was listed but is gone; retry the read")
+            t = pq.read_table(pa.BufferReader(v))
+            keep = [f"{run_id}.parquet"] if run_id is not None else \
+                [src for src, mm in cover.items() if mm == m.rsplit("/", 1)[-1]
+                 and (table == "runs" or src.removesuffix(".parquet") in ok)]
+            t = t.filter(pa.compute.is_in(t.column(SOURCE_COLUMN), pa.array(keep, pa.string())))
+            parts.append(t.drop_columns([SOURCE_COLUMN]).replace_schema_metadata(None))
         parts = [p.select([n for n in schema.names if n in p.column_names]) for p in parts]
         if not parts:
             return schema.empty_table()
@@ -619,7 +648,8 @@ class Store:
         alive = self.backend.liveness()
         for n in self.backend.listdir(PENDING_DIR):
             rid = n.removesuffix(".json")
-            if not n.endswith(".json") or rid in committed or integrity.is_comparison_id(rid):
+            if not n.endswith(".json") or rid in committed or integrity.is_comparison_id(rid) \
+                    or rid.startswith(COMPACTION_LOCK_PREFIX):  # a compaction's lock, no run
                 continue
             try:
                 info = json.loads(self.backend.read(f"{PENDING_DIR}/{n}") or b"{}")
@@ -644,6 +674,13 @@ class Store:
         pending and temp files); returns what was removed. A live writer is never touched."""
         return integrity.gc(self.backend, dry_run=dry_run)
 
+    def compact(self, tables: list[str] | None = None, grace_s: float | None = None, on_step=None):
+        """Merge each table's committed segments into one merged segment and remove sources merged
+        longer than ``grace_s`` ago (compaction.compact; docs/compact.md). Returns a CompactResult."""
+        from capturestore.compaction import compact
+
+        return compact(self, tables, grace_s, on_step)
+
     def remove_run(self, run_id: str) -> None:
         """Uncommit and delete committed run ``run_id``: its ``runs`` segment (the commit marker)
         first, so no reader ever sees a committed run with missing data, then its ``prompts`` and
@@ -655,6 +692,10 @@ class Store:
         if not isinstance(run_id, str) or not re.fullmatch(r"[0-9A-Za-z_.-]+", run_id) or \
                 run_id not in self.committed_ids():
             raise StoreError(f"remove_run: {run_id!r} is not a committed run of {self.root}")
+        merged = [t for t in RUN_TABLES if f"{run_id}.parquet" in coverage(self.backend, t)]
+        if merged:
+            raise StoreError(f"remove_run: run {run_id} is merged into compacted segments of {', '.join(merged)} "
+                             f"(capturestore compact); removing one run from a merged segment is not supported; it stays")
         comparisons = self._committed_comparison_ids()
         if comparisons is None:
             raise StoreError(f"remove_run: a comparisons segment of {self.root} is unreadable, so which comparisons use "
@@ -691,6 +732,15 @@ class Store:
         if broken:
             raise StoreError(f"rebuilt {path}, but {'; '.join(broken.values())} (run capturestore verify)")
         return path
+
+
+class _SourceGone(Exception):
+    """A segment listed a moment ago is gone (see Store._read_run_table_now)."""
+
+
+def is_merged_anywhere(b, table: str) -> bool:
+    """True when ``table`` has a merged segment now (a listed segment gone may have been merged)."""
+    return any(is_merged(n) for n in b.segment_names(table))
 
 
 def _decode_lazily(data: Any, logical: str, where: str) -> Any:

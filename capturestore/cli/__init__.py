@@ -5,6 +5,7 @@
     capturestore sql "SELECT ..."          Store.sql(...)   --format table|csv|json|parquet
     capturestore verify                    Store.verify()   exit status 1 on problems
     capturestore gc                        Store.gc()
+    capturestore compact                   Store.compact()
     capturestore rebuild-catalog           Store.rebuild_catalog()
     capturestore compare --expected RUN --actual RUN [--baseline RUN]
                                            capturestore.analysis.compare(...)  exit status 1 on FAIL
@@ -57,6 +58,7 @@ from capturestore.cli.commands import (
     cmd_demo,
     cmd_diff,
     cmd_eval,
+    cmd_compact,
     cmd_gc,
     cmd_history,
     cmd_isolate,
@@ -108,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("verify", cmd_verify, "check every chunk's checksum and catalog-vs-array consistency")
     sp = add("gc", cmd_gc, "remove arrays and segments left by writers that died")
     sp.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    sp = add("compact", cmd_compact, "merge each table's small Parquet segments into one (docs/compact.md)")
+    sp.add_argument("--table", action="append", help="compact only this table (repeatable; default: all)")
+    sp.add_argument("--grace", type=float, default=None, metavar="SECONDS",
+                    help="remove sources of merged segments older than this (default: $CAPTURESTORE_LEASE_S or 120)")
     add("rebuild-catalog", cmd_rebuild_catalog, "rebuild catalog.duckdb from the Parquet segments alone")
     sp = add("compare", cmd_compare, "compare stored runs (two-way, or three-way with --baseline) and store the metrics")
     sp.add_argument("--expected", required=True, help="reference run in the engine's dtype (e.g. HF BF16)")

@@ -74,6 +74,19 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compact(args: argparse.Namespace) -> int:
+    store = open_store(args.store)
+    result = store.compact(tables=args.table, grace_s=args.grace)
+    rows = [{"table": t.table, "segments_before": t.segments_before, "segments_after": t.segments_after,
+             "rows_merged": t.rows, "bytes_before": t.bytes_before, "bytes_after": t.bytes_after,
+             "sources_removed": len(t.sources_removed), "merged": t.merged or "",
+             "left": "; ".join(t.skipped)} for t in result.tables]
+    if rows:
+        print(format_table(pa.Table.from_pylist(rows)))
+    print(f"merged {result.rows} row(s) in {sum(1 for t in result.tables if t.merged)} table(s)")
+    return 0
+
+
 def cmd_rebuild_catalog(args: argparse.Namespace) -> int:
     store = open_store(args.store)
     require_writable(store, "rebuild-catalog")

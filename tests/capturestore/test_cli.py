@@ -251,7 +251,7 @@ def test_writing_commands_on_a_read_only_store_fail_in_one_line_with_nothing_wri
     before = _tree(store.root)
     out = tmp_path / "scales"
     for cmd in (["compare", "--expected", expected, "--actual", actual], ["calibrate", expected, "--out", str(out)],
-                ["rebuild-catalog"], ["gc"]):
+                ["rebuild-catalog"], ["gc"], ["compact"]):
         r = _cli(*cmd, *S, prefix=ro)
         assert r.returncode == 2, (cmd, r.stdout, r.stderr)
         line = _one_error_line(r.stderr, cmd[0])

@@ -1,0 +1,319 @@
+"""Compaction of table segments: many small Parquet segments of a table merged into one (docs/compact.md).
+
+The merged segment ``tables/<t>/compacted-<utc>-<uuid>.parquet`` is the only commit: it holds its
+sources' rows, each with one more column, ``__capturestore_source`` (the file name of the segment
+the row came from), and in its footer (``capturestore.compaction``) each source's row count,
+SHA-256 of its bytes and SHA-256 of its rows in canonical form (``rows_sha256``). The reader
+rule: a segment named as a source by a merged segment of the same listing is hidden; its rows are
+read from the merged segment. Sources are removed (by a later ``compact`` or by ``gc``) only once
+the merged segment is older than a grace period, so a query that listed a source a moment before
+still finds it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from capturestore.errors import StoreError
+from capturestore.layout import TABLES_DIR
+from capturestore.tables import RUN_TABLES, SCHEMA_SEGMENT, segment_bytes
+
+__all__ = ["COMPACTED_PREFIX", "CompactResult", "MergedSegment", "SOURCE_COLUMN", "TableCompaction", "compact",
+           "coverage", "grace_seconds", "is_merged", "logical_names", "merged_segments", "read_source", "rows_sha256"]
+
+COMPACTED_PREFIX = "compacted-"
+SOURCE_COLUMN = "__capturestore_source"
+META_KEY = b"capturestore.compaction"
+LOCK_PREFIX = "compact-"  # pending/compact-<table>.json: one compaction of a table at a time
+
+
+def is_merged(name: str) -> bool:
+    """True for a merged segment's file name."""
+    return name.startswith(COMPACTED_PREFIX)
+
+
+def grace_seconds() -> float:
+    """How long a merged segment's sources stay after it is written: the writer lease
+    ($CAPTURESTORE_LEASE_S, default 120 s), the longest a reader is expected to hold a listing."""
+    from capturestore.objectstore import lease_seconds
+
+    return lease_seconds()
+
+
+@dataclass(frozen=True)
+class MergedSegment:
+    name: str
+    created_at: float  # seconds since the epoch, written by compact
+    sources: dict[str, dict[str, Any]]  # source file name -> {rows, sha256, rows_sha256, columns}
+
+
+def _meta_of(schema: pa.Schema) -> dict[str, Any]:
+    raw = (schema.metadata or {}).get(META_KEY)
+    if raw is None:
+        raise ValueError(f"no {META_KEY.decode()} metadata")
+    return json.loads(raw)
+
+
+def merged_segments(b, table: str, names: list[str] | None = None) -> tuple[list[MergedSegment], dict[str, str]]:
+    """([merged segments of ``table``], {name: why} of merged segments whose footer cannot be read).
+    ``names``: the listing to use (one listing for every decision of a reader)."""
+    names = b.segment_names(table) if names is None else names
+    out, bad = [], {}
+    for n in sorted(names):
+        if not is_merged(n):
+            continue
+        try:
+            meta = _meta_of(b.read_schema(f"{TABLES_DIR}/{table}/{n}"))
+            out.append(MergedSegment(n, float(meta["created_at"]), dict(meta["sources"])))
+        except FileNotFoundError:
+            continue
+        except Exception as e:  # noqa: BLE001 - verify reports it
+            bad[n] = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return out, bad
+
+
+def coverage(b, table: str, names: list[str] | None = None) -> dict[str, str]:
+    """{source file name: merged segment naming it} in ``table``'s listing ``names``."""
+    merged, _ = merged_segments(b, table, names)
+    return {s: m.name for m in merged for s in m.sources}
+
+
+def logical_names(b, table: str, names: list[str] | None = None) -> list[str]:
+    """The file names of ``table``'s segments as writers wrote them, whether still a file or
+    merged into a compacted segment (never a merged segment's own name, nor the schema segment)."""
+    names = b.segment_names(table) if names is None else names
+    covered = coverage(b, table, names)
+    plain = [n for n in names if not is_merged(n) and n != SCHEMA_SEGMENT]
+    return sorted(set(plain) | set(covered))
+
+
+def read_source(b, table: str, name: str, cover: dict[str, str] | None = None) -> pa.Table:
+    """The rows writers wrote as segment ``name`` of ``table``: from the merged segment covering
+    it (without the source column), else from its own file. FileNotFoundError when neither holds it."""
+    cover = coverage(b, table) if cover is None else cover
+    merged = cover.get(name)
+    if merged is None:
+        return pq.read_table(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{name}")))
+    t = pq.read_table(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{merged}")))
+    return _source_rows(t, name)
+
+
+def _source_rows(merged: pa.Table, name: str, columns: list[str] | None = None) -> pa.Table:
+    rows = merged.filter(pc.equal(merged.column(SOURCE_COLUMN), name)).drop_columns([SOURCE_COLUMN])
+    rows = rows.replace_schema_metadata(None)
+    return rows.select(columns) if columns is not None else rows
+
+
+def rows_sha256(t: pa.Table) -> str:
+    """SHA-256 of ``t``'s rows in canonical form: the rows in order, as JSON of their Python
+    values in ``t``'s column order (floats exactly; NaN spelt NaN)."""
+    text = json.dumps([list(r.values()) for r in t.to_pylist()], default=repr, allow_nan=True)
+    return hashlib.sha256(json.dumps(t.column_names).encode() + b"\n" + text.encode()).hexdigest()
+
+
+def merged_problems(b, table: str, m: MergedSegment, only: str | None = None) -> list[str]:
+    """How merged segment ``m`` of ``table`` disagrees with its footer: unreadable, a source's
+    rows missing, extra or altered (row count, canonical row hash), rows of no listed source."""
+    where = f"table {table} merged segment {m.name}"
+    try:
+        t = pq.read_table(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{m.name}")))
+    except Exception as e:  # noqa: BLE001
+        return [f"{where} is unreadable: {e}"]
+    out = []
+    have = set(t.column(SOURCE_COLUMN).to_pylist()) if SOURCE_COLUMN in t.column_names else set()
+    for s in sorted(have - set(m.sources)):
+        out.append(f"{where} holds rows of {s!r}, which its footer does not list")
+    for s, info in sorted(m.sources.items()):
+        if only is not None and s != only:
+            continue
+        rows = _source_rows(t, s, [c for c in info["columns"] if c in t.column_names]) if SOURCE_COLUMN in t.column_names \
+            else pa.table({})
+        if rows.num_rows != info["rows"]:
+            out.append(f"{where}: source {s} has {rows.num_rows} rows where compaction merged {info['rows']} "
+                       f"(rows lost or added)")
+        elif rows_sha256(rows) != info["rows_sha256"]:
+            out.append(f"{where}: the rows of source {s} differ from what compaction merged (row hash)")
+    return out
+
+
+# ---------------------------------------------------------------------------------- compact
+@dataclass
+class TableCompaction:
+    table: str
+    segments_before: int  # segment files before (schema segment not counted)
+    segments_after: int
+    rows: int  # rows merged by this call
+    bytes_before: int  # bytes of the table's segment files before
+    bytes_after: int
+    merged: str | None = None  # the merged segment written, if any
+    sources_removed: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # why segments were left as they are
+
+
+@dataclass
+class CompactResult:
+    tables: list[TableCompaction]
+
+    @property
+    def rows(self) -> int:
+        return sum(t.rows for t in self.tables)
+
+
+def _sizes(b, table: str) -> dict[str, int]:
+    return {rel.rsplit("/", 1)[-1]: size for rel, size in b.find(f"{TABLES_DIR}/{table}").items()
+            if rel.endswith(".parquet") and "/" not in rel[len(TABLES_DIR) + len(table) + 2:]}
+
+
+def compact(store, tables: list[str] | None = None, grace_s: float | None = None,
+            on_step: Callable[[str], None] | None = None) -> CompactResult:
+    """Merge each table's committed segments into one merged segment, and remove sources of
+    merged segments older than ``grace_s`` (default grace_seconds()). ``tables``: all by default.
+    StoreError in one line for an unknown table or a store that cannot be written. ``on_step``:
+    called with the name of each step just done (the crash tests kill there)."""
+    from capturestore.store import require_writable
+
+    b = store.backend
+    known = b.table_names()
+    for t in tables or ():
+        if t not in known:
+            raise StoreError(f"compact: {store.root} has no table {t!r} (its tables: {', '.join(known) or 'none'})")
+    require_writable(store, "compact")
+    grace = grace_seconds() if grace_s is None else float(grace_s)
+    step = on_step or (lambda s: None)
+    out = []
+    for t in tables or known:
+        alive = b.liveness()
+        lock_id = f"{LOCK_PREFIX}{t}"
+        if alive(lock_id):
+            out.append(_untouched(b, t, f"another compaction of {t} is running"))
+            continue
+        lock = b.writer_lock(lock_id, {"status": f"compacting {t}"})
+        try:
+            out.append(_compact_table(store, t, grace, step))
+        finally:
+            lock.release()
+    return CompactResult(out)
+
+
+def _untouched(b, table: str, why: str) -> TableCompaction:
+    sizes = _sizes(b, table)
+    n = len([s for s in sizes if s != SCHEMA_SEGMENT])
+    return TableCompaction(table, n, n, 0, sum(sizes.values()), sum(sizes.values()), skipped=[why])
+
+
+def remove_finished_sources(b, table: str, grace_s: float, names: list[str] | None = None,
+                            dry_run: bool = False, step: Callable[[str], None] | None = None) -> list[str]:
+    """Remove the sources of ``table``'s merged segments older than ``grace_s``; returns their keys."""
+    names = b.segment_names(table) if names is None else names
+    merged, _ = merged_segments(b, table, names)
+    now = time.time()
+    present = set(names)
+    removed = []
+    for m in merged:
+        if now - m.created_at < grace_s:
+            continue
+        for s in sorted(m.sources):
+            if s in present and not is_merged(s):
+                rel = f"{TABLES_DIR}/{table}/{s}"
+                removed.append(rel)
+                if not dry_run:
+                    b.remove([rel])
+                    if step:
+                        step(f"removed {table}/{s}")
+    return removed
+
+
+def _compact_table(store, table: str, grace: float, step: Callable[[str], None]) -> TableCompaction:
+    from capturestore import integrity
+
+    b = store.backend
+    before = _sizes(b, table)
+    names = b.segment_names(table)
+    removed = remove_finished_sources(b, table, grace, names, step=step)
+    names = [n for n in names if f"{TABLES_DIR}/{table}/{n}" not in set(removed)]
+    cover = coverage(b, table, names)
+    res = TableCompaction(table, len([n for n in before if n != SCHEMA_SEGMENT]), 0, 0,
+                          sum(before.values()), 0, sources_removed=removed)
+    candidates = [n for n in sorted(names) if not is_merged(n) and n != SCHEMA_SEGMENT and n not in cover]
+    step(f"listed {table}")
+    manifest_sha: dict[str, str] = {}
+    by_comparison = table not in RUN_TABLES and table != "comparisons" and b.has_column(table, "comparison_id")
+    ccommitted: set[str] = set()
+    if table in RUN_TABLES:
+        alive = b.liveness()
+        committed = set(logical_names(b, "runs"))
+        ok = [n for n in candidates if n in committed and not alive(n.removesuffix(".parquet"))]
+        if len(ok) < len(candidates):
+            res.skipped.append(f"{len(candidates) - len(ok)} segment(s) of runs not committed or still being written")
+        candidates = ok
+    elif by_comparison:
+        got = integrity.committed_comparisons(b)
+        manifests = integrity.comparison_manifests(store) if got is not None else None
+        ccommitted = got or set()
+        if got is None or manifests is None:
+            res.skipped.append("a comparisons segment is unreadable: which comparisons committed is unknown")
+            candidates = []
+        for m in (manifests or {}).values():
+            for e in m or ():
+                if e["table"] == table:
+                    manifest_sha[e["segment"]] = e["sha256"]
+    parts: list[pa.Table] = []
+    sources: dict[str, dict[str, Any]] = {}
+    for n in candidates:
+        try:
+            data = b.read(f"{TABLES_DIR}/{table}/{n}")
+            t = pq.read_table(pa.BufferReader(data))
+        except FileNotFoundError:  # removed meanwhile (remove_run, gc): not ours to merge
+            continue
+        except Exception:  # noqa: BLE001 - verify reports the unreadable segment
+            res.skipped.append(f"{n} is unreadable (run capturestore verify)")
+            continue
+        sha = hashlib.sha256(data).hexdigest()
+        if by_comparison and "comparison_id" in t.column_names:
+            ids = set(t.column("comparison_id").to_pylist())
+            if not ids <= ccommitted:
+                res.skipped.append(f"{n} holds rows of a comparison not committed")
+                continue
+            if n in manifest_sha and manifest_sha[n] != sha:
+                res.skipped.append(f"{n} differs from its comparison's manifest (SHA-256); not merged (run capturestore verify)")
+                continue
+        t = t.replace_schema_metadata(None)
+        sources[n] = {"rows": t.num_rows, "sha256": sha, "columns": t.column_names, "table": t}
+        parts.append(t.append_column(SOURCE_COLUMN, pa.array([n] * t.num_rows, pa.string())))
+    if len(parts) >= 2:
+        try:
+            merged = pa.concat_tables(parts, promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            res.skipped.append(f"segments cannot be merged into one table: {e}")
+            merged = None
+        if merged is not None:
+            meta_sources = {}
+            for n, info in sources.items():
+                rows = _source_rows(merged, n, info["columns"])
+                h = rows_sha256(rows)
+                if h != rows_sha256(info["table"]):  # the merge changed a value (a type promotion): leave it
+                    raise StoreError(f"compact: table {table}: merging {n} would change its rows; nothing written")
+                meta_sources[n] = {"rows": info["rows"], "sha256": info["sha256"], "rows_sha256": h,
+                                   "columns": info["columns"]}
+            created = time.time()
+            meta = json.dumps({"version": 1, "created_at": created, "sources": meta_sources})
+            merged = merged.replace_schema_metadata({META_KEY: meta.encode()})
+            name = f"{COMPACTED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime(created))}-{uuid.uuid4().hex[:12]}"
+            b.put(f"{TABLES_DIR}/{table}/{name}.parquet", segment_bytes(merged), if_absent=True)
+            res.merged, res.rows = f"{name}.parquet", merged.num_rows
+            step(f"merged {table}")
+            if grace <= 0:
+                res.sources_removed += remove_finished_sources(b, table, grace, step=step)
+    after = _sizes(b, table)
+    res.segments_after = len([n for n in after if n != SCHEMA_SEGMENT])
+    res.bytes_after = sum(after.values())
+    return res
+
