@@ -310,6 +310,7 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     stores nothing, unless ``even_if_passed`` (judge every module locally all the same: a
     correct engine's check that no module fails on the reference's inputs)."""
     from extractors.hf import load_hf_model
+    from extractors.kernel_rounding import kernel_rounding
     from extractors.replace import collect_hf_replaced
     from metrics.modules import ModuleJudge, first_failing_module, module_layer
 
@@ -338,8 +339,11 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     levels = _levels(tree)
     search, verdicts, metric_rows = [], [], []
     engine_reruns = ref_reruns = 0
-    say(f"BF16 reference re-run capturing the inputs of {len(order)} modules")
-    exp_caps = [c for c, _, _ in collect_hf_replaced(exp_model, P, C, order, inputs=True)]
+    rounding = recs["expected"]["config"].get("kernel_rounding")  # as the expected run was captured
+    say(f"BF16 reference re-run capturing the inputs of {len(order)} modules"
+        + (f" (rounding FP32 -> BF16 {rounding.replace('_', ' ')}, as its run records)" if rounding else ""))
+    with kernel_rounding(exp_model, rounding):
+        exp_caps = [c for c, _, _ in collect_hf_replaced(exp_model, P, C, order, inputs=True)]
     ref_reruns += 1
     _check_reproduced(store, runs, prompts[:1], exp_caps[:1], order)
     for level, mods in enumerate(levels, start=1):
