@@ -7,7 +7,8 @@ real engine: the probe names the rounding the engine's rotary embedding really a
 against the engine's own post-rotary q/k, bit for bit), the nearest-rounding reference fails the
 correct engine exactly where the probe says the kernels truncate, the kernel-rounding reference
 passes it, and a planted attention fault (the softmax scale off by 3%, proven to change the
-engine's output) still fails against it.
+engine's output) still fails against it. And the main job's logits + KV reference: on vLLM's AVX2
+kernel build (a child process), its layer-0 K equals the engine's paged K bit for bit.
 """
 from __future__ import annotations
 
