@@ -456,6 +456,7 @@ def _vllm_target(rec: dict, rid: str, target, prompts):
 def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_target, config, say, t0,
              level3, unchecked):
     from extractors.hf import load_hf_model
+    from extractors.kernel_rounding import kernel_rounding
     from extractors.replace import ROPE_SUFFIX, collect_hf_replaced
     from metrics.modules import ModuleJudge, first_failing_module, module_layer
 
@@ -484,8 +485,11 @@ def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_ta
     levels = _levels(tree)
     search, verdicts, metric_rows = [], [], []
     engine_reruns = ref_reruns = 0
-    say(f"BF16 reference re-run capturing the inputs of {len(order)} modules")
-    exp_caps = [c for c, _, _ in collect_hf_replaced(exp_model, P, C, order, inputs=True)]
+    rounding = recs["expected"]["config"].get("kernel_rounding")  # as the expected run was captured
+    say(f"BF16 reference re-run capturing the inputs of {len(order)} modules"
+        + (f" (rounding FP32 -> BF16 {rounding.replace('_', ' ')}, as its run records)" if rounding else ""))
+    with kernel_rounding(exp_model, rounding):
+        exp_caps = [c for c, _, _ in collect_hf_replaced(exp_model, P, C, order, inputs=True)]
     ref_reruns += 1
     _check_reproduced(store, runs, prompts[:1], exp_caps[:1], [m for m in order if not m.endswith(ROPE_SUFFIX)])
     for level, mods in enumerate(levels, start=1):

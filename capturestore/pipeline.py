@@ -858,9 +858,15 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
     references.append(base)
     teacher = {p: st.read_tokens(base, p) for p in pids}
     teacher_rows = [teacher[p][len(r):].tolist() for p, r in zip(pids, rows)]
+    # a target whose kernels round FP32 -> BF16 otherwise than torch (vLLM-CPU without AVX512-BF16:
+    # toward zero) is judged against an expected reference rounding the same way (logits, KV)
+    rounding = eng.kernel_rounding(tgt.dtype) if tgt.reference_dtype == "bfloat16" else None
+    rounding = _emulated_rounding(rounding, model_path, say, "expected reference")
     exp, reused["expected"] = _reference(
         st, pstore, progress, tm, "expected", f"HF {_dt(tgt.reference_dtype)} expected", "teacher-forced",
-        model_path, model_hash, tgt.reference_dtype, rows, pids, num_tokens, teacher=teacher, ref=ref)
+        model_path, model_hash, tgt.reference_dtype, rows, pids, num_tokens, teacher=teacher, ref=ref,
+        kernel_rounding=rounding)
+    reused["kernel_rounding"] = rounding if fp8_plan is None else None  # FP8 plans capture their own
     references.append(exp)
 
     if fp8_plan is not None:  # FP8-aware baseline/expected runs take those roles; the engine gets the scales
@@ -942,10 +948,29 @@ def _load_fp8_scales(path, cfg):
         raise ValueError(f"--fp8-scales {path}: {e}") from None
 
 
+def _emulated_rounding(rounding, model_path, say, what: str) -> str | None:
+    """The kernel rounding the HF BF16 ``what`` applies for a target whose kernels round ``rounding``
+    (``extractors.kernel_rounding``), said in one line; None: torch's round to nearest (the kernels
+    do too, or the emulation does not cover this model, which is said)."""
+    if rounding in (None, "nearest"):
+        return None
+    from extractors.kernel_rounding import kernel_rounding_unsupported
+
+    how = rounding.replace("_", " ")
+    why = kernel_rounding_unsupported(model_path)
+    if why:
+        say(f"the target's kernels round FP32 -> BF16 {how} (probed), but {why}: the HF BF16 {what} rounds to "
+            f"nearest (attention may show a sigma-ratio above 1 from that rounding alone)")
+        return None
+    say(f"the target's kernels round FP32 -> BF16 {how} (probed): the HF BF16 {what} rounds its rotary "
+        f"embedding and attention outputs the same way")
+    return rounding
+
+
 def _reference(st, pstore, progress, tm, role, what, how, model_path, model_hash, dtype, rows, pids, num_tokens,
-               teacher, ref=None):
+               teacher, ref=None, kernel_rounding=None):
     """The run of a reference role: reused from the store (same model content, prompts, dtype,
-    tokens, eager HF capture) or captured. Returns ``(run_id, reused)``."""
+    tokens, eager HF capture, kernel rounding) or captured. Returns ``(run_id, reused)``."""
     from capturestore.analysis import find_reference_run
     from extractors.hf import capture_hf_run
 
@@ -954,6 +979,7 @@ def _reference(st, pstore, progress, tm, role, what, how, model_path, model_hash
         want = {"capture": "greedy", "num_tokens": num_tokens, "attn_implementation": "eager", "model_given": False}
     else:
         want = {"capture": "teacher_forced_prefill", "attn_implementation": "eager", "model_given": False}
+    want["kernel_rounding"] = kernel_rounding  # None: a run that records none (torch's rounding)
     ref = ref or _Reference("cpu", None)
     rid = find_reference_run(st, model_hash=model_hash, dtype=dtype, prompt_ids=pids, teacher_tokens=teacher,
                              config=want, device=ref.device)
@@ -966,7 +992,8 @@ def _reference(st, pstore, progress, tm, role, what, how, model_path, model_hash
         teacher_rows = None if teacher is None else [teacher[p][len(r):].tolist() for p, r in zip(pids, rows)]
         info = {}
         rid = capture_hf_run(pstore, model_path, rows, teacher_tokens=teacher_rows, num_tokens=num_tokens, dtype=dtype,
-                             device=ref.device, memory=ref.memory, model_hash=model_hash, info=info)
+                             device=ref.device, memory=ref.memory, model_hash=model_hash, info=info,
+                             kernel_rounding=kernel_rounding)
         progress.end()
         progress.say(f"{what}: {info['plan']}; {info['peak'].describe()}")
     tm[role] = time.perf_counter() - t0
@@ -1105,10 +1132,8 @@ def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, p
     out, reused = {"actual": mod_act}, []
     # a target whose kernels round FP32 -> BF16 toward zero (vLLM-CPU without AVX512-BF16) is judged
     # against a BF16 reference rounding the same way (extractors.kernel_rounding), and says so
-    rounding = cfg.get("kernel_rounding") if dtype == "bfloat16" and cfg.get("kernel_rounding") != "nearest" else None
-    if rounding:
-        progress.say(f"the target's kernels round FP32 -> BF16 {rounding.replace('_', ' ')} (probed): the HF BF16 "
-                     f"module reference rounds its rotary embedding and attention outputs the same way")
+    rounding = _emulated_rounding(cfg.get("kernel_rounding") if dtype == "bfloat16" else None, model_path,
+                                  progress.say, "module reference")
     for role, dtype in (("baseline", "float32"), ("expected", dtype)):
         want = {"mode": "teacher_forced_stepwise", "attn_implementation": "eager", "module_order": order,
                 "model_given": False,  # a run of a model passed in (a patched fault) is never a reference
@@ -1137,7 +1162,10 @@ def _module_references(st, pstore, progress, tm, model_path, model_hash, rows, p
 
 def _print_result(out, result, reused: dict, st, tgt: Target) -> None:
     runs = result.runs
-    said = [f"{role} {runs[role]} ({'reused' if reused.get(role) else 'captured'})" for role in ("baseline", "expected")]
+    rounds = reused.get("kernel_rounding")
+    how = {"expected": f", rounding FP32 -> BF16 {rounds.replace('_', ' ')} as the target's kernels" if rounds else ""}
+    said = [f"{role} {runs[role]} ({'reused' if reused.get(role) else 'captured'}{how.get(role, '')})"
+            for role in ("baseline", "expected")]
     out("")
     out(f"references: {'; '.join(said)}" + (f"; module references reused: {', '.join(reused['module references'])}"
                                             if reused.get("module references") else ""))

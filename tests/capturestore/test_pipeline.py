@@ -92,6 +92,49 @@ def test_hf_target_passes_then_a_second_release_and_a_copied_model_reuse_the_ref
     assert s.verify().ok
 
 
+def test_a_truncating_target_gets_a_truncating_expected_reference_never_reused_across_roundings(
+        model, prompt_file, tmp_path, capsys, monkeypatch):
+    """A target whose kernels round FP32 -> BF16 toward zero (vLLM-CPU on AVX2, probed by
+    ``EngineTarget.kernel_rounding``; here the HF target made to say so) is judged against an
+    expected reference captured with the same rounding (extractors.kernel_rounding): recorded in
+    the run config, said by ``run``, and a reuse key both ways."""
+    from capturestore.targets import HfTarget
+
+    store = tmp_path / "s"
+    args = ("--model", model, "--prompts", prompt_file, "--target", "hf:bfloat16", "--num-tokens", 3,
+            "--store", store)
+    monkeypatch.setattr(HfTarget, "kernel_rounding", lambda self, dtype: "toward_zero")
+    rc, out, err = _cli(capsys, *args, "--release", "t1")
+    assert rc == 0, out + err
+    assert "the target's kernels round FP32 -> BF16 toward zero (probed)" in out
+    assert "(captured, rounding FP32 -> BF16 toward zero as the target's kernels)" in out
+    runs = _runs(store)
+    exp_t = runs[1]
+    assert (exp_t["dtype"], json.loads(exp_t["config"])["kernel_rounding"]) == ("bfloat16", "toward_zero")
+    assert "kernel_rounding" not in json.loads(runs[0]["config"])  # the FP32 baseline rounds nothing
+
+    monkeypatch.undo()  # a target rounding to nearest: the truncating expected run is not its reference
+    rc, out, err = _cli(capsys, *args, "--release", "n1")
+    assert rc == 0, out + err
+    assert f"baseline {runs[0]['run_id']} (reused); expected" in out and "toward zero" not in out
+    runs = _runs(store)
+    exp_n = runs[3]
+    assert exp_n["dtype"] == "bfloat16" and exp_n["release"] is None
+    assert "kernel_rounding" not in json.loads(exp_n["config"])
+    # the emulation took effect: the two expected runs differ (same model, same teacher tokens)
+    s = Store.open(store)
+    pid = s.prompts(exp_t["run_id"]).to_pylist()[0]["prompt_id"]
+    assert s.read_tokens(exp_t["run_id"], pid).tolist() == s.read_tokens(exp_n["run_id"], pid).tolist()
+    k_t, k_n = (s.read_kv(r["run_id"], pid, layers=[0], as_torch=True)[0].float() for r in (exp_t, exp_n))
+    assert float((k_t != k_n).float().mean()) > 0.2
+
+    monkeypatch.setattr(HfTarget, "kernel_rounding", lambda self, dtype: "toward_zero")  # and back: reused
+    rc, out, err = _cli(capsys, *args, "--release", "t2", "--quiet")
+    assert rc == 0, out + err
+    assert f"expected {exp_t['run_id']} (reused, rounding FP32 -> BF16 toward zero" in out
+    assert len(_runs(store)) == 6
+
+
 class Boom(Comparator):
     name = "boom"
     needs = ("logits",)

@@ -137,6 +137,57 @@ def test_a_failing_comparison_reduces_to_one_prompt_few_tokens_and_the_layers_ne
         assert damage != "store" or not (copy / "store").exists()
 
 
+def test_reduction_reruns_the_expected_reference_with_the_kernel_rounding_its_run_records(case, tmp_path,
+                                                                                          monkeypatch):
+    """Against an expected run captured rounding as vLLM-CPU's AVX2 kernels (``kernel_rounding``
+    ``toward_zero``), the trials and the bundle's expected run round the same way: the bundle's
+    expected tensors equal the reduced model's forward under that rounding (computed here), not
+    the round-to-nearest one."""
+    from extractors.kernel_rounding import kernel_rounding  # the real one: the spy below is undone before use
+
+    st, path, prompts, conts = case.store, case.path, case.prompts, case.conts
+    exp_t = capture_hf_module_run(st, path, prompts, conts, MODULES, dtype="bfloat16", kernel_rounding="toward_zero")
+    act = capture_hf_module_run(st, path, prompts, conts, MODULES, dtype="bfloat16", model=reduce_engines.faulty(path))
+    r = compare_runs(st, baseline_run=case.base, expected_run=exp_t, actual_run=act, logits=False, kv=False,
+                     comparators=["modules"])
+    assert not r.passed
+    out = tmp_path / "bundle"
+    import extractors.kernel_rounding as kr
+
+    modes, real = [], kr.kernel_rounding
+
+    def spy(model, mode):  # which rounding each trial's expected (BF16) reference re-run applied
+        if next(model.parameters()).dtype == torch.bfloat16:
+            modes.append(mode)
+        return real(model, mode)
+
+    monkeypatch.setattr(kr, "kernel_rounding", spy)
+    res = reduce(st, r.comparison_id, FAULTY, out)
+    monkeypatch.undo()
+    assert res.status == "reduced" and res.faulty_exit == 1
+    info = json.loads((out / "case.json").read_text())
+    assert info["kernel_rounding"] == "toward_zero"
+    (p,), (c,) = info["prompts"], info["continuations"]
+    bundle = Store.open(out / "store")
+    rid = info["runs"]["expected"]
+    cfg = json.loads(bundle.sql(f"SELECT config FROM runs WHERE run_id = '{rid}'").column(0)[0].as_py())
+    assert cfg["kernel_rounding"] == "toward_zero"
+    model = load_hf_model(out / "model", "bfloat16")
+    with kernel_rounding(model, "toward_zero"):
+        want, _ = collect_hf_modules(model, [p], [c], info["modules"])
+    near, _ = collect_hf_modules(model, [p], [c], info["modules"])
+    pid = bundle.sql(f"SELECT prompt_id FROM prompts WHERE run_id = '{rid}'").column(0)[0].as_py()
+    differ = 0
+    for key in want[0]:
+        got = np.asarray(bundle.read_tensor(rid, pid, key[0], phase=key[1]), np.float32)
+        got = got.reshape(-1, *got.shape[2:]) if got.ndim > 2 else got
+        assert np.array_equal(got, want[0][key]), key
+        differ += not np.array_equal(got, near[0][key])
+    # (the case reduces to one prompt token: position 0, where no rounding differs; the trials before
+    # it ran on longer cases, each re-running the reference with the recorded rounding)
+    assert set(modes) == {"toward_zero"} and len(modes) == res.trials + 1, (modes, res.trials)  # + the bundle's
+
+
 def test_reduced_checkpoint_refuses_a_layer_count_it_does_not_have(case, tmp_path):
     with pytest.raises(ReductionError, match="cannot keep 4 of its 3 decoder layers"):
         reduced_checkpoint(case.path, tmp_path / "m", 4)

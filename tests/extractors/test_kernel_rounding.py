@@ -7,7 +7,8 @@ real engine: the probe names the rounding the engine's rotary embedding really a
 against the engine's own post-rotary q/k, bit for bit), the nearest-rounding reference fails the
 correct engine exactly where the probe says the kernels truncate, the kernel-rounding reference
 passes it, and a planted attention fault (the softmax scale off by 3%, proven to change the
-engine's output) still fails against it.
+engine's output) still fails against it. And the main job's logits + KV reference: on vLLM's AVX2
+kernel build (a child process), its layer-0 K equals the engine's paged K bit for bit.
 """
 from __future__ import annotations
 
@@ -52,11 +53,16 @@ def _model(path):
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def checkpoint(tmp_path_factory):
+    return _model(tmp_path_factory.mktemp("kernel-rounding") / "llama")
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
     pytest.importorskip("vllm")
     from extractors.vllm_rpc import close_llm, make_llm
 
-    path = _model(tmp_path_factory.mktemp("kernel-rounding") / "llama")
+    path = checkpoint
     llm = make_llm(path, dtype="bfloat16", max_model_len=256, enable_prefix_caching=False)
     yield path, llm
     close_llm(llm)
@@ -137,6 +143,81 @@ def _judge(prompts, base, exp, act, order):
 
 def _verdict(v, module, phase="prefill"):
     return next(m for m in v.modules if m.module == module and m.phase == phase)
+
+
+# the main job in a child process whose vLLM loads its AVX2 kernel build (what an x86 CPU without
+# AVX512 runs; vllm.platforms.cpu picks the build from torch.cpu's ISA checks): on an AVX2 CI
+# machine that is the native build, on an AVX512-BF16 one (which rounds to nearest) it is how a
+# truncating engine is had at all
+_AVX2_RUN = """
+import sys, torch
+torch.cpu._is_avx512_supported = lambda: False
+from capturestore.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.vllm
+def test_main_job_on_a_truncating_engine_gets_a_reference_equal_to_its_kv(checkpoint, tmp_path):
+    """``capturestore run --target vllm`` on vLLM's AVX2 kernels (round toward zero): the probe
+    says so, the BF16 expected logits + KV reference is captured with the same rounding, and the
+    engine's own layer-0 K (its rotary kernel's output, read from its paged cache) equals that
+    reference bit for bit where the round-to-nearest reference differs on most elements; the KV
+    verdict of the same engine run against each reference shows the layer-0 K sigma-ratio drop."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from capturestore import Store
+    from capturestore.analysis import compare_runs
+    from extractors.hf import capture_hf_run
+
+    pytest.importorskip("vllm")
+    if not (torch.backends.cpu.get_cpu_capability() or "").startswith("AVX"):
+        pytest.skip("vLLM's AVX2 kernel build is for x86 CPUs")
+    path = checkpoint  # the engine runs in the child
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"token_ids": p}) + "\n" for p in _prompts()[:3]))
+    store = tmp_path / "store"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    got = subprocess.run([sys.executable, "-c", _AVX2_RUN, "run", "--model", str(path), "--prompts", str(prompts),
+                          "--num-tokens", "4", "--store", str(store), "--target", "vllm"],
+                         capture_output=True, text=True, env=env, timeout=900)
+    assert got.returncode in (0, 1), got.stdout[-3000:] + got.stderr[-3000:]
+    assert "round FP32 -> BF16 toward zero (probed)" in got.stdout, got.stdout[-3000:]
+    st = Store.open(store)
+    runs = {(r["engine"], r["dtype"]): r for r in st.sql("SELECT run_id, engine, dtype, config FROM runs").to_pylist()}
+    base, exp, act = runs["hf", "float32"]["run_id"], runs["hf", "bfloat16"], runs["vllm", "bfloat16"]["run_id"]
+    assert json.loads(exp["config"])["kernel_rounding"] == "toward_zero"
+    assert json.loads(runs["vllm", "bfloat16"]["config"])["kernel_rounding"] == "toward_zero"
+    exp = exp["run_id"]
+    pids = [p["prompt_id"] for p in st.prompts(exp).to_pylist()]
+    lens = [len(p) for p in _prompts()[:3]]
+    teach = [st.read_tokens(exp, pid)[n:].tolist() for pid, n in zip(pids, lens)]
+    near = capture_hf_run(st, path, _prompts()[:3], teacher_tokens=teach, dtype="bfloat16")  # the "before"
+
+    # layer 0 K at the prompt positions (one prefill forward on both sides)
+    ks = {}
+    for name, rid in (("engine", act), ("toward_zero", exp), ("nearest", near)):
+        ks[name] = torch.cat([st.read_kv(rid, pid, layers=[0], as_torch=True)[0][..., :n, :].float().flatten()
+                              for pid, n in zip(pids, lens)])
+    eng = ks["engine"]
+    assert bool(eng.isfinite().all()) and eng.numel() > 10_000
+    equal = {k: float((ks[k] == eng).float().mean()) for k in ("toward_zero", "nearest")}
+    rms = {k: float((ks[k] - eng).pow(2).mean().sqrt()) for k in ("toward_zero", "nearest")}
+    figures = {}
+    for name, rid in (("nearest", near), ("toward_zero", exp)):
+        res = compare_runs(st, expected_run=rid, actual_run=act, baseline_run=base, label=name)
+        row, lv = res.kv_layers[0], res.verdicts["logits"].detail
+        figures[name] = dict(layer=row["layer"], k_sigma=row["k_sigma_ratio"], k_bc=row["k_bc"],
+                             logit_sigma=lv.sigma_ratio, logit_bc=lv.min_bc, passed=res.passed)
+    print(f"layer-0 K equal to the engine's: {equal}; RMS difference {rms}; verdicts {figures}")
+    assert equal["toward_zero"] > 0.999 and equal["nearest"] < 0.8, (equal, rms)
+    assert rms["toward_zero"] < 0.05 * rms["nearest"], rms
+    assert figures["toward_zero"]["passed"], figures
+    assert figures["toward_zero"]["k_sigma"] < figures["nearest"]["k_sigma"], figures
 
 
 def _set_attn_scale(worker, factor):
