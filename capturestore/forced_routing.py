@@ -21,7 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["RoutingDecision", "capture_forced_references", "read_router_logits", "routing_decision"]
+__all__ = ["CONSISTENCY_FACTOR", "RoutingDecision", "capture_forced_references", "logits_routed_alike",
+           "read_router_logits", "routing_decision"]
+
+CONSISTENCY_FACTOR = 8.0
 
 
 @dataclass
@@ -115,6 +118,36 @@ def routing_decision(st, runs: dict, model_path, pids: list[str]) -> RoutingDeci
     return RoutingDecision(True, f"forced: the actual run flipped {n_flip} token-layer expert choices against FP32 "
                                  f"(the expected run {n_noise}), every one explained by BF16 router noise", plan=plan,
                            **counts)
+
+
+def logits_routed_alike(st, act: str, mod_act: str, base: str, exp: str,
+                        pids: list[str]) -> tuple[bool | None, float, float]:
+    """Whether the actual logits/KV run ``act`` routed as its module run ``mod_act`` did (the
+    forcing plan is read from the module run): two executions of the engine, which at a near-tie
+    may route differently (HF: one forward over prompt + teacher tokens against stepwise decode;
+    BF16 rounding differs with the shapes). Both hold the logits of the same positions: they
+    must agree within ``CONSISTENCY_FACTOR`` x the median over tokens of the expected run's BF16
+    logit error ``max_vocab |exp - base|`` (the median: the expected run's own flips sit in its
+    tail); a flip's consequence is far beyond (tiny Mixtral: 3.0 against a median of 0.1). Returns ``(alike, max difference, bar)``; ``alike`` None when the
+    module run holds no logits (vLLM module runs): not checked. A logits run that routed otherwise
+    than the plan then differs from the forced references by a flip's consequence and fails: the
+    check guards against a false FAIL, never a false PASS."""
+    diff, noise = [], []
+    for pid in pids:
+        a = np.asarray(st.read_logits(act, pid), np.float64)
+        try:
+            m = np.asarray(st.read_logits(mod_act, pid), np.float64)
+        except ValueError:
+            return None, float("nan"), float("nan")
+        e, b = (np.asarray(st.read_logits(r, pid), np.float64) for r in (exp, base))
+        n = min(a.shape[0], m.shape[0], e.shape[0], b.shape[0])
+        diff.append(np.abs(a[:n] - m[:n]).max(axis=-1))
+        noise.append(np.abs(e[:n] - b[:n]).max(axis=-1))
+    d, q = np.concatenate(diff), np.concatenate(noise)
+    if not (np.isfinite(d).all() and np.isfinite(q).all()) or not d.size:
+        return False, float("nan"), float("nan")
+    bar = CONSISTENCY_FACTOR * float(np.median(q))
+    return bool(d.max() <= bar), float(d.max()), bar
 
 
 def capture_forced_references(pstore, model_path, model_hash: str, rows, teacher_rows, decision: RoutingDecision,

@@ -145,3 +145,22 @@ def test_routing_on_a_dense_model_is_one_line_exit_2_store_untouched(moe_run, tm
     assert len(lines) == 1 and "not a mixture of experts" in lines[0] and "llama" in lines[0], p.stderr
     assert "Traceback" not in p.stderr
     assert sorted((q.relative_to(moe_run["path"]), q.stat().st_size) for q in moe_run["path"].rglob("*")) == before
+
+
+def test_pipeline_judges_modules_and_logits_against_forced_routing_references(moe_run):
+    """docs/moe.md "Forced routing": the correct engine's flips are all explained, so ``run``
+    captured references with its expert choices forced and judged logits, KV and modules against
+    them; routing itself against the unforced references."""
+    st, res = moe_run["store"], moe_run["result"]
+    row = st.sql(f"SELECT expected_run, baseline_run, comparator_runs FROM comparisons WHERE comparison_id = "
+                 f"'{res.comparison_id}'").to_pylist()[0]
+    runs = json.loads(row["comparator_runs"])
+
+    def cfg(rid):
+        return json.loads(st.sql(f"SELECT config FROM runs WHERE run_id = '{rid}'").to_pylist()[0]["config"])
+
+    act_mod = runs["routing"]["actual"]
+    for rid in (row["expected_run"], row["baseline_run"], runs["modules"]["expected"], runs["modules"]["baseline"]):
+        assert cfg(rid).get("routing_forced_from") == act_mod
+    for role in ("baseline", "expected"):
+        assert "routing_forced_from" not in cfg(runs["routing"][role])
