@@ -24,7 +24,7 @@ import numpy as np
 __all__ = ["CONSISTENCY_FACTOR", "RoutingDecision", "capture_forced_references", "logits_routed_alike",
            "read_router_logits", "routing_decision"]
 
-CONSISTENCY_FACTOR = 8.0
+CONSISTENCY_FACTOR = 2.0
 
 
 @dataclass
@@ -128,10 +128,12 @@ def logits_routed_alike(st, act: str, mod_act: str, base: str, exp: str,
     BF16 rounding differs with the shapes). Both hold the logits of the same positions: they
     must agree within ``CONSISTENCY_FACTOR`` x the median over tokens of the expected run's BF16
     logit error ``max_vocab |exp - base|`` (the median: the expected run's own flips sit in its
-    tail); a flip's consequence is far beyond (tiny Mixtral: 3.0 against a median of 0.1). Returns ``(alike, max difference, bar)``; ``alike`` None when the
-    module run holds no logits (vLLM module runs): not checked. A logits run that routed otherwise
-    than the plan then differs from the forced references by a flip's consequence and fails: the
-    check guards against a false FAIL, never a false PASS."""
+    tail). Measured on the tiny Mixtral, HF SDPA BF16: the same routing differs by 0.06-0.10
+    (one forward against stepwise), the median noise is ~0.16, a differently routed token 0.35-3.0.
+    Returns ``(alike, max difference, bar)``; ``alike`` None when the module run holds no logits
+    (vLLM module runs): not checked. A logits run that routed otherwise than the plan then differs
+    from the forced references by a flip's consequence and fails: the check guards against a false
+    FAIL, never a false PASS."""
     diff, noise = [], []
     for pid in pids:
         a = np.asarray(st.read_logits(act, pid), np.float64)

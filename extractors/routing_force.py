@@ -139,7 +139,8 @@ class ForcedRouting:
         if pos[0] == 0:
             self._prompt += 1
         if not 0 <= self._prompt < len(self.plan.tokens):
-            raise ValueError(f"ForcedRouting: forward of prompt {self._prompt} beyond the plan's {len(self.plan.tokens)}")
+            raise ValueError(f"ForcedRouting: forward of prompt {self._prompt} beyond the plan's "
+                             f"{len(self.plan.tokens)} prompts")
         want = self.plan.tokens[self._prompt]
         got = ids[0].detach().cpu().numpy().tolist()
         if pos[-1] >= len(want) or [want[p] for p in pos] != got:

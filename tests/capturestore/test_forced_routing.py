@@ -17,7 +17,12 @@ import pytest
 
 from capturestore import Store
 from capturestore.analysis import compare_runs
-from capturestore.forced_routing import capture_forced_references, read_router_logits, routing_decision
+from capturestore.forced_routing import (
+    capture_forced_references,
+    logits_routed_alike,
+    read_router_logits,
+    routing_decision,
+)
 from capturestore.pipeline import encode_prompts
 from extractors.hf import capture_hf_run, load_hf_model
 from extractors.models import tiny_model
@@ -142,6 +147,15 @@ def test_explained_flip_fails_without_forcing_and_passes_with_forced_references(
     assert forced is not None and forced.passed is True, {k: v.text for k, v in forced.verdicts.items()}
     assert all(v.passed for v in forced.verdicts.values())
     assert f["stats"]["mod_expected"]["changed"] >= 1 and f["stats"]["mod_baseline"]["changed"] >= 1
+
+
+def test_the_engines_logits_run_routed_as_its_module_run(refs, flip):
+    act, mod_act = flip[:2]
+    alike, diff, bar = logits_routed_alike(refs["st"], act, mod_act, refs["base"], refs["exp"], refs["pids"])
+    assert alike is True and diff < bar
+    # against a run that routed otherwise (the unforced expected: no flip at the near-tie) it is not alike
+    alike, diff, bar = logits_routed_alike(refs["st"], refs["exp"], mod_act, refs["base"], refs["exp"], refs["pids"])
+    assert alike is False and diff > bar
 
 
 def test_forced_references_record_their_source_and_the_forced_expected_is_the_engine(refs, flip):
