@@ -87,7 +87,11 @@ def routing_decision(st, runs: dict, model_path, pids: list[str]) -> RoutingDeci
     data = {m: [] for m in routers}
     for pid in pids:
         for m in routers:
-            b, e, a = (read_router_logits(st, runs[r], pid, m, plens[pid]) for r in ("baseline", "expected", "actual"))
+            try:
+                b, e, a = (read_router_logits(st, runs[r], pid, m, plens[pid])
+                           for r in ("baseline", "expected", "actual"))
+            except (ValueError, KeyError) as err:  # missing evidence: the routing comparator fails it, naming it
+                return RoutingDecision(False, f"not forced: {err}", routers=routers)
             if not (b.shape == e.shape == a.shape) or not all(np.isfinite(x).all() for x in (b, e, a)):
                 return RoutingDecision(False, f"not forced: prompt {pid} {m}: router logits of shapes {b.shape}, "
                                               f"{e.shape}, {a.shape} or not finite", routers=routers)

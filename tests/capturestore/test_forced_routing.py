@@ -249,3 +249,12 @@ def test_an_unexplained_flip_is_never_forced(refs):
                          refs["model"], refs["pids"])
     assert not d.force and d.n_unexplained > 0 and d.plan is None
     assert "not explained" in d.reason
+
+
+def test_missing_router_evidence_is_not_forced_and_named(refs, flip):
+    """A role without router logits (here a logits run in the expected role): nothing forced, the
+    reason names run, module and prompt (the routing comparator then fails that layer)."""
+    d = routing_decision(refs["st"], {"baseline": refs["mb"], "expected": refs["exp"], "actual": flip[1]},
+                         refs["model"], refs["pids"])
+    assert not d.force and d.plan is None
+    assert refs["exp"] in d.reason and refs["r0"] in d.reason and refs["pids"][0] in d.reason
