@@ -39,13 +39,28 @@ source comparison, what was found, the re-runs); the ``comparisons`` row's local
 local one, with ``"local": true`` and ``"isolates"``: the source comparison. The source
 comparison's row is never rewritten (its manifest covers it).
 
-The engine re-run here is HF (a ``transformers`` model: the target passed in, or rebuilt from
-the actual run's checkpoint, dtype and attention implementation). A server target cannot be
-re-run; vLLM replacement through the worker extension is not implemented yet.
+Level 3 (``level3=True``, ``capturestore isolate --level3``; reference/002's module tests on
+real captures): the same re-runs, judging every module even when the comparison passed, with
+RoPE on q/k added as a module of its own (``<attention>.rope``, ``extractors.replace``: HF
+Llama has no rotary module), and the verdicts also written one table per module kind
+(``LEVEL3_KINDS``: ``level3_embedding``, ``level3_rmsnorm``, ``level3_attention``,
+``level3_rope``, ``level3_mlp``, ``level3_decoder_layer``, ``level3_final_norm``,
+``level3_lm_head``; ``module_kind`` names a module's kind from its name). A kind's row is
+``flagged`` when it fails locally and no failing module inside it is of a Level-3 kind: a fault
+in a layer's MLP fails the MLP and may fail its decoder layer too (the layer holds the MLP), but
+is flagged in ``level3_mlp`` only; a fault in a projection is its attention's (or MLP's) own.
+
+The engine re-run is HF (a ``transformers`` model: the target passed in, or rebuilt from the
+actual run's checkpoint, dtype and attention implementation) or vLLM at TP 1 (one engine, passed
+in or built from the run's checkpoint and dtype, re-run with replacement through the worker
+extension: ``extractors.vllm_replace``; the modules judged are those the vLLM run holds). A
+server target cannot be re-run, nor a vLLM target under tensor parallelism; Level 3 is HF only
+(RoPE in vLLM is a module of its own, ``rotary_emb``, not a function to patch).
 """
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -63,6 +78,8 @@ from capturestore.comparators.base import (
 
 __all__ = [
     "ISOLATIONS",
+    "LEVEL3",
+    "LEVEL3_KINDS",
     "MODULE_LOCAL_METRICS",
     "MODULE_LOCAL_VERDICTS",
     "IsolationError",
@@ -70,6 +87,8 @@ __all__ = [
     "checked_runs",
     "held_prompts",
     "isolate",
+    "level3",
+    "module_kind",
     "module_tree",
 ]
 
@@ -92,8 +111,33 @@ ISOLATIONS = TableSpec(pa.schema([
     ("module", _S), ("token", _I), ("engine_reruns", _I), ("reference_reruns", _I), ("levels", _I),
     ("search", _S), ("wall_s", _D),
 ]), 1)
+LEVEL3_KINDS = ("embedding", "rmsnorm", "attention", "rope", "mlp", "decoder_layer", "final_norm", "lm_head")
+LEVEL3 = TableSpec(pa.schema([
+    ("comparison_id", _S), ("source_comparison_id", _S), ("module", _S), ("phase", _S), ("layer", _I),
+    ("passed", _B), ("flagged", _B), ("failing_inside", _S), ("decided_by", _S), ("sigma_ratio", _D), ("bc", _D),
+    ("bc_threshold", _D), ("linf_ratio", _D), ("linf_threshold", _D), ("n_tokens", _I), ("first_token", _I),
+    ("problem", _S), ("inplace_passed", _B),
+]), 1)
 TABLES = {"module_local_metrics": MODULE_LOCAL_METRICS, "module_local_verdicts": MODULE_LOCAL_VERDICTS,
-          "isolations": ISOLATIONS}
+          "isolations": ISOLATIONS, **{f"level3_{k}": LEVEL3 for k in LEVEL3_KINDS}}
+
+_L = r"(?:^|\.)layers\.\d+\."
+_KIND_PATTERNS = (  # first match wins; HF decoder names (Llama, Mistral, Qwen, Gemma, MoE blocks)
+    ("rope", re.compile(_L + r"self_attn\.rope$")),
+    ("rmsnorm", re.compile(_L + r"(?:self_attn\.)?[a-z_]*norm$")),
+    ("attention", re.compile(_L + r"self_attn$")),
+    ("mlp", re.compile(_L + r"(?:mlp|block_sparse_moe|feed_forward)$")),
+    ("decoder_layer", re.compile(r"(?:^|\.)layers\.\d+$")),
+    ("embedding", re.compile(r"(?:^|\.)embed_tokens$")),
+    ("final_norm", re.compile(r"^(?:model\.)?(?:language_model\.)?norm$")),
+    ("lm_head", re.compile(r"(?:^|\.)lm_head$")),
+)
+
+
+def module_kind(module: str) -> str | None:
+    """The Level-3 kind (``LEVEL3_KINDS``) of an HF module name, None for what is no kind of its
+    own (projections, activations, routers: parts of an attention or MLP)."""
+    return next((k for k, pat in _KIND_PATTERNS if pat.search(module)), None)
 
 
 class IsolationTables(Comparator):
@@ -123,6 +167,18 @@ class IsolationResult:
     verdicts: tuple = ()  # metrics.modules.ModuleVerdict of every level, local
     inplace: dict = field(default_factory=dict)  # (module, phase) -> in-place passed (source comparison)
     wall_s: float = 0.0
+    level3: dict | None = None  # kind -> tuple of rows (LEVEL3's columns but the ids); None: not a Level-3 run
+    unchecked: dict = field(default_factory=dict)  # kind -> why it was not checked (Level 3)
+
+    def flagged(self) -> dict:
+        """Level 3: ``{kind: [(module, phase, layer)]}`` of the rows flagged (their own local failure)."""
+        return {k: [(r["module"], r["phase"], r["layer"]) for r in rows if r["flagged"]]
+                for k, rows in (self.level3 or {}).items() if any(r["flagged"] for r in rows)}
+
+    def level3_passed(self) -> bool:
+        """Level 3: every kind judged and no module of any kind fails locally."""
+        return self.level3 is not None and not self.unchecked and all(
+            r["passed"] is True for rows in self.level3.values() for r in rows)
 
     @property
     def found(self):
@@ -131,6 +187,27 @@ class IsolationResult:
             return None
         return next((v for v in self.verdicts if v.module == self.localisation["module"]
                      and v.phase == self.localisation["phase"]), None)
+
+    def level3_summary(self) -> list[str]:
+        """Level 3: one line per kind (modules judged, failing, flagged at which layers)."""
+        out = []
+        for k in LEVEL3_KINDS:
+            if k in self.unchecked:
+                out.append(f"{k}: not checked ({self.unchecked[k]})")
+                continue
+            rows = (self.level3 or {}).get(k, ())
+            if not rows:
+                out.append(f"{k}: no module of this kind captured")
+                continue
+            bad = [r for r in rows if r["passed"] is not True]
+            flag = [r for r in rows if r["flagged"]]
+            text = f"{k}: {len(rows)} module-phase(s) judged, {len(bad)} failing locally"
+            if flag:
+                text += "; flagged: " + ", ".join(
+                    f"{r['module']} ({r['phase']}, layer {r['layer']}, sigma-ratio "
+                    f"{'-' if r['sigma_ratio'] is None else format(r['sigma_ratio'], '.3f')})" for r in flag)
+            out.append(("FAIL " if bad else "PASS ") + text)
+        return out
 
     def summary(self) -> str:
         if self.status == "nothing_to_isolate":
@@ -212,9 +289,13 @@ def checked_runs(store, cid: str, row: dict) -> tuple[dict, dict]:
             raise IsolationError(f"the {role} run {runs[role]} of comparison {cid} holds no module tensors: isolation "
                                  f"needs module captures of all three runs (capturestore run --plugins ...,modules, "
                                  f"or extractors.modules.capture_hf_module_run)")
-    if act["engine"] != "hf":
-        raise IsolationError(f"the actual run {runs['actual']} is a {act['engine']} engine: isolation re-runs HF "
-                             f"engines only so far (vLLM replacement through the worker extension is not implemented)")
+    if act["engine"] not in ("hf", "vllm"):
+        raise IsolationError(f"the actual run {runs['actual']} is a {act['engine']} engine: isolation re-runs HF and "
+                             f"vLLM engines only")
+    if act["engine"] == "vllm" and int(act.get("tp_degree") or 1) > 1:
+        raise IsolationError(f"the actual run {runs['actual']} is a vLLM engine with tensor parallelism "
+                             f"{act['tp_degree']}: replacement through the worker extension supports TP = 1 only "
+                             f"(re-capture the target at TP 1, or an input snapshot: docs/isolate.md)")
     for role in ("expected", "baseline"):
         r = recs[role]
         if r["engine"] != "hf" or r["config"].get("model_given"):
@@ -301,22 +382,22 @@ def _check_reproduced(store, runs, prompts, exp_caps, modules):
 
 
 def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, max_prompts: int | None = None,
-            config=None, progress=None, even_if_passed: bool = False) -> IsolationResult:
+            config=None, progress=None, even_if_passed: bool = False, level3: bool = False) -> IsolationResult:
     """Isolate the failure of ``comparison_id`` (module docstring). target: the engine under test
     (a transformers model; default: rebuilt from the actual run's checkpoint, which a run of a
     model passed in refuses unless ``rebuild``). max_prompts: judge the first N prompts only.
     config: ``metrics.modules.ModuleVerdictConfig``. Raises ``IsolationError`` (a ValueError) on
     what cannot be isolated; a passing comparison returns ``status="nothing_to_isolate"`` and
     stores nothing, unless ``even_if_passed`` (judge every module locally all the same: a
-    correct engine's check that no module fails on the reference's inputs)."""
-    from extractors.hf import load_hf_model
-    from extractors.replace import collect_hf_replaced
-    from metrics.modules import ModuleJudge, first_failing_module, module_layer
-
+    correct engine's check that no module fails on the reference's inputs). level3: Level 3
+    (module docstring; implies ``even_if_passed``; HF targets): RoPE on q/k judged too, tables per kind.
+    A vLLM target (the actual run's engine "vllm", TP 1): ``target`` is the engine (``make_llm``; e.g.
+    carrying a fault installed through the worker extension), default one engine built from the run's
+    checkpoint and dtype for every re-run; only the modules the vLLM run holds are judged."""
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     row = _row(store, comparison_id)
-    if row["passed"] and not even_if_passed:
+    if row["passed"] and not (even_if_passed or level3):
         return IsolationResult(comparison_id, "nothing_to_isolate")
     runs, recs = checked_runs(store, comparison_id, row)
     order = recs["expected"]["config"].get("module_order") or recs["actual"]["config"].get("module_order")
@@ -325,7 +406,72 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     prompts = held_prompts(store, runs, max_prompts)
     if not prompts:
         raise IsolationError(f"comparison {comparison_id}: no prompt is held by all three runs")
-    tgt = _target_model(recs["actual"], runs["actual"], target, rebuild)
+    vllm_target = recs["actual"]["engine"] == "vllm"
+    if vllm_target and level3:
+        raise IsolationError(f"Level 3 judges HF targets only; the actual run {runs['actual']} is vLLM (its RoPE is "
+                             f"the rotary_emb module, not yet judged): run isolate without --level3")
+    if vllm_target:  # the modules vLLM can give under HF names (no lm_head, no act_fn): the actual run's
+        held = set(recs["actual"]["config"].get("module_order") or [])
+        order = [m for m in order if m in held]
+        if not order:
+            raise IsolationError(f"the actual run {runs['actual']} holds none of the expected run's modules")
+    close = None
+    if vllm_target:
+        tgt, close = _vllm_target(recs["actual"], runs["actual"], target, prompts)
+    else:
+        tgt = _target_model(recs["actual"], runs["actual"], target, rebuild)
+    unchecked = {}
+    if level3:
+        from extractors.replace import ROPE_SUFFIX, rope_modules
+
+        order = _with_rope(order, rope_modules(tgt, [m for m in order if module_kind(m) == "attention"]))
+        if not any(m.endswith(ROPE_SUFFIX) for m in order):
+            unchecked["rope"] = (f"the target ({type(tgt).__name__}) has no captured attention calling "
+                                 f"apply_rotary_pos_emb")
+    try:
+        return _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_target, config, say, t0,
+                        level3, unchecked)
+    finally:
+        if close is not None:
+            close()
+
+
+def _vllm_target(rec: dict, rid: str, target, prompts):
+    """(the vLLM engine to re-run, a closer or None): the engine passed in (a vllm ``LLM`` built
+    with ``extractors.vllm_rpc.make_llm``, e.g. carrying a fault installed through the worker
+    extension) or one built from the run's checkpoint and dtype, prefix caching off, closed after."""
+    if target is not None:
+        if not hasattr(target, "llm_engine"):
+            raise IsolationError(f"the actual run {rid} is a vLLM engine but the target passed in is a "
+                                 f"{type(target).__name__}, not a vllm LLM (extractors.vllm_rpc.make_llm)")
+        return target, None
+    from extractors.vllm_rpc import close_llm, make_llm
+
+    longest = max(len(p) + len(c) for _, p, c in prompts)
+    llm = make_llm(rec["model_path"], dtype=rec["dtype"], enable_prefix_caching=False,
+                   max_model_len=max(256, longest + 16))
+    return llm, lambda: close_llm(llm)
+
+
+def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_target, config, say, t0,
+             level3, unchecked):
+    from extractors.hf import load_hf_model
+    from extractors.replace import ROPE_SUFFIX, collect_hf_replaced
+    from metrics.modules import ModuleJudge, first_failing_module, module_layer
+
+    if vllm_target:
+        from extractors.vllm_replace import collect_vllm_replaced
+
+        def rerun_target(P, C, mods, sources):
+            try:
+                return [(c,) for c, _ in collect_vllm_replaced(tgt, P, C, mods, replace_inputs=mods, sources=sources,
+                                                               what="expected reference")]
+            except ValueError as e:
+                raise IsolationError(f"re-running the vLLM target of run {runs['actual']}: {e}") from None
+    else:
+        def rerun_target(P, C, mods, sources):
+            return collect_hf_replaced(tgt, P, C, mods, replace_inputs=mods, sources=sources,
+                                       what="expected reference")
     say(f"loading the references: FP32 {recs['baseline']['model_path']}, {recs['expected']['dtype']} "
         f"{recs['expected']['model_path']}")
     base_model = load_hf_model(recs["baseline"]["model_path"], "float32")
@@ -341,10 +487,10 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     say(f"BF16 reference re-run capturing the inputs of {len(order)} modules")
     exp_caps = [c for c, _, _ in collect_hf_replaced(exp_model, P, C, order, inputs=True)]
     ref_reruns += 1
-    _check_reproduced(store, runs, prompts[:1], exp_caps[:1], order)
+    _check_reproduced(store, runs, prompts[:1], exp_caps[:1], [m for m in order if not m.endswith(ROPE_SUFFIX)])
     for level, mods in enumerate(levels, start=1):
         say(f"level {level}: {len(mods)} module(s) on the expected reference's inputs")
-        act = collect_hf_replaced(tgt, P, C, mods, replace_inputs=mods, sources=exp_caps, what="expected reference")
+        act = rerun_target(P, C, mods, exp_caps)
         engine_reruns += 1
         base = collect_hf_replaced(base_model, P, C, mods, replace_inputs=mods, sources=exp_caps,
                                    what="expected reference")
@@ -385,14 +531,65 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     if found is not None:
         loc = {"phase": found.phase, "layer": found.layer, "module": found.module, "token": found.token,
                "local": True, "isolates": comparison_id}
+    kinds = _level3_rows([v for _, v in verdicts], tree, inplace) if level3 else None
     cid = _store(store, comparison_id, row, runs, prompts, status, loc, search, verdicts, metric_rows, inplace, rank,
-                 engine_reruns, ref_reruns, wall)
+                 engine_reruns, ref_reruns, wall, kinds)
     return IsolationResult(comparison_id, status, cid, loc, engine_reruns, ref_reruns, tuple(search),
-                           tuple(v for _, v in verdicts), {k: v[0] for k, v in inplace.items()}, wall)
+                           tuple(v for _, v in verdicts), {k: v[0] for k, v in inplace.items()}, wall,
+                           None if kinds is None else {k: tuple(r) for k, r in kinds.items()}, unchecked)
+
+
+def level3(store, comparison_id: str, target=None, **kwargs) -> IsolationResult:
+    """Level 3 on real captures: ``isolate(..., level3=True)`` (module docstring)."""
+    return isolate(store, comparison_id, target, level3=True, **kwargs)
+
+
+def _with_rope(order, ropes) -> list:
+    """``order`` with each ``<attention>.rope`` placed where it runs: before its attention's output
+    projection (after q/k/v), else just before the attention."""
+    out = list(order)
+    for r in ropes:
+        attn = r[:-len(".rope")]
+        at = next((i for i, m in enumerate(out) if m.startswith(attn + ".") and m.rsplit(".", 1)[-1] in
+                   ("o_proj", "out_proj", "dense")), out.index(attn))
+        out.insert(at, r)
+    return out
+
+
+def _descendants(tree, m):
+    for c in tree.get(m, []):
+        yield c
+        yield from _descendants(tree, c)
+
+
+def _level3_rows(verdicts, tree, inplace) -> dict:
+    """``{kind: [row]}``: every judged module of a Level-3 kind; ``flagged`` when it fails locally
+    and no module inside it of a Level-3 kind fails in the same phase (``failing_inside``: the
+    first that does)."""
+    _f = finite_or_null
+    by = {(v.module, v.phase): v for v in verdicts}
+    out: dict = {k: [] for k in LEVEL3_KINDS}
+    for v in verdicts:
+        kind = module_kind(v.module)
+        if kind is None:
+            continue
+        inside = next((d for d in _descendants(tree, v.module) if module_kind(d) is not None
+                       and (d, v.phase) in by and by[(d, v.phase)].passed is not True), None)
+        t = v.tensor
+        out[kind].append({
+            "module": v.module, "phase": v.phase, "layer": v.layer, "passed": v.passed,
+            "flagged": v.passed is not True and inside is None, "failing_inside": inside,
+            "decided_by": v.decided_by, "sigma_ratio": _f(t.sigma_ratio) if t else None, "bc": _f(t.bc) if t else None,
+            "bc_threshold": _f(t.bc_threshold_used) if t else None, "linf_ratio": _f(t.linf_ratio) if t else None,
+            "linf_threshold": _f(t.linf_threshold_used) if t else None, "n_tokens": v.n_tokens,
+            "first_token": v.token, "problem": v.problem,
+            "inplace_passed": inplace.get((v.module, v.phase), (None, None))[0],
+        })
+    return out
 
 
 def _store(store, source, row, runs, prompts, status, loc, search, verdicts, metric_rows, inplace, rank,
-           engine_reruns, ref_reruns, wall) -> str:
+           engine_reruns, ref_reruns, wall, kinds=None) -> str:
     from capturestore.comparators import declared_tables
     from capturestore.comparators.base import COMPARISONS_SCHEMA_VERSION, to_arrow
     from capturestore.integrity import commit_comparison
@@ -427,9 +624,13 @@ def _store(store, source, row, runs, prompts, status, loc, search, verdicts, met
     staged = {"module_local_metrics": to_arrow(metric_rows, MODULE_LOCAL_METRICS, "module_local_metrics"),
               "module_local_verdicts": to_arrow([vrows], MODULE_LOCAL_VERDICTS, "module_local_verdicts"),
               "isolations": to_arrow([iso], ISOLATIONS, "isolations")}
+    for kind, rows in (kinds or {}).items():
+        staged[f"level3_{kind}"] = to_arrow([[{"comparison_id": cid, "source_comparison_id": source, **r}
+                                              for r in rows]], LEVEL3, f"level3_{kind}")
     staged = {t: x for t, x in staged.items() if x.num_rows}
     spec = declared_tables()["comparisons"]
-    crow = {"comparison_id": cid, "label": f"isolate {source}", "created_at": datetime.now(UTC),
+    crow = {"comparison_id": cid, "label": f"{'level3' if kinds is not None else 'isolate'} {source}",
+            "created_at": datetime.now(UTC),
             "baseline_run": runs["baseline"], "expected_run": runs["expected"], "actual_run": runs["actual"],
             "three_way": True, "n_prompts": len(prompts), "models_differ": bool(row.get("models_differ")),
             "passed": status != "found",

@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["ReductionError", "ReductionResult", "add_arguments", "cmd_reduce", "cmd_reproduce", "reduce",
-           "reduced_checkpoint", "reproduce"]
+           "checkpoint_layers", "reduced_checkpoint", "reproduce"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 
@@ -113,12 +113,16 @@ def _engine_name(engine) -> str | None:
         return engine
     name = f"{getattr(engine, '__module__', '')}:{getattr(engine, '__qualname__', '')}"
     try:
-        return name if _import_engine(name) is engine else None
+        return name if _resolve_engine(name) is engine else None
     except ReductionError:
         return None
 
 
 def _import_engine(spec: str):
+    return _checked_engine(_resolve_engine(spec), spec)
+
+
+def _resolve_engine(spec: str):
     mod, _, attr = spec.partition(":")
     if not mod or not attr:
         raise ReductionError(f"engine {spec!r}: give MODULE:FUNCTION (a function taking the model directory and "
@@ -132,6 +136,64 @@ def _import_engine(spec: str):
     if not callable(obj):
         raise ReductionError(f"engine {spec!r} is not callable")
     return obj
+
+
+def _checked_engine(obj, what):
+    """``obj`` when it can be called with one argument (the model directory); ReductionError else."""
+    import inspect
+
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):  # a builtin without a signature: it is tried as it is
+        return obj
+    try:
+        sig.bind("model_dir")
+    except TypeError as e:
+        raise ReductionError(f"engine {what!r} cannot be called with the model directory alone ({sig}: {e}); give "
+                             f"a function taking the model directory and returning the engine under test") from None
+    return obj
+
+
+def _built(build, path, what):
+    """``build(path)``, checked to be a torch module (the engine under test)."""
+    import torch
+
+    model = build(str(path))
+    if not isinstance(model, torch.nn.Module):
+        raise ReductionError(f"engine {what!r} returned a {type(model).__name__} for {path}, not a model "
+                             f"(a torch.nn.Module)")
+    return model
+
+
+def checkpoint_layers(model_dir) -> int:
+    """The number of decoder layers of the checkpoint ``model_dir`` (its config.json's
+    ``layer_types`` or ``num_hidden_layers``, under ``text_config`` where the model keeps its
+    text decoder's config there); ReductionError naming the file when it says neither."""
+    path = Path(model_dir) / "config.json"
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ReductionError(f"{path}: cannot read the checkpoint's config ({e})") from None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    n = len(text.get("layer_types") or []) or text.get("num_hidden_layers")
+    if not isinstance(n, int) or n < 1:
+        raise ReductionError(f"{path}: no decoder layer count (num_hidden_layers or layer_types"
+                             f"{', under text_config' if text is not cfg else ''})")
+    return n
+
+
+def _decoder_layers(model):
+    """``(holder, attribute)`` of the model's decoder-layer list (a text model's ``model.layers``,
+    a multimodal model's ``language_model.layers``); None when neither is there."""
+    import torch
+
+    for path in ("model", "model.language_model", "language_model.model", "language_model"):
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None and isinstance(getattr(obj, "layers", None), torch.nn.ModuleList):
+            return obj
+    return None
 
 
 def _hf_engine(dtype: str, attn: str):
@@ -149,7 +211,8 @@ def _build_engine(engine, default: dict):
     ``default`` (``{"dtype", "attn_implementation"}``)."""
     if engine is None:
         return _hf_engine(default["dtype"], default.get("attn_implementation") or "eager")
-    return _import_engine(engine) if isinstance(engine, str) else engine
+    return _import_engine(engine) if isinstance(engine, str) else _checked_engine(engine, _engine_name(engine) or
+                                                                                    repr(engine))
 
 
 def reduced_checkpoint(model_dir, out, layers: int) -> Path:
@@ -160,13 +223,19 @@ def reduced_checkpoint(model_dir, out, layers: int) -> Path:
 
     model_dir, out = Path(model_dir), Path(out)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto")
-    n = len(model.model.layers)
+    holder = _decoder_layers(model)
+    if holder is None:
+        raise ReductionError(f"{model_dir}: {type(model).__name__} keeps its decoder layers where reduce does not "
+                             f"look (model.layers, model.language_model.layers): its layers cannot be cut")
+    n = len(holder.layers)
     if not 1 <= layers <= n:
         raise ReductionError(f"{model_dir}: cannot keep {layers} of its {n} decoder layers")
-    model.model.layers = torch.nn.ModuleList(list(model.model.layers)[:layers])
-    model.config.num_hidden_layers = layers
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = list(model.config.layer_types)[:layers]
+    holder.layers = torch.nn.ModuleList(list(holder.layers)[:layers])
+    for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        if hasattr(cfg, "num_hidden_layers"):
+            cfg.num_hidden_layers = layers
+        if getattr(cfg, "layer_types", None):
+            cfg.layer_types = list(cfg.layer_types)[:layers]
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out))
     for f in model_dir.iterdir():
@@ -220,6 +289,7 @@ class _Trials:
     def __init__(self, model_dir, work: Path, engine, exp_dtype, order, failure, say):
         self.model_dir, self.work, self.engine, self.exp_dtype = Path(model_dir), work, engine, exp_dtype
         self.order, self.failure, self.say, self.n = order, failure, say, 0
+        self.engine_name = getattr(engine, "__qualname__", repr(engine))
         self._models: dict = {}
         self._seen: dict = {}  # Case -> fails (the searches ask some cases twice)
 
@@ -236,8 +306,12 @@ class _Trials:
             if path != self.model_dir and not path.exists():
                 reduced_checkpoint(self.model_dir, path, layers)
             self._models.clear()  # one layer count at a time: the tiny models are cheap, memory is not
-            self._models[layers] = (load_hf_model(path, "float32"), load_hf_model(path, self.exp_dtype),
-                                    self.engine(str(path)))
+            try:
+                refs = (load_hf_model(path, "float32"), load_hf_model(path, self.exp_dtype))
+            except Exception as e:  # noqa: BLE001 - transformers' loaders raise many kinds: one line naming it
+                raise ReductionError(f"cannot load the reference checkpoint {path}: {type(e).__name__}: "
+                                     f"{str(e).splitlines()[0] if str(e) else ''}") from None
+            self._models[layers] = (*refs, _built(self.engine, path, self.engine_name))
         return self._models[layers]
 
     def fails(self, case: Case, full: int) -> bool:
@@ -378,7 +452,7 @@ def reproduce(bundle, engine=None, progress=None) -> tuple[int, str]:
             caps.append(got)
         refs.append(tuple(caps))
     say(f"engine {engine or 'HF ' + info['actual']['dtype']} on {bundle / 'model'}: {case.size()}")
-    verdict = _judge(refs, build(str(bundle / "model")), case, mods)
+    verdict = _judge(refs, _built(build, bundle / "model", engine or "HF"), case, mods)
     f = verdict.first_failing
     if f is None:
         if verdict.passed is not True:  # nothing failed, but not everything was judged: not a pass
@@ -438,8 +512,7 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, pr
     build = _build_engine(engine, default)
     prompts = held_prompts(store, runs)
     model_dir = Path(recs["expected"]["model_path"])
-    full = len(json.loads((model_dir / "config.json").read_text()).get("layer_types") or []) or \
-        int(json.loads((model_dir / "config.json").read_text())["num_hidden_layers"])
+    full = checkpoint_layers(model_dir)
     start = Case(tuple(tuple(p) for _, p, _ in prompts), tuple(tuple(c) for _, _, c in prompts), full)
     work = out / ".work"
     work.mkdir(parents=True, exist_ok=True)

@@ -57,7 +57,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from extractors.modules import DEFAULT_MODULES, INPUT_SUFFIX, first_tensor, modules_of
+from extractors.modules import DEFAULT_MODULES, INPUT_SUFFIX, first_tensor, module_input, modules_of
 
 __all__ = ["EngineCapture", "RequestCapture", "nan_padded", "write_module_run"]
 
@@ -193,7 +193,7 @@ class EngineCapture:
         self._handles.append(self.model.register_forward_pre_hook(self._begin, with_kwargs=True))
         self._handles.append(self.model.register_forward_hook(self._end, with_kwargs=True))
         for name in self.modules:
-            self._handles.append(mods[name].register_forward_hook(self._hook(name)))
+            self._handles.append(mods[name].register_forward_hook(self._hook(name), with_kwargs=True))
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
@@ -268,14 +268,14 @@ class EngineCapture:
             steps.append(t)
 
     def _hook(self, name: str):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             if threading.current_thread() is not self._thread or self._cur is None or name in self._seen:
                 return
             self._seen.add(name)
             if name not in self._order:
                 self._order.append(name)
             if self.inputs:
-                t = first_tensor(args)
+                t, _ = module_input(args, kwargs)  # positional or keyword (HF attention: hidden_states=)
                 if t is not None:
                     self._keep(name + INPUT_SUFFIX, self._take(t))
             t = first_tensor(output)
@@ -321,6 +321,7 @@ def write_module_run(store, model_path, requests: Sequence[tuple], dtype: str, *
 
     from extractors.models import model_content_hash
     from extractors.modules import MODULE_LOGITS_LAYOUT, MODULE_TENSOR_LAYOUT, write_prompt_modules
+    from extractors.routing import routing_run_config
 
     if not requests:
         raise ValueError("write_module_run: no requests")
@@ -349,7 +350,7 @@ def write_module_run(store, model_path, requests: Sequence[tuple], dtype: str, *
            **({"capture": "teacher_forced_decode", "layer_names": kv_names,
                "kv_layout": "[layer, kv_head, seq, head_dim]; seq index == position; the engine's cache contents, "
                             "NaN at positions not fed (the last continuation token)"} if kv_names else {}),
-           **(config or {})}
+           **routing_run_config(model_path), **(config or {})}
     run = store.begin_run(engine=engine, model_path=str(Path(model_path)),
                           model_hash=model_hash or model_content_hash(model_path), dtype=dtype, device=device,
                           engine_version=engine_version, release=release, config=cfg)

@@ -11,12 +11,17 @@ model's output (``tests/capturestore/test_isolate.py`` compares the faulty captu
 - ``kv_slot``: in layer ``layer``'s decode forwards the new token's K/V are also written into the
   previous position's slot (an off-by-one cache write: the previous token's K/V are lost).
 - ``v_head``: layer ``layer``'s V of KV head ``head`` x ``1 + size`` (its v_proj output slice).
+- ``rope_pos``: layer ``layer``'s RoPE positions ``+ size`` in every forward (its attention gets
+  the rotary embedding of shifted positions: a per-layer RoPE position offset); sits in
+  ``model.layers.<layer>.self_attn.rope`` (``extractors.replace``'s RoPE pseudo-module).
+- ``layer_norm_eps``: layer ``layer``'s input RMSNorm epsilon set to ``size``.
+- ``lm_head``: the LM head's output (the logits) x ``1 + size``.
 """
 from __future__ import annotations
 
 __all__ = ["FAULT_KINDS", "install_hf_fault"]
 
-FAULT_KINDS = ("mlp", "softmax", "decode_pos", "norm_eps", "kv_slot", "v_head")
+FAULT_KINDS = ("mlp", "softmax", "decode_pos", "norm_eps", "kv_slot", "v_head", "rope_pos", "layer_norm_eps", "lm_head")
 
 
 class _WrongSlotCache:
@@ -41,7 +46,8 @@ def install_hf_fault(model, kind: str, layer: int | None = None, size: float = 0
     """Install fault ``kind`` (module docstring) on ``model``; returns the name of the module it
     sits in (where isolation should find it)."""
     layers = model.model.layers
-    if kind in ("mlp", "softmax", "kv_slot", "v_head") and not (layer is not None and 0 <= layer < len(layers)):
+    per_layer = ("mlp", "softmax", "kv_slot", "v_head", "rope_pos", "layer_norm_eps")
+    if kind in per_layer and not (layer is not None and 0 <= layer < len(layers)):
         raise ValueError(f"fault {kind}: layer {layer} outside the model's {len(layers)} decoder layers")
     if kind == "mlp":
         layers[layer].mlp.register_forward_hook(lambda mod, a, o: o * (1.0 + size))
@@ -79,4 +85,22 @@ def install_hf_fault(model, kind: str, layer: int | None = None, size: float = 0
             return o
         attn.v_proj.register_forward_hook(scale)
         return f"model.layers.{layer}.self_attn.v_proj"
+    if kind == "rope_pos":
+        rotary = model.model.rotary_emb
+
+        def shifted(mod, args, kwargs):
+            pos, x = kwargs.get("position_ids"), kwargs.get("hidden_states")
+            if pos is None or x is None:
+                raise ValueError("fault rope_pos: the attention was called without position_ids/hidden_states")
+            kwargs["position_embeddings"] = rotary(x, pos + int(size))
+            return args, kwargs
+        layers[layer].self_attn.register_forward_pre_hook(shifted, with_kwargs=True)
+        return f"model.layers.{layer}.self_attn.rope"
+    if kind == "layer_norm_eps":
+        norm = layers[layer].input_layernorm
+        setattr(norm, "variance_epsilon" if hasattr(norm, "variance_epsilon") else "eps", size)
+        return f"model.layers.{layer}.input_layernorm"
+    if kind == "lm_head":
+        model.lm_head.register_forward_hook(lambda mod, a, o: o * (1.0 + size))
+        return "lm_head"
     raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(FAULT_KINDS)}")

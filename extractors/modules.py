@@ -42,6 +42,7 @@ __all__ = [
     "PHASES",
     "resolve_modules",
     "ModuleHooks",
+    "module_input",
     "capture_hf_modules",
     "capture_hf_module_run",
     "collect_hf_modules",
@@ -108,9 +109,30 @@ def first_tensor(x):
     return None
 
 
+def module_input(args, kwargs):
+    """The tensor a module takes as its input and where it was: ``(tensor, ("arg", 0))`` for its
+    first positional argument when that is a tensor, else ``(tensor, ("kw", name))`` for its
+    ``hidden_states`` keyword (HF calls attention with keywords), else for its only tensor
+    keyword argument; ``(None, None)`` when none is (or several tensor keywords, none of them
+    ``hidden_states``: which one is the input would be a guess)."""
+    import torch
+
+    if args and torch.is_tensor(args[0]):
+        return args[0], ("arg", 0)
+    kwargs = kwargs or {}
+    x = kwargs.get("hidden_states")
+    if torch.is_tensor(x):
+        return x, ("kw", "hidden_states")
+    tensors = [k for k, v in kwargs.items() if torch.is_tensor(v)]
+    if len(tensors) == 1:
+        return kwargs[tensors[0]], ("kw", tensors[0])
+    return None, None
+
+
 class ModuleHooks:
     """Forward hooks on ``modules`` of ``model`` that hand each output (``[batch, token, ...]``,
-    batch row 0 kept) to ``sink(module, phase, step, tensor)`` as a clone. Set ``phase`` and
+    batch row 0 kept) to ``sink(module, phase, step, tensor)`` as a clone (and, ``inputs=True``, its
+input under ``module:input``: ``module_input``, positional or keyword). Set ``phase`` and
     ``step`` before each forward. ``order``: modules in the order their outputs were first
     produced (execution order: a parent finishes after its children). Use as a context manager.
     Only forwards of the thread that entered it are captured (a streamed model runs the forwards
@@ -129,7 +151,7 @@ class ModuleHooks:
         self._seen.clear()
 
     def _hook(self, name: str):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             if threading.current_thread() is not self._thread:
                 return  # another capture's forward through the same (streamed, shared) model
             if name in self._seen:
@@ -138,7 +160,7 @@ class ModuleHooks:
             if name not in self.order:
                 self.order.append(name)
             if self.inputs:
-                t = first_tensor(args)
+                t, _ = module_input(args, kwargs)  # positional or keyword (HF attention: hidden_states=)
                 if t is not None:
                     self.sink(name + INPUT_SUFFIX, self.phase, self.step, _prompt_rows(t))
             t = first_tensor(output)
@@ -150,7 +172,7 @@ class ModuleHooks:
         self._thread = threading.current_thread()
         mods = dict(self.model.named_modules())
         for name in self.modules:
-            self._handles.append(mods[name].register_forward_hook(self._hook(name)))
+            self._handles.append(mods[name].register_forward_hook(self._hook(name), with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -309,6 +331,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
         return capture_hf_modules(model, prompt_rows[i], teacher_rows[i], sink, names, inputs=inputs)
 
     from extractors.kernel_rounding import kernel_rounding as rounding_as
+    from extractors.routing import routing_run_config
 
     run = None
     with PeakMemory(device) as peak, rounding_as(model, kernel_rounding):
@@ -343,6 +366,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
                     "model_given": model_given,  # a model passed in (e.g. a patched fault) is never a reference
                     **({"kernel_rounding": kernel_rounding} if kernel_rounding not in (None, "nearest") else {}),
                     **reference_config(device, info["path"], info["groups"], plan),
+                    **routing_run_config(model_path),  # MoE: top_k and experts, so the store judges routing alone
                     **(config or {}),
                 }
                 run = store.begin_run(engine="hf", model_path=str(Path(model_path)),

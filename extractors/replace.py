@@ -12,10 +12,19 @@ positions ``0 .. P-1``) then ``decode`` step n feeding continuation token n at `
 source is one dict per prompt ``{(module, phase): array [token, ...]}`` (decode steps stacked in
 step order, as ``collect_hf_modules`` returns them); the rows of the forward being run are
 taken from it (prefill: all of them, decode step n: row n) and cast to the dtype of the tensor
-they replace (a BF16 reference's values are exact in FP32 and back). A module's input is its
-first positional tensor argument, else its ``hidden_states`` keyword (HF calls attention with
-keywords); a module whose input is not a floating tensor (the embedding's token ids) is not
-replaced. A shape that differs from the tensor replaced, or a source lacking the rows of a
+they replace (a BF16 reference's values are exact in FP32 and back). A module's input is
+``extractors.modules.module_input``: its first positional tensor argument, else its
+``hidden_states`` keyword (HF calls attention with keywords), else its only tensor keyword; a
+module whose input is not a floating tensor (the embedding's token ids) is not replaced.
+
+RoPE on q/k: HF Llama-like attention has no rotary module; it calls the function
+``apply_rotary_pos_emb(q, k, cos, sin)`` of its modeling module. The pseudo-module
+``<attention>.rope`` (``ROPE_SUFFIX``; e.g. ``model.layers.1.self_attn.rope``) is that call in
+that attention: captured and replaced like a module, its input the q and k before rotation and
+its output after, as one tensor ``[token, q_heads + kv_heads, head_dim]`` (q's heads, then k's).
+Replacing its input feeds the reference's q/k to the model's own rotation (its own cos/sin: a
+position or frequency bug stays in). The function is patched in the modeling module while the
+hooks are entered and restored on exit. A shape that differs from the tensor replaced, or a source lacking the rows of a
 forward, raises ``ValueError`` naming the module, phase and step.
 
 Every replacement is counted (``ReplaceHooks.replaced``): a caller can prove that each module
@@ -28,19 +37,27 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Self
 
-__all__ = ["ReplaceHooks", "collect_hf_replaced", "module_input", "run_hf_replaced"]
+from extractors.modules import module_input
+
+__all__ = ["ROPE_SUFFIX", "ReplaceHooks", "collect_hf_replaced", "module_input", "rope_modules", "run_hf_replaced"]
+
+ROPE_SUFFIX = ".rope"
+_ROPE_FN = "apply_rotary_pos_emb"
 
 
-def module_input(args, kwargs):
-    """The tensor a module takes as its input: first positional tensor, else ``hidden_states``."""
-    import torch
+def _rope_function_home(attn):
+    """The modeling module whose ``apply_rotary_pos_emb`` ``attn``'s forward calls (None: none)."""
+    import sys
 
-    if args and torch.is_tensor(args[0]):
-        return args[0], ("arg", 0)
-    x = kwargs.get("hidden_states")
-    if torch.is_tensor(x):
-        return x, ("kw", "hidden_states")
-    return None, None
+    home = sys.modules.get(type(attn).__module__)
+    return home if home is not None and callable(getattr(home, _ROPE_FN, None)) else None
+
+
+def rope_modules(model, attentions: Sequence[str]) -> list[str]:
+    """``<attention>.rope`` for each of ``attentions`` (module names) whose class calls an
+    ``apply_rotary_pos_emb`` of its modeling module (module docstring)."""
+    mods = dict(model.named_modules())
+    return [a + ROPE_SUFFIX for a in attentions if a in mods and _rope_function_home(mods[a]) is not None]
 
 
 class ReplaceHooks:
@@ -67,11 +84,58 @@ class ReplaceHooks:
         self._pre_seen: set[str] = set()
         self._seen: set[str] = set()
         self._handles: list = []
+        self._rope_of: dict[str, str] = {}  # attention module -> its rope pseudo-module
+        self._rope_now: list[str] = []  # the attention(s) running now (innermost last)
+        self._patched: list = []  # (modeling module, original apply_rotary_pos_emb)
 
     def new_forward(self, phase: str, step: int) -> None:
         self.phase, self.step = phase, int(step)
         self._pre_seen.clear()
         self._seen.clear()
+
+    def _rope_wrapper(self, orig):
+        import torch
+
+        def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+            name = self._rope_of.get(self._rope_now[-1]) if self._rope_now else None
+            if name is None or name in self._pre_seen:
+                return orig(q, k, cos, sin, *args, **kwargs)
+            self._pre_seen.add(name)
+            hq = q.shape[1]
+            x = torch.cat([q, k], dim=1).transpose(1, 2)  # [batch, token, q_heads + kv_heads, head_dim]
+            if name in self.replace_inputs:
+                x = self._take(name, x, "input")
+                key = (name, "input")
+                self.replaced[key] = self.replaced.get(key, 0) + 1
+                xt = x.transpose(1, 2)
+                q, k = xt[:, :hq].contiguous(), xt[:, hq:].contiguous()
+            if self.inputs and name in self._capture_set:
+                self.sink(name + ":input", self.phase, self.step, x.detach()[0].to("cpu", copy=True))
+            qo, ko = orig(q, k, cos, sin, *args, **kwargs)
+            y = torch.cat([qo, ko], dim=1).transpose(1, 2)
+            if name in self._capture_set:
+                if name not in self.order:
+                    self.order.append(name)
+                self.sink(name, self.phase, self.step, y.detach()[0].to("cpu", copy=True))
+            if name in self.replace_outputs:
+                y = self._take(name, y, "output")
+                key = (name, "output")
+                self.replaced[key] = self.replaced.get(key, 0) + 1
+                yt = y.transpose(1, 2)
+                qo, ko = yt[:, :hq].contiguous(), yt[:, hq:].contiguous()
+            return qo, ko
+        return apply_rotary_pos_emb
+
+    def _attn_enter(self, attn: str):
+        def hook(module, args, kwargs):
+            self._rope_now.append(attn)
+        return hook
+
+    def _attn_exit(self, attn: str):
+        def hook(module, args, output):
+            if self._rope_now and self._rope_now[-1] == attn:
+                self._rope_now.pop()
+        return hook
 
     def _take(self, name: str, like, kind: str):
         new = self.source(name, self.phase, self.step, like, kind)
@@ -127,10 +191,28 @@ class ReplaceHooks:
         self._capture_set = set(self.capture)
         wanted = [*self.capture, *sorted(self.replace_inputs - set(self.capture)),
                   *sorted(self.replace_outputs - set(self.capture) - self.replace_inputs)]
-        missing = [n for n in wanted if n not in mods]
+        ropes = [n for n in wanted if n.endswith(ROPE_SUFFIX) and n not in mods]
+        missing = [n for n in wanted if n not in mods and not (n in ropes and n[:-len(ROPE_SUFFIX)] in mods)]
         if missing:
             raise ValueError(f"tensor replacement: the model ({type(self.model).__name__}) has no module(s) {missing[:4]}")
+        homes = {}
+        for r in ropes:
+            attn = r[:-len(ROPE_SUFFIX)]
+            home = _rope_function_home(mods[attn])
+            if home is None:
+                raise ValueError(f"tensor replacement: {attn} ({type(mods[attn]).__name__}) calls no "
+                                 f"{_ROPE_FN} of its modeling module: {r} cannot be hooked")
+            homes[id(home)] = home
+            self._rope_of[attn] = r
+            self._handles.append(mods[attn].register_forward_pre_hook(self._attn_enter(attn), with_kwargs=True))
+            self._handles.append(mods[attn].register_forward_hook(self._attn_exit(attn)))
+        for home in homes.values():
+            orig = getattr(home, _ROPE_FN)
+            self._patched.append((home, orig))
+            setattr(home, _ROPE_FN, self._rope_wrapper(orig))
         for name in wanted:
+            if name in ropes:
+                continue
             self._handles.append(mods[name].register_forward_pre_hook(self._pre(name), with_kwargs=True))
             self._handles.append(mods[name].register_forward_hook(self._post(name)))
         return self
@@ -139,6 +221,11 @@ class ReplaceHooks:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for home, orig in reversed(self._patched):
+            setattr(home, _ROPE_FN, orig)
+        self._patched.clear()
+        self._rope_of.clear()
+        self._rope_now.clear()
 
 
 def _dict_source(caps: Mapping, what: str):

@@ -12,12 +12,18 @@ available on CPU (docs/moe.md).
 ``ROUTERS``: HF ``model_type`` -> the router modules' pattern and the config keys of the number
 of experts and of the experts per token. A MoE architecture plugs in by one entry here (and, for
 vLLM, its names in ``extractors.vllm_modules.VLLM_TO_HF``).
+
+Every module run of a MoE model records ``routing`` (``n_experts``, ``top_k``, ``router_pattern``)
+in its run config (``routing_run_config``, called by the HF, vLLM and own-engine module captures),
+so the routing comparator judges a store without the model folder.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["ROUTERS", "RouterSpec", "router_spec", "routing_patterns"]
+__all__ = ["ROUTERS", "RouterSpec", "router_spec", "routing_patterns", "routing_run_config"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +61,17 @@ def routing_patterns(config: dict, patterns=()) -> tuple[str, ...]:
     """``patterns`` plus the model's router modules (ValueError for a model without a router)."""
     spec, _, _ = router_spec(config, "--plugins routing")
     return tuple(patterns) + ((spec.pattern,) if spec.pattern not in patterns else ())
+
+
+def routing_run_config(model_path) -> dict:
+    """``{"routing": {"n_experts", "top_k", "router_pattern", "model_type"}}`` for the run config of
+    a module run of the model in ``model_path`` (its ``config.json``); ``{}`` for a dense model or
+    a folder without a readable config (nothing to record: the routing comparator refuses those)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+        cfg = cfg.get("text_config") or cfg
+        spec, n, k = router_spec(cfg)
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return {"routing": {"n_experts": n, "top_k": k, "router_pattern": spec.pattern,
+                        "model_type": cfg.get("model_type")}}

@@ -58,7 +58,8 @@ from extractors.modules import resolve_modules
 
 __all__ = ["NOT_COMPUTED", "VLLM_TO_HF", "ModuleCaptureMixin", "capture_vllm_module_run", "collect_vllm_modules",
            "forward_segments", "group_request_records", "hf_kv_layer_name", "install_vllm_module_capture",
-           "mappable_hf_modules", "merge_tp_records", "remove_vllm_module_capture"]
+           "mappable_hf_modules", "merge_tp_records", "remove_vllm_module_capture", "split_sizes",
+           "vllm_architecture"]
 
 _LLAMA = {
     "model.embed_tokens": ("model.embed_tokens", "first"),
@@ -169,7 +170,7 @@ def mappable_hf_modules(arch: str, num_layers: int) -> dict[str, tuple[str, str]
 # methods (``ModuleCaptureMixin``) by name, so that they run in every rank's process.
 
 
-def _split_sizes(mod) -> list[int]:
+def split_sizes(mod) -> list[int]:
     if hasattr(mod, "num_kv_heads") and hasattr(mod, "head_size"):  # QKVParallelLinear (this rank's heads)
         q = mod.num_heads * mod.head_size
         kv = mod.num_kv_heads * mod.head_size
@@ -234,7 +235,7 @@ def _worker_install(worker, plan: list[tuple[str, str, str]]) -> dict:
 
     def hook_for(vl, targets):
         mod = mods[vl]
-        sizes = _split_sizes(mod) if any(h.startswith("split") for _, h in targets) else None
+        sizes = split_sizes(mod) if any(h.startswith("split") for _, h in targets) else None
 
         def hook(module, args, output):
             pos = state["positions"]
@@ -377,7 +378,8 @@ def _take(llm, info: dict, where: str) -> list:
     return [(*m, req) for m, req in zip(merged, reqs)]
 
 
-def _arch_and_layers(llm) -> tuple[str, int]:
+def vllm_architecture(llm) -> tuple[str, int]:
+    """(HF architecture name, number of decoder layers) of the engine's model."""
     cfg = llm.llm_engine.model_config.hf_config
     arch = (getattr(cfg, "architectures", None) or ["?"])[0]
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -385,7 +387,7 @@ def _arch_and_layers(llm) -> tuple[str, int]:
 
 
 def _resolve(llm, modules) -> tuple[list[str], dict]:
-    arch, n_layers = _arch_and_layers(llm)
+    arch, n_layers = vllm_architecture(llm)
     table = mappable_hf_modules(arch, n_layers)
     try:
         names = resolve_modules(list(table), modules, where=f"vLLM module capture ({arch})")
@@ -626,11 +628,12 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
 
     from capturestore.capture import begin_capture_run
     from extractors.models import model_content_hash
+    from extractors.routing import routing_run_config
 
     where = "capture_vllm_module_run"
     prompts, teacher = _token_plan(llm, prompts, num_tokens, teacher_tokens, where)
     _check_batch_size(batch_size, where)
-    arch, _ = _arch_and_layers(llm)
+    arch, _ = vllm_architecture(llm)
     dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     order, _ = _resolve(llm, modules)  # a bad pattern is refused before a run exists
     tp = int(llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
@@ -640,7 +643,7 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
            "enable_prefix_caching": bool(getattr(llm.llm_engine.vllm_config.cache_config, "enable_prefix_caching",
                                                  False)),
            "vllm_architecture": arch, "tensor_layout": "as extractors.modules (HF names via extractors.vllm_modules)",
-           **(config or {})}
+           **routing_run_config(model_path), **(config or {})}
     run = begin_capture_run(store, engine="vllm", capture="greedy" if teacher is None else "teacher_forced_decode",
                             prompts=prompts, layer_names=None, logits_kind=None, config=cfg,
                             model_path=str(Path(model_path)), model_hash=model_content_hash(model_path), dtype=dtype,

@@ -39,6 +39,7 @@ from extractors.paged import reconstruct_contiguous_kv_batch
 from extractors.vllm_fp8 import Fp8CaptureMixin, decode_paged_kv
 from extractors.vllm_logits import LogitsCaptureMixin
 from extractors.vllm_modules import ModuleCaptureMixin, hf_kv_layer_name
+from extractors.vllm_replace import ReplaceMixin
 from extractors.vllm_transport import (
     EXTENSION_QUALNAME,
     TEACHER_FORCING_QUALNAME,
@@ -168,7 +169,7 @@ def _spec_dict(spec) -> dict:
     }
 
 
-class KVCaptureWorkerExtension(LogitsCaptureMixin, ModuleCaptureMixin, Fp8CaptureMixin):
+class KVCaptureWorkerExtension(LogitsCaptureMixin, ModuleCaptureMixin, ReplaceMixin, Fp8CaptureMixin):
     """Mixed into the vLLM worker (``worker_extension_cls``); ``self`` is the worker.
 
     RPC methods (all via ``llm.collective_rpc(name, kwargs=...)``, one result per rank):
@@ -183,7 +184,9 @@ class KVCaptureWorkerExtension(LogitsCaptureMixin, ModuleCaptureMixin, Fp8Captur
     the raw-logits methods of ``extractors.vllm_logits.LogitsCaptureMixin``
     (``enable_logits_capture``, ``get_logits_capture_info``, ``take_request_logits``) and the
     module-capture methods of ``extractors.vllm_modules.ModuleCaptureMixin``
-    (``install_module_capture``, ``take_module_capture``, ``remove_module_capture``).
+    (``install_module_capture``, ``take_module_capture``, ``remove_module_capture``) and the
+    replacement methods of ``extractors.vllm_replace.ReplaceMixin`` (``install_module_replacement``,
+    ``module_replacement_counts``, ``remove_module_replacement``).
     State lives in attributes prefixed ``_kvcap_`` (the worker must not already have them).
     """
 

@@ -26,13 +26,15 @@ def documented_tables(text: str) -> dict[str, dict]:
     names are the backticked names outside parentheses of the last cell (notes go in parentheses)."""
     out = {}
     for line in text.splitlines():
-        m = re.match(r"^\| `([a-z_0-9]+)` \|(.*)\|\s*$", line)
+        # one row may document several tables of one schema: | `a`, `b` | version | ... | columns |
+        m = re.match(r"^\| (`[a-z_0-9]+`(?:, `[a-z_0-9]+`)*) \|(.*)\|\s*$", line)
         if not m:
             continue
         cells = [c.strip() for c in m.group(2).split(" | ")]
         version = int(cells[0]) if len(cells) == 3 and cells[0].isdigit() else None
         cols = re.findall(r"`([a-z_][a-z_0-9]*)`", _outside_parentheses(cells[-1]))
-        out[m.group(1)] = {"version": version, "columns": cols}
+        for name in re.findall(r"`([a-z_0-9]+)`", m.group(1)):
+            out[name] = {"version": version, "columns": cols}
     return out
 
 

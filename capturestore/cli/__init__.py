@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-prompts", type=int, help="judge the first N prompts only")
     sp.add_argument("--even-if-passed", action="store_true", help="judge every module locally even when the "
                     "comparison passed (a small fault late in the model can pass every in-place verdict)")
+    sp.add_argument("--level3", action="store_true", help="Level 3: every module kind (embedding, RMSNorm, attention, "
+                    "RoPE on q/k, MLP, decoder layer, final norm, LM head) judged on the reference's inputs, one table "
+                    "per kind (level3_<kind>); implies --even-if-passed; exit 1 when a kind fails")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     from capturestore.reduce import add_arguments as add_reduce_arguments
 
@@ -298,3 +301,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"capturestore {args.command}: error: {error_line(e)}"
               + (f" (engine and library output: {log})" if log else ""), file=sys.stderr)
         return 2
+
+
+def console_main() -> None:
+    """The ``capturestore`` script and ``python -m capturestore.cli``: :func:`main`, then exit without
+    the native teardown that can abort a finished command.
+
+    Arrow's thread pools (std::thread) are destroyed by C++ static destructors after the interpreter
+    finalises; now and then one is still joinable and the process dies by SIGABRT ("terminate called
+    without an active exception", apache/arrow#34314) after printing its whole output: a command that
+    succeeded exits -6. Measured here: `capturestore runs` on a read-only store, 2 aborts in 100 runs
+    at load 10. So Python's own shutdown steps run in its order (non-daemon threads joined, atexit
+    and weakref.finalize callbacks: engine shutdown, temporary directories, logging), the standard
+    streams are flushed, and the process leaves with the command's status by ``os._exit``. Everything
+    a command writes is committed before :func:`main` returns (the writer's protocol), so nothing
+    waits for finalisation. An exception that escapes :func:`main` (a bug) keeps the normal exit and
+    its traceback."""
+    import atexit
+    import threading
+
+    status = main()
+    threading._shutdown()  # what Py_FinalizeEx does first: join non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more can reach the reader
+            status = status or 1
+    os._exit(status)
+

@@ -1,6 +1,4 @@
 """``python -m capturestore.cli``."""
-import sys
+from capturestore.cli import console_main
 
-from capturestore.cli import main
-
-sys.exit(main())
+console_main()

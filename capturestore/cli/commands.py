@@ -444,15 +444,50 @@ def cmd_cachecheck(args: argparse.Namespace) -> int:
     print(result.summary())
     return 0 if result.passed else 1
 
+def _print_level3(r) -> int:
+    """Level 3: one table per module kind (its local verdicts), then one line per kind."""
+    from capturestore.isolate import LEVEL3_KINDS
+
+    cols = ["module", "phase", "layer", "passed", "flagged", "sigma_ratio", "bc", "bc_threshold", "linf_ratio",
+            "failing_inside"]
+    for kind in LEVEL3_KINDS:
+        rows = r.level3.get(kind, ())
+        print(f"\nlevel3_{kind} ({len(rows)} module-phase(s)"
+              + (f"; not checked: {r.unchecked[kind]}" if kind in r.unchecked else "") + ")")
+        if rows:
+            cells = [[_cell(x.get(c)) for c in cols] for x in rows]
+            w = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+            print("  ".join(c.ljust(w[i]) for i, c in enumerate(cols)))
+            for row in cells:
+                print("  ".join(v.ljust(w[i]) for i, v in enumerate(row)))
+    print()
+    for line in r.level3_summary():
+        print(line)
+    ok = r.level3_passed()
+    print(f"level 3 (modules on the expected reference's inputs): {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+def _cell(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    return str(x)
+
+
 def cmd_isolate(args: argparse.Namespace) -> int:
     from capturestore.isolate import isolate
 
     store = open_store(args.store)
     require_writable(store, "isolate")
     r = isolate(store, args.comparison, rebuild=args.rebuild, max_prompts=args.max_prompts,
-                even_if_passed=args.even_if_passed, progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
+                even_if_passed=args.even_if_passed, level3=args.level3,
+                progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
     if r.comparison_id is not None:
         print(f"isolation {r.comparison_id} of comparison {r.source}")
+    if r.level3 is not None:
+        return _print_level3(r)
     print(r.summary())
     if r.localisation is not None:
         loc = r.localisation

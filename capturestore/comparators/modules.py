@@ -71,6 +71,28 @@ def tensor_index(store, runs: dict) -> dict:
     return out
 
 
+def not_computed_positions(prompt: PromptCaptures, held: dict) -> np.ndarray:
+    """Sorted unique prompt positions (int64) that some role of ``prompt`` lists in
+    ``tensors/not_computed/prefill`` (served from a vLLM prefix cache: NaN rows in its module
+    tensors); empty when none does. ``held``: ``{role: {(module, phase): steps}}`` of this prompt
+    (``tensor_index``). The one reader of that list: the modules and routing comparators both
+    leave these positions out (``leave_out_not_computed``), count them, and never judge them."""
+    parts = [np.asarray(prompt.cached(("tensor", role, NOT_COMPUTED, "prefill"), lambda rid=rid: prompt.context.store
+                                      .read_tensor(rid, prompt.prompt_id, NOT_COMPUTED, phase="prefill")),
+                        dtype=np.int64).ravel()
+             for role, rid in prompt.runs.items() if (NOT_COMPUTED, "prefill") in held.get(role, {})]
+    return np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+
+
+def leave_out_not_computed(positions: np.ndarray, arrays: dict, skip: np.ndarray) -> tuple[np.ndarray, dict, int]:
+    """``(positions, arrays, n_left_out)`` without the rows whose position is in ``skip``
+    (``not_computed_positions``); ``arrays``: ``{role: [row, ...]}`` with one row per position."""
+    if not np.size(skip):
+        return positions, arrays, 0
+    keep = ~np.isin(positions, skip)
+    return positions[keep], {role: a[keep] for role, a in arrays.items()}, int(positions.size - keep.sum())
+
+
 def _module_order(store, runs: dict) -> list[str] | None:
     for role in ("expected", "baseline"):
         if role not in runs:
@@ -128,10 +150,7 @@ class ModulesComparator(Comparator):
         held = {role: self.index.get((rid, pid), {}) for role, rid in prompt.runs.items()}
         cols: dict[str, list] = {k: [] for k in MODULE_METRICS.schema.names}
         items = []
-        skip: set = set()  # prompt positions some role never computed
-        for role in prompt.runs:
-            if (NOT_COMPUTED, "prefill") in held[role]:
-                skip.update(int(x) for x in np.asarray(self._read(prompt, role, NOT_COMPUTED, "prefill")).ravel())
+        skip = not_computed_positions(prompt, held)  # prompt positions some role never computed
         for (module, phase), ref_steps in held["expected"].items():
             if module == NOT_COMPUTED:
                 continue
@@ -167,11 +186,10 @@ class ModulesComparator(Comparator):
                 pos = np.repeat(plen + step_ids, rows_per_step)
             else:
                 pos = np.arange(arrs["expected"].shape[0])
-                if skip and len({x.shape[0] for x in arrs.values()}) == 1:  # else: the shape problem is the finding
-                    keep = ~np.isin(pos, np.fromiter(skip, np.int64))
-                    judge.add_not_computed(pid, module, phase, int(pos.size - keep.sum()))
-                    pos = pos[keep]
-                    arrs = {role: a[keep] for role, a in arrs.items()}
+                # different row counts: the shape problem is the finding, nothing to leave out
+                if skip.size and len({x.shape[0] for x in arrs.values()}) == 1:
+                    pos, arrs, n_skipped = leave_out_not_computed(pos, arrs, skip)
+                    judge.add_not_computed(pid, module, phase, n_skipped)
                     if not pos.size:
                         continue
             items.append((module, phase, arrs["baseline"], arrs["expected"], arrs["actual"],

@@ -7,19 +7,41 @@ patterns). Per layer and token, ``metrics.routing.routing_flips``: the actual ru
 set against the FP32 baseline's, each flip explained by BF16 noise (the baseline's top-k margin
 within ``2 x`` the expected run's router-logit error there, or its layer's 95th percentile) or not.
 
-Verdict: fails on any unexplained flip, and on a layer whose evidence is missing (a role lacks the
-router tensor or a decode step, shapes differ) or not finite, naming it; a two-way comparison
-(no FP32 baseline) is "not judged"; neither passes. A model without a router (a dense model) is
-refused (ValueError: one line, nothing stored). Localisation: the first unexplained flip in layer
-order, then position (phase, layer, router module, generation token ``position - prompt_len``).
+Per layer, the router logits themselves are also judged by the module verdict's noise-relative
+rule (``metrics.modules.ModuleJudge``, every prompt and position of the layer pooled): actual vs
+FP32 against expected vs FP32. Flip counting alone misses a router error that moves logits well
+beyond BF16 noise yet flips few tokens, or flips them where the margins are small (a bias of
+1.9x the layer's p95 noise on one expert flipped 8 tokens where BF16 flipped 5, all "explained").
+A statistical test of ``n_flips`` against ``noise_flips`` cannot catch it: flips are rare (a few
+per hundred tokens), so 8 against 5 is no evidence at all; the logits' error is measured at every
+token and expert, and the module rule is the one already calibrated on correct BF16 engines.
+
+Verdict: fails on any unexplained flip, on router logits beyond BF16 noise, on a layer whose
+evidence is missing (a role lacks the router tensor or a decode step, shapes differ, a router only
+some roles hold, named with the run) or not finite, naming it; a two-way comparison (no FP32
+baseline) is "not judged"; neither passes. Prompt positions a run never computed (a vLLM prefix
+cache hit: ``tensors/not_computed/prefill``, NaN rows) are left out in every role, as the modules
+comparator does (``capturestore.comparators.modules.not_computed_positions``), and counted
+(``routing_layers.not_computed``); a layer with nothing else is "not judged", never a pass. A
+model without a router (a dense model) is refused (ValueError: one line, nothing stored).
+
+Localisation: the earliest failing layer (decoder-layer order: where the error enters); in it the
+earliest unexplained flip by position (prefill positions, then decode steps in order; a tie goes
+to the earlier prompt), else the logit verdict's first position beyond noise (phase, layer, router
+module, generation token ``position - prompt_len``).
 
 Tables: ``routing_layers`` (layer: tokens, flips of the actual and of the expected run, explained
-and unexplained flips, the noise scale, pass, problem) and ``routing_flips`` (one row per flip:
-prompt, layer, position, the baseline's / expected's / actual's experts, margin, noise, threshold,
-explained). ``top_k``: from the model's config (the expected run's ``model_path``), or given.
+and unexplained flips, the noise scale, positions not computed, the router-logit verdict, pass,
+problem) and ``routing_flips`` (one row per flip: prompt, layer, position, the baseline's /
+expected's / actual's experts, margin, noise, threshold, explained). ``top_k`` and ``n_experts``:
+from the expected run's config (``routing``, recorded at capture by
+``extractors.routing.routing_run_config``; else another role's), else, for runs captured before
+that, the model's ``config.json`` (the expected run's ``model_path``; the verdict text says so).
+``top_k`` may also be given.
 
 Memory: the router logits of every layer and prompt of the three roles, float64, until ``finish``
-(tokens x layers x experts x 24 bytes; 1.5 MB for 1000 tokens x 8 layers x 8 experts).
+(tokens x layers x experts x 24 bytes; 1.5 MB for 1000 tokens x 8 layers x 8 experts), and the
+logit verdict's errors (float32, twice that over 3).
 """
 from __future__ import annotations
 
@@ -44,12 +66,14 @@ from capturestore.comparators.base import (
 )
 
 _D, _I, _S, _B = pa.float64(), pa.int64(), pa.string(), pa.bool_()
+ROUTER_LOGITS_PHASE = "prefill+decode"  # the logit verdict pools every position of a layer
 
 ROUTING_LAYERS = TableSpec(pa.schema([
     ("comparison_id", _S), ("layer", _I), ("module", _S), ("top_k", _I), ("n_experts", _I), ("n_prompts", _I),
     ("n_tokens", _I), ("n_flips", _I), ("flip_share", _D), ("n_explained", _I), ("n_unexplained", _I),
     ("noise_flips", _I), ("noise_flip_share", _D), ("noise_scale", _D), ("passed", _B), ("problem", _S),
-]), 1)
+    ("not_computed", _I), ("logit_passed", _B), ("logit_decided_by", _S), ("logit_sigma_ratio", _D),
+]), 2)
 ROUTING_FLIPS = TableSpec(pa.schema([
     ("comparison_id", _S), ("prompt_id", _S), ("layer", _I), ("module", _S), ("position", _I),
     ("gen_token_idx", _I), ("phase", _S), ("base_experts", pa.list_(_I)), ("expected_experts", pa.list_(_I)),
@@ -57,19 +81,26 @@ ROUTING_FLIPS = TableSpec(pa.schema([
 ]), 1)
 
 
-def _model_top_k(store, run_id: str) -> tuple[int, int, str]:
-    """``(n_experts, top_k, router pattern)`` of the model a run was captured from; ValueError for
-    a dense model or a config that cannot be read."""
+def routing_config(store, run_id: str, others=()) -> tuple[int, int, str, str]:
+    """``(n_experts, top_k, router pattern, source)`` of the model run ``run_id`` was captured
+    from: the ``routing`` entry its run config (else the first of the runs ``others``) recorded at
+    capture, else, for a store captured before that, ``run_id``'s model folder's ``config.json``
+    (``source`` says which); ValueError for a dense model or a config that cannot be read."""
     from extractors.routing import router_spec
 
+    for rid in (run_id, *others):
+        got = store.sql(f"SELECT config FROM runs WHERE run_id = '{rid}'").to_pylist()
+        rc = (json.loads(got[0]["config"]) if got and got[0]["config"] else {}).get("routing")
+        if isinstance(rc, dict) and {"n_experts", "top_k", "router_pattern"} <= set(rc):
+            return int(rc["n_experts"]), int(rc["top_k"]), str(rc["router_pattern"]), f"the config of run {rid}"
     rows = store.sql(f"SELECT model_path FROM runs WHERE run_id = '{run_id}'").to_pylist()
     path = Path(rows[0]["model_path"]) / "config.json" if rows and rows[0]["model_path"] else None
     if path is None or not path.is_file():
-        raise ValueError(f"routing comparator: the model of run {run_id} ({path}) is not here to read top_k from; "
-                         f"pass RoutingComparator(top_k=K)")
+        raise ValueError(f"routing comparator: run {run_id} records no top_k (captured before it was recorded) and "
+                         f"its model ({path}) is not here to read it from; pass RoutingComparator(top_k=K)")
     cfg = json.loads(path.read_text())
     spec, n, k = router_spec(cfg.get("text_config") or cfg, f"routing comparator (run {run_id}, {path.parent})")
-    return n, k, spec.pattern
+    return n, k, spec.pattern, f"the model folder {path.parent} (an old store: its run config records no top_k)"
 
 
 class RoutingComparator(Comparator):
@@ -91,17 +122,28 @@ class RoutingComparator(Comparator):
 
         super().prepare(context)
         exp = context.runs["expected"]
-        self.n_experts, k, pattern = _model_top_k(context.store, exp)
+        self.n_experts, k, pattern, self.config_source = routing_config(
+            context.store, exp, [rid for role, rid in context.runs.items() if role != "expected"])
         self.top_k = self.top_k or k
         self.index = tensor_index(context.store, context.runs)
-        held = sorted({m for (rid, _), mods in self.index.items() if rid == exp for m, _ in mods})
-        try:
-            self.routers = resolve_modules(held, [pattern], where="routing comparator")
-        except ValueError:
-            self.routers = []
-        self.routers.sort(key=lambda m: (decoder_layer_index(m) or 0, m))
-        self.data: dict = {m: [] for m in self.routers}  # module -> [(prompt_id, prompt_len, positions, b, e, a)]
+        # routers of every role's run, not the expected run's alone: one only some runs hold fails, named
+        held = {role: {m for (r, _), mods in self.index.items() if r == rid for m, _ in mods}
+                for role, rid in context.runs.items()}
+        routers = {}
+        for role, mods in held.items():
+            try:
+                for m in resolve_modules(sorted(mods), [pattern], where="routing comparator"):
+                    routers.setdefault(m, []).append(role)
+            except ValueError:
+                pass
+        self.routers = sorted(routers, key=lambda m: (decoder_layer_index(m) or 0, m))
+        self.data: dict = {m: [] for m in self.routers}  # module -> [(prompt_id, prompt_len, positions, b, e, a, n_nc)]
         self.problems: dict = {}  # module -> first problem
+        for m in self.routers:
+            lacking = [role for role in context.runs if role not in routers[m]]
+            if lacking:
+                self.problems[m] = (f"{m}: only the {' and '.join(f'{r} run {context.runs[r]}' for r in routers[m])} "
+                                    f"holds this router, the {lacking[0]} run {context.runs[lacking[0]]} does not")
         if not self.routers:
             self.unjudged = (f"not compared: the expected run {exp} holds no router logits ({pattern}); capture with "
                              f"--plugins routing")
@@ -131,14 +173,22 @@ class RoutingComparator(Comparator):
         return positions, out
 
     def map(self, prompt: PromptCaptures) -> PromptResult:
-        """No rows; partial: ``{router: (prompt_id, prompt_len, positions, baseline, expected, actual)
-        or the first problem}`` of this prompt (``self`` unchanged: it runs on a copy on Dask)."""
+        """No rows; partial: ``{router: (prompt_id, prompt_len, positions, baseline, expected, actual,
+        positions left out as not computed) or the first problem}`` of this prompt (``self``
+        unchanged: it runs on a copy on Dask)."""
+        from capturestore.comparators.modules import leave_out_not_computed, not_computed_positions
+
         part: dict = {}
         if self.unjudged is not None:
             return PromptResult({}, part)
+        skip = not_computed_positions(prompt, {role: self.index.get((rid, prompt.prompt_id), {})
+                                               for role, rid in prompt.runs.items()})
         for m in self.routers:
+            if m in self.problems:  # held by some runs only (prepare): nothing to compare
+                continue
             got = {role: self._logits(prompt, role, m) for role in ("baseline", "expected", "actual")}
             bad = next((g for g in got.values() if isinstance(g, str)), None)
+            n_nc = 0
             if bad is None:
                 (pb, b), (pe, e), (pa_, a) = got["baseline"], got["expected"], got["actual"]
                 if not (np.array_equal(pb, pe) and np.array_equal(pb, pa_)) or not b.shape == e.shape == a.shape:
@@ -147,12 +197,14 @@ class RoutingComparator(Comparator):
                 elif b.shape[-1] != self.n_experts:
                     bad = f"prompt {prompt.prompt_id}: {m} has {b.shape[-1]} experts, the model {self.n_experts}"
                 else:
-                    for role, x in (("baseline", b), ("expected", e), ("actual", a)):
-                        if not np.isfinite(x).all():
+                    pb, x, n_nc = leave_out_not_computed(pb, {"baseline": b, "expected": e, "actual": a}, skip)
+                    b, e, a = x["baseline"], x["expected"], x["actual"]
+                    for role, y in (("baseline", b), ("expected", e), ("actual", a)):
+                        if not np.isfinite(y).all():
                             bad = (f"the {role} run {prompt.runs[role]}: {m} of prompt {prompt.prompt_id} has "
-                                   f"{int((~np.isfinite(x)).sum())} non-finite router logits")
+                                   f"{int((~np.isfinite(y)).sum())} non-finite router logits")
                             break
-            part[m] = bad if bad is not None else (prompt.prompt_id, prompt.prompt_len, pb, b, e, a)
+            part[m] = bad if bad is not None else (prompt.prompt_id, prompt.prompt_len, pb, b, e, a, n_nc)
         return PromptResult({}, part)
 
     def reduce(self, partials: list) -> dict:
@@ -167,20 +219,25 @@ class RoutingComparator(Comparator):
     def finish(self) -> dict:
         if self.unjudged is not None:
             return {}
+        from metrics.modules import ModuleJudge
         from metrics.routing import noise_scale, router_noise, routing_flips
 
         cid, k = self.context.comparison_id, self.top_k
         layers, flips = [], []
-        first = None  # (layer, position order) of the first unexplained flip
+        self.logit_verdicts: dict = {}  # module -> metrics.modules.ModuleVerdict of its router logits
         for m in self.routers:
-            items = self.data[m]
+            items = [x for x in self.data[m] if x[2].size]  # prompts with positions computed
+            n_nc = sum(x[6] for x in self.data[m])
             layer = decoder_layer_index(m)
             problem = self.problems.get(m)
-            if not items and problem is None:
+            if not self.data[m] and problem is None:
                 problem = f"{m}: no prompt holds its router logits in every role"
-            scale = noise_scale(np.concatenate([router_noise(e, b) for _, _, _, b, e, _ in items])) if items else None
+            scale = (noise_scale(np.concatenate([router_noise(x[4], x[3]) for x in items]))
+                     if items else None)
             n_tok = n_flip = n_expl = n_noise = 0
-            for pid, plen, pos, b, e, a in items:
+            judge = ModuleJudge()  # the module verdict's noise-relative rule on the router logits themselves
+            for pid, plen, pos, b, e, a, _ in items:
+                judge.add(pid, m, ROUTER_LOGITS_PHASE, b, e, a, positions=pos, prompt_len=plen)
                 r = routing_flips(b, e, a, k, layer_noise=scale)
                 n_tok += pos.size
                 n_flip += int(r["flip"].sum())
@@ -197,18 +254,28 @@ class RoutingComparator(Comparator):
                         "noise": float(r["noise"][i]), "threshold": float(r["threshold"][i]),
                         "explained": bool(r["explained"][i]),
                     })
-                    if not r["explained"][i] and first is None:
-                        first = flips[-1]
+            lv = judge.verdict().modules[0] if items else None
+            self.logit_verdicts[m] = lv
             n_unexpl = n_flip - n_expl
+            if problem is not None or n_unexpl or (lv is not None and lv.passed is False):
+                passed = False
+            elif not n_tok or lv is None or lv.passed is None:  # e.g. every position not computed: no pass
+                passed = None
+            else:
+                passed = True
             layers.append({
                 "comparison_id": cid, "layer": layer, "module": m, "top_k": k, "n_experts": self.n_experts,
                 "n_prompts": len(items), "n_tokens": n_tok, "n_flips": n_flip,
                 "flip_share": n_flip / n_tok if n_tok else None, "n_explained": n_expl, "n_unexplained": n_unexpl,
                 "noise_flips": n_noise, "noise_flip_share": n_noise / n_tok if n_tok else None,
                 "noise_scale": finite_or_null(scale) if scale is not None else None,
-                "passed": problem is None and n_unexpl == 0, "problem": problem,
+                "passed": passed, "problem": problem, "not_computed": n_nc,
+                "logit_passed": None if lv is None else lv.passed,
+                "logit_decided_by": None if lv is None else lv.decided_by,
+                "logit_sigma_ratio": finite_or_null(lv.tensor.sigma_ratio) if lv is not None and lv.tensor else None,
             })
-        self.layers, self.flips, self.first = layers, flips, first
+        self.layers, self.flips = layers, flips
+        self.first = first_unexplained_flip(flips)
         out = {"routing_layers": layers}
         if flips:
             out["routing_flips"] = flips
@@ -223,19 +290,52 @@ class RoutingComparator(Comparator):
         n_flip = sum(r["n_flips"] for r in self.layers)
         n_un = sum(r["n_unexplained"] for r in self.layers)
         bad = [r for r in self.layers if r["problem"]]
-        passed = not bad and n_un == 0
-        text = (f"routing {'PASS' if passed else 'FAIL'}: {n_flip} of {n_tok} token-layer expert choices flipped "
+        loud = [r for r in self.layers if r["logit_passed"] is False]
+        unjudged = [r for r in self.layers if r["passed"] is None]
+        failed = [r for r in self.layers if r["passed"] is False]
+        passed = False if failed else (None if unjudged else True)
+        head = {True: "PASS", False: "FAIL", None: "NOT JUDGED"}[passed]
+        text = (f"routing {head}: {n_flip} of {n_tok} token-layer expert choices flipped "
                 f"against FP32 (the expected BF16 run: {sum(r['noise_flips'] for r in self.layers)}), "
                 f"{n_flip - n_un} explained by BF16 router noise, {n_un} not")
-        loc = None
-        if self.first is not None:
-            f = self.first
-            text += (f"; first unexplained: layer {f['layer']} position {f['position']} experts "
-                     f"{f['actual_experts']} instead of {f['base_experts']} (margin {f['margin']:.3g} > "
-                     f"{f['threshold']:.3g})")
-            loc = Localisation(f["phase"], f["layer"], f["module"], f["gen_token_idx"])
+        text += (f"; router logits beyond BF16 noise in {len(loud)} layer(s), first "
+                 f"{self.logit_verdicts[loud[0]['module']].summary()[6:]}" if loud else
+                 "; router logits within BF16 noise in every layer judged")
+        n_nc = sum(r["not_computed"] for r in self.layers)
+        if n_nc:
+            text += f"; {n_nc} token-layer positions not computed by a run (prefix cache), left out"
+        if unjudged:
+            text += (f"; {len(unjudged)} layer(s) not judged (no position computed in every run, or router logits "
+                     f"the module rule cannot judge), first {unjudged[0]['module']}")
         if bad:
-            text += f"; {len(bad)} layer(s) not judged: {bad[0]['problem']}"
-            if loc is None:
-                loc = Localisation(None, bad[0]["layer"], bad[0]["module"], None)
+            text += f"; {len(bad)} layer(s) failed on their evidence: {bad[0]['problem']}"
+        if "model folder" in self.config_source:
+            text += f"; top_k {self.top_k} read from {self.config_source}"
+        loc = None
+        first_layer = min(failed, key=lambda r: (r["layer"] if r["layer"] is not None else -1, r["module"]),
+                          default=None)
+        if first_layer is not None:
+            f, lv = self.first, self.logit_verdicts.get(first_layer["module"])
+            if f is not None and f["module"] == first_layer["module"]:
+                text += (f"; first unexplained: layer {f['layer']} position {f['position']} (prompt {f['prompt_id']}) "
+                         f"experts {f['actual_experts']} instead of {f['base_experts']} (margin {f['margin']:.3g} > "
+                         f"{f['threshold']:.3g})")
+                loc = Localisation(f["phase"], f["layer"], f["module"], f["gen_token_idx"])
+            elif first_layer["problem"] is None and lv is not None and lv.passed is False:
+                phase = None if lv.token is None else ("prefill" if lv.token < 0 else "decode")
+                loc = Localisation(phase, first_layer["layer"], first_layer["module"], lv.token)
+            else:
+                loc = Localisation(None, first_layer["layer"], first_layer["module"], None)
         return Verdict(self.name, passed, text, loc, {"layers": self.layers}, self.localisation_rank)
+
+
+def first_unexplained_flip(flips: list) -> dict | None:
+    """The earliest unexplained flip of ``routing_flips`` rows (given in prompt order): smallest
+    decoder layer (where the error enters the forward), then smallest position (prefill positions,
+    then decode steps in order), then the earlier prompt; None if every flip is explained."""
+    order = {}
+    for f in flips:
+        order.setdefault(f["prompt_id"], len(order))
+    cands = [f for f in flips if not f["explained"]]
+    return min(cands, key=lambda f: (f["layer"] if f["layer"] is not None else -1, f["position"],
+                                     order[f["prompt_id"]]), default=None)

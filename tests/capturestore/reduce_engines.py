@@ -22,3 +22,8 @@ def correct(model_dir):
 
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16,
                                                 attn_implementation="sdpa").eval()
+
+
+def wrong_signature(model_dir, dtype):
+    """Takes two arguments where reduce gives one (a bad --engine: refused in one line)."""
+    raise AssertionError("never called")

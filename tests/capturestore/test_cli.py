@@ -407,3 +407,32 @@ def test_diff_and_history_output_errors_name_the_out_option_and_the_users_path(r
              "--store", str(store.root))
     line = _one_error_line(r.stderr, "diff")
     assert f"--out {tmp_path / 'no-dir' / 'd.json'}: directory" in line and "--output" not in line, line
+
+
+def test_the_script_exits_with_the_commands_status_after_pythons_own_shutdown_steps(kv_store, tmp_path):
+    # console_main leaves by os._exit (Arrow's native teardown can abort a finished command with SIGABRT):
+    # what a normal exit does first must still happen: non-daemon threads joined, atexit callbacks run,
+    # every byte of output flushed, the command's status kept
+    store, (expected, _) = kv_store
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    code = ("import atexit, sys, threading, time\n"
+            "from pathlib import Path\n"
+            "marks = Path(sys.argv.pop())\n"
+            "atexit.register((marks / 'atexit').write_text, 'ran')\n"
+            "threading.Thread(target=lambda: (time.sleep(0.3), (marks / 'thread').write_text('ran'))).start()\n"
+            "from capturestore.cli import console_main\n"
+            "console_main()\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for args, status in ((["show", expected, "--store", str(store.root)], 0),
+                         (["show", "no-such-run", "--store", str(store.root)], 2)):
+        for f in marks.iterdir():
+            f.unlink()
+        r = subprocess.run([sys.executable, "-c", code, *args, str(marks)], capture_output=True, text=True,
+                           env=env, timeout=300)
+        assert r.returncode == status, (args, r.stdout, r.stderr)
+        assert (marks / "atexit").read_text() == "ran" and (marks / "thread").read_text() == "ran", args
+        if status == 0:  # the whole table, to its last row: flushed before os._exit
+            assert f"run_id: {expected}" in r.stdout and r.stdout.endswith("(4 rows)\n"), r.stdout
+        else:
+            assert _one_error_line(r.stderr, "show") and "no-such-run" in r.stderr, r.stderr

@@ -234,3 +234,26 @@ def test_a_server_target_cannot_be_rerun_and_the_snapshot_path_is_offered(tmp_pa
     p = _cli(store, r.comparison_id)
     assert p.returncode == 2 and "server target" in p.stderr and "cannot be re-run" in p.stderr, p.stderr
     assert "input snapshot" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_a_vllm_target_under_tensor_parallelism_is_refused_in_one_line(tmp_path):
+    store = Store.open(tmp_path / "s")
+    ids = {}
+    for role, engine, tp, noise in (("baseline", "hf", 1, 0.0), ("expected", "hf", 1, 1e-3),
+                                    ("actual", "vllm", 2, 5e-2)):
+        run = store.begin_run(engine=engine, model_path="m", model_hash="h", dtype="float32", tp_degree=tp,
+                              config={"module_order": ["model.norm"]})
+        with run:
+            for p in range(2):
+                pid = run.add_prompt([5 + p, 6, 7, 8], continuation=[9, 10])
+                x = np.random.default_rng(p).standard_normal((4, 16)).astype(np.float32)
+                run.write_tensor(pid, "model.norm", x * (1 + noise * np.random.default_rng(9).standard_normal(x.shape))
+                                 .astype(np.float32), step=0, phase="prefill")
+        ids[role] = run.run_id
+    r = compare_runs(store, baseline_run=ids["baseline"], expected_run=ids["expected"], actual_run=ids["actual"],
+                     logits=False, kv=False, comparators=["modules"])
+    assert not r.passed
+    p = _cli(store, r.comparison_id)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert f"actual run {ids['actual']}" in p.stderr and "tensor parallelism 2" in p.stderr
+    assert "TP = 1 only" in p.stderr, p.stderr

@@ -161,6 +161,46 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
     assert "cmp-nope not found" in capsys.readouterr().err
     assert main(["reproduce", str(tmp_path), "--quiet"]) == 2
     assert "not a reduction bundle" in capsys.readouterr().err
+    # an importable engine that cannot take the model directory alone: one line, never called
+    bad = "tests.capturestore.reduce_engines:wrong_signature"
+    assert main(["reduce", case.cid, "--store", root, "--out", str(tmp_path / "b5"), "--engine", bad, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be called with the model directory alone" in err and err.count("\n") == 1, err
+    with pytest.raises(ReductionError, match="model directory alone"):
+        reduce(store, case.cid, reduce_engines.wrong_signature, tmp_path / "b6")
+
+
+def test_a_layer_count_under_text_config_is_read_and_an_unloadable_checkpoint_is_one_line(tmp_path, capsys):
+    """A multimodal-style config.json keeps num_hidden_layers under text_config: read from there;
+    the checkpoint (a config without weights) then cannot be loaded: one line, exit 2."""
+    from capturestore.reduce import checkpoint_layers
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llava", "text_config": {"num_hidden_layers": 5}}))
+    assert checkpoint_layers(model) == 5
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    with pytest.raises(ReductionError, match="no decoder layer count"):
+        checkpoint_layers(tmp_path / "empty")
+    store = Store.open(tmp_path / "s")
+    ids = {}
+    for role, noise in (("baseline", 0.0), ("expected", 1e-3), ("actual", 5e-2)):
+        run = store.begin_run(engine="hf", model_path=str(model), model_hash="h", dtype="float32",
+                              config={"module_order": ["model.norm"]})
+        with run:
+            for p in range(2):
+                pid = run.add_prompt([5 + p, 6, 7, 8], continuation=[9, 10])
+                x = np.random.default_rng(p).standard_normal((4, 16)).astype(np.float32)
+                e = np.random.default_rng(10 + p).standard_normal(x.shape).astype(np.float32)
+                run.write_tensor(pid, "model.norm", x * (1 + noise * e), step=0, phase="prefill")
+        ids[role] = run.run_id
+    r = compare_runs(store, baseline_run=ids["baseline"], expected_run=ids["expected"], actual_run=ids["actual"],
+                     logits=False, kv=False, comparators=["modules"])
+    assert not r.passed
+    assert main(["reduce", r.comparison_id, "--store", str(store.root), "--out", str(tmp_path / "b"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot load the reference checkpoint" in err and str(model) in err and err.count("\n") == 1, err
 
 
 def test_a_passing_comparison_has_nothing_to_reduce(tmp_path, capsys):

