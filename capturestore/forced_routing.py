@@ -29,8 +29,10 @@ CONSISTENCY_FACTOR = 2.0
 
 @dataclass
 class RoutingDecision:
-    """Whether to force: ``force`` (every flip explained and some choice differs), ``reason`` (one
-    line), counts over every layer and prompt, and the ``plan`` (``extractors.routing_force.RoutingPlan``)."""
+    """Whether to force: ``force`` (every flip explained, router logits within BF16 noise, some choice
+    differs), ``reason`` (one line), counts over every layer and prompt, and the ``plan``
+    (``extractors.routing_force.RoutingPlan``: the actual run's choices; set whenever the evidence
+    is complete, also when not forcing, e.g. to show a fault fails against forced references)."""
     force: bool
     reason: str
     n_flips: int = 0
@@ -99,8 +101,17 @@ def routing_decision(st, runs: dict, model_path, pids: list[str]) -> RoutingDeci
     mt = cfg["model_type"]
     dtype = st.sql(f"SELECT dtype FROM runs WHERE run_id = '{act}'").to_pylist()[0]["dtype"]
     chosen = {m: [chosen_experts(a, k, mt, dtype) for _, _, a in data[m]] for m in routers}
+    from capturestore.comparators.routing import ROUTER_LOGITS_PHASE
+    from metrics.modules import ModuleJudge
+
     n_flip = n_noise = n_un = 0
+    beyond = []  # routers whose logits are beyond BF16 noise (the routing comparator's logit rule)
     for m in routers:
+        judge = ModuleJudge()
+        for pid, (b, e, a) in zip(pids, data[m]):
+            judge.add(pid, m, ROUTER_LOGITS_PHASE, b, e, a, positions=np.arange(b.shape[0]), prompt_len=plens[pid])
+        if judge.verdict().modules[0].passed is False:
+            beyond.append(m)
         scale = noise_scale(np.concatenate([router_noise(e, b) for b, e, _ in data[m]]))
         for (b, e, a), ch in zip(data[m], chosen[m]):
             r = routing_flips(b, e, a, k, layer_noise=scale)
@@ -109,19 +120,20 @@ def routing_decision(st, runs: dict, model_path, pids: list[str]) -> RoutingDeci
             n_flip += int(flip.sum())
             n_noise += int(r["noise_flip"].sum())
             n_un += int((flip & (r["margin"] > r["threshold"])).sum())
+    tokens = [st.read_tokens(act, pid).tolist() for pid in pids]
+    experts = [{m: chosen[m][i] for m in routers} for i in range(len(pids))]
     counts = {"n_flips": n_flip, "n_noise_flips": n_noise, "n_unexplained": n_un, "routers": routers,
-              "model_type": mt}
+              "model_type": mt, "plan": RoutingPlan(tokens, experts, source_run=act)}
     if n_un:
         return RoutingDecision(False, f"not forced: {n_un} of the actual run's {n_flip} flips are not explained by "
                                       f"BF16 router noise (routing fails)", **counts)
+    if beyond:
+        return RoutingDecision(False, f"not forced: the router logits of {beyond[0]} are beyond BF16 noise "
+                                      f"(routing fails)", **counts)
     if not n_flip and not n_noise:
         return RoutingDecision(False, "not forced: every role chose the same experts at every token", **counts)
-    tokens = [st.read_tokens(act, pid).tolist() for pid in pids]
-    experts = [{m: chosen[m][i] for m in routers} for i in range(len(pids))]
-    plan = RoutingPlan(tokens, experts, source_run=act)
     return RoutingDecision(True, f"forced: the actual run flipped {n_flip} token-layer expert choices against FP32 "
-                                 f"(the expected run {n_noise}), every one explained by BF16 router noise", plan=plan,
-                           **counts)
+                                 f"(the expected run {n_noise}), every one explained by BF16 router noise", **counts)
 
 
 def logits_routed_alike(st, act: str, mod_act: str, base: str, exp: str,

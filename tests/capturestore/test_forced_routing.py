@@ -129,7 +129,7 @@ def _judge(refs, act, mod_act):
     kw = {"kv": True, "comparators": ["routing", "modules"], "allow_different_models": True}
     plain = compare_runs(st, expected_run=refs["exp"], actual_run=act, baseline_run=refs["base"],
                          comparator_runs={"routing": own, "modules": own}, **kw)
-    if not d.force:
+    if d.plan is None:
         return d, plain, None, None
     order = json.loads(st.sql(f"SELECT config FROM runs WHERE run_id = '{mod_act}'").to_pylist()[0]["config"])
     f = capture_forced_references(st, refs["model"], None, refs["rows"], refs["teacher"], d, "bfloat16",
@@ -218,9 +218,13 @@ def test_a_real_fault_still_fails_with_forced_references_localised(refs, flip):
     moved = max(np.abs(np.asarray(st.read_logits(act, p), np.float64) - np.asarray(st.read_logits(flip[0], p))).max()
                 for p in refs["pids"])
     assert moved > 0.05  # the fault took effect
-    d, _, forced, _ = _judge(refs, act, mod_act)
-    assert d.force, d.reason  # its flips are explained: judged against forced references ...
-    assert forced.passed is False  # ... and it still fails
+    d, plain, forced, _ = _judge(refs, act, mod_act)
+    assert d.n_unexplained == 0, d.reason  # every flip explained ...
+    # ... the fault may move the routers downstream beyond BF16 noise: then routing fails and run
+    # does not force (said in the decision); judged against references forced anyway, it still fails
+    if not d.force:  # (both tiny models here)
+        assert "beyond BF16 noise" in d.reason and plain.verdicts["routing"].passed is False
+    assert forced.passed is False
     m = forced.verdicts["modules"]
     assert m.passed is False and m.localisation.layer == layer and m.localisation.module == refs["arch"]["fault_module"]
     assert forced.verdicts["kv"].passed is False and forced.verdicts["kv"].localisation.layer == layer + 1
@@ -247,7 +251,7 @@ def test_an_unexplained_flip_is_never_forced(refs):
     assert (top_k_experts(a, 2) == 0).any(-1).mean() > 0.9  # took effect: expert 0 chosen nearly everywhere
     d = routing_decision(refs["st"], {"baseline": refs["mb"], "expected": refs["me"], "actual": mod_act},
                          refs["model"], refs["pids"])
-    assert not d.force and d.n_unexplained > 0 and d.plan is None
+    assert not d.force and d.n_unexplained > 0
     assert "not explained" in d.reason
 
 
