@@ -892,6 +892,13 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
                                       tgt.reference_dtype, references, ref)
         reused["module references"] = mod_runs.pop("reused")
 
+    comparator_runs = _tensor_plugin_runs(names, mod_runs)
+    if "routing" in names and mod_runs:  # explained router flips: judge against forced-routing references
+        base, exp, comparator_runs = _forced_routing(st, pstore, say, tm, model_path, model_hash, rows, pids,
+                                                     teacher_rows, mod_runs, comparator_runs, tgt.reference_dtype,
+                                                     logits_kv=bool({"logits", "kv"} & set(names)),
+                                                     base=base, exp=exp, act=act)
+
     # 4. one comparison
     t0 = time.perf_counter()
     say(f"comparing runs (three-way: FP32 baseline, {_dt(tgt.reference_dtype)} expected, {tgt} actual)")
@@ -900,11 +907,48 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
     result = compare_runs(st, expected_run=exp, actual_run=act, baseline_run=base, label=label,
                           logits="logits" in names, kv="kv" in names,
                           comparators=[n for n in names if n not in ("logits", "kv")],
-                          comparator_runs=_tensor_plugin_runs(names, mod_runs),
+                          comparator_runs=comparator_runs,
                           progress=progress.compare_callback(len(pids)))
     progress.end()
     tm["compare"] = time.perf_counter() - t0
     return result, reused
+
+
+def _forced_routing(st, pstore, say, tm, model_path, model_hash, rows, pids, teacher_rows, mod_runs, comparator_runs,
+                    dtype, *, logits_kv, base, exp, act):
+    """docs/moe.md "Forced routing": when every router flip of the target is explained by BF16
+    noise, the references of logits, KV and modules are captured again with the target's expert
+    choices forced; routing keeps the unforced module runs. Returns ``(baseline, expected,
+    comparator_runs)``."""
+    from capturestore.forced_routing import capture_forced_references, routing_decision
+
+    t0 = time.perf_counter()
+    decision = routing_decision(st, mod_runs, model_path, pids)
+    say(f"routing: {decision.reason}")
+    if not decision.force or not (logits_kv or set(comparator_runs or {}) - {"routing"}):
+        return base, exp, comparator_runs
+    cfg = json.loads(st.sql(f"SELECT config FROM runs WHERE run_id = '{mod_runs['actual']}'").to_pylist()[0]["config"])
+    rounding = cfg.get("kernel_rounding") if cfg.get("kernel_rounding") not in (None, "nearest") else None
+    tensors = set(comparator_runs or {}) - {"routing"}  # other plugins judging module tensors
+    if logits_kv:
+        from capturestore.forced_routing import logits_routed_alike
+
+        alike, diff, bar = logits_routed_alike(st, act, mod_runs["actual"], base, exp, pids)
+        if alike is None:
+            say("routing: the target's module run holds no logits: that its logits/KV run routed as it did is "
+                "assumed (a run that did not differs from the forced references by a flip and fails)")
+        elif not alike:  # the plan is the module run's routing: it does not hold for the logits/KV run
+            say(f"routing: logits and KV judged against the unforced references: the target's logits run and its "
+                f"module run routed differently (their logits differ by {diff:.3g}, beyond {bar:.3g})")
+            logits_kv = False
+    got = capture_forced_references(pstore, model_path, model_hash, rows, teacher_rows, decision, dtype,
+                                    module_order=cfg["module_order"] if tensors else None, kernel_rounding=rounding,
+                                    logits_kv=logits_kv, say=say)
+    runs = {n: dict(r) for n, r in (comparator_runs or {}).items()}
+    for n in tensors:
+        runs[n] = {"baseline": got["mod_baseline"], "expected": got["mod_expected"], "actual": mod_runs["actual"]}
+    tm["forced routing"] = time.perf_counter() - t0
+    return got.get("baseline", base), got.get("expected", exp), runs
 
 
 def _dt(dtype: str) -> str:

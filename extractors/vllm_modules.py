@@ -88,10 +88,10 @@ for _k, _v in _LLAMA.items():
                                                                  "first")
     _GEMMA3[_k] = _v
 # GPT-OSS: vLLM names the embedding ``embedding`` and the attention ``attn`` (HF: ``self_attn``).
-# Not mapped: HF's ``mlp.router`` returns (logits, scores, indices) flattened to [batch * seq,
-# experts], not the [batch, seq, ...] the module capture takes row by row (routing capture is
-# its own, issue 20 section 2); HF's ``mlp.experts`` takes the routing as inputs and has no vLLM
-# module with the same output.
+# ``mlp.router``: its logits [token, expert] (HF returns (logits, scores, indices), the batch
+# flattened, which the module capture keeps whole; vLLM's ``GateLinear`` the logits), what the
+# routing comparator reads (docs/moe.md). Not mapped: HF's ``mlp.experts`` takes the routing as
+# inputs and has no vLLM module with the same output.
 _GPT_OSS = {
     "model.embed_tokens": ("model.embedding", "first"),
     "model.layers.{i}.input_layernorm": ("model.layers.{i}.input_layernorm", "first"),
@@ -101,6 +101,7 @@ _GPT_OSS = {
     "model.layers.{i}.self_attn.o_proj": ("model.layers.{i}.attn.o_proj", "first"),
     "model.layers.{i}.self_attn": ("model.layers.{i}.attn", "first"),
     "model.layers.{i}.post_attention_layernorm": ("model.layers.{i}.post_attention_layernorm", "first"),
+    "model.layers.{i}.mlp.router": ("model.layers.{i}.mlp.router", "first"),  # logits [token, expert]
     "model.layers.{i}.mlp": ("model.layers.{i}.mlp", "first"),
     "model.layers.{i}": ("model.layers.{i}", "sum"),
     "model.norm": ("model.norm", "first"),

@@ -113,6 +113,7 @@ def check_modules_equal_hf_fp32(st, result) -> None:
     want = {f"model.layers.{i}{s}" for i in range(4) for s in (
         "", ".input_layernorm", ".self_attn.q_proj", ".self_attn.k_proj", ".self_attn.v_proj", ".self_attn.o_proj",
         ".self_attn", ".post_attention_layernorm", ".mlp")} | {"model.embed_tokens", "model.norm"}
+    want |= {m for m in judged if m.endswith(".mlp.router")}  # with routing: the routers, judged as modules too
     assert judged == want
     for pid in prompt_ids(st, mods["actual"]):
         for module in sorted(want):

@@ -336,3 +336,25 @@ def test_localisation_is_the_earliest_unexplained_flip_by_layer_then_position():
     rows = [row("a", 1, 9), row("a", 2, 0), row("a", 1, 0, explained=True), row("b", 1, 2), row("c", 1, 2)]
     assert first_unexplained_flip(rows) is rows[3]
     assert first_unexplained_flip([row("a", 1, 0, explained=True)]) is None
+
+
+def test_pipeline_judges_modules_and_logits_against_forced_routing_references(moe_run):
+    """docs/moe.md "Forced routing": the correct engine's flips are all explained, so ``run``
+    captured module references with its expert choices forced and judged modules against them;
+    routing itself against the unforced references. Logits and KV are forced only where the
+    engine's logits run routed as its module run (here HF's one-forward logits run broke a BF16
+    tie otherwise than its stepwise module run, so they keep the unforced references)."""
+    st, res = moe_run["store"], moe_run["result"]
+    row = st.sql(f"SELECT expected_run, baseline_run, comparator_runs FROM comparisons WHERE comparison_id = "
+                 f"'{res.comparison_id}'").to_pylist()[0]
+    runs = json.loads(row["comparator_runs"])
+
+    def cfg(rid):
+        return json.loads(st.sql(f"SELECT config FROM runs WHERE run_id = '{rid}'").to_pylist()[0]["config"])
+
+    act_mod = runs["routing"]["actual"]
+    for rid in (runs["modules"]["expected"], runs["modules"]["baseline"]):
+        assert cfg(rid).get("routing_forced_from") == act_mod
+    assert cfg(row["expected_run"]).get("routing_forced_from") == cfg(row["baseline_run"]).get("routing_forced_from")
+    for role in ("baseline", "expected"):
+        assert "routing_forced_from" not in cfg(runs["routing"][role])
