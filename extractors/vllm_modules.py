@@ -274,9 +274,10 @@ def _worker_pop(worker, transport: str = "tensor") -> list:
     return [(hf, pos.tolist(), encode_tensor(t, transport), req) for hf, pos, t, req in out]
 
 
-def _worker_remove(worker) -> int:
-    model = worker.model_runner.model
-    state = model.__dict__.pop(_STATE, None)
+def remove_worker_hooks(worker, key: str = _STATE) -> int:
+    """Remove the hooks a worker-extension method installed on the worker's model under ``key``
+    (module capture's, or replacement's: ``extractors.vllm_replace``); 1 when there were some, else 0."""
+    state = worker.model_runner.model.__dict__.pop(key, None)
     if state is None:
         return 0
     for h in state["handles"]:
@@ -298,7 +299,7 @@ class ModuleCaptureMixin:
         return _worker_pop(self, transport)
 
     def remove_module_capture(self) -> int:
-        return _worker_remove(self)
+        return remove_worker_hooks(self)
 
 
 # ---------------------------------------------------------------------------------- caller side

@@ -239,15 +239,6 @@ def _worker_counts(worker) -> dict:
     return {"forwards": state["forwards"], "counts": dict(state["counts"]), "not_floating": sorted(state["not_floating"])}
 
 
-def _worker_remove(worker) -> int:
-    state = worker.model_runner.model.__dict__.pop(_RSTATE, None)
-    if state is None:
-        return 0
-    for h in state["handles"]:
-        h.remove()
-    return 1
-
-
 class ReplaceMixin:
     """Replacement methods of the worker extension (``self`` is the worker), through
     ``collective_rpc(name)``."""
@@ -262,7 +253,9 @@ class ReplaceMixin:
         return _worker_counts(self)
 
     def remove_module_replacement(self) -> int:
-        return _worker_remove(self)
+        from extractors.vllm_modules import remove_worker_hooks
+
+        return remove_worker_hooks(self, _RSTATE)
 
 
 # ---------------------------------------------------------------------------------- caller side
