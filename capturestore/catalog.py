@@ -110,7 +110,8 @@ def _segments(root: Backend, table: str, relative: bool, allow_empty: bool = Fal
     is shown unless a merged segment of the same glob expansion names that segment. One scan
     decides both, so a merge or a source removal between two listings never counts a row twice
     nor hides it. ``filename``: a ``filename`` column naming the segment a writer wrote the row in
-    (the source, for a merged row)."""
+    (the source, for a merged row). The empty first branch declares the columns the rule reads: with
+    ``allow_empty`` and no segment left, the scan has no ``filename`` either."""
     if relative:
         where = f"{_glob_escape_sql(f'({_STORE_DIR_SQL})')} || {_quote_str(f'{TABLES_DIR}/{table}/*.parquet')}"
     else:
@@ -122,7 +123,7 @@ def _segments(root: Backend, table: str, relative: bool, allow_empty: bool = Fal
     return (f"(SELECT COLUMNS(lambda c: c NOT IN ({hidden})){', __cs_seg AS filename' if filename else ''} FROM ("
             f"SELECT *, bool_or({src} IS NOT NULL) OVER (PARTITION BY __cs_seg) AS __cs_covered FROM ("
             f"SELECT *, coalesce({src}, parse_filename(filename)) AS __cs_seg FROM ("
-            f"SELECT NULL::VARCHAR AS {src} WHERE false UNION ALL BY NAME SELECT * FROM {scan}))) "
+            f"SELECT NULL::VARCHAR AS {src}, NULL::VARCHAR AS filename WHERE false UNION ALL BY NAME SELECT * FROM {scan}))) "
             f"WHERE {src} IS NOT NULL OR NOT __cs_covered)")
 
 
