@@ -536,6 +536,12 @@ def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_ta
         loc = {"phase": found.phase, "layer": found.layer, "module": found.module, "token": found.token,
                "local": True, "isolates": comparison_id}
     kinds = _level3_rows([v for _, v in verdicts], tree, inplace) if level3 else None
+    from extractors.modules import DEFAULT_MODULES
+
+    for kind in (k for k in LEVEL3_KINDS if kinds is not None and not kinds[k] and k not in unchecked):
+        # a kind no module run holds is unjudged, never a pass (the module runs' patterns left it out)
+        unchecked[kind] = (f"the module runs hold no module of this kind; capture them with every module "
+                           f"(extractors.modules.DEFAULT_MODULES: {', '.join(DEFAULT_MODULES)})")
     cid = _store(store, comparison_id, row, runs, prompts, status, loc, search, verdicts, metric_rows, inplace, rank,
                  engine_reruns, ref_reruns, wall, kinds)
     return IsolationResult(comparison_id, status, cid, loc, engine_reruns, ref_reruns, tuple(search),

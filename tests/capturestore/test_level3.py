@@ -136,3 +136,25 @@ def test_cli_level3_prints_one_table_per_kind(refs):
     for kind in LEVEL3_KINDS:
         assert f"level3_{kind} (" in p.stdout and f"PASS {kind}:" in p.stdout, p.stdout
     assert "FAIL" not in p.stdout and "level 3 (modules on the expected reference's inputs): PASS" in p.stdout
+
+
+def test_a_kind_the_module_runs_do_not_hold_is_not_checked_and_level3_fails(refs):
+    """Module runs of the MLPs only (a narrower --module-patterns than every module): the MLPs are
+    judged and pass, and each of the seven kinds no run holds is 'not checked' — Level 3 fails
+    instead of passing on the one kind it saw."""
+    mlps = [f"model.layers.{i}.mlp" for i in range(3)]
+    base = capture_hf_module_run(refs.store, refs.path, refs.prompts, refs.conts, modules=mlps, dtype="float32")
+    exp = capture_hf_module_run(refs.store, refs.path, refs.prompts, refs.conts, modules=mlps, dtype="bfloat16")
+    act = capture_hf_module_run(refs.store, refs.path, refs.prompts, refs.conts, modules=mlps, dtype="bfloat16")
+    r = compare_runs(refs.store, baseline_run=base, expected_run=exp, actual_run=act, logits=False, kv=False,
+                     comparators=["modules"])
+    res = level3(refs.store, r.comparison_id)
+    assert len(res.level3["mlp"]) == 6 and all(row["passed"] is True for row in res.level3["mlp"])
+    assert sorted(res.unchecked) == sorted(k for k in LEVEL3_KINDS if k != "mlp"), res.unchecked
+    assert not res.level3_passed()
+    summary = res.level3_summary()
+    assert any(line.startswith("PASS mlp:") for line in summary)
+    assert sum(": not checked (" in line for line in summary) == 7, summary
+    # RoPE is found through the attentions captured (none here); the six other kinds through the runs' modules
+    assert sum("not checked (the module runs hold no module of this kind" in line for line in summary) == 6, summary
+    assert any(line.startswith("rope: not checked") and "apply_rotary_pos_emb" in line for line in summary), summary
