@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "per kind (level3_<kind>); implies --even-if-passed; exit 1 when a kind fails")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp = add("reduce", cmd_reduce, "shrink a failing module comparison to the fewest prompts, tokens and decoder "
-             "layers that still fail, into a self-contained bundle with one command (docs/isolate.md)")
+             "layers that still fail, into a self-contained bundle with one command (docs/reduce.md); --local: "
+             "kept failing by its isolation's local verdict")
     sp.add_argument("comparison", help="the failing comparison's id")
     sp.add_argument("--out", required=True, help="the bundle's directory (new or empty)")
     sp.add_argument("--engine", metavar="MODULE:FUNCTION", help="the engine under test: a function taking the model "
