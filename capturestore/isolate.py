@@ -87,9 +87,12 @@ __all__ = [
     "checked_runs",
     "held_prompts",
     "isolate",
+    "judge_local",
     "level3",
+    "local_inputs",
     "module_kind",
     "module_tree",
+    "on_reference_inputs",
 ]
 
 _D, _I, _S, _B = pa.float64(), pa.int64(), pa.string(), pa.bool_()
@@ -456,9 +459,8 @@ def _vllm_target(rec: dict, rid: str, target, prompts):
 def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_target, config, say, t0,
              level3, unchecked):
     from extractors.hf import load_hf_model
-    from extractors.kernel_rounding import kernel_rounding
     from extractors.replace import ROPE_SUFFIX, collect_hf_replaced
-    from metrics.modules import ModuleJudge, first_failing_module, module_layer
+    from metrics.modules import first_failing_module, module_layer
 
     if vllm_target:
         from extractors.vllm_replace import collect_vllm_replaced
@@ -488,41 +490,25 @@ def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_ta
     rounding = recs["expected"]["config"].get("kernel_rounding")  # as the expected run was captured
     say(f"BF16 reference re-run capturing the inputs of {len(order)} modules"
         + (f" (rounding FP32 -> BF16 {rounding.replace('_', ' ')}, as its run records)" if rounding else ""))
-    with kernel_rounding(exp_model, rounding):
-        exp_caps = [c for c, _, _ in collect_hf_replaced(exp_model, P, C, order, inputs=True)]
+    exp_caps = local_inputs(exp_model, P, C, order, rounding)
     ref_reruns += 1
     _check_reproduced(store, runs, prompts[:1], exp_caps[:1], [m for m in order if not m.endswith(ROPE_SUFFIX)])
     for level, mods in enumerate(levels, start=1):
         say(f"level {level}: {len(mods)} module(s) on the expected reference's inputs")
         act = rerun_target(P, C, mods, exp_caps)
         engine_reruns += 1
-        base = collect_hf_replaced(base_model, P, C, mods, replace_inputs=mods, sources=exp_caps,
-                                   what="expected reference")
+        base = on_reference_inputs(base_model, P, C, mods, exp_caps)
         ref_reruns += 1
-        judge = ModuleJudge(config)
-        for (pid, prompt, _), e, a, b in zip(prompts, exp_caps, act, base):
-            a, b = a[0], b[0]
-            items = []
-            for m in mods:
-                for phase in ("prefill", "decode"):
-                    if (m, phase) not in e:
-                        continue
-                    if (m, phase) not in a or (m, phase) not in b:
-                        judge.add_problem(pid, m, phase, f"the re-run produced no {m} ({phase})")
-                        continue
-                    n = e[(m, phase)].shape[0]
-                    pos = np.arange(n) + (len(prompt) if phase == "decode" else 0)
-                    items.append((m, phase, b[(m, phase)], e[(m, phase)], a[(m, phase)], pos))
-            for (m, phase, *_), tm in zip(items, judge.add_many(pid, items, prompt_len=len(prompt))):
-                if tm is None:
-                    continue
-                c = tm.to_columns()
-                k = c["position"].size
-                metric_rows.append({"prompt_id": [pid] * k, "module": [m] * k, "phase": [phase] * k,
-                                    "layer": [module_layer(m)] * k, "level": [level] * k, "position": c["position"],
-                                    "gen_token_idx": c["position"] - len(prompt),
-                                    **{x: c[x] for x in MODULE_LOCAL_METRICS.schema.names[8:]}})
-        res = judge.verdict(order)
+
+        def keep(pid, prompt, m, phase, tm, level=level):
+            c = tm.to_columns()
+            k = c["position"].size
+            metric_rows.append({"prompt_id": [pid] * k, "module": [m] * k, "phase": [phase] * k,
+                                "layer": [module_layer(m)] * k, "level": [level] * k, "position": c["position"],
+                                "gen_token_idx": c["position"] - len(prompt),
+                                **{x: c[x] for x in MODULE_LOCAL_METRICS.schema.names[8:]}})
+
+        res = judge_local(prompts, mods, exp_caps, [a[0] for a in act], base, order, config, keep)
         verdicts += [(level, v) for v in res.modules]
         first = res.first_failing
         search.append({"level": level, "modules": len(mods),
@@ -547,6 +533,56 @@ def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_ta
     return IsolationResult(comparison_id, status, cid, loc, engine_reruns, ref_reruns, tuple(search),
                            tuple(v for _, v in verdicts), {k: v[0] for k, v in inplace.items()}, wall,
                            None if kinds is None else {k: tuple(r) for k, r in kinds.items()}, unchecked)
+
+
+def local_inputs(exp_model, prompts, continuations, modules, rounding=None) -> list[dict]:
+    """One re-run of the expected (BF16) reference ``exp_model`` (rounding as its run records,
+    ``extractors.kernel_rounding``): per prompt ``{(module, phase): [token, ...]}`` with the
+    outputs of ``modules`` and their inputs (``module:input``), the inputs a local verdict feeds."""
+    from extractors.kernel_rounding import kernel_rounding
+    from extractors.replace import collect_hf_replaced
+
+    with kernel_rounding(exp_model, rounding):
+        return [c for c, _, _ in collect_hf_replaced(exp_model, prompts, continuations, modules, inputs=True)]
+
+
+def on_reference_inputs(model, prompts, continuations, modules, exp_caps) -> list[dict]:
+    """One re-run of an HF ``model`` (the target, or the FP32 reference) with the inputs of
+    ``modules`` (none nesting in another) replaced by ``exp_caps``' (``local_inputs``): per prompt
+    ``{(module, phase): [token, ...]}`` of their outputs."""
+    from extractors.replace import collect_hf_replaced
+
+    return [c for c, _, _ in collect_hf_replaced(model, prompts, continuations, modules, replace_inputs=modules,
+                                                 sources=exp_caps, what="expected reference")]
+
+
+def judge_local(prompts, modules, exp_caps, act_caps, base_caps, order=None, config=None, on_metrics=None):
+    """The local verdict (``metrics.modules.ModulesVerdict``) of ``modules``: per prompt
+    ``(prompt_id, prompt, continuation)`` the target's output on the expected reference's input
+    (``act_caps``) against the FP32 module's on that input (``base_caps``), judged against the
+    BF16 module's own output there (``exp_caps``) by the module verdict's noise-relative rule. A
+    module and phase the expected reference holds and a re-run lacks is a problem (never a pass).
+    ``on_metrics(prompt_id, prompt, module, phase, token_metrics)``: each judged tensor's per-token
+    metrics. The one local rule: isolation and ``capturestore.reduce`` both judge through it."""
+    from metrics.modules import ModuleJudge
+
+    judge = ModuleJudge(config)
+    for (pid, prompt, _), e, a, b in zip(prompts, exp_caps, act_caps, base_caps, strict=True):
+        items = []
+        for m in modules:
+            for phase in ("prefill", "decode"):
+                if (m, phase) not in e:
+                    continue
+                if (m, phase) not in a or (m, phase) not in b:
+                    judge.add_problem(pid, m, phase, f"the re-run produced no {m} ({phase})")
+                    continue
+                n = e[(m, phase)].shape[0]
+                pos = np.arange(n) + (len(prompt) if phase == "decode" else 0)
+                items.append((m, phase, b[(m, phase)], e[(m, phase)], a[(m, phase)], pos))
+        for (m, phase, *_), tm in zip(items, judge.add_many(pid, items, prompt_len=len(prompt))):
+            if tm is not None and on_metrics is not None:
+                on_metrics(pid, prompt, m, phase, tm)
+    return judge.verdict(order if order is not None else list(modules))
 
 
 def level3(store, comparison_id: str, target=None, **kwargs) -> IsolationResult:

@@ -20,6 +20,15 @@ module verdict's noise-relative rule) on the FP32 and BF16 references re-run fro
 checkpoint and the engine built by ``engine(model_dir)`` on it. The binary searches assume
 that a smaller case fails only if a larger one does; the end result is judged again.
 
+Local verdict (``local=True``, ``capturestore reduce --local``; or ``comparison_id`` an isolation's
+own comparison, whose localisation carries ``"local": true``): the failure kept is the isolation's
+(``capturestore.isolate``: a fault that may pass every in-place verdict), and each candidate judges
+``M`` alone by the local rule through isolation's own code (``isolate.local_inputs``,
+``on_reference_inputs``, ``judge_local``): the engine's and the FP32 ``M`` on the BF16 reference's
+input to ``M``, against the BF16 ``M``'s output there. The bundle records ``verdict: "local"``; its
+expected run holds ``M``'s output and input (``M:input``), its baseline run the FP32 ``M`` on that
+stored input, and ``reproduce`` judges it the same way.
+
 The bundle (``out``): ``model/`` the reduced checkpoint (the original's first ``n`` layers, bit
 for bit, and its tokenizer), ``store/`` a capture store with the FP32 and BF16 module references
 of the reduced case, ``case.json`` (the case, the failure, the sizes, the engine) and
@@ -89,12 +98,18 @@ class ReductionResult:
     faulty_exit: int | None = None  # the command's exit status with the engine under test (1: fails)
     correct_exit: int | None = None  # with the correct engine given (0: passes), None without one
     wall_s: float = 0.0
+    verdict: str = "in_place"  # the rule the failure is kept by: "in_place" | "local" (an isolation's)
+    isolation: str | None = None  # the isolation whose local failure was reduced (verdict "local")
 
     def summary(self) -> str:
         if self.status == "nothing_to_reduce":
+            if self.verdict == "local":
+                return (f"nothing to reduce: isolation {self.isolation} of comparison {self.source} found no module "
+                        f"failing locally")
             return f"nothing to reduce: comparison {self.source} passed"
         s, e = self.start, self.end
-        return (f"reduced comparison {self.source} (fails at {self.failure['module']}, {self.failure['phase']}) from "
+        how = f", locally: isolation {self.isolation}" if self.verdict == "local" else ""
+        return (f"reduced comparison {self.source} (fails at {self.failure['module']}, {self.failure['phase']}{how}) from "
                 f"{s['prompts']} prompt(s) x {s['prompt_tokens']}+{s['continuation_tokens']} tokens, {s['layers']} "
                 f"layer(s) to {e['prompts']} prompt(s) x {e['prompt_tokens']}+{e['continuation_tokens']} tokens, "
                 f"{e['layers']} layer(s) in {self.trials} trial(s); bundle {self.bundle}: `{self.command}` exits "
@@ -273,6 +288,17 @@ def _judge(refs, engine, case: Case, order):
     return judge_modules(per, mods, prompt_lens=[len(p) for p in case.prompts])
 
 
+def _judge_local(exp_caps, base_caps, engine, case: Case, mods):
+    """The local verdict of ``engine``'s ``mods`` on ``case``: each run on the expected reference's
+    input (``exp_caps``, with ``module:input``) against the FP32 module on that input
+    (``base_caps``): ``capturestore.isolate``'s rule, through its code."""
+    from capturestore.isolate import judge_local, on_reference_inputs
+
+    act = on_reference_inputs(engine, case.prompts, case.continuations, mods, exp_caps)
+    prompts = [(str(i), p, c) for i, (p, c) in enumerate(zip(case.prompts, case.continuations))]
+    return judge_local(prompts, mods, exp_caps, act, base_caps, mods)
+
+
 def _first(verdict):
     f = verdict.first_failing
     return None if f is None else (f.module, f.phase)
@@ -284,8 +310,9 @@ def _first(verdict):
 class _Trials:
     """Judges candidates: checkpoints per layer count (written once), references re-run per case."""
 
-    def __init__(self, model_dir, work: Path, engine, exp_dtype, order, failure, say, rounding=None):
+    def __init__(self, model_dir, work: Path, engine, exp_dtype, order, failure, say, rounding=None, local=False):
         self.model_dir, self.work, self.engine, self.exp_dtype = Path(model_dir), work, engine, exp_dtype
+        self.local = local  # judge the failing module by the local rule (capturestore.isolate.judge_local)
         self.rounding = rounding  # the expected run's kernel_rounding: its reference re-runs round the same way
         self.order, self.failure, self.say, self.n = order, failure, say, 0
         self.engine_name = getattr(engine, "__qualname__", repr(engine))
@@ -320,11 +347,19 @@ class _Trials:
         if case in self._seen:
             return self._seen[case]
         base, exp, eng = self.models(case.layers, full)
-        mods = _modules_of(self.order, case.layers)
-        b, _ = collect_hf_modules(base, case.prompts, case.continuations, mods)
-        with kernel_rounding(exp, self.rounding):
-            e, _ = collect_hf_modules(exp, case.prompts, case.continuations, mods)
-        first = _first(_judge(list(zip(b, e)), eng, case, self.order))
+        if self.local:
+            from capturestore.isolate import local_inputs, on_reference_inputs
+
+            mods = [self.failure[0]]
+            e = local_inputs(exp, case.prompts, case.continuations, mods, self.rounding)
+            b = on_reference_inputs(base, case.prompts, case.continuations, mods, e)
+            first = _first(_judge_local(e, b, eng, case, mods))
+        else:
+            mods = _modules_of(self.order, case.layers)
+            b, _ = collect_hf_modules(base, case.prompts, case.continuations, mods)
+            with kernel_rounding(exp, self.rounding):
+                e, _ = collect_hf_modules(exp, case.prompts, case.continuations, mods)
+            first = _first(_judge(list(zip(b, e)), eng, case, self.order))
         self.n += 1
         self.say(f"trial {self.n}: {case.size()}: {'fails at ' + ' '.join(first) if first else 'passes'}")
         self._seen[case] = first == self.failure
@@ -384,12 +419,19 @@ def _write_bundle(out: Path, trials: _Trials, case: Case, full: int, info: dict)
     src = trials.checkpoint(case.layers, full)
     shutil.copytree(src, out / "model")
     store = Store.open(out / "store")
-    mods = _modules_of(trials.order, case.layers)
     runs = {}
-    for role, dtype in (("baseline", "float32"), ("expected", trials.exp_dtype)):
-        runs[role] = capture_hf_module_run(store, out / "model", [list(p) for p in case.prompts],
-                                           [list(c) for c in case.continuations], modules=mods, dtype=dtype,
-                                           kernel_rounding=trials.rounding if role == "expected" else None)
+    if trials.local:
+        mods = [info["failure"]["module"]]
+        runs["expected"] = capture_hf_module_run(store, out / "model", [list(p) for p in case.prompts],
+                                                 [list(c) for c in case.continuations], modules=mods,
+                                                 dtype=trials.exp_dtype, inputs=True, kernel_rounding=trials.rounding)
+        runs["baseline"] = _write_local_baseline(store, out / "model", case, mods, runs["expected"])
+    else:
+        mods = _modules_of(trials.order, case.layers)
+        for role, dtype in (("baseline", "float32"), ("expected", trials.exp_dtype)):
+            runs[role] = capture_hf_module_run(store, out / "model", [list(p) for p in case.prompts],
+                                               [list(c) for c in case.continuations], modules=mods, dtype=dtype,
+                                               kernel_rounding=trials.rounding if role == "expected" else None)
     cmd = "capturestore reproduce BUNDLE" + ("" if info["engine"] is None else f" --engine {info['engine']}")
     case_json = {**info, "runs": runs, "modules": mods, "prompts": [list(p) for p in case.prompts],
                  "continuations": [list(c) for c in case.continuations], "command": cmd}
@@ -401,6 +443,47 @@ def _write_bundle(out: Path, trials: _Trials, case: Case, full: int, info: dict)
                   f'exec "${{PYTHON:-python3}}" -m capturestore.cli reproduce "$(dirname "$0")"{eng} "$@"\n')
     sh.chmod(0o755)
     return cmd
+
+
+def _stored_caps(store, rid, pid, names) -> dict:
+    """``{(name, phase): float32 [token, ...]}`` of a module run's stored tensors (phases it holds)."""
+    got = {}
+    for m in names:
+        for phase in ("prefill", "decode"):
+            try:
+                t = store.read_tensor(rid, pid, m, phase=phase)
+            except ValueError:
+                continue
+            t = np.asarray(t, dtype=np.float32)
+            got[(m, phase)] = t.reshape(-1, *t.shape[2:]) if t.ndim > 2 else t
+    return got
+
+
+def _write_local_baseline(store, model_dir: Path, case: Case, mods, expected_run: str) -> str:
+    """The local verdict's FP32 reference into ``store``: the FP32 modules ``mods`` of
+    ``model_dir`` run on the expected run's stored inputs (``module:input``, read back: the inputs
+    ``reproduce`` feeds the engine), written in the module layout; returns its run id."""
+    import torch
+
+    from capturestore.isolate import on_reference_inputs
+    from extractors.hf import load_hf_model
+    from extractors.models import model_content_hash
+    from extractors.modules import INPUT_SUFFIX, MODULE_TENSOR_LAYOUT, write_prompt_modules
+
+    pids = store.sql("SELECT prompt_id FROM prompts WHERE run_id = ? ORDER BY prompt_idx",
+                     [expected_run]).column(0).to_pylist()
+    exp_caps = [_stored_caps(store, expected_run, pid, [*mods, *(m + INPUT_SUFFIX for m in mods)]) for pid in pids]
+    base = on_reference_inputs(load_hf_model(model_dir, "float32"), case.prompts, case.continuations, mods, exp_caps)
+    run = store.begin_run(engine="hf", model_path=str(model_dir), model_hash=model_content_hash(model_dir),
+                          dtype="float32", config={"mode": "local", "modules": list(mods), "module_order": list(mods),
+                                                   "inputs_of": expected_run, "tensor_layout": MODULE_TENSOR_LAYOUT})
+    with run:
+        for p, c, caps in zip(case.prompts, case.continuations, base, strict=True):
+            pre = [(m, 0, torch.from_numpy(caps[(m, "prefill")])) for m in mods]
+            dec = {m: [torch.from_numpy(caps[(m, "decode")][i:i + 1]) for i in range(len(caps[(m, "decode")]))]
+                   for m in mods if (m, "decode") in caps}
+            write_prompt_modules(run, list(p), list(c), pre, dec, None)
+    return run.run_id
 
 
 def reproduce(bundle, engine=None, progress=None) -> tuple[int, str]:
@@ -434,44 +517,59 @@ def reproduce(bundle, engine=None, progress=None) -> tuple[int, str]:
                 info["end"]["layers"])
     if len(pids) != len(case.prompts):
         raise ReductionError(f"{bundle}: the store holds {len(pids)} prompts, case.json {len(case.prompts)}")
+    local = info.get("verdict", "in_place") == "local"
+    if info.get("verdict", "in_place") not in ("in_place", "local"):
+        raise ReductionError(f"{bundle}: case.json's verdict {info['verdict']!r} is neither in_place nor local")
     refs = []
     for pid in pids:
         caps = []
         for role in ("baseline", "expected"):
-            got = {}
-            for m in mods:
-                for phase in ("prefill", "decode"):
-                    try:
-                        t = store.read_tensor(runs[role], pid, m, phase=phase)
-                    except ValueError:
-                        continue
-                    t = np.asarray(t, dtype=np.float32)
-                    got[(m, phase)] = t.reshape(-1, *t.shape[2:]) if t.ndim > 2 else t
-            absent = [m for m in mods if (m, "prefill") not in got]
+            need = [*mods, *(m + ":input" for m in mods)] if local and role == "expected" else mods
+            got = _stored_caps(store, runs[role], pid, need)
+            absent = [m for m in need if (m, "prefill") not in got]
             if absent:  # evidence the case needs and the bundle lost: never judged as a pass
                 raise ReductionError(f"{bundle}: the {role} run {runs[role]} holds no {absent[0]} (prefill) for prompt "
                                      f"{pid}" + (f" (and {len(absent) - 1} more modules)" if len(absent) > 1 else ""))
             caps.append(got)
         refs.append(tuple(caps))
-    say(f"engine {engine or 'HF ' + info['actual']['dtype']} on {bundle / 'model'}: {case.size()}")
-    verdict = _judge(refs, _built(build, bundle / "model", engine or "HF"), case, mods)
+    say(f"engine {engine or 'HF ' + info['actual']['dtype']} on {bundle / 'model'}: {case.size()}"
+        + (" (local verdict: each module on the expected reference's input)" if local else ""))
+    model = _built(build, bundle / "model", engine or "HF")
+    if local:
+        verdict = _judge_local([e for _, e in refs], [b for b, _ in refs], model, case, mods)
+    else:
+        verdict = _judge(refs, model, case, mods)
     f = verdict.first_failing
+    how = "locally, on the expected reference's input" if local else "in place"
     if f is None:
         if verdict.passed is not True:  # nothing failed, but not everything was judged: not a pass
             raise ReductionError(f"{bundle}: not judged ({verdict.summary()}; {len(verdict.unjudged)} module x "
                                  f"phase outputs unjudged)")
-        return 0, f"PASS: every module passes ({case.size()})"
+        return 0, f"PASS: every module passes {how} ({case.size()})"
     same = (f.module, f.phase) == (info["failure"]["module"], info["failure"]["phase"])
-    return 1, (f"FAIL at {f.module} ({f.phase}, layer {f.layer}, token {f.token}): sigma-ratio "
+    return 1, (f"FAIL at {f.module} ({f.phase}, layer {f.layer}, token {f.token}) {how}: sigma-ratio "
                f"{f.tensor.sigma_ratio:.3f}" if f.tensor is not None else f"FAIL at {f.module} ({f.phase})") + (
         " (the reduced failure)" if same else f" (reduced from a failure at {info['failure']['module']})")
 
 
-def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, progress=None) -> ReductionResult:
+def _isolation_of(store, cid: str):
+    """The comparisons row of the newest isolation of comparison ``cid`` (None: never isolated)."""
+    try:
+        rows = store.sql("SELECT c.* FROM comparisons c JOIN isolations i ON i.comparison_id = c.comparison_id "
+                         "WHERE i.source_comparison_id = ? ORDER BY c.created_at DESC LIMIT 1", [cid]).to_pylist()
+    except Exception:  # noqa: BLE001 - no isolations view: nothing was ever isolated in this store
+        return None
+    return rows[0] if rows else None
+
+
+def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, local: bool = False,
+           progress=None) -> ReductionResult:
     """Reduce the failing module comparison ``comparison_id`` (module docstring) and write the
     bundle to ``out`` (a new or empty directory). engine: the engine under test, a callable
     ``(model_dir) -> model`` or ``"module:function"`` (default: the actual run's HF engine
-    rebuilt from its checkpoint). correct: a correct engine the bundle's command must pass on."""
+    rebuilt from its checkpoint). correct: a correct engine the bundle's command must pass on.
+    local: reduce the local failure of the comparison's isolation (``capturestore isolate``);
+    an isolation's own comparison is reduced locally without it."""
     from capturestore.isolate import IsolationError, checked_runs, held_prompts
 
     say = progress or (lambda m: None)
@@ -485,21 +583,39 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, pr
     if not rows:
         raise ReductionError(f"comparison {comparison_id} not found in the store")
     row = rows[0]
+    loc = json.loads(row.get("localisation") or "null") or {}
+    isolation = None
+    if loc.get("local") or row.get("judged") == ["isolation"]:  # an isolation's comparison: its local verdict
+        isolation, local = comparison_id, True
+    elif local:
+        iso = _isolation_of(store, comparison_id)
+        if iso is None:
+            raise ReductionError(f"comparison {comparison_id} has no isolation to reduce locally: run `capturestore "
+                                 f"isolate {comparison_id}` first (--even-if-passed where it passed in place)")
+        row, isolation = iso, iso["comparison_id"]
+        loc = json.loads(row.get("localisation") or "null") or {}
+    verdict = "local" if local else "in_place"
     if row["passed"]:
-        return ReductionResult(comparison_id, "nothing_to_reduce")
+        return ReductionResult(comparison_id, "nothing_to_reduce", verdict=verdict, isolation=isolation)
     try:
         runs, recs = checked_runs(store, comparison_id, row)
     except IsolationError as e:
         raise ReductionError(str(e)) from None
-    try:
-        mv = store.sql("SELECT module, phase, layer FROM module_verdicts WHERE comparison_id = ? AND passed = false "
-                       "ORDER BY CASE phase WHEN 'prefill' THEN 0 ELSE 1 END, exec_order", [comparison_id]).to_pylist()
-    except Exception:  # noqa: BLE001 - no module_verdicts view: no module was judged in this store
-        mv = []
-    if not mv:
-        raise ReductionError(f"comparison {comparison_id} has no failing module verdict: reduce shrinks a module "
-                             f"failure (capturestore run --plugins ...,modules; a failure seen only locally: "
-                             f"capturestore isolate)")
+    if local:
+        mv = [{"module": loc.get("module"), "phase": loc.get("phase"), "layer": loc.get("layer")}]
+        if mv[0]["module"] is None or mv[0]["phase"] not in ("prefill", "decode"):
+            raise ReductionError(f"isolation {isolation} names no failing module (its localisation: {loc})")
+    else:
+        try:
+            mv = store.sql("SELECT module, phase, layer FROM module_verdicts WHERE comparison_id = ? AND passed = false "
+                           "ORDER BY CASE phase WHEN 'prefill' THEN 0 ELSE 1 END, exec_order",
+                           [comparison_id]).to_pylist()
+        except Exception:  # noqa: BLE001 - no module_verdicts view: no module was judged in this store
+            mv = []
+        if not mv:
+            raise ReductionError(f"comparison {comparison_id} has no failing module verdict: reduce shrinks a module "
+                                 f"failure (capturestore run --plugins ...,modules; a failure seen only locally: "
+                                 f"capturestore isolate {comparison_id}, then reduce --local)")
     failure = {"module": mv[0]["module"], "phase": mv[0]["phase"], "layer": mv[0]["layer"]}
     order = recs["expected"]["config"].get("module_order")
     act = recs["actual"]
@@ -521,11 +637,12 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, pr
     try:
         rounding = recs["expected"]["config"].get("kernel_rounding")
         trials = _Trials(model_dir, work, build, recs["expected"]["dtype"], order,
-                         (failure["module"], failure["phase"]), say, rounding)
+                         (failure["module"], failure["phase"]), say, rounding, local)
         if rounding:
             say(f"the BF16 reference re-runs round FP32 -> BF16 {rounding.replace('_', ' ')}, as the expected run "
                 f"{runs['expected']} records")
-        say(f"start: {start.size()}; failure {failure['module']} ({failure['phase']})")
+        say(f"start: {start.size()}; failure {failure['module']} ({failure['phase']}"
+            + (f", local: isolation {isolation})" if local else ", in place)"))
         try:
             end = _search(trials, start, full, failure["layer"])
         except ReductionError as e:
@@ -534,7 +651,8 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, pr
         if not trials.fails(end, full):  # the binary searches assume monotone failure: check the result
             raise ReductionError(f"the reduced case ({end.size()}) does not fail: the failure is not monotone in "
                                  f"the case's size")
-        info = {"source_comparison": comparison_id, "failure": failure, "engine": name, "actual": default,
+        info = {"source_comparison": comparison_id, "verdict": verdict, "isolation": isolation,
+                "failure": failure, "engine": name, "actual": default,
                 "expected_dtype": recs["expected"]["dtype"], "kernel_rounding": rounding,
                 "start": start.as_dict(), "end": end.as_dict(),
                 "trials": trials.n}
@@ -552,4 +670,4 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, pr
         if correct_exit != 0:
             raise ReductionError(f"the bundle {out} fails on the correct engine too: {text}")
     return ReductionResult(comparison_id, "reduced", out, failure, start.as_dict(), end.as_dict(), trials.n, cmd,
-                           faulty_exit, correct_exit, time.perf_counter() - t0)
+                           faulty_exit, correct_exit, time.perf_counter() - t0, verdict, isolation)

@@ -25,7 +25,7 @@
     capturestore history --model M         capturestore.diff.history(...)
     capturestore cachecheck --model DIR --engine hf|paged|pkg.mod:Class
                                            capturestore.cachecheck.cachecheck(...)  exit 1 unless PASS
-    capturestore reduce COMPARISON --out DIR
+    capturestore reduce COMPARISON --out DIR [--local]
                                            capturestore.reduce.reduce(...)
     capturestore reproduce BUNDLE          capturestore.reduce.reproduce(...)  exit 1 when the bug reproduces
 
@@ -140,12 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
                     "per kind (level3_<kind>); implies --even-if-passed; exit 1 when a kind fails")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp = add("reduce", cmd_reduce, "shrink a failing module comparison to the fewest prompts, tokens and decoder "
-             "layers that still fail, into a self-contained bundle with one command (docs/isolate.md)")
+             "layers that still fail, into a self-contained bundle with one command (docs/reduce.md); --local: "
+             "kept failing by its isolation's local verdict")
     sp.add_argument("comparison", help="the failing comparison's id")
     sp.add_argument("--out", required=True, help="the bundle's directory (new or empty)")
     sp.add_argument("--engine", metavar="MODULE:FUNCTION", help="the engine under test: a function taking the model "
                     "directory and returning the model (default: the actual run's HF engine from its checkpoint)")
     sp.add_argument("--correct", metavar="MODULE:FUNCTION", help="a correct engine the bundle must pass on")
+    sp.add_argument("--local", action="store_true", help="keep the local failure of the comparison's isolation "
+                    "(capturestore isolate COMPARISON first): the module judged on the expected reference's input; "
+                    "an isolation's own comparison is reduced locally without it")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp = add("reproduce", cmd_reproduce, "judge an engine on a bundle written by `capturestore reduce`: exit 1 when "
              "a module fails (the bug reproduces), 0 when every module passes")

@@ -472,7 +472,8 @@ def cmd_reduce(args: argparse.Namespace) -> int:
     from capturestore.reduce import reduce
 
     store = open_store(args.store)  # only read: the bundle is a store of its own
-    r = reduce(store, args.comparison, args.engine, args.out, correct=args.correct, progress=_stderr_progress(args))
+    r = reduce(store, args.comparison, args.engine, args.out, correct=args.correct, local=args.local,
+               progress=_stderr_progress(args))
     print(r.summary())
     return 0
 
