@@ -74,7 +74,7 @@ def routing_decision(st, runs: dict, model_path, pids: list[str]) -> RoutingDeci
     from extractors.routing import router_spec
     from extractors.routing_force import RoutingPlan
     from extractors.routing_force import chosen_experts
-    from metrics.routing import noise_scale, router_noise, routing_flips
+    from metrics.routing import needed_margin, noise_scale, router_noise, routing_flips
 
     cfg = _model_config(model_path)
     spec, _, k = router_spec(cfg, "forced routing")
@@ -119,7 +119,8 @@ def routing_decision(st, runs: dict, model_path, pids: list[str]) -> RoutingDeci
             flip = (ch != r["base_experts"]).any(axis=-1)
             n_flip += int(flip.sum())
             n_noise += int(r["noise_flip"].sum())
-            n_un += int((flip & (r["margin"] > r["threshold"])).sum())
+            # explained as the routing comparator judges it: the margin the experts it chose needed
+            n_un += int((flip & ~(needed_margin(b, r["base_experts"], ch) <= r["threshold"])).sum())
     tokens = [st.read_tokens(act, pid).tolist() for pid in pids]
     experts = [{m: chosen[m][i] for m in routers} for i in range(len(pids))]
     counts = {"n_flips": n_flip, "n_noise_flips": n_noise, "n_unexplained": n_un, "routers": routers,

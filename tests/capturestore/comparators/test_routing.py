@@ -330,12 +330,33 @@ def test_localisation_is_the_earliest_unexplained_flip_by_layer_then_position():
     1, position 2 of prompt b (layer 2's earlier position and explained flips do not count)."""
     from capturestore.comparators.routing import first_unexplained_flip
 
-    def row(pid, layer, pos, explained=False):
-        return {"prompt_id": pid, "layer": layer, "position": pos, "explained": explained}
+    def row(pid, layer, pos, explained=False):  # every prompt 20 tokens long: prefill
+        return {"prompt_id": pid, "layer": layer, "position": pos, "gen_token_idx": pos - 20, "phase": "prefill",
+                "explained": explained}
 
     rows = [row("a", 1, 9), row("a", 2, 0), row("a", 1, 0, explained=True), row("b", 1, 2), row("c", 1, 2)]
     assert first_unexplained_flip(rows) is rows[3]
     assert first_unexplained_flip([row("a", 1, 0, explained=True)]) is None
+
+
+def test_localisation_puts_a_long_prompts_prefill_before_a_short_prompts_decode():
+    """Hand-made rows: prompt s (5 tokens) flips at decode step 1 (position 6), prompt l (30 tokens)
+    at prefill position 10: the prefill flip comes first although its position is larger; among
+    decode flips the decode step decides (l's step 0 at position 30 before s's step 1), not the
+    position; equal steps go to the earlier prompt."""
+    from capturestore.comparators.routing import first_unexplained_flip
+
+    def row(pid, plen, pos, layer=1):
+        return {"prompt_id": pid, "layer": layer, "position": pos, "gen_token_idx": pos - plen,
+                "phase": "prefill" if pos < plen else "decode", "explained": False}
+
+    s_dec, l_pre = row("s", 5, 6), row("l", 30, 10)
+    assert first_unexplained_flip([s_dec, l_pre]) is l_pre
+    l_dec0 = row("l", 30, 30)
+    assert first_unexplained_flip([s_dec, l_dec0]) is l_dec0  # step 0 before step 1
+    s_dec0 = row("s", 5, 5)
+    assert first_unexplained_flip([row("l", 30, 30), s_dec0])["prompt_id"] == "l"  # same step: prompt order
+    assert first_unexplained_flip([s_dec, row("l", 30, 10, layer=2)]) is s_dec  # the layer still comes first
 
 
 def test_pipeline_judges_modules_and_logits_against_forced_routing_references(moe_run):
