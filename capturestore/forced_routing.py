@@ -74,7 +74,7 @@ def routing_decision(st, runs: dict, model_path, pids: list[str]) -> RoutingDeci
     from extractors.routing import router_spec
     from extractors.routing_force import RoutingPlan
     from extractors.routing_force import chosen_experts
-    from metrics.routing import noise_scale, router_noise, routing_flips
+    from metrics.routing import needed_margin, noise_scale, router_noise, routing_flips
 
     cfg = _model_config(model_path)
     spec, _, k = router_spec(cfg, "forced routing")
@@ -119,7 +119,8 @@ def routing_decision(st, runs: dict, model_path, pids: list[str]) -> RoutingDeci
             flip = (ch != r["base_experts"]).any(axis=-1)
             n_flip += int(flip.sum())
             n_noise += int(r["noise_flip"].sum())
-            n_un += int((flip & (r["margin"] > r["threshold"])).sum())
+            # explained as the routing comparator judges it: the margin the experts it chose needed
+            n_un += int((flip & ~(needed_margin(b, r["base_experts"], ch) <= r["threshold"])).sum())
     tokens = [st.read_tokens(act, pid).tolist() for pid in pids]
     experts = [{m: chosen[m][i] for m in routers} for i in range(len(pids))]
     counts = {"n_flips": n_flip, "n_noise_flips": n_noise, "n_unexplained": n_un, "routers": routers,
@@ -170,10 +171,13 @@ def logits_routed_alike(st, act: str, mod_act: str, base: str, exp: str,
 
 def capture_forced_references(pstore, model_path, model_hash: str, rows, teacher_rows, decision: RoutingDecision,
                               dtype: str, module_order=None, kernel_rounding: str | None = None,
-                              logits_kv: bool = True, say=lambda s: None) -> dict:
+                              logits_kv: bool = True, say=lambda s: None,
+                              logits_kernel_rounding: str | None = None) -> dict:
     """The FP32 baseline and ``dtype`` expected references with the decision's experts forced:
     logits + KV runs (``logits_kv``; teacher-forced on ``teacher_rows``) and, with ``module_order``,
-    module runs over those modules. Returns ``{"baseline", "expected", "mod_baseline",
+    module runs over those modules. The expected runs round FP32 -> BF16 as the unforced expected
+    runs they replace record (``extractors.kernel_rounding``): ``logits_kernel_rounding`` (logits +
+    KV), ``kernel_rounding`` (modules); the baseline never (FP32). Returns ``{"baseline", "expected", "mod_baseline",
     "mod_expected", "stats"}`` (run ids; absent when not captured). Each run's config records
     ``routing_forced_from`` (the actual module run) and ``model_given`` (never reused as a plain
     reference)."""
@@ -190,7 +194,8 @@ def capture_forced_references(pstore, model_path, model_hash: str, rows, teacher
             fr = ForcedRouting(model, plan, decision.routers, decision.model_type)
             with fr:
                 out[role] = capture_hf_run(pstore, model_path, rows, teacher_tokens=teacher_rows, dtype=d, model=model,
-                                           model_hash=model_hash, config=extra)
+                                           model_hash=model_hash, config=extra,
+                                           kernel_rounding=logits_kernel_rounding if role == "expected" else None)
             out["stats"][role] = dict(fr.stats)
         if module_order:
             fr = ForcedRouting(model, plan, decision.routers, decision.model_type)

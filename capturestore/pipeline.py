@@ -897,7 +897,7 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
         base, exp, comparator_runs = _forced_routing(st, pstore, say, tm, model_path, model_hash, rows, pids,
                                                      teacher_rows, mod_runs, comparator_runs, tgt.reference_dtype,
                                                      logits_kv=bool({"logits", "kv"} & set(names)),
-                                                     base=base, exp=exp, act=act)
+                                                     base=base, exp=exp, act=act, fp8=fp8_plan is not None)
 
     # 4. one comparison
     t0 = time.perf_counter()
@@ -915,20 +915,38 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
 
 
 def _forced_routing(st, pstore, say, tm, model_path, model_hash, rows, pids, teacher_rows, mod_runs, comparator_runs,
-                    dtype, *, logits_kv, base, exp, act):
+                    dtype, *, logits_kv, base, exp, act, fp8=False):
     """docs/moe.md "Forced routing": when every router flip of the target is explained by BF16
     noise, the references of logits, KV and modules are captured again with the target's expert
-    choices forced; routing keeps the unforced module runs. Returns ``(baseline, expected,
+    choices forced; routing keeps the unforced module runs. Each forced expected run rounds FP32 ->
+    BF16 as the unforced one it replaces records (``kernel_rounding``: the target's kernels' rounding
+    where emulated, else nearest). ``fp8``: the logits/KV references come from an FP8 plan (FP8 KV
+    emulation the forced HF runs lack): logits and KV are not forced. Returns ``(baseline, expected,
     comparator_runs)``."""
     from capturestore.forced_routing import capture_forced_references, routing_decision
 
     t0 = time.perf_counter()
     decision = routing_decision(st, mod_runs, model_path, pids)
     say(f"routing: {decision.reason}")
+    if decision.force and fp8 and logits_kv:
+        say("routing: logits and KV not forced: FP8 KV references (the FP8 plan's baseline and expected emulate "
+            "the target's FP8 KV cache, forced HF references would not): judged against the unforced ones")
+        logits_kv = False
     if not decision.force or not (logits_kv or set(comparator_runs or {}) - {"routing"}):
         return base, exp, comparator_runs
-    cfg = json.loads(st.sql(f"SELECT config FROM runs WHERE run_id = '{mod_runs['actual']}'").to_pylist()[0]["config"])
-    rounding = cfg.get("kernel_rounding") if cfg.get("kernel_rounding") not in (None, "nearest") else None
+
+    def config(rid):
+        return json.loads(st.sql(f"SELECT config FROM runs WHERE run_id = '{rid}'").to_pylist()[0]["config"])
+
+    cfg = config(mod_runs["actual"])
+    # the rounding the unforced expected runs record (_emulated_rounding of the target's: nearest on a
+    # model the emulation does not cover, e.g. GPT-OSS's attention sinks), never the raw probed one
+    rounding, logits_rounding = config(mod_runs["expected"]).get("kernel_rounding"), config(exp).get("kernel_rounding")
+    if cfg.get("kernel_rounding") not in (None, "nearest") and dtype == "bfloat16":
+        say(f"routing: the forced expected references round FP32 -> BF16 as the unforced ones: "
+            f"{(logits_rounding or 'nearest').replace('_', ' ')} (logits, KV), "
+            f"{(rounding or 'nearest').replace('_', ' ')} (modules); the target's kernels round "
+            f"{cfg['kernel_rounding'].replace('_', ' ')}")
     tensors = set(comparator_runs or {}) - {"routing"}  # other plugins judging module tensors
     if logits_kv:
         from capturestore.forced_routing import logits_routed_alike
@@ -943,7 +961,7 @@ def _forced_routing(st, pstore, say, tm, model_path, model_hash, rows, pids, tea
             logits_kv = False
     got = capture_forced_references(pstore, model_path, model_hash, rows, teacher_rows, decision, dtype,
                                     module_order=cfg["module_order"] if tensors else None, kernel_rounding=rounding,
-                                    logits_kv=logits_kv, say=say)
+                                    logits_kernel_rounding=logits_rounding, logits_kv=logits_kv, say=say)
     runs = {n: dict(r) for n, r in (comparator_runs or {}).items()}
     for n in tensors:
         runs[n] = {"baseline": got["mod_baseline"], "expected": got["mod_expected"], "actual": mod_runs["actual"]}

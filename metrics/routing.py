@@ -2,11 +2,15 @@
 
 A *flip* at a token of a layer: the target's top-k expert set differs from the FP32 baseline's.
 Whether BF16 noise explains it (docs/moe.md): the baseline's top-k margin ``m = z_(k) - z_(k+1)``
-(its k-th and (k+1)-th largest router logits) against the BF16 router-logit noise measured on
-the expected run, ``N = max_e |expected - baseline|`` at that token and layer. For the target to
-rank an expert outside the baseline's top-k (logit ``z_j``) above one inside (``z_i``, with
-``z_i - z_j >= m``) its errors must differ by at least ``m``: ``err_j - err_i >= m``. Errors of
-BF16 size are at most ``N`` each, so a flip is explained when ``m <= 2 * noise``, where ``noise``
+(its k-th and (k+1)-th largest router logits) is the smallest error that can flip a token; a flip
+itself needs the margin of the experts the target actually chose: ``needed = max over e in
+actual minus base of (z_(k) - z_e)`` (every expert chosen outside the baseline's top-k must have been
+lifted past the baseline's k-th; ``needed >= m``, equal when the target took the (k+1)-th). It is
+judged against the BF16 router-logit noise measured on the expected run, ``N = max_e |expected -
+baseline|`` at that token and layer. For the target to rank an expert outside the baseline's top-k
+(logit ``z_j``) above one inside (``z_i >= z_(k)``) its errors must differ by at least
+``z_i - z_j``: ``err_j - err_i >= z_(k) - z_j``. Errors of BF16 size are at most ``N`` each, so a
+flip is explained when ``needed <= 2 * noise``, where ``noise``
 is the larger of ``N`` at that token and ``N``'s 95th percentile over every token of the layer
 (``noise_scale``: the target's error at a token need not match the expected run's error at that
 same token, only its size). Everything is vectorised over tokens.
@@ -18,6 +22,7 @@ import numpy as np
 __all__ = [
     "NOISE_FACTOR",
     "NOISE_QUANTILE",
+    "needed_margin",
     "noise_scale",
     "router_noise",
     "routing_flips",
@@ -42,6 +47,19 @@ def top_k_margin(logits: np.ndarray, k: int) -> np.ndarray:
     return z[:, k - 1] - z[:, k]
 
 
+def needed_margin(logits: np.ndarray, base_experts: np.ndarray, chosen: np.ndarray) -> np.ndarray:
+    """``[token]``: the FP32 margin a flip needed: ``max over e in chosen minus base_experts of
+    (z_(k) - z_e)``, ``z`` the baseline's router ``logits [token, expert]`` and ``z_(k)`` its k-th
+    largest (``k = base_experts.shape[1]``); NaN at a token whose ``chosen [token, k]`` set equals
+    ``base_experts``' (no flip)."""
+    z = np.asarray(logits, np.float64)
+    base, ch = np.asarray(base_experts), np.asarray(chosen)
+    zk = -np.sort(-z, axis=-1)[:, base.shape[1] - 1]
+    outside = ~(ch[:, :, None] == base[:, None, :]).any(axis=-1)  # [token, k]: chosen not in base's set
+    gap = np.where(outside, zk[:, None] - np.take_along_axis(z, ch, axis=-1), -np.inf).max(axis=-1)
+    return np.where(outside.any(axis=-1), gap, np.nan)
+
+
 def router_noise(expected: np.ndarray, baseline: np.ndarray) -> np.ndarray:
     """``[token]``: ``max_e |expected - baseline|`` of router logits ``[token, expert]``."""
     return np.abs(np.asarray(expected, np.float64) - np.asarray(baseline, np.float64)).max(axis=-1)
@@ -59,8 +77,10 @@ def routing_flips(baseline: np.ndarray, expected: np.ndarray, actual: np.ndarray
 
     Returns columns over tokens: ``base_experts``/``actual_experts``/``expected_experts``
     ``[token, k]``, ``flip`` (actual's set differs), ``noise_flip`` (expected's set differs),
-    ``margin``, ``noise`` (per token), ``threshold`` (``NOISE_FACTOR * max(noise, layer_noise)``),
-    ``explained`` (a flip whose margin is within the threshold; False where no flip).
+    ``margin`` (the baseline's top-k margin), ``needed`` (``needed_margin``: the margin the actual
+    run's flip needed; NaN where no flip), ``noise`` (per token), ``threshold`` (``NOISE_FACTOR *
+    max(noise, layer_noise)``), ``explained`` (a flip whose needed margin is within the threshold;
+    False where no flip).
     ``layer_noise``: the layer's ``noise_scale`` pooled over prompts (default: over these tokens)."""
     b, e, a = (np.asarray(x, np.float64) for x in (baseline, expected, actual))
     if not (b.shape == e.shape == a.shape and b.ndim == 2 and 0 < k < b.shape[1]):
@@ -71,7 +91,7 @@ def routing_flips(baseline: np.ndarray, expected: np.ndarray, actual: np.ndarray
     noise = router_noise(e, b)
     scale = noise_scale(noise) if layer_noise is None else float(layer_noise)
     threshold = NOISE_FACTOR * np.maximum(noise, scale)
-    margin = top_k_margin(b, k)
+    needed = needed_margin(b, be, ae)
     return {"base_experts": be, "expected_experts": ee, "actual_experts": ae, "flip": flip,
-            "noise_flip": (be != ee).any(axis=-1), "margin": margin, "noise": noise, "threshold": threshold,
-            "explained": flip & (margin <= threshold)}
+            "noise_flip": (be != ee).any(axis=-1), "margin": top_k_margin(b, k), "needed": needed, "noise": noise,
+            "threshold": threshold, "explained": flip & (needed <= threshold)}

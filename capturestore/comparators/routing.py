@@ -4,8 +4,10 @@ Reads the router modules' tensors (``extractors.routing``: router logits ``[toke
 ``tensors/<router>/<phase>``, prefill then decode steps) of every role, from the module runs the
 pipeline captured (``capture_run(plugins="routing")`` adds the router modules to the module
 patterns). Per layer and token, ``metrics.routing.routing_flips``: the actual run's top-k expert
-set against the FP32 baseline's, each flip explained by BF16 noise (the baseline's top-k margin
-within ``2 x`` the expected run's router-logit error there, or its layer's 95th percentile) or not.
+set against the FP32 baseline's, each flip explained by BF16 noise (the margin it needed: the
+baseline's k-th largest logit minus that of each expert the actual run chose outside the baseline's
+top-k, the largest, within ``2 x`` the expected run's router-logit error there, or its layer's 95th
+percentile) or not.
 
 Per layer, the router logits themselves are also judged by the module verdict's noise-relative
 rule (``metrics.modules.ModuleJudge``, every prompt and position of the layer pooled): actual vs
@@ -26,14 +28,15 @@ comparator does (``capturestore.comparators.modules.not_computed_positions``), a
 model without a router (a dense model) is refused (ValueError: one line, nothing stored).
 
 Localisation: the earliest failing layer (decoder-layer order: where the error enters); in it the
-earliest unexplained flip by position (prefill positions, then decode steps in order; a tie goes
+earliest unexplained flip (prefill before decode, across prompts: a short prompt's decode step
+comes after a long prompt's prefill position; then the prompt position or decode step; a tie goes
 to the earlier prompt), else the logit verdict's first position beyond noise (phase, layer, router
 module, generation token ``position - prompt_len``).
 
 Tables: ``routing_layers`` (layer: tokens, flips of the actual and of the expected run, explained
 and unexplained flips, the noise scale, positions not computed, the router-logit verdict, pass,
 problem) and ``routing_flips`` (one row per flip: prompt, layer, position, the baseline's /
-expected's / actual's experts, margin, noise, threshold, explained). ``top_k`` and ``n_experts``:
+expected's / actual's experts, margin, noise, threshold, explained, needed margin). ``top_k`` and ``n_experts``:
 from the expected run's config (``routing``, recorded at capture by
 ``extractors.routing.routing_run_config``; else another role's), else, for runs captured before
 that, the model's ``config.json`` (the expected run's ``model_path``; the verdict text says so).
@@ -78,7 +81,8 @@ ROUTING_FLIPS = TableSpec(pa.schema([
     ("comparison_id", _S), ("prompt_id", _S), ("layer", _I), ("module", _S), ("position", _I),
     ("gen_token_idx", _I), ("phase", _S), ("base_experts", pa.list_(_I)), ("expected_experts", pa.list_(_I)),
     ("actual_experts", pa.list_(_I)), ("margin", _D), ("noise", _D), ("threshold", _D), ("explained", _B),
-]), 1)
+    ("needed_margin", _D),
+]), 2)  # v2: needed_margin, and explained judges it (v1 judged margin, whatever experts the engine chose)
 
 
 def routing_config(store, run_id: str, others=()) -> tuple[int, int, str, str]:
@@ -252,7 +256,7 @@ class RoutingComparator(Comparator):
                         "expected_experts": r["expected_experts"][i].tolist(),
                         "actual_experts": r["actual_experts"][i].tolist(), "margin": float(r["margin"][i]),
                         "noise": float(r["noise"][i]), "threshold": float(r["threshold"][i]),
-                        "explained": bool(r["explained"][i]),
+                        "explained": bool(r["explained"][i]), "needed_margin": float(r["needed"][i]),
                     })
             lv = judge.verdict().modules[0] if items else None
             self.logit_verdicts[m] = lv
@@ -318,8 +322,8 @@ class RoutingComparator(Comparator):
             f, lv = self.first, self.logit_verdicts.get(first_layer["module"])
             if f is not None and f["module"] == first_layer["module"]:
                 text += (f"; first unexplained: layer {f['layer']} position {f['position']} (prompt {f['prompt_id']}) "
-                         f"experts {f['actual_experts']} instead of {f['base_experts']} (margin {f['margin']:.3g} > "
-                         f"{f['threshold']:.3g})")
+                         f"experts {f['actual_experts']} instead of {f['base_experts']} (needed margin "
+                         f"{f['needed_margin']:.3g} > {f['threshold']:.3g})")
                 loc = Localisation(f["phase"], f["layer"], f["module"], f["gen_token_idx"])
             elif first_layer["problem"] is None and lv is not None and lv.passed is False:
                 phase = None if lv.token is None else ("prefill" if lv.token < 0 else "decode")
@@ -331,11 +335,18 @@ class RoutingComparator(Comparator):
 
 def first_unexplained_flip(flips: list) -> dict | None:
     """The earliest unexplained flip of ``routing_flips`` rows (given in prompt order): smallest
-    decoder layer (where the error enters the forward), then smallest position (prefill positions,
-    then decode steps in order), then the earlier prompt; None if every flip is explained."""
+    decoder layer (where the error enters the forward), then prefill before decode (across prompts:
+    a short prompt's decode step comes after a long prompt's prefill), then the position within the
+    phase (prompt position, or decode step ``gen_token_idx``), then the earlier prompt; None if
+    every flip is explained."""
     order = {}
     for f in flips:
         order.setdefault(f["prompt_id"], len(order))
     cands = [f for f in flips if not f["explained"]]
-    return min(cands, key=lambda f: (f["layer"] if f["layer"] is not None else -1, f["position"],
-                                     order[f["prompt_id"]]), default=None)
+
+    def key(f):
+        decode = f["phase"] == "decode"
+        return (f["layer"] if f["layer"] is not None else -1, decode,
+                f["gen_token_idx"] if decode else f["position"], order[f["prompt_id"]])
+
+    return min(cands, key=key, default=None)

@@ -262,3 +262,119 @@ def test_missing_router_evidence_is_not_forced_and_named(refs, flip):
                          refs["model"], refs["pids"])
     assert not d.force and d.plan is None
     assert refs["exp"] in d.reason and refs["r0"] in d.reason and refs["pids"][0] in d.reason
+
+
+# ------------------------------------------------------------------ the pipeline's forcing step, stubbed
+# (no capture: the decision and the forced capture are spies; the store answers run configs only)
+
+
+class _Configs:
+    """A store whose ``sql`` answers ``SELECT config FROM runs WHERE run_id = '<id>'``."""
+
+    def __init__(self, configs):
+        self.configs = configs
+
+    def sql(self, q):
+        rid = q.split("run_id = '")[1].split("'")[0]
+        rows = [{"config": json.dumps(self.configs[rid])}]
+        return type("R", (), {"to_pylist": lambda self: rows})()
+
+
+def _forced_step(monkeypatch, configs, model_path="m", *, fp8=False, logits_kv=True, dtype="bfloat16"):
+    """Run ``pipeline._forced_routing`` on a forcing decision; returns ``(capture kwargs or None,
+    said lines, returned (baseline, expected, comparator_runs))``."""
+    import capturestore.forced_routing as fr
+    from capturestore.pipeline import _forced_routing
+
+    seen, said = {}, []
+    monkeypatch.setattr(fr, "routing_decision", lambda *a, **k: fr.RoutingDecision(
+        True, "forced: the actual run flipped 3 token-layer expert choices (stub)", n_flips=3, plan=object()))
+    monkeypatch.setattr(fr, "logits_routed_alike", lambda *a, **k: (True, 0.0, 1.0))
+
+    def capture(*args, **kw):
+        seen.update(kw)
+        return {"stats": {}, "mod_baseline": "fmb", "mod_expected": "fme",
+                **({"baseline": "fb", "expected": "fe"} if kw.get("logits_kv") else {})}
+
+    monkeypatch.setattr(fr, "capture_forced_references", capture)
+    mods = {"baseline": "mb", "expected": "me", "actual": "ma"}
+    got = _forced_routing(_Configs(configs), None, said.append, {}, model_path, "h", [[1, 2]], ["p0"], [[3]], mods,
+                          {"routing": dict(mods), "modules": dict(mods)}, dtype, logits_kv=logits_kv, base="b",
+                          exp="e", act="a", fp8=fp8)
+    return (seen or None), said, got
+
+
+def test_forced_expected_references_round_as_the_unforced_expected_runs_record(monkeypatch):
+    """A truncating target (module run: kernel_rounding toward_zero) whose unforced expected runs
+    record toward_zero: the forced expected logits/KV run and module run are asked for toward_zero
+    too (before: the logits/KV run for none, rounding to nearest against a truncating engine)."""
+    configs = {"ma": {"kernel_rounding": "toward_zero", "module_order": ["model.layers.0.mlp"]},
+               "me": {"kernel_rounding": "toward_zero"}, "e": {"kernel_rounding": "toward_zero"}}
+    kw, said, (base, exp, runs) = _forced_step(monkeypatch, configs)
+    assert kw["kernel_rounding"] == "toward_zero" and kw["logits_kernel_rounding"] == "toward_zero"
+    assert (base, exp) == ("fb", "fe") and runs["modules"]["expected"] == "fme" and runs["routing"]["expected"] == "me"
+    assert any("toward zero (logits, KV), toward zero (modules)" in s for s in said)
+
+
+def test_forced_references_of_a_gpt_oss_truncating_target_keep_nearest_and_say_so(monkeypatch):
+    """GPT-OSS: the rounding emulation does not cover attention sinks, so the unforced module
+    expected run rounds to nearest (pipeline._emulated_rounding, real, on the tiny GPT-OSS's
+    config); the forced one must too: asking capture_hf_module_run for the raw probed toward_zero
+    (as before) raises "no emulation of attention sinks" and ``capturestore run`` exits 2."""
+    from capturestore.pipeline import _emulated_rounding
+    from extractors.kernel_rounding import kernel_rounding_unsupported
+
+    model = tiny_model("gpt-oss")
+    assert kernel_rounding_unsupported(model)  # what toward_zero would raise on
+    told = []
+    unforced = _emulated_rounding("toward_zero", model, told.append, "module reference")
+    assert unforced is None and "rounds to nearest" in told[0]
+    configs = {"ma": {"kernel_rounding": "toward_zero", "module_order": ["model.layers.0.mlp"]},
+               "me": {"kernel_rounding": unforced}, "e": {}}
+    kw, said, _ = _forced_step(monkeypatch, configs, model)
+    assert kw["kernel_rounding"] is None and kw["logits_kernel_rounding"] is None
+    assert any("nearest (logits, KV), nearest (modules); the target's kernels round toward zero" in s for s in said)
+
+
+def test_an_fp8_kv_target_is_judged_against_its_unforced_fp8_references(monkeypatch):
+    """FP8 KV target: its logits/KV references come from the FP8 plan (FP8 KV emulated); forced
+    plain HF references would drop that emulation, so logits and KV stay unforced, said in one line;
+    module references (plain HF for every target) are still forced."""
+    configs = {"ma": {"module_order": ["model.layers.0.mlp"]}, "me": {}, "e": {}}
+    kw, said, (base, exp, runs) = _forced_step(monkeypatch, configs, fp8=True)
+    assert (base, exp) == ("b", "e")  # the FP8 plan's runs
+    assert kw["logits_kv"] is False and runs["modules"]["expected"] == "fme"
+    assert sum("not forced: FP8 KV references" in s for s in said) == 1
+
+
+def test_capture_forced_references_rounds_the_expected_runs_only(monkeypatch):
+    """Spies on the capture functions: the forced expected logits/KV run gets
+    ``logits_kernel_rounding`` and the module run ``kernel_rounding``; the FP32 baseline neither."""
+    import extractors.hf as hf
+    import extractors.modules as mo
+    import extractors.routing_force as rf
+    from capturestore.forced_routing import RoutingDecision
+
+    calls = []
+
+    class _Forced:
+        def __init__(self, *a):
+            self.stats = {}
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    monkeypatch.setattr(hf, "load_hf_model", lambda path, d: d)
+    monkeypatch.setattr(rf, "ForcedRouting", _Forced)
+    monkeypatch.setattr(hf, "capture_hf_run", lambda *a, dtype, kernel_rounding=None, **k:
+                        calls.append(("logits", dtype, kernel_rounding)) or f"l-{dtype}")
+    monkeypatch.setattr(mo, "capture_hf_module_run", lambda *a, dtype, kernel_rounding=None, **k:
+                        calls.append(("modules", dtype, kernel_rounding)) or f"m-{dtype}")
+    d = RoutingDecision(True, "forced", plan=type("P", (), {"source_run": "ma"})())
+    capture_forced_references(None, "m", "h", [[1]], [[2]], d, "bfloat16", module_order=["x"],
+                              kernel_rounding="toward_zero", logits_kernel_rounding="toward_zero")
+    assert calls == [("logits", "float32", None), ("modules", "float32", None),
+                     ("logits", "bfloat16", "toward_zero"), ("modules", "bfloat16", "toward_zero")]
