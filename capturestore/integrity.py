@@ -315,9 +315,10 @@ def evidence_problems(store, comparison_ids=None) -> list[Problem]:
             t, seg = e["table"], e["segment"]
             names = names_cache.setdefault(t, set(store.segment_names(t)))
             where = f"comparison {cid}: table {t} segment {seg}"
-            if seg not in names and seg in merged_of(t):
-                # merged by compact, which checked the bytes against this manifest before merging;
-                # verify checks the merged rows against the footer (row count, row hash)
+            if seg in merged_of(t):
+                # merged by compact (the views read the merged rows, the source file if still there is
+                # hidden), which checked the bytes against this manifest before merging; verify checks
+                # the merged rows against the footer (row count, row hash)
                 mname, info = merged_of(t)[seg]
                 if info.get("sha256") != e["sha256"] or info.get("rows") != e["rows"]:
                     out.append(Problem("altered-segment", f"{where}: merged into {mname} from bytes other than its "
@@ -385,34 +386,43 @@ def check_evidence(store, comparison_ids, command: str) -> None:
             store.sql(f'SELECT count(*) FROM "{table}" WHERE list_contains($ids, comparison_id)', params={"ids": ids})
     except QueryError as e:
         raise StoreError(f"{command}: evidence incomplete: {_guard_message(str(e))}") from None
+    merged_cache: dict[str, dict[str, Any]] = {}
     for r in rows:
         if r["manifest_tables"] is None:
             continue
         entries = [dict(zip((k for _, k in MANIFEST_FIELDS), e)) for e in
                    zip(*(r[f] for f, _ in MANIFEST_FIELDS))]
         for e in entries:
-            if not _segment_matches(store, e["table"], e["segment"], e["sha256"], e["rows"]):
+            if not _segment_matches(store, e["table"], e["segment"], e["sha256"], e["rows"], merged_cache):
                 raise StoreError(f"{command}: evidence incomplete: comparison {r['comparison_id']}: table "
                                  f"{e['table']} segment {e['segment']} differs from what the comparison wrote "
                                  f"(SHA-256; run `capturestore verify`)")
 
 
-def _segment_matches(store, table: str, name: str, sha256: str, rows: int) -> bool:
-    """Segment ``name`` of ``table`` holds what a manifest lists: its bytes' SHA-256, or, when
-    ``compact`` merged it and it is gone, the merged segment's footer records those bytes and the
-    merged rows of it match the footer (count and canonical row hash)."""
+def _segment_matches(store, table: str, name: str, sha256: str, rows: int,
+                     cache: dict[str, dict[str, Any]] | None = None) -> bool:
+    """The rows the views read as segment ``name`` of ``table`` are what a manifest lists. When a
+    merged segment of the listing names it (the reader rule hides the source file, which may
+    still exist until its grace is over), the merged segment's footer must record those bytes
+    and row count and its rows of ``name`` must match the footer (count and canonical row hash):
+    the hidden file is never what is checked. Otherwise the file's bytes' SHA-256.
+    ``cache``: {table: {source: merged segment}}, shared by one check."""
     from capturestore.compaction import merged_problems
 
-    try:
-        return hashlib.sha256(store.read_segment(table, name)).hexdigest() == sha256
-    except FileNotFoundError:
-        pass
-    ms, _ = merged_segments(store.backend, table)
-    for m in ms:
-        info = m.sources.get(name)
-        if info is not None:
-            return info["sha256"] == sha256 and info["rows"] == rows and not [
-                p for p in merged_problems(store.backend, table, m, only=name)]
+    cache = {} if cache is None else cache
+    for fresh in (False, True):
+        if fresh or table not in cache:
+            ms, _ = merged_segments(store.backend, table)
+            cache[table] = {s: m for m in ms for s in m.sources}
+        m = cache[table].get(name)
+        if m is not None:
+            info = m.sources[name]
+            return info["sha256"] == sha256 and info["rows"] == rows and not merged_problems(
+                store.backend, table, m, only=name)
+        try:
+            return hashlib.sha256(store.read_segment(table, name)).hexdigest() == sha256
+        except FileNotFoundError:
+            continue  # merged and removed since the listing: list again
     return False
 
 

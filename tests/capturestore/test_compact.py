@@ -132,6 +132,9 @@ def _damage(store: Store, table: str, how: str) -> None:
     meta = t.schema.metadata
     if how == "row lost":
         t = t.slice(1)
+    elif how == "k_linf zeroed":  # a regression made to read as none: every max norm 0.0
+        col = t.schema.get_field_index("k_linf")
+        t = t.set_column(col, t.schema.field(col), pa.array([0.0] * t.num_rows, t.schema.field(col).type))
     else:  # a value changed, the row count kept
         col = t.schema.get_field_index("k_l2")
         t = t.set_column(col, t.schema.field(col), pa.array([v + 1.0 for v in t.column(col).to_pylist()]))
@@ -141,15 +144,23 @@ def _damage(store: Store, table: str, how: str) -> None:
     store.backend.put(rel, sink.getvalue().to_pybytes())
 
 
-@pytest.mark.parametrize("how", ["row lost", "value changed"])
-def test_verify_and_check_evidence_find_a_merged_segment_that_disagrees_with_its_sources(tmp_path, how):
+@pytest.mark.parametrize("how,grace_s", [("row lost", 0), ("value changed", 0), ("k_linf zeroed", 3600)])
+def test_verify_and_check_evidence_find_a_merged_segment_that_disagrees_with_its_sources(tmp_path, how, grace_s):
+    """grace_s=3600: the sources are still there, hidden; the views read the merged rows, so
+    check_evidence must check those, not the hidden (intact) source files."""
     store = Store.open(tmp_path / "store")
     _fill(store)
-    store.compact(tables=["kv_head_metrics"], grace_s=0)
+    store.compact(tables=["kv_head_metrics"], grace_s=grace_s)
     cids = [r["comparison_id"] for r in store.sql("SELECT comparison_id FROM comparisons").to_pylist()]
     assert store.verify().ok
     store.check_evidence(cids, "diff")
+    linf = store.sql("SELECT max(k_linf) FROM kv_head_metrics").column(0)[0].as_py()
+    assert linf > 0
     _damage(store, "kv_head_metrics", how)
+    if how == "k_linf zeroed":  # the fault is proven to change what the views read
+        fresh = Store.open(tmp_path / "store", create=False)
+        assert fresh.sql("SELECT max(k_linf) FROM kv_head_metrics").column(0)[0].as_py() == 0.0
+        assert len([n for n in store.backend.segment_names("kv_head_metrics") if not is_merged(n)]) > 1
     rep = store.verify()
     assert not rep.ok and any("kv_head_metrics merged segment" in str(p) for p in rep), rep.summary()
     with pytest.raises(StoreError, match="evidence incomplete"):
