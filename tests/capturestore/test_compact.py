@@ -286,3 +286,23 @@ def test_compact_cli_bad_input_is_one_line_exit_2_and_store_untouched(tmp_path, 
     _scaled_run(store, 1.1)
     assert main(["compact", "--table", "runs", "--store", str(store.root)]) == 0
     assert "merged 2 row(s) in 1 table(s)" in capsys.readouterr().out
+
+
+def test_a_table_with_its_own_filename_column_reads_before_and_after_compaction(url):
+    """The reader rule's file name column must not clash with a user's ``filename`` column, nor
+    show in any view (regression: every scan used read_parquet's default ``filename`` column)."""
+    store = Store.open(url)
+    _scaled_run(store, 1.0)
+    store.append_table("notes", [{"filename": "a.json", "score": 1.0}])
+    store.append_table("notes", [{"filename": "b.json", "score": 2.5}])
+    want = [{"filename": "a.json", "score": 1.0}, {"filename": "b.json", "score": 2.5}]
+    for grace in (3600, 0):
+        fresh = Store.open(url, create=False)
+        got = fresh.sql("SELECT * FROM notes ORDER BY filename")
+        assert got.column_names == ["filename", "score"] and got.to_pylist() == want
+        for t in fresh.backend.table_names():
+            cols = fresh.sql(f"SELECT column_name FROM (DESCRIBE \"{t}\")").column(0).to_pylist()
+            assert not [c for c in cols if c.startswith("__c")], (t, cols)
+        (res,) = fresh.compact(tables=["notes"], grace_s=grace).tables
+        assert (res.rows, len(res.sources_removed)) == ((2, 0) if grace else (0, 2))  # merged, then sources gone
+    assert Store.open(url, create=False).sql("SELECT * FROM notes ORDER BY filename").to_pylist() == want
