@@ -306,3 +306,38 @@ def test_a_table_with_its_own_filename_column_reads_before_and_after_compaction(
         (res,) = fresh.compact(tables=["notes"], grace_s=grace).tables
         assert (res.rows, len(res.sources_removed)) == ((2, 0) if grace else (0, 2))  # merged, then sources gone
     assert Store.open(url, create=False).sql("SELECT * FROM notes ORDER BY filename").to_pylist() == want
+
+
+def test_sources_are_kept_when_their_merged_segment_disagrees_with_its_footer(tmp_path, monkeypatch):
+    """A corrupted merged segment must not cost the last good copy: neither compact nor gc
+    removes the sources of a merged segment whose rows disagree with its footer."""
+    store = Store.open(tmp_path / "store")
+    _fill(store)
+    store.compact(tables=["kv_head_metrics"], grace_s=3600)
+    d = tmp_path / "store" / "tables" / "kv_head_metrics"
+    sources = {p.name: p.read_bytes() for p in d.glob("*.parquet") if not is_merged(p.name) and not p.name.startswith("_")}
+    assert len(sources) >= 2
+    _damage(store, "kv_head_metrics", "value changed")
+    monkeypatch.setenv("CAPTURESTORE_LEASE_S", "0.01")
+    time.sleep(0.05)
+    assert not [r for r in store.gc() if "kv_head_metrics" in r]
+    (res,) = Store.open(tmp_path / "store", create=False).compact(tables=["kv_head_metrics"], grace_s=0).tables
+    assert res.sources_removed == [] and res.merged is None
+    assert any("kept" in w and "disagrees with its footer" in w for w in res.skipped), res.skipped
+    assert {n: (d / n).read_bytes() for n in sources} == sources  # every source intact
+    rep = store.verify()
+    assert not rep.ok and any("kv_head_metrics merged segment" in str(p) for p in rep), rep.summary()
+
+
+@pytest.mark.parametrize("grace", ["nan", "-1", "inf"])
+def test_compact_refuses_a_grace_that_is_no_duration(tmp_path, capsys, grace):
+    from capturestore.cli import main
+
+    store = Store.open(tmp_path / "store")
+    _scaled_run(store, 1.0)
+    _scaled_run(store, 1.1)
+    before = {p: p.read_bytes() for p in (tmp_path / "store" / "tables").rglob("*") if p.is_file()}
+    assert main(["compact", "--grace", grace, "--store", str(store.root)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "grace" in err[0] and grace in err[0], err
+    assert {p: p.read_bytes() for p in (tmp_path / "store" / "tables").rglob("*") if p.is_file()} == before
