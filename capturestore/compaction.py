@@ -23,8 +23,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from capturestore.errors import StoreError
-from capturestore.layout import TABLES_DIR
+from capturestore.errors import StoreError, WriterIdTaken
+from capturestore.layout import PENDING_DIR, TABLES_DIR
 from capturestore.tables import RUN_TABLES, SCHEMA_SEGMENT, segment_bytes
 
 __all__ = ["COMPACTED_PREFIX", "CompactResult", "MergedSegment", "SOURCE_COLUMN", "TableCompaction", "compact",
@@ -193,12 +193,14 @@ def compact(store, tables: list[str] | None = None, grace_s: float | None = None
     step = on_step or (lambda s: None)
     out = []
     for t in tables or known:
-        alive = b.liveness()
         lock_id = f"{LOCK_PREFIX}{t}"
-        if alive(lock_id):
-            out.append(_untouched(b, t, f"another compaction of {t} is running"))
+        try:  # created if absent (a dead compaction's lock taken over where the medium allows): atomic
+            lock = b.writer_lock(lock_id, {"status": f"compacting {t}"})
+        except WriterIdTaken:
+            why = f"another compaction of {t} is running" if b.liveness()(lock_id) else \
+                f"a stopped compaction left {PENDING_DIR}/{lock_id}.json (run capturestore gc, then compact)"
+            out.append(_untouched(b, t, why))
             continue
-        lock = b.writer_lock(lock_id, {"status": f"compacting {t}"})
         try:
             out.append(_compact_table(store, t, grace, step))
         finally:

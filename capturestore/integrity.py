@@ -97,24 +97,72 @@ def writer_is_alive(pending: Path) -> bool:
     return False
 
 
+def _take_over(path: Path, body: bytes) -> int | None:
+    """Lock the pending file at ``path`` left by a dead writer and write ``body`` into it: its fd
+    (locked); None when a live writer holds it; -1 when it went (or was replaced) meanwhile."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    try:
+        same = os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:
+        os.close(fd)
+        return -1
+    os.ftruncate(fd, 0)
+    os.write(fd, body)
+    return fd
+
+
 class PendingLock:
-    """``pending/<id>.json``, created already locked (written under a temp name, locked, renamed),
-    so from the moment anyone can see it ``writer_is_alive`` says True until ``release``."""
+    """``pending/<id>.json``, created already locked (written under a temp name, locked, then
+    linked to its name, which fails when the name exists), so from the moment anyone can see it
+    ``writer_is_alive`` says True until ``release``. A file left by a dead writer (no one holds
+    its flock) is taken over: locked and rewritten in place; one held by a live writer is
+    WriterIdTaken. Two writers of one id never both hold it (``os.replace`` would let the second
+    replace the first's file)."""
 
     def __init__(self, root: Path, writer_id: str, info: dict[str, Any]):
+        from capturestore.errors import StoreError, WriterIdTaken
+
         self.path = root / PENDING_DIR / f"{writer_id}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        body = json.dumps({"pid": os.getpid(), "hostname": socket.gethostname(),
+                           "started_at": datetime.now(timezone.utc).isoformat(), **info}).encode()
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}{TMP_SUFFIX}")
         fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # locked before anyone can see the file
-            os.write(fd, json.dumps({"pid": os.getpid(), "hostname": socket.gethostname(),
-                                     "started_at": datetime.now(timezone.utc).isoformat(), **info}).encode())
-            os.replace(tmp, self.path)
+            os.write(fd, body)
+            for _ in range(100):  # a dead writer's file removed (gc) while we took it over: again
+                try:
+                    os.link(tmp, self.path)  # fails, replacing nothing, when the name exists
+                    break
+                except FileExistsError:
+                    pass
+                taken = _take_over(self.path, body)
+                if taken is None:
+                    raise WriterIdTaken(f"{root}: writer id {writer_id} is already taken by another writer")
+                if taken >= 0:
+                    os.close(fd)
+                    fd = taken
+                    break
+            else:
+                raise StoreError(f"{self.path}: cannot take this pending lock (it keeps changing)")
         except BaseException:
             os.close(fd)
-            tmp.unlink(missing_ok=True)
             raise
+        finally:
+            tmp.unlink(missing_ok=True)
         self._fd: int | None = fd
 
     def rewrite(self, info: dict[str, Any]) -> None:
@@ -600,7 +648,8 @@ def verify(store_or_root: Any) -> VerifyReport:
     for rel in stale:
         if _is_compaction_lock(rel.rsplit("/", 1)[-1]):  # every state of a compaction is a consistent store
             report.notes.append(f"a compaction was stopped midway ({rel} of a dead process); the store is "
-                                f"consistent, `capturestore compact` finishes it and `gc` removes the file")
+                                f"consistent: `capturestore gc` removes the file and `capturestore compact` "
+                                f"finishes the job (on a directory or in memory compact also takes the file over)")
             continue
         if rel.rsplit("/", 1)[-1].removesuffix(".json") not in dead:
             who = "comparison writer" if is_comparison_id(rel.rsplit("/", 1)[-1]) else "writer"

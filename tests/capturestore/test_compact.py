@@ -341,3 +341,86 @@ def test_compact_refuses_a_grace_that_is_no_duration(tmp_path, capsys, grace):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "grace" in err[0] and grace in err[0], err
     assert {p: p.read_bytes() for p in (tmp_path / "store" / "tables").rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_two_compactions_starting_together_merge_once(tmp_path, monkeypatch, backend):
+    """The interleaving that doubled rows: both compactions judge the lock free before either
+    takes it (liveness forced to say 'dead'). Taking the lock must itself be the test: exactly
+    one merges, the other leaves the table, every row is read once."""
+    from capturestore import backends as B
+
+    url = str(tmp_path / "store") if backend == "local" else f"memory://compact-{uuid.uuid4().hex[:12]}"
+    store = Store.open(url)
+    store.append_table("notes", [{"k": 1, "v": "a"}])
+    store.append_table("notes", [{"k": 2, "v": "b"}, {"k": 3, "v": "c"}])
+    cls = B.LocalBackend if backend == "local" else B.MemoryBackend
+    monkeypatch.setattr(cls, "liveness", lambda self: (lambda writer_id: False))
+    listed, go, results, errors = threading.Event(), threading.Event(), [], []
+
+    def first():
+        def step(s):
+            if s == "listed notes":
+                listed.set()
+                assert go.wait(30)
+        try:
+            results.append(Store.open(url, create=False).compact(tables=["notes"], grace_s=3600, on_step=step))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            listed.set()
+
+    th = threading.Thread(target=first)
+    th.start()
+    assert listed.wait(30)
+    (second,) = Store.open(url, create=False).compact(tables=["notes"], grace_s=3600).tables
+    go.set()
+    th.join()
+    assert not errors, errors
+    (first_res,) = results[0].tables
+    assert first_res.merged and first_res.rows == 3
+    assert second.merged is None and second.rows == 0 and second.skipped, second
+    fresh = Store.open(url, create=False)
+    assert sorted(r["k"] for r in fresh.sql("SELECT k FROM notes").to_pylist()) == [1, 2, 3]
+    assert len(_merged(fresh, "notes")) == 1
+
+
+def test_a_dead_compactions_lock_is_taken_over_in_memory(tmp_path):
+    """A compaction stopped midway leaves pending/compact-<t>.json: the next compaction takes it
+    over (its writer holds it no more) instead of failing 'writer id … is already taken'."""
+    url = f"memory://compact-{uuid.uuid4().hex[:12]}"
+    store = Store.open(url)
+    store.append_table("notes", [{"k": 1, "v": "a"}])
+    store.append_table("notes", [{"k": 2, "v": "b"}])
+    store.backend.put("pending/compact-notes.json", b'{"status": "compacting notes"}')  # its writer is gone
+    assert any("compaction was stopped midway" in n for n in store.verify().notes)
+    (res,) = store.compact(tables=["notes"], grace_s=0).tables
+    assert res.merged and res.rows == 2 and len(res.sources_removed) == 2
+    assert not store.backend.exists("pending/compact-notes.json")
+    assert sorted(r["k"] for r in store.sql("SELECT k FROM notes").to_pylist()) == [1, 2]
+    # a live one is never taken over: the second writer of one id is refused
+    from capturestore.errors import WriterIdTaken
+
+    lock = store.backend.writer_lock("compact-notes", {})
+    with pytest.raises(WriterIdTaken):
+        store.backend.writer_lock("compact-notes", {})
+    (res,) = store.compact(tables=["notes"]).tables
+    assert res.skipped == ["another compaction of notes is running"]
+    lock.release()
+
+
+def test_a_local_pending_lock_is_exclusive_and_taken_over_from_a_dead_writer(tmp_path):
+    from capturestore.errors import WriterIdTaken
+    from capturestore.integrity import PendingLock, writer_is_alive
+
+    root = tmp_path / "store"
+    a = PendingLock(root, "w1", {"status": "a"})
+    with pytest.raises(WriterIdTaken, match="w1 is already taken"):
+        PendingLock(root, "w1", {"status": "b"})
+    assert b'"a"' in (root / "pending" / "w1.json").read_bytes()  # the live writer's file untouched
+    a._fd, fd = None, a._fd
+    os.close(fd)  # its writer dies: the file stays, no one holds it
+    assert not writer_is_alive(root / "pending" / "w1.json")
+    c = PendingLock(root, "w1", {"status": "c"})
+    assert writer_is_alive(root / "pending" / "w1.json") and b'"c"' in (root / "pending" / "w1.json").read_bytes()
+    c.release()
+    assert not (root / "pending" / "w1.json").exists() and not list((root / "pending").iterdir())
