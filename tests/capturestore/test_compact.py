@@ -424,3 +424,33 @@ def test_a_local_pending_lock_is_exclusive_and_taken_over_from_a_dead_writer(tmp
     assert writer_is_alive(root / "pending" / "w1.json") and b'"c"' in (root / "pending" / "w1.json").read_bytes()
     c.release()
     assert not (root / "pending" / "w1.json").exists() and not list((root / "pending").iterdir())
+
+
+def test_a_dead_compactions_lock_without_take_over_leaves_the_table_and_gc_clears_it(monkeypatch):
+    """Object storage's lease is created only if absent and never taken over (no atomic
+    take-over): a stopped compaction's lock makes the next compact leave the table with one
+    line saying what to do, not fail the whole call; gc removes the lock, then compact merges.
+    Simulated in memory with a lock that, like objectstore.Lease, refuses an existing object."""
+    from capturestore import backends as B
+    from capturestore.errors import WriterIdTaken
+
+    url = f"memory://compact-{uuid.uuid4().hex[:12]}"
+    store = Store.open(url)
+    store.append_table("notes", [{"k": 1, "v": "a"}])
+    store.append_table("notes", [{"k": 2, "v": "b"}])
+    store.backend.put("pending/compact-notes.json", b'{"status": "compacting notes"}')  # its writer is gone
+    real = B.MemoryBackend.writer_lock
+
+    def lease_like(self, writer_id, info):
+        if self.exists(f"pending/{writer_id}.json"):
+            raise WriterIdTaken(f"{self.url}: writer id {writer_id} is already taken by another writer")
+        return real(self, writer_id, info)
+
+    monkeypatch.setattr(B.MemoryBackend, "writer_lock", lease_like)
+    (res,) = store.compact(tables=["notes"], grace_s=0).tables
+    assert res.merged is None and res.skipped == [
+        "a stopped compaction left pending/compact-notes.json (run capturestore gc, then compact)"]
+    assert "pending/compact-notes.json" in store.gc()
+    (res,) = store.compact(tables=["notes"], grace_s=0).tables
+    assert res.merged and res.rows == 2
+    assert sorted(r["k"] for r in store.sql("SELECT k FROM notes").to_pylist()) == [1, 2]
