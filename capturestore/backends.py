@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zarr
 
-from capturestore.errors import StoreError
+from capturestore.errors import StoreError, WriterIdTaken
 from capturestore.layout import FORMAT_FILE, PENDING_DIR, TABLES_DIR, TMP_SUFFIX
 
 MEMORY_SCHEME = "memory://"
@@ -471,11 +471,11 @@ class _MemoryLock:
     def __init__(self, backend: MemoryBackend, writer_id: str, info: dict[str, Any]):
         self.backend, self.writer_id, self.rel = backend, writer_id, f"{PENDING_DIR}/{writer_id}.json"
         self._info = {"pid": os.getpid(), **info}
-        try:
-            backend.put(self.rel, json.dumps(self._info).encode(), if_absent=True)
-        except FileExistsError:
-            raise StoreError(f"{backend.url}: writer id {writer_id} is already taken by another writer") from None
-        backend.held.add(writer_id)
+        with backend._put_lock:  # created if absent, or taken over from a writer no longer holding it
+            if writer_id in backend.held:
+                raise WriterIdTaken(f"{backend.url}: writer id {writer_id} is already taken by another writer")
+            backend.fs.pipe_file(backend.key(self.rel), json.dumps(self._info).encode())
+            backend.held.add(writer_id)
 
     def rewrite(self, info: dict[str, Any]) -> None:
         if self.writer_id in self.backend.held:

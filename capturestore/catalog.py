@@ -48,9 +48,11 @@ from capturestore.layout import CATALOG_FILE, CATALOG_STAMP_FILE, LEGACY_CATALOG
 from capturestore.tables import RUN_TABLES
 
 # First line of catalog.stamp; a change to what view_sql writes changes it, so stores rebuild.
-CATALOG_STAMP = ("capturestore catalog views 7: segments relative to catalog.duckdb, committed rows only, "
+CATALOG_STAMP = ("capturestore catalog views 8: segments relative to catalog.duckdb, committed rows only, "
                  "declared tables by named columns, manifest guard, glob-escaped store path, "
-                 "compacted segments hide their sources")
+                 "compacted segments hide their sources, a table's own filename column kept")
+SEGMENT_FILE_COLUMN = "__capturestore_file"  # read_parquet's file name column (never shown in a view)
+SEGMENT_COLUMN = "__capturestore_segment"  # the segment a writer wrote a row in (the manifest guard's)
 
 # The store directory with a trailing '/', as a constant DuckDB folds when it binds a view.
 _STORE_DIR_SQL = (
@@ -109,21 +111,25 @@ def _segments(root: Backend, table: str, relative: bool, allow_empty: bool = Fal
     ``__capturestore_source`` names the segment it came from) is shown; a row of a plain segment
     is shown unless a merged segment of the same glob expansion names that segment. One scan
     decides both, so a merge or a source removal between two listings never counts a row twice
-    nor hides it. ``filename``: a ``filename`` column naming the segment a writer wrote the row in
-    (the source, for a merged row). The empty first branch declares the columns the rule reads: with
-    ``allow_empty`` and no segment left, the scan has no ``filename`` either."""
+    nor hides it. The scan's file name column is ``__capturestore_file`` (a table may have its own
+    ``filename`` column), never shown. ``filename``: a ``__capturestore_segment`` column naming the
+    segment a writer wrote the row in (the source, for a merged row). The empty first branch
+    declares the columns the rule reads: with ``allow_empty`` and no segment left, the scan has no
+    file name column either."""
     if relative:
         where = f"{_glob_escape_sql(f'({_STORE_DIR_SQL})')} || {_quote_str(f'{TABLES_DIR}/{table}/*.parquet')}"
     else:
         where = _quote_str(glob_escape(f"{root.tables_url}/{table}") + "/*.parquet")
     opts = ", allow_empty = true" if allow_empty else ""
-    scan = f"read_parquet({where}, union_by_name = true, filename = true{opts})"
+    scan = f"read_parquet({where}, union_by_name = true, filename = {_quote_str(SEGMENT_FILE_COLUMN)}{opts})"
     src = _quote_ident(SOURCE_COLUMN)
-    hidden = ", ".join(_quote_str(c) for c in (SOURCE_COLUMN, "filename", "__cs_seg", "__cs_covered"))
-    return (f"(SELECT COLUMNS(lambda c: c NOT IN ({hidden})){', __cs_seg AS filename' if filename else ''} FROM ("
+    hidden = ", ".join(_quote_str(c) for c in (SOURCE_COLUMN, SEGMENT_FILE_COLUMN, "__cs_seg", "__cs_covered"))
+    shown = f", __cs_seg AS {_quote_ident(SEGMENT_COLUMN)}" if filename else ""
+    return (f"(SELECT COLUMNS(lambda c: c NOT IN ({hidden})){shown} FROM ("
             f"SELECT *, bool_or({src} IS NOT NULL) OVER (PARTITION BY __cs_seg) AS __cs_covered FROM ("
-            f"SELECT *, coalesce({src}, parse_filename(filename)) AS __cs_seg FROM ("
-            f"SELECT NULL::VARCHAR AS {src}, NULL::VARCHAR AS filename WHERE false UNION ALL BY NAME SELECT * FROM {scan}))) "
+            f"SELECT *, coalesce({src}, parse_filename({_quote_ident(SEGMENT_FILE_COLUMN)})) AS __cs_seg FROM ("
+            f"SELECT NULL::VARCHAR AS {src}, NULL::VARCHAR AS {_quote_ident(SEGMENT_FILE_COLUMN)} WHERE false "
+            f"UNION ALL BY NAME SELECT * FROM {scan}))) "
             f"WHERE {src} IS NOT NULL OR NOT __cs_covered)")
 
 
@@ -212,7 +218,7 @@ def _manifest_guard(root, table: str, relative: bool, committed: str, body: str)
             f"unnest(manifest_tables) AS t, unnest(manifest_segments) AS seg, unnest(manifest_rows) AS n "
             f"FROM ({committed}) WHERE manifest_tables IS NOT NULL) WHERE t = {_quote_str(table)}")
     manifested = f"SELECT comparison_id FROM ({committed}) WHERE manifest_tables IS NOT NULL"
-    have = (f"SELECT comparison_id, parse_filename(filename) AS seg, 0 AS w, 1 AS h, 0 AS m "
+    have = (f"SELECT comparison_id, {_quote_ident(SEGMENT_COLUMN)} AS seg, 0 AS w, 1 AS h, 0 AS m "
             f"FROM {_segments(root, table, relative, filename=True)} WHERE comparison_id IN ({manifested})")
     counts = f"SELECT comparison_id, seg, sum(w) AS w, sum(h) AS h, sum(m) AS m FROM ({want} UNION ALL {have}) GROUP BY ALL"
     why = (f"'table {table}, comparison ' || comparison_id || ': segment ' || seg || CASE WHEN h = 0 THEN "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,8 +23,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from capturestore.errors import StoreError
-from capturestore.layout import TABLES_DIR
+from capturestore.errors import StoreError, WriterIdTaken
+from capturestore.layout import PENDING_DIR, TABLES_DIR
 from capturestore.tables import RUN_TABLES, SCHEMA_SEGMENT, segment_bytes
 
 __all__ = ["COMPACTED_PREFIX", "CompactResult", "MergedSegment", "SOURCE_COLUMN", "TableCompaction", "compact",
@@ -185,17 +186,21 @@ def compact(store, tables: list[str] | None = None, grace_s: float | None = None
     for t in tables or ():
         if t not in known:
             raise StoreError(f"compact: {store.root} has no table {t!r} (its tables: {', '.join(known) or 'none'})")
+    if grace_s is not None and not (isinstance(grace_s, (int, float)) and math.isfinite(grace_s) and grace_s >= 0):
+        raise StoreError(f"compact: grace {grace_s!r} is not a number of seconds >= 0")
     require_writable(store, "compact")
     grace = grace_seconds() if grace_s is None else float(grace_s)
     step = on_step or (lambda s: None)
     out = []
     for t in tables or known:
-        alive = b.liveness()
         lock_id = f"{LOCK_PREFIX}{t}"
-        if alive(lock_id):
-            out.append(_untouched(b, t, f"another compaction of {t} is running"))
+        try:  # created if absent (a dead compaction's lock taken over where the medium allows): atomic
+            lock = b.writer_lock(lock_id, {"status": f"compacting {t}"})
+        except WriterIdTaken:
+            why = f"another compaction of {t} is running" if b.liveness()(lock_id) else \
+                f"a stopped compaction left {PENDING_DIR}/{lock_id}.json (run capturestore gc, then compact)"
+            out.append(_untouched(b, t, why))
             continue
-        lock = b.writer_lock(lock_id, {"status": f"compacting {t}"})
         try:
             out.append(_compact_table(store, t, grace, step))
         finally:
@@ -210,8 +215,11 @@ def _untouched(b, table: str, why: str) -> TableCompaction:
 
 
 def remove_finished_sources(b, table: str, grace_s: float, names: list[str] | None = None,
-                            dry_run: bool = False, step: Callable[[str], None] | None = None) -> list[str]:
-    """Remove the sources of ``table``'s merged segments older than ``grace_s``; returns their keys."""
+                            dry_run: bool = False, step: Callable[[str], None] | None = None,
+                            kept: list[str] | None = None) -> list[str]:
+    """Remove the sources of ``table``'s merged segments older than ``grace_s``; returns their keys.
+    A merged segment whose rows disagree with its footer (merged_problems) keeps its sources: they
+    may be the last good copy; why is appended to ``kept`` (verify reports the disagreement)."""
     names = b.segment_names(table) if names is None else names
     merged, _ = merged_segments(b, table, names)
     now = time.time()
@@ -220,14 +228,22 @@ def remove_finished_sources(b, table: str, grace_s: float, names: list[str] | No
     for m in merged:
         if now - m.created_at < grace_s:
             continue
-        for s in sorted(m.sources):
-            if s in present and not is_merged(s):
-                rel = f"{TABLES_DIR}/{table}/{s}"
-                removed.append(rel)
-                if not dry_run:
-                    b.remove([rel])
-                    if step:
-                        step(f"removed {table}/{s}")
+        left = [s for s in sorted(m.sources) if s in present and not is_merged(s)]
+        if not left:
+            continue
+        problems = merged_problems(b, table, m)
+        if problems:
+            if kept is not None:
+                kept.append(f"{len(left)} source(s) of {m.name} kept: it disagrees with its footer "
+                            f"({problems[0]}; run capturestore verify)")
+            continue
+        for s in left:
+            rel = f"{TABLES_DIR}/{table}/{s}"
+            removed.append(rel)
+            if not dry_run:
+                b.remove([rel])
+                if step:
+                    step(f"removed {table}/{s}")
     return removed
 
 
@@ -237,11 +253,12 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
     b = store.backend
     before = _sizes(b, table)
     names = b.segment_names(table)
-    removed = remove_finished_sources(b, table, grace, names, step=step)
+    kept: list[str] = []
+    removed = remove_finished_sources(b, table, grace, names, step=step, kept=kept)
     names = [n for n in names if f"{TABLES_DIR}/{table}/{n}" not in set(removed)]
     cover = coverage(b, table, names)
     res = TableCompaction(table, len([n for n in before if n != SCHEMA_SEGMENT]), 0, 0,
-                          sum(before.values()), 0, sources_removed=removed)
+                          sum(before.values()), 0, sources_removed=removed, skipped=kept)
     candidates = [n for n in sorted(names) if not is_merged(n) and n != SCHEMA_SEGMENT and n not in cover]
     step(f"listed {table}")
     manifest_sha: dict[str, str] = {}
@@ -311,7 +328,7 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
             res.merged, res.rows = f"{name}.parquet", merged.num_rows
             step(f"merged {table}")
             if grace <= 0:
-                res.sources_removed += remove_finished_sources(b, table, grace, step=step)
+                res.sources_removed += remove_finished_sources(b, table, grace, step=step, kept=res.skipped)
     after = _sizes(b, table)
     res.segments_after = len([n for n in after if n != SCHEMA_SEGMENT])
     res.bytes_after = sum(after.values())

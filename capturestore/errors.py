@@ -13,5 +13,10 @@ class CorruptChunkError(StoreError):
     """A chunk failed its checksum or is missing; the message names run, prompt, array, chunk."""
 
 
+class WriterIdTaken(StoreError):
+    """A writer id's pending lock (``pending/<id>.json``) is held by a live writer, or left by a
+    dead one on a medium where only ``gc`` may remove it (a lease on object storage)."""
+
+
 class QueryError(StoreError):
     """A query through ``Store.sql`` was refused (not read-only, or outside the store) or failed; one line naming why."""

@@ -97,24 +97,72 @@ def writer_is_alive(pending: Path) -> bool:
     return False
 
 
+def _take_over(path: Path, body: bytes) -> int | None:
+    """Lock the pending file at ``path`` left by a dead writer and write ``body`` into it: its fd
+    (locked); None when a live writer holds it; -1 when it went (or was replaced) meanwhile."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return -1
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    try:
+        same = os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        same = False
+    if not same:
+        os.close(fd)
+        return -1
+    os.ftruncate(fd, 0)
+    os.write(fd, body)
+    return fd
+
+
 class PendingLock:
-    """``pending/<id>.json``, created already locked (written under a temp name, locked, renamed),
-    so from the moment anyone can see it ``writer_is_alive`` says True until ``release``."""
+    """``pending/<id>.json``, created already locked (written under a temp name, locked, then
+    linked to its name, which fails when the name exists), so from the moment anyone can see it
+    ``writer_is_alive`` says True until ``release``. A file left by a dead writer (no one holds
+    its flock) is taken over: locked and rewritten in place; one held by a live writer is
+    WriterIdTaken. Two writers of one id never both hold it (``os.replace`` would let the second
+    replace the first's file)."""
 
     def __init__(self, root: Path, writer_id: str, info: dict[str, Any]):
+        from capturestore.errors import StoreError, WriterIdTaken
+
         self.path = root / PENDING_DIR / f"{writer_id}.json"
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        body = json.dumps({"pid": os.getpid(), "hostname": socket.gethostname(),
+                           "started_at": datetime.now(timezone.utc).isoformat(), **info}).encode()
         tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}{TMP_SUFFIX}")
         fd = os.open(tmp, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # locked before anyone can see the file
-            os.write(fd, json.dumps({"pid": os.getpid(), "hostname": socket.gethostname(),
-                                     "started_at": datetime.now(timezone.utc).isoformat(), **info}).encode())
-            os.replace(tmp, self.path)
+            os.write(fd, body)
+            for _ in range(100):  # a dead writer's file removed (gc) while we took it over: again
+                try:
+                    os.link(tmp, self.path)  # fails, replacing nothing, when the name exists
+                    break
+                except FileExistsError:
+                    pass
+                taken = _take_over(self.path, body)
+                if taken is None:
+                    raise WriterIdTaken(f"{root}: writer id {writer_id} is already taken by another writer")
+                if taken >= 0:
+                    os.close(fd)
+                    fd = taken
+                    break
+            else:
+                raise StoreError(f"{self.path}: cannot take this pending lock (it keeps changing)")
         except BaseException:
             os.close(fd)
-            tmp.unlink(missing_ok=True)
             raise
+        finally:
+            tmp.unlink(missing_ok=True)
         self._fd: int | None = fd
 
     def rewrite(self, info: dict[str, Any]) -> None:
@@ -315,9 +363,10 @@ def evidence_problems(store, comparison_ids=None) -> list[Problem]:
             t, seg = e["table"], e["segment"]
             names = names_cache.setdefault(t, set(store.segment_names(t)))
             where = f"comparison {cid}: table {t} segment {seg}"
-            if seg not in names and seg in merged_of(t):
-                # merged by compact, which checked the bytes against this manifest before merging;
-                # verify checks the merged rows against the footer (row count, row hash)
+            if seg in merged_of(t):
+                # merged by compact (the views read the merged rows, the source file if still there is
+                # hidden), which checked the bytes against this manifest before merging; verify checks
+                # the merged rows against the footer (row count, row hash)
                 mname, info = merged_of(t)[seg]
                 if info.get("sha256") != e["sha256"] or info.get("rows") != e["rows"]:
                     out.append(Problem("altered-segment", f"{where}: merged into {mname} from bytes other than its "
@@ -385,34 +434,43 @@ def check_evidence(store, comparison_ids, command: str) -> None:
             store.sql(f'SELECT count(*) FROM "{table}" WHERE list_contains($ids, comparison_id)', params={"ids": ids})
     except QueryError as e:
         raise StoreError(f"{command}: evidence incomplete: {_guard_message(str(e))}") from None
+    merged_cache: dict[str, dict[str, Any]] = {}
     for r in rows:
         if r["manifest_tables"] is None:
             continue
         entries = [dict(zip((k for _, k in MANIFEST_FIELDS), e)) for e in
                    zip(*(r[f] for f, _ in MANIFEST_FIELDS))]
         for e in entries:
-            if not _segment_matches(store, e["table"], e["segment"], e["sha256"], e["rows"]):
+            if not _segment_matches(store, e["table"], e["segment"], e["sha256"], e["rows"], merged_cache):
                 raise StoreError(f"{command}: evidence incomplete: comparison {r['comparison_id']}: table "
                                  f"{e['table']} segment {e['segment']} differs from what the comparison wrote "
                                  f"(SHA-256; run `capturestore verify`)")
 
 
-def _segment_matches(store, table: str, name: str, sha256: str, rows: int) -> bool:
-    """Segment ``name`` of ``table`` holds what a manifest lists: its bytes' SHA-256, or, when
-    ``compact`` merged it and it is gone, the merged segment's footer records those bytes and the
-    merged rows of it match the footer (count and canonical row hash)."""
+def _segment_matches(store, table: str, name: str, sha256: str, rows: int,
+                     cache: dict[str, dict[str, Any]] | None = None) -> bool:
+    """The rows the views read as segment ``name`` of ``table`` are what a manifest lists. When a
+    merged segment of the listing names it (the reader rule hides the source file, which may
+    still exist until its grace is over), the merged segment's footer must record those bytes
+    and row count and its rows of ``name`` must match the footer (count and canonical row hash):
+    the hidden file is never what is checked. Otherwise the file's bytes' SHA-256.
+    ``cache``: {table: {source: merged segment}}, shared by one check."""
     from capturestore.compaction import merged_problems
 
-    try:
-        return hashlib.sha256(store.read_segment(table, name)).hexdigest() == sha256
-    except FileNotFoundError:
-        pass
-    ms, _ = merged_segments(store.backend, table)
-    for m in ms:
-        info = m.sources.get(name)
-        if info is not None:
-            return info["sha256"] == sha256 and info["rows"] == rows and not [
-                p for p in merged_problems(store.backend, table, m, only=name)]
+    cache = {} if cache is None else cache
+    for fresh in (False, True):
+        if fresh or table not in cache:
+            ms, _ = merged_segments(store.backend, table)
+            cache[table] = {s: m for m in ms for s in m.sources}
+        m = cache[table].get(name)
+        if m is not None:
+            info = m.sources[name]
+            return info["sha256"] == sha256 and info["rows"] == rows and not merged_problems(
+                store.backend, table, m, only=name)
+        try:
+            return hashlib.sha256(store.read_segment(table, name)).hexdigest() == sha256
+        except FileNotFoundError:
+            continue  # merged and removed since the listing: list again
     return False
 
 
@@ -590,7 +648,8 @@ def verify(store_or_root: Any) -> VerifyReport:
     for rel in stale:
         if _is_compaction_lock(rel.rsplit("/", 1)[-1]):  # every state of a compaction is a consistent store
             report.notes.append(f"a compaction was stopped midway ({rel} of a dead process); the store is "
-                                f"consistent, `capturestore compact` finishes it and `gc` removes the file")
+                                f"consistent: `capturestore gc` removes the file and `capturestore compact` "
+                                f"finishes the job (on a directory or in memory compact also takes the file over)")
             continue
         if rel.rsplit("/", 1)[-1].removesuffix(".json") not in dead:
             who = "comparison writer" if is_comparison_id(rel.rsplit("/", 1)[-1]) else "writer"

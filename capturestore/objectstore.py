@@ -41,7 +41,7 @@ from capturestore.backends import (
     FsspecBackend,
     shard_shape,  # noqa: F401 - its home before backends.py
 )
-from capturestore.errors import StoreError
+from capturestore.errors import StoreError, WriterIdTaken
 from capturestore.layout import (
     ARRAYS_DIR,
     COMPARISON_ID_PREFIX,
@@ -310,7 +310,7 @@ class Lease:
         try:
             storage.put(self.rel, json.dumps(self._info).encode(), if_absent=True)
         except FileExistsError:
-            raise StoreError(f"{storage.url}: writer id {writer_id} is already taken by another writer") from None
+            raise WriterIdTaken(f"{storage.url}: writer id {writer_id} is already taken by another writer") from None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._beat, name=f"capturestore-lease-{writer_id}", daemon=True)

@@ -132,6 +132,9 @@ def _damage(store: Store, table: str, how: str) -> None:
     meta = t.schema.metadata
     if how == "row lost":
         t = t.slice(1)
+    elif how == "k_linf zeroed":  # a regression made to read as none: every max norm 0.0
+        col = t.schema.get_field_index("k_linf")
+        t = t.set_column(col, t.schema.field(col), pa.array([0.0] * t.num_rows, t.schema.field(col).type))
     else:  # a value changed, the row count kept
         col = t.schema.get_field_index("k_l2")
         t = t.set_column(col, t.schema.field(col), pa.array([v + 1.0 for v in t.column(col).to_pylist()]))
@@ -141,15 +144,23 @@ def _damage(store: Store, table: str, how: str) -> None:
     store.backend.put(rel, sink.getvalue().to_pybytes())
 
 
-@pytest.mark.parametrize("how", ["row lost", "value changed"])
-def test_verify_and_check_evidence_find_a_merged_segment_that_disagrees_with_its_sources(tmp_path, how):
+@pytest.mark.parametrize("how,grace_s", [("row lost", 0), ("value changed", 0), ("k_linf zeroed", 3600)])
+def test_verify_and_check_evidence_find_a_merged_segment_that_disagrees_with_its_sources(tmp_path, how, grace_s):
+    """grace_s=3600: the sources are still there, hidden; the views read the merged rows, so
+    check_evidence must check those, not the hidden (intact) source files."""
     store = Store.open(tmp_path / "store")
     _fill(store)
-    store.compact(tables=["kv_head_metrics"], grace_s=0)
+    store.compact(tables=["kv_head_metrics"], grace_s=grace_s)
     cids = [r["comparison_id"] for r in store.sql("SELECT comparison_id FROM comparisons").to_pylist()]
     assert store.verify().ok
     store.check_evidence(cids, "diff")
+    linf = store.sql("SELECT max(k_linf) FROM kv_head_metrics").column(0)[0].as_py()
+    assert linf > 0
     _damage(store, "kv_head_metrics", how)
+    if how == "k_linf zeroed":  # the fault is proven to change what the views read
+        fresh = Store.open(tmp_path / "store", create=False)
+        assert fresh.sql("SELECT max(k_linf) FROM kv_head_metrics").column(0)[0].as_py() == 0.0
+        assert len([n for n in store.backend.segment_names("kv_head_metrics") if not is_merged(n)]) > 1
     rep = store.verify()
     assert not rep.ok and any("kv_head_metrics merged segment" in str(p) for p in rep), rep.summary()
     with pytest.raises(StoreError, match="evidence incomplete"):
@@ -275,3 +286,171 @@ def test_compact_cli_bad_input_is_one_line_exit_2_and_store_untouched(tmp_path, 
     _scaled_run(store, 1.1)
     assert main(["compact", "--table", "runs", "--store", str(store.root)]) == 0
     assert "merged 2 row(s) in 1 table(s)" in capsys.readouterr().out
+
+
+def test_a_table_with_its_own_filename_column_reads_before_and_after_compaction(url):
+    """The reader rule's file name column must not clash with a user's ``filename`` column, nor
+    show in any view (regression: every scan used read_parquet's default ``filename`` column)."""
+    store = Store.open(url)
+    _scaled_run(store, 1.0)
+    store.append_table("notes", [{"filename": "a.json", "score": 1.0}])
+    store.append_table("notes", [{"filename": "b.json", "score": 2.5}])
+    want = [{"filename": "a.json", "score": 1.0}, {"filename": "b.json", "score": 2.5}]
+    for grace in (3600, 0):
+        fresh = Store.open(url, create=False)
+        got = fresh.sql("SELECT * FROM notes ORDER BY filename")
+        assert got.column_names == ["filename", "score"] and got.to_pylist() == want
+        for t in fresh.backend.table_names():
+            cols = fresh.sql(f"SELECT column_name FROM (DESCRIBE \"{t}\")").column(0).to_pylist()
+            assert not [c for c in cols if c.startswith("__c")], (t, cols)
+        (res,) = fresh.compact(tables=["notes"], grace_s=grace).tables
+        assert (res.rows, len(res.sources_removed)) == ((2, 0) if grace else (0, 2))  # merged, then sources gone
+    assert Store.open(url, create=False).sql("SELECT * FROM notes ORDER BY filename").to_pylist() == want
+
+
+def test_sources_are_kept_when_their_merged_segment_disagrees_with_its_footer(tmp_path, monkeypatch):
+    """A corrupted merged segment must not cost the last good copy: neither compact nor gc
+    removes the sources of a merged segment whose rows disagree with its footer."""
+    store = Store.open(tmp_path / "store")
+    _fill(store)
+    store.compact(tables=["kv_head_metrics"], grace_s=3600)
+    d = tmp_path / "store" / "tables" / "kv_head_metrics"
+    sources = {p.name: p.read_bytes() for p in d.glob("*.parquet") if not is_merged(p.name) and not p.name.startswith("_")}
+    assert len(sources) >= 2
+    _damage(store, "kv_head_metrics", "value changed")
+    monkeypatch.setenv("CAPTURESTORE_LEASE_S", "0.01")
+    time.sleep(0.05)
+    assert not [r for r in store.gc() if "kv_head_metrics" in r]
+    (res,) = Store.open(tmp_path / "store", create=False).compact(tables=["kv_head_metrics"], grace_s=0).tables
+    assert res.sources_removed == [] and res.merged is None
+    assert any("kept" in w and "disagrees with its footer" in w for w in res.skipped), res.skipped
+    assert {n: (d / n).read_bytes() for n in sources} == sources  # every source intact
+    rep = store.verify()
+    assert not rep.ok and any("kv_head_metrics merged segment" in str(p) for p in rep), rep.summary()
+
+
+@pytest.mark.parametrize("grace", ["nan", "-1", "inf"])
+def test_compact_refuses_a_grace_that_is_no_duration(tmp_path, capsys, grace):
+    from capturestore.cli import main
+
+    store = Store.open(tmp_path / "store")
+    _scaled_run(store, 1.0)
+    _scaled_run(store, 1.1)
+    before = {p: p.read_bytes() for p in (tmp_path / "store" / "tables").rglob("*") if p.is_file()}
+    assert main(["compact", "--grace", grace, "--store", str(store.root)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "grace" in err[0] and grace in err[0], err
+    assert {p: p.read_bytes() for p in (tmp_path / "store" / "tables").rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_two_compactions_starting_together_merge_once(tmp_path, monkeypatch, backend):
+    """The interleaving that doubled rows: both compactions judge the lock free before either
+    takes it (liveness forced to say 'dead'). Taking the lock must itself be the test: exactly
+    one merges, the other leaves the table, every row is read once."""
+    from capturestore import backends as B
+
+    url = str(tmp_path / "store") if backend == "local" else f"memory://compact-{uuid.uuid4().hex[:12]}"
+    store = Store.open(url)
+    store.append_table("notes", [{"k": 1, "v": "a"}])
+    store.append_table("notes", [{"k": 2, "v": "b"}, {"k": 3, "v": "c"}])
+    cls = B.LocalBackend if backend == "local" else B.MemoryBackend
+    monkeypatch.setattr(cls, "liveness", lambda self: (lambda writer_id: False))
+    listed, go, results, errors = threading.Event(), threading.Event(), [], []
+
+    def first():
+        def step(s):
+            if s == "listed notes":
+                listed.set()
+                assert go.wait(30)
+        try:
+            results.append(Store.open(url, create=False).compact(tables=["notes"], grace_s=3600, on_step=step))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+            listed.set()
+
+    th = threading.Thread(target=first)
+    th.start()
+    assert listed.wait(30)
+    (second,) = Store.open(url, create=False).compact(tables=["notes"], grace_s=3600).tables
+    go.set()
+    th.join()
+    assert not errors, errors
+    (first_res,) = results[0].tables
+    assert first_res.merged and first_res.rows == 3
+    assert second.merged is None and second.rows == 0 and second.skipped, second
+    fresh = Store.open(url, create=False)
+    assert sorted(r["k"] for r in fresh.sql("SELECT k FROM notes").to_pylist()) == [1, 2, 3]
+    assert len(_merged(fresh, "notes")) == 1
+
+
+def test_a_dead_compactions_lock_is_taken_over_in_memory(tmp_path):
+    """A compaction stopped midway leaves pending/compact-<t>.json: the next compaction takes it
+    over (its writer holds it no more) instead of failing 'writer id … is already taken'."""
+    url = f"memory://compact-{uuid.uuid4().hex[:12]}"
+    store = Store.open(url)
+    store.append_table("notes", [{"k": 1, "v": "a"}])
+    store.append_table("notes", [{"k": 2, "v": "b"}])
+    store.backend.put("pending/compact-notes.json", b'{"status": "compacting notes"}')  # its writer is gone
+    assert any("compaction was stopped midway" in n for n in store.verify().notes)
+    (res,) = store.compact(tables=["notes"], grace_s=0).tables
+    assert res.merged and res.rows == 2 and len(res.sources_removed) == 2
+    assert not store.backend.exists("pending/compact-notes.json")
+    assert sorted(r["k"] for r in store.sql("SELECT k FROM notes").to_pylist()) == [1, 2]
+    # a live one is never taken over: the second writer of one id is refused
+    from capturestore.errors import WriterIdTaken
+
+    lock = store.backend.writer_lock("compact-notes", {})
+    with pytest.raises(WriterIdTaken):
+        store.backend.writer_lock("compact-notes", {})
+    (res,) = store.compact(tables=["notes"]).tables
+    assert res.skipped == ["another compaction of notes is running"]
+    lock.release()
+
+
+def test_a_local_pending_lock_is_exclusive_and_taken_over_from_a_dead_writer(tmp_path):
+    from capturestore.errors import WriterIdTaken
+    from capturestore.integrity import PendingLock, writer_is_alive
+
+    root = tmp_path / "store"
+    a = PendingLock(root, "w1", {"status": "a"})
+    with pytest.raises(WriterIdTaken, match="w1 is already taken"):
+        PendingLock(root, "w1", {"status": "b"})
+    assert b'"a"' in (root / "pending" / "w1.json").read_bytes()  # the live writer's file untouched
+    a._fd, fd = None, a._fd
+    os.close(fd)  # its writer dies: the file stays, no one holds it
+    assert not writer_is_alive(root / "pending" / "w1.json")
+    c = PendingLock(root, "w1", {"status": "c"})
+    assert writer_is_alive(root / "pending" / "w1.json") and b'"c"' in (root / "pending" / "w1.json").read_bytes()
+    c.release()
+    assert not (root / "pending" / "w1.json").exists() and not list((root / "pending").iterdir())
+
+
+def test_a_dead_compactions_lock_without_take_over_leaves_the_table_and_gc_clears_it(monkeypatch):
+    """Object storage's lease is created only if absent and never taken over (no atomic
+    take-over): a stopped compaction's lock makes the next compact leave the table with one
+    line saying what to do, not fail the whole call; gc removes the lock, then compact merges.
+    Simulated in memory with a lock that, like objectstore.Lease, refuses an existing object."""
+    from capturestore import backends as B
+    from capturestore.errors import WriterIdTaken
+
+    url = f"memory://compact-{uuid.uuid4().hex[:12]}"
+    store = Store.open(url)
+    store.append_table("notes", [{"k": 1, "v": "a"}])
+    store.append_table("notes", [{"k": 2, "v": "b"}])
+    store.backend.put("pending/compact-notes.json", b'{"status": "compacting notes"}')  # its writer is gone
+    real = B.MemoryBackend.writer_lock
+
+    def lease_like(self, writer_id, info):
+        if self.exists(f"pending/{writer_id}.json"):
+            raise WriterIdTaken(f"{self.url}: writer id {writer_id} is already taken by another writer")
+        return real(self, writer_id, info)
+
+    monkeypatch.setattr(B.MemoryBackend, "writer_lock", lease_like)
+    (res,) = store.compact(tables=["notes"], grace_s=0).tables
+    assert res.merged is None and res.skipped == [
+        "a stopped compaction left pending/compact-notes.json (run capturestore gc, then compact)"]
+    assert "pending/compact-notes.json" in store.gc()
+    (res,) = store.compact(tables=["notes"], grace_s=0).tables
+    assert res.merged and res.rows == 2
+    assert sorted(r["k"] for r in store.sql("SELECT k FROM notes").to_pylist()) == [1, 2]
