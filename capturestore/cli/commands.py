@@ -488,9 +488,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 def cmd_isolate(args: argparse.Namespace) -> int:
     from capturestore.isolate import isolate
 
-    store = open_store(args.store)
-    require_writable(store, "isolate")
-    r = isolate(store, args.comparison, rebuild=args.rebuild, max_prompts=args.max_prompts,
+    r = isolate(args.store, args.comparison, rebuild=args.rebuild, max_prompts=args.max_prompts,
                 even_if_passed=args.even_if_passed, level3=args.level3,
                 progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
     if r.comparison_id is not None:

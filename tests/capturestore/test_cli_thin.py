@@ -34,8 +34,6 @@ KNOWN_DEBT: dict[str, set[str]] = {
     "cmd_eval": {"capturestore.evaluate.eval", "capturestore.tasks.parse_thresholds"},
     "cmd_gc": {"capturestore.store.open_store_path", "capturestore.store.require_writable"},
     "cmd_history": {"capturestore.diff.history", "capturestore.store.open_store_path", "reports.history_html"},
-    "cmd_isolate": {"capturestore.isolate.isolate", "capturestore.store.open_store_path",
-                    "capturestore.store.require_writable"},
     "cmd_rebuild_catalog": {"capturestore.store.open_store_path", "capturestore.store.require_writable"},
     "cmd_reduce": {"capturestore.reduce.reduce", "capturestore.store.open_store_path"},
     "cmd_report": {"capturestore.store.open_store_path", "reports.check_out_dir", "reports.render_comparison",
