@@ -226,27 +226,17 @@ def _library_output_to_log():
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from nki_fp8.calibration import calibrate_kv_scales, check_out_dir
+    from nki_fp8.calibration import calibrate
 
-    check_out_dir(args.out, "--out")
-    store = open_store(args.store)
-    require_writable(store, "calibrate")
-    result = calibrate_kv_scales(store, args.run, method=args.method, percentile=args.percentile,
-                                 platform=args.platform, out_dir=args.out)
-    if result is not None:
-        print(result)
+    print(calibrate(args.store, args.run, args.out, method=args.method, percentile=args.percentile,
+                    platform=args.platform))
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from reports import check_out_dir, render_comparison, render_diff
+    from reports import report
 
-    check_out_dir(args.out)  # before opening the store: a bad --out fails at once
-    store = open_store(args.store)
-    if args.diff_base:
-        print(render_diff(store, args.diff_base, args.comparison, args.out))
-    else:
-        print(render_comparison(store, args.comparison, args.out))
+    print(report(args.store, args.comparison, args.out, diff_base=args.diff_base))
     return 0
 
 
