@@ -406,15 +406,12 @@ def _engine_options(items) -> dict:
 
 
 def cmd_cachecheck(args: argparse.Namespace) -> int:
-    from capturestore.cachecheck import cachecheck, validate_inputs
+    from capturestore.cachecheck import cachecheck
 
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()] if args.scenarios else None
     bugs = tuple(b.strip() for b in args.bug.split(",") if b.strip()) if args.bug else ()
-    validate_inputs(args.model, args.engine, args.dtype, scenarios, bugs)  # before the store is created
-    options = _engine_options(args.engine_option)
-    store = open_store(args.store, create=True)
-    require_writable(store, "cachecheck")
-    result = cachecheck(args.model, engine=args.engine, dtype=args.dtype, store=store, scenarios=scenarios,
+    options = _engine_options(args.engine_option)  # the inputs, then the store, are checked before anything runs
+    result = cachecheck(args.model, engine=args.engine, dtype=args.dtype, store=args.store, scenarios=scenarios,
                         label=args.label, seed=args.seed, max_context=args.max_context, block_size=args.block_size,
                         bugs=bugs, hf_reference=args.hf_reference, engine_options=options,
                         progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))

@@ -27,8 +27,6 @@ KNOWN_DEBT: dict[str, set[str]] = {
                  "capturestore.cachecheck_diff.is_cachecheck", "capturestore.cachecheck_diff.to_dict",
                  "capturestore.diff.comparison_rows", "capturestore.diff.diff", "capturestore.store.open_store_path",
                  "reports.render_diff"},
-    "cmd_cachecheck": {"capturestore.cachecheck.cachecheck", "capturestore.cachecheck.validate_inputs",
-                       "capturestore.store.open_store_path", "capturestore.store.require_writable"},
     "cmd_eval": {"capturestore.evaluate.eval", "capturestore.tasks.parse_thresholds"},
     "cmd_gc": {"capturestore.store.open_store_path", "capturestore.store.require_writable"},
     "cmd_history": {"capturestore.diff.history", "capturestore.store.open_store_path", "reports.history_html"},
