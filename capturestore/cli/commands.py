@@ -126,14 +126,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from capturestore import pipeline
-    from capturestore.store import store_exists
+    from capturestore.pipeline import run
 
-    store = args.store
-    if store_exists(store):  # an existing store (a directory or a bucket) must be writable before any capture
-        require_writable(open_store(store), "run")
+    kwargs = dict(target=args.target, num_tokens=args.num_tokens, release=args.release, store=args.store,
+                  plugins=args.plugins, modules=args.modules, tp=args.tp, quiet=args.quiet, label=args.label,
+                  fp8_scales=args.fp8_scales, from_task=args.from_task, task_reference=args.task_reference,
+                  reference_device=args.reference_device, reference_memory=args.reference_memory, dtype=args.dtype,
+                  engine_options={"kv_cache_dtype": args.kv_cache_dtype, "fp8_emulate": args.fp8_emulate})
     with _sigterm_as_interrupt():  # a terminated run rolls back like an interrupted one (docs/run.md)
-        return _run(args, pipeline, store)
+        if args.debug:  # the engines' and libraries' own output as it comes
+            result = run(args.model, args.prompts, out=print, **kwargs)
+        else:
+            with _library_output_to_log() as (log, out, tty, bars):
+                result = run(args.model, args.prompts, out=out, progress_bar=tty, bar_file=bars, **kwargs)
+    return 0 if result.passed else 1
 
 
 @contextlib.contextmanager
@@ -155,20 +161,6 @@ def _sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
-
-
-def _run(args: argparse.Namespace, pipeline, store: str) -> int:
-    kwargs = dict(target=args.target, num_tokens=args.num_tokens, release=args.release, store=store,
-                  plugins=args.plugins, modules=args.modules, tp=args.tp, quiet=args.quiet, label=args.label,
-                  fp8_scales=args.fp8_scales, from_task=args.from_task, task_reference=args.task_reference,
-                  reference_device=args.reference_device, reference_memory=args.reference_memory, dtype=args.dtype,
-                  engine_options={"kv_cache_dtype": args.kv_cache_dtype, "fp8_emulate": args.fp8_emulate})
-    if args.debug:  # the engines' and libraries' own output as it comes
-        result = pipeline.run(args.model, args.prompts, out=print, **kwargs)
-        return 0 if result.passed else 1
-    with _library_output_to_log() as (log, out, tty, bars):
-        result = pipeline.run(args.model, args.prompts, out=out, progress_bar=tty, bar_file=bars, **kwargs)
-    return 0 if result.passed else 1
 
 
 @contextlib.contextmanager

@@ -32,8 +32,6 @@ KNOWN_DEBT: dict[str, set[str]] = {
     "cmd_history": {"capturestore.diff.history", "capturestore.store.open_store_path", "reports.history_html"},
     "cmd_rebuild_catalog": {"capturestore.store.open_store_path", "capturestore.store.require_writable"},
     "cmd_reduce": {"capturestore.reduce.reduce", "capturestore.store.open_store_path"},
-    "cmd_run": {"capturestore.store.open_store_path", "capturestore.store.require_writable",
-                "capturestore.store.store_exists"},  # and pipeline.run through a parameter the scan cannot follow
     "cmd_tasks": {"capturestore.tasks.parse_thresholds", "capturestore.tasks.summary_lines",
                   "capturestore.tasks.tasks"},
 }
