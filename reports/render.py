@@ -520,11 +520,13 @@ def render_diff(store, base_id: str, head_id: str, out_dir, result=None) -> Path
     out = check_out_dir(out_dir)
     store = _open_store(store)
     if result is None:
-        from capturestore.diff import diff
+        from capturestore.diff import DiffResult, diff
 
         try:
             result = diff(store, base_id, head_id, common_prompts=True)
         except ValueError:  # e.g. two models: the page shows both sides without a regression verdict
+            result = None
+        if not isinstance(result, DiffResult):  # two cache checks: no runs' diff to show
             result = None
     q = Queries(store)
     sides = {}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -335,52 +336,56 @@ def write_history(t: pa.Table, fmt: str, out: str | None) -> None:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    from capturestore.cachecheck_diff import CacheCheckDiff
     from capturestore.diff import diff
 
-    store = open_store(args.store)
-    if _cachecheck_diff_wanted(store, args):
-        return _cmd_diff_cachecheck(store, args)
-    result = diff(store, args.base, args.head, common_prompts=args.common_prompts, seed=args.seed,
+    result = diff(args.store, args.base, args.head, common_prompts=args.common_prompts, seed=args.seed,
                   n_boot=args.n_boot)
-    write_diff(store, result, args.format, args.out)
+    if isinstance(result, CacheCheckDiff):  # two cache checks
+        if args.format == "html":
+            raise ValueError("diff: --format html is for comparisons of runs; a cache-check diff is table or json")
+        target = output_path(args.out, "json", "--out")
+        write_text(json_text(result.to_dict()) if args.format == "json" else format_cachecheck_diff(result) + "\n",
+                   target, "--out")
+    else:
+        write_diff(args.store, result, args.format, args.out)
     return 1 if result.regression else 0
 
 
-def _cachecheck_diff_wanted(store, args) -> bool:
-    from capturestore.cachecheck_diff import is_cachecheck
-    from capturestore.diff import comparison_rows
-
-    kinds = [is_cachecheck(store, x) for x in (args.base, args.head)]
-    if any(kinds) and not all(kinds):
-        other = args.head if kinds[0] else args.base
-        if any(other in (r["comparison_id"], r["release"]) for r in comparison_rows(store)):
-            raise ValueError(f"diff: {other!r} is a comparison of runs and the other a cache check; diff a cache "
-                             "check against another cache check")
-    return any(kinds)
+def _sci(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.2e}"
 
 
-def _cmd_diff_cachecheck(store, args) -> int:
-    """``diff`` of two cache checks (capturestore.cachecheck_diff): exit 1 on a regression."""
+def _first(t) -> str:
+    return "-" if t is None else f"{t[0]}@{t[1]}"
 
-    from capturestore.cachecheck_diff import (
-        diff_cachecheck,
-        format_cachecheck_diff,
-        to_dict,
-    )
 
-    if args.format == "html":
-        raise ValueError("diff: --format html is for comparisons of runs; a cache-check diff is table or json")
-    target = output_path(args.out, "json", "--out")  # before the diff: a bad --out fails at once
-    d = diff_cachecheck(store, args.base, args.head)
-    write_text(json_text(to_dict(d)) if args.format == "json" else format_cachecheck_diff(d) + "\n", target, "--out")
-    return 1 if d.regression else 0
+def format_cachecheck_diff(d) -> str:
+    """A ``capturestore.cachecheck_diff.CacheCheckDiff`` as a text table, regressions first, then a verdict line."""
+    head = (f"cache check diff: base {d.base['comparison_id']} ({d.base['engine']}, {d.base['verdict']}) -> "
+            f"head {d.head['comparison_id']} ({d.head['engine']}, {d.head['verdict']})")
+    rows = [("scenario", "change", "base", "head", "first diff base", "first diff head", "max err base", "max err head",
+             "diagnosis head")]
+    order = {"regressed": 0, "still failing": 1, "fixed": 2, "new": 3, "unchanged": 4}
+    for s in sorted(d.scenarios, key=lambda s: (not s.regression, order[s.change])):
+        change = s.change if not (s.requests_regressed and s.change != "regressed") else f"{s.change} (requests regressed)"
+        rows.append((s.scenario, change, s.base_status or "missing", s.head_status or "missing", _first(s.base_first),
+                     _first(s.head_first), _sci(s.base_err), _sci(s.head_err), s.head_diagnosis or "-"))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = [head, *("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)]
+    for s in d.regressions:
+        if s.requests_regressed:
+            lines.append(f"  {s.scenario}: requests passing in base, failing in head: {', '.join(s.requests_regressed)}")
+    n = len(d.regressions)
+    lines.append(f"verdict: {'REGRESSION' if n else 'no regression'} ({n} scenario(s) regressed, "
+                 f"{sum(s.change == 'fixed' for s in d.scenarios)} fixed)")
+    return "\n".join(lines)
 
 
 def cmd_history(args: argparse.Namespace) -> int:
     from capturestore.diff import history
 
-    store = open_store(args.store)
-    write_history(history(store, args.model, args.metric), args.format, args.out)
+    write_history(history(args.store, args.model, args.metric), args.format, args.out)
     return 0
 
 
