@@ -471,9 +471,12 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, pr
     """Reduce the failing module comparison ``comparison_id`` (module docstring) and write the
     bundle to ``out`` (a new or empty directory). engine: the engine under test, a callable
     ``(model_dir) -> model`` or ``"module:function"`` (default: the actual run's HF engine
-    rebuilt from its checkpoint). correct: a correct engine the bundle's command must pass on."""
+    rebuilt from its checkpoint). correct: a correct engine the bundle's command must pass on.
+    ``store``: a ``Store`` or its path / URL (only read: the bundle is a store of its own)."""
     from capturestore.isolate import IsolationError, checked_runs, held_prompts
+    from capturestore.store import as_store
 
+    store = as_store(store)
     say = progress or (lambda m: None)
     t0 = time.perf_counter()
     if out is None:

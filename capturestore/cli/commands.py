@@ -455,8 +455,7 @@ def _stderr_progress(args):
 def cmd_reduce(args: argparse.Namespace) -> int:
     from capturestore.reduce import reduce
 
-    store = open_store(args.store)  # only read: the bundle is a store of its own
-    r = reduce(store, args.comparison, args.engine, args.out, correct=args.correct, progress=_stderr_progress(args))
+    r = reduce(args.store, args.comparison, args.engine, args.out, correct=args.correct, progress=_stderr_progress(args))
     print(r.summary())
     return 0
 

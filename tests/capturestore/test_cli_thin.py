@@ -29,7 +29,6 @@ KNOWN_DEBT: dict[str, set[str]] = {
     "cmd_eval": {"capturestore.evaluate.eval", "capturestore.tasks.parse_thresholds"},
     "cmd_gc": {"capturestore.store.open_store_path", "capturestore.store.require_writable"},
     "cmd_rebuild_catalog": {"capturestore.store.open_store_path", "capturestore.store.require_writable"},
-    "cmd_reduce": {"capturestore.reduce.reduce", "capturestore.store.open_store_path"},
     "cmd_tasks": {"capturestore.tasks.parse_thresholds", "capturestore.tasks.summary_lines",
                   "capturestore.tasks.tasks"},
 }
