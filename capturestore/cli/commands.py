@@ -234,17 +234,32 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    from capturestore.tasks import parse_thresholds, summary_lines, tasks
+    from capturestore.tasks import tasks
 
     analysis = tasks(args.store, args.results, args.reference, thresholds=parse_thresholds(args.threshold),
                      tolerance=args.tolerance, label=args.label)
-    print("\n".join(summary_lines(analysis)))
+    print("\n".join(analysis.summary_lines()))
     return 0 if analysis.passed else 1
+
+
+def parse_thresholds(specs) -> dict[str, float]:
+    """``["acc=0.5", "exact_match,strict-match=0.4"]`` -> {metric: value}; one-line ValueError."""
+    out = {}
+    for s in specs or ():
+        metric, eq, value = str(s).rpartition("=")
+        try:
+            v = float(value)
+        except ValueError:
+            v = math.nan
+        if not eq or not metric.strip() or not math.isfinite(v):
+            raise ValueError(f"--threshold {s!r}: expected METRIC=VALUE with a finite number, e.g. acc=0.5 or "
+                             f"'exact_match,strict-match=0.4'")
+        out[metric.strip()] = v
+    return out
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from capturestore import evaluate
-    from capturestore.tasks import parse_thresholds
 
     kwargs = dict(out=args.out, store=args.store, include_path=args.include_path, limit=args.limit,
                   server=args.server, port=args.port, thresholds=parse_thresholds(args.threshold),

@@ -26,11 +26,8 @@ CLI = "capturestore.cli"
 PRESENTATION = {"reports.render_diff", "reports.history_html"}
 # handler -> the library functions it still calls beyond one (issue 19 §2); remove an entry when fixed
 KNOWN_DEBT: dict[str, set[str]] = {
-    "cmd_eval": {"capturestore.evaluate.eval", "capturestore.tasks.parse_thresholds"},
     "cmd_gc": {"capturestore.store.open_store_path", "capturestore.store.require_writable"},
     "cmd_rebuild_catalog": {"capturestore.store.open_store_path", "capturestore.store.require_writable"},
-    "cmd_tasks": {"capturestore.tasks.parse_thresholds", "capturestore.tasks.summary_lines",
-                  "capturestore.tasks.tasks"},
 }
 
 
