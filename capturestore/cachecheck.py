@@ -743,8 +743,9 @@ def cachecheck(model, *, engine: str = "hf", dtype: str = "float32", store=None,
                block_size: int | None = None, bugs=(), adapter=None, hf_reference: bool = False,
                progress=None, engine_options: dict | None = None) -> CacheCheckResult:
     """Prove ``engine``'s KV cache on ``model`` equivalent to its full-prefix recomputation over
-    the scenario matrix (module docstring), and store the result in ``store`` (a path or Store;
-    None: not stored). ``adapter``: an adapter instance to use instead of ``engine`` (your own).
+    the scenario matrix (module docstring), and store the result in ``store`` (a Store, or a path /
+    URL where a store is created when there is none; None: not stored; refused before anything
+    runs when it cannot be written). ``adapter``: an adapter instance to use instead of ``engine`` (your own).
     ``hf_reference``: also check the engine's full-prefix forward against HF's plain forward of
     ``model`` in the same dtype (the ``oracle`` scenario, the second oracle). ``engine_options``:
     keywords of the engine's adapter (vllm: ``prefix_caching``, ``chunk``, ``num_blocks``).
@@ -758,9 +759,10 @@ def cachecheck(model, *, engine: str = "hf", dtype: str = "float32", store=None,
         validate_inputs(model, engine, dtype, scenarios, bugs)
     st = None
     if store is not None:
-        from capturestore.store import Store
+        from capturestore.store import as_store, require_writable
 
-        st = store if hasattr(store, "append_table") else Store.open(store)
+        st = store if hasattr(store, "append_table") else as_store(store, create=True)
+        require_writable(st, "cachecheck")
     own = adapter is None
     if own:
         adapter = make_adapter(model, engine, dtype, max_context=max_context, block_size=block_size, bugs=bugs,

@@ -4,16 +4,16 @@ both, how its first differing request / position, magnitude and diagnosis moved.
 
 ``diff_cachecheck(store, base, head)`` reads the ``cachecheck_scenarios`` and
 ``cachecheck_requests`` rows both checks stored (nothing is rerun). BASE and HEAD are comparison
-ids or labels (``--label`` of the check; the latest check with that label). ``capturestore diff``
-calls it when both sides are cache checks. A regression: a scenario that passed in base and
+ids or labels (``--label`` of the check; the latest check with that label). ``diff.diff`` (and so
+``capturestore diff``, whose text form is ``format_cachecheck_diff`` in the CLI) calls it when both
+sides are cache checks. A regression: a scenario that passed in base and
 in head fails, did not run, or is missing; a request that passed in base and fails in head.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-__all__ = ["CacheCheckDiff", "ScenarioChange", "diff_cachecheck", "format_cachecheck_diff", "is_cachecheck"]
+__all__ = ["CacheCheckDiff", "ScenarioChange", "diff_cachecheck", "is_cachecheck"]
 
 
 def _views(store) -> set:
@@ -84,6 +84,15 @@ class CacheCheckDiff:
     def regressions(self) -> list:
         return [s for s in self.scenarios if s.regression]
 
+    def to_dict(self) -> dict:
+        """The diff as plain values (``capturestore diff --format json``)."""
+        from dataclasses import asdict
+
+        return {"kind": "cachecheck", "base": {k: str(v) if v is not None else None for k, v in self.base.items()},
+                "head": {k: str(v) if v is not None else None for k, v in self.head.items()},
+                "regression": self.regression,
+                "scenarios": [asdict(s) | {"regression": s.regression} for s in self.scenarios]}
+
 
 def _scenario_rows(store, cid) -> dict:
     return {r["scenario"]: r for r in store.sql(
@@ -136,39 +145,5 @@ def diff_cachecheck(store, base: str, head: str) -> CacheCheckDiff:
     return CacheCheckDiff(b, h, out)
 
 
-def _e(x) -> str:
-    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.2e}"
-
-
-def _first(t) -> str:
-    return "-" if t is None else f"{t[0]}@{t[1]}"
-
-
-def format_cachecheck_diff(d: CacheCheckDiff) -> str:
-    """The diff as a text table, regressions first, then a verdict line."""
-    head = (f"cache check diff: base {d.base['comparison_id']} ({d.base['engine']}, {d.base['verdict']}) -> "
-            f"head {d.head['comparison_id']} ({d.head['engine']}, {d.head['verdict']})")
-    rows = [("scenario", "change", "base", "head", "first diff base", "first diff head", "max err base", "max err head",
-             "diagnosis head")]
-    order = {"regressed": 0, "still failing": 1, "fixed": 2, "new": 3, "unchanged": 4}
-    for s in sorted(d.scenarios, key=lambda s: (not s.regression, order[s.change])):
-        change = s.change if not (s.requests_regressed and s.change != "regressed") else f"{s.change} (requests regressed)"
-        rows.append((s.scenario, change, s.base_status or "missing", s.head_status or "missing", _first(s.base_first),
-                     _first(s.head_first), _e(s.base_err), _e(s.head_err), s.head_diagnosis or "-"))
-    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
-    lines = [head, *("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)]
-    for s in d.regressions:
-        if s.requests_regressed:
-            lines.append(f"  {s.scenario}: requests passing in base, failing in head: {', '.join(s.requests_regressed)}")
-    n = len(d.regressions)
-    lines.append(f"verdict: {'REGRESSION' if n else 'no regression'} ({n} scenario(s) regressed, "
-                 f"{sum(s.change == 'fixed' for s in d.scenarios)} fixed)")
-    return "\n".join(lines)
-
-
 def to_dict(d: CacheCheckDiff) -> dict:
-    from dataclasses import asdict
-
-    return {"kind": "cachecheck", "base": {k: str(v) if v is not None else None for k, v in d.base.items()},
-            "head": {k: str(v) if v is not None else None for k, v in d.head.items()},
-            "regression": d.regression, "scenarios": [asdict(s) | {"regression": s.regression} for s in d.scenarios]}
+    return d.to_dict()

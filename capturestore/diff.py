@@ -28,9 +28,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
+
+if TYPE_CHECKING:
+    from capturestore.cachecheck_diff import CacheCheckDiff
 
 __all__ = ["BC_MARGIN", "DiffResult", "SIGMA_MARGIN", "StatChange", "VerdictChange", "bootstrap_bc_change",
            "bootstrap_sigma_change", "diff",
@@ -339,10 +343,24 @@ def _str(x):
 
 # ---- the diff -----------------------------------------------------------------------------------------
 def diff(store, base: str, head: str, *, common_prompts: bool = False, seed: int = 0,
-         n_boot: int = 2000) -> DiffResult:
-    """Diff comparison (or release) ``head`` against ``base`` (module docstring). ValueError in one
-    line: an unknown id or label, comparisons of different models, prompt sets that are disjoint
-    or (unless ``common_prompts``) differ."""
+         n_boot: int = 2000) -> DiffResult | CacheCheckDiff:
+    """Diff comparison (or release) ``head`` against ``base`` (module docstring); ``store``: a
+    ``Store`` or its path / URL. Two cache checks (``capturestore cachecheck``; ids or labels)
+    are diffed by ``cachecheck_diff.diff_cachecheck`` instead (a ``CacheCheckDiff``; the other
+    arguments do not apply), as is a cache check against a name that is neither. ValueError in one
+    line: an unknown id or label, a cache check against a comparison of runs, comparisons of
+    different models, prompt sets that are disjoint or (unless ``common_prompts``) differ."""
+    from capturestore.cachecheck_diff import diff_cachecheck, is_cachecheck
+    from capturestore.store import as_store
+
+    store = as_store(store)
+    kinds = [is_cachecheck(store, x) for x in (base, head)]
+    if any(kinds):
+        other = head if kinds[0] else base
+        if not all(kinds) and any(other in (r["comparison_id"], r["release"]) for r in comparison_rows(store)):
+            raise ValueError(f"diff: {other!r} is a comparison of runs and the other a cache check; diff a cache "
+                             "check against another cache check")
+        return diff_cachecheck(store, base, head)
     if n_boot < 100:
         raise ValueError(f"diff: n_boot {n_boot} is too few resamples for a 95% interval (at least 100)")
     ids = {r["comparison_id"] for r in comparison_rows(store)}
@@ -508,7 +526,10 @@ def history(store, model: str, metric: str = "logit_sigma_ratio") -> pa.Table:
     naming the directory the run recorded (relative or absolute, resolved here), or a model
     directory of the same content (its hash, when no path matches), oldest first: ``created_at, release, comparison_id, passed, <metric>``. ``metric``:
     a comparisons column, or ``kv_sigma_ratio`` (worst layer), ``kv_bc`` (lowest layer),
-    ``module_sigma_ratio`` (worst module)."""
+    ``module_sigma_ratio`` (worst module). ``store``: a ``Store`` or its path / URL."""
+    from capturestore.store import as_store
+
+    store = as_store(store)
     rows = comparison_rows(store)
     cols = set(store.sql("DESCRIBE comparisons").column("column_name").to_pylist()) if rows else set()
     if metric in _DERIVED:

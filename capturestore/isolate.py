@@ -396,7 +396,13 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     (module docstring; implies ``even_if_passed``; HF targets): RoPE on q/k judged too, tables per kind.
     A vLLM target (the actual run's engine "vllm", TP 1): ``target`` is the engine (``make_llm``; e.g.
     carrying a fault installed through the worker extension), default one engine built from the run's
-    checkpoint and dtype for every re-run; only the modules the vLLM run holds are judged."""
+    checkpoint and dtype for every re-run; only the modules the vLLM run holds are judged.
+    ``store``: a ``Store`` or its path / URL, refused before any work when it cannot be written
+    (``capturestore isolate`` calls this alone)."""
+    from capturestore.store import as_store, require_writable
+
+    store = as_store(store)
+    require_writable(store, "isolate")
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     row = _row(store, comparison_id)

@@ -657,8 +657,12 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
     is streamed layer by layer (``extractors.streamed``, bit-identical; docs/references.md), and
     the output says which path each reference took, its prompt groups and its peak memory.
     Bad input raises ValueError before anything is written; an engine that cannot start raises
-    ``EngineStartError``.
+    ``EngineStartError``. An existing store that cannot be written is refused first, before any capture.
     """
+    from capturestore.store import Store, require_writable, store_exists
+
+    if isinstance(store, (str, os.PathLike)) and store_exists(store):  # a directory, a bucket or memory://
+        require_writable(Store.open(store, create=False), "run")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

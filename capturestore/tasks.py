@@ -52,7 +52,7 @@ import pyarrow as pa
 from capturestore.comparators.base import TableSpec, finite_or_null, to_arrow
 
 __all__ = ["STD_Z", "TASK_SAMPLES", "TASK_SCORES", "TASK_TABLES", "TaskAnalysis", "TaskRun", "analyse_tasks",
-           "deviated_prompts", "load_task_results", "parse_thresholds", "run_task_analysis", "store_task_analysis"]
+           "deviated_prompts", "load_task_results", "run_task_analysis", "store_task_analysis"]
 
 STD_Z = 2.0  # --tolerance std: a target score may be this many combined standard errors worse
 TOLERANCES = ("mean", "std")
@@ -196,22 +196,6 @@ def load_task_results(path) -> dict[str, TaskRun]:
 # --------------------------------------------------------------------------------- judging
 
 
-def parse_thresholds(specs) -> dict[str, float]:
-    """``["acc=0.5", "exact_match,strict-match=0.4"]`` -> {metric: value}; one-line ValueError."""
-    out = {}
-    for s in specs or ():
-        metric, eq, value = str(s).rpartition("=")
-        try:
-            v = float(value)
-        except ValueError:
-            v = math.nan
-        if not eq or not metric.strip() or not math.isfinite(v):
-            raise ValueError(f"--threshold {s!r}: expected METRIC=VALUE with a finite number, e.g. acc=0.5 or "
-                             f"'exact_match,strict-match=0.4'")
-        out[metric.strip()] = v
-    return out
-
-
 def _threshold_for(thresholds: dict, key: str):
     metric = key.partition(",")[0]
     if key in thresholds:
@@ -282,6 +266,10 @@ class TaskAnalysis:
     @property
     def deviated(self) -> list[dict]:
         return [r for r in self.sample_rows if r["deviated"]]
+
+    def summary_lines(self, max_prompts: int = 20) -> list[str]:
+        """The lines ``capturestore tasks`` prints (``summary_lines``)."""
+        return summary_lines(self, max_prompts)
 
     def deviated_prompts(self) -> list[dict]:
         seen, out = set(), []

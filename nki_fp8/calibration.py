@@ -155,6 +155,20 @@ def check_out_dir(out_dir, name: str = "out_dir") -> Path:
     return out
 
 
+def calibrate(store, run_id: str, out, *, method: str = "absmax", percentile: float = 99.99,
+              platform: str | None = None) -> CalibrationResult:
+    """``capturestore calibrate``: ``calibrate_kv_scales`` of ``run_id`` into the directory ``out``,
+    recorded in ``store`` (a ``Store`` or its path / URL). ``out`` is checked first (errors name it
+    ``--out``), then the store is opened and refused when it cannot be written: nothing is read
+    or written before."""
+    from capturestore.store import as_store, require_writable
+
+    check_out_dir(out, "--out")
+    store = as_store(store)
+    require_writable(store, "calibrate")
+    return calibrate_kv_scales(store, run_id, method=method, percentile=percentile, platform=platform, out_dir=out)
+
+
 def calibrate_kv_scales(
     store,
     run_id: str,

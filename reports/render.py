@@ -337,6 +337,19 @@ def _load(q: Queries, cid: str) -> tuple[dict, list[dict]]:
     return row, runs
 
 
+def report(store, comparison_id: str, out_dir, *, diff_base: str | None = None) -> Path:
+    """``capturestore report``: ``render_comparison`` of ``comparison_id`` into ``out_dir``, or with
+    ``diff_base`` the diff page of ``comparison_id`` (the head) against it (``render_diff``).
+    ``out_dir`` is checked before the store (a ``Store`` or its path / URL) is opened. -> the page."""
+    from capturestore.store import as_store
+
+    check_out_dir(out_dir)  # before opening the store: a bad --out fails at once
+    store = as_store(store)
+    if diff_base:
+        return render_diff(store, diff_base, comparison_id, out_dir)
+    return render_comparison(store, comparison_id, out_dir)
+
+
 def render_comparison(store, comparison_id: str, out_dir) -> Path:
     """Write the HTML report of comparison ``comparison_id`` of ``store`` (a Store or its path)
     into ``out_dir``; returns the path of ``index.html``.
@@ -507,11 +520,13 @@ def render_diff(store, base_id: str, head_id: str, out_dir, result=None) -> Path
     out = check_out_dir(out_dir)
     store = _open_store(store)
     if result is None:
-        from capturestore.diff import diff
+        from capturestore.diff import DiffResult, diff
 
         try:
             result = diff(store, base_id, head_id, common_prompts=True)
         except ValueError:  # e.g. two models: the page shows both sides without a regression verdict
+            result = None
+        if not isinstance(result, DiffResult):  # two cache checks: no runs' diff to show
             result = None
     q = Queries(store)
     sides = {}

@@ -1,4 +1,5 @@
-"""``capturestore`` command line: each subcommand is a thin wrapper over one Store method.
+"""``capturestore`` command line: each subcommand is a thin wrapper over one library function (a
+Store method for the store commands).
 
     capturestore runs                      Store.runs()
     capturestore show RUN                  Store.show(RUN)
@@ -12,9 +13,9 @@
     capturestore run --model DIR --prompts FILE --target TARGET
                                            capturestore.pipeline.run(...)  exit status 1 on FAIL
     capturestore demo                      capturestore.demo.run_demo(...)  exit status 1 on FAIL
-    capturestore calibrate RUN --out DIR   nki_fp8.calibration.calibrate_kv_scales(...)
+    capturestore calibrate RUN --out DIR   nki_fp8.calibration.calibrate(...)
     capturestore report COMPARISON --out DIR
-                                           reports.render_comparison(...)
+                                           reports.report(...)
     capturestore tasks --results DIR [--reference DIR]
                                            capturestore.tasks.tasks(...)  exit 1 unless PASS
     capturestore eval --model DIR --tasks T --out DIR
@@ -22,9 +23,11 @@
     capturestore aggregate COMPARISON --where "..."
                                            capturestore.aggregate.aggregate(...)
     capturestore diff BASE HEAD            capturestore.diff.diff(...)  exit status 1 on regression
+                                           (of two comparisons, or of two cache checks)
     capturestore history --model M         capturestore.diff.history(...)
     capturestore cachecheck --model DIR --engine hf|paged|pkg.mod:Class
                                            capturestore.cachecheck.cachecheck(...)  exit 1 unless PASS
+    capturestore isolate COMPARISON        capturestore.isolate.isolate(...)  exit 1 when not local
     capturestore reduce COMPARISON --out DIR [--local]
                                            capturestore.reduce.reduce(...)
     capturestore reproduce BUNDLE          capturestore.reduce.reproduce(...)  exit 1 when the bug reproduces
@@ -32,8 +35,9 @@
 Every command takes ``--store PATH`` (default: $CAPTURESTORE, else ./capturestore-store).
 
 Here: the parser (``build_parser``: every command and its flags) and ``main``. Each handler
-(``cmd_<command>`` in capturestore.cli.commands) parses its arguments, calls the library, which
-returns results and prints nothing, and formats them with the helpers of capturestore.cli.output
+(``cmd_<command>`` in capturestore.cli.commands) parses its arguments, calls one library function
+(above; it opens the store and checks it can be written where the command writes), which returns
+results and prints nothing (tests/capturestore/test_cli_thin.py holds this), and formats them with the helpers of capturestore.cli.output
 (tables, JSON, output-file checks, atomic writes). The library never imports this package.
 
 Errors: a user error (bad input, a refused or failing query, a missing or read-only store, a

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -126,14 +127,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from capturestore import pipeline
-    from capturestore.store import store_exists
+    from capturestore.pipeline import run
 
-    store = args.store
-    if store_exists(store):  # an existing store (a directory or a bucket) must be writable before any capture
-        require_writable(open_store(store), "run")
+    kwargs = dict(target=args.target, num_tokens=args.num_tokens, release=args.release, store=args.store,
+                  plugins=args.plugins, modules=args.modules, tp=args.tp, quiet=args.quiet, label=args.label,
+                  fp8_scales=args.fp8_scales, from_task=args.from_task, task_reference=args.task_reference,
+                  reference_device=args.reference_device, reference_memory=args.reference_memory, dtype=args.dtype,
+                  engine_options={"kv_cache_dtype": args.kv_cache_dtype, "fp8_emulate": args.fp8_emulate})
     with _sigterm_as_interrupt():  # a terminated run rolls back like an interrupted one (docs/run.md)
-        return _run(args, pipeline, store)
+        if args.debug:  # the engines' and libraries' own output as it comes
+            result = run(args.model, args.prompts, out=print, **kwargs)
+        else:
+            with _library_output_to_log() as (log, out, tty, bars):
+                result = run(args.model, args.prompts, out=out, progress_bar=tty, bar_file=bars, **kwargs)
+    return 0 if result.passed else 1
 
 
 @contextlib.contextmanager
@@ -155,20 +162,6 @@ def _sigterm_as_interrupt():
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
-
-
-def _run(args: argparse.Namespace, pipeline, store: str) -> int:
-    kwargs = dict(target=args.target, num_tokens=args.num_tokens, release=args.release, store=store,
-                  plugins=args.plugins, modules=args.modules, tp=args.tp, quiet=args.quiet, label=args.label,
-                  fp8_scales=args.fp8_scales, from_task=args.from_task, task_reference=args.task_reference,
-                  reference_device=args.reference_device, reference_memory=args.reference_memory, dtype=args.dtype,
-                  engine_options={"kv_cache_dtype": args.kv_cache_dtype, "fp8_emulate": args.fp8_emulate})
-    if args.debug:  # the engines' and libraries' own output as it comes
-        result = pipeline.run(args.model, args.prompts, out=print, **kwargs)
-        return 0 if result.passed else 1
-    with _library_output_to_log() as (log, out, tty, bars):
-        result = pipeline.run(args.model, args.prompts, out=out, progress_bar=tty, bar_file=bars, **kwargs)
-    return 0 if result.passed else 1
 
 
 @contextlib.contextmanager
@@ -226,42 +219,47 @@ def _library_output_to_log():
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from nki_fp8.calibration import calibrate_kv_scales, check_out_dir
+    from nki_fp8.calibration import calibrate
 
-    check_out_dir(args.out, "--out")
-    store = open_store(args.store)
-    require_writable(store, "calibrate")
-    result = calibrate_kv_scales(store, args.run, method=args.method, percentile=args.percentile,
-                                 platform=args.platform, out_dir=args.out)
-    if result is not None:
-        print(result)
+    print(calibrate(args.store, args.run, args.out, method=args.method, percentile=args.percentile,
+                    platform=args.platform))
     return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from reports import check_out_dir, render_comparison, render_diff
+    from reports import report
 
-    check_out_dir(args.out)  # before opening the store: a bad --out fails at once
-    store = open_store(args.store)
-    if args.diff_base:
-        print(render_diff(store, args.diff_base, args.comparison, args.out))
-    else:
-        print(render_comparison(store, args.comparison, args.out))
+    print(report(args.store, args.comparison, args.out, diff_base=args.diff_base))
     return 0
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    from capturestore.tasks import parse_thresholds, summary_lines, tasks
+    from capturestore.tasks import tasks
 
     analysis = tasks(args.store, args.results, args.reference, thresholds=parse_thresholds(args.threshold),
                      tolerance=args.tolerance, label=args.label)
-    print("\n".join(summary_lines(analysis)))
+    print("\n".join(analysis.summary_lines()))
     return 0 if analysis.passed else 1
+
+
+def parse_thresholds(specs) -> dict[str, float]:
+    """``["acc=0.5", "exact_match,strict-match=0.4"]`` -> {metric: value}; one-line ValueError."""
+    out = {}
+    for s in specs or ():
+        metric, eq, value = str(s).rpartition("=")
+        try:
+            v = float(value)
+        except ValueError:
+            v = math.nan
+        if not eq or not metric.strip() or not math.isfinite(v):
+            raise ValueError(f"--threshold {s!r}: expected METRIC=VALUE with a finite number, e.g. acc=0.5 or "
+                             f"'exact_match,strict-match=0.4'")
+        out[metric.strip()] = v
+    return out
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
     from capturestore import evaluate
-    from capturestore.tasks import parse_thresholds
 
     kwargs = dict(out=args.out, store=args.store, include_path=args.include_path, limit=args.limit,
                   server=args.server, port=args.port, thresholds=parse_thresholds(args.threshold),
@@ -353,52 +351,56 @@ def write_history(t: pa.Table, fmt: str, out: str | None) -> None:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    from capturestore.cachecheck_diff import CacheCheckDiff
     from capturestore.diff import diff
 
-    store = open_store(args.store)
-    if _cachecheck_diff_wanted(store, args):
-        return _cmd_diff_cachecheck(store, args)
-    result = diff(store, args.base, args.head, common_prompts=args.common_prompts, seed=args.seed,
+    result = diff(args.store, args.base, args.head, common_prompts=args.common_prompts, seed=args.seed,
                   n_boot=args.n_boot)
-    write_diff(store, result, args.format, args.out)
+    if isinstance(result, CacheCheckDiff):  # two cache checks
+        if args.format == "html":
+            raise ValueError("diff: --format html is for comparisons of runs; a cache-check diff is table or json")
+        target = output_path(args.out, "json", "--out")
+        write_text(json_text(result.to_dict()) if args.format == "json" else format_cachecheck_diff(result) + "\n",
+                   target, "--out")
+    else:
+        write_diff(args.store, result, args.format, args.out)
     return 1 if result.regression else 0
 
 
-def _cachecheck_diff_wanted(store, args) -> bool:
-    from capturestore.cachecheck_diff import is_cachecheck
-    from capturestore.diff import comparison_rows
-
-    kinds = [is_cachecheck(store, x) for x in (args.base, args.head)]
-    if any(kinds) and not all(kinds):
-        other = args.head if kinds[0] else args.base
-        if any(other in (r["comparison_id"], r["release"]) for r in comparison_rows(store)):
-            raise ValueError(f"diff: {other!r} is a comparison of runs and the other a cache check; diff a cache "
-                             "check against another cache check")
-    return any(kinds)
+def _sci(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.2e}"
 
 
-def _cmd_diff_cachecheck(store, args) -> int:
-    """``diff`` of two cache checks (capturestore.cachecheck_diff): exit 1 on a regression."""
+def _first(t) -> str:
+    return "-" if t is None else f"{t[0]}@{t[1]}"
 
-    from capturestore.cachecheck_diff import (
-        diff_cachecheck,
-        format_cachecheck_diff,
-        to_dict,
-    )
 
-    if args.format == "html":
-        raise ValueError("diff: --format html is for comparisons of runs; a cache-check diff is table or json")
-    target = output_path(args.out, "json", "--out")  # before the diff: a bad --out fails at once
-    d = diff_cachecheck(store, args.base, args.head)
-    write_text(json_text(to_dict(d)) if args.format == "json" else format_cachecheck_diff(d) + "\n", target, "--out")
-    return 1 if d.regression else 0
+def format_cachecheck_diff(d) -> str:
+    """A ``capturestore.cachecheck_diff.CacheCheckDiff`` as a text table, regressions first, then a verdict line."""
+    head = (f"cache check diff: base {d.base['comparison_id']} ({d.base['engine']}, {d.base['verdict']}) -> "
+            f"head {d.head['comparison_id']} ({d.head['engine']}, {d.head['verdict']})")
+    rows = [("scenario", "change", "base", "head", "first diff base", "first diff head", "max err base", "max err head",
+             "diagnosis head")]
+    order = {"regressed": 0, "still failing": 1, "fixed": 2, "new": 3, "unchanged": 4}
+    for s in sorted(d.scenarios, key=lambda s: (not s.regression, order[s.change])):
+        change = s.change if not (s.requests_regressed and s.change != "regressed") else f"{s.change} (requests regressed)"
+        rows.append((s.scenario, change, s.base_status or "missing", s.head_status or "missing", _first(s.base_first),
+                     _first(s.head_first), _sci(s.base_err), _sci(s.head_err), s.head_diagnosis or "-"))
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    lines = [head, *("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)]
+    for s in d.regressions:
+        if s.requests_regressed:
+            lines.append(f"  {s.scenario}: requests passing in base, failing in head: {', '.join(s.requests_regressed)}")
+    n = len(d.regressions)
+    lines.append(f"verdict: {'REGRESSION' if n else 'no regression'} ({n} scenario(s) regressed, "
+                 f"{sum(s.change == 'fixed' for s in d.scenarios)} fixed)")
+    return "\n".join(lines)
 
 
 def cmd_history(args: argparse.Namespace) -> int:
     from capturestore.diff import history
 
-    store = open_store(args.store)
-    write_history(history(store, args.model, args.metric), args.format, args.out)
+    write_history(history(args.store, args.model, args.metric), args.format, args.out)
     return 0
 
 
@@ -416,15 +418,12 @@ def _engine_options(items) -> dict:
 
 
 def cmd_cachecheck(args: argparse.Namespace) -> int:
-    from capturestore.cachecheck import cachecheck, validate_inputs
+    from capturestore.cachecheck import cachecheck
 
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()] if args.scenarios else None
     bugs = tuple(b.strip() for b in args.bug.split(",") if b.strip()) if args.bug else ()
-    validate_inputs(args.model, args.engine, args.dtype, scenarios, bugs)  # before the store is created
-    options = _engine_options(args.engine_option)
-    store = open_store(args.store, create=True)
-    require_writable(store, "cachecheck")
-    result = cachecheck(args.model, engine=args.engine, dtype=args.dtype, store=store, scenarios=scenarios,
+    options = _engine_options(args.engine_option)  # the inputs, then the store, are checked before anything runs
+    result = cachecheck(args.model, engine=args.engine, dtype=args.dtype, store=args.store, scenarios=scenarios,
                         label=args.label, seed=args.seed, max_context=args.max_context, block_size=args.block_size,
                         bugs=bugs, hf_reference=args.hf_reference, engine_options=options,
                         progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
@@ -471,8 +470,7 @@ def _stderr_progress(args):
 def cmd_reduce(args: argparse.Namespace) -> int:
     from capturestore.reduce import reduce
 
-    store = open_store(args.store)  # only read: the bundle is a store of its own
-    r = reduce(store, args.comparison, args.engine, args.out, correct=args.correct, local=args.local,
+    r = reduce(args.store, args.comparison, args.engine, args.out, correct=args.correct, local=args.local,
                progress=_stderr_progress(args))
     print(r.summary())
     return 0
@@ -489,9 +487,7 @@ def cmd_reproduce(args: argparse.Namespace) -> int:
 def cmd_isolate(args: argparse.Namespace) -> int:
     from capturestore.isolate import isolate
 
-    store = open_store(args.store)
-    require_writable(store, "isolate")
-    r = isolate(store, args.comparison, rebuild=args.rebuild, max_prompts=args.max_prompts,
+    r = isolate(args.store, args.comparison, rebuild=args.rebuild, max_prompts=args.max_prompts,
                 even_if_passed=args.even_if_passed, level3=args.level3,
                 progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
     if r.comparison_id is not None:
