@@ -569,7 +569,8 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, lo
     ``(model_dir) -> model`` or ``"module:function"`` (default: the actual run's HF engine
     rebuilt from its checkpoint). correct: a correct engine the bundle's command must pass on.
     local: reduce the local failure of the comparison's isolation (``capturestore isolate``);
-    an isolation's own comparison is reduced locally without it. ``store``: a ``Store`` or its path / URL (only read: the bundle is a store of its own)."""
+    an isolation's own comparison is reduced locally without it. ``store``: a ``Store`` or its path /
+    URL (only read: the bundle is a store of its own)."""
     from capturestore.isolate import IsolationError, checked_runs, held_prompts
     from capturestore.store import as_store
 
