@@ -235,19 +235,7 @@ def test_a_layer_count_under_text_config_is_read_and_an_unloadable_checkpoint_is
     with pytest.raises(ReductionError, match="no decoder layer count"):
         checkpoint_layers(tmp_path / "empty")
     store = Store.open(tmp_path / "s")
-    ids = {}
-    for role, noise in (("baseline", 0.0), ("expected", 1e-3), ("actual", 5e-2)):
-        run = store.begin_run(engine="hf", model_path=str(model), model_hash="h", dtype="float32",
-                              config={"module_order": ["model.norm"]})
-        with run:
-            for p in range(2):
-                pid = run.add_prompt([5 + p, 6, 7, 8], continuation=[9, 10])
-                x = np.random.default_rng(p).standard_normal((4, 16)).astype(np.float32)
-                e = np.random.default_rng(10 + p).standard_normal(x.shape).astype(np.float32)
-                run.write_tensor(pid, "model.norm", x * (1 + noise * e), step=0, phase="prefill")
-        ids[role] = run.run_id
-    r = compare_runs(store, baseline_run=ids["baseline"], expected_run=ids["expected"], actual_run=ids["actual"],
-                     logits=False, kv=False, comparators=["modules"])
+    r = _synthetic_norm_comparison(store, str(model), actual_noise=5e-2)
     assert not r.passed
     assert main(["reduce", r.comparison_id, "--store", str(store.root), "--out", str(tmp_path / "b"), "--quiet"]) == 2
     err = capsys.readouterr().err
@@ -257,19 +245,7 @@ def test_a_layer_count_under_text_config_is_read_and_an_unloadable_checkpoint_is
 def test_a_passing_comparison_has_nothing_to_reduce(tmp_path, capsys):
     """Synthetic module runs (the target's tensors are the expected run's): the comparison passes."""
     store = Store.open(tmp_path / "s")
-    ids = {}
-    for role, noise in (("baseline", 0.0), ("expected", 1e-3), ("actual", 1e-3)):
-        run = store.begin_run(engine="hf", model_path="m", model_hash="h", dtype="float32",
-                              config={"module_order": ["model.norm"]})
-        with run:
-            for p in range(2):
-                pid = run.add_prompt([5 + p, 6, 7, 8], continuation=[9, 10])
-                x = np.random.default_rng(p).standard_normal((4, 16)).astype(np.float32)
-                e = np.random.default_rng(10 + p).standard_normal(x.shape).astype(np.float32)
-                run.write_tensor(pid, "model.norm", x * (1 + noise * e), step=0, phase="prefill")
-        ids[role] = run.run_id
-    r = compare_runs(store, baseline_run=ids["baseline"], expected_run=ids["expected"], actual_run=ids["actual"],
-                     logits=False, kv=False, comparators=["modules"])
+    r = _synthetic_norm_comparison(store, "m", actual_noise=1e-3)
     assert r.passed
     assert reduce(store, r.comparison_id, FAULTY, tmp_path / "b").status == "nothing_to_reduce"
     assert main(["reduce", r.comparison_id, "--store", str(store.root), "--out", str(tmp_path / "b"), "--quiet"]) == 0
@@ -394,3 +370,21 @@ def test_local_without_an_isolation_names_what_to_run(local_case, tmp_path, caps
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"capturestore isolate {r.comparison_id}" in err, err
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+
+
+def _synthetic_norm_comparison(store, model_path: str, actual_noise: float):
+    """Three synthetic module runs of ``model.norm`` (2 prompts, prefill; the expected run 1e-3 off
+    the baseline, the actual run ``actual_noise`` off) compared with the modules comparator."""
+    ids = {}
+    for role, noise in (("baseline", 0.0), ("expected", 1e-3), ("actual", actual_noise)):
+        run = store.begin_run(engine="hf", model_path=model_path, model_hash="h", dtype="float32",
+                              config={"module_order": ["model.norm"]})
+        with run:
+            for p in range(2):
+                pid = run.add_prompt([5 + p, 6, 7, 8], continuation=[9, 10])
+                x = np.random.default_rng(p).standard_normal((4, 16)).astype(np.float32)
+                e = np.random.default_rng(10 + p).standard_normal(x.shape).astype(np.float32)
+                run.write_tensor(pid, "model.norm", x * (1 + noise * e), step=0, phase="prefill")
+        ids[role] = run.run_id
+    return compare_runs(store, baseline_run=ids["baseline"], expected_run=ids["expected"], actual_run=ids["actual"],
+                        logits=False, kv=False, comparators=["modules"])
