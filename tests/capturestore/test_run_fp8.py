@@ -69,7 +69,10 @@ TEXTS = ["the cat sat on the mat and looked at the dog", "an apple a day keeps t
 
 @pytest.mark.vllm
 def test_run_fp8_end_to_end_passes_and_records_the_engines_scales(capsys, tmp_path, model):
-    """The whole command on a real vLLM-CPU engine (emulated FP8 writes where the CPU lacks AVX-512/AMX)."""
+    """The whole command on a real vLLM-CPU engine with emulated FP8 writes on every CPU: vLLM's real FP8
+    cache (AVX-512/AMX) is not captured right yet (docs/fp8.md; measured here with these power-of-two
+    scales: KV sigma-ratio 2.2-3.2, BC 0.87-0.90, logits 2.7), pinned by the strict xfail in
+    tests/extractors/test_vllm_fp8.py."""
     import json
 
     from capturestore import Store
@@ -78,7 +81,7 @@ def test_run_fp8_end_to_end_passes_and_records_the_engines_scales(capsys, tmp_pa
     prompts = tmp_path / "p.txt"
     prompts.write_text("\n".join(TEXTS) + "\n")
     save_kv_scales(tmp_path / "sc", [2.0 ** -5, 2.0 ** -4, 2.0 ** -5], [2.0 ** -6] * 3)
-    emulate = ["--fp8-emulate"] if F.fp8_kv_unsupported_reason("fp8", 32) else []
+    emulate = ["--fp8-emulate"]
     store = tmp_path / "s"
     rc, out, err = _cli(capsys, "--model", model, "--prompts", prompts, "--kv-cache-dtype", "fp8", *emulate,
                         "--fp8-scales", tmp_path / "sc", "--num-tokens", 6, "--store", store)
