@@ -315,7 +315,11 @@ class LocalBackend(Backend):
         for dirpath, _, files in os.walk(base):
             for f in files:
                 p = Path(dirpath) / f
-                out[p.relative_to(self.path).as_posix()] = p.stat().st_size
+                try:
+                    size = p.stat().st_size
+                except FileNotFoundError:  # renamed or removed since the walk listed it (a writer's temp file)
+                    continue
+                out[p.relative_to(self.path).as_posix()] = size
         return out
 
     def remove(self, rels: list[str]) -> None:

@@ -556,7 +556,10 @@ def _leftovers(b) -> tuple[list[str], dict[str, list[str]], list[str]]:
     alive = b.liveness()
     committed = _segment_ids(b, "runs")
     pending = {n.removesuffix(".json") for n in b.listdir(PENDING_DIR) if n.endswith(".json")}
-    seen = {n for n in b.listdir(ARRAYS_DIR) if n != "zarr.json" and not n.startswith(".")}
+    # zarr's atomic writes leave "zarr.<uuid>.partial" beside the key while they run (or for good when the
+    # writer was killed mid-write, e.g. of arrays/zarr.json): a temporary file, never a run
+    seen = {n for n in b.listdir(ARRAYS_DIR)
+            if n != "zarr.json" and not n.startswith(".") and not (n.startswith("zarr.") and n.endswith(".partial"))}
     for t in ("prompts", "captures"):
         seen |= _segment_ids(b, t)
     seen |= {i for i in pending if not is_comparison_id(i) and not _is_compaction_lock(i)}

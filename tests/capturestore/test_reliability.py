@@ -385,3 +385,38 @@ def test_small_chunks_read_serially_still_name_every_corrupt_chunk_and_phase_is_
     for bad in ("", ".", "..", "../decode", "decode/c"):
         with pytest.raises(ValueError, match="no phase|several phases"):
             store.read_tensor(rid, pid, "model.norm", phase=bad)
+
+
+def test_a_zarr_temporary_file_left_by_a_killed_write_is_no_orphan_run(tmp_path):
+    """zarr writes a key through "zarr.<uuid>.partial" beside it; a writer killed mid-write of
+    arrays/zarr.json leaves one in arrays/ (seen in a fresh-clone run: verify reported an orphan run
+    named 'zarr.1563….partial', which no writer ever began)."""
+    path = tmp_path / "store"
+    store = Store.open(path)
+    p = start_writer(path, "stream", "2", "7")
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    (path / ARRAYS_DIR / "zarr.1563fc09f07f410fb7e9dee946d38442.partial").write_bytes(b"{")
+    report = store.verify()
+    assert report.ok and not [x for x in report if x.run_id], report.summary()
+
+
+def test_listing_a_directory_tolerates_a_file_renamed_while_it_is_walked(tmp_path, monkeypatch):
+    """A writer's temp file renamed between os.walk listing it and its stat (compaction listed such a
+    file under load: FileNotFoundError escaped from Backend.find)."""
+    from capturestore.backends import LocalBackend
+
+    (tmp_path / "tables" / "runs").mkdir(parents=True)
+    (tmp_path / "tables" / "runs" / "a.parquet").write_bytes(b"x")
+    gone = tmp_path / "tables" / "runs" / ".a.parquet.1.tmp"
+    gone.write_bytes(b"yy")
+    real_walk = os.walk
+
+    def walk_then_rename(top, *a, **k):
+        for dirpath, dirs, files in real_walk(top, *a, **k):
+            if gone.exists():
+                gone.unlink()  # the writer's rename, after the listing and before the stat
+            yield dirpath, dirs, files
+
+    monkeypatch.setattr(os, "walk", walk_then_rename)
+    assert LocalBackend(tmp_path).find("tables/runs") == {"tables/runs/a.parquet": 1}
