@@ -105,8 +105,6 @@ class ReplaceHooks:
             x = torch.cat([q, k], dim=1).transpose(1, 2)  # [batch, token, q_heads + kv_heads, head_dim]
             if name in self.replace_inputs:
                 x = self._take(name, x, "input")
-                key = (name, "input")
-                self.replaced[key] = self.replaced.get(key, 0) + 1
                 xt = x.transpose(1, 2)
                 q, k = xt[:, :hq].contiguous(), xt[:, hq:].contiguous()
             if self.inputs and name in self._capture_set:
@@ -119,8 +117,6 @@ class ReplaceHooks:
                 self.sink(name, self.phase, self.step, y.detach()[0].to("cpu", copy=True))
             if name in self.replace_outputs:
                 y = self._take(name, y, "output")
-                key = (name, "output")
-                self.replaced[key] = self.replaced.get(key, 0) + 1
                 yt = y.transpose(1, 2)
                 qo, ko = yt[:, :hq].contiguous(), yt[:, hq:].contiguous()
             return qo, ko
@@ -142,6 +138,7 @@ class ReplaceHooks:
         if tuple(new.shape) != tuple(like.shape):
             raise ValueError(f"replacement of {name} ({self.phase} step {self.step}): the source holds shape "
                              f"{tuple(new.shape)}, the model's tensor is {tuple(like.shape)}")
+        self.replaced[(name, kind)] = self.replaced.get((name, kind), 0) + 1
         return new.to(dtype=like.dtype, device=like.device)
 
     def _pre(self, name: str):
@@ -152,8 +149,6 @@ class ReplaceHooks:
             x, where = module_input(args, kwargs)
             if name in self.replace_inputs and x is not None and x.is_floating_point():
                 x = self._take(name, x, "input")
-                key = (name, "input")
-                self.replaced[key] = self.replaced.get(key, 0) + 1
                 if where[0] == "arg":
                     args = (x, *args[1:])
                 else:
@@ -180,8 +175,6 @@ class ReplaceHooks:
                 self.sink(name, self.phase, self.step, first.detach()[0].to("cpu", copy=True))
             if name in self.replace_outputs and first is not None:
                 new = self._take(name, first, "output")
-                key = (name, "output")
-                self.replaced[key] = self.replaced.get(key, 0) + 1
                 return new if torch.is_tensor(output) else type(output)((new, *output[1:]))
             return None
         return hook
