@@ -106,8 +106,9 @@ class VllmMoeFault:
 
 
 def _worker_moe_modules(worker, layer: int) -> tuple[str, str | None]:
-    """The names of decoder ``layer``'s fused-MoE experts module (it holds ``w13_weight``) and of its
-    router (``...gate`` / ``...router`` beside it) in the worker's model."""
+    """The names of decoder ``layer``'s fused-MoE experts module (it holds ``w13_weight``; vllm 0.32:
+    ``...experts.routed_experts``) and of its router (``gate`` / ``router`` beside it or beside
+    an ancestor, e.g. ``model.layers.1.block_sparse_moe.gate``) in the worker's model."""
     model = worker.model_runner.model
     prefix = f"model.layers.{int(layer)}."
     mods = dict(model.named_modules())
@@ -115,8 +116,9 @@ def _worker_moe_modules(worker, layer: int) -> tuple[str, str | None]:
     if len(experts) != 1:
         raise ValueError(f"MoE fault: layer {layer} of the engine's model ({type(model).__name__}) has "
                          f"{len(experts)} fused-MoE expert modules ({experts[:3]}); a MoE layer has one")
-    block = experts[0].rsplit(".", 1)[0]
-    routers = [n for n in (f"{block}.gate", f"{block}.router") if n in mods]
+    parts = experts[0].split(".")  # the router sits beside the experts or one of their ancestors
+    routers = [r for i in range(len(parts) - 1, 2, -1) for r in (".".join(parts[:i] + ["gate"]),
+                                                                ".".join(parts[:i] + ["router"])) if r in mods]
     return experts[0], (routers[0] if routers else None)
 
 

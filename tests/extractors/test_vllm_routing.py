@@ -103,7 +103,8 @@ def test_experts_swapped_in_the_running_engine_fail_modules_at_their_layer(vllm_
         after = logprobs()
     finally:
         close_llm(llm)
-    assert fault.experts_module == f"model.layers.{FAULT_LAYER}.block_sparse_moe.experts"
+    assert fault.experts_module.startswith(f"model.layers.{FAULT_LAYER}.block_sparse_moe.experts")
+    assert fault.router_module == f"model.layers.{FAULT_LAYER}.block_sparse_moe.gate"
     assert fault.max_abs_dlogprob > 0.1 > fault.clean_spread  # took effect
     np.testing.assert_array_equal(after, before)  # swapping back restores the engine exactly
     # against the correct engine's own capture: the layers before are bit-identical, the faulty layer's
