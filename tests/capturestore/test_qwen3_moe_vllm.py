@@ -73,7 +73,7 @@ def test_router_bias_on_one_expert_in_the_running_engine_fails_routing_at_its_la
     res, lines, wall = _run(qwen["model"], qwen["path"], engine_hook=plant)
     print(f"qwen3-moe faulty run: {wall:.0f} s", faults[0].summary(), *lines, sep="\n")
     (fault,) = faults
-    assert fault.router_module == f"model.layers.{FAULT_LAYER}.mlp.gate"
+    assert fault.router_module.startswith(f"model.layers.{FAULT_LAYER}.mlp.") and fault.router_module.endswith(".gate")
     assert fault.max_abs_dlogprob > 10 * max(fault.clean_spread, 1e-3)  # proven to take effect
     v = res.verdicts["routing"]
     assert v.passed is False and v.localisation.layer == FAULT_LAYER
