@@ -10,7 +10,9 @@ every engine. Both faults act on one decoder layer of a checkpoint in the per-ex
   ``factor`` (default -4: its logit flips sign and grows, so tokens that ranked it last now pick
   it). A Mixtral / Qwen3-MoE router has no bias tensor, so the bias is planted through the weight;
 - ``permute_experts``: the experts' weights rotated by one (expert e gets expert e+1's), the
-  router untouched: every token is served by other experts than its router chose.
+  router untouched: every token is served by other experts than its router chose;
+- ``swap_experts``: experts ``expert`` and ``other`` exchange their weights (the checkpoint twin of
+  the running-engine fault below: what an engine with that swap should compute).
 
 A caller proves the fault took effect (the logits or the chosen experts changed) before judging.
 
@@ -45,12 +47,12 @@ from pathlib import Path
 __all__ = ["MOE_FAULTS", "VLLM_MOE_FAULTS", "VllmMoeFault", "inject_vllm_moe_fault", "remove_vllm_moe_faults",
            "write_moe_fault"]
 
-MOE_FAULTS = ("router_bias", "permute_experts")
+MOE_FAULTS = ("router_bias", "permute_experts", "swap_experts")
 VLLM_MOE_FAULTS = ("router_bias", "swap_experts")
 _STATE = "_capturestore_moe_fault"  # per faulted vLLM module on the worker: how to undo it
 
 
-def write_moe_fault(src, dst, fault: str, layer: int, expert: int = 0, factor: float = -4.0) -> Path:
+def write_moe_fault(src, dst, fault: str, layer: int, expert: int = 0, factor: float = -4.0, other: int = 1) -> Path:
     """Copy the checkpoint directory ``src`` to ``dst`` with ``fault`` planted in decoder ``layer``
     (module docstring); returns ``dst``. ValueError for an unknown fault or a layer without experts."""
     from safetensors.torch import load_file, save_file
@@ -72,9 +74,12 @@ def write_moe_fault(src, dst, fault: str, layer: int, expert: int = 0, factor: f
         tensors[gate[0]] = w
     else:
         n_exp = 1 + max(int(m.group(2)) for m in experts.values())
+        swap = {expert: other, other: expert} if fault == "swap_experts" else {}
         old = dict(tensors)
         for n, m in experts.items():
-            tensors[n] = old[f"{m.group(1)}{(int(m.group(2)) + 1) % n_exp}{m.group(3)}"]
+            e = int(m.group(2))
+            src_e = swap.get(e, e) if fault == "swap_experts" else (e + 1) % n_exp
+            tensors[n] = old[f"{m.group(1)}{src_e}{m.group(3)}"]
     save_file(tensors, str(f), metadata={"format": "pt"})
     return dst
 

@@ -81,7 +81,7 @@ def test_router_bias_planted_before_load_fails_at_its_layer(vllm_moe, tmp_path):
     assert layers[0]["n_unexplained"] == 0 and layers[FAULT_LAYER]["n_unexplained"] > 0
 
 
-def test_experts_swapped_in_the_running_engine_fail_modules_at_their_layer(vllm_moe):
+def test_experts_swapped_in_the_running_engine_fail_modules_at_their_layer(vllm_moe, tmp_path):
     from capturestore.analysis import compare_runs
     from extractors.moe_faults import inject_vllm_moe_fault, remove_vllm_moe_faults
     from extractors.vllm_modules import capture_vllm_module_run
@@ -116,6 +116,25 @@ def test_experts_swapped_in_the_running_engine_fail_modules_at_their_layer(vllm_
     assert np.array_equal(t(act, MLP.format(0)), t(clean, MLP.format(0)))
     assert np.array_equal(t(act, ROUTER.format(FAULT_LAYER)), t(clean, ROUTER.format(FAULT_LAYER)))
     assert np.abs(t(act, MLP.format(FAULT_LAYER)) - t(clean, MLP.format(FAULT_LAYER))).max() > 0.05
+    # and it is the swap it says: the faulty layer's MoE output is HF BF16's on a checkpoint with
+    # those two experts swapped (write_moe_fault), as close as the clean engine is to clean HF BF16
+    from extractors.modules import capture_hf_module_run
+    from extractors.moe_faults import write_moe_fault
+
+    twin = write_moe_fault(vllm_moe["model"], tmp_path / "swapped", "swap_experts", FAULT_LAYER, expert=0, other=1)
+    hf_twin = capture_hf_module_run(st, twin, vllm_moe["prompts"], vllm_moe["teacher"], modules=[MLP.format(FAULT_LAYER)],
+                                    dtype="bfloat16")
+
+    def token_err(x, y):  # per-token max |x - y| of the faulty layer's MoE output, every prompt's prefill
+        return np.concatenate([np.abs(np.asarray(st.read_tensor(x, p, MLP.format(FAULT_LAYER), phase="prefill"),
+                                                 np.float32)[0]
+                                      - np.asarray(st.read_tensor(y, p, MLP.format(FAULT_LAYER), phase="prefill"),
+                                                   np.float32)[0]).max(-1) for p in vllm_moe["pids"]])
+
+    err = {"swap": token_err(act, hf_twin), "clean": token_err(clean, runs["expected"]), "fault": token_err(act, clean)}
+    q = {k: (float(np.quantile(v, 0.5)), float(np.quantile(v, 0.9))) for k, v in err.items()}
+    print("layer-1 MoE output, per-token max |diff| (median, p90):", q)
+    assert q["swap"][0] <= 2 * q["clean"][0] + 1e-3 and q["fault"][1] > 5 * q["clean"][1]
     res = compare_runs(st, expected_run=mods["expected"], actual_run=act, baseline_run=mods["baseline"], kv=False,
                        logits=False, comparators=["routing", "modules"], allow_different_models=True,
                        comparator_runs={"routing": {**runs, "actual": act}, "modules": {**mods, "actual": act}})
