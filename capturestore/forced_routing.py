@@ -74,7 +74,7 @@ def routing_decision(st, runs: dict, model_path, pids: list[str]) -> RoutingDeci
     from extractors.routing import router_spec
     from extractors.routing_force import RoutingPlan
     from extractors.routing_force import chosen_experts
-    from metrics.routing import needed_margin, noise_scale, router_noise, routing_flips
+    from metrics.routing import noise_scale, router_noise, routing_flips
 
     cfg = _model_config(model_path)
     spec, _, k = router_spec(cfg, "forced routing")
@@ -99,8 +99,16 @@ def routing_decision(st, runs: dict, model_path, pids: list[str]) -> RoutingDeci
                                               f"{e.shape}, {a.shape} or not finite", routers=routers)
             data[m].append((b, e, a))
     mt = cfg["model_type"]
-    dtype = st.sql(f"SELECT dtype FROM runs WHERE run_id = '{act}'").to_pylist()[0]["dtype"]
-    chosen = {m: [chosen_experts(a, k, mt, dtype) for _, _, a in data[m]] for m in routers}
+    rule = {}  # role -> (engine, dtype): how its router broke exact ties (chosen_experts)
+    for role in ("baseline", "expected", "actual"):
+        got = st.sql(f"SELECT engine, dtype FROM runs WHERE run_id = '{runs[role]}'").to_pylist()[0]
+        rule[role] = (got["engine"], got["dtype"])
+
+    def choices(b, e, a):  # each role's experts as its router chose them, as the routing comparator counts
+        return tuple(chosen_experts(x, k, mt, rule[role][1], rule[role][0])
+                     for role, x in (("baseline", b), ("expected", e), ("actual", a)))
+
+    chosen = {m: [choices(*x) for x in data[m]] for m in routers}
     from capturestore.comparators.routing import ROUTER_LOGITS_PHASE
     from metrics.modules import ModuleJudge
 
@@ -114,15 +122,12 @@ def routing_decision(st, runs: dict, model_path, pids: list[str]) -> RoutingDeci
             beyond.append(m)
         scale = noise_scale(np.concatenate([router_noise(e, b) for b, e, _ in data[m]]))
         for (b, e, a), ch in zip(data[m], chosen[m]):
-            r = routing_flips(b, e, a, k, layer_noise=scale)
-            # the actual's choice as its router broke ties (chosen_experts), not the lower id
-            flip = (ch != r["base_experts"]).any(axis=-1)
-            n_flip += int(flip.sum())
+            r = routing_flips(b, e, a, k, layer_noise=scale, experts=ch)
+            n_flip += int(r["flip"].sum())
             n_noise += int(r["noise_flip"].sum())
-            # explained as the routing comparator judges it: the margin the experts it chose needed
-            n_un += int((flip & ~(needed_margin(b, r["base_experts"], ch) <= r["threshold"])).sum())
+            n_un += int((r["flip"] & ~r["explained"]).sum())
     tokens = [st.read_tokens(act, pid).tolist() for pid in pids]
-    experts = [{m: chosen[m][i] for m in routers} for i in range(len(pids))]
+    experts = [{m: chosen[m][i][2] for m in routers} for i in range(len(pids))]
     counts = {"n_flips": n_flip, "n_noise_flips": n_noise, "n_unexplained": n_un, "routers": routers,
               "model_type": mt, "plan": RoutingPlan(tokens, experts, source_run=act)}
     if n_un:

@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 __all__ = ["SERVER_FAULT_ARGS", "SERVER_FAULT_ENV", "InjectedFault", "ServerFaultExtension", "engine_cpu_paths",
-           "inject_output_scale", "inject_server_output_scale", "o_proj_module", "remove_faults"]
+           "inject_output_scale", "inject_server_output_scale", "o_proj_module", "probe_change", "remove_faults",
+           "run_on_worker"]
 
 _FAULT_ATTR = "_capturestore_fault"  # per faulted module on the worker: {"factor", "calls", "handle"}
 
@@ -212,6 +213,31 @@ def inject_output_scale(llm, module: str, factor: float, probe: Sequence[int]) -
         raise ValueError(f"injected fault changed nothing on this engine (path: linear {backend}, attention "
                          f"{paths['attn_isa']}): {module} x {factor:g}, probe of {len(probe) - 1} positions: {why}")
     return fault
+
+
+def run_on_worker(llm, fn, *args):
+    """``fn(worker, *args)`` on the worker of an in-process vLLM engine (one rank;
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), its result; ValueError if the worker is elsewhere."""
+    return _rpc_in_process(llm, fn, *args)
+
+
+def probe_change(llm, probe: Sequence[int], install) -> tuple[float, float, object]:
+    """How much installing a fault moves the engine: ``probe`` (>= 2 token ids) teacher-forced twice
+    without it, then ``install()`` (its result returned), then once with it; ``(max |Δ logprob|
+    faulty vs clean, the clean repeat spread, install's result)``. The prefix cache is reset
+    afterwards, so no clean block is served to the faulty engine. A caller proves its fault by
+    ``effect > spread`` (``inject_output_scale``, ``extractors.moe_faults``)."""
+    probe = [int(t) for t in probe]
+    if len(probe) < 2:
+        raise ValueError(f"fault injection: the probe needs >= 2 tokens, got {len(probe)}")
+    clean = _probe_logprobs(llm, probe)
+    spread = _max_abs_diff(clean, _probe_logprobs(llm, probe))
+    got = install()
+    try:
+        effect = _max_abs_diff(clean, _probe_logprobs(llm, probe))
+    finally:
+        llm.reset_prefix_cache()
+    return effect, spread, got
 
 
 def remove_faults(llm) -> int:

@@ -31,13 +31,16 @@ class RouterSpec:
     pattern: str  # the router modules, an ``extractors.modules`` pattern over HF names
     experts_key: str  # config key: number of experts
     top_k_key: str  # config key: experts chosen per token
+    experts_alias: str | None = None  # the same count under the name transformers 5 writes (attribute_map)
 
 
 ROUTERS = {
     "mixtral": RouterSpec("model.layers.*.mlp.gate", "num_local_experts", "num_experts_per_tok"),
-    "qwen3_moe": RouterSpec("model.layers.*.mlp.gate", "num_experts", "num_experts_per_tok"),
-    "qwen2_moe": RouterSpec("model.layers.*.mlp.gate", "num_experts", "num_experts_per_tok"),
-    "olmoe": RouterSpec("model.layers.*.mlp.gate", "num_experts", "num_experts_per_tok"),
+    # transformers 5 saves Qwen3-MoE's num_experts as num_local_experts (Qwen3MoeConfig.attribute_map);
+    # published checkpoints (and vLLM's reader, through that map) take either
+    "qwen3_moe": RouterSpec("model.layers.*.mlp.gate", "num_experts", "num_experts_per_tok", "num_local_experts"),
+    "qwen2_moe": RouterSpec("model.layers.*.mlp.gate", "num_experts", "num_experts_per_tok", "num_local_experts"),
+    "olmoe": RouterSpec("model.layers.*.mlp.gate", "num_experts", "num_experts_per_tok", "num_local_experts"),
     "gpt_oss": RouterSpec("model.layers.*.mlp.router", "num_local_experts", "num_experts_per_tok"),
 }
 
@@ -51,6 +54,8 @@ def router_spec(config: dict, where: str = "routing") -> tuple[RouterSpec, int, 
         raise ValueError(f"{where}: the model (model_type {mt!r}) is not a mixture of experts: it has no router "
                          f"to compare (routing is for {', '.join(sorted(ROUTERS))})")
     n, k = config.get(spec.experts_key), config.get(spec.top_k_key)
+    if n is None and spec.experts_alias:
+        n = config.get(spec.experts_alias)
     if not (isinstance(n, int) and isinstance(k, int) and 0 < k < n):
         raise ValueError(f"{where}: the model's config gives {spec.experts_key}={n!r}, {spec.top_k_key}={k!r}; "
                          f"routing needs 0 < top_k < experts")

@@ -14,6 +14,13 @@ flip is explained when ``needed <= 2 * noise``, where ``noise``
 is the larger of ``N`` at that token and ``N``'s 95th percentile over every token of the layer
 (``noise_scale``: the target's error at a token need not match the expected run's error at that
 same token, only its size). Everything is vectorised over tokens.
+
+Which experts a router chose: at an exact tie of its logits (common in BF16 near a tie: 8
+significant bits) a router picks by its top-k kernel's rule, not by the lower expert id
+(``top_k_experts``, the default here). A caller that knows the engine's rule passes each role's
+chosen sets (``routing_flips(..., experts=...)``; the routing comparator passes
+``extractors.routing_force.chosen_experts``: ``torch.topk`` as the router computes it), so flips
+are counted between what the routers did choose.
 """
 from __future__ import annotations
 
@@ -71,7 +78,7 @@ def noise_scale(noise: np.ndarray) -> float:
 
 
 def routing_flips(baseline: np.ndarray, expected: np.ndarray, actual: np.ndarray, k: int,
-                  layer_noise: float | None = None) -> dict:
+                  layer_noise: float | None = None, experts: tuple | None = None) -> dict:
     """Flips of ``actual`` against ``baseline`` (router logits ``[token, expert]`` of one layer,
     the same tokens in each) and their classification (module docstring).
 
@@ -81,12 +88,20 @@ def routing_flips(baseline: np.ndarray, expected: np.ndarray, actual: np.ndarray
     run's flip needed; NaN where no flip), ``noise`` (per token), ``threshold`` (``NOISE_FACTOR *
     max(noise, layer_noise)``), ``explained`` (a flip whose needed margin is within the threshold;
     False where no flip).
-    ``layer_noise``: the layer's ``noise_scale`` pooled over prompts (default: over these tokens)."""
+    ``layer_noise``: the layer's ``noise_scale`` pooled over prompts (default: over these tokens).
+    ``experts``: ``(baseline, expected, actual)`` int ``[token, k]`` sets each run's router chose
+    (module docstring: tie-breaks); default ``top_k_experts`` of each (ties to the lower id)."""
     b, e, a = (np.asarray(x, np.float64) for x in (baseline, expected, actual))
     if not (b.shape == e.shape == a.shape and b.ndim == 2 and 0 < k < b.shape[1]):
         raise ValueError(f"routing_flips: router logits of shapes {b.shape}, {e.shape}, {a.shape} with top_k {k}: "
                          f"need three equal [token, expert] arrays and 0 < top_k < experts")
-    be, ee, ae = top_k_experts(b, k), top_k_experts(e, k), top_k_experts(a, k)
+    if experts is None:
+        be, ee, ae = top_k_experts(b, k), top_k_experts(e, k), top_k_experts(a, k)
+    else:
+        be, ee, ae = (np.sort(np.asarray(x, np.int64), axis=-1) for x in experts)
+        if not be.shape == ee.shape == ae.shape == (b.shape[0], k):
+            raise ValueError(f"routing_flips: chosen experts of shapes {be.shape}, {ee.shape}, {ae.shape} for "
+                             f"{b.shape[0]} tokens and top_k {k}: need three [token, top_k] arrays")
     flip = (be != ae).any(axis=-1)
     noise = router_noise(e, b)
     scale = noise_scale(noise) if layer_noise is None else float(layer_noise)

@@ -3,8 +3,10 @@
 Reads the router modules' tensors (``extractors.routing``: router logits ``[token, expert]`` under
 ``tensors/<router>/<phase>``, prefill then decode steps) of every role, from the module runs the
 pipeline captured (``capture_run(plugins="routing")`` adds the router modules to the module
-patterns). Per layer and token, ``metrics.routing.routing_flips``: the actual run's top-k expert
-set against the FP32 baseline's, each flip explained by BF16 noise (the margin it needed: the
+patterns). Per layer and token, ``metrics.routing.routing_flips``: the experts the actual run's
+router chose against those the FP32 baseline's chose (each run's choice as its engine's router
+makes it from its logits, ``extractors.routing_force.chosen_experts``, so exact BF16 ties are
+broken as the engine broke them, not by the lower expert id), each flip explained by BF16 noise (the margin it needed: the
 baseline's k-th largest logit minus that of each expert the actual run chose outside the baseline's
 top-k, the largest, within ``2 x`` the expected run's router-logit error there, or its layer's 95th
 percentile) or not.
@@ -85,8 +87,8 @@ ROUTING_FLIPS = TableSpec(pa.schema([
 ]), 2)  # v2: needed_margin, and explained judges it (v1 judged margin, whatever experts the engine chose)
 
 
-def routing_config(store, run_id: str, others=()) -> tuple[int, int, str, str]:
-    """``(n_experts, top_k, router pattern, source)`` of the model run ``run_id`` was captured
+def routing_config(store, run_id: str, others=()) -> tuple[int, int, str, str, str | None]:
+    """``(n_experts, top_k, router pattern, source, model_type)`` of the model run ``run_id`` was captured
     from: the ``routing`` entry its run config (else the first of the runs ``others``) recorded at
     capture, else, for a store captured before that, ``run_id``'s model folder's ``config.json``
     (``source`` says which); ValueError for a dense model or a config that cannot be read."""
@@ -96,7 +98,8 @@ def routing_config(store, run_id: str, others=()) -> tuple[int, int, str, str]:
         got = store.sql(f"SELECT config FROM runs WHERE run_id = '{rid}'").to_pylist()
         rc = (json.loads(got[0]["config"]) if got and got[0]["config"] else {}).get("routing")
         if isinstance(rc, dict) and {"n_experts", "top_k", "router_pattern"} <= set(rc):
-            return int(rc["n_experts"]), int(rc["top_k"]), str(rc["router_pattern"]), f"the config of run {rid}"
+            return (int(rc["n_experts"]), int(rc["top_k"]), str(rc["router_pattern"]), f"the config of run {rid}",
+                    rc.get("model_type"))
     rows = store.sql(f"SELECT model_path FROM runs WHERE run_id = '{run_id}'").to_pylist()
     path = Path(rows[0]["model_path"]) / "config.json" if rows and rows[0]["model_path"] else None
     if path is None or not path.is_file():
@@ -104,7 +107,8 @@ def routing_config(store, run_id: str, others=()) -> tuple[int, int, str, str]:
                          f"its model ({path}) is not here to read it from; pass RoutingComparator(top_k=K)")
     cfg = json.loads(path.read_text())
     spec, n, k = router_spec(cfg.get("text_config") or cfg, f"routing comparator (run {run_id}, {path.parent})")
-    return n, k, spec.pattern, f"the model folder {path.parent} (an old store: its run config records no top_k)"
+    return (n, k, spec.pattern, f"the model folder {path.parent} (an old store: its run config records no top_k)",
+            cfg.get("model_type"))
 
 
 class RoutingComparator(Comparator):
@@ -126,9 +130,14 @@ class RoutingComparator(Comparator):
 
         super().prepare(context)
         exp = context.runs["expected"]
-        self.n_experts, k, pattern, self.config_source = routing_config(
+        self.n_experts, k, pattern, self.config_source, self.model_type = routing_config(
             context.store, exp, [rid for role, rid in context.runs.items() if role != "expected"])
         self.top_k = self.top_k or k
+        # each role's router as it ran: engine and dtype decide how it broke exact ties (chosen_experts)
+        self.router_rule = {}
+        for role, rid in context.runs.items():
+            got = context.store.sql(f"SELECT engine, dtype FROM runs WHERE run_id = '{rid}'").to_pylist()
+            self.router_rule[role] = (got[0]["engine"], got[0]["dtype"]) if got else ("hf", "float32")
         self.index = tensor_index(context.store, context.runs)
         # routers of every role's run, not the expected run's alone: one only some runs hold fails, named
         held = {role: {m for (r, _), mods in self.index.items() if r == rid for m, _ in mods}
@@ -211,6 +220,16 @@ class RoutingComparator(Comparator):
             part[m] = bad if bad is not None else (prompt.prompt_id, prompt.prompt_len, pb, b, e, a, n_nc)
         return PromptResult({}, part)
 
+    def chosen(self, b, e, a) -> tuple:
+        """The experts each role's router chose from its logits ``[token, expert]`` (baseline,
+        expected, actual), ties broken as that engine's router breaks them
+        (``extractors.routing_force.chosen_experts``; its engine and dtype from the run)."""
+        from extractors.routing_force import chosen_experts
+
+        return tuple(chosen_experts(x, self.top_k, self.model_type or "", self.router_rule[role][1],
+                                    self.router_rule[role][0])
+                     for role, x in (("baseline", b), ("expected", e), ("actual", a)))
+
     def reduce(self, partials: list) -> dict:
         for part in partials:  # prompt order
             for m, x in (part or {}).items():
@@ -242,7 +261,7 @@ class RoutingComparator(Comparator):
             judge = ModuleJudge()  # the module verdict's noise-relative rule on the router logits themselves
             for pid, plen, pos, b, e, a, _ in items:
                 judge.add(pid, m, ROUTER_LOGITS_PHASE, b, e, a, positions=pos, prompt_len=plen)
-                r = routing_flips(b, e, a, k, layer_noise=scale)
+                r = routing_flips(b, e, a, k, layer_noise=scale, experts=self.chosen(b, e, a))
                 n_tok += pos.size
                 n_flip += int(r["flip"].sum())
                 n_expl += int(r["explained"].sum())

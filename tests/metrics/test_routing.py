@@ -1,5 +1,6 @@
 """metrics.routing against hand-computed cases and a slow per-token oracle."""
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,3 +72,17 @@ def test_flips_match_a_slow_per_token_oracle(seed, k):
         needed = max((zs[k - 1] - b[t][j] for j in sa - sb), default=None)
         assert r["explained"][t] == ((sb != sa) and needed <= thr)
         assert (np.isnan(r["needed"][t]) if sb == sa else np.isclose(r["needed"][t], needed))
+
+
+def test_given_expert_sets_decide_flips_and_needed_margin_not_the_lower_id():
+    """An exact tie of experts 1 and 2 in the actual logits: by the lower id no flip; told the router
+    took 2 (what its top-k kernel chose), a flip whose needed margin is FP32's 1-minus-2 gap."""
+    base = np.array([[3.0, 1.0, 0.99, -1.0]])
+    act = np.array([[3.0, 1.0, 1.0, -1.0]])
+    assert not routing_flips(base, act, act, 2)["flip"][0]
+    r = routing_flips(base, act, act, 2, layer_noise=0.0, experts=([[0, 1]], [[2, 0]], [[2, 0]]))
+    assert r["actual_experts"].tolist() == [[0, 2]] and r["flip"].tolist() == [True]
+    assert r["noise_flip"].tolist() == [True] and np.allclose(r["needed"], [0.01])
+    assert r["explained"].tolist() == [True]  # threshold 2 x 0.01
+    with pytest.raises(ValueError, match="chosen experts of shapes"):
+        routing_flips(base, act, act, 2, experts=([[0, 1]], [[0, 1]], [[0]]))

@@ -82,21 +82,29 @@ def test_correct_bf16_engine_passes_with_flips_bf16_explains(moe_run):
 
 
 def test_routing_rows_match_an_independent_top_k_of_the_stored_router_logits(moe_run):
-    """Oracle: recount the flips of one layer from the raw stored router logits with np.argpartition."""
+    """Oracle: recount the flips of one layer from the raw stored router logits, one token at a time,
+    by transformers' Mixtral router line (``torch.topk(softmax(logits.float()))``), the rule the
+    HF engine chose its experts by. A rule that breaks exact BF16 ties otherwise (``np.argpartition``,
+    the lower expert id) counts 2 here, one of them a tie the engine broke toward FP32's expert."""
+    import torch
+
     st, runs = moe_run["store"], moe_run["runs"]
-    layer, n = 2, 0
+    layer, n, n_other = 2, 0, 0
     for pid in moe_run["pids"]:
         def logits(role, pid=pid):
-            parts = [np.asarray(st.read_tensor(runs[role], pid, ROUTER.format(layer), phase=ph), np.float64)
+            parts = [np.asarray(st.read_tensor(runs[role], pid, ROUTER.format(layer), phase=ph), np.float32)
                      for ph in ("prefill", "decode")]
             return np.concatenate([p.reshape(-1, 8) for p in parts])
+
+        def router(row):
+            return set(torch.topk(torch.softmax(torch.from_numpy(row).float(), -1), 2).indices.tolist())
         b, a = logits("baseline"), logits("actual")
-        sb = [set(np.argpartition(-row, 2)[:2]) for row in b]
-        sa = [set(np.argpartition(-row, 2)[:2]) for row in a]
-        n += sum(x != y for x, y in zip(sb, sa))
+        n += sum(router(x) != router(y) for x, y in zip(b, a))
+        n_other += sum(set(np.argpartition(-x, 2)[:2]) != set(np.argpartition(-y, 2)[:2]) for x, y in zip(b, a))
     got = st.sql(f"SELECT n_flips FROM routing_layers WHERE layer = {layer} AND comparison_id = "
                  f"'{moe_run['result'].comparison_id}'").column(0).to_pylist()[0]
     assert got == n
+    print(f"layer {layer}: {n} flips as the router chose, {n_other} by np.argpartition")
 
 
 def test_router_bias_in_one_layer_changes_the_experts_and_fails_there(moe_run, tmp_path):
@@ -383,3 +391,71 @@ def test_pipeline_judges_modules_and_logits_against_forced_routing_references(mo
     assert cfg(row["expected_run"]).get("routing_forced_from") == cfg(row["baseline_run"]).get("routing_forced_from")
     for role in ("baseline", "expected"):
         assert "routing_forced_from" not in cfg(runs["routing"][role])
+
+
+# ---------------------------------------------------------------- exact BF16 ties: counted as the router broke them
+
+
+TIE_TOKEN = 5
+TIE_FP32 = [2.0, -1.0, -1.5, 0.7056, -0.703125, -2.0, 0.7030, 0.1015625]  # FP32 top-2 {0, 3}, margin 0.0026
+TIE = [3, 6]  # in BF16 both 0.69921875 (the measured tiny-Mixtral tie's values): torch.topk takes 6 here
+TIE_BF16 = 0.69921875
+
+
+def _hand_routing_store(tmp_path, engine):
+    """Three module runs of hand-built router logits of one layer (32 tokens, 8 experts, top-2,
+    clear margins everywhere but ``TIE_TOKEN``, where FP32 ranks expert 3 above 6 by 0.0026 and the
+    BF16 expected and actual runs (``engine``) hold them exactly tied), written through the public
+    module write path; returns ``(store, {role: run_id})``."""
+    import torch
+
+    from capturestore import Store
+    from extractors.modules import write_prompt_modules
+
+    rng = np.random.default_rng(0)
+    z = np.stack([rng.permutation(np.linspace(-2, 2, 8)) for _ in range(32)]) + 0.01 * rng.standard_normal((32, 8))
+    z[TIE_TOKEN] = TIE_FP32
+    bf = torch.from_numpy(z.astype(np.float32)).bfloat16().float().numpy()
+    bf[TIE_TOKEN, TIE] = TIE_BF16
+    st = Store.open(tmp_path / "store")
+    routing = {"routing": {"n_experts": 8, "top_k": 2, "router_pattern": "model.layers.*.mlp.gate",
+                           "model_type": "mixtral"}}
+    runs = {}
+    for role, eng, dtype, x in (("baseline", "hf", "float32", z), ("expected", "hf", "bfloat16", bf),
+                                ("actual", engine, "bfloat16", bf)):
+        with st.begin_run(engine=eng, model_path=str(tmp_path), model_hash="h", dtype=dtype, config=routing) as run:
+            write_prompt_modules(run, list(range(10, 40)), [40, 41], [(ROUTER.format(0), 0, torch.from_numpy(
+                x[:30].astype(np.float32)))], {ROUTER.format(0): [torch.from_numpy(x[30:31].astype(np.float32))]},
+                torch.zeros((2, 64)))
+        runs[role] = run.run_id
+    return st, runs
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_an_exact_bf16_tie_is_counted_as_the_router_broke_it_not_by_the_lower_expert_id(tmp_path, engine):
+    """FP32 chooses {0, 3}; BF16 ties experts 3 and 6 exactly and the router's ``torch.topk`` (HF:
+    of the float32 softmax; vLLM: of the BF16 logits) takes 6: a flip the engine made. The lower-id
+    rule saw {0, 3} and counted none (the tiny Mixtral's 3 counted where 4 happened)."""
+    import torch
+
+    from extractors.routing_force import chosen_experts
+
+    st, runs = _hand_routing_store(tmp_path, engine)
+    tie = np.array([TIE_FP32], np.float32)
+    tie[0, TIE] = TIE_BF16
+    assert top_k_experts(tie, 2).tolist() == [[0, 3]]  # the lower id
+    # the case is one torch breaks the other way, in both engines' rules (the oracle: torch itself)
+    assert torch.topk(torch.softmax(torch.from_numpy(tie), -1), 2).indices.sort().values.tolist() == [[0, 6]]
+    assert torch.topk(torch.from_numpy(tie).bfloat16(), 2, sorted=False).indices.sort().values.tolist() == [[0, 6]]
+    assert chosen_experts(tie, 2, "mixtral", "bfloat16", engine).tolist() == [[0, 6]]
+    res = compare_runs(st, expected_run=runs["expected"], actual_run=runs["actual"], baseline_run=runs["baseline"],
+                       kv=False, logits=False, comparators=["routing"], comparator_runs={"routing": runs})
+    layer = st.sql(f"SELECT * FROM routing_layers WHERE comparison_id = '{res.comparison_id}'").to_pylist()[0]
+    assert (layer["n_tokens"], layer["n_flips"], layer["noise_flips"], layer["n_unexplained"]) == (31, 1, 1, 0)
+    flips = st.sql(f"SELECT * FROM routing_flips WHERE comparison_id = '{res.comparison_id}'").to_pylist()
+    (f,) = flips
+    assert f["position"] == TIE_TOKEN and f["actual_experts"] == [0, 6] and f["base_experts"] == [0, 3]
+    assert f["expected_experts"] == [0, 6]
+    # the needed margin is FP32's 3-minus-6 gap, explained by the tie's own BF16 error (0.0064 x 2)
+    assert np.isclose(f["needed_margin"], 0.7056 - 0.7030, atol=1e-6) and f["explained"]
+    assert res.verdicts["routing"].passed is True
