@@ -271,36 +271,54 @@ def setup(tmp_path_factory):
     # moved the logit sigma-ratio only to 1.10, KV not at all)
     ks = [float(np.float32(a / 448.0)) for a in amax[:, 0]]
     vs = [float(np.float32(a / 448.0)) for a in amax[:, 1]]
+    # both paths round as vLLM-CPU's FP8 kernel (the emulation copies it): the references do too
+    rnd = "vllm_cpu"
     fp8_exp = {d: F.capture_fp8_expected_run(st, path, PROMPTS, TEACHER, ks, vs, kv_cache_dtype=d, model=m16,
-                                             model_hash=mh) for d in ("fp8", "fp8_e5m2")}
+                                             model_hash=mh, rounding=rnd) for d in ("fp8", "fp8_e5m2")}
     fp8_base = {d: F.capture_fp8_expected_run(st, path, PROMPTS, TEACHER, ks, vs, kv_cache_dtype=d, model=m32,
-                                              model_hash=mh, dtype="float32") for d in ("fp8", "fp8_e5m2")}
+                                              model_hash=mh, dtype="float32", rounding=rnd) for d in ("fp8", "fp8_e5m2")}
+    p2k, p2v = F.power_of_two_scales(amax[:, 0]), F.power_of_two_scales(amax[:, 1])
+    fp8_exp["p2"] = F.capture_fp8_expected_run(st, path, PROMPTS, TEACHER, p2k, p2v, model=m16, model_hash=mh,
+                                               rounding=rnd)
+    fp8_base["p2"] = F.capture_fp8_expected_run(st, path, PROMPTS, TEACHER, p2k, p2v, model=m32, model_hash=mh,
+                                                dtype="float32", rounding=rnd)
     del m32, m16
     gc.collect()
-    # the shared engine emulates the FP8 writes on every CPU: on AVX-512 machines vLLM's real FP8 cache is
-    # judged by test_vllms_real_fp8_cache_... below, whose capture is not right yet (docs/fp8.md)
-    emulate = True
-    llm = make_llm(path, dtype="bfloat16", max_model_len=256, block_size=32, num_gpu_blocks_override=16,
-                   **F.engine_options("fp8", emulate))
-    kv_config = extract_vllm_kv_cache_config(llm)
-    s = {"st": st, "llm": llm, "path": path, "mh": mh, "base": base, "exp": exp, "fp8_exp": fp8_exp, "fp8_base": fp8_base,
-         "ks": ks, "vs": vs, "amax": amax, "emulate": emulate, "kv_config": kv_config, "runs": {}}
+    # vLLM's real FP8 cache where the CPU has it (AVX-512 / AMX), the emulation elsewhere
+    emulate = F.fp8_kv_unsupported_reason("fp8", 32) is not None
+    s = {"st": st, "path": path, "mh": mh, "base": base, "exp": exp, "fp8_exp": fp8_exp, "fp8_base": fp8_base,
+         "ks": ks, "vs": vs, "p2k": p2k, "p2v": p2v, "amax": amax, "runs": {}}
+    _start_engine(s, "fp8", emulate)
     yield s
-    if "llm" in s:  # the real-FP8 test closes it before starting its own
-        close_llm(s["llm"])
+    close_llm(s.pop("llm"))
+
+
+def _start_engine(s, kv_cache_dtype, emulate):
+    """(Re)start the module's engine: two in-process engines cannot live at once (the first's parallel
+    state goes with the second's), so a new cache format closes the old engine first."""
+    from extractors.vllm_rpc import close_llm, extract_vllm_kv_cache_config, make_llm
+
+    if "llm" in s:
+        close_llm(s.pop("llm"))
+    s["llm"] = make_llm(s["path"], dtype="bfloat16", max_model_len=256, block_size=32, num_gpu_blocks_override=16,
+                        **F.engine_options(kv_cache_dtype, emulate))
+    s["emulate"], s["engine_kv_cache_dtype"] = emulate, kv_cache_dtype
+    s["kv_config"] = extract_vllm_kv_cache_config(s["llm"])
 
 
 def _engine_run(s, name, ks=None, vs=None, fault=None, kv_cache_dtype="fp8"):
     """Capture the engine with these scales / fault (cached per name)."""
-    from extractors.vllm_rpc import capture_vllm_run
+    from extractors.vllm_rpc import capture_vllm_run, extract_vllm_kv_cache_config
 
     if name not in s["runs"]:
-        if kv_cache_dtype != "fp8" and not s["emulate"]:
-            pytest.skip("an FP8 engine's cache format is fixed at start: the e5m2 engine needs its own start")
+        if not s["emulate"]:
+            assert s["engine_kv_cache_dtype"] == kv_cache_dtype, "a real FP8 engine's cache format is fixed at start"
         cfg = F.prepare_engine(s["llm"], kv_cache_dtype, s["ks"] if ks is None else ks,
                                s["vs"] if vs is None else vs, emulate=s["emulate"], fault=fault)
+        # a real FP8 group's config carries the scales the kernels get: read it after they are set
+        kv_config = s["kv_config"] if s["emulate"] else extract_vllm_kv_cache_config(s["llm"])
         rid = capture_vllm_run(s["st"], s["llm"], s["path"], PROMPTS, TEACHER, mode="decode", model_hash=s["mh"],
-                               kv_config=s["kv_config"], config=cfg)
+                               kv_config=kv_config, config=cfg)
         s["runs"][name] = rid
     return s["runs"][name]
 
@@ -315,11 +333,11 @@ def _changed(s, rid):
     return max(float((a - b).abs().max()) for a, b in zip(ok, _logits(s, rid)))
 
 
-def _judge(s, rid, kv_cache_dtype="fp8"):
+def _judge(s, rid, reference="fp8"):
     from capturestore.analysis import compare_runs
 
-    return compare_runs(s["st"], expected_run=s["fp8_exp"][kv_cache_dtype], actual_run=rid,
-                        baseline_run=s["fp8_base"][kv_cache_dtype], label=f"fp8 {rid}")
+    return compare_runs(s["st"], expected_run=s["fp8_exp"][reference], actual_run=rid,
+                        baseline_run=s["fp8_base"][reference], label=f"fp8 {rid}")
 
 
 @pytest.mark.vllm
@@ -339,6 +357,35 @@ def test_correct_fp8_engine_passes_and_records_its_scales(setup):
     cfg = json.loads(s["st"].sql(f"SELECT config FROM runs WHERE run_id = '{rid}'").to_pylist()[0]["config"])
     assert cfg["fp8_engine_k_scale"] == s["ks"] and cfg["fp8_engine_v_scale"] == s["vs"]
     assert cfg["kv_cache_dtype"] == "fp8" and cfg["fp8_emulated"] == s["emulate"]
+    assert cfg["fp8_rounding"] == "vllm_cpu"
+    if not s["emulate"]:  # the decode used the engine's own scales, not vLLM's default 1.0
+        ref = json.loads(s["st"].sql(f"SELECT config FROM runs WHERE run_id = '{s['fp8_exp']['fp8']}'")
+                         .to_pylist()[0]["config"])
+        assert ref["fp8_rounding"] == cfg["fp8_rounding"]
+
+
+@pytest.mark.vllm
+def test_correct_fp8_engine_passes_with_power_of_two_scales(setup):
+    s = setup
+    rid = _engine_run(s, "correct_p2", ks=s["p2k"], vs=s["p2v"])
+    r = _judge(s, rid, "p2")
+    assert r.passed, (r.logit_verdict, r.kv_verdict)
+
+
+@pytest.mark.vllm
+def test_the_round_to_nearest_reference_cannot_judge_vllm_cpu(setup):
+    """Why the references round as the kernel: against an FP8-aware reference that rounds to nearest (torch's
+    cast, vLLM's CUDA convention) the correct engine fails (its truncation biases every K/V toward zero)."""
+    from capturestore.analysis import compare_runs
+
+    s = setup
+    if "nearest" not in s["fp8_exp"]:
+        for dtype, role in (("bfloat16", s["fp8_exp"]), ("float32", s["fp8_base"])):
+            role["nearest"] = F.capture_fp8_expected_run(s["st"], s["path"], PROMPTS, TEACHER, s["ks"], s["vs"],
+                                                         model_hash=s["mh"], dtype=dtype, rounding="nearest")
+    r = compare_runs(s["st"], expected_run=s["fp8_exp"]["nearest"], actual_run=_engine_run(s, "correct"),
+                     baseline_run=s["fp8_base"]["nearest"], label="fp8 vs nearest")
+    assert not r.passed
 
 
 @pytest.mark.vllm
@@ -369,16 +416,6 @@ def test_planted_engine_fault_changes_output_and_fails(setup, fault):
     assert _changed(s, rid) > 0, f"{fault}: the planted fault did not change the engine's logits"
     r = _judge(s, rid)
     assert not r.passed, f"{fault}: passed"
-
-
-@pytest.mark.vllm
-def test_e5m2_cache_judged_as_e4m3_fails_and_as_e5m2_passes(setup):
-    s = setup
-    rid = _engine_run(s, "e5m2", kv_cache_dtype="fp8_e5m2")
-    assert _changed(s, rid) > 0
-    assert not _judge(s, rid, "fp8").passed
-    r = _judge(s, rid, "fp8_e5m2")
-    assert r.passed, (r.logit_verdict, r.kv_verdict)
 
 
 @pytest.mark.parametrize("kvd", ["fp8", "fp8_e5m2"])
@@ -416,27 +453,37 @@ def test_uint8_paged_cache_decodes_and_reconstructs_to_the_fake_quantized_kv(kvd
         assert torch.equal(out[name][0][0], want[name][0]) and torch.equal(out[name][1][0], want[name][1]), name
 
 
-@pytest.mark.vllm
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="vLLM-CPU's real FP8 cache (AVX-512 kernels) is not captured right yet: its "
-                   "decoded KV does not match the FP8-aware reference (BC 0.19) and its logits sit at sigma-ratio "
-                   "3.1 (measured 2026-12-02; docs/fp8.md)")
-def test_vllms_real_fp8_cache_of_a_correct_engine_passes(setup):
-    """The real FP8 kernels (AVX-512 or AMX only), in an engine of their own: the last test of the module,
-    as two in-process engines cannot live at once (the first's parallel state goes with the second's)."""
-    from extractors.vllm_rpc import capture_vllm_run, close_llm, extract_vllm_kv_cache_config, make_llm
+# ---------------------------------------------------------------- engines of their own (last: each closes the one before)
 
+
+@pytest.mark.vllm
+def test_e5m2_cache_judged_as_e4m3_fails_and_as_e5m2_passes(setup):
+    """The real cache format is fixed at start: on AVX-512 machines an e5m2 engine of its own."""
     s = setup
-    reason = F.fp8_kv_unsupported_reason("fp8", 32)
-    if reason is not None:
-        pytest.skip(f"vLLM has no FP8 kernels on this CPU: {reason}")
-    close_llm(s.pop("llm"))
-    llm = make_llm(s["path"], dtype="bfloat16", max_model_len=256, block_size=32, num_gpu_blocks_override=16,
-                   **F.engine_options("fp8", False))
-    try:
-        cfg = F.prepare_engine(llm, "fp8", s["ks"], s["vs"], emulate=False)
-        rid = capture_vllm_run(s["st"], llm, s["path"], PROMPTS, TEACHER, mode="decode", model_hash=s["mh"],
-                               kv_config=extract_vllm_kv_cache_config(llm), config=cfg)
-    finally:
-        close_llm(llm)
+    if not s["emulate"]:
+        _engine_run(s, "correct")  # the e4m3 engine's logits, for _changed
+        _start_engine(s, "fp8_e5m2", False)
+    rid = _engine_run(s, "e5m2", kv_cache_dtype="fp8_e5m2")
+    assert _changed(s, rid) > 0
+    assert not _judge(s, rid, "fp8").passed
+    r = _judge(s, rid, "fp8_e5m2")
+    assert r.passed, (r.logit_verdict, r.kv_verdict)
+
+
+@pytest.mark.vllm
+def test_emulated_engine_passes_and_is_close_to_the_real_one(setup):
+    """The --fp8-emulate path (a BF16 cache written through vllm_cpu_codes): the shared engine where the CPU
+    lacks AVX-512; here, next to the real FP8 engine, an engine of its own whose logits must sit within the
+    BF16 distance of the real engine's (it reads bf16(code * s) where the kernel folds s into FP32)."""
+    s = setup
+    real = None if s["emulate"] else _logits(s, _engine_run(s, "correct"))
+    if not s["emulate"]:
+        _start_engine(s, "fp8", True)
+        s["runs"].pop("correct_emulated", None)
+    rid = _engine_run(s, "correct_emulated")
     r = _judge(s, rid)
     assert r.passed, (r.logit_verdict, r.kv_verdict)
+    if real is not None:
+        diff = max(float((a - b).abs().max()) for a, b in zip(real, _logits(s, rid)))
+        print(f"max |logit(emulated) - logit(real FP8 kernel)| = {diff:.4g}")
+        assert 0 < diff < 0.5
