@@ -209,6 +209,23 @@ def decode_paged_kv(paged_kv, kv_config: dict):
     return [one(r) for r in paged_kv] if isinstance(paged_kv, list) else one(paged_kv)
 
 
+def check_fp8_config_scales(llm, kv_config: dict) -> None:
+    """ValueError (one line) when an FP8 group of ``kv_config`` records other scales than the engine's layers
+    hold now (a config read before ``fp8_set_scales`` would decode every value with vLLM's default 1.0)."""
+    fp8 = [g["fp8"] for g in kv_config["groups"] if g.get("fp8")]
+    if not fp8:
+        return
+    from extractors.vllm_transport import call_workers
+
+    now = call_workers(llm, "fp8_get_scales")[0]
+    for f in fp8:
+        for kind in ("k_scale", "v_scale"):
+            for name, val in f[kind].items():
+                if float(now[kind][name]) != float(val):
+                    raise ValueError(f"kv_config records {kind} {val} for {name}, the engine's layer holds "
+                                     f"{now[kind][name]}: read the KV cache config after the scales are set")
+
+
 def _torch_dtype(name: str):
     import torch
 
@@ -302,7 +319,8 @@ class Fp8CaptureMixin:
         import weakref
 
         caches = {t.untyped_storage().data_ptr(): weakref.ref(t) for t in self._kvcap_layers().values()}
-        spec = {"kv_cache_dtype": kv_cache_dtype, "emulate": bool(emulate), "fault": fault, "rounding": EMULATED_ROUNDING,
+        spec = {"kv_cache_dtype": kv_cache_dtype, "emulate": bool(emulate), "fault": fault,
+                "rounding": EMULATED_ROUNDING,
                 "clamp": 240.0 if fault == "clamp240" else None, "caches": caches}
         _install_write_wrapper(spec if (emulate or fault) else None)
         return _public(spec)

@@ -46,7 +46,6 @@ def test_vllm_cpu_codes_hand_computed():
     """Bytes decoded by hand (E4M3: s eeee mmm, bias 7; E5M2: s eeeee mm, bias 15): truncation, reciprocal
     multiply, clamp, NaN, signed zero; round to nearest differs on each."""
     x = torch.tensor([444.0, 1000.0, float("nan"), -0.0, -1e-4, 0.0029296875, 0.11328125], dtype=torch.bfloat16)
-    x[-1] = 0.11328125
     codes = F.vllm_cpu_codes(x[:6], 1.0).tolist()
     # 444 -> 0x7d (1.625 * 2^8 = 416; nearest: 448), 1000 -> 448 (0x7e), NaN -> +448, -0 -> 0x00,
     # -1e-4 (below the smallest subnormal 2^-9) -> -0 (0x80), 1.5 * 2^-9 -> 2^-9 (0x01; nearest: 2 * 2^-9)
@@ -129,7 +128,8 @@ def test_write_wrapper_touches_only_the_registered_caches():
     h, bs, d = 1, 32, 32
     mine = torch.zeros(2, h, bs, 2 * d, dtype=torch.bfloat16)
     other = torch.zeros_like(mine)
-    F._install_write_wrapper({"kv_cache_dtype": "fp8", "emulate": True, "fault": None, "clamp": None, "rounding": "vllm_cpu",
+    F._install_write_wrapper({"kv_cache_dtype": "fp8", "emulate": True, "fault": None, "clamp": None,
+                              "rounding": "vllm_cpu",
                               "caches": {mine.untyped_storage().data_ptr(): weakref.ref(mine)}})
     try:
         key = torch.full((1, h, d), 17.0, dtype=torch.bfloat16)  # not an E4M3 value: 17 rounds to 16
@@ -276,7 +276,8 @@ def setup(tmp_path_factory):
     fp8_exp = {d: F.capture_fp8_expected_run(st, path, PROMPTS, TEACHER, ks, vs, kv_cache_dtype=d, model=m16,
                                              model_hash=mh, rounding=rnd) for d in ("fp8", "fp8_e5m2")}
     fp8_base = {d: F.capture_fp8_expected_run(st, path, PROMPTS, TEACHER, ks, vs, kv_cache_dtype=d, model=m32,
-                                              model_hash=mh, dtype="float32", rounding=rnd) for d in ("fp8", "fp8_e5m2")}
+                                              model_hash=mh, dtype="float32", rounding=rnd)
+                for d in ("fp8", "fp8_e5m2")}
     p2k, p2v = F.power_of_two_scales(amax[:, 0]), F.power_of_two_scales(amax[:, 1])
     fp8_exp["p2"] = F.capture_fp8_expected_run(st, path, PROMPTS, TEACHER, p2k, p2v, model=m16, model_hash=mh,
                                                rounding=rnd)
@@ -362,6 +363,24 @@ def test_correct_fp8_engine_passes_and_records_its_scales(setup):
         ref = json.loads(s["st"].sql(f"SELECT config FROM runs WHERE run_id = '{s['fp8_exp']['fp8']}'")
                          .to_pylist()[0]["config"])
         assert ref["fp8_rounding"] == cfg["fp8_rounding"]
+
+
+@pytest.mark.vllm
+def test_a_kv_config_read_before_the_scales_were_set_is_refused(setup):
+    """A real FP8 group's config carries the scales it decodes with: a stale one would decode every value with
+    the wrong scale, so the capture refuses it (one line) before anything is written."""
+    from extractors.vllm_rpc import capture_vllm_run, extract_vllm_kv_cache_config
+
+    s = setup
+    if s["emulate"]:
+        pytest.skip("the emulated engine's cache is BF16: its config has no FP8 scales")
+    F.prepare_engine(s["llm"], "fp8", [1.0] * 3, [1.0] * 3)
+    stale = extract_vllm_kv_cache_config(s["llm"])
+    F.prepare_engine(s["llm"], "fp8", s["ks"], s["vs"])
+    n = s["st"].runs().num_rows
+    with pytest.raises(ValueError, match="records k_scale 1.0 for model.layers.0.self_attn.attn"):
+        capture_vllm_run(s["st"], s["llm"], s["path"], PROMPTS[:1], TEACHER[:1], model_hash=s["mh"], kv_config=stale)
+    assert s["st"].runs().num_rows == n
 
 
 @pytest.mark.vllm
@@ -453,7 +472,7 @@ def test_uint8_paged_cache_decodes_and_reconstructs_to_the_fake_quantized_kv(kvd
         assert torch.equal(out[name][0][0], want[name][0]) and torch.equal(out[name][1][0], want[name][1]), name
 
 
-# ---------------------------------------------------------------- engines of their own (last: each closes the one before)
+# ---------------------------------------------------------------- engines of their own (last: each closes the last)
 
 
 @pytest.mark.vllm
