@@ -347,15 +347,16 @@ class _Configs:
         return type("R", (), {"to_pylist": lambda self: rows})()
 
 
-def _forced_step(monkeypatch, configs, model_path="m", *, fp8=False, logits_kv=True, dtype="bfloat16"):
-    """Run ``pipeline._forced_routing`` on a forcing decision; returns ``(capture kwargs or None,
-    said lines, returned (baseline, expected, comparator_runs))``."""
+def _forced_step(monkeypatch, configs, model_path="m", *, fp8=False, logits_kv=True, dtype="bfloat16", decision=None):
+    """Run ``pipeline._forced_routing`` on a forcing decision (``decision``: one of every router);
+    returns ``(capture kwargs or None, said lines, returned (baseline, expected, comparator_runs))``."""
     import capturestore.forced_routing as fr
     from capturestore.pipeline import _forced_routing
 
     seen, said = {}, []
-    monkeypatch.setattr(fr, "routing_decision", lambda *a, **k: fr.RoutingDecision(
-        True, "forced: the actual run flipped 3 token-layer expert choices (stub)", n_flips=3, plan=object()))
+    monkeypatch.setattr(fr, "routing_decision", lambda *a, **k: decision or fr.RoutingDecision(
+        True, "forced: the actual run flipped 3 token-layer expert choices (stub)", n_flips=3, plan=object(),
+        forced=[f"model.layers.{i}.mlp.gate" for i in range(3)]))
     monkeypatch.setattr(fr, "logits_routed_alike", lambda *a, **k: (True, 0.0, 1.0))
 
     def capture(*args, **kw):
@@ -445,3 +446,22 @@ def test_capture_forced_references_rounds_the_expected_runs_only(monkeypatch):
                               kernel_rounding="toward_zero", logits_kernel_rounding="toward_zero")
     assert calls == [("logits", "float32", None), ("modules", "float32", None),
                      ("logits", "bfloat16", "toward_zero"), ("modules", "bfloat16", "toward_zero")]
+
+
+def test_run_says_which_layers_it_forced_and_forces_nothing_on_a_decision_that_forces_nothing(monkeypatch):
+    """The pipeline prints the decision with ``routing_forced_layers``; a partial decision's capture
+    gets the decision (whose ``forced`` routers ``capture_forced_references`` forces); a decision that
+    forces nothing captures nothing and keeps every unforced reference."""
+    from capturestore.forced_routing import RoutingDecision
+
+    configs = {"ma": {"module_order": ["model.layers.0.mlp"]}, "me": {}, "e": {}}
+    part = RoutingDecision(True, "forced layers 0-1 only: routing fails at layer 2 (stub)", plan=object(),
+                           forced=["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"], failed_layer=2)
+    kw, said, (base, exp, runs) = _forced_step(monkeypatch, configs, decision=part)
+    assert said[0] == "routing: forced layers 0-1 only: routing fails at layer 2 (stub) (routing_forced_layers [0, 1])"
+    assert (base, exp) == ("fb", "fe") and runs["modules"]["expected"] == "fme"
+    none = RoutingDecision(False, "not forced: routing fails at the first MoE layer 0 (stub)", plan=object(),
+                           failed_layer=0)
+    kw, said, (base, exp, runs) = _forced_step(monkeypatch, configs, decision=none)
+    assert kw is None and said == ["routing: not forced: routing fails at the first MoE layer 0 (stub)"]
+    assert (base, exp) == ("b", "e") and runs["modules"]["expected"] == "me"
