@@ -932,7 +932,8 @@ def _forced_routing(st, pstore, say, tm, model_path, model_hash, rows, pids, tea
 
     t0 = time.perf_counter()
     decision = routing_decision(st, mod_runs, model_path, pids)
-    say(f"routing: {decision.reason}" + (f" (routing_forced_layers {decision.forced_layers})" if decision.force else ""))
+    layers = f" (routing_forced_layers {decision.forced_layers})" if decision.force else ""
+    say(f"routing: {decision.reason}{layers}")
     if decision.force and fp8 and logits_kv:
         say("routing: logits and KV not forced: FP8 KV references (the FP8 plan's baseline and expected emulate "
             "the target's FP8 KV cache, forced HF references would not): judged against the unforced ones")
