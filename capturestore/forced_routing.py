@@ -12,6 +12,15 @@ routing weights over those experts. Those runs record ``routing_forced_from: <ac
 and are what logits, KV and modules are judged against; routing itself is judged against the
 unforced references (the flips are what it counts). An unexplained flip is never forced: routing
 fails anyway, and the other verdicts see its consequence.
+
+Forcing is per layer: the routers before the first layer whose routing fails (an unexplained flip,
+or router logits beyond BF16 noise) are judged trustworthy and forced; that layer and every later
+one keep the references' own routing. A fault at layer L cannot reach layers < L (tokens are
+teacher-forced, and a layer reads only earlier layers), so their evidence is the engine's own; forcing
+them gives the references layer L's inputs as the engine had them, which keeps layer L's verdicts local:
+an explained flip before L no longer fails the modules of its own layer ahead of the real fault.
+Nothing is forced when routing fails at the first MoE layer, or on missing evidence. The forced
+runs record ``routing_forced_layers``.
 """
 from __future__ import annotations
 
@@ -29,10 +38,13 @@ CONSISTENCY_FACTOR = 2.0
 
 @dataclass
 class RoutingDecision:
-    """Whether to force: ``force`` (every flip explained, router logits within BF16 noise, some choice
-    differs), ``reason`` (one line), counts over every layer and prompt, and the ``plan``
-    (``extractors.routing_force.RoutingPlan``: the actual run's choices; set whenever the evidence
-    is complete, also when not forcing, e.g. to show a fault fails against forced references)."""
+    """Whether to force: ``force`` (the routers of the layers before the first failing one, some
+    choice differs there), ``reason`` (one line), counts over every layer and prompt, the ``plan``
+    (``extractors.routing_force.RoutingPlan``: the actual run's choices at every router; set whenever
+    the evidence is complete, also when not forcing, e.g. to show a fault fails against forced
+    references), ``forced`` (the router modules to force: every router when routing passes, those
+    of the layers before ``failed_layer`` when it fails there; empty when not forcing) and
+    ``failed_layer`` (the first decoder layer whose routing fails; None when none does)."""
     force: bool
     reason: str
     n_flips: int = 0
@@ -41,6 +53,15 @@ class RoutingDecision:
     routers: list = field(default_factory=list)
     model_type: str = ""
     plan: object = None
+    forced: list = field(default_factory=list)
+    failed_layer: int | None = None
+
+    @property
+    def forced_layers(self) -> list[int]:
+        """The decoder-layer indices of the forced routers."""
+        from capturestore.comparators.base import decoder_layer_index
+
+        return sorted({decoder_layer_index(m) for m in self.forced})
 
 
 def read_router_logits(st, run_id: str, pid: str, module: str, prompt_len: int) -> np.ndarray:
@@ -112,34 +133,60 @@ def routing_decision(st, runs: dict, model_path, pids: list[str]) -> RoutingDeci
     from capturestore.comparators.routing import ROUTER_LOGITS_PHASE
     from metrics.modules import ModuleJudge
 
-    n_flip = n_noise = n_un = 0
-    beyond = []  # routers whose logits are beyond BF16 noise (the routing comparator's logit rule)
+    from capturestore.comparators.base import decoder_layer_index
+
+    per = {}  # router -> (flips, expected's flips, unexplained, logits beyond noise)
     for m in routers:
         judge = ModuleJudge()
         for pid, (b, e, a) in zip(pids, data[m]):
             judge.add(pid, m, ROUTER_LOGITS_PHASE, b, e, a, positions=np.arange(b.shape[0]), prompt_len=plens[pid])
-        if judge.verdict().modules[0].passed is False:
-            beyond.append(m)
+        beyond = judge.verdict().modules[0].passed is False  # the routing comparator's logit rule
         scale = noise_scale(np.concatenate([router_noise(e, b) for b, e, _ in data[m]]))
+        n = np.zeros(3, np.int64)
         for (b, e, a), ch in zip(data[m], chosen[m]):
             r = routing_flips(b, e, a, k, layer_noise=scale, experts=ch)
-            n_flip += int(r["flip"].sum())
-            n_noise += int(r["noise_flip"].sum())
-            n_un += int((r["flip"] & ~r["explained"]).sum())
+            n += (int(r["flip"].sum()), int(r["noise_flip"].sum()), int((r["flip"] & ~r["explained"]).sum()))
+        per[m] = (*n.tolist(), beyond)
+    n_flip, n_noise, n_un = (sum(v[i] for v in per.values()) for i in range(3))
     tokens = [st.read_tokens(act, pid).tolist() for pid in pids]
     experts = [{m: chosen[m][i][2] for m in routers} for i in range(len(pids))]
     counts = {"n_flips": n_flip, "n_noise_flips": n_noise, "n_unexplained": n_un, "routers": routers,
               "model_type": mt, "plan": RoutingPlan(tokens, experts, source_run=act)}
-    if n_un:
-        return RoutingDecision(False, f"not forced: {n_un} of the actual run's {n_flip} flips are not explained by "
-                                      f"BF16 router noise (routing fails)", **counts)
-    if beyond:
-        return RoutingDecision(False, f"not forced: the router logits of {beyond[0]} are beyond BF16 noise "
-                                      f"(routing fails)", **counts)
-    if not n_flip and not n_noise:
-        return RoutingDecision(False, "not forced: every role chose the same experts at every token", **counts)
-    return RoutingDecision(True, f"forced: the actual run flipped {n_flip} token-layer expert choices against FP32 "
-                                 f"(the expected run {n_noise}), every one explained by BF16 router noise", **counts)
+    failing = [m for m in routers if per[m][2] or per[m][3]]
+    layer = {m: decoder_layer_index(m) for m in routers}
+    if any(layer[m] is None for m in routers):  # no layer order to trust: all or nothing
+        bad = next((m for m in routers if layer[m] is None), None)
+        if failing:
+            return RoutingDecision(False, f"not forced: routing fails at {failing[0]} and router {bad} has no decoder "
+                                          f"layer index to order the layers by", **counts)
+        forced, first = list(routers), None
+    elif failing:
+        first = min(layer[m] for m in failing)
+        forced = [m for m in routers if layer[m] < first]
+    else:
+        forced, first = list(routers), None
+    fm = min((m for m in failing if layer[m] == first), default=None)
+    why = "" if fm is None else (
+        f"{per[fm][2]} of its {per[fm][0]} flips not explained by BF16 router noise" if per[fm][2]
+        else "its router logits beyond BF16 noise")
+    if first is not None and not forced:
+        return RoutingDecision(False, f"not forced: routing fails at the first MoE layer {first} ({fm}: {why}): no "
+                                      f"layer before it to force", failed_layer=first, **counts)
+    f_flip, f_noise = sum(per[m][0] for m in forced), sum(per[m][1] for m in forced)
+    where = "" if first is None else f" before layer {first}"
+    if not f_flip and not f_noise:
+        return RoutingDecision(False, f"not forced: every role chose the same experts at every token{where}",
+                               failed_layer=first, **counts)
+    if first is None:
+        return RoutingDecision(True, f"forced: the actual run flipped {n_flip} token-layer expert choices against FP32 "
+                                     f"(the expected run {n_noise}), every one explained by BF16 router noise",
+                               forced=forced, **counts)
+    ls = [layer[m] for m in forced]
+    return RoutingDecision(True, f"forced layers {min(ls)}-{max(ls)} only: routing fails at layer {first} ({fm}: "
+                                 f"{why}); before it the actual run flipped {f_flip} token-layer expert choices "
+                                 f"against FP32 (the expected run {f_noise}), every one explained by BF16 router "
+                                 f"noise; layers {first}+ keep the references' own routing",
+                           forced=forced, failed_layer=first, **counts)
 
 
 def logits_routed_alike(st, act: str, mod_act: str, base: str, exp: str,
@@ -177,33 +224,42 @@ def logits_routed_alike(st, act: str, mod_act: str, base: str, exp: str,
 def capture_forced_references(pstore, model_path, model_hash: str, rows, teacher_rows, decision: RoutingDecision,
                               dtype: str, module_order=None, kernel_rounding: str | None = None,
                               logits_kv: bool = True, say=lambda s: None,
-                              logits_kernel_rounding: str | None = None) -> dict:
+                              logits_kernel_rounding: str | None = None, routers: list | None = None) -> dict:
     """The FP32 baseline and ``dtype`` expected references with the decision's experts forced:
     logits + KV runs (``logits_kv``; teacher-forced on ``teacher_rows``) and, with ``module_order``,
     module runs over those modules. The expected runs round FP32 -> BF16 as the unforced expected
     runs they replace record (``extractors.kernel_rounding``): ``logits_kernel_rounding`` (logits +
     KV), ``kernel_rounding`` (modules); the baseline never (FP32). Returns ``{"baseline", "expected", "mod_baseline",
     "mod_expected", "stats"}`` (run ids; absent when not captured). Each run's config records
-    ``routing_forced_from`` (the actual module run) and ``model_given`` (never reused as a plain
-    reference)."""
+    ``routing_forced_from`` (the actual module run), ``routing_forced_layers`` (the decoder layers
+    whose routers were forced) and ``model_given`` (never reused as a plain reference). ``routers``:
+    the routers to force, by default ``decision.forced`` (a test may force others, e.g. every
+    router where the decision forced none); ValueError when there is none."""
     from extractors.hf import capture_hf_run, load_hf_model
     from extractors.modules import capture_hf_module_run
     from extractors.routing_force import ForcedRouting
 
     plan = decision.plan
-    extra = {"routing_forced_from": plan.source_run}
+    if routers is None:
+        routers = decision.forced
+    if not routers:
+        raise ValueError(f"forced routing: no router to force ({decision.reason})")
+    from capturestore.comparators.base import decoder_layer_index
+
+    extra = {"routing_forced_from": plan.source_run,
+             "routing_forced_layers": sorted({decoder_layer_index(m) for m in routers})}
     out: dict = {"stats": {}}
     for role, d in (("baseline", "float32"), ("expected", dtype)):
         model = load_hf_model(model_path, d)
         if logits_kv:
-            fr = ForcedRouting(model, plan, decision.routers, decision.model_type)
+            fr = ForcedRouting(model, plan, routers, decision.model_type)
             with fr:
                 out[role] = capture_hf_run(pstore, model_path, rows, teacher_tokens=teacher_rows, dtype=d, model=model,
                                            model_hash=model_hash, config=extra,
                                            kernel_rounding=logits_kernel_rounding if role == "expected" else None)
             out["stats"][role] = dict(fr.stats)
         if module_order:
-            fr = ForcedRouting(model, plan, decision.routers, decision.model_type)
+            fr = ForcedRouting(model, plan, routers, decision.model_type)
             with fr:
                 out[f"mod_{role}"] = capture_hf_module_run(
                     pstore, model_path, rows, teacher_rows, list(module_order), dtype=d, model=model,

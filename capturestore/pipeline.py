@@ -920,9 +920,10 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
 
 def _forced_routing(st, pstore, say, tm, model_path, model_hash, rows, pids, teacher_rows, mod_runs, comparator_runs,
                     dtype, *, logits_kv, base, exp, act, fp8=False):
-    """docs/moe.md "Forced routing": when every router flip of the target is explained by BF16
-    noise, the references of logits, KV and modules are captured again with the target's expert
-    choices forced; routing keeps the unforced module runs. Each forced expected run rounds FP32 ->
+    """docs/moe.md "Forced routing": the references of logits, KV and modules are captured again with
+    the target's expert choices forced at the routers before the first layer whose routing fails
+    (every router when none does; ``routing_decision``), recorded as ``routing_forced_layers``;
+    routing keeps the unforced module runs. Each forced expected run rounds FP32 ->
     BF16 as the unforced one it replaces records (``kernel_rounding``: the target's kernels' rounding
     where emulated, else nearest). ``fp8``: the logits/KV references come from an FP8 plan (FP8 KV
     emulation the forced HF runs lack): logits and KV are not forced. Returns ``(baseline, expected,
@@ -931,7 +932,8 @@ def _forced_routing(st, pstore, say, tm, model_path, model_hash, rows, pids, tea
 
     t0 = time.perf_counter()
     decision = routing_decision(st, mod_runs, model_path, pids)
-    say(f"routing: {decision.reason}")
+    layers = f" (routing_forced_layers {decision.forced_layers})" if decision.force else ""
+    say(f"routing: {decision.reason}{layers}")
     if decision.force and fp8 and logits_kv:
         say("routing: logits and KV not forced: FP8 KV references (the FP8 plan's baseline and expected emulate "
             "the target's FP8 KV cache, forced HF references would not): judged against the unforced ones")

@@ -133,7 +133,7 @@ def _judge(refs, act, mod_act):
         return d, plain, None, None
     order = json.loads(st.sql(f"SELECT config FROM runs WHERE run_id = '{mod_act}'").to_pylist()[0]["config"])
     f = capture_forced_references(st, refs["model"], None, refs["rows"], refs["teacher"], d, "bfloat16",
-                                  module_order=order["module_order"])
+                                  module_order=order["module_order"], routers=d.forced or d.routers)
     fm = {"baseline": f["mod_baseline"], "expected": f["mod_expected"], "actual": mod_act}
     forced = compare_runs(st, expected_run=f["expected"], actual_run=act, baseline_run=f["baseline"],
                           comparator_runs={"routing": own, "modules": fm}, **kw)
@@ -220,39 +220,106 @@ def test_a_real_fault_still_fails_with_forced_references_localised(refs, flip):
     assert moved > 0.05  # the fault took effect
     d, plain, forced, _ = _judge(refs, act, mod_act)
     assert d.n_unexplained == 0, d.reason  # every flip explained ...
-    # ... the fault may move the routers downstream beyond BF16 noise: then routing fails and run
-    # does not force (said in the decision); judged against references forced anyway, it still fails
-    if not d.force:  # (both tiny models here)
-        assert "beyond BF16 noise" in d.reason and plain.verdicts["routing"].passed is False
+    # ... but the fault moves a router at or after its layer beyond BF16 noise (both tiny models):
+    # routing fails there, and run forces only the layers before it (the near-tie's layer 0 among them)
+    assert "beyond BF16 noise" in d.reason and plain.verdicts["routing"].passed is False
+    assert d.force and 0 in d.forced_layers and max(d.forced_layers) < d.failed_layer, d.reason
+    assert d.failed_layer >= layer
     assert forced.passed is False
     m = forced.verdicts["modules"]
     assert m.passed is False and m.localisation.layer == layer and m.localisation.module == refs["arch"]["fault_module"]
     assert forced.verdicts["kv"].passed is False and forced.verdicts["kv"].localisation.layer == layer + 1
 
 
-def test_an_unexplained_flip_is_never_forced(refs):
-    """A router bias (layer 1: expert 0's logit + 4, far beyond BF16 noise) changes the experts of
-    most tokens: those flips are not explained, so nothing is forced."""
-    layer, mt = 1, refs["model_type"]
+def _router_bias(refs, layer, shift=4.0):
+    """A model patch: ``layer``'s router adds ``shift`` to expert 0's logit (a real router fault) and
+    routes from those logits by the model's own rule."""
+    mt = refs["model_type"]
 
-    def bias(m):
+    def patch(m):
         def hook(module, _a, out):
             logits = out[0].clone()
-            logits[:, 0] += 4.0
+            logits[:, 0] += shift
             return _route(module, logits, mt)
         dict(m.named_modules())[refs["arch"]["router"].format(layer)].register_forward_hook(hook)
+    return patch
 
-    m = load_hf_model(refs["model"], "bfloat16")
-    bias(m)
-    mod_act = capture_hf_module_run(refs["st"], refs["model"], refs["rows"], refs["teacher"], refs["modules"],
-                                    dtype="bfloat16", model=m)
+
+def _expert0_share(refs, mod_act, layer):
     a = read_router_logits(refs["st"], mod_act, refs["pids"][0], refs["arch"]["router"].format(layer),
                            len(refs["rows"][0]))
-    assert (top_k_experts(a, 2) == 0).any(-1).mean() > 0.9  # took effect: expert 0 chosen nearly everywhere
+    return float((top_k_experts(a, 2) == 0).any(-1).mean())
+
+
+def test_an_unexplained_flip_is_never_forced(refs):
+    """A router bias (layer 1: expert 0's logit + 4, far beyond BF16 noise) changes the experts of
+    most tokens: those flips are not explained, so layer 1 and later are never forced (layer 0,
+    before it, may be: its routing is the expected run's own)."""
+    layer = 1
+    m = load_hf_model(refs["model"], "bfloat16")
+    _router_bias(refs, layer)(m)
+    mod_act = capture_hf_module_run(refs["st"], refs["model"], refs["rows"], refs["teacher"], refs["modules"],
+                                    dtype="bfloat16", model=m)
+    assert _expert0_share(refs, mod_act, layer) > 0.9  # took effect: expert 0 chosen nearly everywhere
     d = routing_decision(refs["st"], {"baseline": refs["mb"], "expected": refs["me"], "actual": mod_act},
                          refs["model"], refs["pids"])
-    assert not d.force and d.n_unexplained > 0
+    assert d.n_unexplained > 0 and d.failed_layer == layer
+    assert set(d.forced_layers) <= {0}
     assert "not explained" in d.reason
+
+
+def test_an_unexplained_flip_at_the_first_moe_layer_forces_nothing(refs, flip):
+    """The near-tie engine with a router bias at layer 0 too: routing fails at the first MoE layer,
+    no layer before it is trustworthy: nothing forced, and forcing on this decision is refused."""
+    act, mod_act = _engine(refs, _router_bias(refs, 0))
+    assert _expert0_share(refs, mod_act, 0) > 0.9  # took effect
+    d = routing_decision(refs["st"], {"baseline": refs["mb"], "expected": refs["me"], "actual": mod_act},
+                         refs["model"], refs["pids"])
+    assert not d.force and d.forced == [] and d.forced_layers == [] and d.failed_layer == 0
+    assert d.n_unexplained > 0 and "first MoE layer 0" in d.reason and "not explained" in d.reason
+    with pytest.raises(ValueError, match="no router to force"):
+        capture_forced_references(refs["st"], refs["model"], None, refs["rows"], refs["teacher"], d, "bfloat16")
+
+
+def test_a_router_fault_after_an_explained_flip_forces_the_layers_before_it_localised_there(refs, flip):
+    """The near-tie engine (explained flip at layer 0) with a real fault in layer 2's router (expert
+    0's logit + 4). Before (all-or-nothing: nothing forced): the modules fail first at the near-tie's
+    consequence, ahead of the fault. After: layers 0-1 forced, every module of layers 0-1 passes, and
+    the failure is localised at layer 2."""
+    layer = 2
+    act, mod_act = _engine(refs, _router_bias(refs, layer))
+    st = refs["st"]
+    assert _expert0_share(refs, mod_act, layer) > 0.9  # the fault took effect ...
+    moved = max(np.abs(np.asarray(st.read_logits(act, p), np.float64) - np.asarray(st.read_logits(flip[0], p))).max()
+                for p in refs["pids"])
+    assert moved > 0.05  # ... and moves the output
+    d, plain, forced, f = _judge(refs, act, mod_act)
+    assert d.force and d.failed_layer == layer and d.forced_layers == [0, 1], d.reason
+    assert d.forced == [refs["arch"]["router"].format(i) for i in (0, 1)]
+    assert "forced layers 0-1 only" in d.reason and "not explained" in d.reason
+    # before: nothing forced; the flip's consequence fails a module before layer 2 (or the logits
+    # verdict beyond the fault's): the modules' localisation is not the fault's router layer alone
+    pm = plain.verdicts["modules"]
+    early = [v.module for v in pm.detail.modules if v.passed is False and v.layer is not None and v.layer < layer]
+    if refs["model_type"] == "mixtral":  # the near-tie's MoE output fails its own layer-0 block, localised there
+        # (and layer 1's router logits, which read it): the wrong layer
+        assert pm.passed is False and early[0] == "model.layers.0.mlp" and plain.localisation["layer"] == 0, pm.text
+    else:  # GPT-OSS: the near-tie's consequence stays within the modules' noise (logits fail on it, above)
+        assert not early and pm.localisation.layer == layer, pm.text
+    # after: every module before layer 2 passes, the failure is at layer 2 (routing and modules)
+    fm = forced.verdicts["modules"]
+    assert all(v.passed for v in fm.detail.modules if v.layer is not None and v.layer < layer), fm.text
+    assert fm.passed is False and fm.localisation.layer == layer, fm.text
+    r = forced.verdicts["routing"]
+    assert r.passed is False and r.localisation.layer == layer
+    assert forced.localisation["layer"] == layer
+    n_layers = json.loads((refs["model"] / "config.json").read_text())["num_hidden_layers"]
+    kv = forced.verdicts["kv"]  # layer 2's MoE output is first read by layer 3's K/V (GPT-OSS; Mixtral has 3)
+    assert (kv.passed is False and kv.localisation.layer == layer + 1) if layer + 1 < n_layers else kv.passed, kv.text
+    for rid in (f["baseline"], f["expected"], f["mod_baseline"], f["mod_expected"]):
+        cfg = json.loads(st.sql(f"SELECT config FROM runs WHERE run_id = '{rid}'").to_pylist()[0]["config"])
+        assert cfg["routing_forced_layers"] == [0, 1] and cfg["routing_forced_from"] == mod_act
+    assert f["stats"]["mod_expected"]["changed"] >= 1  # the near-tie was forced
 
 
 def test_missing_router_evidence_is_not_forced_and_named(refs, flip):
@@ -280,15 +347,16 @@ class _Configs:
         return type("R", (), {"to_pylist": lambda self: rows})()
 
 
-def _forced_step(monkeypatch, configs, model_path="m", *, fp8=False, logits_kv=True, dtype="bfloat16"):
-    """Run ``pipeline._forced_routing`` on a forcing decision; returns ``(capture kwargs or None,
-    said lines, returned (baseline, expected, comparator_runs))``."""
+def _forced_step(monkeypatch, configs, model_path="m", *, fp8=False, logits_kv=True, dtype="bfloat16", decision=None):
+    """Run ``pipeline._forced_routing`` on a forcing decision (``decision``: one of every router);
+    returns ``(capture kwargs or None, said lines, returned (baseline, expected, comparator_runs))``."""
     import capturestore.forced_routing as fr
     from capturestore.pipeline import _forced_routing
 
     seen, said = {}, []
-    monkeypatch.setattr(fr, "routing_decision", lambda *a, **k: fr.RoutingDecision(
-        True, "forced: the actual run flipped 3 token-layer expert choices (stub)", n_flips=3, plan=object()))
+    monkeypatch.setattr(fr, "routing_decision", lambda *a, **k: decision or fr.RoutingDecision(
+        True, "forced: the actual run flipped 3 token-layer expert choices (stub)", n_flips=3, plan=object(),
+        forced=[f"model.layers.{i}.mlp.gate" for i in range(3)]))
     monkeypatch.setattr(fr, "logits_routed_alike", lambda *a, **k: (True, 0.0, 1.0))
 
     def capture(*args, **kw):
@@ -373,8 +441,27 @@ def test_capture_forced_references_rounds_the_expected_runs_only(monkeypatch):
                         calls.append(("logits", dtype, kernel_rounding)) or f"l-{dtype}")
     monkeypatch.setattr(mo, "capture_hf_module_run", lambda *a, dtype, kernel_rounding=None, **k:
                         calls.append(("modules", dtype, kernel_rounding)) or f"m-{dtype}")
-    d = RoutingDecision(True, "forced", plan=type("P", (), {"source_run": "ma"})())
+    d = RoutingDecision(True, "forced", plan=type("P", (), {"source_run": "ma"})(), forced=["model.layers.0.mlp.gate"])
     capture_forced_references(None, "m", "h", [[1]], [[2]], d, "bfloat16", module_order=["x"],
                               kernel_rounding="toward_zero", logits_kernel_rounding="toward_zero")
     assert calls == [("logits", "float32", None), ("modules", "float32", None),
                      ("logits", "bfloat16", "toward_zero"), ("modules", "bfloat16", "toward_zero")]
+
+
+def test_run_says_which_layers_it_forced_and_forces_nothing_on_a_decision_that_forces_nothing(monkeypatch):
+    """The pipeline prints the decision with ``routing_forced_layers``; a partial decision's capture
+    gets the decision (whose ``forced`` routers ``capture_forced_references`` forces); a decision that
+    forces nothing captures nothing and keeps every unforced reference."""
+    from capturestore.forced_routing import RoutingDecision
+
+    configs = {"ma": {"module_order": ["model.layers.0.mlp"]}, "me": {}, "e": {}}
+    part = RoutingDecision(True, "forced layers 0-1 only: routing fails at layer 2 (stub)", plan=object(),
+                           forced=["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"], failed_layer=2)
+    kw, said, (base, exp, runs) = _forced_step(monkeypatch, configs, decision=part)
+    assert said[0] == "routing: forced layers 0-1 only: routing fails at layer 2 (stub) (routing_forced_layers [0, 1])"
+    assert (base, exp) == ("fb", "fe") and runs["modules"]["expected"] == "fme"
+    none = RoutingDecision(False, "not forced: routing fails at the first MoE layer 0 (stub)", plan=object(),
+                           failed_layer=0)
+    kw, said, (base, exp, runs) = _forced_step(monkeypatch, configs, decision=none)
+    assert kw is None and said == ["routing: not forced: routing fails at the first MoE layer 0 (stub)"]
+    assert (base, exp) == ("b", "e") and runs["modules"]["expected"] == "me"

@@ -388,6 +388,7 @@ def test_pipeline_judges_modules_and_logits_against_forced_routing_references(mo
     act_mod = runs["routing"]["actual"]
     for rid in (runs["modules"]["expected"], runs["modules"]["baseline"]):
         assert cfg(rid).get("routing_forced_from") == act_mod
+        assert cfg(rid).get("routing_forced_layers") == [0, 1, 2]  # routing passes: every layer forced
     assert cfg(row["expected_run"]).get("routing_forced_from") == cfg(row["baseline_run"]).get("routing_forced_from")
     for role in ("baseline", "expected"):
         assert "routing_forced_from" not in cfg(runs["routing"][role])
