@@ -10,8 +10,8 @@ by a shift in registers, so no float32 copy of the cache is made) and give:
   explicit lanes combined in a fixed order, so the bits do not depend on how the compiler
   vectorises; L2 / cosine agree with the numpy path to float32 rounding of these sums (for
   head_dim a multiple of 8 the lanes are those of one LLVM ``<8 x float>`` vector,
-  ``_head_sums_simd``: the same adds in the same order, ~9x fewer instructions than the scalar
-  loop, which numba does not vectorise);
+  ``_head_sums_simd``: the same adds in the same order; the three-way kernel 3.7 -> ~2 ms per
+  8 x 1024 x 128 bf16 tensor, one thread: numba does not vectorise the scalar lane loop);
 - ``max|r|``, ``max|d|``, ``min|d|``, ``max|db|``, ``min|db|`` as integer max/min over the
   float bits with the sign cleared (exact in any order; bits >= 0x7F800000 flag a NaN or an
   infinity), so relative L-inf is bit-identical to the numpy path;
