@@ -20,7 +20,7 @@ import numpy as np
 from timing import best_of
 
 
-def main(n_prompts: int, n_tokens: int, repeat: int) -> None:
+def main(n_prompts: int, n_tokens: int, repeat: int) -> int:
     from capturestore import Store
     from capturestore.analysis import compare_runs
     from capturestore.isolate import isolate
@@ -64,7 +64,7 @@ def main(n_prompts: int, n_tokens: int, repeat: int) -> None:
     rows = [
         ("limit: forward with capture alone (6 top-level modules)", f"{t_cap * 1e3:.0f} ms", "", ""),
         ("forward with those modules' inputs replaced + capture", f"{t_rep * 1e3:.0f} ms",
-         f"{t_rep / t_cap:.2f}x limit", "goal <= 1.5x"),
+         f"{t_rep / t_cap:.2f}x limit", "goal <= 1.5x: " + ("met" if t_rep / t_cap <= 1.5 else "MISSED")),
         ("plain capture of every module (DEFAULT_MODULES), in memory", f"{t_plain * 1e3:.0f} ms", "", ""),
         ("limit: one plain module capture of the target into the store", f"{t_store_cap * 1e3:.0f} ms", "", ""),
         (f"isolate (1% MLP fault, layer 2): {res.localisation['module'] if res.localisation else res.status}",
@@ -75,6 +75,7 @@ def main(n_prompts: int, n_tokens: int, repeat: int) -> None:
     w = max(len(r[0]) for r in rows)
     for r in rows:
         print(f"  {r[0]:<{w}}  {r[1]:>10}  {r[2]:>14}  {r[3]}")
+    return 0 if t_rep / t_cap <= 1.5 else 1
 
 
 if __name__ == "__main__":
@@ -83,4 +84,4 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", type=int, default=6)
     ap.add_argument("--repeat", type=int, default=2)
     a = ap.parse_args()
-    main(a.prompts, a.tokens, a.repeat)
+    sys.exit(main(a.prompts, a.tokens, a.repeat))
