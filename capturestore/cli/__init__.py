@@ -142,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--level3", action="store_true", help="Level 3: every module kind (embedding, RMSNorm, attention, "
                     "RoPE on q/k, MLP, decoder layer, final norm, LM head) judged on the reference's inputs, one table "
                     "per kind (level3_<kind>); implies --even-if-passed; exit 1 when a kind fails")
+    sp.add_argument("--snapshot", action="store_true", help="judge the target from its input snapshot: its stored "
+                    "module outputs against the HF modules replayed on its stored module inputs, no engine re-run "
+                    "(the default for a target that cannot be re-run: a server, vLLM under TP > 1); needs the "
+                    "target's module capture with inputs")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp = add("reduce", cmd_reduce, "shrink a failing module comparison to the fewest prompts, tokens and decoder "
              "layers that still fail, into a self-contained bundle with one command (docs/reduce.md); --local: "

@@ -488,15 +488,16 @@ def cmd_isolate(args: argparse.Namespace) -> int:
     from capturestore.isolate import isolate
 
     r = isolate(args.store, args.comparison, rebuild=args.rebuild, max_prompts=args.max_prompts,
-                even_if_passed=args.even_if_passed, level3=args.level3,
+                even_if_passed=args.even_if_passed, level3=args.level3, snapshot=True if args.snapshot else None,
                 progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
     if r.comparison_id is not None:
-        print(f"isolation {r.comparison_id} of comparison {r.source}")
+        how = "input snapshot (the target not re-run)" if r.method == "snapshot" else "the target re-run"
+        print(f"isolation {r.comparison_id} of comparison {r.source}: {how}")
     if r.level3 is not None:
         return _print_level3(r)
     print(r.summary())
     if r.localisation is not None:
         loc = r.localisation
-        print(f"localisation (local): phase {loc['phase']}, layer {loc['layer']}, module {loc['module']}, "
+        print(f"localisation (local, {r.method}): phase {loc['phase']}, layer {loc['layer']}, module {loc['module']}, "
               f"token {loc['token']}")
     return 1 if r.status == "not_local" else 0
