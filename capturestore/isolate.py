@@ -53,9 +53,16 @@ is flagged in ``level3_mlp`` only; a fault in a projection is its attention's (o
 The engine re-run is HF (a ``transformers`` model: the target passed in, or rebuilt from the
 actual run's checkpoint, dtype and attention implementation) or vLLM at TP 1 (one engine, passed
 in or built from the run's checkpoint and dtype, re-run with replacement through the worker
-extension: ``extractors.vllm_replace``; the modules judged are those the vLLM run holds). A
-server target cannot be re-run, nor a vLLM target under tensor parallelism; Level 3 is HF only
-(RoPE in vLLM is a module of its own, ``rotary_emb``, not a function to patch).
+extension: ``extractors.vllm_replace``; the modules judged are those the vLLM run holds). Level 3
+is HF only (RoPE in vLLM is a module of its own, ``rotary_emb``, not a function to patch).
+
+Input snapshot (``snapshot=True``; by itself for a target that cannot be re-run, ``cannot_rerun``:
+a server target, vLLM under tensor parallelism, another engine): the target is not re-run; its
+module run's stored inputs (``module:input``, captured in place with ``inputs=True``) are replayed
+through the HF modules off the engine, the FP32 module on the target's input the truth, the BF16
+module (the expected run's kernel rounding) on it the noise, and the target's stored output
+judged against them by ``judge_local``, the same search by depth (two replays per depth, no
+engine re-run). Stored alike, ``method`` "snapshot" in the localisation and ``isolations``.
 """
 from __future__ import annotations
 
@@ -84,6 +91,7 @@ __all__ = [
     "MODULE_LOCAL_VERDICTS",
     "IsolationError",
     "IsolationResult",
+    "cannot_rerun",
     "checked_runs",
     "held_prompts",
     "isolate",
@@ -93,6 +101,8 @@ __all__ = [
     "module_kind",
     "module_tree",
     "on_reference_inputs",
+    "rebuild_options",
+    "snapshot_inputs",
     "stored_caps",
 ]
 
@@ -629,10 +639,20 @@ def _vllm_target(rec: dict, rid: str, target, prompts):
         return target, None
     from extractors.vllm_rpc import close_llm, make_llm
 
-    longest = max(len(p) + len(c) for _, p, c in prompts)
-    llm = make_llm(rec["model_path"], dtype=rec["dtype"], enable_prefix_caching=False,
-                   max_model_len=max(256, longest + 16))
+    llm = make_llm(rec["model_path"], **rebuild_options(rec, prompts))
     return llm, lambda: close_llm(llm)
+
+
+def rebuild_options(rec: dict, prompts) -> dict:
+    """The ``make_llm`` keywords that rebuild the vLLM engine of run record ``rec``: its dtype and
+    the engine options its run recorded (``extractors.vllm_modules.vllm_engine_options``: KV cache
+    dtype, block size, token budget, chunked prefill; a run captured before they were recorded
+    gets vLLM's defaults), prefix caching off (replacement needs every position computed), and a
+    maximum length covering ``prompts`` (``[(prompt_id, prompt, continuation)]``)."""
+    longest = max(len(p) + len(c) for _, p, c in prompts)
+    opts = dict(rec["config"].get("engine_options") or {})
+    opts["max_model_len"] = max(int(opts.get("max_model_len") or 256), longest + 16)
+    return {**opts, "dtype": rec["dtype"], "enable_prefix_caching": False}
 
 
 def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_target, config, say, t0,

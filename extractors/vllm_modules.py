@@ -59,7 +59,7 @@ from extractors.modules import INPUT_SUFFIX, resolve_modules
 __all__ = ["NOT_COMPUTED", "VLLM_TO_HF", "ModuleCaptureMixin", "capture_vllm_module_run", "collect_vllm_modules",
            "forward_segments", "group_request_records", "hf_kv_layer_name", "install_vllm_module_capture",
            "input_not_hf", "mappable_hf_modules", "merge_tp_records", "remove_vllm_module_capture", "split_sizes",
-           "vllm_architecture", "vllm_module_input"]
+           "vllm_architecture", "vllm_engine_options", "vllm_module_input"]
 
 _LLAMA = {
     "model.embed_tokens": ("model.embed_tokens", "first"),
@@ -440,6 +440,20 @@ def _take(llm, info: dict, where: str) -> list:
     return [(*m, req) for m, req in zip(merged, reqs)]
 
 
+def vllm_engine_options(llm) -> dict:
+    """The engine options that shape its numerics and layout, as ``vllm.LLM`` keywords (recorded in
+    a module run's config, so ``capturestore isolate`` rebuilds the same engine): KV cache dtype,
+    block size, the longest sequence, the scheduler's token budget and chunked prefill."""
+    cfg = llm.llm_engine.vllm_config
+    sched = cfg.scheduler_config
+    out = {"kv_cache_dtype": str(cfg.cache_config.cache_dtype), "block_size": int(cfg.cache_config.block_size),
+           "max_model_len": int(cfg.model_config.max_model_len),
+           "max_num_batched_tokens": int(sched.max_num_batched_tokens)}
+    if getattr(sched, "enable_chunked_prefill", None) is not None:
+        out["enable_chunked_prefill"] = bool(sched.enable_chunked_prefill)
+    return out
+
+
 def vllm_architecture(llm) -> tuple[str, int]:
     """(HF architecture name, number of decoder layers) of the engine's model."""
     cfg = llm.llm_engine.model_config.hf_config
@@ -713,6 +727,7 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
     cfg = {"mode": "greedy" if teacher is None else "teacher_forced_decode", "num_tokens": num_tokens,
            "module_patterns": list([modules] if isinstance(modules, str) else modules),
            "modules": order, "module_order": order, "batch_size": batch_size, "module_inputs": bool(inputs),
+           "engine_options": vllm_engine_options(llm),
            **({"module_inputs_not_hf": {m: input_not_hf(m) for m in order if input_not_hf(m)}} if inputs else {}),
            "enable_prefix_caching": bool(getattr(llm.llm_engine.vllm_config.cache_config, "enable_prefix_caching",
                                                  False)),

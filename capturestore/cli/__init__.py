@@ -27,7 +27,8 @@ Store method for the store commands).
     capturestore history --model M         capturestore.diff.history(...)
     capturestore cachecheck --model DIR --engine hf|paged|pkg.mod:Class
                                            capturestore.cachecheck.cachecheck(...)  exit 1 unless PASS
-    capturestore isolate COMPARISON        capturestore.isolate.isolate(...)  exit 1 when not local
+    capturestore isolate COMPARISON [--snapshot]
+                                           capturestore.isolate.isolate(...)  exit 1 when not local
     capturestore reduce COMPARISON --out DIR [--local]
                                            capturestore.reduce.reduce(...)
     capturestore reproduce BUNDLE          capturestore.reduce.reproduce(...)  exit 1 when the bug reproduces

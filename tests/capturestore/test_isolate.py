@@ -420,3 +420,23 @@ def test_snapshot_refuses_a_vllm_module_whose_captured_input_is_not_hfs():
                                              r"module's input: HF's experts take the routing"):
         snapshot_inputs(None, "cmp-x", {"actual": "run-v"}, recs, ["model.layers.3.mlp", "model.layers.3.mlp.experts"],
                         [])
+
+
+def test_a_vllm_target_is_rebuilt_with_the_engine_options_its_run_recorded():
+    """The KV cache dtype, block size and scheduler options a vLLM module run records
+    (``vllm_engine_options``) are what isolation rebuilds the engine with (the old rebuild passed
+    the dtype alone: vLLM's default block size and cache dtype, another engine); prefix caching
+    off and the length covering the prompts whatever was recorded; a run recording none gets the defaults."""
+    from capturestore.isolate import rebuild_options
+
+    rec = {"dtype": "bfloat16", "config": {"engine_options": {"kv_cache_dtype": "fp8_e4m3", "block_size": 32,
+                                                             "max_model_len": 512, "max_num_batched_tokens": 64,
+                                                             "enable_chunked_prefill": True}}}
+    prompts = [("p0", list(range(20)), [1, 2, 3])]
+    assert rebuild_options(rec, prompts) == {"kv_cache_dtype": "fp8_e4m3", "block_size": 32, "max_model_len": 512,
+                                             "max_num_batched_tokens": 64, "enable_chunked_prefill": True,
+                                             "dtype": "bfloat16", "enable_prefix_caching": False}
+    long = [("p0", list(range(600)), [1, 2, 3])]
+    assert rebuild_options(rec, long)["max_model_len"] == 619
+    old = {"dtype": "float32", "config": {}}
+    assert rebuild_options(old, prompts) == {"max_model_len": 256, "dtype": "float32", "enable_prefix_caching": False}

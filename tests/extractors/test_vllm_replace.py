@@ -234,6 +234,8 @@ def test_vllm_module_inputs_are_hfs_and_a_snapshot_agrees_with_the_rerun(engine,
     x 1.01 installed through the worker extension (proven to change the engine's output) the
     snapshot isolation (no engine re-run) names model.layers.2.mlp in prefill, as the re-run
     isolation of the same comparison does."""
+    import json
+
     from capturestore.analysis import compare_runs
     from capturestore.isolate import isolate
     from extractors.faults import inject_output_scale, remove_faults
@@ -261,6 +263,11 @@ def test_vllm_module_inputs_are_hfs_and_a_snapshot_agrees_with_the_rerun(engine,
                             comparators=["modules"])
 
     r = compared()
+    # the run records the engine's options, so isolation rebuilds this engine, not vLLM's defaults
+    act = store.sql(f"SELECT actual_run FROM comparisons WHERE comparison_id = '{r.comparison_id}'").column(0)[0].as_py()
+    opts = json.loads(store.sql(f"SELECT config FROM runs WHERE run_id = '{act}'").column(0)[0].as_py())["engine_options"]
+    cc = llm.llm_engine.vllm_config.cache_config
+    assert (opts["block_size"], opts["kv_cache_dtype"], opts["max_model_len"]) == (cc.block_size, cc.cache_dtype, 256)
     snap = isolate(store, r.comparison_id, snapshot=True, even_if_passed=True)
     assert snap.status == "not_local" and snap.engine_reruns == 0, snap.summary()
     assert all(v.passed is True for v in snap.verdicts) and len(snap.verdicts) == 2 * len(order)
