@@ -357,10 +357,12 @@ def stored_caps(store, rid: str, pid: str, names) -> dict:
 
 def _capture_with_inputs(rec: dict) -> str:
     if rec["engine"] == "hf":
-        return "extractors.modules.capture_hf_module_run(..., inputs=True)"
+        return "capturestore run --plugins ...,modules --module-inputs, or extractors.modules.capture_hf_module_run(..., inputs=True)"
     if rec["engine"] == "vllm":
-        return "extractors.vllm_modules.capture_vllm_module_run(..., inputs=True)"
-    return "its module inputs captured at the engine boundary under <module>:input, as capture_hf_module_run(inputs=True) lays them out"
+        return ("capturestore run --plugins ...,modules --module-inputs, or "
+                "extractors.vllm_modules.capture_vllm_module_run(..., inputs=True)")
+    return ("its module inputs captured at the engine boundary under <module>:input, as "
+            "capture_hf_module_run(inputs=True) lays them out")
 
 
 def snapshot_inputs(store, cid: str, runs: dict, recs: dict, order, prompts) -> list[dict]:

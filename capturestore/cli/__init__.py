@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default per target: vllm and hf logits,kv; vllm-server logits; hf-fp8-kv fp8-kv)")
     sp.add_argument("--modules", help="module patterns for the modules plugin, comma-separated "
                     "(default model.layers.*.self_attn,model.layers.*.mlp,model.layers.*,model.norm)")
+    sp.add_argument("--module-inputs", action="store_true", help="the target's module run records each module's "
+                    "input too: its input snapshot, which `capturestore isolate --snapshot` replays through the HF "
+                    "modules (HF and vLLM targets; docs/isolate.md)")
     sp.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the vllm target")
     sp.add_argument("--reference-device", default="cpu", metavar="DEVICE",
                     help="where the HF references run: cpu or cuda[:N] (FP32 without TF32; default cpu)")

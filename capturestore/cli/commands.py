@@ -133,6 +133,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                   plugins=args.plugins, modules=args.modules, tp=args.tp, quiet=args.quiet, label=args.label,
                   fp8_scales=args.fp8_scales, from_task=args.from_task, task_reference=args.task_reference,
                   reference_device=args.reference_device, reference_memory=args.reference_memory, dtype=args.dtype,
+                  module_inputs=args.module_inputs,
                   engine_options={"kv_cache_dtype": args.kv_cache_dtype, "fp8_emulate": args.fp8_emulate})
     with _sigterm_as_interrupt():  # a terminated run rolls back like an interrupted one (docs/run.md)
         if args.debug:  # the engines' and libraries' own output as it comes
