@@ -183,7 +183,7 @@ class IsolationResult:
     wall_s: float = 0.0
     level3: dict | None = None  # kind -> tuple of rows (LEVEL3's columns but the ids); None: not a Level-3 run
     unchecked: dict = field(default_factory=dict)  # kind -> why it was not checked (Level 3)
-    method: str = "rerun"  # "rerun": the target re-run on the reference's inputs; "snapshot": its captured inputs replayed
+    method: str = "rerun"  # "rerun": re-run on the reference's inputs; "snapshot": its captured inputs replayed
 
     def flagged(self) -> dict:
         """Level 3: ``{kind: [(module, phase, layer)]}`` of the rows flagged (their own local failure)."""
@@ -357,7 +357,8 @@ def stored_caps(store, rid: str, pid: str, names) -> dict:
 
 def _capture_with_inputs(rec: dict) -> str:
     if rec["engine"] == "hf":
-        return "capturestore run --plugins ...,modules --module-inputs, or extractors.modules.capture_hf_module_run(..., inputs=True)"
+        return ("capturestore run --plugins ...,modules --module-inputs, or "
+                "extractors.modules.capture_hf_module_run(..., inputs=True)")
     if rec["engine"] == "vllm":
         return ("capturestore run --plugins ...,modules --module-inputs, or "
                 "extractors.vllm_modules.capture_vllm_module_run(..., inputs=True)")
@@ -365,35 +366,36 @@ def _capture_with_inputs(rec: dict) -> str:
             "capture_hf_module_run(inputs=True) lays them out")
 
 
-def snapshot_inputs(store, cid: str, runs: dict, recs: dict, order, prompts) -> list[dict]:
+def snapshot_inputs(store, cid: str, runs: dict, recs: dict, order, prompts, why: str | None = None) -> list[dict]:
     """The target's input snapshot: per prompt ``{(module[:input], phase): [token, ...]}`` of the
     actual run's stored outputs and inputs of ``order``. Refuses (``IsolationError``) a module
     whose input the run does not hold (naming the module and the capture that gives it), a vLLM
     module whose captured input is not the HF module's (the run says why:
     ``module_inputs_not_hf``), and prefill positions never computed (served from the prefix cache:
-    no input to replay). The embedding needs none: its input is the run's tokens."""
+    no input to replay). The embedding needs none: its input is the run's tokens. ``why``: why the
+    target is judged from its snapshot (``cannot_rerun``), said in every refusal."""
     from extractors.modules import INPUT_SUFFIX
     from extractors.vllm_modules import NOT_COMPUTED
 
     rid, act = runs["actual"], recs["actual"]
+    run = f"the actual run {rid} of comparison {cid} ({why + ', so ' if why else ''}judged from its input snapshot)"
     not_hf = act["config"].get("module_inputs_not_hf") or {}
     for m in order:
         if m in not_hf:
-            raise IsolationError(f"the actual run {rid} of comparison {cid} is judged from its input snapshot, but "
-                                 f"its captured input of {m} is not the HF module's input: {not_hf[m]}")
+            raise IsolationError(f"{run}: its captured input of {m} is not the HF module's input: {not_hf[m]}")
     caps = []
     for pid, _, _ in prompts:
         got = stored_caps(store, rid, pid, [*order, *(m + INPUT_SUFFIX for m in order), NOT_COMPUTED])
         if (NOT_COMPUTED, "prefill") in got and got[(NOT_COMPUTED, "prefill")].size:
-            raise IsolationError(f"the actual run {rid} of comparison {cid} served prompt {pid}'s first positions from "
-                                 f"the prefix cache: never computed, they have no input to replay (capture the "
-                                 f"target with enable_prefix_caching=False)")
+            raise IsolationError(f"{run} served prompt {pid}'s first positions from the prefix cache: never "
+                                 f"computed, they have no input to replay (capture the target with "
+                                 f"enable_prefix_caching=False)")
         lacking = [m for m in order if module_kind(m) != "embedding" and (m + INPUT_SUFFIX, "prefill") not in got]
         if lacking:
             more = f" (and {len(lacking) - 1} more modules)" if len(lacking) > 1 else ""
-            raise IsolationError(f"the actual run {rid} of comparison {cid} holds no input of module {lacking[0]}"
-                                 f"{more} for prompt {pid}: an input snapshot replays the target's captured module "
-                                 f"inputs; capture them with {_capture_with_inputs(act)}")
+            raise IsolationError(f"{run} holds no input of module {lacking[0]}{more} for prompt {pid}: an input "
+                                 f"snapshot replays the target's captured module inputs; capture them with "
+                                 f"{_capture_with_inputs(act)}")
         caps.append(got)
     return caps
 
@@ -562,13 +564,7 @@ def _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config,
     if not order:
         raise IsolationError(f"the actual run {runs['actual']} holds none of the expected run's modules")
     prompts = held_prompts(store, {"expected": runs["actual"]}, max_prompts)  # the target's tokens: its inputs'
-    label = f"{why}, so judged from its input snapshot" if why else "judged from its input snapshot"
-    try:
-        act_caps = snapshot_inputs(store, comparison_id, runs, recs, order, prompts)
-    except IsolationError as e:
-        raise IsolationError(str(e).replace(" is judged from its input snapshot,", f" ({label}),")
-                             .replace(f"comparison {comparison_id} holds", f"comparison {comparison_id} ({label}) "
-                                                                           f"holds")) from None
+    act_caps = snapshot_inputs(store, comparison_id, runs, recs, order, prompts, why)
     unchecked = {}
     if level3:
         if recs["actual"]["engine"] == "vllm":

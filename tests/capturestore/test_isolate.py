@@ -352,14 +352,16 @@ def _copy_run(store, src, engine):
     """``src``'s prompts and module tensors (inputs too) in a run of ``engine`` (e.g. a server
     target whose module snapshot came from elsewhere)."""
     cfg = json.loads(store.sql(f"SELECT config FROM runs WHERE run_id = '{src}'").column(0)[0].as_py())
-    path, model_hash = store.sql(f"SELECT model_path, model_hash FROM runs WHERE run_id = '{src}'").to_pylist()[0].values()
+    src_row = store.sql(f"SELECT model_path, model_hash FROM runs WHERE run_id = '{src}'").to_pylist()[0]
+    path, model_hash = src_row["model_path"], src_row["model_hash"]
     run = store.begin_run(engine=engine, model_path=path, model_hash=model_hash, dtype="bfloat16",
                           config={"module_order": cfg["module_order"], "module_inputs": True})
     from capturestore.analysis import prompt_split
 
     names = [*cfg["module_order"], *(m + ":input" for m in cfg["module_order"] if m != "model.embed_tokens")]
     with run:
-        for p in store.sql(f"SELECT prompt_id FROM prompts WHERE run_id = '{src}' ORDER BY prompt_idx").column(0).to_pylist():
+        for p in store.sql(f"SELECT prompt_id FROM prompts WHERE run_id = '{src}' ORDER BY prompt_idx").column(0):
+            p = p.as_py()
             tokens, plen = prompt_split(store, src, p)
             pid = run.add_prompt(tokens[:plen].tolist(), continuation=tokens[plen:].tolist())
             for m in names:
@@ -392,7 +394,8 @@ def test_a_server_target_with_an_input_snapshot_is_judged_from_it_at_the_cli(ref
 def test_snapshot_refusals_name_the_module_and_the_capture_needed(refs, tmp_path):
     store = refs.store
     model, _, _, r = _faulty(refs, "mlp", 1, 0.2)  # captured without inputs
-    act = store.sql(f"SELECT actual_run FROM comparisons WHERE comparison_id = '{r.comparison_id}'").column(0)[0].as_py()
+    act = store.sql(f"SELECT actual_run FROM comparisons WHERE comparison_id = '{r.comparison_id}'").column(0)[0]
+    act = act.as_py()
     p = _cli(store, r.comparison_id, "--snapshot")
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
     assert f"actual run {act}" in p.stderr and "holds no input of module model.layers.0.input_layernorm" in p.stderr

@@ -264,8 +264,9 @@ def test_vllm_module_inputs_are_hfs_and_a_snapshot_agrees_with_the_rerun(engine,
 
     r = compared()
     # the run records the engine's options, so isolation rebuilds this engine, not vLLM's defaults
-    act = store.sql(f"SELECT actual_run FROM comparisons WHERE comparison_id = '{r.comparison_id}'").column(0)[0].as_py()
-    opts = json.loads(store.sql(f"SELECT config FROM runs WHERE run_id = '{act}'").column(0)[0].as_py())["engine_options"]
+    act = store.sql(f"SELECT actual_run FROM comparisons WHERE comparison_id = '{r.comparison_id}'").column(0)[0]
+    cfg = json.loads(store.sql(f"SELECT config FROM runs WHERE run_id = '{act.as_py()}'").column(0)[0].as_py())
+    opts = cfg["engine_options"]
     cc = llm.llm_engine.vllm_config.cache_config
     assert (opts["block_size"], opts["kv_cache_dtype"], opts["max_model_len"]) == (cc.block_size, cc.cache_dtype, 256)
     snap = isolate(store, r.comparison_id, snapshot=True, even_if_passed=True)
