@@ -53,9 +53,16 @@ is flagged in ``level3_mlp`` only; a fault in a projection is its attention's (o
 The engine re-run is HF (a ``transformers`` model: the target passed in, or rebuilt from the
 actual run's checkpoint, dtype and attention implementation) or vLLM at TP 1 (one engine, passed
 in or built from the run's checkpoint and dtype, re-run with replacement through the worker
-extension: ``extractors.vllm_replace``; the modules judged are those the vLLM run holds). A
-server target cannot be re-run, nor a vLLM target under tensor parallelism; Level 3 is HF only
-(RoPE in vLLM is a module of its own, ``rotary_emb``, not a function to patch).
+extension: ``extractors.vllm_replace``; the modules judged are those the vLLM run holds). Level 3
+is HF only (RoPE in vLLM is a module of its own, ``rotary_emb``, not a function to patch).
+
+Input snapshot (``snapshot=True``; by itself for a target that cannot be re-run, ``cannot_rerun``:
+a server target, vLLM under tensor parallelism, another engine): the target is not re-run; its
+module run's stored inputs (``module:input``, captured in place with ``inputs=True``) are replayed
+through the HF modules off the engine, the FP32 module on the target's input the truth, the BF16
+module (the expected run's kernel rounding) on it the noise, and the target's stored output
+judged against them by ``judge_local``, the same search by depth (two replays per depth, no
+engine re-run). Stored alike, ``method`` "snapshot" in the localisation and ``isolations``.
 """
 from __future__ import annotations
 
@@ -84,6 +91,7 @@ __all__ = [
     "MODULE_LOCAL_VERDICTS",
     "IsolationError",
     "IsolationResult",
+    "cannot_rerun",
     "checked_runs",
     "held_prompts",
     "isolate",
@@ -93,6 +101,9 @@ __all__ = [
     "module_kind",
     "module_tree",
     "on_reference_inputs",
+    "rebuild_options",
+    "snapshot_inputs",
+    "stored_caps",
 ]
 
 _D, _I, _S, _B = pa.float64(), pa.int64(), pa.string(), pa.bool_()
@@ -112,8 +123,8 @@ MODULE_LOCAL_VERDICTS = TableSpec(pa.schema([
 ISOLATIONS = TableSpec(pa.schema([
     ("comparison_id", _S), ("source_comparison_id", _S), ("status", _S), ("phase", _S), ("layer", _I),
     ("module", _S), ("token", _I), ("engine_reruns", _I), ("reference_reruns", _I), ("levels", _I),
-    ("search", _S), ("wall_s", _D),
-]), 1)
+    ("search", _S), ("wall_s", _D), ("method", _S),
+]), 2)
 LEVEL3_KINDS = ("embedding", "rmsnorm", "attention", "rope", "mlp", "decoder_layer", "final_norm", "lm_head")
 LEVEL3 = TableSpec(pa.schema([
     ("comparison_id", _S), ("source_comparison_id", _S), ("module", _S), ("phase", _S), ("layer", _I),
@@ -172,6 +183,7 @@ class IsolationResult:
     wall_s: float = 0.0
     level3: dict | None = None  # kind -> tuple of rows (LEVEL3's columns but the ids); None: not a Level-3 run
     unchecked: dict = field(default_factory=dict)  # kind -> why it was not checked (Level 3)
+    method: str = "rerun"  # "rerun": re-run on the reference's inputs; "snapshot": its captured inputs replayed
 
     def flagged(self) -> dict:
         """Level 3: ``{kind: [(module, phase, layer)]}`` of the rows flagged (their own local failure)."""
@@ -215,15 +227,18 @@ class IsolationResult:
     def summary(self) -> str:
         if self.status == "nothing_to_isolate":
             return f"nothing to isolate: comparison {self.source} passed"
-        runs = (f"{self.engine_reruns} engine re-run(s), {self.reference_reruns} reference re-run(s), "
-                f"{len(self.search)} level(s)")
+        snap = self.method == "snapshot"
+        runs = (f"{self.engine_reruns} engine re-run(s), {self.reference_reruns} reference "
+                f"{'replay' if snap else 're-run'}(s), {len(self.search)} level(s)")
+        on = ("input snapshot: the target's captured output against the HF module on the target's captured input"
+              if snap else "module on the expected reference's inputs")
         if self.status == "not_local":
-            return (f"no module fails locally (on the expected reference's inputs) in comparison {self.source}; "
+            return (f"no module fails locally ({on}) in comparison {self.source}; "
                     f"the failure is not a module's own error ({runs})")
         v, loc = self.found, self.localisation
         ip = self.inplace.get((loc["module"], loc["phase"]))
         ip_text = {True: "PASS", False: "FAIL", None: "not judged in place"}[ip]
-        return (f"local verdict (module on the expected reference's inputs): FAIL at {loc['module']} ({loc['phase']}, "
+        return (f"local verdict ({on}): FAIL at {loc['module']} ({loc['phase']}, "
                 f"layer {loc['layer']}, token {loc['token']}): sigma-ratio {v.tensor.sigma_ratio:.3f}, BC "
                 f"{v.tensor.bc:.4f} vs bar {v.tensor.bc_threshold_used:.4f}, L-inf ratio {v.tensor.linf_ratio:.2f} "
                 f"vs bar {v.tensor.linf_threshold_used:.2f}; in-place verdict of that module: {ip_text} ({runs})")
@@ -243,7 +258,15 @@ def module_tree(order) -> dict:
 
 
 def _row(store, cid: str) -> dict:
-    rows = store.sql("SELECT * FROM comparisons WHERE comparison_id = ?", [cid]).to_pylist()
+    from capturestore.errors import QueryError
+
+    try:
+        rows = store.sql("SELECT * FROM comparisons WHERE comparison_id = ?", [cid]).to_pylist()
+    except QueryError as e:  # no comparisons view: nothing was ever compared in this store
+        if "comparisons" not in str(e) or "does not exist" not in str(e):
+            raise
+        raise IsolationError(f"comparison {cid} not found: the store holds no comparisons (compare its runs first: "
+                             f"capturestore compare / capturestore run)") from None
     if not rows:
         raise IsolationError(f"comparison {cid} not found in the store")
     return rows[0]
@@ -270,20 +293,34 @@ def _has_tensors(store, rid: str) -> bool:
                 .as_py())
 
 
-def checked_runs(store, cid: str, row: dict) -> tuple[dict, dict]:
-    """The runs by role (module runs when the comparison has its own) and their records; refuses
-    what cannot be re-run on the reference's inputs (``IsolationError``), naming the run and the
-    capture it needs. Also ``capturestore.reduce``'s check."""
+def cannot_rerun(rec: dict) -> str | None:
+    """Why the engine of run record ``rec`` cannot be re-run with replaced tensors (None: it can:
+    HF, vLLM at TP 1); such a target is judged from its input snapshot (``isolate(..., snapshot=True)``)."""
     from extractors.vllm_server import ENGINE as SERVER
 
+    if rec["engine"] == SERVER:
+        return f"a server target ({SERVER}): it cannot be re-run with replaced tensors"
+    if rec["engine"] == "vllm" and int(rec.get("tp_degree") or 1) > 1:
+        return (f"a vLLM engine with tensor parallelism {rec['tp_degree']}: replacement through the worker "
+                f"extension supports TP = 1 only")
+    if rec["engine"] not in ("hf", "vllm"):
+        return f"a {rec['engine']} engine: isolation re-runs HF and vLLM engines only"
+    return None
+
+
+def checked_runs(store, cid: str, row: dict, snapshot: bool = False) -> tuple[dict, dict]:
+    """The runs by role (module runs when the comparison has its own) and their records; refuses
+    what cannot be re-run on the reference's inputs (``IsolationError``), naming the run and the
+    capture it needs. Also ``capturestore.reduce``'s check. ``snapshot``: the target is not re-run
+    (its captured inputs are replayed, ``snapshot_inputs`` checks them), so any engine will do."""
     runs = _module_runs(row)
     recs = {role: _run(store, rid) for role, rid in runs.items()}
     act = recs.get("actual")
-    if act is not None and act["engine"] == SERVER:
-        raise IsolationError(f"the actual run {runs['actual']} of comparison {cid} is a server target ({SERVER}): it "
-                             f"cannot be re-run with replaced tensors; the way for such an engine is an input snapshot "
-                             f"(its module inputs captured at the engine boundary, replayed through the HF module off "
-                             f"the engine; docs/isolate.md, 'Engines that cannot be re-run')")
+    why = None if act is None or snapshot else cannot_rerun(act)
+    if why is not None:
+        raise IsolationError(f"the actual run {runs['actual']} of comparison {cid} is {why}; judge it from its input "
+                             f"snapshot instead (its module inputs captured at the engine boundary, replayed through "
+                             f"the HF module off the engine: capturestore isolate --snapshot, docs/isolate.md)")
     if "baseline" not in runs:
         raise IsolationError(f"comparison {cid} is two-way: a module's local error is judged against the BF16 "
                              f"module's on the same input, relative to FP32; compare with a baseline (FP32) run")
@@ -292,13 +329,6 @@ def checked_runs(store, cid: str, row: dict) -> tuple[dict, dict]:
             raise IsolationError(f"the {role} run {runs[role]} of comparison {cid} holds no module tensors: isolation "
                                  f"needs module captures of all three runs (capturestore run --plugins ...,modules, "
                                  f"or extractors.modules.capture_hf_module_run)")
-    if act["engine"] not in ("hf", "vllm"):
-        raise IsolationError(f"the actual run {runs['actual']} is a {act['engine']} engine: isolation re-runs HF and "
-                             f"vLLM engines only")
-    if act["engine"] == "vllm" and int(act.get("tp_degree") or 1) > 1:
-        raise IsolationError(f"the actual run {runs['actual']} is a vLLM engine with tensor parallelism "
-                             f"{act['tp_degree']}: replacement through the worker extension supports TP = 1 only "
-                             f"(re-capture the target at TP 1, or an input snapshot: docs/isolate.md)")
     for role in ("expected", "baseline"):
         r = recs[role]
         if r["engine"] != "hf" or r["config"].get("model_given"):
@@ -308,6 +338,66 @@ def checked_runs(store, cid: str, row: dict) -> tuple[dict, dict]:
     if recs["baseline"]["dtype"] != "float32":
         raise IsolationError(f"the baseline run {runs['baseline']} is {recs['baseline']['dtype']}, not float32")
     return runs, recs
+
+
+def stored_caps(store, rid: str, pid: str, names) -> dict:
+    """``{(name, phase): float32 [token, ...]}`` of a module run's stored tensors ``names`` (inputs
+    as ``module:input``), the phases it holds: the layout ``extractors.replace`` gives."""
+    got = {}
+    for m in names:
+        for phase in ("prefill", "decode"):
+            try:
+                t = store.read_tensor(rid, pid, m, phase=phase)
+            except ValueError:
+                continue
+            t = np.asarray(t, dtype=np.float32)  # [step, token, ...]: prefill one step, decode one token per step
+            got[(m, phase)] = t.reshape(-1, *t.shape[2:]) if t.ndim > 2 else t
+    return got
+
+
+def _capture_with_inputs(rec: dict) -> str:
+    if rec["engine"] == "hf":
+        return ("capturestore run --plugins ...,modules --module-inputs, or "
+                "extractors.modules.capture_hf_module_run(..., inputs=True)")
+    if rec["engine"] == "vllm":
+        return ("capturestore run --plugins ...,modules --module-inputs, or "
+                "extractors.vllm_modules.capture_vllm_module_run(..., inputs=True)")
+    return ("its module inputs captured at the engine boundary under <module>:input, as "
+            "capture_hf_module_run(inputs=True) lays them out")
+
+
+def snapshot_inputs(store, cid: str, runs: dict, recs: dict, order, prompts, why: str | None = None) -> list[dict]:
+    """The target's input snapshot: per prompt ``{(module[:input], phase): [token, ...]}`` of the
+    actual run's stored outputs and inputs of ``order``. Refuses (``IsolationError``) a module
+    whose input the run does not hold (naming the module and the capture that gives it), a vLLM
+    module whose captured input is not the HF module's (the run says why:
+    ``module_inputs_not_hf``), and prefill positions never computed (served from the prefix cache:
+    no input to replay). The embedding needs none: its input is the run's tokens. ``why``: why the
+    target is judged from its snapshot (``cannot_rerun``), said in every refusal."""
+    from extractors.modules import INPUT_SUFFIX
+    from extractors.vllm_modules import NOT_COMPUTED
+
+    rid, act = runs["actual"], recs["actual"]
+    run = f"the actual run {rid} of comparison {cid} ({why + ', so ' if why else ''}judged from its input snapshot)"
+    not_hf = act["config"].get("module_inputs_not_hf") or {}
+    for m in order:
+        if m in not_hf:
+            raise IsolationError(f"{run}: its captured input of {m} is not the HF module's input: {not_hf[m]}")
+    caps = []
+    for pid, _, _ in prompts:
+        got = stored_caps(store, rid, pid, [*order, *(m + INPUT_SUFFIX for m in order), NOT_COMPUTED])
+        if (NOT_COMPUTED, "prefill") in got and got[(NOT_COMPUTED, "prefill")].size:
+            raise IsolationError(f"{run} served prompt {pid}'s first positions from the prefix cache: never "
+                                 f"computed, they have no input to replay (capture the target with "
+                                 f"enable_prefix_caching=False)")
+        lacking = [m for m in order if module_kind(m) != "embedding" and (m + INPUT_SUFFIX, "prefill") not in got]
+        if lacking:
+            more = f" (and {len(lacking) - 1} more modules)" if len(lacking) > 1 else ""
+            raise IsolationError(f"{run} holds no input of module {lacking[0]}{more} for prompt {pid}: an input "
+                                 f"snapshot replays the target's captured module inputs; capture them with "
+                                 f"{_capture_with_inputs(act)}")
+        caps.append(got)
+    return caps
 
 
 def _target_model(rec: dict, rid: str, target, rebuild: bool):
@@ -385,7 +475,8 @@ def _check_reproduced(store, runs, prompts, exp_caps, modules):
 
 
 def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, max_prompts: int | None = None,
-            config=None, progress=None, even_if_passed: bool = False, level3: bool = False) -> IsolationResult:
+            config=None, progress=None, even_if_passed: bool = False, level3: bool = False,
+            snapshot: bool | None = None) -> IsolationResult:
     """Isolate the failure of ``comparison_id`` (module docstring). target: the engine under test
     (a transformers model; default: rebuilt from the actual run's checkpoint, which a run of a
     model passed in refuses unless ``rebuild``). max_prompts: judge the first N prompts only.
@@ -397,8 +488,11 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     A vLLM target (the actual run's engine "vllm", TP 1): ``target`` is the engine (``make_llm``; e.g.
     carrying a fault installed through the worker extension), default one engine built from the run's
     checkpoint and dtype for every re-run; only the modules the vLLM run holds are judged.
-    ``store``: a ``Store`` or its path / URL, refused before any work when it cannot be written
-    (``capturestore isolate`` calls this alone)."""
+    snapshot: judge the target from its input snapshot (``_snapshot``: its stored module outputs
+    against the HF modules replayed on its stored module inputs; no engine re-run); None (default):
+    when the target cannot be re-run (``cannot_rerun``: a server target, vLLM under TP > 1, another
+    engine), else the re-run. ``store``: a ``Store`` or its path / URL, refused before any work
+    when it cannot be written (``capturestore isolate`` calls this alone)."""
     from capturestore.store import as_store, require_writable
 
     store = as_store(store)
@@ -408,13 +502,23 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     row = _row(store, comparison_id)
     if row["passed"] and not (even_if_passed or level3):
         return IsolationResult(comparison_id, "nothing_to_isolate")
-    runs, recs = checked_runs(store, comparison_id, row)
+    why = None
+    if snapshot is None:
+        act_id = _module_runs(row).get("actual")
+        why = None if act_id is None else cannot_rerun(_run(store, act_id))
+        snapshot = why is not None
+    runs, recs = checked_runs(store, comparison_id, row, snapshot=snapshot)
     order = recs["expected"]["config"].get("module_order") or recs["actual"]["config"].get("module_order")
     if not order:
         raise IsolationError(f"the expected run {runs['expected']} records no module_order")
     prompts = held_prompts(store, runs, max_prompts)
     if not prompts:
         raise IsolationError(f"comparison {comparison_id}: no prompt is held by all three runs")
+    if snapshot:
+        if target is not None:
+            raise IsolationError(f"comparison {comparison_id}: an input snapshot replays the actual run's stored "
+                                 f"inputs and re-runs no target; do not pass one (or isolate without snapshot)")
+        return _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config, say, t0, level3, why)
     vllm_target = recs["actual"]["engine"] == "vllm"
     if vllm_target and level3:
         raise IsolationError(f"Level 3 judges HF targets only; the actual run {runs['actual']} is vLLM (its RoPE is "
@@ -445,6 +549,83 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
             close()
 
 
+def _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config, say, t0, level3, why):
+    """Isolation from the target's input snapshot: per depth of the module tree, the FP32 HF
+    modules (the truth) and the BF16 HF modules with the expected run's kernel rounding (the noise)
+    replayed on the target's stored inputs of that depth's modules (``on_reference_inputs``), and
+    the target's stored outputs judged against them by ``judge_local``: the same rule, roles
+    actual = the target's output, expected = BF16 HF on the target's input, baseline = FP32 HF on
+    it. No engine re-run; two reference replays per depth."""
+    from extractors.hf import load_hf_model
+    from metrics.modules import first_failing_module, module_layer
+
+    held = set(recs["actual"]["config"].get("module_order") or [])
+    order = [m for m in order if m in held]  # the modules the target's run holds (vLLM gives no lm_head, ...)
+    if not order:
+        raise IsolationError(f"the actual run {runs['actual']} holds none of the expected run's modules")
+    prompts = held_prompts(store, {"expected": runs["actual"]}, max_prompts)  # the target's tokens: its inputs'
+    act_caps = snapshot_inputs(store, comparison_id, runs, recs, order, prompts, why)
+    unchecked = {}
+    if level3:
+        if recs["actual"]["engine"] == "vllm":
+            raise IsolationError(f"Level 3 judges HF targets only; the actual run {runs['actual']} is vLLM (its RoPE "
+                                 f"is the rotary_emb module, not yet judged): run isolate without --level3")
+        unchecked["rope"] = ("an input snapshot holds no RoPE q/k: the module capture hooks modules, and "
+                             "apply_rotary_pos_emb is a function (judged by --level3 on a re-run target)")
+    rounding = recs["expected"]["config"].get("kernel_rounding")
+    say(f"input snapshot of run {runs['actual']} ({recs['actual']['engine']}): {len(order)} modules, "
+        f"{len(prompts)} prompts; replaying them through the FP32 {recs['baseline']['model_path']} and the "
+        f"{recs['expected']['dtype']} {recs['expected']['model_path']}"
+        + (f" (rounding FP32 -> BF16 {rounding.replace('_', ' ')}, as its run records)" if rounding else ""))
+    base_model = load_hf_model(recs["baseline"]["model_path"], "float32")
+    exp_model = load_hf_model(recs["expected"]["model_path"], recs["expected"]["dtype"])
+    tree = module_tree(order)
+    rank = {m: i for i, m in enumerate(order)}
+    inplace = _inplace(store, comparison_id)
+    P = [p for _, p, _ in prompts]
+    C = [c for _, _, c in prompts]
+    search, verdicts, metric_rows = [], [], []
+    replays = 0
+    for level, mods in enumerate(_levels(tree), start=1):
+        say(f"level {level}: {len(mods)} module(s) replayed on the target's inputs")
+        try:
+            base = on_reference_inputs(base_model, P, C, mods, act_caps, what="target's input snapshot")
+            exp = on_reference_inputs(exp_model, P, C, mods, act_caps, rounding, what="target's input snapshot")
+        except ValueError as e:
+            raise IsolationError(f"replaying the input snapshot of run {runs['actual']} through the HF modules: "
+                                 f"{e}") from None
+        replays += 2
+
+        def keep(pid, prompt, m, phase, tm, level=level):
+            c = tm.to_columns()
+            k = c["position"].size
+            metric_rows.append({"prompt_id": [pid] * k, "module": [m] * k, "phase": [phase] * k,
+                                "layer": [module_layer(m)] * k, "level": [level] * k, "position": c["position"],
+                                "gen_token_idx": c["position"] - len(prompt),
+                                **{x: c[x] for x in MODULE_LOCAL_METRICS.schema.names[8:]}})
+
+        res = judge_local(prompts, mods, exp, act_caps, base, order, config, keep)
+        verdicts += [(level, v) for v in res.modules]
+        first = res.first_failing
+        search.append({"level": level, "modules": len(mods),
+                       "first_failing": None if first is None else f"{first.module} ({first.phase})"})
+    found = first_failing_module([v for _, v in verdicts], order)
+    wall = time.perf_counter() - t0
+    status = "found" if found is not None else "not_local"
+    loc = None
+    if found is not None:
+        loc = {"phase": found.phase, "layer": found.layer, "module": found.module, "token": found.token,
+               "local": True, "isolates": comparison_id, "method": "snapshot"}
+    kinds = _level3_rows([v for _, v in verdicts], tree, inplace) if level3 else None
+    for kind in (k for k in LEVEL3_KINDS if kinds is not None and not kinds[k] and k not in unchecked):
+        unchecked[kind] = "the target's run holds no module of this kind"
+    cid = _store(store, comparison_id, row, runs, prompts, status, loc, search, verdicts, metric_rows, inplace, rank,
+                 0, replays, wall, kinds, method="snapshot")
+    return IsolationResult(comparison_id, status, cid, loc, 0, replays, tuple(search), tuple(v for _, v in verdicts),
+                           {k: v[0] for k, v in inplace.items()}, wall,
+                           None if kinds is None else {k: tuple(r) for k, r in kinds.items()}, unchecked, "snapshot")
+
+
 def _vllm_target(rec: dict, rid: str, target, prompts):
     """(the vLLM engine to re-run, a closer or None): the engine passed in (a vllm ``LLM`` built
     with ``extractors.vllm_rpc.make_llm``, e.g. carrying a fault installed through the worker
@@ -456,10 +637,20 @@ def _vllm_target(rec: dict, rid: str, target, prompts):
         return target, None
     from extractors.vllm_rpc import close_llm, make_llm
 
-    longest = max(len(p) + len(c) for _, p, c in prompts)
-    llm = make_llm(rec["model_path"], dtype=rec["dtype"], enable_prefix_caching=False,
-                   max_model_len=max(256, longest + 16))
+    llm = make_llm(rec["model_path"], **rebuild_options(rec, prompts))
     return llm, lambda: close_llm(llm)
+
+
+def rebuild_options(rec: dict, prompts) -> dict:
+    """The ``make_llm`` keywords that rebuild the vLLM engine of run record ``rec``: its dtype and
+    the engine options its run recorded (``extractors.vllm_modules.vllm_engine_options``: KV cache
+    dtype, block size, token budget, chunked prefill; a run captured before they were recorded
+    gets vLLM's defaults), prefix caching off (replacement needs every position computed), and a
+    maximum length covering ``prompts`` (``[(prompt_id, prompt, continuation)]``)."""
+    longest = max(len(p) + len(c) for _, p, c in prompts)
+    opts = dict(rec["config"].get("engine_options") or {})
+    opts["max_model_len"] = max(int(opts.get("max_model_len") or 256), longest + 16)
+    return {**opts, "dtype": rec["dtype"], "enable_prefix_caching": False}
 
 
 def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_target, config, say, t0,
@@ -526,7 +717,7 @@ def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_ta
     loc = None
     if found is not None:
         loc = {"phase": found.phase, "layer": found.layer, "module": found.module, "token": found.token,
-               "local": True, "isolates": comparison_id}
+               "local": True, "isolates": comparison_id, "method": "rerun"}
     kinds = _level3_rows([v for _, v in verdicts], tree, inplace) if level3 else None
     from extractors.modules import DEFAULT_MODULES
 
@@ -552,14 +743,18 @@ def local_inputs(exp_model, prompts, continuations, modules, rounding=None) -> l
         return [c for c, _, _ in collect_hf_replaced(exp_model, prompts, continuations, modules, inputs=True)]
 
 
-def on_reference_inputs(model, prompts, continuations, modules, exp_caps) -> list[dict]:
+def on_reference_inputs(model, prompts, continuations, modules, exp_caps, rounding=None,
+                        what: str = "expected reference") -> list[dict]:
     """One re-run of an HF ``model`` (the target, or the FP32 reference) with the inputs of
-    ``modules`` (none nesting in another) replaced by ``exp_caps``' (``local_inputs``): per prompt
-    ``{(module, phase): [token, ...]}`` of their outputs."""
+    ``modules`` (none nesting in another) replaced by ``exp_caps``' (``local_inputs``; or a
+    target's input snapshot, ``snapshot_inputs``): per prompt ``{(module, phase): [token, ...]}``
+    of their outputs. ``rounding``: the kernel rounding to run ``model`` with (``extractors.kernel_rounding``)."""
+    from extractors.kernel_rounding import kernel_rounding
     from extractors.replace import collect_hf_replaced
 
-    return [c for c, _, _ in collect_hf_replaced(model, prompts, continuations, modules, replace_inputs=modules,
-                                                 sources=exp_caps, what="expected reference")]
+    with kernel_rounding(model, rounding):
+        return [c for c, _, _ in collect_hf_replaced(model, prompts, continuations, modules, replace_inputs=modules,
+                                                     sources=exp_caps, what=what)]
 
 
 def judge_local(prompts, modules, exp_caps, act_caps, base_caps, order=None, config=None, on_metrics=None):
@@ -641,7 +836,7 @@ def _level3_rows(verdicts, tree, inplace) -> dict:
 
 
 def _store(store, source, row, runs, prompts, status, loc, search, verdicts, metric_rows, inplace, rank,
-           engine_reruns, ref_reruns, wall, kinds=None) -> str:
+           engine_reruns, ref_reruns, wall, kinds=None, method: str = "rerun") -> str:
     from capturestore.comparators import declared_tables
     from capturestore.comparators.base import COMPARISONS_SCHEMA_VERSION, to_arrow
     from capturestore.integrity import commit_comparison
@@ -672,7 +867,7 @@ def _store(store, source, row, runs, prompts, status, loc, search, verdicts, met
     iso = [{"comparison_id": cid, "source_comparison_id": source, "status": status,
             "phase": loc and loc["phase"], "layer": loc and loc["layer"], "module": loc and loc["module"],
             "token": loc and loc["token"], "engine_reruns": engine_reruns, "reference_reruns": ref_reruns,
-            "levels": len(search), "search": json.dumps(search), "wall_s": wall}]
+            "levels": len(search), "search": json.dumps(search), "wall_s": wall, "method": method}]
     staged = {"module_local_metrics": to_arrow(metric_rows, MODULE_LOCAL_METRICS, "module_local_metrics"),
               "module_local_verdicts": to_arrow([vrows], MODULE_LOCAL_VERDICTS, "module_local_verdicts"),
               "isolations": to_arrow([iso], ISOLATIONS, "isolations")}
@@ -681,7 +876,8 @@ def _store(store, source, row, runs, prompts, status, loc, search, verdicts, met
                                               for r in rows]], LEVEL3, f"level3_{kind}")
     staged = {t: x for t, x in staged.items() if x.num_rows}
     spec = declared_tables()["comparisons"]
-    crow = {"comparison_id": cid, "label": f"{'level3' if kinds is not None else 'isolate'} {source}",
+    crow = {"comparison_id": cid, "label": f"{'level3' if kinds is not None else 'isolate'}"
+                                           f"{' --snapshot' if method == 'snapshot' else ''} {source}",
             "created_at": datetime.now(UTC),
             "baseline_run": runs["baseline"], "expected_run": runs["expected"], "actual_run": runs["actual"],
             "three_way": True, "n_prompts": len(prompts), "models_differ": bool(row.get("models_differ")),

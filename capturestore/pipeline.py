@@ -629,7 +629,7 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
         engine_options: dict | None = None, engine_hook: Callable | None = None, fp8_scales=None,
         fp8_platform: str | None = None, timings: dict | None = None, from_task=None, task_reference=None,
         bar_file=None, reference_device: str = "cpu", reference_memory: float | None = None,
-        dtype: str | None = None):
+        dtype: str | None = None, module_inputs: bool = False):
     """The main job (module docstring); returns the ``ComparisonResult`` of the stored comparison.
 
     model: a Hugging Face model directory. prompts: a ``.txt`` / ``.jsonl`` file, or a sequence
@@ -639,7 +639,9 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
     ``hf:float16`` | ``hf-fp8-kv`` | an installed plugin target's name (``capturestore.targets``).
     dtype: the target's dtype where it takes one (``vllm``: bfloat16, float16, float32). plugins: comparator names (comma-separated or a list;
     ``fp8-kv`` = ``fp8_kv_floor``), default per target (its ``default_plugins``, ``capturestore.targets``). modules: module
-    patterns for the ``modules`` plugin (default ``DEFAULT_MODULE_PATTERNS``). release: the
+    patterns for the ``modules`` plugin (default ``DEFAULT_MODULE_PATTERNS``). module_inputs: the
+    target's module run records each module's input too (its input snapshot, what
+    ``capturestore isolate --snapshot`` replays; HF and vLLM targets). release: the
     target run's release label (references are shared across releases and carry none).
     quiet: no progress lines (the verdict's lines still go to ``out``). out: where the progress and
     verdict lines go (default: nowhere; the library prints nothing, the CLI passes its own). label: the
@@ -690,7 +692,7 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
             prompts = lambda: task_prompts(from_task, task_reference)  # noqa: E731 - read after the cheap checks
         return _run(model, prompts, target, num_tokens, release, store, plugins, modules, tp, quiet, out, label,
                     progress, engine_options, engine_hook, fp8_scales, fp8_platform, timings,
-                    _Reference(reference_device, reference_memory), dtype)
+                    _Reference(reference_device, reference_memory), dtype, module_inputs)
     finally:
         if hf_bars:
             hf_logging.enable_progress_bar()
@@ -721,7 +723,8 @@ class _Reference:
 
 
 def _run(model, prompts, target, num_tokens, release, store, plugins, modules, tp, quiet, out, label, progress,
-         engine_options, engine_hook, fp8_scales, fp8_platform, timings, ref=None, dtype=None):
+         engine_options, engine_hook, fp8_scales, fp8_platform, timings, ref=None, dtype=None,
+         module_inputs=False):
     t_start = time.perf_counter()
     tm = timings if timings is not None else {}
     tm.clear()
@@ -749,6 +752,10 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     needs = _needs(names)
     if modules is not None and "tensors" not in needs:
         raise ValueError("--modules is given but no plugin compares module tensors (add --plugins ...,modules)")
+    if module_inputs and "tensors" not in needs:
+        raise ValueError("--module-inputs is given but no plugin compares module tensors (add --plugins ...,modules)")
+    if module_inputs and tgt.kind not in ("hf", "vllm"):
+        raise ValueError(f"--module-inputs: target {tgt} captures no module inputs (HF and vLLM targets do)")
     patterns = _patterns(modules)
     model_path, cfg = check_model_dir(model)
     if "routing" in needs:  # routing is captured as the router modules' tensors (docs/moe.md)
@@ -795,7 +802,7 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
         result, reused = _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns, model_path, cfg,
                                       model_hash, rows, pids, given, analysis, num_tokens, release, label, tp,
                                       engine_options, engine_hook, eng, scales, fp8_platform, references,
-                                      ref, fp8_plan)
+                                      ref, fp8_plan, module_inputs)
     except BaseException as e:
         _roll_back(st, pstore, references, interrupted=isinstance(e, KeyboardInterrupt), fresh=fresh, say=say)
         raise
@@ -841,7 +848,8 @@ def _roll_back(st, pstore, references: list, *, interrupted: bool, fresh: bool, 
 
 def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns, model_path, cfg, model_hash,
                          rows, pids, given, analysis, num_tokens, release, label, tp, engine_options, engine_hook,
-                         eng, scales, fp8_platform, references: list, ref=None, fp8_plan=None):
+                         eng, scales, fp8_platform, references: list, ref=None, fp8_plan=None,
+                         module_inputs: bool = False):
     """Steps 2-4 of ``run``: references, the target, one comparison. Appends each complete reference
     run to ``references`` as it is found or captured. Returns ``(ComparisonResult, reused)``: which
     references were reused, for the output."""
@@ -885,7 +893,7 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
     got = eng.capture(TargetContext(
         tgt, pstore, model_path, cfg, model_hash, rows, pids, teacher_rows, num_tokens, release, frozenset(needs),
         patterns if "tensors" in needs else None, target_config, say, progress, expected_run=exp, baseline_run=base,
-        tp=tp, engine_options=engine_options or {}, engine_hook=engine_hook, timings=tm,
+        tp=tp, engine_options=engine_options or {}, engine_hook=engine_hook, timings=tm, module_inputs=module_inputs,
         extra={"store": st, "fp8_scales": scales, "fp8_platform": fp8_platform}))
     act, mod_act = got.run_id, got.module_run_id
     progress.end()
@@ -1069,7 +1077,8 @@ def _reference(st, pstore, progress, tm, role, what, how, model_path, model_hash
 
 
 def capture_vllm_target(pstore, progress, model_path, model_hash, rows, teacher_rows, release, tp, kv, patterns,
-                  engine_options, engine_hook, tm, context, target_config, dtype: str = "bfloat16"):
+                  engine_options, engine_hook, tm, context, target_config, dtype: str = "bfloat16",
+                  module_inputs: bool = False):
     """The in-process vLLM target: raw logits (and paged KV) teacher-forced through the decode path,
     and with ``patterns`` a module-tensor run of the same engine. Returns ``(run_id, module_run_id)``."""
     from extractors.vllm_rpc import capture_vllm_run, close_llm, extract_vllm_kv_cache_config
@@ -1109,14 +1118,15 @@ def capture_vllm_target(pstore, progress, model_path, model_hash, rows, teacher_
         if patterns is not None:
             t0 = time.perf_counter()
             mod_run = _vllm_module_run(pstore, progress, llm, model_path, rows, teacher_rows, patterns, release,
-                                       config)
+                                       config, module_inputs)
             tm["modules"] = time.perf_counter() - t0
     finally:
         close_llm(llm)  # now, not at some later GC inside another engine's start
     return act, mod_run
 
 
-def _vllm_module_run(pstore, progress, llm, model_path, rows, teacher_rows, patterns, release, config):
+def _vllm_module_run(pstore, progress, llm, model_path, rows, teacher_rows, patterns, release, config,
+                     inputs: bool = False):
     """Module tensors of the vLLM engine, teacher-forced on the references' tokens (every rank's
     shards merged under tensor parallelism, ``extractors.vllm_modules``)."""
     from extractors.vllm_modules import capture_vllm_module_run
@@ -1125,12 +1135,13 @@ def _vllm_module_run(pstore, progress, llm, model_path, rows, teacher_rows, patt
     progress.begin("target vllm modules", len(rows), len(teacher_rows[0]))
     rid = capture_vllm_module_run(pstore, llm, model_path, rows, len(teacher_rows[0]), modules=list(patterns),
                                   release=release, config={k: v for k, v in config.items() if k != "cpu_paths"},
-                                  teacher_tokens=teacher_rows)
+                                  teacher_tokens=teacher_rows, inputs=inputs)
     progress.end()
     return rid
 
 
-def capture_hf_target(pstore, progress, model_path, dtype, rows, teacher_rows, release, patterns, tm, config):
+def capture_hf_target(pstore, progress, model_path, dtype, rows, teacher_rows, release, patterns, tm, config,
+                      module_inputs: bool = False):
     """HF in ``dtype`` with SDPA attention (the references run eager attention) as the target."""
     from extractors.hf import capture_hf_run, load_hf_model
 
@@ -1148,7 +1159,7 @@ def capture_hf_target(pstore, progress, model_path, dtype, rows, teacher_rows, r
         progress.say(f"capturing target module tensors ({', '.join(patterns)})")
         progress.begin(f"target hf:{dtype} modules", len(rows), len(teacher_rows[0]))
         mod = capture_hf_module_run(pstore, model_path, rows, teacher_rows, list(patterns), dtype=dtype,
-                                    release=release, model=model)
+                                    release=release, model=model, inputs=module_inputs)
         progress.end()
         tm["modules"] = time.perf_counter() - t0
     return act, mod

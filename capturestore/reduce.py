@@ -445,34 +445,20 @@ def _write_bundle(out: Path, trials: _Trials, case: Case, full: int, info: dict)
     return cmd
 
 
-def _stored_caps(store, rid, pid, names) -> dict:
-    """``{(name, phase): float32 [token, ...]}`` of a module run's stored tensors (phases it holds)."""
-    got = {}
-    for m in names:
-        for phase in ("prefill", "decode"):
-            try:
-                t = store.read_tensor(rid, pid, m, phase=phase)
-            except ValueError:
-                continue
-            t = np.asarray(t, dtype=np.float32)
-            got[(m, phase)] = t.reshape(-1, *t.shape[2:]) if t.ndim > 2 else t
-    return got
-
-
 def _write_local_baseline(store, model_dir: Path, case: Case, mods, expected_run: str) -> str:
     """The local verdict's FP32 reference into ``store``: the FP32 modules ``mods`` of
     ``model_dir`` run on the expected run's stored inputs (``module:input``, read back: the inputs
     ``reproduce`` feeds the engine), written in the module layout; returns its run id."""
     import torch
 
-    from capturestore.isolate import on_reference_inputs
+    from capturestore.isolate import on_reference_inputs, stored_caps
     from extractors.hf import load_hf_model
     from extractors.models import model_content_hash
     from extractors.modules import INPUT_SUFFIX, MODULE_TENSOR_LAYOUT, write_prompt_modules
 
     pids = store.sql("SELECT prompt_id FROM prompts WHERE run_id = ? ORDER BY prompt_idx",
                      [expected_run]).column(0).to_pylist()
-    exp_caps = [_stored_caps(store, expected_run, pid, [*mods, *(m + INPUT_SUFFIX for m in mods)]) for pid in pids]
+    exp_caps = [stored_caps(store, expected_run, pid, [*mods, *(m + INPUT_SUFFIX for m in mods)]) for pid in pids]
     base = on_reference_inputs(load_hf_model(model_dir, "float32"), case.prompts, case.continuations, mods, exp_caps)
     run = store.begin_run(engine="hf", model_path=str(model_dir), model_hash=model_content_hash(model_dir),
                           dtype="float32", config={"mode": "local", "modules": list(mods), "module_order": list(mods),
@@ -492,6 +478,7 @@ def reproduce(bundle, engine=None, progress=None) -> tuple[int, str]:
     module passes; ReductionError when the bundle cannot be read whole or a module is not judged. The
     bundle is only read."""
     from capturestore.errors import StoreError
+    from capturestore.isolate import stored_caps
     from capturestore.store import open_store_path
 
     bundle = Path(bundle)
@@ -525,7 +512,7 @@ def reproduce(bundle, engine=None, progress=None) -> tuple[int, str]:
         caps = []
         for role in ("baseline", "expected"):
             need = [*mods, *(m + ":input" for m in mods)] if local and role == "expected" else mods
-            got = _stored_caps(store, runs[role], pid, need)
+            got = stored_caps(store, runs[role], pid, need)
             absent = [m for m in need if (m, "prefill") not in got]
             if absent:  # evidence the case needs and the bundle lost: never judged as a pass
                 raise ReductionError(f"{bundle}: the {role} run {runs[role]} holds no {absent[0]} (prefill) for prompt "

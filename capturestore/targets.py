@@ -92,6 +92,7 @@ class TargetContext:
     engine_options: dict = field(default_factory=dict)
     engine_hook: Callable | None = None
     timings: dict = field(default_factory=dict)
+    module_inputs: bool = False  # the module run records each module's input too (an input snapshot)
     extra: dict = field(default_factory=dict)  # the built-ins' own inputs (FP8 scales, platform, checks' results)
 
 
@@ -235,7 +236,7 @@ class VllmTarget(EngineTarget):
         act, mod = capture_vllm_target(ctx.store, ctx.progress, ctx.model_path, ctx.model_hash, ctx.rows, ctx.teacher_rows,
                                  ctx.release, ctx.tp, "kv" in ctx.needs, ctx.patterns, ctx.engine_options or {},
                                  ctx.engine_hook, ctx.timings, model_context(ctx.model_config), ctx.config,
-                                 dtype=ctx.target.dtype)
+                                 dtype=ctx.target.dtype, module_inputs=ctx.module_inputs)
         return TargetRuns(act, mod)
 
 
@@ -296,7 +297,8 @@ class HfTarget(EngineTarget):
         from capturestore.pipeline import capture_hf_target
 
         act, mod = capture_hf_target(ctx.store, ctx.progress, ctx.model_path, ctx.target.dtype, ctx.rows,
-                                      ctx.teacher_rows, ctx.release, ctx.patterns, ctx.timings, ctx.config)
+                                      ctx.teacher_rows, ctx.release, ctx.patterns, ctx.timings, ctx.config,
+                                      module_inputs=ctx.module_inputs)
         return TargetRuns(act, mod)
 
 

@@ -54,12 +54,12 @@ from pathlib import Path
 
 import numpy as np
 
-from extractors.modules import resolve_modules
+from extractors.modules import INPUT_SUFFIX, resolve_modules
 
 __all__ = ["NOT_COMPUTED", "VLLM_TO_HF", "ModuleCaptureMixin", "capture_vllm_module_run", "collect_vllm_modules",
            "forward_segments", "group_request_records", "hf_kv_layer_name", "install_vllm_module_capture",
-           "mappable_hf_modules", "merge_tp_records", "remove_vllm_module_capture", "split_sizes",
-           "vllm_architecture"]
+           "input_not_hf", "mappable_hf_modules", "merge_tp_records", "remove_vllm_module_capture", "split_sizes",
+           "vllm_architecture", "vllm_engine_options", "vllm_module_input"]
 
 _LLAMA = {
     "model.embed_tokens": ("model.embed_tokens", "first"),
@@ -165,6 +165,43 @@ def mappable_hf_modules(arch: str, num_layers: int) -> dict[str, tuple[str, str]
     return out
 
 
+# Captured inputs (``inputs=True``) are HF's inputs of the HF module: a fused projection's input is
+# the input of each of its parts (``qkv_proj`` takes what HF's q/k/v_proj each take); a module
+# called with vLLM's separate residual gets ``hidden + residual`` (``vllm_module_input``). Where
+# vLLM's module takes something else than HF's, no input is recorded and the run says why:
+_INPUT_NOT_HF = (
+    (re.compile(r"\.mlp\.experts$"), "HF's experts take the routing (the chosen experts and their weights) beside "
+     "the hidden state; vLLM's fused MoE takes the router logits and routes inside, so the captured hidden state "
+     "alone is not the HF module's input"),
+)
+
+
+def input_not_hf(hf: str) -> str | None:
+    """Why vLLM's captured input of HF module ``hf`` is not HF's input of it (None: it is)."""
+    return next((why for pat, why in _INPUT_NOT_HF if pat.search(hf)), None)
+
+
+def vllm_module_input(args, kwargs):
+    """``(x, where, residual, residual_at)`` of a vLLM module call: ``x`` its floating input (the
+    ``hidden_states`` keyword, else the first floating positional argument: positions and token
+    ids are not), ``where`` ``("kw", name)`` / ``("arg", j)``; ``residual`` the tensor vLLM passes
+    beside it (a decoder layer's, a fused add + RMSNorm's: HF's input is ``x + residual``) or None,
+    at ``residual_at``. ``(None, None, None, None)`` when no argument is floating (token ids)."""
+    import torch
+
+    kwargs = kwargs or {}
+    if "hidden_states" in kwargs and torch.is_tensor(kwargs["hidden_states"]):
+        x, where, res_at = kwargs["hidden_states"], ("kw", "hidden_states"), ("kw", "residual")
+    else:
+        j = next((k for k, a in enumerate(args) if torch.is_tensor(a) and a.is_floating_point()), None)
+        if j is None:
+            return None, None, None, None
+        x, where = args[j], ("arg", j)
+        res_at = ("arg", j + 1) if len(args) > j + 1 else ("kw", "residual")
+    res = args[res_at[1]] if res_at[0] == "arg" else kwargs.get("residual")
+    return x, where, (res if torch.is_tensor(res) else None), res_at
+
+
 # ---------------------------------------------------------------------------------- worker side
 # Plain functions of the worker (``fn(worker, ...)``), reached through the worker extension's
 # methods (``ModuleCaptureMixin``) by name, so that they run in every rank's process.
@@ -183,7 +220,12 @@ def _shard_kind(mod, how: str) -> tuple[str, int]:
     """How this rank's output of ``mod`` relates to the whole: ``("cat", replicas)`` when it is a
     slice of the last axis (column-parallel without gather: ranks ``0, replicas, 2*replicas, ...``
     hold consecutive slices, the ranks in between copies), ``("same", 1)`` when every rank holds
-    all of it (all-reduced row-parallel outputs, norms, the embedding, decoder layers)."""
+    all of it (all-reduced row-parallel outputs, norms, the embedding, decoder layers). Of an
+    input (``how`` "input"): a row-parallel layer's (``o_proj``, ``down_proj``: ``input_is_parallel``)
+    is this rank's slice of the last axis, every other module's input is whole on every rank."""
+    if how == "input":
+        tp = int(getattr(mod, "tp_size", 1))
+        return ("cat", 1) if tp > 1 and getattr(mod, "input_is_parallel", False) else ("same", 1)
     if int(getattr(mod, "tp_size", 1)) <= 1 or getattr(mod, "gather_output", True):
         return ("same", 1)
     if how.startswith("split:") and int(how.split(":")[1]) > 0 and hasattr(mod, "num_kv_head_replicas"):
@@ -227,11 +269,28 @@ def _worker_install(worker, plan: list[tuple[str, str, str]]) -> dict:
         state["segments"] = None if pos is None else forward_segments(worker.model_runner, int(pos.numel()))
 
     by_vllm: dict[str, list] = {}
+    ins: dict[str, list] = {}  # vLLM module -> the HF ``name:input`` records its input gives
     for hf, vl, how in plan:
         if vl not in mods:
             raise ValueError(f"vLLM module capture: the engine's model ({type(model).__name__}) has no module {vl!r} "
                              f"(for HF {hf})")
-        by_vllm.setdefault(vl, []).append((hf, how))
+        (ins.setdefault(vl, []).append(hf) if how == "input" else by_vllm.setdefault(vl, []).append((hf, how)))
+
+    def in_hook_for(targets):
+        def hook(module, args, kwargs):
+            pos = state["positions"]
+            if pos is None:
+                return None
+            x, _, res, _ = vllm_module_input(args, kwargs)
+            if x is None:  # token ids (the embedding): its input is the run's tokens
+                return None
+            t = x if res is None else x + res  # HF's input: the residual stream hidden + residual
+            for req, lo, hi in state["segments"]:
+                kept = t[lo:hi].detach().to("cpu", copy=True)
+                for hf in targets:
+                    state["records"].append((hf, pos[lo:hi], kept, req))
+            return None
+        return hook
 
     def hook_for(vl, targets):
         mod = mods[vl]
@@ -255,6 +314,8 @@ def _worker_install(worker, plan: list[tuple[str, str, str]]) -> dict:
         return hook
 
     state["handles"].append(model.register_forward_pre_hook(pre, with_kwargs=True))
+    for vl, targets in ins.items():
+        state["handles"].append(mods[vl].register_forward_pre_hook(in_hook_for(targets), with_kwargs=True))
     for vl, targets in by_vllm.items():
         state["handles"].append(mods[vl].register_forward_hook(hook_for(vl, targets)))
     setattr(model, _STATE, state)
@@ -379,6 +440,20 @@ def _take(llm, info: dict, where: str) -> list:
     return [(*m, req) for m, req in zip(merged, reqs)]
 
 
+def vllm_engine_options(llm) -> dict:
+    """The engine options that shape its numerics and layout, as ``vllm.LLM`` keywords (recorded in
+    a module run's config, so ``capturestore isolate`` rebuilds the same engine): KV cache dtype,
+    block size, the longest sequence, the scheduler's token budget and chunked prefill."""
+    cfg = llm.llm_engine.vllm_config
+    sched = cfg.scheduler_config
+    out = {"kv_cache_dtype": str(cfg.cache_config.cache_dtype), "block_size": int(cfg.cache_config.block_size),
+           "max_model_len": int(cfg.model_config.max_model_len),
+           "max_num_batched_tokens": int(sched.max_num_batched_tokens)}
+    if getattr(sched, "enable_chunked_prefill", None) is not None:
+        out["enable_chunked_prefill"] = bool(sched.enable_chunked_prefill)
+    return out
+
+
 def vllm_architecture(llm) -> tuple[str, int]:
     """(HF architecture name, number of decoder layers) of the engine's model."""
     cfg = llm.llm_engine.model_config.hf_config
@@ -398,10 +473,14 @@ def _resolve(llm, modules) -> tuple[list[str], dict]:
     return names, table
 
 
-def _install(llm, modules) -> tuple[list[str], dict]:
-    """Hooks on every rank; returns the HF names and ``{hf: (kind, replicas)}`` agreed by all ranks."""
+def _install(llm, modules, inputs: bool = False) -> tuple[list[str], dict]:
+    """Hooks on every rank; returns the HF names and ``{hf: (kind, replicas)}`` agreed by all ranks.
+    ``inputs``: each module's input too, as ``hf:input`` (not where ``input_not_hf`` says why not)."""
     names, table = _resolve(llm, modules)
-    infos = _rpc(llm, "install_module_capture", plan=[[hf, *table[hf]] for hf in names])
+    plan = [[hf, *table[hf]] for hf in names]
+    if inputs:
+        plan += [[hf + INPUT_SUFFIX, table[hf][0], "input"] for hf in names if input_not_hf(hf) is None]
+    infos = _rpc(llm, "install_module_capture", plan=plan)
     tp = {int(i["tp_size"]) for i in infos}
     if tp != {len(infos)} or sorted(int(i["tp_rank"]) for i in infos) != list(range(len(infos))):
         remove_vllm_module_capture(llm)
@@ -537,7 +616,7 @@ def _check_batch_size(batch_size, where: str) -> None:
 def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int | None,
                          modules: Iterable[str] | str = ("**",), sink=None, *,
                          teacher_tokens: Sequence[Sequence[int]] | None = None, first_index: int = 0,
-                         batch_size: int = 1, not_computed: list | None = None):
+                         batch_size: int = 1, not_computed: list | None = None, inputs: bool = False):
     """Run the prompts through the engine with module capture, ``batch_size`` requests at a time
     (one ``generate`` call: the scheduler batches them, chunks their prefills and serves prefix-
     cache hits as it is configured to): ``num_tokens`` greedy tokens, or, with ``teacher_tokens``
@@ -552,14 +631,17 @@ def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int 
     tokens when forced), and the HF names in execution order. Prefill positions served from the
     prefix cache are NaN rows; ``not_computed`` (a list, if given) receives per prompt the list
     of those positions. Under tensor parallelism every rank's output is taken and merged
-    (``merge_tp_records``). ``first_index``: the index of ``prompts[0]`` in the caller's prompts,
+    (``merge_tp_records``). ``inputs``: each module's input too, under ``module:input``, HF's input
+    of the HF module (``vllm_module_input``: ``hidden + residual`` where vLLM keeps the residual
+    apart; a fused projection's input for each of its parts); none for the embedding (token ids)
+    nor where ``input_not_hf`` says vLLM's module takes something else. ``first_index``: the index of ``prompts[0]`` in the caller's prompts,
     for the messages (a caller passing a slice of its prompts)."""
     from metrics.errors import as_float
 
     where = "vLLM module capture"
     _check_batch_size(batch_size, where)
     prompts, teacher = _token_plan(llm, prompts, num_tokens, teacher_tokens, where)
-    names, info = _install(llm, modules)
+    names, info = _install(llm, modules, inputs)
     caps, toks = [], []
     try:
         for lo in range(0, len(prompts), batch_size):
@@ -615,7 +697,8 @@ NOT_COMPUTED = "not_computed"  # tensors/not_computed/prefill: [n] int64, prompt
 
 def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | None,
                             modules: Iterable[str] | str = ("**",), release=None, config: dict | None = None, *,
-                            teacher_tokens: Sequence[Sequence[int]] | None = None, batch_size: int = 1) -> str:
+                            teacher_tokens: Sequence[Sequence[int]] | None = None, batch_size: int = 1,
+                            inputs: bool = False) -> str:
     """Module tensors of a vLLM engine into ``store`` as a run (engine "vllm"): greedy ``num_tokens``
     per prompt, or teacher-forced on ``teacher_tokens`` (one list per prompt; ``num_tokens`` None
     or their length), e.g. the FP32 baseline's tokens, so every role's decode steps see the same
@@ -623,7 +706,10 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
     prompt tokens = prompt + sampled (teacher) tokens and ``tensors/<hf_module>/<phase>`` as the
     HF capture lays them out; prompt positions served from the prefix cache are NaN rows, listed
     in ``tensors/not_computed/prefill`` (``NOT_COMPUTED``; only where there are any), which the
-    module comparator leaves out of every verdict and counts. Greedy: capture HF references with
+    module comparator leaves out of every verdict and counts. ``inputs``: the modules' inputs too
+    (``tensors/<hf_module>:input/<phase>``, ``collect_vllm_modules``), what an input snapshot
+    replays (``capturestore isolate --snapshot``); the run config lists the modules whose input is
+    withheld and why (``module_inputs_not_hf``). Greedy: capture HF references with
     ``capture_hf_module_run`` on the generated tokens (``teacher_tokens``) to compare them."""
     import vllm
 
@@ -640,7 +726,9 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
     tp = int(llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
     cfg = {"mode": "greedy" if teacher is None else "teacher_forced_decode", "num_tokens": num_tokens,
            "module_patterns": list([modules] if isinstance(modules, str) else modules),
-           "modules": order, "module_order": order, "batch_size": batch_size,
+           "modules": order, "module_order": order, "batch_size": batch_size, "module_inputs": bool(inputs),
+           "engine_options": vllm_engine_options(llm),
+           **({"module_inputs_not_hf": {m: input_not_hf(m) for m in order if input_not_hf(m)}} if inputs else {}),
            "enable_prefix_caching": bool(getattr(llm.llm_engine.vllm_config.cache_config, "enable_prefix_caching",
                                                  False)),
            "vllm_architecture": arch, "tensor_layout": "as extractors.modules (HF names via extractors.vllm_modules)",
@@ -657,7 +745,8 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
             _, toks, _ = collect_vllm_modules(llm, part, num_tokens, order,
                                               sink=lambda i, *a, into=pending: into[i].append(a),
                                               teacher_tokens=None if teacher is None else teacher[lo:lo + len(part)],
-                                              first_index=lo, batch_size=len(part), not_computed=skipped)
+                                              first_index=lo, batch_size=len(part), not_computed=skipped,
+                                              inputs=inputs)
             for k, prompt in enumerate(part):
                 pid = run.add_prompt(list(prompt), continuation=toks[k])
                 for hf, phase, step, t in pending[lo + k]:

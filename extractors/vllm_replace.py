@@ -111,7 +111,7 @@ def _split_offsets(mod, part: int) -> tuple[int, int]:
 def _worker_install(worker, plan: list, sources: dict) -> dict:
     import torch
 
-    from extractors.vllm_modules import forward_segments
+    from extractors.vllm_modules import forward_segments, vllm_module_input
     from extractors.vllm_transport import decode_tensor
 
     model = worker.model_runner.model
@@ -167,24 +167,17 @@ def _worker_install(worker, plan: list, sources: dict) -> dict:
         def hook(module, args, kwargs):
             if state["positions"] is None:
                 return None
-            if "hidden_states" in kwargs:
-                x, where = kwargs["hidden_states"], ("kw", "hidden_states")
-            else:
-                j = next((k for k, a in enumerate(args) if torch.is_tensor(a) and a.is_floating_point()), None)
-                if j is None:
-                    state["not_floating"].add(vl)
-                    return None  # token ids (the embedding): nothing to replace, as on HF
-                x, where = args[j], ("arg", j)
+            x, where, res, res_at = vllm_module_input(args, kwargs)
+            if x is None:
+                state["not_floating"].add(vl)
+                return None  # token ids (the embedding): nothing to replace, as on HF
             new = rows_like(hf, "input", x)
             args, kwargs = list(args), dict(kwargs)
             if where[0] == "kw":
                 kwargs["hidden_states"] = new
-                res_at = ("kw", "residual")
             else:
                 args[where[1]] = new
-                res_at = ("arg", where[1] + 1) if len(args) > where[1] + 1 else ("kw", "residual")
-            res = args[res_at[1]] if res_at[0] == "arg" else kwargs.get("residual")
-            if torch.is_tensor(res):  # vLLM's residual stream: the input is hidden + residual -> (x, 0)
+            if res is not None:  # vLLM's residual stream: the input is hidden + residual -> (x, 0)
                 if res_at[0] == "arg":
                     args[res_at[1]] = torch.zeros_like(res)
                 else:

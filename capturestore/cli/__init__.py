@@ -27,7 +27,8 @@ Store method for the store commands).
     capturestore history --model M         capturestore.diff.history(...)
     capturestore cachecheck --model DIR --engine hf|paged|pkg.mod:Class
                                            capturestore.cachecheck.cachecheck(...)  exit 1 unless PASS
-    capturestore isolate COMPARISON        capturestore.isolate.isolate(...)  exit 1 when not local
+    capturestore isolate COMPARISON [--snapshot]
+                                           capturestore.isolate.isolate(...)  exit 1 when not local
     capturestore reduce COMPARISON --out DIR [--local]
                                            capturestore.reduce.reduce(...)
     capturestore reproduce BUNDLE          capturestore.reduce.reproduce(...)  exit 1 when the bug reproduces
@@ -142,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--level3", action="store_true", help="Level 3: every module kind (embedding, RMSNorm, attention, "
                     "RoPE on q/k, MLP, decoder layer, final norm, LM head) judged on the reference's inputs, one table "
                     "per kind (level3_<kind>); implies --even-if-passed; exit 1 when a kind fails")
+    sp.add_argument("--snapshot", action="store_true", help="judge the target from its input snapshot: its stored "
+                    "module outputs against the HF modules replayed on its stored module inputs, no engine re-run "
+                    "(the default for a target that cannot be re-run: a server, vLLM under TP > 1); needs the "
+                    "target's module capture with inputs")
     sp.add_argument("--quiet", action="store_true", help="no progress lines")
     sp = add("reduce", cmd_reduce, "shrink a failing module comparison to the fewest prompts, tokens and decoder "
              "layers that still fail, into a self-contained bundle with one command (docs/reduce.md); --local: "
@@ -179,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default per target: vllm and hf logits,kv; vllm-server logits; hf-fp8-kv fp8-kv)")
     sp.add_argument("--modules", help="module patterns for the modules plugin, comma-separated "
                     "(default model.layers.*.self_attn,model.layers.*.mlp,model.layers.*,model.norm)")
+    sp.add_argument("--module-inputs", action="store_true", help="the target's module run records each module's "
+                    "input too: its input snapshot, which `capturestore isolate --snapshot` replays through the HF "
+                    "modules (HF and vLLM targets; docs/isolate.md)")
     sp.add_argument("--tp", type=int, default=1, help="tensor-parallel degree of the vllm target")
     sp.add_argument("--reference-device", default="cpu", metavar="DEVICE",
                     help="where the HF references run: cpu or cuda[:N] (FP32 without TF32; default cpu)")

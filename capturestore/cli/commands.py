@@ -133,6 +133,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                   plugins=args.plugins, modules=args.modules, tp=args.tp, quiet=args.quiet, label=args.label,
                   fp8_scales=args.fp8_scales, from_task=args.from_task, task_reference=args.task_reference,
                   reference_device=args.reference_device, reference_memory=args.reference_memory, dtype=args.dtype,
+                  module_inputs=args.module_inputs,
                   engine_options={"kv_cache_dtype": args.kv_cache_dtype, "fp8_emulate": args.fp8_emulate})
     with _sigterm_as_interrupt():  # a terminated run rolls back like an interrupted one (docs/run.md)
         if args.debug:  # the engines' and libraries' own output as it comes
@@ -488,15 +489,16 @@ def cmd_isolate(args: argparse.Namespace) -> int:
     from capturestore.isolate import isolate
 
     r = isolate(args.store, args.comparison, rebuild=args.rebuild, max_prompts=args.max_prompts,
-                even_if_passed=args.even_if_passed, level3=args.level3,
+                even_if_passed=args.even_if_passed, level3=args.level3, snapshot=True if args.snapshot else None,
                 progress=None if args.quiet else (lambda m: print(m, file=sys.stderr)))
     if r.comparison_id is not None:
-        print(f"isolation {r.comparison_id} of comparison {r.source}")
+        how = "input snapshot (the target not re-run)" if r.method == "snapshot" else "the target re-run"
+        print(f"isolation {r.comparison_id} of comparison {r.source}: {how}")
     if r.level3 is not None:
         return _print_level3(r)
     print(r.summary())
     if r.localisation is not None:
         loc = r.localisation
-        print(f"localisation (local): phase {loc['phase']}, layer {loc['layer']}, module {loc['module']}, "
+        print(f"localisation (local, {r.method}): phase {loc['phase']}, layer {loc['layer']}, module {loc['module']}, "
               f"token {loc['token']}")
     return 1 if r.status == "not_local" else 0

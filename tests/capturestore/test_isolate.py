@@ -277,3 +277,169 @@ def test_a_vllm_target_under_tensor_parallelism_is_refused_in_one_line(tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
     assert f"actual run {ids['actual']}" in p.stderr and "tensor parallelism 2" in p.stderr
     assert "TP = 1 only" in p.stderr, p.stderr
+
+
+# ------------------------------------------------------------------------------ input snapshot
+
+
+def _snapshot_target(refs, model):
+    """``model``'s module run with inputs (its input snapshot) compared in place with the references."""
+    act = capture_hf_module_run(refs.store, refs.path, refs.prompts, refs.conts, dtype="bfloat16", model=model,
+                                inputs=True)
+    return act, compare_runs(refs.store, baseline_run=refs.base, expected_run=refs.exp, actual_run=act, logits=False,
+                             kv=False, comparators=["modules"])
+
+
+def test_snapshot_names_the_last_layers_one_percent_mlp_fault_that_passes_in_place(refs):
+    """The last layer's MLP output x 1.01 (proven to take effect there and nowhere before it) passes
+    every in-place module verdict; judged from the target's input snapshot alone (no engine re-run:
+    the HF modules replayed on its stored inputs) isolation names model.layers.2.mlp in prefill, as
+    the re-run isolation of the same comparison does. Independent oracle: the stored MLP output
+    against the FP32 MLP called directly on the stored input is 1.01 x (least squares, 1e-3)."""
+    store, order = refs.store, refs.order
+    model, at, diff, _ = _faulty(refs, "mlp", 2, 0.01)
+    assert at == "model.layers.2.mlp" and diff[(at, "prefill")] > 0
+    assert all(diff[(m, "prefill")] == 0 for m in order[:order.index(at)])
+    act, r = _snapshot_target(refs, model)
+    assert r.passed  # in place: drowned in the noise inherited from the layers before
+    pid = store.sql(f"SELECT prompt_id FROM prompts WHERE run_id = '{act}' ORDER BY prompt_idx").column(0)[0].as_py()
+    x = np.asarray(store.read_tensor(act, pid, at + ":input", phase="prefill"), np.float32)[0]
+    y = np.asarray(store.read_tensor(act, pid, at, phase="prefill"), np.float64)[0]
+    with torch.no_grad():
+        f = load_hf_model(refs.path, "float32").model.layers[2].mlp(torch.from_numpy(x)[None])[0].double().numpy()
+    assert abs(float((y * f).sum() / (f * f).sum()) - 1.01) < 1e-3
+    snap = isolate(store, r.comparison_id, snapshot=True, even_if_passed=True)
+    assert snap.method == "snapshot" and snap.status == "found", snap.summary()
+    loc = snap.localisation
+    assert (loc["module"], loc["layer"], loc["phase"], loc["local"], loc["method"]) == (at, 2, "prefill", True,
+                                                                                      "snapshot"), loc
+    assert snap.engine_reruns == 0 and snap.reference_reruns == 2 * len(snap.search) == 6
+    assert "input snapshot" in snap.summary() and snap.inplace[(at, "prefill")] is True
+    assert len(snap.verdicts) == 2 * len(order)  # every module the run holds, prefill and decode
+    rerun = isolate(store, r.comparison_id, target=model, even_if_passed=True)
+    assert rerun.method == "rerun" and rerun.localisation["method"] == "rerun"
+    assert {k: rerun.localisation[k] for k in ("module", "layer", "phase")} == {k: loc[k] for k in
+                                                                               ("module", "layer", "phase")}
+    assert snap.found.tensor.sigma_ratio > 1.5  # locally several times one MLP's BF16 rounding
+    row = store.sql(f"SELECT * FROM comparisons WHERE comparison_id = '{snap.comparison_id}'").to_pylist()[0]
+    assert json.loads(row["localisation"])["method"] == "snapshot" and row["failure_module"] == at
+    iso = store.sql(f"SELECT method, engine_reruns, reference_reruns FROM isolations WHERE comparison_id = "
+                    f"'{snap.comparison_id}'").to_pylist()
+    assert iso == [{"method": "snapshot", "engine_reruns": 0, "reference_reruns": 6}]
+    from capturestore.integrity import evidence_problems
+
+    assert not evidence_problems(store, [snap.comparison_id])
+
+
+def test_snapshot_of_a_correct_engine_fails_no_module_locally(refs):
+    """HF BF16 with SDPA attention (not the eager reference's kernels: proven by its attention output
+    differing) judged from its input snapshot: no module fails locally, every module judged."""
+    import transformers
+
+    sdpa = transformers.AutoModelForCausalLM.from_pretrained(str(refs.path), dtype=torch.bfloat16,
+                                                             attn_implementation="sdpa").eval()
+    got, _ = collect_hf_modules(sdpa, refs.prompts, refs.conts)
+    k = ("model.layers.1.self_attn", "prefill")
+    assert any(not np.array_equal(g[k], c[k]) for g, c in zip(got, refs.clean))
+    _, r = _snapshot_target(refs, sdpa)
+    res = isolate(refs.store, r.comparison_id, snapshot=True, even_if_passed=True)
+    assert res.status == "not_local", res.summary()
+    assert all(v.passed is True for v in res.verdicts) and len(res.verdicts) == 2 * len(refs.order)
+    assert max(v.tensor.sigma_ratio for v in res.verdicts) < 1.5
+
+
+def _copy_run(store, src, engine):
+    """``src``'s prompts and module tensors (inputs too) in a run of ``engine`` (e.g. a server
+    target whose module snapshot came from elsewhere)."""
+    cfg = json.loads(store.sql(f"SELECT config FROM runs WHERE run_id = '{src}'").column(0)[0].as_py())
+    src_row = store.sql(f"SELECT model_path, model_hash FROM runs WHERE run_id = '{src}'").to_pylist()[0]
+    path, model_hash = src_row["model_path"], src_row["model_hash"]
+    run = store.begin_run(engine=engine, model_path=path, model_hash=model_hash, dtype="bfloat16",
+                          config={"module_order": cfg["module_order"], "module_inputs": True})
+    from capturestore.analysis import prompt_split
+
+    names = [*cfg["module_order"], *(m + ":input" for m in cfg["module_order"] if m != "model.embed_tokens")]
+    with run:
+        for p in store.sql(f"SELECT prompt_id FROM prompts WHERE run_id = '{src}' ORDER BY prompt_idx").column(0):
+            p = p.as_py()
+            tokens, plen = prompt_split(store, src, p)
+            pid = run.add_prompt(tokens[:plen].tolist(), continuation=tokens[plen:].tolist())
+            for m in names:
+                for phase in ("prefill", "decode"):
+                    t = np.asarray(store.read_tensor(src, p, m, phase=phase), np.float32)
+                    for step in range(t.shape[0]):
+                        run.write_tensor(pid, m, t[step], step=step, phase=phase)
+    return run.run_id
+
+
+def test_a_server_target_with_an_input_snapshot_is_judged_from_it_at_the_cli(refs):
+    """A server target cannot be re-run: `capturestore isolate` judges it from its input snapshot
+    without being asked (exit 0, the fault named, `snapshot` in the stored localisation)."""
+    from extractors.vllm_server import ENGINE
+
+    store = refs.store
+    model, at, _, _ = _faulty(refs, "mlp", 2, 0.05)
+    act, _ = _snapshot_target(refs, model)
+    srv = _copy_run(store, act, ENGINE)
+    r = compare_runs(store, baseline_run=refs.base, expected_run=refs.exp, actual_run=srv, logits=False, kv=False,
+                     comparators=["modules"])
+    p = _cli(store, r.comparison_id, "--even-if-passed")
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    assert "input snapshot (the target not re-run)" in p.stdout and f"module {at}" in p.stdout, p.stdout
+    loc = json.loads(store.sql(f"SELECT localisation FROM comparisons WHERE label = 'isolate --snapshot "
+                               f"{r.comparison_id}'").column(0)[0].as_py())
+    assert (loc["module"], loc["method"]) == (at, "snapshot")
+
+
+def test_snapshot_refusals_name_the_module_and_the_capture_needed(refs, tmp_path):
+    store = refs.store
+    model, _, _, r = _faulty(refs, "mlp", 1, 0.2)  # captured without inputs
+    act = store.sql(f"SELECT actual_run FROM comparisons WHERE comparison_id = '{r.comparison_id}'").column(0)[0]
+    act = act.as_py()
+    p = _cli(store, r.comparison_id, "--snapshot")
+    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert f"actual run {act}" in p.stderr and "holds no input of module model.layers.0.input_layernorm" in p.stderr
+    assert "capture_hf_module_run(..., inputs=True)" in p.stderr, p.stderr
+    with pytest.raises(IsolationError, match="do not pass one"):
+        isolate(store, r.comparison_id, target=model, snapshot=True)
+    # a store that never compared anything: the comparison named, one line
+    empty = Store.open(tmp_path / "empty")
+    p = _cli(empty, "cmp-nope")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "comparison cmp-nope not found" in p.stderr, p.stderr
+    assert "Table with name" not in p.stderr
+
+
+def test_snapshot_refuses_a_vllm_module_whose_captured_input_is_not_hfs():
+    """A vLLM run records the modules whose input it withheld and why (MoE experts: vLLM's fused
+    MoE routes inside, HF's experts take the routing); a snapshot judging one says which and why."""
+    from capturestore.isolate import snapshot_inputs
+    from extractors.vllm_modules import input_not_hf
+
+    why = input_not_hf("model.layers.3.mlp.experts")
+    assert why and "routing" in why and input_not_hf("model.layers.3.mlp") is None
+    assert input_not_hf("model.layers.3.self_attn.qkv_proj") is None
+    recs = {"actual": {"engine": "vllm", "config": {"module_inputs_not_hf": {"model.layers.3.mlp.experts": why}}}}
+    with pytest.raises(IsolationError, match=r"captured input of model\.layers\.3\.mlp\.experts is not the HF "
+                                             r"module's input: HF's experts take the routing"):
+        snapshot_inputs(None, "cmp-x", {"actual": "run-v"}, recs, ["model.layers.3.mlp", "model.layers.3.mlp.experts"],
+                        [])
+
+
+def test_a_vllm_target_is_rebuilt_with_the_engine_options_its_run_recorded():
+    """The KV cache dtype, block size and scheduler options a vLLM module run records
+    (``vllm_engine_options``) are what isolation rebuilds the engine with (the old rebuild passed
+    the dtype alone: vLLM's default block size and cache dtype, another engine); prefix caching
+    off and the length covering the prompts whatever was recorded; a run recording none gets the defaults."""
+    from capturestore.isolate import rebuild_options
+
+    rec = {"dtype": "bfloat16", "config": {"engine_options": {"kv_cache_dtype": "fp8_e4m3", "block_size": 32,
+                                                             "max_model_len": 512, "max_num_batched_tokens": 64,
+                                                             "enable_chunked_prefill": True}}}
+    prompts = [("p0", list(range(20)), [1, 2, 3])]
+    assert rebuild_options(rec, prompts) == {"kv_cache_dtype": "fp8_e4m3", "block_size": 32, "max_model_len": 512,
+                                             "max_num_batched_tokens": 64, "enable_chunked_prefill": True,
+                                             "dtype": "bfloat16", "enable_prefix_caching": False}
+    long = [("p0", list(range(600)), [1, 2, 3])]
+    assert rebuild_options(rec, long)["max_model_len"] == 619
+    old = {"dtype": "float32", "config": {}}
+    assert rebuild_options(old, prompts) == {"max_model_len": 256, "dtype": "float32", "enable_prefix_caching": False}

@@ -834,3 +834,36 @@ def test_a_terminated_cli_run_keeps_its_references_rolls_back_its_target_and_the
     assert (f"references: baseline {kept[0]['run_id']} (reused); expected {kept[1]['run_id']} (reused)"
             in r.stdout.splitlines()), r.stdout
     assert Store.open(store).verify().ok
+
+
+def test_module_inputs_give_an_input_snapshot_that_isolate_replays(model, prompt_file, tmp_path, capsys):
+    """`capturestore run --plugins modules --module-inputs` records the target's module inputs (its
+    input snapshot): `capturestore isolate CMP --snapshot` judges every module from it without
+    re-running the target, and the correct SDPA engine fails none (exit 1: nothing local). Without
+    the inputs the snapshot is refused naming the module and the flag; --module-inputs without a
+    module plugin is refused."""
+    from capturestore.isolate import isolate
+
+    store = tmp_path / "s"
+    rc, out, err = _cli(capsys, "--model", model, "--prompts", prompt_file, "--target", "hf:bfloat16",
+                        "--num-tokens", 3, "--store", store, "--plugins", "modules", "--module-inputs", "--quiet")
+    assert rc == 0, out + err
+    s = Store.open(store)
+    cmp_row = s.sql("SELECT * FROM comparisons").to_pylist()[0]
+    runs = json.loads(cmp_row["comparator_runs"])["modules"]
+    cfg = json.loads(s.sql(f"SELECT config FROM runs WHERE run_id = '{runs['actual']}'").column(0)[0].as_py())
+    assert cfg["module_inputs"] is True and cfg["attn_implementation"] == "sdpa"
+    res = isolate(s, cmp_row["comparison_id"], snapshot=True, even_if_passed=True)
+    assert res.status == "not_local" and res.method == "snapshot" and res.engine_reruns == 0, res.summary()
+    assert len(res.verdicts) == 2 * len(cfg["module_order"]) and all(v.passed is True for v in res.verdicts)
+    # a module run without inputs: the snapshot names the module and the flag
+    rc, out, err = _cli(capsys, "--model", model, "--prompts", prompt_file, "--target", "hf:bfloat16",
+                        "--num-tokens", 3, "--store", store, "--plugins", "modules", "--release", "r2", "--quiet")
+    assert rc == 0, out + err
+    cid = s.sql("SELECT comparison_id FROM comparisons WHERE label LIKE '%r2%'").column(0)[0].as_py()
+    rc = main(["isolate", "--store", str(store), cid, "--snapshot", "--even-if-passed", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "holds no input of module" in err and "inputs=True" in err and err.count("\n") == 1, err
+    rc, out, err = _cli(capsys, "--model", model, "--prompts", prompt_file, "--target", "hf:bfloat16",
+                        "--store", tmp_path / "s2", "--plugins", "logits", "--module-inputs")
+    assert rc == 2 and "--module-inputs is given but no plugin compares module tensors" in err, err

@@ -223,3 +223,68 @@ def test_isolate_names_a_vllm_softmax_scale_fault_at_the_attention(engine, refs)
                                                                          True), loc
     assert all(v.passed for v in res.verdicts if v.module.startswith("model.layers.1.self_attn."))
     assert res.engine_reruns == 3
+
+
+def test_vllm_module_inputs_are_hfs_and_a_snapshot_agrees_with_the_rerun(engine, refs):
+    """vLLM's module capture with inputs records HF's input of each HF module: the FP32 engine's
+    captured inputs equal HF FP32's (1e-5 of their scale) along every path (a fused projection's
+    input for each part, attention, a fused add + RMSNorm and a decoder layer whose input is
+    hidden + residual, layer 0's without residual, the final norm), prefill and decode. Then the
+    clean engine's input snapshot fails no module locally, and with the last layer's MLP output
+    x 1.01 installed through the worker extension (proven to change the engine's output) the
+    snapshot isolation (no engine re-run) names model.layers.2.mlp in prefill, as the re-run
+    isolation of the same comparison does."""
+    import json
+
+    from capturestore.analysis import compare_runs
+    from capturestore.isolate import isolate
+    from extractors.faults import inject_output_scale, remove_faults
+    from extractors.vllm_modules import capture_vllm_module_run, collect_vllm_modules
+
+    path, llm, prompts, conts, hf32, collect_hf_replaced = engine
+    store, base, exp, order = refs
+    paths = [*CHECKED, "model.layers.0", "model.layers.0.input_layernorm", "model.layers.0.self_attn.v_proj",
+             "model.layers.0.mlp.gate_proj"]
+    ref = [c for c, _, _ in collect_hf_replaced(hf32, prompts, conts, paths, inputs=True)]
+    got, _, _ = collect_vllm_modules(llm, prompts, None, paths, teacher_tokens=conts, inputs=True)
+    worst = 0.0
+    for g, r in zip(got, ref):
+        assert ("model.embed_tokens:input", "prefill") not in g  # token ids: no input recorded
+        for m in paths:
+            for phase in ("prefill", "decode"):
+                want, have = r[(m + ":input", phase)], g[(m + ":input", phase)]
+                assert have.shape == want.shape, (m, phase)
+                worst = max(worst, float(np.abs(have - want).max()) / float(np.abs(want).max()))
+    assert worst <= 1e-5, worst
+
+    def compared():
+        act = capture_vllm_module_run(store, llm, path, prompts, None, order, teacher_tokens=conts, inputs=True)
+        return compare_runs(store, baseline_run=base, expected_run=exp, actual_run=act, logits=False, kv=False,
+                            comparators=["modules"])
+
+    r = compared()
+    # the run records the engine's options, so isolation rebuilds this engine, not vLLM's defaults
+    act = store.sql(f"SELECT actual_run FROM comparisons WHERE comparison_id = '{r.comparison_id}'").column(0)[0]
+    cfg = json.loads(store.sql(f"SELECT config FROM runs WHERE run_id = '{act.as_py()}'").column(0)[0].as_py())
+    opts = cfg["engine_options"]
+    cc = llm.llm_engine.vllm_config.cache_config
+    assert (opts["block_size"], opts["kv_cache_dtype"], opts["max_model_len"]) == (cc.block_size, cc.cache_dtype, 256)
+    snap = isolate(store, r.comparison_id, snapshot=True, even_if_passed=True)
+    assert snap.status == "not_local" and snap.engine_reruns == 0, snap.summary()
+    assert all(v.passed is True for v in snap.verdicts) and len(snap.verdicts) == 2 * len(order)
+    fault = inject_output_scale(llm, "model.layers.2.mlp", 1.01, prompts[0] + conts[0])
+    try:
+        assert fault.hook_calls > 0 and fault.max_abs_dlogprob > fault.clean_spread
+        r = compared()
+        snap = isolate(store, r.comparison_id, snapshot=True, even_if_passed=True)
+        rerun = isolate(store, r.comparison_id, target=llm, even_if_passed=True)
+    finally:
+        remove_faults(llm)
+    for res, method, engine_reruns in ((snap, "snapshot", 0), (rerun, "rerun", 3)):
+        assert res.status == "found", res.summary()
+        loc = res.localisation
+        assert (loc["module"], loc["layer"], loc["phase"], loc["method"]) == ("model.layers.2.mlp", 2, "prefill",
+                                                                              method), loc
+        assert res.engine_reruns == engine_reruns
+    print(f"\nvLLM inputs vs HF FP32: {worst:.2e}; MLP x1.01 sigma-ratio snapshot {snap.found.tensor.sigma_ratio:.2f} "
+          f"re-run {rerun.found.tensor.sigma_ratio:.2f}; wall snapshot {snap.wall_s:.1f}s re-run {rerun.wall_s:.1f}s")
