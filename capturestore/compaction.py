@@ -63,17 +63,24 @@ def _meta_of(schema: pa.Schema) -> dict[str, Any]:
     return json.loads(raw)
 
 
-def merged_segments(b, table: str, names: list[str] | None = None) -> tuple[list[MergedSegment], dict[str, str]]:
+def merged_segments(b, table: str, names: list[str] | None = None,
+                    footers: dict | None = None) -> tuple[list[MergedSegment], dict[str, str]]:
     """([merged segments of ``table``], {name: why} of merged segments whose footer cannot be read).
-    ``names``: the listing to use (one listing for every decision of a reader)."""
+    ``names``: the listing to use (one listing for every decision of a reader). ``footers``:
+    {(table, name): MergedSegment} read before (a merged segment is never replaced), filled here."""
     names = b.segment_names(table) if names is None else names
     out, bad = [], {}
     for n in sorted(names):
         if not is_merged(n):
             continue
+        if footers is not None and (table, n) in footers:
+            out.append(footers[(table, n)])
+            continue
         try:
             meta = _meta_of(b.read_schema(f"{TABLES_DIR}/{table}/{n}"))
             out.append(MergedSegment(n, float(meta["created_at"]), dict(meta["sources"])))
+            if footers is not None:
+                footers[(table, n)] = out[-1]
         except FileNotFoundError:
             continue
         except Exception as e:  # noqa: BLE001 - verify reports it
