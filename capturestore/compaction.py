@@ -129,14 +129,17 @@ def rows_sha256(t: pa.Table) -> str:
 
 def merged_problems(b, table: str, m: MergedSegment, only: str | None = None) -> list[str]:
     """How merged segment ``m`` of ``table`` disagrees with its footer: unreadable, a source's
-    rows missing, extra or altered (row count, canonical row hash), rows of no listed source."""
+    rows missing, extra or altered (row count, canonical row hash), rows of no listed source.
+    ``only``: the rows of that one source alone (check_evidence; rows of a source the footer does
+    not list are verify's to find, and the manifest guard's when they carry a comparison's id)."""
     where = f"table {table} merged segment {m.name}"
     try:
         t = pq.read_table(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{m.name}")))
     except Exception as e:  # noqa: BLE001
         return [f"{where} is unreadable: {e}"]
     out = []
-    have = set(t.column(SOURCE_COLUMN).to_pylist()) if SOURCE_COLUMN in t.column_names else set()
+    have = set() if only is not None or SOURCE_COLUMN not in t.column_names else \
+        set(pc.unique(t.column(SOURCE_COLUMN)).to_pylist())
     for s in sorted(have - set(m.sources)):
         out.append(f"{where} holds rows of {s!r}, which its footer does not list")
     for s, info in sorted(m.sources.items()):
