@@ -334,7 +334,8 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
             meta = json.dumps({"version": 1, "created_at": created, "sources": meta_sources})
             merged = merged.replace_schema_metadata({META_KEY: meta.encode()})
             name = f"{COMPACTED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime(created))}-{uuid.uuid4().hex[:12]}"
-            b.put(f"{TABLES_DIR}/{table}/{name}.parquet", segment_bytes(merged), if_absent=True)
+            # without ARROW:schema: the footer, read by every reader's listing, holds the sources once
+            b.put(f"{TABLES_DIR}/{table}/{name}.parquet", segment_bytes(merged, store_schema=False), if_absent=True)
             res.merged, res.rows = f"{name}.parquet", merged.num_rows
             step(f"merged {table}")
             if grace <= 0:
