@@ -7,7 +7,8 @@ a ``runs`` row, and rows of tables with a ``comparison_id`` column of comparison
 ``comparisons``, ``capturestore.comparators.declared_tables``) is a view of those columns by
 name and type, whatever its segments hold (a column older segments lack reads as NULL); the
 declared schema versions are part of ``catalog.stamp``. Queries from this library run on a private in-memory DuckDB connection
-with the same views over absolute paths (no file lock is ever held, so any number of processes
+with the same views over absolute paths, each table read as explicit file lists of one listing (segment_files)
+instead of the glob and its window (no file lock is ever held, so any number of processes
 can read and write the store at once).
 
 ``catalog.duckdb`` is the same set of views in a file for people running ``duckdb
