@@ -7,7 +7,8 @@ a ``runs`` row, and rows of tables with a ``comparison_id`` column of comparison
 ``comparisons``, ``capturestore.comparators.declared_tables``) is a view of those columns by
 name and type, whatever its segments hold (a column older segments lack reads as NULL); the
 declared schema versions are part of ``catalog.stamp``. Queries from this library run on a private in-memory DuckDB connection
-with the same views over absolute paths (no file lock is ever held, so any number of processes
+with the same views over absolute paths, each table read as explicit file lists of one listing (segment_files)
+instead of the glob and its window (no file lock is ever held, so any number of processes
 can read and write the store at once).
 
 ``catalog.duckdb`` is the same set of views in a file for people running ``duckdb
@@ -33,6 +34,7 @@ import shutil
 import tempfile
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -102,7 +104,81 @@ def _glob_escape_sql(expr: str) -> str:
     return f"regexp_replace({expr}, '([\\[*?])', '[\\1]', 'g')"
 
 
-def _segments(root: Backend, table: str, relative: bool, allow_empty: bool = False, filename: bool = False) -> str:
+@dataclass(frozen=True)
+class SegmentFiles:
+    """One listing of a table's segments with the reader rule of compaction (docs/compact.md)
+    decided on it before any query reads a row: the merged segments, and the segments no merged
+    segment of the same listing names (the footer of each merged segment says which sources it
+    holds: no row is read to decide). ``listed``: every name the listing held; ``window``: a
+    merged segment's footer could not be read, so the rule is left to the window over the rows."""
+    listed: tuple[str, ...]
+    merged: tuple[str, ...] = ()
+    uncovered: tuple[str, ...] = ()
+    window: bool = False
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """What a query reads, in the order a glob would list them (a view's column order)."""
+        return tuple(sorted(self.merged + self.uncovered))
+
+
+# The commit markers are listed before the tables they commit: a marker in the listing then has
+# its rows (written before it) in the later listing of their table.
+_MARKERS_FIRST = ("runs", "comparisons")
+
+
+def segment_files(root: Backend, footers: dict | None = None) -> dict[str, SegmentFiles]:
+    """{table: SegmentFiles} of every table with a segment, each table listed once, the marker
+    tables first. ``footers``: {(table, merged segment): MergedSegment} kept between calls (a
+    merged segment is written once and never replaced: its footer never changes)."""
+    from capturestore.compaction import is_merged, merged_segments
+
+    tables = root.listdir(TABLES_DIR)
+    order = [t for t in _MARKERS_FIRST if t in tables] + [t for t in tables if t not in _MARKERS_FIRST]
+    out = {}
+    for t in order:
+        names = root.segment_names(t)
+        if not names:
+            continue
+        ms, bad = merged_segments(root, t, names, footers)
+        if bad:
+            out[t] = SegmentFiles(tuple(names), window=True)
+            continue
+        covered = {s for m in ms for s in m.sources}
+        out[t] = SegmentFiles(tuple(names), tuple(m.name for m in ms),
+                              tuple(n for n in names if not is_merged(n) and n not in covered))
+    return {t: out[t] for t in tables if t in out}
+
+
+def listed_files_gone(root: Backend, files: dict[str, SegmentFiles]) -> list[str]:
+    """The segments of ``files`` (``table/name``) no longer there: removed since they were listed."""
+    return [f"{t}/{n}" for t, f in files.items() for n in sorted(set(f.listed) - set(root.segment_names(t)))]
+
+
+def view_key(files: dict[str, SegmentFiles], table: str) -> tuple:
+    """What the view of ``table`` built from ``files`` depends on: its own listing and those of
+    the marker tables it is filtered by."""
+    return tuple(files.get(t) for t in (table, *_MARKERS_FIRST))
+
+
+def _listed_segments(root: Backend, table: str, files: SegmentFiles, filename: bool) -> str:
+    """The rows of ``files``: the merged segments and the segments they do not cover, read as
+    one explicit list with no window, so a filter on any column reaches the scan (row-group
+    statistics skip what it excludes). The rule was decided on the listing (SegmentFiles)."""
+    urls = ", ".join(_quote_str(glob_escape(f"{root.tables_url}{root.sep}{table}{root.sep}{n}")) for n in files.files)
+    opts = f", filename = {_quote_str(SEGMENT_FILE_COLUMN)}" if filename else ""
+    scan = f"read_parquet([{urls}], union_by_name = true{opts})"
+    hidden = ([SOURCE_COLUMN] if files.merged else []) + ([SEGMENT_FILE_COLUMN] if filename else [])
+    cols = f"COLUMNS(lambda c: c NOT IN ({', '.join(_quote_str(c) for c in hidden)}))" if hidden else "*"
+    if filename:
+        name = f"parse_filename({_quote_ident(SEGMENT_FILE_COLUMN)})"
+        seg = f"coalesce({_quote_ident(SOURCE_COLUMN)}, {name})" if files.merged else name
+        cols += f", {seg} AS {_quote_ident(SEGMENT_COLUMN)}"
+    return f"(SELECT {cols} FROM {scan})"
+
+
+def _segments(root: Backend, table: str, relative: bool, allow_empty: bool = False, filename: bool = False,
+              files: dict[str, SegmentFiles] | None = None) -> str:
     """A subquery of the rows of every segment of ``table``: by absolute path, or relative to the
     catalog file. The store's own path is escaped: a '*', '?' or '[' in it is no glob (``st*ar``
     would otherwise also read a sibling store ``st-old-ar``).
@@ -115,7 +191,17 @@ def _segments(root: Backend, table: str, relative: bool, allow_empty: bool = Fal
     ``filename`` column), never shown. ``filename``: a ``__capturestore_segment`` column naming the
     segment a writer wrote the row in (the source, for a merged row). The empty first branch
     declares the columns the rule reads: with ``allow_empty`` and no segment left, the scan has no
-    file name column either."""
+    file name column either.
+
+    ``files`` (Store.sql; never catalog.duckdb, which other clients open): the listing of every
+    table, read through _listed_segments instead of the glob and its window. A table absent from
+    it has no segment: with ``allow_empty``, no rows."""
+    if files is not None and not relative:
+        listed = files.get(table)
+        if listed is None and allow_empty:
+            return f"(SELECT NULL::VARCHAR AS comparison_id WHERE false)"
+        if listed is not None and not listed.window and listed.files:
+            return _listed_segments(root, table, listed, filename)
     if relative:
         where = f"{_glob_escape_sql(f'({_STORE_DIR_SQL})')} || {_quote_str(f'{TABLES_DIR}/{table}/*.parquet')}"
     else:
@@ -147,14 +233,14 @@ def catalog_stamp() -> str:
     return f"{CATALOG_STAMP}; declared schemas {versions}"
 
 
-def _columns_sql(root: Backend, table: str, relative: bool, spec) -> str:
+def _columns_sql(root: Backend, table: str, relative: bool, spec, files=None) -> str:
     """The declared columns of ``table``, by name and type; a declared column an older segment
     lacks reads as NULL. Columns a segment holds beyond them are not shown (DuckDB's ``* EXCLUDE``
     serialises in no fixed order, so the view would not be reproducible for verify)."""
     typed = ", ".join(f"CAST(NULL AS {_duck_type(f.type)}) AS {_quote_ident(f.name)}" for f in spec.schema)
     cols = ", ".join(f"CAST({_quote_ident(f.name)} AS {_duck_type(f.type)}) AS {_quote_ident(f.name)}"
                      for f in spec.schema)
-    src = _segments(root, table, relative)
+    src = _segments(root, table, relative, files=files)
     return f"SELECT {cols} FROM (SELECT {typed} WHERE false UNION ALL BY NAME SELECT * FROM {src})"
 
 
@@ -172,7 +258,7 @@ def _duck_type(t: pa.DataType) -> str:
         raise ValueError(f"catalog: no DuckDB type for declared Arrow type {t}") from None
 
 
-def view_sql(root: Backend, table: str, relative: bool = False) -> str:
+def view_sql(root: Backend, table: str, relative: bool = False, files: dict[str, SegmentFiles] | None = None) -> str:
     """CREATE VIEW statement of ``table``: its committed rows (see the module docstring).
 
     A table declared in code (``capturestore.comparators.declared_tables``) and written by
@@ -183,24 +269,24 @@ def view_sql(root: Backend, table: str, relative: bool = False) -> str:
     spec = _declared().get(table)
     has_cid = table not in RUN_TABLES and root.has_column(table, "comparison_id")
     if spec is not None and has_cid:
-        body = _columns_sql(root, table, relative, spec)
+        body = _columns_sql(root, table, relative, spec, files)
     else:  # not declared, or rows a user appended under a declared name (no comparison_id): as stored
-        body = f"SELECT * FROM {_segments(root, table, relative)}"
+        body = f"SELECT * FROM {_segments(root, table, relative, files=files)}"
     view = f"CREATE OR REPLACE VIEW {_quote_ident(table)} AS {body}"
     if table in ("prompts", "captures"):  # the runs segment is the commit marker
-        return f"{view} WHERE run_id IN (SELECT run_id FROM {_segments(root, 'runs', relative)})"
+        return f"{view} WHERE run_id IN (SELECT run_id FROM {_segments(root, 'runs', relative, files=files)})"
     if table != "comparisons" and has_cid:
         # the comparisons row is the commit marker; none yet (no segment, no column) hides every row
         committed = (f"SELECT NULL::VARCHAR AS comparison_id, NULL::VARCHAR[] AS manifest_tables, "
                      f"NULL::VARCHAR[] AS manifest_segments, NULL::BIGINT[] AS manifest_rows WHERE false "
-                     f"UNION ALL BY NAME SELECT * FROM {_segments(root, 'comparisons', relative, allow_empty=True)}")
+                     f"UNION ALL BY NAME SELECT * FROM {_segments(root, 'comparisons', relative, allow_empty=True, files=files)}")
         rows = f"SELECT * FROM ({body}) WHERE comparison_id IN (SELECT comparison_id FROM ({committed}))"
         return (f"CREATE OR REPLACE VIEW {_quote_ident(table)} AS {rows} "
-                f"UNION ALL BY NAME {_manifest_guard(root, table, relative, committed, body)}")
+                f"UNION ALL BY NAME {_manifest_guard(root, table, relative, committed, body, files)}")
     return view
 
 
-def _manifest_guard(root, table: str, relative: bool, committed: str, body: str) -> str:
+def _manifest_guard(root, table: str, relative: bool, committed: str, body: str, files=None) -> str:
     """A query of no rows that raises, naming the segment, when ``table``'s segments disagree with
     the manifest of a committed comparison (integrity.commit_comparison): a listed segment gone or
     holding other row counts, a segment no manifest lists holding rows of a manifested comparison
@@ -219,7 +305,7 @@ def _manifest_guard(root, table: str, relative: bool, committed: str, body: str)
             f"FROM ({committed}) WHERE manifest_tables IS NOT NULL) WHERE t = {_quote_str(table)}")
     manifested = f"SELECT comparison_id FROM ({committed}) WHERE manifest_tables IS NOT NULL"
     have = (f"SELECT comparison_id, {_quote_ident(SEGMENT_COLUMN)} AS seg, 0 AS w, 1 AS h, 0 AS m "
-            f"FROM {_segments(root, table, relative, filename=True)} WHERE comparison_id IN ({manifested})")
+            f"FROM {_segments(root, table, relative, filename=True, files=files)} WHERE comparison_id IN ({manifested})")
     counts = f"SELECT comparison_id, seg, sum(w) AS w, sum(h) AS h, sum(m) AS m FROM ({want} UNION ALL {have}) GROUP BY ALL"
     why = (f"'table {table}, comparison ' || comparison_id || ': segment ' || seg || CASE WHEN h = 0 THEN "
            f"' is missing (its manifest lists ' || w || ' rows)' WHEN m = 0 THEN ' holds ' || h || ' rows of it but "
@@ -291,7 +377,8 @@ def _without_kind(msg: str) -> str:
     return re.sub(r"^[A-Z][A-Za-z ]{0,30} Error: ", "", msg, count=1)
 
 
-def add_views(con: duckdb.DuckDBPyConnection, root: Backend, names: list[str], relative: bool = False) -> dict[str, str]:
+def add_views(con: duckdb.DuckDBPyConnection, root: Backend, names: list[str], relative: bool = False,
+              files: dict[str, SegmentFiles] | None = None) -> dict[str, str]:
     """Create (or replace) the views of ``names`` on ``con``; returns {table: why} of unreadable ones.
 
     A table whose segments DuckDB cannot read (a truncated Parquet file) gets a view with the
@@ -303,7 +390,7 @@ def add_views(con: duckdb.DuckDBPyConnection, root: Backend, names: list[str], r
     broken = {}
     for t in names:
         try:
-            con.execute(view_sql(root, t, relative))
+            con.execute(view_sql(root, t, relative, files))
         except duckdb.Error as e:
             broken[t] = why = f"table {t} is unreadable: {_without_kind(_duckdb_message(e))}"
             # every column is the error itself, and so is the filter: a query reading any column, or

@@ -63,17 +63,24 @@ def _meta_of(schema: pa.Schema) -> dict[str, Any]:
     return json.loads(raw)
 
 
-def merged_segments(b, table: str, names: list[str] | None = None) -> tuple[list[MergedSegment], dict[str, str]]:
+def merged_segments(b, table: str, names: list[str] | None = None,
+                    footers: dict | None = None) -> tuple[list[MergedSegment], dict[str, str]]:
     """([merged segments of ``table``], {name: why} of merged segments whose footer cannot be read).
-    ``names``: the listing to use (one listing for every decision of a reader)."""
+    ``names``: the listing to use (one listing for every decision of a reader). ``footers``:
+    {(table, name): MergedSegment} read before (a merged segment is never replaced), filled here."""
     names = b.segment_names(table) if names is None else names
     out, bad = [], {}
     for n in sorted(names):
         if not is_merged(n):
             continue
+        if footers is not None and (table, n) in footers:
+            out.append(footers[(table, n)])
+            continue
         try:
             meta = _meta_of(b.read_schema(f"{TABLES_DIR}/{table}/{n}"))
             out.append(MergedSegment(n, float(meta["created_at"]), dict(meta["sources"])))
+            if footers is not None:
+                footers[(table, n)] = out[-1]
         except FileNotFoundError:
             continue
         except Exception as e:  # noqa: BLE001 - verify reports it
@@ -122,14 +129,17 @@ def rows_sha256(t: pa.Table) -> str:
 
 def merged_problems(b, table: str, m: MergedSegment, only: str | None = None) -> list[str]:
     """How merged segment ``m`` of ``table`` disagrees with its footer: unreadable, a source's
-    rows missing, extra or altered (row count, canonical row hash), rows of no listed source."""
+    rows missing, extra or altered (row count, canonical row hash), rows of no listed source.
+    ``only``: the rows of that one source alone (check_evidence; rows of a source the footer does
+    not list are verify's to find, and the manifest guard's when they carry a comparison's id)."""
     where = f"table {table} merged segment {m.name}"
     try:
         t = pq.read_table(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{m.name}")))
     except Exception as e:  # noqa: BLE001
         return [f"{where} is unreadable: {e}"]
     out = []
-    have = set(t.column(SOURCE_COLUMN).to_pylist()) if SOURCE_COLUMN in t.column_names else set()
+    have = set() if only is not None or SOURCE_COLUMN not in t.column_names else \
+        set(pc.unique(t.column(SOURCE_COLUMN)).to_pylist())
     for s in sorted(have - set(m.sources)):
         out.append(f"{where} holds rows of {s!r}, which its footer does not list")
     for s, info in sorted(m.sources.items()):
@@ -324,7 +334,8 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
             meta = json.dumps({"version": 1, "created_at": created, "sources": meta_sources})
             merged = merged.replace_schema_metadata({META_KEY: meta.encode()})
             name = f"{COMPACTED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime(created))}-{uuid.uuid4().hex[:12]}"
-            b.put(f"{TABLES_DIR}/{table}/{name}.parquet", segment_bytes(merged), if_absent=True)
+            # without ARROW:schema: the footer, read by every reader's listing, holds the sources once
+            b.put(f"{TABLES_DIR}/{table}/{name}.parquet", segment_bytes(merged, store_schema=False), if_absent=True)
             res.merged, res.rows = f"{name}.parquet", merged.num_rows
             step(f"merged {table}")
             if grace <= 0:

@@ -424,14 +424,16 @@ def check_evidence(store, comparison_ids, command: str) -> None:
     if not ids:
         return
     try:
-        views = set(store.sql("SELECT table_name FROM information_schema.tables").column(0).to_pylist())
-        if "comparisons" not in views or "manifest_tables" not in set(
-                store.sql("SELECT column_name FROM (DESCRIBE comparisons)").column(0).to_pylist()):
-            return  # a store written before manifests: nothing to check against
+        # the view's columns as stored with it (no segment read): one query, not DESCRIBE after a table list
+        if not store.sql("SELECT count(*) FROM information_schema.columns WHERE table_name = 'comparisons' "
+                         "AND column_name = 'manifest_tables'").column(0)[0].as_py():
+            return  # no comparison, or a store written before manifests: nothing to check against
         rows = store.sql("SELECT comparison_id, manifest_tables, manifest_segments, manifest_rows, manifest_sha256 "
                          "FROM comparisons WHERE list_contains($ids, comparison_id)", params={"ids": ids}).to_pylist()
-        for table in sorted({t for r in rows for t in r["manifest_tables"] or ()}):
-            store.sql(f'SELECT count(*) FROM "{table}" WHERE list_contains($ids, comparison_id)', params={"ids": ids})
+        tables = sorted({t for r in rows for t in r["manifest_tables"] or ()})
+        if tables:  # every table's guard in one query
+            store.sql(" UNION ALL ".join(f'SELECT count(*) FROM "{t.replace(chr(34), chr(34) * 2)}" '
+                                         f"WHERE list_contains($ids, comparison_id)" for t in tables), params={"ids": ids})
     except QueryError as e:
         raise StoreError(f"{command}: evidence incomplete: {_guard_message(str(e))}") from None
     merged_cache: dict[str, dict[str, Any]] = {}

@@ -103,8 +103,9 @@ class Store:
         self._zstore = backend.zarr_store(ARRAYS_DIR)
         self._committed: set[str] = set()
         self._con = None  # in-memory DuckDB connection with the catalog views, made on first sql()
-        self._con_tables: list[str] = []
+        self._con_views: dict[str, tuple] = {}  # table -> the listings its view was built from
         self._con_broken: dict[str, str] = {}  # table -> why its segments cannot be read
+        self._footers: dict = {}  # (table, merged segment) -> its footer (compaction.MergedSegment)
         self._con_pid = -1
         self._con_lock = threading.Lock()
         self._segment_schemas: dict[str, SegmentSchemas] = {}  # table -> its segments' column types
@@ -617,18 +618,37 @@ class Store:
         segment fails only the queries that read its table. ``params``: values DuckDB binds
         (``$name`` with a dict, ``?`` with a list), never spliced into the SQL text.
         """
+        from capturestore.errors import QueryError
+
         where = self.backend.catalog_root()  # the backend: where DuckDB opens the segments, and how
         with self._con_lock:
-            names = catalog.table_names(where)
             if self._con is None or self._con_pid != os.getpid():
                 self._con = catalog.connect_memory(where)
                 self._con_pid = os.getpid()
-                self._con_tables, self._con_broken = [], {}
-            todo = sorted(set(names) - set(self._con_tables) | set(self._con_broken))  # new tables, unreadable ones
-            if todo:  # views are created after the lockdown: they read only under tables/
-                self._con_broken = catalog.add_views(self._con, where, todo)
-                self._con_tables = names
-            return catalog.run_query(self._con, query, names, self._con_broken, params)
+                self._con_views, self._con_broken = {}, {}
+            for attempt in range(4):
+                # every table listed once, markers first; the views read exactly these files
+                # (docs/compact.md, "Store.sql: explicit lists"), rebuilt when their listing changed
+                files = catalog.segment_files(where, self._footers)
+                names = list(files)
+                keys = {t: catalog.view_key(files, t) for t in names}
+                todo = [t for t in names if self._con_views.get(t) != keys[t] or t in self._con_broken]
+                if todo:  # views are created after the lockdown: they read only under tables/
+                    broken = catalog.add_views(self._con, where, todo, files=files)
+                    self._con_broken = {t: why for t, why in self._con_broken.items() if t not in todo} | broken
+                    self._con_views.update((t, keys[t]) for t in todo)
+                try:
+                    return catalog.run_query(self._con, query, names, self._con_broken, params)
+                except QueryError as e:
+                    # a listed segment removed before it was read (a merged source after its
+                    # grace, remove_run): list again and rerun; any other failure is the answer
+                    gone = catalog.listed_files_gone(where, files)
+                    if not gone:
+                        raise
+                    if attempt == 3:
+                        raise QueryError(f"{e}; segment {gone[0]} was listed and then removed (No such file) before "
+                                         f"the query read it, {attempt + 1} times in a row; retry the query") from None
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def show(self, run_id: str) -> dict[str, Any]:
         """One run: its runs row, and per prompt the arrays it holds."""

@@ -147,17 +147,24 @@ def write_segment(root: Path, table: str, data: pa.Table, segment: str | None = 
     return final
 
 
-def segment_bytes(data: pa.Table) -> bytes:
-    """``data`` as one segment's bytes, encoded as ``write_segment`` writes it."""
+def segment_bytes(data: pa.Table, store_schema: bool = True) -> bytes:
+    """``data`` as one segment's bytes, encoded as ``write_segment`` writes it. ``store_schema``
+    False: without pyarrow's ``ARROW:schema`` footer entry, a base64 copy of the schema and of its
+    metadata (a merged segment's per-source metadata would be in its footer twice)."""
     sink = pa.BufferOutputStream()
     rows = _row_group_rows(data)
-    if rows is None:
-        pq.write_table(data, sink)
-    else:
+    opts: dict = {}
+    if rows is not None:
         vec = [f.name for f in data.schema if pa.types.is_list(f.type) and pa.types.is_floating(f.type.value_type)]
-        pq.write_table(data, sink, row_group_size=rows, compression="zstd",
-                       use_dictionary=[n for n in data.column_names if n not in vec],
-                       column_encoding=dict.fromkeys(vec, "BYTE_STREAM_SPLIT"))
+        opts = {"compression": "zstd", "use_dictionary": [n for n in data.column_names if n not in vec],
+                "column_encoding": dict.fromkeys(vec, "BYTE_STREAM_SPLIT")}
+    if store_schema:
+        pq.write_table(data, sink, row_group_size=rows, **opts)
+    else:  # the schema's metadata as plain footer entries (pyarrow writes it only inside ARROW:schema)
+        with pq.ParquetWriter(sink, data.schema, store_schema=False, **opts) as w:
+            w.write_table(data, row_group_size=rows)
+            if data.schema.metadata:
+                w.add_key_value_metadata(data.schema.metadata)
     return sink.getvalue().to_pybytes()
 
 
