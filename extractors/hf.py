@@ -423,6 +423,7 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     info["peak"] = peak
     if sm is not None:
         info["weight_passes"] = sm.loads / len(sm.units)
+        info["prefetched_units"] = sm.prefetched
     return run.run_id
 
 

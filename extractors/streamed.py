@@ -61,6 +61,7 @@ _ST_DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2
               "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1)}
 _PAGE = 4096  # mmap granularity: a mmapped tensor's address modulo it is its file offset's
 _READ_CHUNK = 64 << 20  # bytes read (and converted) at a time: bounds the transient copy
+_SERIAL_GRAIN = 32768  # at::internal::GRAIN_SIZE: an elementwise op on fewer elements runs serially
 
 
 class CheckpointError(ValueError):
@@ -204,9 +205,17 @@ class Checkpoint:
                     raise CheckpointError(f"{where(name)}: tensor {name} is {_ST_DTYPES[floats[name]][0]}, the "
                                           f"checkpoint's dtype is {ref}")
 
-    def read(self, name: str, dtype, device="cpu"):
+    def read(self, name: str, dtype, device="cpu", background: bool = False):
         """Tensor ``name`` as ``dtype`` on ``device``: read in chunks, each cast with ``copy_``
-        (``tensor.to(dtype)``'s cast), into one preallocated tensor."""
+        (``tensor.to(dtype)``'s cast), into one preallocated tensor.
+
+        background: the read runs beside a forward (a prefetch), so its cast must not start an
+        OpenMP team of its own (two teams on the forward's cores: under load each spins for the
+        other's cores). BF16 -> FP32, the usual cast, is then the exact widening it is (the 16
+        bits shifted into the high half: what torch's scalar and vector casts do, NaN payloads
+        included) in numpy, which runs it on this thread alone and releases the GIL; any other cast
+        is ``copy_`` in pieces below ATen's parallel grain (32,768 elements), which run serially."""
+        import numpy as np
         import torch
 
         e = self.entries[name]
@@ -238,6 +247,10 @@ class Checkpoint:
             else:
                 buf = torch.empty(min(per, numel), dtype=src_dtype)
                 bview = memoryview(buf.view(torch.uint8).numpy()) if numel else memoryview(b"")
+                widen = background and src_dtype == torch.bfloat16 and dtype == torch.float32
+                if widen:
+                    src16 = buf.view(torch.int16).numpy().view(np.uint16)
+                    dst32 = flat.view(torch.int32).numpy().view(np.uint32)
                 for a in range(0, numel, per):
                     k = min(per, numel - a)
                     need, got = k * itemsize, 0
@@ -246,7 +259,14 @@ class Checkpoint:
                         if not n:
                             raise CheckpointError(f"{e.file}: tensor {name}: file ended early")
                         got += n
-                    flat[a:a + k].copy_(buf[:k])
+                    if widen:
+                        np.left_shift(src16[:k], 16, out=dst32[a:a + k], dtype=np.uint32)
+                    elif background:
+                        for b in range(0, k, _SERIAL_GRAIN):
+                            c = min(_SERIAL_GRAIN, k - b)
+                            flat[a + b:a + b + c].copy_(buf[b:b + c])
+                    else:
+                        flat[a:a + k].copy_(buf[:k])
         return out if str(device) == "cpu" else out.to(device)
 
     def nbytes(self) -> int:
@@ -314,7 +334,11 @@ class StreamedModel:
         self.checkpoint.check(expected, str(cfg_dtype).removeprefix("torch.") if cfg_dtype else None, self.tied,
                               ignored)
         self.loads = 0  # units loaded so far (a teacher-forced group: one per unit)
+        self.prefetched = 0  # of which read in the background while the unit before computed
         self.bytes_read = 0
+        # units i whose successor i + 1 may be read while i computes (both resident then): all
+        # here; prepare_reference keeps those whose pair fits the memory budget (ReferencePlan)
+        self.prefetch = frozenset(range(len(self.units) - 1))
         self.streaming = False
         self.units[0].modules[0][1].register_forward_pre_hook(self._outside)
 
@@ -379,16 +403,27 @@ class StreamedModel:
     def weights_nbytes(self) -> int:
         return sum(self.unit_nbytes(u) for u in self.units)
 
-    def load(self, u: Unit) -> None:
-        import torch.nn as nn
-
+    def read_unit(self, u: Unit, background: bool = False) -> list:
+        """``u``'s weights read from the checkpoint (not yet in the model): ``[(module, attr,
+        tensor, bytes read)]``. ``background``: beside a forward (:meth:`Checkpoint.read`)."""
+        out = []
         for full, (mod, attr) in u.params.items():
             src = self.tied.get(full, full) if full not in self.checkpoint.entries else full
-            old = mod._parameters[attr]
-            t = self.checkpoint.read(src, old.dtype, self.device)
-            self.bytes_read += self.checkpoint.entries[src].nbytes
+            t = self.checkpoint.read(src, mod._parameters[attr].dtype, self.device, background=background)
+            out.append((mod, attr, t, self.checkpoint.entries[src].nbytes))
+        return out
+
+    def install(self, tensors: list) -> None:
+        """Put weights from :meth:`read_unit` into the model."""
+        import torch.nn as nn
+
+        for mod, attr, t, nbytes in tensors:
             mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
+            self.bytes_read += nbytes
         self.loads += 1
+
+    def load(self, u: Unit) -> None:
+        self.install(self.read_unit(u))
 
     def free(self, u: Unit) -> None:
         import torch.nn as nn
@@ -450,6 +485,30 @@ class _Worker:
             self.cond.notify_all()
 
 
+class _Prefetch:
+    """Unit ``idx``'s weights read on a thread of its own while the unit before it computes."""
+
+    def __init__(self, sm: StreamedModel, idx: int):
+        self.idx = idx
+        self.tensors = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, args=(sm,), daemon=True)
+        self.thread.start()
+
+    def _main(self, sm):
+        try:
+            self.tensors = sm.read_unit(sm.units[self.idx], background=True)
+        except BaseException as e:  # raised by take(), in the coordinator
+            self.error = e
+
+    def take(self) -> list:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        tensors, self.tensors = self.tensors, None
+        return tensors
+
+
 class _Stream:
     """Hooks that make every worker wait at each unit until the coordinator hands it over."""
 
@@ -460,6 +519,7 @@ class _Stream:
         self.abort = False
         self.handles = []
         self.current: int | None = None  # index of the loaded unit
+        self.pending: _Prefetch | None = None  # the next unit, being read in the background
 
     def _enter(self, idx: int):
         def pre_hook(module, args):
@@ -514,7 +574,19 @@ class _Stream:
                         if not waiting:
                             break
                         u = self.sm.units[idx]
-                        self.sm.load(u)
+                        if self.pending is not None and self.pending.idx == idx:
+                            tensors = self.pending.take()
+                            self.pending = None
+                            self.sm.prefetched += 1
+                        else:
+                            tensors = self.sm.read_unit(u)
+                        self.sm.install(tensors)
+                        del tensors
+                        # the next unit of this sweep is read while this one computes, where the
+                        # plan holds both (a sweep's last unit: the workers are done or start
+                        # another forward at the embedding, which is not guessed)
+                        if self.pending is None and idx + 1 < n and idx in self.sm.prefetch:
+                            self.pending = _Prefetch(self.sm, idx + 1)
                         try:
                             for w in waiting:
                                 self._run_until_blocked(w)
@@ -529,6 +601,10 @@ class _Stream:
             for w in workers:
                 if w.thread.ident is not None:
                     w.thread.join()
+            if self.pending is not None:  # read for no one (a failure): dropped
+                self.pending.thread.join()
+                self.pending = None
+                _release_freed_memory()
 
     @staticmethod
     def _raise(workers):
@@ -584,12 +660,31 @@ class ReferencePlan:
     largest_unit: tuple[str, int]
     budget: int
     groups: list
+    # streamed: units i whose successor is read while i computes (both resident, with a group's
+    # activations, within the budget), and the unit changes that are not: (name, next, bytes both)
+    prefetch: tuple = ()
+    no_prefetch: tuple = ()
 
     def describe(self) -> str:
         g = ", ".join(str(len(x)) for x in self.groups)
-        return (f"{self.path} ({size_text(self.weights)} of weights, budget {size_text(self.budget)}, "
-                f"largest unit {self.largest_unit[0]} {size_text(self.largest_unit[1])}; "
-                f"{len(self.groups)} group(s) of {g} prompt(s))")
+        out = (f"{self.path} ({size_text(self.weights)} of weights, budget {size_text(self.budget)}, "
+               f"largest unit {self.largest_unit[0]} {size_text(self.largest_unit[1])}; "
+               f"{len(self.groups)} group(s) of {g} prompt(s)")
+        if self.path == "streamed":
+            out += "; " + self.describe_prefetch()
+        return out + ")"
+
+    def describe_prefetch(self) -> str:
+        """Which unit changes read the next unit while one computes, and why the others do not."""
+        n = len(self.prefetch) + len(self.no_prefetch)
+        if not self.no_prefetch:
+            return f"prefetch: each next unit read while one computes ({n} of {n} unit changes)"
+        a, b, both = max(self.no_prefetch, key=lambda x: x[2])
+        names = f"{a} -> {b}" + (f" and {len(self.no_prefetch) - 1} more" if len(self.no_prefetch) > 1 else "")
+        head = ("no prefetch: two neighbouring units do not fit the budget" if not self.prefetch else
+                f"prefetch on {len(self.prefetch)} of {n} unit changes, not on {names}")
+        return (f"{head} ({a} + {b} = {size_text(both)} with the activations; these load serially)"
+                if self.prefetch else f"{head} ({names}: {size_text(both)} with the activations)")
 
 
 def prompt_activation_bytes(config, dtype: str, seq: int, logits_rows: int) -> int:
@@ -627,17 +722,36 @@ def plan_reference(*, weights: int, units: Sequence[tuple[str, int]], budget: in
         raise MemoryBudgetError(f"reference memory budget {size_text(budget)} is smaller than one layer of the "
                                 f"model: {name} needs {size_text(big)} ({big} bytes); give at least "
                                 f"{(big + most) / GiB:.4f} GiB")
-    room = budget - big
-    groups, cur, used = [], [], 0
-    for i, b in enumerate(per_prompt):
-        if cur and used + b > room:
+
+    def pack(room):
+        groups, cur, used = [], [], 0
+        for i, b in enumerate(per_prompt):
+            if cur and used + b > room:
+                groups.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += b
+        if cur:
             groups.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += b
-    if cur:
-        groups.append(cur)
-    return ReferencePlan("streamed", weights, (name, big), budget, groups)
+        return groups
+
+    groups = pack(budget - big)
+    # two neighbouring units resident while the second is read ahead: groups packed to leave
+    # room for the largest pair when that makes no more of them (a group is a pass over the
+    # weights: it costs more than the reads a prefetch overlaps); else a unit change is read
+    # ahead only where its pair and the largest group's activations fit
+    pair = max((units[i][1] + units[i + 1][1] for i in range(len(units) - 1)), default=big)
+    if pair <= budget and len(pack(budget - pair)) <= len(groups):
+        groups = pack(budget - pair)
+    acts = max(sum(per_prompt[i] for i in g) for g in groups) if per_prompt else 0
+    prefetch, no_prefetch = [], []
+    for i in range(len(units) - 1):
+        both = units[i][1] + units[i + 1][1] + acts
+        if both <= budget:
+            prefetch.append(i)
+        else:
+            no_prefetch.append((units[i][0], units[i + 1][0], both))
+    return ReferencePlan("streamed", weights, (name, big), budget, groups, tuple(prefetch), tuple(no_prefetch))
 
 
 def per_expert_checkpoint(path) -> bool:
@@ -679,6 +793,7 @@ def prepare_reference(model_path, dtype: str, device: str = "cpu", memory: float
     units = [(u.name, sm.unit_nbytes(u)) for u in sm.units]
     weights = sum(b for _, b in units)
     plan = plan_reference(weights=weights, units=units, budget=budget, per_prompt=per, stream=stream)
+    sm.prefetch = frozenset(plan.prefetch)
     return plan, sm
 
 
