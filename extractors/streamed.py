@@ -664,6 +664,7 @@ class ReferencePlan:
     # activations, within the budget), and the unit changes that are not: (name, next, bytes both)
     prefetch: tuple = ()
     no_prefetch: tuple = ()
+    prefetch_off: bool = False  # turned off by the caller
 
     def describe(self) -> str:
         g = ", ".join(str(len(x)) for x in self.groups)
@@ -677,6 +678,8 @@ class ReferencePlan:
     def describe_prefetch(self) -> str:
         """Which unit changes read the next unit while one computes, and why the others do not."""
         n = len(self.prefetch) + len(self.no_prefetch)
+        if self.prefetch_off:
+            return "no prefetch (turned off)"
         if not self.no_prefetch:
             return f"prefetch: each next unit read while one computes ({n} of {n} unit changes)"
         a, b, both = max(self.no_prefetch, key=lambda x: x[2])
@@ -710,10 +713,12 @@ def size_text(n: int) -> str:
 
 
 def plan_reference(*, weights: int, units: Sequence[tuple[str, int]], budget: int, per_prompt: Sequence[int],
-                   stream: bool | None = None) -> ReferencePlan:
+                   stream: bool | None = None, prefetch: bool = True) -> ReferencePlan:
     """``whole`` when the weights and the largest prompt's activations fit ``budget`` (or
     ``stream`` is False); else ``streamed``, in groups of prompts whose activations fit beside the
-    largest unit. ``MemoryBudgetError`` when a streamed path's largest unit alone exceeds the budget."""
+    largest unit. ``MemoryBudgetError`` when a streamed path's largest unit alone exceeds the budget.
+    Each unit change whose two units fit with the activations reads the next unit ahead (``prefetch``
+    False: none does)."""
     name, big = max(units, key=lambda x: x[1])
     most = max(per_prompt, default=0)
     if stream is False or (stream is None and weights + most <= budget):
@@ -741,6 +746,8 @@ def plan_reference(*, weights: int, units: Sequence[tuple[str, int]], budget: in
     # weights: it costs more than the reads a prefetch overlaps); else a unit change is read
     # ahead only where its pair and the largest group's activations fit
     pair = max((units[i][1] + units[i + 1][1] for i in range(len(units) - 1)), default=big)
+    if not prefetch:
+        return ReferencePlan("streamed", weights, (name, big), budget, groups, prefetch_off=True)
     if pair <= budget and len(pack(budget - pair)) <= len(groups):
         groups = pack(budget - pair)
     acts = max(sum(per_prompt[i] for i in g) for g in groups) if per_prompt else 0
@@ -767,12 +774,13 @@ def per_expert_checkpoint(path) -> bool:
 
 
 def prepare_reference(model_path, dtype: str, device: str = "cpu", memory: float | int | None = None,
-                      stream: bool | None = None, seqs: Sequence[tuple[int, int]] = (), extra_per_prompt: int = 0):
+                      stream: bool | None = None, seqs: Sequence[tuple[int, int]] = (), extra_per_prompt: int = 0,
+                      prefetch: bool = True):
     """Plan a reference of ``model_path`` in ``dtype`` on ``device`` before any run is written.
 
     memory: the budget in bytes (None: :func:`available_memory`). stream: None chooses by the
     budget, True / False force a path. seqs: ``(tokens, logits rows)`` per prompt, for the
-    activations' share. Returns ``(plan, streamed_model)``: the model is the checked skeleton
+    activations' share. prefetch: False reads no unit ahead (:func:`plan_reference`). Returns ``(plan, streamed_model)``: the model is the checked skeleton
     (checkpoint refused here with ``CheckpointError``; a budget below one unit with
     ``MemoryBudgetError``). A checkpoint without safetensors takes the whole path (``plan`` None).
     """
@@ -792,7 +800,8 @@ def prepare_reference(model_path, dtype: str, device: str = "cpu", memory: float
     per = [prompt_activation_bytes(sm.model.config, dtype, s, r) + extra_per_prompt for s, r in seqs]
     units = [(u.name, sm.unit_nbytes(u)) for u in sm.units]
     weights = sum(b for _, b in units)
-    plan = plan_reference(weights=weights, units=units, budget=budget, per_prompt=per, stream=stream)
+    plan = plan_reference(weights=weights, units=units, budget=budget, per_prompt=per, stream=stream,
+                          prefetch=prefetch)
     sm.prefetch = frozenset(plan.prefetch)
     return plan, sm
 

@@ -393,6 +393,8 @@ def test_prefetch_is_planned_where_two_neighbouring_units_fit_and_refused_below_
     assert plan.groups == [[0, 1, 2]] and plan.prefetch == ()  # 2 + 1 would be one more pass
     plan = plan_reference(weights=160, units=units, budget=10_000, per_prompt=[5, 5], stream=True)
     assert plan.prefetch == (0, 1, 2) and "prefetch: each next unit read while one computes (3 of 3" in plan.describe()
+    plan = plan_reference(weights=160, units=units, budget=10_000, per_prompt=[5, 5], stream=True, prefetch=False)
+    assert plan.prefetch == () and "no prefetch (turned off)" in plan.describe()
     with pytest.raises(MemoryBudgetError, match="smaller than one layer of the model: head needs"):
         plan_reference(weights=160, units=units, budget=69, per_prompt=[5, 5])
 
