@@ -13,9 +13,10 @@ abs difference 0, on every tiny architecture).
 How one pass over the weights serves a whole group of prompts: each prompt's capture runs in its
 own worker thread; a pre-forward hook on every unit blocks the worker until that unit's weights
 are loaded and it is the worker's turn. The coordinator loads unit ``u``, lets every worker that
-is waiting for ``u`` run it (one worker at a time: no two threads ever run torch at once, so no
-op sees another's threads), then frees ``u`` (its parameters go back to the meta device) and
-loads ``u + 1``. A teacher-forced capture is one forward: its weights are read once per group.
+is waiting for ``u`` run it (one worker at a time: no two forwards run at once), then frees ``u``
+(its parameters go back to the meta device) and installs ``u + 1``, which a thread of its own read
+while ``u`` computed wherever the plan holds both units (prefetch; its casts start no OpenMP team,
+so the forwards' threading is untouched). A teacher-forced capture is one forward: its weights are read once per group.
 A greedy capture is one forward per generated token (prefill + ``num_tokens`` decode steps, as
 ``generate_hf_logits_and_kv`` runs them), so its weights are read ``num_tokens + 1`` times per
 group (docs/references.md measures what this costs).
