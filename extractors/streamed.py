@@ -206,9 +206,12 @@ class Checkpoint:
                     raise CheckpointError(f"{where(name)}: tensor {name} is {_ST_DTYPES[floats[name]][0]}, the "
                                           f"checkpoint's dtype is {ref}")
 
-    def read(self, name: str, dtype, device="cpu", background: bool = False):
+    def read(self, name: str, dtype, device="cpu", background: bool = False, pool=None):
         """Tensor ``name`` as ``dtype`` on ``device``: read in chunks, each cast with ``copy_``
         (``tensor.to(dtype)``'s cast), into one preallocated tensor.
+
+        pool: a :class:`_BufferPool` of freed weights' memory to read into instead of a fresh
+        allocation (CPU): fresh pages cost a fault each (~1 GB/s here), reused ones nothing.
 
         background: the read runs beside a forward (a prefetch), so its cast must not start an
         OpenMP team of its own (two teams on the forward's cores: under load each spins for the
@@ -226,11 +229,19 @@ class Checkpoint:
             # modulo the page. Kernels' results depend on alignment (an FP32 GEMV differs by
             # rounding between a 64-byte and a 40-mod-64 weight), so this copy sits at the same
             # address modulo the page as the whole-model one.
-            raw = torch.empty(e.nbytes + _PAGE, dtype=torch.uint8)
+            key = self.buffer_key(name, dtype, device)
+            raw = pool.take(key) if pool is not None else None
+            raw = torch.empty(e.nbytes + _PAGE, dtype=torch.uint8) if raw is None else raw
             start = (e.offset - raw.data_ptr()) % _PAGE
             out = raw[start:start + e.nbytes].view(dtype).view(e.shape)
+            buffer = raw
         else:
-            out = torch.empty(e.shape, dtype=dtype)
+            key = self.buffer_key(name, dtype, device)
+            out = pool.take(key) if pool is not None and str(device) == "cpu" else None
+            out = torch.empty(e.shape, dtype=dtype) if out is None else out
+            buffer = out
+        if pool is not None and str(device) == "cpu":
+            pool.lend(out, key, buffer)
         flat = out.view(-1)
         itemsize = _ST_DTYPES[e.dtype][1]
         per = max(1, _READ_CHUNK // itemsize)
@@ -272,6 +283,15 @@ class Checkpoint:
 
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
+
+    def buffer_key(self, name: str, dtype, device="cpu") -> tuple:
+        """What memory :meth:`read` of ``name`` as ``dtype`` needs, as a :class:`_BufferPool` key."""
+        import torch
+
+        e = self.entries[name]
+        if getattr(torch, _ST_DTYPES[e.dtype][0]) == dtype and str(device) == "cpu":
+            return ("raw", e.nbytes + _PAGE)
+        return ("tensor", e.shape, dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,6 +360,8 @@ class StreamedModel:
         # units i whose successor i + 1 may be read while i computes (both resident then): all
         # here; prepare_reference keeps those whose pair fits the memory budget (ReferencePlan)
         self.prefetch = frozenset(range(len(self.units) - 1))
+        self.pool = _BufferPool()  # freed units' memory, reused by the next unit's reads
+        self._lent = {}  # (id(module), attr) -> the weight tensor installed there
         self.streaming = False
         self.units[0].modules[0][1].register_forward_pre_hook(self._outside)
 
@@ -407,11 +429,15 @@ class StreamedModel:
     def read_unit(self, u: Unit, background: bool = False) -> list:
         """``u``'s weights read from the checkpoint (not yet in the model): ``[(module, attr,
         tensor, bytes read)]``. ``background``: beside a forward (:meth:`Checkpoint.read`)."""
+        srcs = {full: self.tied.get(full, full) if full not in self.checkpoint.entries else full for full in u.params}
+        # what this unit cannot use goes before anything is allocated: never more than the plan
+        self.pool.drop_unused([self.checkpoint.buffer_key(srcs[f], mod._parameters[a].dtype, self.device)
+                               for f, (mod, a) in u.params.items()])
         out = []
         for full, (mod, attr) in u.params.items():
-            src = self.tied.get(full, full) if full not in self.checkpoint.entries else full
-            t = self.checkpoint.read(src, mod._parameters[attr].dtype, self.device, background=background)
-            out.append((mod, attr, t, self.checkpoint.entries[src].nbytes))
+            t = self.checkpoint.read(srcs[full], mod._parameters[attr].dtype, self.device, background=background,
+                                     pool=self.pool)
+            out.append((mod, attr, t, self.checkpoint.entries[srcs[full]].nbytes))
         return out
 
     def install(self, tensors: list) -> None:
@@ -420,6 +446,7 @@ class StreamedModel:
 
         for mod, attr, t, nbytes in tensors:
             mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
+            self._lent[id(mod), attr] = t
             self.bytes_read += nbytes
         self.loads += 1
 
@@ -427,13 +454,19 @@ class StreamedModel:
         self.install(self.read_unit(u))
 
     def free(self, u: Unit) -> None:
+        """``u``'s parameters back to meta; their memory to the pool for the next read (or, where
+        it was not the pool's, to the OS)."""
         import torch.nn as nn
 
+        pooled = True
         for mod, attr in u.params.values():
             old = mod._parameters[attr]
             mod._parameters[attr] = nn.Parameter(old.to("meta"), requires_grad=False)
-        del old
-        _release_freed_memory()
+            t = self._lent.pop((id(mod), attr), None)
+            pooled &= t is not None and self.pool.give_back(t)
+        del old, t
+        if not pooled:
+            _release_freed_memory()
 
 
 def _release_freed_memory() -> None:
@@ -484,6 +517,55 @@ class _Worker:
         with self.cond:
             self.done = True
             self.cond.notify_all()
+
+
+class _BufferPool:
+    """Freed weights' memory kept for the next unit's reads (a layer's tensors fit the next
+    layer's exactly; the LM head's fit the embedding's on the next greedy pass). Memory stays
+    within the plan: a read takes what fits and :meth:`drop_unused` then releases the rest, so
+    what the pool holds beside the resident units is never more than the unit just freed."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.free: dict = {}  # key -> [buffer]
+        self.lent: dict = {}  # id(weight tensor) -> (key, buffer)
+
+    def take(self, key):
+        with self.lock:
+            got = self.free.get(key)
+            return got.pop() if got else None
+
+    def lend(self, tensor, key, buffer):
+        with self.lock:
+            self.lent[id(tensor)] = (key, buffer)
+
+    def give_back(self, tensor) -> bool:
+        with self.lock:
+            kb = self.lent.pop(id(tensor), None)
+            if kb is not None:
+                self.free.setdefault(kb[0], []).append(kb[1])
+            return kb is not None
+
+    def drop_unused(self, keep=()) -> None:
+        """Release the free buffers but those ``keep`` (keys, one buffer each) asks for."""
+        want: dict = {}
+        for k in keep:
+            want[k] = want.get(k, 0) + 1
+        with self.lock:
+            dropped = False
+            for k in list(self.free):
+                n = want.get(k, 0)
+                dropped |= len(self.free[k]) > n
+                del self.free[k][n:]
+                if not self.free[k]:
+                    del self.free[k]
+        if dropped:
+            _release_freed_memory()
+
+    def clear(self) -> None:
+        with self.lock:
+            self.lent.clear()
+        self.drop_unused()
 
 
 class _Prefetch:
@@ -605,7 +687,8 @@ class _Stream:
             if self.pending is not None:  # read for no one (a failure): dropped
                 self.pending.thread.join()
                 self.pending = None
-                _release_freed_memory()
+            self.sm._lent.clear()
+            self.sm.pool.clear()  # nothing of the weights stays in memory after a run
 
     @staticmethod
     def _raise(workers):

@@ -429,6 +429,44 @@ def test_a_unit_is_read_ahead_only_beside_the_one_unit_the_plan_lets_it_share_me
                 _same_capture(a, b, "prefetch on vs off")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_freed_layer_s_memory_is_read_into_by_the_next_and_nothing_more_is_kept(tiny_model, whole, dtype):
+    """Fresh pages cost a fault each: layer i + 1 (serial) or i + 2 (prefetched: i + 1 is read while
+    i computes) is read into layer i's freed memory, same results bit for bit; a read leaves the
+    pool empty (what the unit cannot use is released first) and a run leaves nothing behind."""
+    path = tiny_model("llama-gqa")
+    model = whole(path, dtype)
+    for allowed, step in ((frozenset(), 1), (None, 2)):
+        sm = StreamedModel(path, dtype)
+        if allowed is not None:
+            sm.prefetch = allowed
+        ptrs, left, install, read_unit = {}, [], sm.install, sm.read_unit
+
+        def spy_install(tensors, sm=sm, ptrs=ptrs, install=install):
+            for mod, attr, t, _ in tensors:
+                ptrs.setdefault(next(i for i, u in enumerate(sm.units) if any(m is mod for m, _ in u.params.values())),
+                                set()).add(t.untyped_storage().data_ptr())
+            install(tensors)
+
+        def spy_read(u, background=False, sm=sm, left=left, read_unit=read_unit):
+            out = read_unit(u, background)
+            left.append(sum(len(v) for v in sm.pool.free.values()))
+            return out
+
+        sm.install, sm.read_unit = spy_install, spy_read
+        got = run_streamed(sm, [lambda p=p, t=t: extract_hf_kv_caches_teacher_forced(sm.model, [p], [t],
+                                                                                     return_logits=True)
+                                for p, t in zip(PROMPTS[:2], TEACHERS[:2])])
+        layers = [i for i, u in enumerate(sm.units) if u.name.startswith("model.layers.")]
+        for i in layers:
+            if i + step in layers:
+                assert ptrs[i + step] == ptrs[i], (allowed, i)  # every weight in memory of the layer before
+        assert len(ptrs[layers[0]]) == len(sm.units[layers[0]].params)  # (distinct buffers, one a weight)
+        assert set(left) == {0} and not sm.pool.free and not sm.pool.lent and not sm._lent
+        for i, (p, t) in enumerate(zip(PROMPTS[:2], TEACHERS[:2])):
+            _same_capture(got[i], extract_hf_kv_caches_teacher_forced(model, [p], [t], return_logits=True), str(i))
+
+
 def test_a_failing_forward_stops_the_group_and_is_raised(tiny_model):
     sm = StreamedModel(tiny_model("llama-mha"), "float32")
     before = threading.active_count()
