@@ -431,12 +431,13 @@ def test_a_unit_is_read_ahead_only_beside_the_one_unit_the_plan_lets_it_share_me
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_freed_layer_s_memory_is_read_into_by_the_next_and_nothing_more_is_kept(tiny_model, whole, dtype):
-    """Fresh pages cost a fault each: layer i + 1 (serial) or i + 2 (prefetched: i + 1 is read while
-    i computes) is read into layer i's freed memory, same results bit for bit; a read leaves the
-    pool empty (what the unit cannot use is released first) and a run leaves nothing behind."""
+    """Fresh pages cost a fault each: loaded serially, layer i + 1 is read into layer i's freed
+    memory, same results bit for bit; a read leaves the pool empty (what the unit cannot use is
+    released first) and a run leaves nothing behind, prefetched too (where a layer's memory goes
+    then depends on when the read ahead and the free meet: not asserted)."""
     path = tiny_model("llama-gqa")
     model = whole(path, dtype)
-    for allowed, step in ((frozenset(), 1), (None, 2)):
+    for allowed in (frozenset(), None):
         sm = StreamedModel(path, dtype)
         if allowed is not None:
             sm.prefetch = allowed
@@ -458,10 +459,10 @@ def test_a_freed_layer_s_memory_is_read_into_by_the_next_and_nothing_more_is_kep
                                                                                      return_logits=True)
                                 for p, t in zip(PROMPTS[:2], TEACHERS[:2])])
         layers = [i for i, u in enumerate(sm.units) if u.name.startswith("model.layers.")]
-        for i in layers:
-            if i + step in layers:
-                assert ptrs[i + step] == ptrs[i], (allowed, i)  # every weight in memory of the layer before
-        assert len(ptrs[layers[0]]) == len(sm.units[layers[0]].params)  # (distinct buffers, one a weight)
+        if allowed is not None:
+            for i in layers[1:]:
+                assert ptrs[i] == ptrs[i - 1], i  # every weight in memory of the layer before
+            assert len(ptrs[layers[0]]) == len(sm.units[layers[0]].params)  # (distinct buffers, one a weight)
         assert set(left) == {0} and not sm.pool.free and not sm.pool.lent and not sm._lent
         for i, (p, t) in enumerate(zip(PROMPTS[:2], TEACHERS[:2])):
             _same_capture(got[i], extract_hf_kv_caches_teacher_forced(model, [p], [t], return_logits=True), str(i))
