@@ -61,7 +61,8 @@ _ST_DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2
               "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
               "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1)}
 _PAGE = 4096  # mmap granularity: a mmapped tensor's address modulo it is its file offset's
-_READ_CHUNK = 64 << 20  # bytes read (and converted) at a time: bounds the transient copy
+_READ_CHUNK = 4 << 20  # bytes read (and converted) at a time: bounds the transient copy (4 MiB: 2.5x faster
+# than 64 MiB for a BF16 -> FP32 copy_, the chunk still in cache; 60 MiB less beside a prefetch)
 _SERIAL_GRAIN = 32768  # at::internal::GRAIN_SIZE: an elementwise op on fewer elements runs serially
 
 

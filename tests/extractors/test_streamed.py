@@ -219,7 +219,8 @@ def test_sharded_bf16_checkpoint_streams_bit_identically_in_fp32_and_bf16(tiny_m
         _same_capture(got[-1], generate_hf_logits_and_kv(model, [PROMPTS[0]], 3), f"{dtype} greedy")
 
 
-def test_a_background_read_casts_bit_for_bit_as_torch_does(tmp_path):
+@pytest.mark.parametrize("chunk", [None, 1000])  # 1000 bytes: many chunks, none a whole tensor
+def test_a_background_read_casts_bit_for_bit_as_torch_does(tmp_path, monkeypatch, chunk):
     # the prefetch's casts (numpy's BF16 -> FP32 widening; serial copy_ pieces for the others)
     # against tensor.to(dtype), on every kind of value: NaN payloads, infinities, signed zeros,
     # subnormals, the extremes; FP32 -> BF16 halfway cases (round to nearest even)
@@ -233,6 +234,8 @@ def test_a_background_read_casts_bit_for_bit_as_torch_does(tmp_path):
     f32 = torch.cat([bf16.float(), torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, float("nan"), 3e38, 1e-40]),
                      torch.from_numpy(rng.standard_normal(100_000).astype(np.float32))])
     save_file({"b": bf16, "f": f32, "h": f32.clamp(-6e4, 6e4).half()}, str(tmp_path / "model.safetensors"))
+    if chunk:
+        monkeypatch.setattr("extractors.streamed._READ_CHUNK", chunk)
     ck = Checkpoint(tmp_path)
     for name, src in (("b", bf16), ("f", f32)):
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
