@@ -5,7 +5,8 @@ Run: ``python benchmarks/bench_streamed_reference.py [--quick] [--skip-whole]``.
 Builds once (cached under ``.bench-tmp/``, git-ignored) a random Llama of ~3B parameters: hidden
 3072, 28 layers, GQA 24/8 heads of 128, MLP 8192, vocabulary 128,256, as sharded BF16 safetensors
 (~6 GB), written shard by shard (a few layers each) so that building it never holds the model.
-``--quick``: the same shape scaled down (hidden 512, 6 layers, vocabulary 32,000). ``--cli``
+``--quick``: the same shape scaled down (hidden 512, 6 layers, vocabulary 32,000); ``--mid``: hidden
+1024, 6 layers, MLP 3072, 16/4 heads (526 MiB in FP32: the shape the prefetch was profiled on). ``--cli``
 (or ``--cli-only``): also ``capturestore run --target hf:bfloat16 --reference-memory`` end to end
 on it, its peak RSS (from outside) against one FP32 copy of the weights.
 
@@ -15,11 +16,23 @@ child every 10 ms) and wall time of the step's work (imports and skeleton exclud
 - ``read``: one read of every weight of the checkpoint (the streamed loader's own reads, no cast);
 - ``streamed fp32`` / ``streamed bf16``: ``capture_hf_run`` teacher-forced, ``stream=True``,
   ``--reference-memory`` (default 2 GiB), P prompts x T teacher tokens into a fresh store;
+- ``streamed fp32 serial``: the same with ``prefetch=False`` (each unit read after the last is
+  freed), for the prefetch's gain and its memory in the same run;
 - ``streamed fp32 greedy``: the FP32 baseline's greedy teacher tokens, streamed (one pass over the
   weights per forward: prefill + T decode steps);
 - ``whole fp32`` / ``whole bf16`` (unless ``--skip-whole``): the whole model loaded, then the same
   capture (the forward's time apart from the load's); the streamed runs' logits and KV are then
   compared with these bit for bit.
+
+``--repeat N``: every step N times in turn, its best wall time kept (and its highest peak RSS):
+the machine is shared, a ratio is of best against best. ``uptime`` is printed before and after.
+
+OpenMP: every child runs with ``GOMP_SPINCOUNT=1000`` (``--gomp-spincount``; ``default`` leaves
+it unset). libgomp spins a waiting thread 300,000 times, but only 1,000 once the process has more
+OpenMP threads than CPUs — which the streamed path's worker threads (each its own team) make it
+have, and a whole-model forward on the main thread alone does not: under load the whole model's
+forward then burned 3-5x the CPU time of the same forward in a worker thread (docs/references.md).
+The same spin count in every step times both paths' forwards under one regime.
 
 Printed: a table of each step's wall time, its ratio to its limit measured in the same run —
 ``max(read, whole-model forward of the same tokens)`` for a teacher-forced streamed capture (goal
@@ -44,6 +57,8 @@ FULL = dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_
             intermediate_size=8192, vocab_size=128256)
 QUICK = dict(hidden_size=512, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
              intermediate_size=1536, vocab_size=32000)
+MID = dict(hidden_size=1024, num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+           intermediate_size=3072, vocab_size=32000)
 LAYERS_PER_SHARD = 4
 GiB = 1 << 30
 
@@ -170,8 +185,9 @@ def child_step(args) -> dict:
         greedy = args.step.endswith("greedy")
         rid = capture_hf_run(st, args.model, prompts, teacher_tokens=None if greedy else teachers,
                              num_tokens=args.teach, dtype=dtype, stream=True, memory=mem, info=info,
-                             model_hash=args.model_hash)
-        out.update(run=rid, groups=info["groups"], passes=info["weight_passes"], plan=info["plan"])
+                             model_hash=args.model_hash, prefetch=not args.step.endswith("serial"))
+        out.update(run=rid, groups=info["groups"], passes=info["weight_passes"], plan=info["plan"],
+                   prefetched=info["prefetched_units"])
     elif args.step.startswith("whole"):
         dtype = "float32" if "fp32" in args.step else "bfloat16"
         from extractors.streamed import available_memory
@@ -198,8 +214,11 @@ def run_child(args, step: str, store: Path) -> dict:
     cmd = [sys.executable, __file__, "--step", step, "--model", str(args.model), "--store", str(store),
            "--memory", str(args.memory), "--prompts", str(args.prompts), "--length", str(args.length),
            "--teach", str(args.teach), "--threads", str(args.threads), "--model-hash", args.model_hash]
+    env = dict(os.environ)
+    if args.gomp_spincount != "default":
+        env["GOMP_SPINCOUNT"] = args.gomp_spincount
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(ROOT), env=env)
     ps = psutil.Process(proc.pid)
     peak = 0
     while proc.poll() is None:
@@ -270,9 +289,16 @@ def cli_run(args) -> None:
           f"{'below' if peak < fp32 else 'NOT below'})", flush=True)
 
 
+def _uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small model of the same shape (seconds)")
+    ap.add_argument("--mid", action="store_true", help="hidden 1024, 6 layers: the prefetch's profiling shape")
+    ap.add_argument("--repeat", type=int, default=1, help="run every step N times, keep its best wall time")
+    ap.add_argument("--gomp-spincount", default="1000", help="GOMP_SPINCOUNT of every step ('default': unset)")
     ap.add_argument("--skip-whole", action="store_true", help="no whole-model steps (they need 1x the FP32 weights)")
     ap.add_argument("--memory", type=float, default=2.0, help="--reference-memory of the streamed steps, GiB")
     ap.add_argument("--prompts", type=int, default=3)
@@ -282,8 +308,9 @@ def main():
     ap.add_argument("--cli", action="store_true", help="also `capturestore run --target hf:bfloat16 "
                     "--reference-memory MEMORY` end to end (peak RSS from outside, against one FP32 copy)")
     ap.add_argument("--cli-only", action="store_true", help="only the --cli step")
-    ap.add_argument("--steps", help="comma-separated subset of: read, streamed fp32, streamed bf16, streamed fp32 "
-                    "greedy, whole bf16, whole fp32 (read is always run; a ratio whose steps did not run is not shown)")
+    ap.add_argument("--steps", help="comma-separated subset of: read, streamed fp32, streamed fp32 serial, streamed "
+                    "bf16, streamed fp32 greedy, whole bf16, whole fp32 (read is always run; a ratio whose steps did "
+                    "not run is not shown)")
     ap.add_argument("--step", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--store", help=argparse.SUPPRESS)
@@ -293,8 +320,10 @@ def main():
         print(json.dumps(child_step(args)))
         return
 
-    shape = QUICK if args.quick else FULL
-    args.model = ROOT / ".bench-tmp" / ("streamed-llama-quick" if args.quick else "streamed-llama-3b")
+    shape = QUICK if args.quick else MID if args.mid else FULL
+    args.model = ROOT / ".bench-tmp" / ("streamed-llama-quick" if args.quick else "streamed-llama-mid" if args.mid
+                                        else "streamed-llama-3b")
+    print(f"load at start: {_uptime()}", flush=True)
     print(f"model {args.model}: {shape}", flush=True)
     t0 = time.perf_counter()
     build_model(args.model, shape)
@@ -311,26 +340,36 @@ def main():
             return
     with tempfile.TemporaryDirectory(dir=ROOT / ".bench-tmp") as tmp:
         tmp = Path(tmp)
-        steps = ["read", "streamed fp32", "streamed bf16", "streamed fp32 greedy"]
+        steps = ["read", "streamed fp32", "streamed fp32 serial", "streamed bf16", "streamed fp32 greedy"]
         if not args.skip_whole:
             steps += ["whole bf16", "whole fp32"]
         if args.steps:
             keep = {x.strip() for x in args.steps.split(",")} | {"read"}
             steps = [x for x in steps if x in keep]
         res = {}
-        for step in steps:
-            store = tmp / step.replace(" ", "-")
-            if step == "read":  # warm the page cache the same way for every step: read once first
-                run_child(args, "read", store)
-            res[step] = run_child(args, step, store)
-            r = res[step]
-            print(f"  {step:22s} {r['wall_s']:8.2f} s  (process {r['process_s']:.1f} s)  peak RSS "
-                  f"{r['peak_rss'] / GiB:.2f} GiB" + (f"  {r.get('plan', '')}" if "plan" in r else ""), flush=True)
+        run_child(args, "read", tmp / "warm")  # warm the page cache the same way for every step: read once first
+        for rep in range(args.repeat):  # in turn, so each step sees the machine's load alike
+            for step in steps:
+                store = tmp / f"{step.replace(' ', '-')}-{rep}"
+                r = run_child(args, step, store)
+                r["store"] = store
+                best = res.get(step)
+                if best is None or r["wall_s"] < best["wall_s"]:
+                    r["peak_rss"] = max(r["peak_rss"], best["peak_rss"]) if best else r["peak_rss"]
+                    res[step] = r
+                else:
+                    best["peak_rss"] = max(best["peak_rss"], r["peak_rss"])
+                print(f"  [{rep + 1}/{args.repeat}] {step:22s} {r['wall_s']:8.2f} s  (process {r['process_s']:.1f} s)"
+                      f"  peak RSS {r['peak_rss'] / GiB:.2f} GiB"
+                      + (f"  prefetched {r['prefetched']} units; {r.get('plan', '')}" if "plan" in r else ""),
+                      flush=True)
+        print(f"load at end: {_uptime()}", flush=True)
         weights = res["read"]["bytes"]
         n_params = weights // 2
         print(f"\n{n_params / 1e9:.2f} B parameters, {weights / GiB:.2f} GiB BF16; {args.prompts} prompts of "
               f"{[args.length - 3 * i for i in range(args.prompts)]} tokens + {args.teach} teacher tokens; "
-              f"budget {args.memory} GiB; {args.threads} threads")
+              f"budget {args.memory} GiB; {args.threads} threads; best of {args.repeat}; GOMP_SPINCOUNT "
+              f"{args.gomp_spincount}")
         read = res["read"]["wall_s"]
         rows = []
         for dtype in ("fp32", "bf16"):
@@ -340,6 +379,9 @@ def main():
             s = res.get(f"streamed {dtype}")
             if s is not None:
                 rows.append((f"streamed {dtype} teacher-forced", s["wall_s"], limit, what, 1.2, s["peak_rss"]))
+            s = res.get(f"streamed {dtype} serial")
+            if s is not None:
+                rows.append((f"streamed {dtype} no prefetch", s["wall_s"], limit, what, 1.2, s["peak_rss"]))
             if dtype == "fp32" and "streamed fp32 greedy" in res:
                 g = res["streamed fp32 greedy"]
                 k = g["passes"]
@@ -355,12 +397,12 @@ def main():
             print(f"{name:36s} {wall:8.2f} {limit:8.2f} {ratio:6.2f} {goal:5.1f}  {peak / GiB:7.2f} G "
                   f"{'ok' if mem_ok else 'OVER':>10s}  {what}")
         for dtype in ("fp32", "bf16"):
-            if f"whole {dtype}" in res and f"streamed {dtype}" in res:
-                w = res[f"whole {dtype}"]
-                print(f"whole {dtype}: load {w['load_s']:.1f} s, forward {w['forward_s']:.1f} s, peak RSS "
-                      f"{w['peak_rss'] / GiB:.2f} GiB; streamed vs whole: "
-                      + compare_runs_bits(tmp / f"streamed-{dtype}", res[f"streamed {dtype}"]["run"],
-                                          tmp / f"whole-{dtype}", w["run"]))
+            for kind in ("", " serial"):
+                if f"whole {dtype}" in res and f"streamed {dtype}{kind}" in res:
+                    w, s = res[f"whole {dtype}"], res[f"streamed {dtype}{kind}"]
+                    print(f"whole {dtype}: load {w['load_s']:.1f} s, forward {w['forward_s']:.1f} s, peak RSS "
+                          f"{w['peak_rss'] / GiB:.2f} GiB; streamed{kind} vs whole: "
+                          + compare_runs_bits(s["store"], s["run"], w["store"], w["run"]))
         print("\nall within goals" if ok else "\nSOME FIGURE OVER ITS GOAL")
 
 

@@ -320,7 +320,7 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
                    dtype: str = "float32", release=None, model=None, config: dict | None = None,
                    device: str = "cpu", memory: int | None = None, stream: bool | None = None,
                    info: dict | None = None, model_hash: str | None = None,
-                   kernel_rounding: str | None = None) -> str:
+                   kernel_rounding: str | None = None, prefetch: bool = True) -> str:
     """Capture HF logits + KV for ``prompts`` into ``store``; returns the run id.
 
     prompts: list of token-id lists. With ``teacher_tokens`` (one list per prompt) the run is
@@ -335,7 +335,8 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     device: ``cpu`` or ``cuda[:N]`` (FP32 on CUDA without TF32). memory: the reference's memory
     budget in bytes (default: what the device has available); when the weights do not fit it, the
     reference is **streamed** layer by layer (``extractors.streamed``, bit-identical) in groups of
-    prompts sized to it. stream: True / False force the path. info: a dict that receives the
+    prompts sized to it; prefetch False: a streamed reference loads every unit after the last is
+    freed (no next unit read ahead; benchmarks). stream: True / False force the path. info: a dict that receives the
     plan (``path``, ``groups``, ``plan``) and the peak memory (``peak``). model_hash: the
     checkpoint's ``model_content_hash`` when the caller has it (it reads every weight).
     kernel_rounding: ``"toward_zero"`` rounds the (BF16) rotary embedding and attention outputs
@@ -367,7 +368,8 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     if model is None:
         seqs = [(len(p) + (len(teacher_rows[i]) if teacher_rows is not None else num_tokens),
                  (len(teacher_rows[i]) + 1) if teacher_rows is not None else num_tokens) for i, p in enumerate(prompt_rows)]
-        plan, sm = prepare_reference(model_path, dtype, device, memory, stream, seqs)  # checks before any write
+        plan, sm = prepare_reference(model_path, dtype, device, memory, stream, seqs,  # checks before any write
+                                     prefetch=prefetch)
         if plan is None or plan.path == "whole":
             model, sm = load_hf_model(model_path, dtype, device), None
         else:
@@ -423,6 +425,7 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     info["peak"] = peak
     if sm is not None:
         info["weight_passes"] = sm.loads / len(sm.units)
+        info["prefetched_units"] = sm.prefetched
     return run.run_id
 
 

@@ -385,6 +385,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     info["peak"] = peak
     if sm is not None:
         info["weight_passes"] = sm.loads / len(sm.units)
+        info["prefetched_units"] = sm.prefetched
     return run.run_id
 
 

@@ -13,9 +13,10 @@ abs difference 0, on every tiny architecture).
 How one pass over the weights serves a whole group of prompts: each prompt's capture runs in its
 own worker thread; a pre-forward hook on every unit blocks the worker until that unit's weights
 are loaded and it is the worker's turn. The coordinator loads unit ``u``, lets every worker that
-is waiting for ``u`` run it (one worker at a time: no two threads ever run torch at once, so no
-op sees another's threads), then frees ``u`` (its parameters go back to the meta device) and
-loads ``u + 1``. A teacher-forced capture is one forward: its weights are read once per group.
+is waiting for ``u`` run it (one worker at a time: no two forwards run at once), then frees ``u``
+(its parameters go back to the meta device) and installs ``u + 1``, which a thread of its own read
+while ``u`` computed wherever the plan holds both units (prefetch; its casts start no OpenMP team,
+so the forwards' threading is untouched). A teacher-forced capture is one forward: its weights are read once per group.
 A greedy capture is one forward per generated token (prefill + ``num_tokens`` decode steps, as
 ``generate_hf_logits_and_kv`` runs them), so its weights are read ``num_tokens + 1`` times per
 group (docs/references.md measures what this costs).
@@ -60,7 +61,9 @@ _ST_DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2
               "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
               "BOOL": ("bool", 1), "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1)}
 _PAGE = 4096  # mmap granularity: a mmapped tensor's address modulo it is its file offset's
-_READ_CHUNK = 64 << 20  # bytes read (and converted) at a time: bounds the transient copy
+_READ_CHUNK = 4 << 20  # bytes read (and converted) at a time: bounds the transient copy (4 MiB: 2.5x faster
+# than 64 MiB for a BF16 -> FP32 copy_, the chunk still in cache; 60 MiB less beside a prefetch)
+_SERIAL_GRAIN = 32768  # at::internal::GRAIN_SIZE: an elementwise op on fewer elements runs serially
 
 
 class CheckpointError(ValueError):
@@ -204,9 +207,20 @@ class Checkpoint:
                     raise CheckpointError(f"{where(name)}: tensor {name} is {_ST_DTYPES[floats[name]][0]}, the "
                                           f"checkpoint's dtype is {ref}")
 
-    def read(self, name: str, dtype, device="cpu"):
+    def read(self, name: str, dtype, device="cpu", background: bool = False, pool=None):
         """Tensor ``name`` as ``dtype`` on ``device``: read in chunks, each cast with ``copy_``
-        (``tensor.to(dtype)``'s cast), into one preallocated tensor."""
+        (``tensor.to(dtype)``'s cast), into one preallocated tensor.
+
+        pool: a :class:`_BufferPool` of freed weights' memory to read into instead of a fresh
+        allocation (CPU): fresh pages cost a fault each (~1 GB/s here), reused ones nothing.
+
+        background: the read runs beside a forward (a prefetch), so its cast must not start an
+        OpenMP team of its own (two teams on the forward's cores: under load each spins for the
+        other's cores). BF16 -> FP32, the usual cast, is then the exact widening it is (the 16
+        bits shifted into the high half: what torch's scalar and vector casts do, NaN payloads
+        included) in numpy, which runs it on this thread alone and releases the GIL; any other cast
+        is ``copy_`` in pieces below ATen's parallel grain (32,768 elements), which run serially."""
+        import numpy as np
         import torch
 
         e = self.entries[name]
@@ -216,11 +230,19 @@ class Checkpoint:
             # modulo the page. Kernels' results depend on alignment (an FP32 GEMV differs by
             # rounding between a 64-byte and a 40-mod-64 weight), so this copy sits at the same
             # address modulo the page as the whole-model one.
-            raw = torch.empty(e.nbytes + _PAGE, dtype=torch.uint8)
+            key = self.buffer_key(name, dtype, device)
+            raw = pool.take(key) if pool is not None else None
+            raw = torch.empty(e.nbytes + _PAGE, dtype=torch.uint8) if raw is None else raw
             start = (e.offset - raw.data_ptr()) % _PAGE
             out = raw[start:start + e.nbytes].view(dtype).view(e.shape)
+            buffer = raw
         else:
-            out = torch.empty(e.shape, dtype=dtype)
+            key = self.buffer_key(name, dtype, device)
+            out = pool.take(key) if pool is not None and str(device) == "cpu" else None
+            out = torch.empty(e.shape, dtype=dtype) if out is None else out
+            buffer = out
+        if pool is not None and str(device) == "cpu":
+            pool.lend(out, key, buffer)
         flat = out.view(-1)
         itemsize = _ST_DTYPES[e.dtype][1]
         per = max(1, _READ_CHUNK // itemsize)
@@ -238,6 +260,10 @@ class Checkpoint:
             else:
                 buf = torch.empty(min(per, numel), dtype=src_dtype)
                 bview = memoryview(buf.view(torch.uint8).numpy()) if numel else memoryview(b"")
+                widen = background and src_dtype == torch.bfloat16 and dtype == torch.float32
+                if widen:
+                    src16 = buf.view(torch.int16).numpy().view(np.uint16)
+                    dst32 = flat.view(torch.int32).numpy().view(np.uint32)
                 for a in range(0, numel, per):
                     k = min(per, numel - a)
                     need, got = k * itemsize, 0
@@ -246,11 +272,27 @@ class Checkpoint:
                         if not n:
                             raise CheckpointError(f"{e.file}: tensor {name}: file ended early")
                         got += n
-                    flat[a:a + k].copy_(buf[:k])
+                    if widen:
+                        np.left_shift(src16[:k], 16, out=dst32[a:a + k], dtype=np.uint32)
+                    elif background:
+                        for b in range(0, k, _SERIAL_GRAIN):
+                            c = min(_SERIAL_GRAIN, k - b)
+                            flat[a + b:a + b + c].copy_(buf[b:b + c])
+                    else:
+                        flat[a:a + k].copy_(buf[:k])
         return out if str(device) == "cpu" else out.to(device)
 
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())
+
+    def buffer_key(self, name: str, dtype, device="cpu") -> tuple:
+        """What memory :meth:`read` of ``name`` as ``dtype`` needs, as a :class:`_BufferPool` key."""
+        import torch
+
+        e = self.entries[name]
+        if getattr(torch, _ST_DTYPES[e.dtype][0]) == dtype and str(device) == "cpu":
+            return ("raw", e.nbytes + _PAGE)
+        return ("tensor", e.shape, dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -314,7 +356,13 @@ class StreamedModel:
         self.checkpoint.check(expected, str(cfg_dtype).removeprefix("torch.") if cfg_dtype else None, self.tied,
                               ignored)
         self.loads = 0  # units loaded so far (a teacher-forced group: one per unit)
+        self.prefetched = 0  # of which read in the background while the unit before computed
         self.bytes_read = 0
+        # units i whose successor i + 1 may be read while i computes (both resident then): all
+        # here; prepare_reference keeps those whose pair fits the memory budget (ReferencePlan)
+        self.prefetch = frozenset(range(len(self.units) - 1))
+        self.pool = _BufferPool()  # freed units' memory, reused by the next unit's reads
+        self._lent = {}  # (id(module), attr) -> the weight tensor installed there
         self.streaming = False
         self.units[0].modules[0][1].register_forward_pre_hook(self._outside)
 
@@ -379,25 +427,47 @@ class StreamedModel:
     def weights_nbytes(self) -> int:
         return sum(self.unit_nbytes(u) for u in self.units)
 
-    def load(self, u: Unit) -> None:
+    def read_unit(self, u: Unit, background: bool = False) -> list:
+        """``u``'s weights read from the checkpoint (not yet in the model): ``[(module, attr,
+        tensor, bytes read)]``. ``background``: beside a forward (:meth:`Checkpoint.read`)."""
+        srcs = {full: self.tied.get(full, full) if full not in self.checkpoint.entries else full for full in u.params}
+        # what this unit cannot use goes before anything is allocated: never more than the plan
+        self.pool.drop_unused([self.checkpoint.buffer_key(srcs[f], mod._parameters[a].dtype, self.device)
+                               for f, (mod, a) in u.params.items()])
+        out = []
+        for full, (mod, attr) in u.params.items():
+            t = self.checkpoint.read(srcs[full], mod._parameters[attr].dtype, self.device, background=background,
+                                     pool=self.pool)
+            out.append((mod, attr, t, self.checkpoint.entries[srcs[full]].nbytes))
+        return out
+
+    def install(self, tensors: list) -> None:
+        """Put weights from :meth:`read_unit` into the model."""
         import torch.nn as nn
 
-        for full, (mod, attr) in u.params.items():
-            src = self.tied.get(full, full) if full not in self.checkpoint.entries else full
-            old = mod._parameters[attr]
-            t = self.checkpoint.read(src, old.dtype, self.device)
-            self.bytes_read += self.checkpoint.entries[src].nbytes
+        for mod, attr, t, nbytes in tensors:
             mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
+            self._lent[id(mod), attr] = t
+            self.bytes_read += nbytes
         self.loads += 1
 
+    def load(self, u: Unit) -> None:
+        self.install(self.read_unit(u))
+
     def free(self, u: Unit) -> None:
+        """``u``'s parameters back to meta; their memory to the pool for the next read (or, where
+        it was not the pool's, to the OS)."""
         import torch.nn as nn
 
+        pooled = True
         for mod, attr in u.params.values():
             old = mod._parameters[attr]
             mod._parameters[attr] = nn.Parameter(old.to("meta"), requires_grad=False)
-        del old
-        _release_freed_memory()
+            t = self._lent.pop((id(mod), attr), None)
+            pooled &= t is not None and self.pool.give_back(t)
+        del old, t
+        if not pooled:
+            _release_freed_memory()
 
 
 def _release_freed_memory() -> None:
@@ -450,6 +520,79 @@ class _Worker:
             self.cond.notify_all()
 
 
+class _BufferPool:
+    """Freed weights' memory kept for the next unit's reads (a layer's tensors fit the next
+    layer's exactly; the LM head's fit the embedding's on the next greedy pass). Memory stays
+    within the plan: a read takes what fits and :meth:`drop_unused` then releases the rest, so
+    what the pool holds beside the resident units is never more than the unit just freed."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.free: dict = {}  # key -> [buffer]
+        self.lent: dict = {}  # id(weight tensor) -> (key, buffer)
+
+    def take(self, key):
+        with self.lock:
+            got = self.free.get(key)
+            return got.pop() if got else None
+
+    def lend(self, tensor, key, buffer):
+        with self.lock:
+            self.lent[id(tensor)] = (key, buffer)
+
+    def give_back(self, tensor) -> bool:
+        with self.lock:
+            kb = self.lent.pop(id(tensor), None)
+            if kb is not None:
+                self.free.setdefault(kb[0], []).append(kb[1])
+            return kb is not None
+
+    def drop_unused(self, keep=()) -> None:
+        """Release the free buffers but those ``keep`` (keys, one buffer each) asks for."""
+        want: dict = {}
+        for k in keep:
+            want[k] = want.get(k, 0) + 1
+        with self.lock:
+            dropped = False
+            for k in list(self.free):
+                n = want.get(k, 0)
+                dropped |= len(self.free[k]) > n
+                del self.free[k][n:]
+                if not self.free[k]:
+                    del self.free[k]
+        if dropped:
+            _release_freed_memory()
+
+    def clear(self) -> None:
+        with self.lock:
+            self.lent.clear()
+        self.drop_unused()
+
+
+class _Prefetch:
+    """Unit ``idx``'s weights read on a thread of its own while the unit before it computes."""
+
+    def __init__(self, sm: StreamedModel, idx: int):
+        self.idx = idx
+        self.tensors = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, args=(sm,), daemon=True)
+        self.thread.start()
+
+    def _main(self, sm):
+        try:
+            self.tensors = sm.read_unit(sm.units[self.idx], background=True)
+        except BaseException as e:  # raised by take(), in the coordinator
+            self.error = e
+
+    def take(self) -> list:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        tensors, self.tensors = self.tensors, None
+        return tensors
+
+
 class _Stream:
     """Hooks that make every worker wait at each unit until the coordinator hands it over."""
 
@@ -460,6 +603,7 @@ class _Stream:
         self.abort = False
         self.handles = []
         self.current: int | None = None  # index of the loaded unit
+        self.pending: _Prefetch | None = None  # the next unit, being read in the background
 
     def _enter(self, idx: int):
         def pre_hook(module, args):
@@ -514,7 +658,19 @@ class _Stream:
                         if not waiting:
                             break
                         u = self.sm.units[idx]
-                        self.sm.load(u)
+                        if self.pending is not None and self.pending.idx == idx:
+                            tensors = self.pending.take()
+                            self.pending = None
+                            self.sm.prefetched += 1
+                        else:
+                            tensors = self.sm.read_unit(u)
+                        self.sm.install(tensors)
+                        del tensors
+                        # the next unit of this sweep is read while this one computes, where the
+                        # plan holds both (a sweep's last unit: the workers are done or start
+                        # another forward at the embedding, which is not guessed)
+                        if self.pending is None and idx + 1 < n and idx in self.sm.prefetch:
+                            self.pending = _Prefetch(self.sm, idx + 1)
                         try:
                             for w in waiting:
                                 self._run_until_blocked(w)
@@ -529,6 +685,11 @@ class _Stream:
             for w in workers:
                 if w.thread.ident is not None:
                     w.thread.join()
+            if self.pending is not None:  # read for no one (a failure): dropped
+                self.pending.thread.join()
+                self.pending = None
+            self.sm._lent.clear()
+            self.sm.pool.clear()  # nothing of the weights stays in memory after a run
 
     @staticmethod
     def _raise(workers):
@@ -584,12 +745,34 @@ class ReferencePlan:
     largest_unit: tuple[str, int]
     budget: int
     groups: list
+    # streamed: units i whose successor is read while i computes (both resident, with a group's
+    # activations, within the budget), and the unit changes that are not: (name, next, bytes both)
+    prefetch: tuple = ()
+    no_prefetch: tuple = ()
+    prefetch_off: bool = False  # turned off by the caller
 
     def describe(self) -> str:
         g = ", ".join(str(len(x)) for x in self.groups)
-        return (f"{self.path} ({size_text(self.weights)} of weights, budget {size_text(self.budget)}, "
-                f"largest unit {self.largest_unit[0]} {size_text(self.largest_unit[1])}; "
-                f"{len(self.groups)} group(s) of {g} prompt(s))")
+        out = (f"{self.path} ({size_text(self.weights)} of weights, budget {size_text(self.budget)}, "
+               f"largest unit {self.largest_unit[0]} {size_text(self.largest_unit[1])}; "
+               f"{len(self.groups)} group(s) of {g} prompt(s)")
+        if self.path == "streamed":
+            out += "; " + self.describe_prefetch()
+        return out + ")"
+
+    def describe_prefetch(self) -> str:
+        """Which unit changes read the next unit while one computes, and why the others do not."""
+        n = len(self.prefetch) + len(self.no_prefetch)
+        if self.prefetch_off:
+            return "no prefetch (turned off)"
+        if not self.no_prefetch:
+            return f"prefetch: each next unit read while one computes ({n} of {n} unit changes)"
+        a, b, both = max(self.no_prefetch, key=lambda x: x[2])
+        names = f"{a} -> {b}" + (f" and {len(self.no_prefetch) - 1} more" if len(self.no_prefetch) > 1 else "")
+        head = ("no prefetch: two neighbouring units do not fit the budget" if not self.prefetch else
+                f"prefetch on {len(self.prefetch)} of {n} unit changes, not on {names}")
+        return (f"{head} ({a} + {b} = {size_text(both)} with the activations; these load serially)"
+                if self.prefetch else f"{head} ({names}: {size_text(both)} with the activations)")
 
 
 def prompt_activation_bytes(config, dtype: str, seq: int, logits_rows: int) -> int:
@@ -615,10 +798,12 @@ def size_text(n: int) -> str:
 
 
 def plan_reference(*, weights: int, units: Sequence[tuple[str, int]], budget: int, per_prompt: Sequence[int],
-                   stream: bool | None = None) -> ReferencePlan:
+                   stream: bool | None = None, prefetch: bool = True) -> ReferencePlan:
     """``whole`` when the weights and the largest prompt's activations fit ``budget`` (or
     ``stream`` is False); else ``streamed``, in groups of prompts whose activations fit beside the
-    largest unit. ``MemoryBudgetError`` when a streamed path's largest unit alone exceeds the budget."""
+    largest unit. ``MemoryBudgetError`` when a streamed path's largest unit alone exceeds the budget.
+    Each unit change whose two units fit with the activations reads the next unit ahead (``prefetch``
+    False: none does)."""
     name, big = max(units, key=lambda x: x[1])
     most = max(per_prompt, default=0)
     if stream is False or (stream is None and weights + most <= budget):
@@ -627,17 +812,38 @@ def plan_reference(*, weights: int, units: Sequence[tuple[str, int]], budget: in
         raise MemoryBudgetError(f"reference memory budget {size_text(budget)} is smaller than one layer of the "
                                 f"model: {name} needs {size_text(big)} ({big} bytes); give at least "
                                 f"{(big + most) / GiB:.4f} GiB")
-    room = budget - big
-    groups, cur, used = [], [], 0
-    for i, b in enumerate(per_prompt):
-        if cur and used + b > room:
+
+    def pack(room):
+        groups, cur, used = [], [], 0
+        for i, b in enumerate(per_prompt):
+            if cur and used + b > room:
+                groups.append(cur)
+                cur, used = [], 0
+            cur.append(i)
+            used += b
+        if cur:
             groups.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += b
-    if cur:
-        groups.append(cur)
-    return ReferencePlan("streamed", weights, (name, big), budget, groups)
+        return groups
+
+    groups = pack(budget - big)
+    # two neighbouring units resident while the second is read ahead: groups packed to leave
+    # room for the largest pair when that makes no more of them (a group is a pass over the
+    # weights: it costs more than the reads a prefetch overlaps); else a unit change is read
+    # ahead only where its pair and the largest group's activations fit
+    pair = max((units[i][1] + units[i + 1][1] for i in range(len(units) - 1)), default=big)
+    if not prefetch:
+        return ReferencePlan("streamed", weights, (name, big), budget, groups, prefetch_off=True)
+    if pair <= budget and len(pack(budget - pair)) <= len(groups):
+        groups = pack(budget - pair)
+    acts = max(sum(per_prompt[i] for i in g) for g in groups) if per_prompt else 0
+    prefetch, no_prefetch = [], []
+    for i in range(len(units) - 1):
+        both = units[i][1] + units[i + 1][1] + acts
+        if both <= budget:
+            prefetch.append(i)
+        else:
+            no_prefetch.append((units[i][0], units[i + 1][0], both))
+    return ReferencePlan("streamed", weights, (name, big), budget, groups, tuple(prefetch), tuple(no_prefetch))
 
 
 def per_expert_checkpoint(path) -> bool:
@@ -653,12 +859,13 @@ def per_expert_checkpoint(path) -> bool:
 
 
 def prepare_reference(model_path, dtype: str, device: str = "cpu", memory: float | int | None = None,
-                      stream: bool | None = None, seqs: Sequence[tuple[int, int]] = (), extra_per_prompt: int = 0):
+                      stream: bool | None = None, seqs: Sequence[tuple[int, int]] = (), extra_per_prompt: int = 0,
+                      prefetch: bool = True):
     """Plan a reference of ``model_path`` in ``dtype`` on ``device`` before any run is written.
 
     memory: the budget in bytes (None: :func:`available_memory`). stream: None chooses by the
     budget, True / False force a path. seqs: ``(tokens, logits rows)`` per prompt, for the
-    activations' share. Returns ``(plan, streamed_model)``: the model is the checked skeleton
+    activations' share. prefetch: False reads no unit ahead (:func:`plan_reference`). Returns ``(plan, streamed_model)``: the model is the checked skeleton
     (checkpoint refused here with ``CheckpointError``; a budget below one unit with
     ``MemoryBudgetError``). A checkpoint without safetensors takes the whole path (``plan`` None).
     """
@@ -678,7 +885,9 @@ def prepare_reference(model_path, dtype: str, device: str = "cpu", memory: float
     per = [prompt_activation_bytes(sm.model.config, dtype, s, r) + extra_per_prompt for s, r in seqs]
     units = [(u.name, sm.unit_nbytes(u)) for u in sm.units]
     weights = sum(b for _, b in units)
-    plan = plan_reference(weights=weights, units=units, budget=budget, per_prompt=per, stream=stream)
+    plan = plan_reference(weights=weights, units=units, budget=budget, per_prompt=per, stream=stream,
+                          prefetch=prefetch)
+    sm.prefetch = frozenset(plan.prefetch)
     return plan, sm
 
 

@@ -122,6 +122,9 @@ def test_streamed_logits_and_kv_are_bit_identical_to_the_whole_model(tiny_model,
     assert sm.loads == 2 * len(sm.units)  # five forwards, still one pass over the weights
     got_greedy = run_streamed(sm, [lambda p=p: generate_hf_logits_and_kv(sm.model, [p], 4) for p in PROMPTS])
     assert sm.loads == (2 + 5) * len(sm.units)  # greedy: prefill + 4 decode forwards = 5 passes
+    # no budget given: every unit but each pass's first (the embedding) was read in the background
+    # while the unit before it computed: what is compared below is the prefetched path
+    assert sm.prefetched == sm.loads - (2 + 5)
 
     _same_capture(got_one[0], extract_hf_kv_caches_teacher_forced(model, [PROMPTS[0]], [TEACHERS[0]],
                                                                    return_logits=True), "group of 1")
@@ -208,11 +211,41 @@ def test_sharded_bf16_checkpoint_streams_bit_identically_in_fp32_and_bf16(tiny_m
                                                                                      return_logits=True)
                                 for p, t in zip(PROMPTS, TEACHERS)]
                            + [lambda: generate_hf_logits_and_kv(sm.model, [PROMPTS[0]], 3)])
+        assert sm.prefetched == sm.loads - 4  # 4 passes (the greedy prompt's); FP32: the numpy widening
         model = whole(path, dtype)
         for i, (p, t) in enumerate(zip(PROMPTS, TEACHERS)):
             _same_capture(got[i], extract_hf_kv_caches_teacher_forced(model, [p], [t], return_logits=True),
                           f"{dtype} prompt {i}")
         _same_capture(got[-1], generate_hf_logits_and_kv(model, [PROMPTS[0]], 3), f"{dtype} greedy")
+
+
+@pytest.mark.parametrize("chunk", [None, 1000])  # 1000 bytes: many chunks, none a whole tensor
+def test_a_background_read_casts_bit_for_bit_as_torch_does(tmp_path, monkeypatch, chunk):
+    # the prefetch's casts (numpy's BF16 -> FP32 widening; serial copy_ pieces for the others)
+    # against tensor.to(dtype), on every kind of value: NaN payloads, infinities, signed zeros,
+    # subnormals, the extremes; FP32 -> BF16 halfway cases (round to nearest even)
+    from safetensors.torch import save_file
+
+    bits = torch.tensor([0x7FC0, 0x7FA1, 0xFFC3, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x807F, 0x7F7F, 0xFF7F,
+                         0x3F80, 0x4049, 0xC2F7], dtype=torch.int32).to(torch.int16)
+    rng = np.random.default_rng(0)
+    bf16 = torch.cat([bits.view(torch.bfloat16), torch.from_numpy(rng.standard_normal(100_000).astype(np.float32))
+                      .to(torch.bfloat16)])
+    f32 = torch.cat([bf16.float(), torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, float("nan"), 3e38, 1e-40]),
+                     torch.from_numpy(rng.standard_normal(100_000).astype(np.float32))])
+    save_file({"b": bf16, "f": f32, "h": f32.clamp(-6e4, 6e4).half()}, str(tmp_path / "model.safetensors"))
+    if chunk:
+        monkeypatch.setattr("extractors.streamed._READ_CHUNK", chunk)
+    ck = Checkpoint(tmp_path)
+    for name, src in (("b", bf16), ("f", f32)):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            want = src.to(dtype)
+            for background in (False, True):
+                got = ck.read(name, dtype, background=background)
+                assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), \
+                    (name, dtype, background)
+    want = f32.clamp(-6e4, 6e4).half().float()
+    assert torch.equal(ck.read("h", torch.float32, background=True).view(torch.int32), want.view(torch.int32))
 
 
 def test_random_groups_and_lengths_stream_bit_identically(tiny_model, whole):
@@ -333,6 +366,109 @@ def test_a_budget_smaller_than_one_layer_is_refused_with_the_size_a_layer_needs(
                                                 rf"0\.56 MiB \({big} bytes\)"):
         capture_hf_run(st, path, PROMPTS, num_tokens=2, memory=big - 1)
     assert st.runs().num_rows == 0
+
+
+def test_prefetch_is_planned_where_two_neighbouring_units_fit_and_refused_below_one():
+    from extractors.streamed import plan_reference
+
+    units = [("embed", 10), ("l0", 40), ("l1", 40), ("head", 70)]
+    # budget 100: the head (70) + both prompts (5 + 5) in one group; embed+l0 60, l0+l1 90 fit,
+    # l1+head 120 does not: that change loads serially, and the plan says which
+    plan = plan_reference(weights=160, units=units, budget=100, per_prompt=[5, 5])
+    assert plan.groups == [[0, 1]] and plan.prefetch == (0, 1) and plan.no_prefetch == (("l1", "head", 120),)
+    assert "prefetch on 2 of 3 unit changes, not on l1 -> head" in plan.describe()
+    # budget 75: room 5 beside the head, one prompt a group; only embed+l0 (55) fits
+    plan = plan_reference(weights=160, units=units, budget=75, per_prompt=[5, 5])
+    assert plan.groups == [[0], [1]] and plan.prefetch == (0,) and [x[:2] for x in plan.no_prefetch] == [
+        ("l0", "l1"), ("l1", "head")]
+    assert "prefetch on 1 of 3 unit changes, not on l1 -> head and 1 more (l1 + head = 0.00 MiB" in plan.describe()
+    # no pair fits: no prefetch at all, said so; the budget check itself is unchanged
+    plan = plan_reference(weights=120, units=[("a", 40), ("b", 40), ("c", 40)], budget=60, per_prompt=[5])
+    assert plan.prefetch == () and plan.describe().count("no prefetch: two neighbouring units do not fit") == 1
+    # four prompts of 20 beside two layers of 30 in 100: packed beside one layer (room 70) they
+    # make groups of 3 + 1 (activations 60: no pair fits); beside a pair (room 40) as many groups
+    # of 2 + 2: those are taken, and every change is read ahead
+    plan = plan_reference(weights=60, units=[("a", 30), ("b", 30)], budget=100, per_prompt=[20] * 4,
+                          stream=True)
+    assert plan.groups == [[0, 1], [2, 3]] and plan.prefetch == (0,)
+    plan = plan_reference(weights=60, units=[("a", 30), ("b", 30)], budget=100, per_prompt=[20] * 3,
+                          stream=True)
+    assert plan.groups == [[0, 1, 2]] and plan.prefetch == ()  # 2 + 1 would be one more pass
+    plan = plan_reference(weights=160, units=units, budget=10_000, per_prompt=[5, 5], stream=True)
+    assert plan.prefetch == (0, 1, 2) and "prefetch: each next unit read while one computes (3 of 3" in plan.describe()
+    plan = plan_reference(weights=160, units=units, budget=10_000, per_prompt=[5, 5], stream=True, prefetch=False)
+    assert plan.prefetch == () and "no prefetch (turned off)" in plan.describe()
+    with pytest.raises(MemoryBudgetError, match="smaller than one layer of the model: head needs"):
+        plan_reference(weights=160, units=units, budget=69, per_prompt=[5, 5])
+
+
+def test_a_unit_is_read_ahead_only_beside_the_one_unit_the_plan_lets_it_share_memory_with(tiny_model):
+    """What is resident when each unit's read starts: with the plan's prefetch, the unit computing
+    (and only where that pair fits); without it, nothing (the last unit freed first)."""
+    path = tiny_model("llama-gqa")
+    for allowed in (frozenset(), frozenset({1, 2})):
+        sm = StreamedModel(path, "float32")
+        sm.prefetch = allowed
+        seen, lock, read_unit = [], threading.Lock(), sm.read_unit
+
+        def spy(u, background=False, read_unit=read_unit, sm=sm, seen=seen):
+            resident = [i for i, x in enumerate(sm.units)
+                        if any(mod._parameters[a].device.type != "meta" for mod, a in x.params.values())]
+            with lock:
+                seen.append((sm.units.index(u), background, resident))
+            return read_unit(u, background)
+
+        sm.read_unit = spy
+        got = run_streamed(sm, [lambda p=p, t=t: extract_hf_kv_caches_teacher_forced(sm.model, [p], [t],
+                                                                                     return_logits=True)
+                                for p, t in zip(PROMPTS[:2], TEACHERS[:2])])
+        n = len(sm.units)
+        want = [(i, i - 1 in allowed, [i - 1] if i - 1 in allowed else []) for i in range(n)]
+        assert seen == want and sm.prefetched == len(allowed)
+        if not allowed:
+            first = got
+        else:
+            for a, b in zip(got, first):
+                _same_capture(a, b, "prefetch on vs off")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_freed_layer_s_memory_is_read_into_by_the_next_and_nothing_more_is_kept(tiny_model, whole, dtype):
+    """Fresh pages cost a fault each: loaded serially, layer i + 1 is read into layer i's freed
+    memory, same results bit for bit; a read leaves the pool empty (what the unit cannot use is
+    released first) and a run leaves nothing behind, prefetched too (where a layer's memory goes
+    then depends on when the read ahead and the free meet: not asserted)."""
+    path = tiny_model("llama-gqa")
+    model = whole(path, dtype)
+    for allowed in (frozenset(), None):
+        sm = StreamedModel(path, dtype)
+        if allowed is not None:
+            sm.prefetch = allowed
+        ptrs, left, install, read_unit = {}, [], sm.install, sm.read_unit
+
+        def spy_install(tensors, sm=sm, ptrs=ptrs, install=install):
+            for mod, attr, t, _ in tensors:
+                ptrs.setdefault(next(i for i, u in enumerate(sm.units) if any(m is mod for m, _ in u.params.values())),
+                                set()).add(t.untyped_storage().data_ptr())
+            install(tensors)
+
+        def spy_read(u, background=False, sm=sm, left=left, read_unit=read_unit):
+            out = read_unit(u, background)
+            left.append(sum(len(v) for v in sm.pool.free.values()))
+            return out
+
+        sm.install, sm.read_unit = spy_install, spy_read
+        got = run_streamed(sm, [lambda p=p, t=t: extract_hf_kv_caches_teacher_forced(sm.model, [p], [t],
+                                                                                     return_logits=True)
+                                for p, t in zip(PROMPTS[:2], TEACHERS[:2])])
+        layers = [i for i, u in enumerate(sm.units) if u.name.startswith("model.layers.")]
+        if allowed is not None:
+            for i in layers[1:]:
+                assert ptrs[i] == ptrs[i - 1], i  # every weight in memory of the layer before
+            assert len(ptrs[layers[0]]) == len(sm.units[layers[0]].params)  # (distinct buffers, one a weight)
+        assert set(left) == {0} and not sm.pool.free and not sm.pool.lent and not sm._lent
+        for i, (p, t) in enumerate(zip(PROMPTS[:2], TEACHERS[:2])):
+            _same_capture(got[i], extract_hf_kv_caches_teacher_forced(model, [p], [t], return_logits=True), str(i))
 
 
 def test_a_failing_forward_stops_the_group_and_is_raised(tiny_model):
