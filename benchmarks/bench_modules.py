@@ -6,7 +6,8 @@ Gemma3 model (every module of
 ``extractors.modules.DEFAULT_MODULES``: 78 modules), one prompt of 16 tokens + 32 decode steps:
 
 1. Capture time against the same step-by-step forwards without hooks (prefill + 32 decode
-   forwards with a cache, ``torch.inference_mode``), FP32 and BF16:
+   forwards with a cache, ``torch.inference_mode``), FP32 and BF16, the three timed in turn
+   (best of 5 each, ``timing.best_of_interleaved``: a burst of load hits all three alike):
    (a) hooks cloning every output into memory (``capture_hf_modules``), goal <= 1.5x;
    (b) into a store (``capture_hf_module_run``: hooks, then per prompt one array per module and
    phase, a module's decode steps in one chunk), goal <= 1.5x (issue 24; 3.1x FP32 / 2.0x BF16
@@ -39,7 +40,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (run as a script)
-from timing import best_of  # noqa: E402
+from timing import best_of, best_of_interleaved  # noqa: E402
 
 ARCH, PROMPT_LEN, DECODE_STEPS = "gemma3-sliding", 16, 32
 
@@ -102,13 +103,15 @@ def main(sections) -> None:
         model = load_hf_model(path, dtype)
         p, c = prompts[0], conts[0]
         plain_forwards(model, p, c)  # warm-up
-        t_plain = best_of(lambda: plain_forwards(model, p, c), 5)
         kept = []
-        t_hooks = best_of(lambda: (kept.clear(), capture_hf_modules(model, p, c, lambda *a: kept.append(a[-1]),
-                                                                    DEFAULT_MODULES)), 5)
         with tempfile.TemporaryDirectory() as d:
             store = Store.open(os.path.join(d, "s"))
-            t_store = best_of(lambda: capture_hf_module_run(store, path, [p], [c], dtype=dtype, model=model), 3)
+            t = best_of_interleaved({
+                "plain": lambda: plain_forwards(model, p, c),
+                "hooks": lambda: (kept.clear(), capture_hf_modules(model, p, c, lambda *a: kept.append(a[-1]),
+                                                                  DEFAULT_MODULES)),
+                "store": lambda: capture_hf_module_run(store, path, [p], [c], dtype=dtype, model=model)}, 5)
+        t_plain, t_hooks, t_store = t["plain"], t["hooks"], t["store"]
         rows.append((f"plain forwards ({dtype}, 1 prefill + {DECODE_STEPS} decode)", f"{t_plain * 1e3:.1f} ms", "1.00x", ""))
         rows.append((f"  (a) capture_hf_modules, {len(kept)} clones in memory", f"{t_hooks * 1e3:.1f} ms",
                      f"{t_hooks / t_plain:.2f}x", "<= 1.5x"))
