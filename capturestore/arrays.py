@@ -7,6 +7,7 @@ run, prompt, array and chunk.
 """
 from __future__ import annotations
 
+import json
 import os
 import struct
 from dataclasses import dataclass
@@ -82,9 +83,18 @@ def create_array(
     attributes: dict[str, Any],
     compression: str | None = "lz4",
     shards: tuple[int, ...] | None = None,
-) -> zarr.Array:
+) -> zarr.Array | DocumentArray:
     """``shards``: group the chunks into shard objects of this shape (Zarr's sharding codec; each
-    inner chunk keeps its codecs and CRC32C, the shard index has its own CRC32C)."""
+    inner chunk keeps its codecs and CRC32C, the shard index has its own CRC32C).
+
+    In a directory, an unsharded array's zarr.json (and its missing parent groups') is written
+    here, the bytes zarr writes (``array_document``; pinned by tests against zarr.create_array):
+    zarr's own creation costs ~10 ms an array on a loaded machine, which dominated a module
+    capture of ~150 small arrays per prompt (benchmarks/bench_modules.py)."""
+    if shards is None and isinstance(zstore, zarr.storage.LocalStore):
+        doc = array_document(shape, storage_dtype, chunks, dimension_names, attributes, compression)
+        write_array_document(Path(zstore.root), ref.path, doc)
+        return array_from_document(zstore, ref.path, doc)
     return zarr.create_array(
         store=zstore,
         name=ref.path,
@@ -99,6 +109,97 @@ def create_array(
         config={"write_empty_chunks": True},  # every chunk exists on disk, so verify can see gaps
         overwrite=False,
     )
+
+
+_GROUP_DOCUMENT = json.dumps({"attributes": {}, "zarr_format": 3, "node_type": "group"}, indent=2).encode()
+
+
+def array_document(shape: tuple[int, ...], storage_dtype: np.dtype, chunks: tuple[int, ...],
+                   dimension_names: list[str], attributes: dict[str, Any], compression: str | None = "lz4") -> dict:
+    """The zarr.json of an unsharded array of ours, as zarr.create_array writes it (fill value 0,
+    codecs of ``compressors_for``)."""
+    dt = np.dtype(storage_dtype)
+    codec_bytes: dict[str, Any] = {"name": "bytes"}
+    if dt.itemsize > 1:
+        codec_bytes["configuration"] = {"endian": "little"}
+    codecs = [codec_bytes]
+    if compression is not None:
+        codecs.append({"name": "blosc", "configuration": {"typesize": dt.itemsize, "cname": "lz4", "clevel": 5,
+                                                          "shuffle": "bitshuffle", "blocksize": 0}})
+    codecs.append({"name": "crc32c"})
+    fill: Any = False if dt.kind == "b" else 0.0 if dt.kind == "f" else 0
+    return {
+        "shape": [int(n) for n in shape],
+        "data_type": dt.name,
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [int(c) for c in chunks]}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": fill,
+        "codecs": codecs,
+        "attributes": attributes,
+        "dimension_names": list(dimension_names),
+        "zarr_format": 3,
+        "node_type": "array",
+        "storage_transformers": [],
+    }
+
+
+def write_array_document(root: Path, path: str, doc: dict) -> None:
+    """``root/path/zarr.json`` = ``doc``, with a group zarr.json for every parent that has none
+    (as zarr does); FileExistsError where an array or group is already there."""
+    target = root / path / "zarr.json"
+    if target.exists():
+        raise FileExistsError(f"{target}: a node already exists")
+    parent = target.parent.parent
+    missing = []
+    while parent != root and not (parent / "zarr.json").exists():
+        missing.append(parent)
+        parent = parent.parent
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for p in missing:
+        (p / "zarr.json").write_bytes(_GROUP_DOCUMENT)
+    target.write_bytes(json.dumps(doc, indent=2).encode())
+
+
+def array_from_document(zstore: zarr.abc.store.Store, path: str, doc: dict) -> DocumentArray:
+    """The array whose zarr.json is ``doc``, without reading it back (``DocumentArray``)."""
+    return DocumentArray(zstore, path, doc)
+
+
+class DocumentArray:
+    """An array just created from its zarr.json document: ``shape`` and ``chunks`` from the
+    document; anything else (``resize``, ``update_attributes``, ``arr[...] = x``) opens the
+    zarr.Array on first use (parsing the metadata costs ~2-5 ms, and most arrays of a capture are
+    written once, chunk-aligned, by chunkio, never through zarr)."""
+
+    def __init__(self, zstore: zarr.abc.store.Store, path: str, doc: dict):
+        self._zstore, self._path, self._doc = zstore, path, doc
+        self._zarr: zarr.Array | None = None
+
+    def _array(self) -> zarr.Array:
+        if self._zarr is None:
+            from zarr.core.array import Array, AsyncArray
+            from zarr.storage import StorePath
+
+            self._zarr = Array(AsyncArray(metadata=self._doc, store_path=StorePath(self._zstore, self._path),
+                                          config={"write_empty_chunks": True}))
+        return self._zarr
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._doc["shape"]) if self._zarr is None else self._zarr.shape
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return tuple(self._doc["chunk_grid"]["configuration"]["chunk_shape"])
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._array(), name)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._array()[key] = value
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._array()[key]
 
 
 def open_array(zstore: zarr.storage.LocalStore, ref: ArrayRef) -> zarr.Array:

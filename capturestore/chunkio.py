@@ -26,9 +26,9 @@ from numcodecs import Blosc
 from capturestore.errors import CorruptChunkError
 
 _POOL: ThreadPoolExecutor | None = None
-# read_region reads chunks on the pool only when they average at least this many bytes: a module
-# tensor's decode steps are one chunk of [1, hidden] each (a few hundred bytes), where submitting
-# to a thread took longer than the read (measured in benchmarks/bench_modules.py).
+# read_region reads chunks on the pool only when they average at least this many bytes: in stores
+# written before 2026-12 a module tensor's decode steps are one chunk of [1, hidden] each (a few
+# hundred bytes), where submitting to a thread took longer than the read (bench_modules.py).
 _THREADED_READ_BYTES = 64 << 10
 
 

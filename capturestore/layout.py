@@ -81,6 +81,18 @@ def token_chunk(bytes_per_token: int, known_len: int | None) -> int:
     return t
 
 
+def tensor_chunks(n_steps: int, step_chunk: list[int], itemsize: int) -> tuple[int, ...]:
+    """Chunk of a module tensor ``[step, ...]`` written ``n_steps`` at a time: as many steps as fit
+    in TARGET_CHUNK_BYTES (at least one, at most ``n_steps``) by ``step_chunk``, one step's chunk.
+
+    Module tensor layout, by writer: before 2026-12 every step was its own chunk (``[1, ...]``:
+    a capture of 32 decode steps wrote 32 files per module, a few hundred bytes each); since, a
+    prompt's decode steps of one module are written together and share chunks. Readers take the
+    chunk shape from each array's zarr.json, so both read alike (docs/module-compare.md)."""
+    per_step = max(1, int(math.prod(step_chunk)) * itemsize)
+    return (max(1, min(int(n_steps), TARGET_CHUNK_BYTES // per_step)), *step_chunk)
+
+
 def chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> list[tuple[tuple[int, ...], str]]:
     """Every (chunk index, relative key) of an array with Zarr v3 default chunk key encoding."""
     grid = [max(1, math.ceil(s / c)) if s > 0 else 0 for s, c in zip(shape, chunks)]

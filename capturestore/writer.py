@@ -45,6 +45,7 @@ from capturestore.layout import (
     POSITION_DIM,
     check_component,
     check_module_name,
+    tensor_chunks,
     token_chunk,
 )
 from capturestore.tables import CAPTURES_SCHEMA, PROMPTS_SCHEMA, RUNS_SCHEMA
@@ -120,6 +121,7 @@ class _ArrayState:
     length: int = 0  # rows flushed along the growing axis (streamed arrays)
     buffer: _Buffer | None = None
     layers_written: set[int] | None = None  # for create_kv + write_kv_layer
+    steps_stored: int = 0  # how many of ``steps`` the array's attributes already hold
 
     @property
     def logical_shape(self) -> tuple[int, ...]:
@@ -376,7 +378,7 @@ class RunWriter:
             self._flush(st)
             wait_all(st.buffer.pending)
             st.buffer = None
-        if st.kind == "tensor":
+        if st.kind == "tensor" and len(st.steps) != st.steps_stored:  # steps appended after creation
             st.arr.update_attributes({"steps": st.steps})
 
     # ---- logits ----------------------------------------------------------------------------
@@ -601,65 +603,65 @@ class RunWriter:
         """array: one step of a module's tensor, stored as ``tensors/<module>/<phase>`` [step, ...].
 
         ``dims`` names the array's own axes (default ``<module>.dim<i>``); steps of one
-        (module, phase) must share shape and dtype.
+        (module, phase) must share shape and dtype. Written step by step, an array holds one
+        step per chunk; ``write_tensor_steps`` puts many steps into each chunk.
         """
+        where = f"run {self.run_id}, prompt {pid}: write_tensor {module} ({phase}, step {step})"
+        arr = to_numpy(array, where)
+        self.write_tensor_steps(pid, module, arr[None], [step], phase, dims, where=where)
+
+    def write_tensor_steps(self, pid: str, module: str, array: Any, steps: Any, phase: str = "decode",
+                           dims: list[str] | None = None, where: str | None = None) -> None:
+        """array: ``[len(steps), ...]``, several steps of one module at once (as ``write_tensor``
+        step by step, in one write). A new array written this way holds up to
+        ``layout.TARGET_CHUNK_BYTES`` of steps per chunk (``layout.tensor_chunks``): a capture's
+        decode steps of one module and prompt are one chunk file, not one per step."""
         self._check_prompt(pid, "write_tensor")
         check_module_name(module)
         check_component(phase, "phase")
-        where = f"run {self.run_id}, prompt {pid}: write_tensor {module} ({phase}, step {step})"
-        if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"{where}: step must be a non-negative integer, got {step!r}")
-        arr = to_numpy(array, where)
-        ld = check_dtype(arr, where)
-        name = f"tensors/{module}/{phase}"
-        st = self._arrays.get((pid, name))
-        if st is None:
-            if dims is not None and len(dims) != arr.ndim:
-                raise ValueError(f"{where}: {len(dims)} dims for an array of shape {arr.shape}")
-            own = list(dims) if dims is not None else [f"{module}.dim{i}" for i in range(arr.ndim)]
-            row_bytes = int(np.prod(arr.shape[1:], dtype=np.int64)) * ld.storage.itemsize if arr.ndim else 0
-            rest = list(arr.shape)
-            if arr.ndim >= 1:
-                rest[0] = self._tokens_per_chunk(max(1, row_bytes), max(1, arr.shape[0]))
-            chunks = (1, *[max(1, c) for c in rest])
-            st = self._new_array(pid, name, "tensor", ld, (0, *arr.shape), chunks, ["step", *own],
-                                 {"module": module, "phase": phase}, module=module, phase=phase)
-        else:
-            if tuple(st.arr.shape[1:]) != arr.shape or st.ld.name != ld.name:
-                raise ValueError(f"{where}: shape {arr.shape} {ld.name} disagrees with earlier steps of this "
-                                 f"module/phase in the run: {tuple(st.arr.shape[1:])} {st.ld.name}")
-            if int(step) in st.steps:
-                raise ValueError(f"{where}: step {step} was already written")
-        n = st.arr.shape[0]
-        st.arr.resize((n + 1, *arr.shape))
-        self._write(st, to_storage(np.ascontiguousarray(arr), ld)[None], (n,) + (0,) * arr.ndim)
-        st.steps.append(int(step))
-
-    def write_tensor_steps(self, pid: str, module: str, array: Any, steps: Any, phase: str = "decode",
-                           dims: list[str] | None = None) -> None:
-        """array: ``[len(steps), ...]``, several steps of one module at once (as ``write_tensor``
-        step by step, with one resize and one write for the lot: a capture of many small steps)."""
-        where = f"run {self.run_id}, prompt {pid}: write_tensor_steps {module} ({phase})"
+        where = where or f"run {self.run_id}, prompt {pid}: write_tensor_steps {module} ({phase})"
         arr = to_numpy(array, where)
         steps = list(steps)
         if arr.ndim < 1 or arr.shape[0] != len(steps) or not steps:
             raise ValueError(f"{where}: {len(steps)} steps for an array of shape {arr.shape} ([step, ...] expected)")
-        if len(set(steps)) != len(steps):
-            raise ValueError(f"{where}: steps {steps} repeat a step")
-        held = self._arrays.get((pid, f"tensors/{module}/{phase}"))
         for s in steps:  # all checked before any is written
             if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0:
                 raise ValueError(f"{where}: step must be a non-negative integer, got {s!r}")
-            if held is not None and int(s) in held.steps:
-                raise ValueError(f"{where}: step {s} was already written")
-        self.write_tensor(pid, module, arr[0], step=steps[0], phase=phase, dims=dims)
-        if len(steps) == 1:
+        steps = [int(s) for s in steps]
+        if len(set(steps)) != len(steps):
+            raise ValueError(f"{where}: steps {steps} repeat a step")
+        ld = check_dtype(arr, where)
+        name = f"tensors/{module}/{phase}"
+        st = self._arrays.get((pid, name))
+        bits = to_storage(np.ascontiguousarray(arr), ld)
+        if st is None:
+            one = arr.shape[1:]
+            if dims is not None and len(dims) != len(one):
+                raise ValueError(f"{where}: {len(dims)} dims for an array of shape {one}")
+            own = list(dims) if dims is not None else [f"{module}.dim{i}" for i in range(len(one))]
+            row_bytes = int(np.prod(one[1:], dtype=np.int64)) * ld.storage.itemsize if len(one) else 0
+            rest = list(one)
+            if len(one) >= 1:
+                rest[0] = self._tokens_per_chunk(max(1, row_bytes), max(1, one[0]))
+            rest = [max(1, c) for c in rest]
+            chunks = tensor_chunks(len(steps), rest, ld.storage.itemsize) if self._chunk_tokens is None else (1, *rest)
+            # created at its final shape with its steps: no resize, no attribute rewrite at commit
+            st = self._new_array(pid, name, "tensor", ld, arr.shape, chunks, ["step", *own],
+                                 {"module": module, "phase": phase, "steps": steps}, module=module, phase=phase,
+                                 steps=list(steps))
+            st.steps_stored = len(steps)
+            self._write(st, bits)
             return
-        st = self._arrays[(pid, f"tensors/{module}/{phase}")]
+        if tuple(st.arr.shape[1:]) != arr.shape[1:] or st.ld.name != ld.name:
+            raise ValueError(f"{where}: shape {arr.shape[1:]} {ld.name} disagrees with earlier steps of this "
+                             f"module/phase in the run: {tuple(st.arr.shape[1:])} {st.ld.name}")
+        again = sorted(set(steps) & set(st.steps))
+        if again:
+            raise ValueError(f"{where}: step {again[0]} was already written")
         n = st.arr.shape[0]
-        st.arr.resize((n + len(steps) - 1, *arr.shape[1:]))
-        self._write(st, to_storage(np.ascontiguousarray(arr[1:]), st.ld), (n,) + (0,) * (arr.ndim - 1))
-        st.steps.extend(int(s) for s in steps[1:])
+        st.arr.resize((n + len(steps), *arr.shape[1:]))
+        self._write(st, bits, (n,) + (0,) * (arr.ndim - 1))
+        st.steps.extend(steps)
 
     # ---- table rows ------------------------------------------------------------------------
     def _prompts_table(self) -> pa.Table:

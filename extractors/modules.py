@@ -23,9 +23,9 @@ module that runs several times in one forward (Gemma3's rotary embedding) keeps 
 
 Capture is a copy: every captured tensor is cloned before the forward goes on, so a kernel
 that later reuses the buffer in place cannot change what was captured. Tensors go to a sink as
-they are produced (into the store: prefill outputs at once, decode steps per module once the
-prompt's last step ran, ``RunWriter.write_tensor_steps``: one resize per module), so memory holds
-one prompt's decode outputs at most, never the run.
+they are produced (into the store: once the prompt's last step ran, each module's prefill output
+and its decode steps with one ``RunWriter.write_tensor_steps``: the decode steps share one chunk,
+docs/module-compare.md "Store layout"), so memory holds one prompt's outputs at most, never the run.
 
 transformers and torch are imported lazily.
 """

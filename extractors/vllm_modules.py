@@ -692,6 +692,22 @@ def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int 
     return caps, toks, names
 
 
+def _by_module(records) -> dict:
+    """``{(module, phase): [(step, tensor)]}`` of a prompt's ``(module, phase, step, tensor)`` records,
+    in the order they came."""
+    out: dict = {}
+    for hf, phase, step, t in records:
+        out.setdefault((hf, phase), []).append((step, t))
+    return out
+
+
+def _stack(ts):
+    """Steps ``[...]`` (torch or numpy) as one ``[step, ...]``."""
+    import torch
+
+    return torch.stack(ts) if torch.is_tensor(ts[0]) else np.stack(ts)
+
+
 NOT_COMPUTED = "not_computed"  # tensors/not_computed/prefill: [n] int64, prompt positions served from the prefix cache
 
 
@@ -749,9 +765,10 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
                                               inputs=inputs)
             for k, prompt in enumerate(part):
                 pid = run.add_prompt(list(prompt), continuation=toks[k])
-                for hf, phase, step, t in pending[lo + k]:
-                    run.write_tensor(pid, hf, t, step=step, phase=phase,
-                                     dims=["position", *(f"dim{d}" for d in range(1, t.ndim))])
+                for (hf, phase), steps in _by_module(pending[lo + k]).items():  # a module's decode steps: one write
+                    t = steps[0][1]
+                    run.write_tensor_steps(pid, hf, _stack([x for _, x in steps]), [s for s, _ in steps], phase=phase,
+                                           dims=["position", *(f"dim{d}" for d in range(1, t.ndim))])
                 if skipped[k]:
                     run.write_tensor(pid, NOT_COMPUTED, np.asarray(skipped[k], dtype=np.int64), phase="prefill",
                                      dims=["index"])
