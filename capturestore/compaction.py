@@ -183,6 +183,19 @@ def _sizes(b, table: str) -> dict[str, int]:
             if rel.endswith(".parquet") and "/" not in rel[len(TABLES_DIR) + len(table) + 2:]}
 
 
+
+def merged_bytes(merged: pa.Table) -> bytes:
+    """A merged segment's bytes: without pyarrow's ``ARROW:schema`` footer entry, so the footer
+    every reader's listing reads holds the per-source metadata once, unless some column's type
+    reads back otherwise without it (``duration`` as int64, ``large_string`` as string, ... in a
+    user's table): then with it, since a type changed on disk would change the rows compact
+    checked (verify would report them altered)."""
+    data = segment_bytes(merged, store_schema=False)
+    back = pq.read_schema(pa.BufferReader(data))
+    if back.remove_metadata().equals(merged.schema.remove_metadata(), check_metadata=False):
+        return data
+    return segment_bytes(merged)
+
 def compact(store, tables: list[str] | None = None, grace_s: float | None = None,
             on_step: Callable[[str], None] | None = None) -> CompactResult:
     """Merge each table's committed segments into one merged segment, and remove sources of
@@ -334,8 +347,7 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
             meta = json.dumps({"version": 1, "created_at": created, "sources": meta_sources})
             merged = merged.replace_schema_metadata({META_KEY: meta.encode()})
             name = f"{COMPACTED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime(created))}-{uuid.uuid4().hex[:12]}"
-            # without ARROW:schema: the footer, read by every reader's listing, holds the sources once
-            b.put(f"{TABLES_DIR}/{table}/{name}.parquet", segment_bytes(merged, store_schema=False), if_absent=True)
+            b.put(f"{TABLES_DIR}/{table}/{name}.parquet", merged_bytes(merged), if_absent=True)
             res.merged, res.rows = f"{name}.parquet", merged.num_rows
             step(f"merged {table}")
             if grace <= 0:
