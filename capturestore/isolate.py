@@ -557,7 +557,6 @@ def _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config,
     actual = the target's output, expected = BF16 HF on the target's input, baseline = FP32 HF on
     it. No engine re-run; two reference replays per depth."""
     from extractors.hf import load_hf_model
-    from metrics.modules import first_failing_module, module_layer
 
     held = set(recs["actual"]["config"].get("module_order") or [])
     order = [m for m in order if m in held]  # the modules the target's run holds (vLLM gives no lm_head, ...)
@@ -596,26 +595,9 @@ def _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config,
                                  f"{e}") from None
         replays += 2
 
-        def keep(pid, prompt, m, phase, tm, level=level):
-            c = tm.to_columns()
-            k = c["position"].size
-            metric_rows.append({"prompt_id": [pid] * k, "module": [m] * k, "phase": [phase] * k,
-                                "layer": [module_layer(m)] * k, "level": [level] * k, "position": c["position"],
-                                "gen_token_idx": c["position"] - len(prompt),
-                                **{x: c[x] for x in MODULE_LOCAL_METRICS.schema.names[8:]}})
-
-        res = judge_local(prompts, mods, exp, act_caps, base, order, config, keep)
-        verdicts += [(level, v) for v in res.modules]
-        first = res.first_failing
-        search.append({"level": level, "modules": len(mods),
-                       "first_failing": None if first is None else f"{first.module} ({first.phase})"})
-    found = first_failing_module([v for _, v in verdicts], order)
+        _judge_level(level, prompts, mods, exp, act_caps, base, order, config, verdicts, search, metric_rows)
+    status, loc = _located(verdicts, order, comparison_id, "snapshot")
     wall = time.perf_counter() - t0
-    status = "found" if found is not None else "not_local"
-    loc = None
-    if found is not None:
-        loc = {"phase": found.phase, "layer": found.layer, "module": found.module, "token": found.token,
-               "local": True, "isolates": comparison_id, "method": "snapshot"}
     kinds = _level3_rows([v for _, v in verdicts], tree, inplace) if level3 else None
     for kind in (k for k in LEVEL3_KINDS if kinds is not None and not kinds[k] and k not in unchecked):
         unchecked[kind] = "the target's run holds no module of this kind"
@@ -657,7 +639,6 @@ def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_ta
              level3, unchecked):
     from extractors.hf import load_hf_model
     from extractors.replace import ROPE_SUFFIX, collect_hf_replaced
-    from metrics.modules import first_failing_module, module_layer
 
     if vllm_target:
         from extractors.vllm_replace import collect_vllm_replaced
@@ -697,27 +678,10 @@ def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_ta
         base = on_reference_inputs(base_model, P, C, mods, exp_caps)
         ref_reruns += 1
 
-        def keep(pid, prompt, m, phase, tm, level=level):
-            c = tm.to_columns()
-            k = c["position"].size
-            metric_rows.append({"prompt_id": [pid] * k, "module": [m] * k, "phase": [phase] * k,
-                                "layer": [module_layer(m)] * k, "level": [level] * k, "position": c["position"],
-                                "gen_token_idx": c["position"] - len(prompt),
-                                **{x: c[x] for x in MODULE_LOCAL_METRICS.schema.names[8:]}})
-
-        res = judge_local(prompts, mods, exp_caps, [a[0] for a in act], base, order, config, keep)
-        verdicts += [(level, v) for v in res.modules]
-        first = res.first_failing
-        search.append({"level": level, "modules": len(mods),
-                       "first_failing": None if first is None else f"{first.module} ({first.phase})"})
-    # children finish before their parents: the first failing in execution order is the most specific
-    found = first_failing_module([v for _, v in verdicts], order)
+        _judge_level(level, prompts, mods, exp_caps, [a[0] for a in act], base, order, config, verdicts, search,
+                     metric_rows)
+    status, loc = _located(verdicts, order, comparison_id, "rerun")
     wall = time.perf_counter() - t0
-    status = "found" if found is not None else "not_local"
-    loc = None
-    if found is not None:
-        loc = {"phase": found.phase, "layer": found.layer, "module": found.module, "token": found.token,
-               "local": True, "isolates": comparison_id, "method": "rerun"}
     kinds = _level3_rows([v for _, v in verdicts], tree, inplace) if level3 else None
     from extractors.modules import DEFAULT_MODULES
 
@@ -730,6 +694,38 @@ def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_ta
     return IsolationResult(comparison_id, status, cid, loc, engine_reruns, ref_reruns, tuple(search),
                            tuple(v for _, v in verdicts), {k: v[0] for k, v in inplace.items()}, wall,
                            None if kinds is None else {k: tuple(r) for k, r in kinds.items()}, unchecked)
+
+
+def _judge_level(level, prompts, mods, exp_caps, act_caps, base_caps, order, config, verdicts, search, metric_rows):
+    """Judge one depth's modules by the local rule (``judge_local``) and append its verdicts, its
+    search step and its per-position metric rows (the isolation's tables) to the lists given."""
+    from metrics.modules import module_layer
+
+    def keep(pid, prompt, m, phase, tm):
+        c = tm.to_columns()
+        k = c["position"].size
+        metric_rows.append({"prompt_id": [pid] * k, "module": [m] * k, "phase": [phase] * k,
+                            "layer": [module_layer(m)] * k, "level": [level] * k, "position": c["position"],
+                            "gen_token_idx": c["position"] - len(prompt),
+                            **{x: c[x] for x in MODULE_LOCAL_METRICS.schema.names[8:]}})
+
+    res = judge_local(prompts, mods, exp_caps, act_caps, base_caps, order, config, keep)
+    verdicts += [(level, v) for v in res.modules]
+    first = res.first_failing
+    search.append({"level": level, "modules": len(mods),
+                   "first_failing": None if first is None else f"{first.module} ({first.phase})"})
+
+
+def _located(verdicts, order, comparison_id: str, method: str) -> tuple[str, dict | None]:
+    """(status, localisation): the first module failing locally in execution order (children
+    finish before their parents, so it is the most specific), found by ``method``."""
+    from metrics.modules import first_failing_module
+
+    found = first_failing_module([v for _, v in verdicts], order)
+    if found is None:
+        return "not_local", None
+    return "found", {"phase": found.phase, "layer": found.layer, "module": found.module, "token": found.token,
+                     "local": True, "isolates": comparison_id, "method": method}
 
 
 def local_inputs(exp_model, prompts, continuations, modules, rounding=None) -> list[dict]:

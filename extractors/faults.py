@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["SERVER_FAULT_ARGS", "SERVER_FAULT_ENV", "InjectedFault", "ServerFaultExtension", "engine_cpu_paths",
-           "inject_output_scale", "inject_server_output_scale", "o_proj_module", "probe_change", "remove_faults",
-           "run_on_worker"]
+__all__ = ["SERVER_FAULT_ARGS", "SERVER_FAULT_ENV", "InjectedFault", "ServerFaultExtension", "config_record",
+           "engine_cpu_paths", "inject_output_scale", "inject_server_output_scale", "o_proj_module", "probe_change",
+           "remove_faults", "run_on_worker"]
 
 _FAULT_ATTR = "_capturestore_fault"  # per faulted module on the worker: {"factor", "calls", "handle"}
 
@@ -43,6 +43,12 @@ _FAULT_ATTR = "_capturestore_fault"  # per faulted module on the worker: {"facto
 def o_proj_module(layer: int) -> str:
     """Name of decoder layer ``layer``'s attention output projection in vLLM's Llama-style models."""
     return f"model.layers.{int(layer)}.self_attn.o_proj"
+
+
+def config_record(fault) -> dict:
+    """A planted fault's dataclass as a JSON-ready record for a run's config: every field, a
+    non-finite float as its string (JSON has no inf/NaN)."""
+    return {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in asdict(fault).items()}
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ class InjectedFault:
 
     def as_config(self) -> dict:
         """JSON-ready record for a run's config (a non-finite difference as its string)."""
-        return {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in asdict(self).items()}
+        return config_record(self)
 
     def summary(self) -> str:
         return (f"{self.module} output x {self.factor:g} ({self.method}; linear {self.linear_backend}, attention "

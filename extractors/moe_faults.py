@@ -41,8 +41,10 @@ from __future__ import annotations
 import math
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+
+from extractors.faults import config_record
 
 __all__ = ["MOE_FAULTS", "VLLM_MOE_FAULTS", "VllmMoeFault", "inject_vllm_moe_fault", "remove_vllm_moe_faults",
            "write_moe_fault"]
@@ -101,7 +103,7 @@ class VllmMoeFault:
     clean_spread: float
 
     def as_config(self) -> dict:
-        return {k: str(v) if isinstance(v, float) and not math.isfinite(v) else v for k, v in asdict(self).items()}
+        return config_record(self)
 
     def summary(self) -> str:
         what = (f"experts {self.expert} and {self.other} of {self.experts_module} swapped" if self.kind == "swap_experts"
