@@ -92,6 +92,7 @@ __all__ = [
     "IsolationError",
     "IsolationResult",
     "cannot_rerun",
+    "changed_after_load",
     "checked_runs",
     "held_prompts",
     "isolate",
@@ -619,8 +620,27 @@ def _vllm_target(rec: dict, rid: str, target, prompts):
         return target, None
     from extractors.vllm_rpc import close_llm, make_llm
 
-    llm = make_llm(rec["model_path"], **rebuild_options(rec, prompts))
+    opts = rebuild_options(rec, prompts)
+    changed = changed_after_load(rec)
+    if changed:
+        raise IsolationError(f"the actual run {rid}'s vLLM engine was changed after it loaded {rec['model_path']} "
+                             f"({changed}): an engine rebuilt from the checkpoint is another engine; pass that engine "
+                             f"as the target (isolate(..., target=llm)) or judge its input snapshot (--snapshot, "
+                             f"a module run captured with --module-inputs)")
+    llm = make_llm(rec["model_path"], **opts)
     return llm, lambda: close_llm(llm)
+
+
+def changed_after_load(rec: dict) -> str | None:
+    """What changed run record ``rec``'s vLLM engine after it was loaded, which a rebuild from the
+    checkpoint cannot repeat (None: nothing): an engine hook (``run``'s ``engine_hook``: a planted
+    fault, FP8 scales set through the worker, emulated FP8 writes; ``engine_hooked`` names the
+    config keys it recorded) or, in a run recorded before hooks were, FP8 state in its config."""
+    cfg = rec["config"]
+    if cfg.get("engine_hooked") is not None:
+        return "an engine hook" + (f" recording {', '.join(cfg['engine_hooked'])}" if cfg["engine_hooked"] else "")
+    fp8 = sorted(k for k in cfg if k.startswith("fp8_") and cfg[k] not in (None, False))
+    return f"FP8 state {', '.join(fp8)}" if fp8 else None
 
 
 def rebuild_options(rec: dict, prompts) -> dict:

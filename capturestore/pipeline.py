@@ -1103,8 +1103,10 @@ def capture_vllm_target(pstore, progress, model_path, model_hash, rows, teacher_
             from extractors.kernel_rounding import probe_vllm_cpu_rounding
 
             config["kernel_rounding"] = probe_vllm_cpu_rounding()
-        if engine_hook is not None:
-            config.update(engine_hook(llm, rows, say) or {})
+        if engine_hook is not None:  # the engine is no longer the checkpoint's: isolate cannot rebuild it
+            added = engine_hook(llm, rows, say) or {}
+            config.update(added)
+            config["engine_hooked"] = sorted(added)
         kv_config = extract_vllm_kv_cache_config(llm)  # first RPC: starts block-table snapshotting
         say("teacher-forcing vLLM through its decode path (one pass per prompt): raw logits"
             + (" + paged KV" if kv else ""))

@@ -443,3 +443,30 @@ def test_a_vllm_target_is_rebuilt_with_the_engine_options_its_run_recorded():
     assert rebuild_options(rec, long)["max_model_len"] == 619
     old = {"dtype": "float32", "config": {}}
     assert rebuild_options(old, prompts) == {"max_model_len": 256, "dtype": "float32", "enable_prefix_caching": False}
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"engine_hooked": ["fp8_engine_k_scale", "fp8_emulated"], "fp8_emulated": True}, "fp8_engine_k_scale"),
+    ({"engine_hooked": []}, "an engine hook"),
+    ({"fp8_engine_k_scale": [0.02, 0.03], "fp8_emulated": True}, "FP8 state fp8_emulated, fp8_engine_k_scale")],
+    ids=["hooked", "hook-recording-nothing", "fp8-before-hooks-were-recorded"])
+def test_a_vllm_engine_changed_after_load_is_not_rebuilt_from_its_checkpoint(monkeypatch, config, named):
+    """A run whose engine a hook changed after load (FP8 scales set through the worker, emulated
+    FP8 writes, a planted fault) cannot be rebuilt from the checkpoint: the rebuild is another
+    engine (the reviewer's case: an emulated FP8 run rebuilt with a plain BF16 cache), so isolate
+    refuses in one line, naming the run and what changed, before any engine starts."""
+    import extractors.vllm_rpc as rpc
+    from capturestore.isolate import IsolationError, _vllm_target
+
+    started = []
+    monkeypatch.setattr(rpc, "make_llm", lambda *a, **k: started.append(a))
+    rec = {"engine": "vllm", "dtype": "bfloat16", "model_path": "/m", "config": {"engine_options": {}, **config}}
+    with pytest.raises(IsolationError) as e:
+        _vllm_target(rec, "run-7", None, [("p0", [1, 2, 3], [4])])
+    msg = str(e.value)
+    assert "run-7" in msg and named in msg and "--snapshot" in msg and "\n" not in msg
+    assert not started
+    plain = {"engine": "vllm", "dtype": "bfloat16", "model_path": "/m", "config": {"engine_options": {}}}
+    monkeypatch.setattr(rpc, "close_llm", lambda llm: None)
+    _vllm_target(plain, "run-8", None, [("p0", [1, 2, 3], [4])])  # nothing changed: rebuilt
+    assert started == [("/m",)]
