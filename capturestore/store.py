@@ -20,7 +20,7 @@ from capturestore.chunkio import read_region, write_block
 from capturestore.compaction import LOCK_PREFIX as COMPACTION_LOCK_PREFIX
 from capturestore.compaction import SOURCE_COLUMN, coverage, is_merged, logical_names
 from capturestore.dtypes import LOGICAL_DTYPES, from_storage
-from capturestore.errors import FormatVersionError, StoreError
+from capturestore.errors import FormatVersionError, StoreError, WriterIdTaken
 from capturestore.layout import (
     ARRAYS_DIR,
     FORMAT_FILE,
@@ -726,7 +726,21 @@ class Store:
         if used:
             raise StoreError(f"remove_run: run {run_id} is used by comparison(s) "
                              f"{', '.join(r['comparison_id'] for r in used)}; it stays")
-        self._remove_segment("runs", run_id)  # uncommitted from here on
+        # no compaction of runs between here and the marker's removal: one that read the marker
+        # before would write it into its merged segment, and the run would read as committed with
+        # its data gone (compaction takes the same lock, created only if absent)
+        try:
+            lock = self.backend.writer_lock(f"{COMPACTION_LOCK_PREFIX}runs", {"status": f"removing run {run_id}"})
+        except WriterIdTaken:
+            raise StoreError(f"remove_run: a compaction of the runs table of {self.root} is running (or a stopped one "
+                             f"left its lock: capturestore gc); run {run_id} stays, retry after it") from None
+        try:
+            if f"{run_id}.parquet" in coverage(self.backend, "runs"):  # merged before the lock was taken
+                raise StoreError(f"remove_run: run {run_id} was merged into a compacted segment of runs while it was "
+                                 f"being removed (capturestore compact); it stays")
+            self._remove_segment("runs", run_id)  # uncommitted from here on
+        finally:
+            lock.release()
         self._committed.discard(run_id)
         for table in ("captures", "prompts"):
             self._remove_segment(table, run_id)

@@ -474,3 +474,34 @@ def test_a_dead_compactions_lock_without_take_over_leaves_the_table_and_gc_clear
     (res,) = store.compact(tables=["notes"], grace_s=0).tables
     assert res.merged and res.rows == 2
     assert sorted(r["k"] for r in store.sql("SELECT k FROM notes").to_pylist()) == [1, 2]
+
+
+def test_remove_run_and_a_compaction_of_runs_exclude_each_other(url, monkeypatch):
+    """remove_run and a compaction of ``runs`` take the same lock: a compaction that had read a
+    run's marker before remove_run removed it wrote the marker into its merged segment, and the
+    run read as committed with its prompts, captures and arrays gone (the reviewer's race)."""
+    store = Store.open(url)
+    keep, gone = _scaled_run(store, 1.0), _scaled_run(store, 1.5)
+    lock = store.backend.writer_lock("compact-runs", {"status": "compacting runs"})  # a compaction mid-way
+    with pytest.raises(StoreError, match="a compaction of the runs table .* is running") as e:
+        store.remove_run(gone)
+    assert "\n" not in str(e.value) and gone in str(e.value)
+    assert gone in Store.open(url, create=False).committed_ids()  # nothing removed
+    assert Store.open(url, create=False).prompts(gone).num_rows == 2
+    lock.release()
+    # and the other way: a compaction starting while remove_run is between its checks and the marker
+    real = Store._remove_segment
+    seen = []
+
+    def removing(self, table, run_id):
+        if table == "runs":
+            (res,) = Store.open(url, create=False).compact(tables=["runs"], grace_s=0).tables
+            seen.append(res)
+        return real(self, table, run_id)
+
+    monkeypatch.setattr(Store, "_remove_segment", removing)
+    store.remove_run(gone)
+    assert seen[0].merged is None and "another compaction of runs is running" in seen[0].skipped[0]
+    fresh = Store.open(url, create=False)
+    assert fresh.committed_ids() == {keep} and [r["run_id"] for r in fresh.runs().to_pylist()] == [keep]
+    assert fresh.verify().ok
