@@ -357,3 +357,34 @@ def test_isolate_names_a_wrong_final_norm_epsilon(engine, refs, eps):
     assert all(v.passed for v in res.verdicts if v.module.startswith("model.layers."))
     assert res.engine_reruns == 3
     assert olds == [1e-6]
+
+
+def _eps_of(worker, name):
+    return float(worker.model_runner.model.get_submodule(name).variance_epsilon)
+
+
+def test_v_head_and_norm_eps_faults_refuse_what_changes_nothing_and_come_out_again(engine):
+    """A head the layer does not have, a factor 1.0 and an epsilon equal to the norm's own are
+    refused (the last two by the proof: nothing changed), leaving nothing installed; a real epsilon
+    fault removed by remove_faults puts the old epsilon back and the engine's output with it."""
+    from extractors.faults import inject_norm_eps, inject_v_head_scale, probe_change, remove_faults, run_on_worker
+
+    path, llm, prompts, conts, _, _ = engine
+    probe = prompts[0] + conts[0]
+    with pytest.raises(ValueError, match="layer 0 has 2 KV heads, no head 5"):
+        inject_v_head_scale(llm, 0, 5, 1.05, probe)
+    with pytest.raises(ValueError, match=r"changed nothing .*layer 0 KV head 0 V x 1, probe"):
+        inject_v_head_scale(llm, 0, 0, 1.0, probe)
+    with pytest.raises(ValueError, match=r"changed nothing .*model.norm epsilon 1e-06 -> 1e-06, probe"):
+        inject_norm_eps(llm, "model.norm", 1e-6, probe)
+    assert remove_faults(llm) == 0  # the refused ones took themselves out
+    inject_norm_eps(llm, "model.norm", 0.1, probe)
+    assert run_on_worker(llm, _eps_of, "model.norm") == 0.1
+    assert remove_faults(llm) == 1
+    assert run_on_worker(llm, _eps_of, "model.norm") == 1e-6
+    fault = inject_v_head_scale(llm, 0, 0, 1.05, probe)  # installable again: the refused hook is gone
+    try:
+        effect, spread, _ = probe_change(llm, probe, lambda: remove_faults(llm))
+    finally:
+        remove_faults(llm)
+    assert fault.max_abs_dlogprob > 0 and effect == pytest.approx(fault.max_abs_dlogprob) and spread == 0
