@@ -80,8 +80,9 @@ class InjectedFault:
         return config_record(self)
 
     def summary(self) -> str:
-        head = (f"{self.module} output x {self.factor:g} ({self.method};" if self.method.startswith("forward hook scaling")
-                else f"{self.module}: {self.method} (kernels:")  # a fault of another kind says what it is
+        scaling = self.method.startswith("forward hook scaling")  # a fault of another kind says what it is
+        head = (f"{self.module} output x {self.factor:g} ({self.method};" if scaling
+                else f"{self.module}: {self.method} (kernels:")
         return (f"{head} linear {self.linear_backend}, attention "
                 f"{self.attn_isa}): probe of {self.probe_positions} positions moved by max |Δ logprob| "
                 f"{self.max_abs_dlogprob:.4g} (clean repeat spread {self.clean_spread:.3g}), hook fired "
@@ -334,7 +335,8 @@ def inject_v_head_scale(llm, layer: int, head: int, factor: float, probe: Sequen
     effect, spread, backend = probe_change(
         llm, probe, lambda: _rpc_in_process(llm, _worker_install_v_head_scale, int(layer), int(head), factor))
     fault = InjectedFault(module=f"model.layers.{int(layer)}.self_attn.v_proj", factor=factor,
-                          method=f"KV head {int(head)}'s V x {factor:g} (forward hook on {qkv})", linear_backend=backend,
+                          method=f"KV head {int(head)}'s V x {factor:g} (forward hook on {qkv})",
+                          linear_backend=backend,
                           attn_isa=paths["attn_isa"], hook_calls=_rpc_in_process(llm, _worker_hook_calls, qkv),
                           probe_positions=len(probe) - 1, max_abs_dlogprob=effect, clean_spread=spread)
     return _proven(llm, fault, f"layer {layer} KV head {head} V x {factor:g}")
