@@ -21,6 +21,12 @@ with it, and raises ``ValueError("injected fault changed nothing on this engine 
 the hook, unless the hook fired and the faulty probe differs from the clean one by more than the
 spread. A fault of factor 1.0 is refused that way, never judged.
 
+Two more faults go through the same worker and the same proof (``probe_change``): one KV head's V
+scaled (``inject_v_head_scale``: a hook on the fused ``qkv_proj`` scaling that head's slice of the V
+part, before the cache write) and an RMSNorm's epsilon changed in the running engine
+(``inject_norm_eps``: vLLM reads ``variance_epsilon`` on every forward). ``remove_faults`` removes
+them too (the epsilon put back).
+
 vLLM is imported lazily (through ``extractors.vllm_rpc``): this module imports without it.
 """
 from __future__ import annotations
@@ -34,8 +40,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 __all__ = ["SERVER_FAULT_ARGS", "SERVER_FAULT_ENV", "InjectedFault", "ServerFaultExtension", "config_record",
-           "engine_cpu_paths", "inject_output_scale", "inject_server_output_scale", "o_proj_module", "probe_change",
-           "remove_faults", "run_on_worker"]
+           "engine_cpu_paths", "inject_norm_eps", "inject_output_scale", "inject_server_output_scale",
+           "inject_v_head_scale", "o_proj_module", "probe_change", "remove_faults", "run_on_worker"]
 
 _FAULT_ATTR = "_capturestore_fault"  # per faulted module on the worker: {"factor", "calls", "handle"}
 
@@ -74,7 +80,10 @@ class InjectedFault:
         return config_record(self)
 
     def summary(self) -> str:
-        return (f"{self.module} output x {self.factor:g} ({self.method}; linear {self.linear_backend}, attention "
+        scaling = self.method.startswith("forward hook scaling")  # a fault of another kind says what it is
+        head = (f"{self.module} output x {self.factor:g} ({self.method};" if scaling
+                else f"{self.module}: {self.method} (kernels:")
+        return (f"{head} linear {self.linear_backend}, attention "
                 f"{self.attn_isa}): probe of {self.probe_positions} positions moved by max |Δ logprob| "
                 f"{self.max_abs_dlogprob:.4g} (clean repeat spread {self.clean_spread:.3g}), hook fired "
                 f"{self.hook_calls} times")
@@ -123,6 +132,62 @@ def _worker_install_scale(worker, name: str, factor: float) -> str | None:
     state["handle"] = mod.register_forward_hook(scale_output)
     setattr(mod, _FAULT_ATTR, state)
     return _linear_backend(mod)
+
+
+def _worker_install_v_head_scale(worker, layer: int, head: int, factor: float) -> str | None:
+    """Scale KV head ``head``'s V (its slice of the fused ``qkv_proj`` output, before the cache
+    write) in decoder layer ``layer`` by ``factor``; the state sits on ``qkv_proj``."""
+    attn = _worker_module(worker, f"model.layers.{int(layer)}.self_attn")
+    mod = attn.qkv_proj
+    if hasattr(mod, _FAULT_ATTR):
+        raise ValueError(f"fault injection: layer {layer}'s qkv_proj already carries a fault; remove_faults first")
+    if not 0 <= int(head) < attn.num_kv_heads:
+        raise ValueError(f"fault injection: layer {layer} has {attn.num_kv_heads} KV heads, no head {head}")
+    lo = attn.q_size + attn.kv_size + int(head) * attn.head_dim
+    hi = lo + attn.head_dim
+    state = {"factor": float(factor), "calls": 0}
+
+    def scale_v_head(module, args, output):
+        state["calls"] += 1
+        out = output[0] if isinstance(output, tuple) else output
+        out = out.clone()
+        out[..., lo:hi] *= state["factor"]
+        return (out, *output[1:]) if isinstance(output, tuple) else out
+
+    state["handle"] = mod.register_forward_hook(scale_v_head)
+    setattr(mod, _FAULT_ATTR, state)
+    return _linear_backend(mod)
+
+
+class _RestoreEps:
+    """A norm's ``variance_epsilon`` put back and its counting hook removed (``remove_faults``)."""
+
+    def __init__(self, mod, old: float, hook):
+        self.mod, self.old, self.hook = mod, old, hook
+
+    def remove(self):
+        self.mod.variance_epsilon = self.old
+        self.hook.remove()
+
+
+def _worker_install_norm_eps(worker, name: str, eps: float) -> float:
+    """Set RMSNorm ``name``'s ``variance_epsilon`` (read by vLLM's kernel call on every forward)
+    to ``eps``; a forward hook counts its calls. Returns the epsilon it had."""
+    mod = _worker_module(worker, name)
+    if not hasattr(mod, "variance_epsilon"):
+        raise ValueError(f"fault injection: {name} ({type(mod).__name__}) has no variance_epsilon")
+    if hasattr(mod, _FAULT_ATTR):
+        raise ValueError(f"fault injection: {name} already carries a fault; remove_faults first")
+    old = float(mod.variance_epsilon)
+    state = {"factor": float(eps), "calls": 0}
+
+    def count(module, args, output):
+        state["calls"] += 1
+
+    state["handle"] = _RestoreEps(mod, old, mod.register_forward_hook(count))
+    mod.variance_epsilon = float(eps)
+    setattr(mod, _FAULT_ATTR, state)
+    return old
 
 
 def _worker_hook_calls(worker, name: str) -> int:
@@ -244,6 +309,52 @@ def probe_change(llm, probe: Sequence[int], install) -> tuple[float, float, obje
     finally:
         llm.reset_prefix_cache()
     return effect, spread, got
+
+
+def _proven(llm, fault: InjectedFault, what: str) -> InjectedFault:
+    """``fault`` if it fired and moved the probe beyond the clean spread; else removed and ValueError."""
+    if fault.hook_calls == 0 or not fault.max_abs_dlogprob > fault.clean_spread:
+        remove_faults(llm)
+        why = ("the hook never fired (build the engine with enforce_eager=True)" if fault.hook_calls == 0
+               else f"max |Δ logprob| {fault.max_abs_dlogprob:.3g} <= clean repeat spread {fault.clean_spread:.3g}")
+        raise ValueError(f"injected fault changed nothing on this engine (path: linear {fault.linear_backend}, "
+                         f"attention {fault.attn_isa}): {what}, probe of {fault.probe_positions} positions: {why}")
+    return fault
+
+
+def inject_v_head_scale(llm, layer: int, head: int, factor: float, probe: Sequence[int]) -> InjectedFault:
+    """One KV head's V scaled by ``factor`` in decoder layer ``layer``: a forward hook on the fused
+    ``qkv_proj`` scales that head's slice of the V part (so the cache holds the scaled V, and the
+    HF module capture of ``v_proj`` sees it), proven to change the engine's output as
+    ``inject_output_scale`` proves its fault. ``InjectedFault.module`` names ``v_proj``."""
+    factor = float(factor)
+    if not math.isfinite(factor):
+        raise ValueError(f"fault injection: factor must be finite, got {factor}")
+    paths = engine_cpu_paths(llm)
+    qkv = f"model.layers.{int(layer)}.self_attn.qkv_proj"
+    effect, spread, backend = probe_change(
+        llm, probe, lambda: _rpc_in_process(llm, _worker_install_v_head_scale, int(layer), int(head), factor))
+    fault = InjectedFault(module=f"model.layers.{int(layer)}.self_attn.v_proj", factor=factor,
+                          method=f"KV head {int(head)}'s V x {factor:g} (forward hook on {qkv})",
+                          linear_backend=backend,
+                          attn_isa=paths["attn_isa"], hook_calls=_rpc_in_process(llm, _worker_hook_calls, qkv),
+                          probe_positions=len(probe) - 1, max_abs_dlogprob=effect, clean_spread=spread)
+    return _proven(llm, fault, f"layer {layer} KV head {head} V x {factor:g}")
+
+
+def inject_norm_eps(llm, module: str, eps: float, probe: Sequence[int]) -> tuple[InjectedFault, float]:
+    """RMSNorm ``module``'s epsilon set to ``eps`` in the running engine (``variance_epsilon``,
+    read on every forward), proven to change the engine's output; ``(the fault, the epsilon it
+    had)``. ``InjectedFault.factor`` is the new epsilon. ``remove_faults`` puts the old one back."""
+    eps = float(eps)
+    if not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"fault injection: epsilon must be finite and >= 0, got {eps}")
+    paths = engine_cpu_paths(llm)
+    effect, spread, old = probe_change(llm, probe, lambda: _rpc_in_process(llm, _worker_install_norm_eps, module, eps))
+    fault = InjectedFault(module=module, factor=eps, method=f"variance_epsilon {old:g} -> {eps:g}", linear_backend=None,
+                          attn_isa=paths["attn_isa"], hook_calls=_rpc_in_process(llm, _worker_hook_calls, module),
+                          probe_positions=len(probe) - 1, max_abs_dlogprob=effect, clean_spread=spread)
+    return _proven(llm, fault, f"{module} epsilon {old:g} -> {eps:g}"), old
 
 
 def remove_faults(llm) -> int:

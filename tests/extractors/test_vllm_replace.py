@@ -288,3 +288,103 @@ def test_vllm_module_inputs_are_hfs_and_a_snapshot_agrees_with_the_rerun(engine,
         assert res.engine_reruns == engine_reruns
     print(f"\nvLLM inputs vs HF FP32: {worst:.2e}; MLP x1.01 sigma-ratio snapshot {snap.found.tensor.sigma_ratio:.2f} "
           f"re-run {rerun.found.tensor.sigma_ratio:.2f}; wall snapshot {snap.wall_s:.1f}s re-run {rerun.wall_s:.1f}s")
+
+
+def _isolated_fault(engine, refs, install):
+    """Install a fault (its proof returned by ``install``), capture and compare the faulty engine,
+    isolate on the re-run path; the fault removed afterwards. ``(fault, result, wall_s)``."""
+    import time
+
+    from capturestore.isolate import isolate
+    from extractors.faults import remove_faults
+
+    path, llm, prompts, conts, _, _ = engine
+    t0 = time.perf_counter()
+    try:
+        fault = install(llm, prompts[0] + conts[0])
+        assert fault.hook_calls > 0 and fault.max_abs_dlogprob > fault.clean_spread, fault.summary()
+        r, _ = _stored_comparison(engine, refs)
+        res = isolate(refs[0], r.comparison_id, target=llm, even_if_passed=True)
+    finally:
+        remove_faults(llm)
+    return fault, res, time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("layer,head,factor", [(0, 1, 1.05), (2, 0, 0.95), (1, 1, 1.01)])
+def test_isolate_names_one_kv_heads_v_scaled(engine, refs, layer, head, factor):
+    """One KV head's V scaled in one layer (a hook on the fused qkv_proj scaling that head's slice
+    of V, before the cache write; proven to change the engine's output): isolation names that
+    layer's self_attn.v_proj, prefill; q_proj and k_proj of that layer pass locally (the fault is
+    in V only), and so does every module of the layers before it."""
+    from extractors.faults import inject_v_head_scale
+
+    fault, res, wall = _isolated_fault(engine, refs,
+                                       lambda llm, probe: inject_v_head_scale(llm, layer, head, factor, probe))
+    assert res.status == "found", res.summary()
+    loc = res.localisation
+    v_proj = f"model.layers.{layer}.self_attn.v_proj"
+    assert (loc["module"], loc["layer"], loc["phase"], loc["local"]) == (v_proj, layer, "prefill", True), loc
+    assert all(v.passed for v in res.verdicts if v.module in (f"model.layers.{layer}.self_attn.q_proj",
+                                                              f"model.layers.{layer}.self_attn.k_proj"))
+    assert all(v.passed for v in res.verdicts for i in range(layer) if v.module.startswith(f"model.layers.{i}."))
+    assert res.engine_reruns == 3
+    v = {(x.module, x.phase): x.tensor.sigma_ratio for x in res.verdicts}
+    print(f"\n{fault.summary()}; v_proj local sigma-ratio {v[(v_proj, 'prefill')]:.2f} / {v[(v_proj, 'decode')]:.2f}; "
+          f"wall {wall:.1f}s")
+
+
+@pytest.mark.parametrize("eps", [0.1, 0.03])
+def test_isolate_names_a_wrong_final_norm_epsilon(engine, refs, eps):
+    """model.norm's variance_epsilon 1e-6 -> eps set in the running engine (proven to change its
+    output; put back by remove_faults): isolation names model.norm, layer None, prefill; every
+    decoder layer passes locally."""
+    from extractors.faults import inject_norm_eps
+
+    olds = []
+
+    def install(llm, probe):
+        fault, old = inject_norm_eps(llm, "model.norm", eps, probe)
+        olds.append(old)
+        return fault
+
+    fault, res, wall = _isolated_fault(engine, refs, install)
+    v = {(x.module, x.phase): x.tensor.sigma_ratio for x in res.verdicts}
+    print(f"\n{fault.summary()}; model.norm local sigma-ratio "
+          f"{v[('model.norm', 'prefill')]:.2f} / {v[('model.norm', 'decode')]:.2f}; wall {wall:.1f}s")
+    assert res.status == "found", res.summary()
+    loc = res.localisation
+    assert (loc["module"], loc["layer"], loc["phase"], loc["local"]) == ("model.norm", None, "prefill", True), loc
+    assert all(v.passed for v in res.verdicts if v.module.startswith("model.layers."))
+    assert res.engine_reruns == 3
+    assert olds == [1e-6]
+
+
+def _eps_of(worker, name):
+    return float(worker.model_runner.model.get_submodule(name).variance_epsilon)
+
+
+def test_v_head_and_norm_eps_faults_refuse_what_changes_nothing_and_come_out_again(engine):
+    """A head the layer does not have, a factor 1.0 and an epsilon equal to the norm's own are
+    refused (the last two by the proof: nothing changed), leaving nothing installed; a real epsilon
+    fault removed by remove_faults puts the old epsilon back and the engine's output with it."""
+    from extractors.faults import inject_norm_eps, inject_v_head_scale, probe_change, remove_faults, run_on_worker
+
+    path, llm, prompts, conts, _, _ = engine
+    probe = prompts[0] + conts[0]
+    with pytest.raises(ValueError, match="layer 0 has 2 KV heads, no head 5"):
+        inject_v_head_scale(llm, 0, 5, 1.05, probe)
+    with pytest.raises(ValueError, match=r"changed nothing .*layer 0 KV head 0 V x 1, probe"):
+        inject_v_head_scale(llm, 0, 0, 1.0, probe)
+    with pytest.raises(ValueError, match=r"changed nothing .*model.norm epsilon 1e-06 -> 1e-06, probe"):
+        inject_norm_eps(llm, "model.norm", 1e-6, probe)
+    assert remove_faults(llm) == 0  # the refused ones took themselves out
+    inject_norm_eps(llm, "model.norm", 0.1, probe)
+    assert run_on_worker(llm, _eps_of, "model.norm") == 0.1
+    assert remove_faults(llm) == 1
+    assert run_on_worker(llm, _eps_of, "model.norm") == 1e-6
+    fault = inject_v_head_scale(llm, 0, 0, 1.05, probe)  # installable again: the refused hook is gone
+    try:
+        effect, spread, _ = probe_change(llm, probe, lambda: remove_faults(llm))
+    finally:
+        remove_faults(llm)
+    assert fault.max_abs_dlogprob > 0 and effect == pytest.approx(fault.max_abs_dlogprob) and spread == 0
