@@ -454,7 +454,8 @@ def test_a_freed_layer_s_memory_is_read_into_by_the_next_and_nothing_more_is_kep
 
         def spy_read(u, background=False, sm=sm, left=left, read_unit=read_unit):
             out = read_unit(u, background)
-            left.append(sum(len(v) for v in sm.pool.free.values()))
+            if not background:  # a read ahead runs beside the compute thread, which may free a unit
+                left.append(sum(len(v) for v in sm.pool.free.values()))  # into the pool meanwhile
             return out
 
         sm.install, sm.read_unit = spy_install, spy_read
@@ -466,7 +467,8 @@ def test_a_freed_layer_s_memory_is_read_into_by_the_next_and_nothing_more_is_kep
             for i in layers[1:]:
                 assert ptrs[i] == ptrs[i - 1], i  # every weight in memory of the layer before
             assert len(ptrs[layers[0]]) == len(sm.units[layers[0]].params)  # (distinct buffers, one a weight)
-        assert set(left) == {0} and not sm.pool.free and not sm.pool.lent and not sm._lent
+        assert set(left) <= {0} and not sm.pool.free and not sm.pool.lent and not sm._lent
+        assert left, "no serial read was checked"
         for i, (p, t) in enumerate(zip(PROMPTS[:2], TEACHERS[:2])):
             _same_capture(got[i], extract_hf_kv_caches_teacher_forced(model, [p], [t], return_logits=True), str(i))
 
