@@ -137,7 +137,10 @@ class RoutingComparator(Comparator):
         self.router_rule = {}
         for role, rid in context.runs.items():
             got = context.store.sql(f"SELECT engine, dtype FROM runs WHERE run_id = '{rid}'").to_pylist()
-            self.router_rule[role] = (got[0]["engine"], got[0]["dtype"]) if got else ("hf", "float32")
+            if not got:  # never guessed: another engine's tie-break would count other flips
+                raise ValueError(f"routing comparator: the {role} run {rid} has no runs row (its engine and dtype "
+                                 f"decide how its router broke ties)")
+            self.router_rule[role] = (got[0]["engine"], got[0]["dtype"])
         self.index = tensor_index(context.store, context.runs)
         # routers of every role's run, not the expected run's alone: one only some runs hold fails, named
         held = {role: {m for (r, _), mods in self.index.items() if r == rid for m, _ in mods}
