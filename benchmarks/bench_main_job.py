@@ -165,8 +165,10 @@ def child(args) -> dict:
         tm["report"] = time.perf_counter() - t1
         tm["total"] = total + tm["report"]
         out.update(timings=tm, peaks=sampler.close(), cpu=sampler.cpu, verdict="PASS" if res.passed else "FAIL",
-                   reused=[s for s in ("baseline", "expected") if any(x.startswith("reusing") and "module" not in x
-                                                                     and ("FP32" in x) == (s == "baseline") for x in lines)],
+                   # the pipeline's lines carry a "[  3.4s] " clock before "reusing ..."
+                   reused=[s for s in ("baseline", "expected")
+                           if any(x.split("] ", 1)[-1].startswith("reusing") and "module" not in x
+                                  and ("FP32" in x) == (s == "baseline") for x in lines)],
                    lines=[x for x in lines if "whole (" in x or "streamed (" in x or "reusing" in x] + lines[-12:])
         return out
     sampler = Sampler(lambda: "all")
