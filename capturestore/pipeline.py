@@ -872,7 +872,7 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
     teacher_rows = [teacher[p][len(r):].tolist() for p, r in zip(pids, rows)]
     # a target whose kernels round FP32 -> BF16 otherwise than torch (vLLM-CPU without AVX512-BF16:
     # toward zero) is judged against an expected reference rounding the same way (logits, KV)
-    rounding = eng.kernel_rounding(tgt.dtype) if tgt.reference_dtype == "bfloat16" else None
+    rounding = _kernel_rounding(eng, tgt) if tgt.reference_dtype == "bfloat16" else None
     rounding = _emulated_rounding(rounding, model_path, say, "expected reference")
     exp, reused["expected"] = _reference(
         st, pstore, progress, tm, "expected", f"HF {_dt(tgt.reference_dtype)} expected", "teacher-forced",
@@ -924,6 +924,15 @@ def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patte
     progress.end()
     tm["compare"] = time.perf_counter() - t0
     return result, reused
+
+
+def _kernel_rounding(eng, tgt):
+    """``eng.kernel_rounding``, given the parsed target where the method takes it (a plugin's
+    ``kernel_rounding(self, dtype)`` keeps working)."""
+    import inspect
+
+    takes = "target" in inspect.signature(eng.kernel_rounding).parameters
+    return eng.kernel_rounding(tgt.dtype, target=tgt) if takes else eng.kernel_rounding(tgt.dtype)
 
 
 def _forced_routing(st, pstore, say, tm, model_path, model_hash, rows, pids, teacher_rows, mod_runs, comparator_runs,

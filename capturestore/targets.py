@@ -10,7 +10,7 @@ A target (``EngineTarget``) declares
 - ``options``: what its spec takes after the name (``{"dtype": help}`` for ``NAME:DTYPE``,
   ``{"url": help}`` for ``NAME=URL``, ``{"tp": help}`` for ``--tp``);
 - ``default_plugins``: the comparators run when ``--plugins`` is not given;
-- ``kernel_rounding(dtype)``: how its kernels round FP32 to ``dtype`` when not as torch does
+- ``kernel_rounding(dtype[, target])``: how its kernels round FP32 to ``dtype`` when not as torch does
   (``vllm``: probed, ``extractors.kernel_rounding``); the BF16 expected reference rounds the same way;
 - ``check(ctx)``: what can be probed of the engine before anything is written (``ValueError`` or
   ``EngineStartError`` in one line);
@@ -120,10 +120,12 @@ class EngineTarget:
     def check(self, ctx: TargetCheck) -> None:
         """Refuse, in one line, what would fail after the store was touched. Default: nothing."""
 
-    def kernel_rounding(self, dtype: str) -> str | None:
+    def kernel_rounding(self, dtype: str, target=None) -> str | None:
         """How this engine's own kernels round FP32 to ``dtype`` where that differs from torch's
         round-to-nearest (``extractors.kernel_rounding.ROUNDINGS``), probed before the references
-        are captured: the HF expected reference then rounds the same way. Default: None (torch's)."""
+        are captured: the HF expected reference then rounds the same way. Default: None (torch's).
+        ``target``: the parsed target (its ``url``, ...), given where the method accepts it (a
+        plugin's ``kernel_rounding(self, dtype)`` keeps working)."""
         return None
 
     def capture(self, ctx: TargetContext) -> TargetRuns:
@@ -258,6 +260,15 @@ class VllmServerTarget(EngineTarget):
         except ValueError as e:
             raise ValueError(f"target {ctx.target}: {e}") from None
 
+    def kernel_rounding(self, dtype: str, target=None) -> str | None:
+        """A server on this machine (a loopback address) running this process's vLLM build: its
+        CPU kernels are this machine's, probed here as the in-process target's are (toward zero
+        without AVX512-BF16). A server elsewhere, or another vLLM version, cannot be asked: None,
+        torch's rounding (its BF16 expected reference then rounds to nearest; docs/vllm_server.md)."""
+        if dtype != "bfloat16" or target is None:
+            return None
+        return server_kernel_rounding(target.url)
+
     def capture(self, ctx: TargetContext) -> TargetRuns:
         import inspect
 
@@ -324,3 +335,33 @@ class HfFp8KVTarget(EngineTarget):
         act = capture_fp8_target(st, ctx.store, ctx.progress, ctx.model_path, ctx.expected_run, ctx.rows, ctx.teacher_rows,
                            ctx.release, ctx.extra.get("fp8_scales"), ctx.extra.get("fp8_platform"))
         return TargetRuns(act)
+
+
+def server_kernel_rounding(url: str) -> str | None:
+    """``VllmServerTarget.kernel_rounding``: the local probe's answer where the server at ``url`` is
+    on a loopback address and reports this process's vLLM version; None otherwise (remote, another
+    version, no /version, no local vLLM CPU kernel)."""
+    import ipaddress
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(url if "://" in url else f"http://{url}").hostname
+    try:
+        addrs = {a[4][0] for a in socket.getaddrinfo(host, None)} if host else set()
+    except OSError:
+        return None
+    if not addrs or not all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs):
+        return None
+    try:
+        import vllm
+
+        from extractors.vllm_server import base_url, request_json
+
+        served = request_json(base_url(url), "/version", timeout=10.0)[0].get("version")
+    except (ImportError, ValueError, AttributeError):
+        return None
+    if served != getattr(vllm, "__version__", None):
+        return None
+    from extractors.kernel_rounding import probe_vllm_cpu_rounding
+
+    return probe_vllm_cpu_rounding()

@@ -218,3 +218,75 @@ def test_the_fp8_kv_target_refuses_a_task_analysis_in_its_check():
     with pytest.raises(ValueError, match="--from-task: the hf-fp8-kv target's run cannot name the task analysis"):
         engine_target("hf-fp8-kv").check(check)
     engine_target("hf-fp8-kv").check(TargetCheck(t, "m", {}, [[1, 2]], 3, 1, frozenset(), from_task=False))
+
+
+# ----------------------------------------------------------------------------------------------
+# the kernel rounding of a served engine
+
+
+class _Version:
+    """An HTTP server on 127.0.0.1 answering ``/version`` with ``version`` (what vLLM's does)."""
+
+    def __init__(self, version):
+        import http.server
+        import threading
+
+        body = json.dumps({"version": version}).encode()
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the stdlib's name
+                self.send_response(200 if self.path == "/version" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(body if self.path == "/version" else b"{}")
+
+            def log_message(self, *a):
+                pass
+
+        self.srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.srv.server_address[1]}"
+        threading.Thread(target=self.srv.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.srv.shutdown()
+        self.srv.server_close()
+
+
+def test_a_loopback_server_of_this_vllm_build_is_probed_here_and_any_other_server_is_not(monkeypatch):
+    """A ``vllm-server`` target on this machine shares its CPU kernels: its BF16 expected reference
+    rounds as the local probe says (before: never probed, so a truncating server was judged against
+    round-to-nearest, the false FAIL docs/vllm-modules.md measured in-process). A remote server, or
+    one of another vLLM version, is not probed at all."""
+    vllm = pytest.importorskip("vllm")
+    import extractors.kernel_rounding as kr
+    from capturestore.targets import server_kernel_rounding
+
+    calls = []
+    monkeypatch.setattr(kr, "probe_vllm_cpu_rounding", lambda: calls.append(1) or "toward_zero")
+    same, other = _Version(vllm.__version__), _Version("0.0.1-elsewhere")
+    try:
+        eng = engine_target("vllm-server")
+        tgt = parse_target(f"vllm-server={same.url}")
+        assert eng.kernel_rounding("bfloat16", target=tgt) == "toward_zero" and len(calls) == 1
+        from capturestore.pipeline import _kernel_rounding
+
+        assert _kernel_rounding(eng, tgt) == "toward_zero"  # the pipeline passes the target
+        assert eng.kernel_rounding("float16", target=tgt) is None
+        assert server_kernel_rounding(other.url) is None  # another build: its kernels are not ours
+        assert server_kernel_rounding("http://192.0.2.7:8000") is None  # TEST-NET: elsewhere, never asked
+        assert len(calls) == 2  # the two loopback asks of this build; no other server was probed
+    finally:
+        same.close()
+        other.close()
+
+
+def test_a_plugin_s_kernel_rounding_without_the_target_argument_still_works():
+    from capturestore.pipeline import _kernel_rounding
+
+    class Old(EngineTarget):
+        name = "old"
+
+        def kernel_rounding(self, dtype):
+            return "toward_zero" if dtype == "bfloat16" else None
+
+    assert _kernel_rounding(Old(), parse_target("hf:bfloat16")) == "toward_zero"
