@@ -39,9 +39,11 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-__all__ = ["SERVER_FAULT_ARGS", "SERVER_FAULT_ENV", "InjectedFault", "ServerFaultExtension", "config_record",
-           "engine_cpu_paths", "inject_decode_rope_offset", "inject_kv_slot", "inject_norm_eps",
-           "inject_output_scale", "inject_server_output_scale", "inject_softmax_scale", "inject_v_head_scale", "o_proj_module", "probe_change", "remove_faults", "run_on_worker"]
+__all__ = ["SERVER_FAULT_ARGS", "SERVER_FAULT_ENV", "SERVER_FAULT_KINDS", "InjectedFault", "ServerFaultExtension",
+           "config_record", "engine_cpu_paths", "inject_decode_rope_offset", "inject_kv_slot", "inject_norm_eps",
+           "inject_output_scale", "inject_server_fault", "inject_server_output_scale", "inject_softmax_scale",
+           "inject_v_head_scale", "o_proj_module", "probe_change", "remove_faults", "remove_server_faults",
+           "run_on_worker"]
 
 _FAULT_ATTR = "_capturestore_fault"  # per faulted module on the worker: {"factor", "calls", "handle"}
 
@@ -617,12 +619,30 @@ def remove_faults(llm) -> int:
 
 class ServerFaultExtension:
     """``vllm serve --worker-extension-cls extractors.faults.ServerFaultExtension``: the worker
-    methods that install, count and remove an output-scale fault in a served engine, called
-    through vLLM's development route ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``), which
-    passes string arguments and returns JSON. ``inject_server_output_scale`` drives them."""
+    methods that install, count and remove faults in a served engine (an output scale, a softmax
+    scale, one KV head's V scale, an RMSNorm epsilon, a decode-only RoPE offset, a decode KV write
+    into the previous slot: the in-process faults' worker functions), called through vLLM's
+    development route ``POST /collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``), which passes string
+    arguments and returns JSON. ``inject_server_output_scale`` and ``inject_server_fault`` drive them."""
 
     def capturestore_install_scale(self, name: str, factor: str) -> dict:
         return {"linear_backend": _worker_install_scale(self, name, float(factor))}
+
+    def capturestore_install_softmax_scale(self, layer: str, factor: str) -> dict:
+        return {"old_scale": _worker_install_softmax_scale(self, int(layer), float(factor))}
+
+    def capturestore_install_v_head_scale(self, layer: str, head: str, factor: str) -> dict:
+        return {"linear_backend": _worker_install_v_head_scale(self, int(layer), int(head), float(factor))}
+
+    def capturestore_install_norm_eps(self, name: str, eps: str) -> dict:
+        return {"old_eps": _worker_install_norm_eps(self, name, float(eps))}
+
+    def capturestore_install_decode_rope(self, layers: str, offset: str) -> dict:
+        """``layers``: comma-separated decoder layer indices."""
+        return {"layers": _worker_install_decode_rope(self, [int(x) for x in layers.split(",")], int(offset))}
+
+    def capturestore_install_kv_slot(self, layer: str) -> dict:
+        return {"backend": _worker_install_kv_slot(self, int(layer))}
 
     def capturestore_hook_calls(self, name: str) -> dict:
         return {"calls": _worker_hook_calls(self, name)}
@@ -687,3 +707,97 @@ def inject_server_output_scale(url: str, model_path, module: str, factor: float,
         raise ValueError(f"injected fault changed nothing on the served engine (linear {backend}): {module} x "
                          f"{factor:g}, probe of {len(probe) - 1} positions: {why}")
     return fault
+
+
+_SERVER_FAULTS = {  # kind: (worker method, its arguments from the keyword arguments, the module it sits in)
+    "softmax": ("capturestore_install_softmax_scale", lambda a: (a["layer"], a["factor"]),
+                lambda a: f"model.layers.{int(a['layer'])}.self_attn"),
+    "v_head": ("capturestore_install_v_head_scale", lambda a: (a["layer"], a["head"], a["factor"]),
+               lambda a: f"model.layers.{int(a['layer'])}.self_attn.qkv_proj"),
+    "norm_eps": ("capturestore_install_norm_eps", lambda a: (a["module"], a["eps"]), lambda a: a["module"]),
+    "decode_rope": ("capturestore_install_decode_rope", lambda a: (str(int(a["layer"])), a["offset"]),
+                    lambda a: f"model.layers.{int(a['layer'])}.self_attn"),
+    "kv_slot": ("capturestore_install_kv_slot", lambda a: (a["layer"],),
+                lambda a: f"model.layers.{int(a['layer'])}.self_attn"),
+}
+SERVER_FAULT_KINDS = tuple(_SERVER_FAULTS)
+_DECODE_ONLY = ("decode_rope", "kv_slot")
+
+
+def _server_decode_probe(info, probe: Sequence[int]) -> np.ndarray:
+    """``[2, len(probe) - 1]`` float64: the greedy tokens the server generates from ``probe[0]`` (one
+    decode step each) and their logprobs (``_server_decode_change`` compares two)."""
+    from extractors.vllm_server import request_json
+
+    payload = {"model": info["served_model_name"], "prompt": [int(probe[0])], "max_tokens": len(probe) - 1,
+               "temperature": 0.0, "logprobs": 1, "ignore_eos": True, "return_token_ids": True}
+    ans, _ = request_json(info["url"], "/v1/completions", payload, timeout=120)
+    choice = (ans.get("choices") or [None])[0] if isinstance(ans, dict) else None
+    if not choice or not choice.get("logprobs") or choice.get("token_ids") is None:
+        raise ValueError(f"fault injection: the vLLM server {info['url']} answered a decode probe with {ans!r}")
+    return np.array([choice["token_ids"], choice["logprobs"]["token_logprobs"]], dtype=np.float64)
+
+
+def _server_decode_change(a: np.ndarray, b: np.ndarray) -> float:
+    if not np.array_equal(a[0], b[0]):
+        return math.inf  # another greedy token: certainly a change
+    return float(np.abs(a[1] - b[1]).max(initial=0.0))
+
+
+def inject_server_fault(url: str, model_path, kind: str, probe: Sequence[int], **params) -> InjectedFault:
+    """Install fault ``kind`` (``SERVER_FAULT_KINDS``) in a running ``vllm serve`` started as
+    ``inject_server_output_scale`` needs, with ``params``: softmax ``layer, factor``; v_head ``layer,
+    head, factor``; norm_eps ``module, eps``; decode_rope ``layer, offset``; kv_slot ``layer``. Proven
+    as in process: prefill faults on the server's full-vocabulary prompt logprobs of ``probe``;
+    decode-only faults on the greedy decode of ``probe[0]`` (each step's token and its logprob;
+    another token counts as an infinite change) and, with them in place, the prefill probe
+    unchanged bit for bit. ValueError, with every fault removed, when it changed nothing."""
+    from extractors.vllm_server import base_url, check_server, request_json
+
+    if kind not in _SERVER_FAULTS:
+        raise ValueError(f"fault injection: unknown served fault {kind!r}; known: {', '.join(SERVER_FAULT_KINDS)}")
+    method, args_of, module_of = _SERVER_FAULTS[kind]
+    try:
+        args, module = args_of(params), module_of(params)
+    except KeyError as e:
+        raise ValueError(f"fault injection: served fault {kind} needs the parameter {e.args[0]!r}") from None
+    probe = [int(t) for t in probe]
+    if len(probe) < 2:
+        raise ValueError(f"fault injection: the probe needs >= 2 tokens, got {len(probe)}")
+    info = check_server(url, model_path)
+    decode = kind in _DECODE_ONLY
+    run = (lambda: _server_decode_probe(info, probe)) if decode else (lambda: _server_probe(info, probe))
+    change = _server_decode_change if decode else _max_abs_diff
+
+    def reset():
+        with contextlib.suppress(ValueError):
+            request_json(base_url(url), "/reset_prefix_cache", {}, timeout=60)
+
+    clean_prefill = _server_probe(info, probe) if decode else None
+    clean = run()
+    spread = change(clean, run())
+    got = _server_rpc(url, method, *args)
+    try:
+        effect = change(clean, run())
+        calls = int(_server_rpc(url, "capturestore_hook_calls", module)["calls"])
+        moved = _max_abs_diff(clean_prefill, _server_probe(info, probe)) if decode else 0.0
+    finally:
+        reset()
+    what = f"{kind} {', '.join(f'{k}={v}' for k, v in params.items())}"
+    fault = InjectedFault(module=module, factor=float(params.get("factor", params.get("eps", params.get("offset", -1)))),
+                          method=f"{what} (served; {got})", linear_backend=got.get("linear_backend"), attn_isa=None,
+                          hook_calls=calls, probe_positions=len(probe) - 1, max_abs_dlogprob=effect,
+                          clean_spread=spread)
+    if calls == 0 or not effect > spread or moved != 0.0:
+        _server_rpc(url, "capturestore_remove_faults")
+        why = ("the hook never fired (start the server with --enforce-eager)" if calls == 0
+               else f"the prefill probe moved by {moved:.3g}: not decode-only" if moved != 0.0
+               else f"max |Δ logprob| {effect:.3g} <= clean repeat spread {spread:.3g}")
+        raise ValueError(f"injected fault changed nothing on the served engine: {what}, probe of {len(probe) - 1} "
+                         f"positions: {why}")
+    return fault
+
+
+def remove_server_faults(url: str) -> int:
+    """Remove every fault from a served engine; how many there were."""
+    return int(_server_rpc(url, "capturestore_remove_faults")["removed"])
