@@ -166,6 +166,7 @@ def test_a_decode_kv_write_into_the_wrong_slot_fails_the_in_place_kv_comparison_
     from capturestore.analysis import compare_runs
     from extractors.faults import inject_kv_slot, remove_faults
     from extractors.hf import capture_hf_run
+    from extractors.models import model_content_hash
     from extractors.vllm_rpc import capture_vllm_run
 
     path, llm = engine
@@ -175,7 +176,7 @@ def test_a_decode_kv_write_into_the_wrong_slot_fails_the_in_place_kv_comparison_
     exp = capture_hf_run(store, path, prompts, teacher_tokens=conts, dtype="bfloat16")
     try:
         fault = inject_kv_slot(llm, 1, prompts[0] + conts[0])
-        act = capture_vllm_run(store, llm, path, prompts, conts, mode="decode")
+        act = capture_vllm_run(store, llm, path, prompts, conts, mode="decode", model_hash=model_content_hash(path))
     finally:
         remove_faults(llm)
     r = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base)
