@@ -128,3 +128,59 @@ def test_faults_in_a_bf16_engine_are_named_at_their_module(engine, refs):
         v = {(x.module, x.phase): x.tensor.sigma_ratio for x in res.verdicts}
         print(f"\nBF16: {fault.summary()}; local sigma-ratio {v[(want[0], 'prefill')]:.2f} / "
               f"{v[(want[0], 'decode')]:.2f}")
+
+
+@pytest.mark.parametrize("kind,layer", [("rope", 1), ("kv_slot", 2)])
+def test_decode_only_faults_in_a_bf16_engine_are_named_at_the_layers_attention(engine, refs, kind, layer):
+    """On the BF16 engine: a decode-only RoPE offset (+2) in layer 1 and a decode KV write into the
+    previous slot in layer 2, each proven (decode probe moved, prefill probe unchanged), are named
+    at that layer's self_attn in decode; every prefill module passes locally."""
+    from capturestore.isolate import isolate
+    from extractors.faults import inject_decode_rope_offset, inject_kv_slot, remove_faults
+
+    path, llm = engine
+    store, order, mode, compared = refs
+    prompts, conts = _prompts()
+    probe = prompts[0] + conts[0]
+    try:
+        fault = (inject_decode_rope_offset(llm, layer, 2, probe) if kind == "rope" else inject_kv_slot(llm, layer, probe))
+        assert fault.hook_calls > 0 and fault.max_abs_dlogprob > fault.clean_spread, fault.summary()
+        res = isolate(store, compared().comparison_id, target=llm, even_if_passed=True)
+    finally:
+        remove_faults(llm)
+    assert res.status == "found", res.summary()
+    loc = res.localisation
+    attn = f"model.layers.{layer}.self_attn"
+    assert (loc["module"], loc["layer"], loc["phase"]) == (attn, layer, "decode"), loc
+    assert all(v.passed for v in res.verdicts if v.phase == "prefill")
+    v = {(x.module, x.phase): x.tensor.sigma_ratio for x in res.verdicts}
+    print(f"\nBF16: {fault.summary()}; local sigma-ratio {v[(attn, 'prefill')]:.2f} / {v[(attn, 'decode')]:.2f}")
+
+
+def test_a_decode_kv_write_into_the_wrong_slot_fails_the_in_place_kv_comparison_at_its_layer(engine, tmp_path):
+    """The KV capture sees the wrong slot too: the BF16 engine with layer 1's decode K/V also written
+    over the previous position's slot, captured teacher-forced through decode (logits + KV) and
+    compared with HF FP32 / HF BF16, fails the KV verdict first at layer 1 (layer 0 passes): the
+    overwritten entries are in layer 1's own cache."""
+    from capturestore import Store
+    from capturestore.analysis import compare_runs
+    from extractors.faults import inject_kv_slot, remove_faults
+    from extractors.hf import capture_hf_run
+    from extractors.models import model_content_hash
+    from extractors.vllm_rpc import capture_vllm_run
+
+    path, llm = engine
+    prompts, conts = _prompts()
+    store = Store.open(tmp_path / "s")
+    base = capture_hf_run(store, path, prompts, teacher_tokens=conts, dtype="float32")
+    exp = capture_hf_run(store, path, prompts, teacher_tokens=conts, dtype="bfloat16")
+    try:
+        fault = inject_kv_slot(llm, 1, prompts[0] + conts[0])
+        act = capture_vllm_run(store, llm, path, prompts, conts, mode="decode", model_hash=model_content_hash(path))
+    finally:
+        remove_faults(llm)
+    r = compare_runs(store, expected_run=exp, actual_run=act, baseline_run=base)
+    assert not r.passed and not r.kv_verdict.passed
+    assert r.kv_verdict.first_failing_layer == "model.layers.1.self_attn.attn", r.kv_verdict
+    assert [x["passed"] for x in r.kv_layers][0] is True
+    print(f"\nBF16 KV: {fault.summary()}; per layer passed {[x['passed'] for x in r.kv_layers]}")

@@ -388,3 +388,98 @@ def test_v_head_and_norm_eps_faults_refuse_what_changes_nothing_and_come_out_aga
     finally:
         remove_faults(llm)
     assert fault.max_abs_dlogprob > 0 and effect == pytest.approx(fault.max_abs_dlogprob) and spread == 0
+
+
+# ------------------------------------------------------------------------------ decode-only faults
+
+
+def _check_decode_fault(res, layer):
+    """Isolation named layer ``layer``'s attention in decode, locally; nothing fails in prefill and
+    no module of an earlier layer fails at all."""
+    assert res.status == "found", res.summary()
+    loc = res.localisation
+    attn = f"model.layers.{layer}.self_attn"
+    assert (loc["module"], loc["layer"], loc["phase"], loc["local"]) == (attn, layer, "decode", True), loc
+    assert loc["token"] >= 0
+    assert all(v.passed for v in res.verdicts if v.phase == "prefill")
+    assert all(v.passed for v in res.verdicts for i in range(layer) if v.module.startswith(f"model.layers.{i}."))
+    # the fault is in the attention proper: its projections pass locally in decode too
+    assert all(v.passed for v in res.verdicts if v.module.startswith(attn + "."))
+    assert res.engine_reruns == 3
+
+
+@pytest.mark.parametrize("layer,offset", [(0, 1), (2, 3)])
+def test_isolate_names_a_decode_only_rope_offset_at_its_layers_attention(engine, refs, layer, offset):
+    """Layer ``layer``'s RoPE positions + ``offset`` in decode tokens only (a pre-hook on its
+    self_attn; proven on a decode probe to change the engine's output and on a prefill probe to
+    change nothing): isolation names model.layers.<layer>.self_attn, decode (its q/k/v projections
+    and every prefill module pass locally)."""
+    from extractors.faults import inject_decode_rope_offset
+
+    fault, res, wall = _isolated_fault(engine, refs,
+                                       lambda llm, probe: inject_decode_rope_offset(llm, layer, offset, probe))
+    assert fault.hook_calls > 0 and fault.max_abs_dlogprob > 0 == fault.clean_spread
+    v = {(x.module, x.phase): x.tensor.sigma_ratio for x in res.verdicts}
+    attn = f"model.layers.{layer}.self_attn"
+    print(f"\n{fault.summary()}; {attn} local sigma-ratio {v[(attn, 'prefill')]:.2f} / {v[(attn, 'decode')]:.2f}; "
+          f"wall {wall:.1f}s")
+    _check_decode_fault(res, layer)
+
+
+@pytest.mark.parametrize("layer", [1, 2])
+def test_isolate_names_a_decode_kv_write_into_the_wrong_slot_at_its_layers_attention(engine, refs, layer):
+    """Layer ``layer``'s decode cache writes also put the new K/V into the previous position's slot
+    (the CPU backend's do_kv_cache_update wrapped on that layer's impl; proven on a decode probe,
+    prefill probe unchanged): the attention of the decode token reads the wrong K/V at once, so
+    isolation names model.layers.<layer>.self_attn, decode, on the re-run path (module isolation
+    sees it, not only the KV capture)."""
+    from extractors.faults import inject_kv_slot
+
+    fault, res, wall = _isolated_fault(engine, refs, lambda llm, probe: inject_kv_slot(llm, layer, probe))
+    assert fault.hook_calls > 0 and fault.max_abs_dlogprob > 0 == fault.clean_spread
+    v = {(x.module, x.phase): x.tensor.sigma_ratio for x in res.verdicts}
+    attn = f"model.layers.{layer}.self_attn"
+    print(f"\n{fault.summary()}; {attn} local sigma-ratio {v[(attn, 'prefill')]:.2f} / {v[(attn, 'decode')]:.2f}; "
+          f"wall {wall:.1f}s")
+    _check_decode_fault(res, layer)
+
+
+def test_decode_faults_come_out_exactly_and_refuse_what_they_cannot_fault(engine):
+    """Both decode faults removed by remove_faults leave the engine's decode and prefill probes
+    bit-identical to the clean engine's (the wrapped cache write and the hooks gone); a layer the
+    model lacks and a second fault on a faulted attention are refused; the softmax fault puts the
+    old scale back exactly (not multiplied back)."""
+    from extractors.faults import (_probe_decode_logprobs, _probe_logprobs, inject_decode_rope_offset,
+                                   inject_kv_slot, inject_softmax_scale, remove_faults, run_on_worker)
+
+    path, llm, prompts, conts, _, _ = engine
+    probe = prompts[1] + conts[1]
+    clean_d, clean_p = _probe_decode_logprobs(llm, probe), _probe_logprobs(llm, probe)
+    with pytest.raises(ValueError, match="layer 7 outside the model's 3 decoder layers"):
+        inject_decode_rope_offset(llm, 7, 1, probe)
+    with pytest.raises(ValueError, match=r"changed nothing .*decode RoPE positions \+ 0 in layer 1"):
+        inject_decode_rope_offset(llm, 1, 0, probe)
+    assert remove_faults(llm) == 0
+    kv = inject_kv_slot(llm, 1, probe)
+    rope = inject_decode_rope_offset(llm, 2, 2, probe)
+    with pytest.raises(ValueError, match="layer 1's self_attn already carries a fault"):
+        inject_decode_rope_offset(llm, 1, 2, probe)
+    old = run_on_worker(llm, _impl_scale, 0)
+    soft, had = inject_softmax_scale(llm, 0, 1.1, probe)
+    assert had == old and run_on_worker(llm, _impl_scale, 0) == old * 1.1
+    assert remove_faults(llm) == 3
+    assert run_on_worker(llm, _impl_scale, 0) == old
+    assert run_on_worker(llm, _wrapped_writes) == 0
+    d, p = _probe_decode_logprobs(llm, probe), _probe_logprobs(llm, probe)
+    llm.reset_prefix_cache()
+    assert np.array_equal(d, clean_d) and np.array_equal(p, clean_p)
+    assert min(kv.max_abs_dlogprob, rope.max_abs_dlogprob, soft.max_abs_dlogprob) > 0
+
+
+def _impl_scale(worker, layer):
+    return float(worker.model_runner.model.get_submodule(f"model.layers.{int(layer)}.self_attn.attn").impl.scale)
+
+
+def _wrapped_writes(worker):
+    return sum("do_kv_cache_update" in m.impl.__dict__ for _, m in worker.model_runner.model.named_modules()
+               if type(m).__name__ == "Attention" and hasattr(m, "impl"))
