@@ -69,6 +69,8 @@ class PagedLayout:
         # copy instead of a per-element index computation (~5x faster, benchmarks/bench_extract.py).
         object.__setattr__(self, "k_affine", _affine(self.k_offsets))
         object.__setattr__(self, "v_affine", _affine(self.v_offsets))
+        both = self.k_affine is not None and self.v_affine is not None
+        object.__setattr__(self, "kernel_maps", np.array([self.k_affine, self.v_affine], dtype=np.int64) if both else None)
 
     def sources(self, entry, layer: str):
         """The K and V sources of one layer's paged entry, each ``[num_blocks, block_numel]``."""
@@ -360,17 +362,24 @@ def _gather_group(lay: PagedLayout, sources: list, blocks: torch.Tensor, seq_pad
     if not by_width:
         return out
     ids = blocks.contiguous().numpy()
-    shape = (blocks.shape[0], lay.num_kv_heads, seq_pad, lay.head_dim)
-    maps = np.array([lay.k_affine, lay.v_affine], dtype=np.int64)
+    b, h, d = blocks.shape[0], lay.num_kv_heads, lay.head_dim
     for width, members in by_width.items():
+        # one buffer for the group's K and V of every layer (one allocation: the layers' tensors
+        # are views of it), each [batch, kv_head, seq_pad, head_dim], K of layer i at 2i, V at 2i+1
+        dtype = sources[members[0]][0].dtype
+        buf = torch.empty((2 * len(members), b, h, seq_pad, d), dtype=dtype)
+        views = buf.unbind(0)
+        step, base = b * h * seq_pad * d * width, buf.data_ptr()
         rows = []
-        for i in members:
+        for j, i in enumerate(members):
             k_src, v_src = sources[i]
-            k, v = torch.empty(shape, dtype=k_src.dtype), torch.empty(shape, dtype=v_src.dtype)
-            out[i] = (k, v)
-            rows.append((k_src.data_ptr(), v_src.data_ptr(), k.data_ptr(), v.data_ptr(), k_src.shape[0], v_src.shape[0]))
-        kernel.gather_layers(np.array(rows, dtype=np.int64), width, sources[members[0]][0].shape[1], ids, maps,
-                             lay.num_kv_heads, lay.block_size, lay.head_dim, seq_pad)
+            k, v = views[2 * j], views[2 * j + 1]
+            out[i] = (k if k_src.dtype == dtype else k.view(k_src.dtype),
+                      v if v_src.dtype == dtype else v.view(v_src.dtype))
+            rows.append((k_src.data_ptr(), v_src.data_ptr(), base + 2 * j * step, base + (2 * j + 1) * step,
+                         k_src.shape[0], v_src.shape[0]))
+        kernel.gather_layers(np.array(rows, dtype=np.int64), width, sources[members[0]][0].shape[1], ids,
+                             lay.kernel_maps, h, lay.block_size, d, seq_pad)
     return out
 
 

@@ -138,3 +138,15 @@ def test_sources_the_kernel_does_not_take_fall_back_to_torch():
     (k, v), = P._gather_group(lay, [(wide, v_src)], blocks, 12)
     want_k, want_v = P._gather_kv_torch(lay, k_src, v_src, blocks, 12)
     assert torch.equal(bits(k), bits(want_k)) and torch.equal(bits(v), bits(want_v))
+
+
+def test_layers_of_one_width_but_different_dtypes_keep_their_own_dtype():
+    # one kernel call (and one output buffer) per value width: a bf16 and an fp16 layer share it
+    gen = torch.Generator().manual_seed(11)
+    cases = [make_case("vllm_cpu", 2, 16, 24, 4, dtype, gen) for dtype in (torch.bfloat16, torch.float16)]
+    lay, blocks = cases[0][0], torch.tensor([[3, 0, 2]])
+    got = P._gather_group(lay, [(k, v) for _, k, v in cases], blocks, 40)
+    for (_, k_src, v_src), (k, v) in zip(cases, got):
+        want_k, want_v = P._gather_kv_torch(lay, k_src, v_src, blocks, 40)
+        assert k.dtype == v.dtype == k_src.dtype
+        assert torch.equal(bits(k), bits(want_k)) and torch.equal(bits(v), bits(want_v))
