@@ -542,7 +542,8 @@ def reconstruct_contiguous_kv(paged_kv, kv_cache_config: Mapping, block_tables: 
       measured from it: positions ``< seq_len - sliding_window + 1`` are NaN.
     layout: None (each group's ``layout`` in the config), a PagedLayout, a layout name, or a
       mapping group index -> one of those.
-    Returns ``{layer: (k, v)}``, each ``[1, kv_head, seq, head_dim]`` in the cache dtype.
+    Returns ``{layer: (k, v)}``, each ``[1, kv_head, seq, head_dim]`` in the cache dtype (with
+    numba, the layers of one KV cache group are views of one buffer: one allocation).
     Raises ValueError for a layer in no group, seq_len < 1, a block table too short for
     seq_len, block ids out of range and shapes that disagree with the config.
     """
