@@ -20,12 +20,13 @@ vLLM part (extractors/vllm_rpc.py, extractors/paged.py):
 - ``vllm_extract``: KV of one 2k-token request (in-process engine, block_size 32) extracted
   through the worker extension and reconstructed to contiguous ``[1, kv_head, seq, head_dim]``
   per layer, vs one clone of the same number of bytes. Goal: <= 3x for the live request
-  in-process (the engine's cache read in place). Informational rows: the same against the
-  in-block reorder alone (vLLM CPU's 'vec' ISA stores each K tile transposed, so any reader
-  pays an element-strided copy, itself 3-5x a clone on this CPU: the 3x goal is out of reach for
-  this layout, the extraction is ~2-2.5x that reorder), the bytes transport a separate engine
-  process uses (worker-side copy + serialisation, IPC not included), and a finished request
-  read from its snapshot.
+  in-process (the engine's cache read in place), through the numba gather kernel
+  (``extractors/_paged_numba.py``). Informational rows: the same extraction through the torch
+  gather (the path without numba; interleaved with the first, so old / new is one run's ratio),
+  against the in-block reorder alone (vLLM CPU's 'vec' ISA stores each K tile transposed; torch's
+  element-strided copy of it is 3-5x a clone on this CPU), the bytes transport a separate engine
+  process uses (worker-side copy + serialisation, IPC not included), and a finished request read
+  from its snapshot.
 
 Usage: python benchmarks/bench_extract.py [--quick] [--repeat 3] [--only hf_teacher_forced]
 """
@@ -182,6 +183,7 @@ def bench_vllm_extract(args) -> list[Row]:
     import numpy as np
     import torch
 
+    from extractors import paged
     from extractors import vllm_rpc as R
 
     n_tok = 512 if args.quick else 2048
@@ -211,9 +213,20 @@ def bench_vllm_extract(args) -> list[Row]:
         def live():
             R.extract_vllm_request_kv(llm, cfg, rid)
 
-        t_live, t_copy = best_interleaved([live, copy_once], repeat)
-        rows.append(Row("vllm_extract", geo + ", live (in-process)", t_live, t_copy, "clone of the same bytes",
-                        VLLM_GOAL))
+        def live_torch():  # the same extraction through the torch gather (the path without numba)
+            kernel = paged._KERNEL[:]
+            paged._KERNEL[:] = [None]
+            try:
+                R.extract_vllm_request_kv(llm, cfg, rid)
+            finally:
+                paged._KERNEL[:] = kernel
+
+        t_live, t_torch, t_copy = best_interleaved([live, live_torch, copy_once], repeat)
+        kernel = "numba kernel" if paged._numba_kernel() is not None else "torch gather (no numba)"
+        rows.append(Row("vllm_extract", geo + f", live (in-process), {kernel}", t_live, t_copy,
+                        "clone of the same bytes", VLLM_GOAL))
+        rows.append(Row("vllm_extract", geo + ", live (in-process), torch gather", t_torch, t_copy,
+                        "clone of the same bytes", None))
 
         # The vLLM CPU layout stores K tiles transposed for the 'vec' ISA, so any reader must
         # reorder elements: this limit is that reorder alone (K and V of every layer already

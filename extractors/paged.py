@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import operator
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -68,6 +69,8 @@ class PagedLayout:
         # copy instead of a per-element index computation (~5x faster, benchmarks/bench_extract.py).
         object.__setattr__(self, "k_affine", _affine(self.k_offsets))
         object.__setattr__(self, "v_affine", _affine(self.v_offsets))
+        both = self.k_affine is not None and self.v_affine is not None
+        object.__setattr__(self, "kernel_maps", np.array([self.k_affine, self.v_affine], dtype=np.int64) if both else None)
 
     def sources(self, entry, layer: str):
         """The K and V sources of one layer's paged entry, each ``[num_blocks, block_numel]``."""
@@ -253,18 +256,24 @@ def _layer_to_group(kv_cache_config: Mapping) -> dict[str, int]:
     return out
 
 
-def _int_ids(x, group_idx: int) -> torch.Tensor:
+def _int_ids(x, group_idx: int) -> np.ndarray:
     """Block ids as int64, refusing anything that is not integer-typed: a cast would truncate
     ``[0.9, 2.9]`` to blocks ``[0, 2]`` and read other blocks than the engine used."""
-    t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(np.asarray(x)))
-    if t.dtype == torch.bool or t.dtype.is_floating_point or t.dtype.is_complex:
-        shown = t.reshape(-1)[:4].tolist()
-        raise ValueError(f"group {group_idx}: block ids must be integers, got {str(t.dtype).removeprefix('torch.')} "
-                         f"values {shown}{'...' if t.numel() > 4 else ''}")
-    return t.to(torch.int64)
+    if isinstance(x, torch.Tensor):
+        if x.dtype == torch.bool or x.dtype.is_floating_point or x.dtype.is_complex:
+            shown = x.reshape(-1)[:4].tolist()
+            raise ValueError(f"group {group_idx}: block ids must be integers, got {str(x.dtype).removeprefix('torch.')} "
+                             f"values {shown}{'...' if x.numel() > 4 else ''}")
+        return x.detach().to("cpu", torch.int64).numpy()
+    a = np.asarray(x)
+    if a.dtype.kind not in "iu":
+        shown = a.reshape(-1)[:4].tolist()
+        raise ValueError(f"group {group_idx}: block ids must be integers, got {a.dtype} "
+                         f"values {shown}{'...' if a.size > 4 else ''}")
+    return a.astype(np.int64, copy=False)
 
 
-def _block_table_2d(table, group_idx: int, batch_size: int | None) -> torch.Tensor:
+def _block_table_2d(table, group_idx: int, batch_size: int | None) -> np.ndarray:
     """One group's block table as int64 [batch, logical_block]; ValueError for non-integer ids."""
     if isinstance(table, (torch.Tensor, np.ndarray)):
         t = _int_ids(table, group_idx)
@@ -272,29 +281,117 @@ def _block_table_2d(table, group_idx: int, batch_size: int | None) -> torch.Tens
         rows = list(table)
         if rows and not np.isscalar(rows[0]) and not isinstance(rows[0], (int, np.integer)):
             width = max((len(r) for r in rows), default=0)
-            t = torch.full((len(rows), width), -1, dtype=torch.int64)
+            t = np.full((len(rows), width), -1, dtype=np.int64)
             for i, r in enumerate(rows):
                 ids = _int_ids(r if isinstance(r, (torch.Tensor, np.ndarray)) else list(r), group_idx).reshape(-1)
-                t[i, :ids.numel()] = ids
+                t[i, :ids.size] = ids
         else:
-            t = _int_ids(rows, group_idx) if rows else torch.zeros(0, dtype=torch.int64)
+            t = _int_ids(rows, group_idx) if rows else np.zeros(0, dtype=np.int64)
     if batch_size is None:
-        if t.dim() == 2 and t.shape[0] == 1:
+        if t.ndim == 2 and t.shape[0] == 1:
             return t
-        if t.dim() != 1:
+        if t.ndim != 1:
             raise ValueError(f"group {group_idx}: a single sequence needs a 1-D block table, got shape "
                              f"{tuple(t.shape)}; use reconstruct_contiguous_kv_batch for several")
-        return t.view(1, -1)
-    if t.dim() == 1:
-        t = t.view(1, -1)
-    if t.dim() != 2 or t.shape[0] < batch_size:
+        return t.reshape(1, -1)
+    if t.ndim == 1:
+        t = t.reshape(1, -1)
+    if t.ndim != 2 or t.shape[0] < batch_size:
         raise ValueError(f"group {group_idx}: block table of shape {tuple(t.shape)} has fewer than "
                          f"batch_size={batch_size} rows")
     return t[:batch_size]
 
 
+def _request_blocks(table: np.ndarray, seq_lens: list[int], block_size: int, where: str) -> np.ndarray:
+    """The ``[batch, ceil(max(seq_lens) / block_size)]`` ids each row reads: its own blocks, then
+    block 0 as padding (NaN-filled later). ValueError when a row's table is too short for its length."""
+    need = [math.ceil(n / block_size) for n in seq_lens]
+    for row, (n, m) in enumerate(zip(seq_lens, need)):
+        prefix = table[row, :m]
+        if prefix.size < m or bool((prefix < 0).any()):
+            have = int((table[row] >= 0).sum())
+            raise ValueError(f"{where}, row {row}: seq_len {n} needs {m} blocks but the block table has only {have}")
+    nb = max(need)
+    out = table[:, :nb].copy()
+    for row, m in enumerate(need):
+        out[row, m:] = 0
+    return out
+
+
+_KERNEL: list = []  # [module or None], filled on first use
+
+
+def _numba_kernel():
+    """``extractors._paged_numba`` when numba imports (the 'fast' extra), else None; once per process.
+    ``CAPTURESTORE_PAGED_KERNEL=torch`` keeps the torch path (the kernel's oracle)."""
+    if not _KERNEL:
+        mod = None
+        if os.environ.get("CAPTURESTORE_PAGED_KERNEL", "auto") != "torch":
+            try:
+                from extractors import _paged_numba as mod
+            except ImportError:
+                mod = None
+        _KERNEL.append(mod)
+    return _KERNEL[0]
+
+
+def _kernel_reads(kernel, lay: PagedLayout, k_src: torch.Tensor, v_src: torch.Tensor) -> bool:
+    return (kernel is not None and lay.k_affine is not None and lay.v_affine is not None
+            and k_src.device.type == "cpu" and v_src.device.type == "cpu"
+            and k_src.element_size() == v_src.element_size() and k_src.element_size() in kernel.WIDTHS
+            and k_src.is_contiguous() and v_src.is_contiguous())
+
+
+def _gather_group(lay: PagedLayout, sources: list, blocks: torch.Tensor, seq_pad: int) -> list:
+    """``[(k, v)]``, each ``[batch, kv_head, seq_pad, head_dim]``, of the layers ``sources`` (their
+    ``(k_src, v_src)``, each ``[num_blocks, block_numel]``) for the blocks ``[batch, logical_block]``
+    (ids checked in range by the caller).
+
+    Affine maps over contiguous CPU sources go through the numba kernel when it imports, all such
+    layers in one call: each needed tile read once from the cache itself, K and V written once in
+    their final order (vLLM CPU's transposed K tiles in vector-register squares), bit-identical to
+    ``_gather_kv_torch``, which runs otherwise."""
+    kernel = _numba_kernel()
+    out: list = [None] * len(sources)
+    by_width: dict[int, list[int]] = {}
+    for i, (k_src, v_src) in enumerate(sources):
+        if _kernel_reads(kernel, lay, k_src, v_src):
+            by_width.setdefault(k_src.element_size(), []).append(i)
+        else:
+            out[i] = _gather_kv_torch(lay, k_src, v_src, blocks, seq_pad)
+    if not by_width:
+        return out
+    ids = blocks.contiguous().numpy()
+    b, h, d = blocks.shape[0], lay.num_kv_heads, lay.head_dim
+    for width, members in by_width.items():
+        # one buffer for the group's K and V of every layer (one allocation: the layers' tensors
+        # are views of it), each [batch, kv_head, seq_pad, head_dim], K of layer i at 2i, V at 2i+1
+        dtype = sources[members[0]][0].dtype
+        buf = torch.empty((2 * len(members), b, h, seq_pad, d), dtype=dtype)
+        views = buf.unbind(0)
+        step, base = b * h * seq_pad * d * width, buf.data_ptr()
+        rows = []
+        for j, i in enumerate(members):
+            k_src, v_src = sources[i]
+            k, v = views[2 * j], views[2 * j + 1]
+            out[i] = (k if k_src.dtype == dtype else k.view(k_src.dtype),
+                      v if v_src.dtype == dtype else v.view(v_src.dtype))
+            rows.append((k_src.data_ptr(), v_src.data_ptr(), base + 2 * j * step, base + (2 * j + 1) * step,
+                         k_src.shape[0], v_src.shape[0]))
+        kernel.gather_layers(np.array(rows, dtype=np.int64), width, sources[members[0]][0].shape[1], ids,
+                             lay.kernel_maps, h, lay.block_size, d, seq_pad)
+    return out
+
+
 def _gather_kv(lay: PagedLayout, k_src: torch.Tensor, v_src: torch.Tensor, blocks: torch.Tensor, seq_pad: int):
-    """K and V ``[batch, kv_head, seq_pad, head_dim]`` of the blocks ``[batch, logical_block]``."""
+    """K and V ``[batch, kv_head, seq_pad, head_dim]`` of one layer (``_gather_group`` of one)."""
+    return _gather_group(lay, [(k_src, v_src)], blocks, seq_pad)[0]
+
+
+def _gather_kv_torch(lay: PagedLayout, k_src: torch.Tensor, v_src: torch.Tensor, blocks: torch.Tensor,
+                     seq_pad: int):
+    """``_gather_kv`` in torch alone: the path without numba, and the kernel's oracle in tests."""
+    blocks = blocks.to(k_src.device)
     if lay.k_affine is None or lay.v_affine is None or not (k_src.is_contiguous() and v_src.is_contiguous()):
         return (_gather_generic(k_src, lay.k_offsets, blocks, seq_pad),
                 _gather_generic(v_src, lay.v_offsets, blocks, seq_pad))
@@ -335,9 +432,10 @@ def _reconstruct_rank(paged_kv: Mapping, kv_cache_config: Mapping, block_tables:
         raise ValueError(f"got {len(block_tables)} block tables for {len(groups)} KV cache groups")
     tables: dict[int, torch.Tensor] = {}
     layouts: dict[int, PagedLayout] = {}
+    tops: dict[int, int] = {}
     checked: set[tuple[int, int]] = set()
     s_max = max(seq_lens)
-    result = {}
+    members: dict[int, list] = {}
     for layer, entry in paged_kv.items():
         if layer not in layer_to_group:
             raise ValueError(f"layer {layer} belongs to no KV cache group (groups hold "
@@ -350,30 +448,26 @@ def _reconstruct_rank(paged_kv: Mapping, kv_cache_config: Mapping, block_tables:
         if gi not in layouts:
             layouts[gi] = _resolve_layout(layout, group, gi, layer)
             table = _block_table_2d(block_tables[gi], gi, batch_size)
-            need = [math.ceil(n / bs) for n in seq_lens]
-            for row, (n, m) in enumerate(zip(seq_lens, need)):
-                prefix = table[row, :m]
-                if prefix.numel() < m or bool((prefix < 0).any()):
-                    have = int((table[row] >= 0).sum())
-                    raise ValueError(
-                        f"layer {layer} (group {gi}, block_size {bs}), row {row}: seq_len {n} needs "
-                        f"{m} blocks but the block table has only {have}")
-            nb = max(need)
-            t = table[:, :nb].clone()
-            for row, m in enumerate(need):
-                t[row, m:] = 0  # padding rows read block 0, then NaN-filled below
-            tables[gi] = t
+            ids = _request_blocks(table, seq_lens, bs, f"layer {layer} (group {gi}, block_size {bs})")
+            tables[gi], tops[gi] = torch.from_numpy(ids), int(ids.max())
         lay = layouts[gi]
         k_src, v_src = lay.sources(entry, layer)
         n_blocks = k_src.shape[0]
         if (gi, n_blocks) not in checked:
-            top = int(tables[gi].max())
+            top = tops[gi]
             if top >= n_blocks:
                 raise ValueError(f"layer {layer} (group {gi}): block id {top} out of range for a cache of "
                                  f"{n_blocks} blocks")
             checked.add((gi, n_blocks))
-        k, v = _gather_kv(lay, k_src, v_src, tables[gi], s_max)
-        _nan_fill(k, v, group, seq_lens, s_max)
+        members.setdefault(gi, []).append((layer, k_src, v_src))
+    gathered = {}
+    for gi, layers in members.items():  # one gather per group: the kernel takes all its layers at once
+        kv = _gather_group(layouts[gi], [(k, v) for _, k, v in layers], tables[gi], s_max)
+        gathered.update(zip((name for name, _, _ in layers), kv))
+    result = {}
+    for layer in paged_kv:  # in the caller's layer order
+        k, v = gathered[layer]
+        _nan_fill(k, v, groups[layer_to_group[layer]], seq_lens, s_max)
         result[layer] = (k, v)
     return result
 
@@ -448,7 +542,8 @@ def reconstruct_contiguous_kv(paged_kv, kv_cache_config: Mapping, block_tables: 
       measured from it: positions ``< seq_len - sliding_window + 1`` are NaN.
     layout: None (each group's ``layout`` in the config), a PagedLayout, a layout name, or a
       mapping group index -> one of those.
-    Returns ``{layer: (k, v)}``, each ``[1, kv_head, seq, head_dim]`` in the cache dtype.
+    Returns ``{layer: (k, v)}``, each ``[1, kv_head, seq, head_dim]`` in the cache dtype (with
+    numba, the layers of one KV cache group are views of one buffer: one allocation).
     Raises ValueError for a layer in no group, seq_len < 1, a block table too short for
     seq_len, block ids out of range and shapes that disagree with the config.
     """
