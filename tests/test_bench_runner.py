@@ -36,17 +36,19 @@ def test_verdicts_and_exit_status(tmp_path):
     missed = _bench(tmp_path, "bench_missed.py", "print('ratio 3.0x, goal <= 1x: MISSED'); sys.exit(1)")
     silent = _bench(tmp_path, "bench_silent.py", "print('ratio 0.5x')")
     broken = _bench(tmp_path, "bench_broken.py", "raise ValueError('boom')")
-    r = _run(met, missed, silent, broken)
+    info = _bench(tmp_path, "bench_info.py", "print('rate 3 MB/s'); print('info: no goal; a property of the API')")
+    r = _run(met, missed, silent, broken, info)
     assert r.returncode == 1, r.stdout + r.stderr
     assert _row(r.stdout, "bench_met.py")[-1] == "met"
     assert _row(r.stdout, "bench_missed.py")[-1] == "MISSED"
     assert _row(r.stdout, "bench_silent.py")[-1] == "no goal printed"
     assert _row(r.stdout, "bench_broken.py")[-1] == "FAILED (exit 1)"
+    assert _row(r.stdout, "bench_info.py")[-1] == "informational (no goal)"
     assert "goal missed, not printed, or failed: bench_missed.py bench_silent.py bench_broken.py" in r.stdout
     # each benchmark's own output is passed through, then its line of figures
     assert "ratio 0.5x, goal <= 1x: met\n== bench_met.py: wall " in r.stdout
 
-    assert _run(met).returncode == 0
+    assert _run(met, info).returncode == 0
 
 
 def test_cpu_of_child_processes_is_counted_and_the_quiet_estimate_bounded(tmp_path):
