@@ -120,7 +120,9 @@ class Sampler(threading.Thread):
 def run_one(script: Path, args: list, timeout: float | None) -> dict:
     load0 = os.getloadavg()[0]
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, str(script), *args], cwd=REPO, stdout=subprocess.PIPE,
+    # unbuffered: its lines show as they are printed, and a benchmark cut by --timeout keeps them
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, str(script), *args], cwd=REPO, stdout=subprocess.PIPE, env=env,
                          stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True)
     sampler = Sampler(p.pid)
     sampler.start()
