@@ -37,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 TICK = os.sysconf("SC_CLK_TCK")
 GOAL = re.compile(r"goal", re.I)
+BUDGET_S = 30 * 60  # `make bench` on a quiet 2-core machine
 NO_GOAL = re.compile(r"\bno goal\b", re.I)  # a benchmark that says it judges nothing
 MISS = re.compile(r"MISSED|NOT met|goal missed|NOT PASSED", re.I)
 
@@ -210,6 +211,9 @@ def main() -> int:
             a.table.write_text(table(rows) + "\n")
     print()
     print(table(rows))
+    quiet = sum(r["quiet"] for r in rows)
+    print(f"quiet 2-core estimate of the whole run: {quiet / 60:.1f} min, "
+          f"{'within' if quiet <= BUDGET_S else 'OVER'} the {BUDGET_S // 60} min budget (issue 24)")
     bad = [r["name"] for r in rows if r["verdict"] not in ("met", "informational (no goal)")]
     if bad:
         print("goal missed, not printed, or failed: " + " ".join(bad))

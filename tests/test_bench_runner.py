@@ -48,7 +48,9 @@ def test_verdicts_and_exit_status(tmp_path):
     # each benchmark's own output is passed through, then its line of figures
     assert "ratio 0.5x, goal <= 1x: met\n== bench_met.py: wall " in r.stdout
 
-    assert _run(met, info).returncode == 0
+    r = _run(met, info)
+    assert r.returncode == 0
+    assert "quiet 2-core estimate of the whole run: 0.0 min, within the 30 min budget" in r.stdout
 
 
 def test_cpu_of_child_processes_is_counted_and_the_quiet_estimate_bounded(tmp_path):
