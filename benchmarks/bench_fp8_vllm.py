@@ -11,6 +11,9 @@ wrapper's cost, not vLLM's FP8 kernels.
 
 ``--kv-cache-dtype auto`` gives the BF16 control (the ordinary capture's ratio on the same engine setup).
 
+Goal: capture <= 2x the plain generate, the goal of the ordinary vLLM capture
+(``bench_vllm_capture.py``); printed met / MISSED next to the ratio, exit 1 when missed.
+
 Usage: python benchmarks/bench_fp8_vllm.py [--prompts 4] [--len 128] [--steps 16] [--repeat 2] [--kv-cache-dtype fp8]
 """
 from __future__ import annotations
@@ -30,7 +33,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 
-def main() -> None:
+GOAL = 2.0
+
+
+def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--len", type=int, default=128)
@@ -70,8 +76,10 @@ def main() -> None:
     mode = "emulated (this CPU lacks AVX-512/AMX)" if emulate else "vLLM FP8 kernels" if fp8 else "BF16 control"
     print(f"fp8 capture ({a.kv_cache_dtype}, {mode}): {a.prompts} prompts x {a.len} tokens x {a.steps} steps: "
           f"plain generate {plain:.2f} s, capture {capture:.2f} s, ratio {capture / plain:.2f}x "
-          f"(best of {a.repeat}; load average {os.getloadavg()[0]:.1f})")
+          f"(best of {a.repeat}; load average {os.getloadavg()[0]:.1f}); goal <= {GOAL:g}x: "
+          f"{'met' if capture / plain <= GOAL else 'MISSED'}")
+    return 0 if capture / plain <= GOAL else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -308,7 +308,8 @@ def streaming_rss(workdir: Path, total_bytes: int) -> list[tuple]:
     ]
 
 
-def print_table(rows: list[tuple]) -> None:
+def print_table(rows: list[tuple]) -> bool:
+    """Print the rows; whether every goal was met."""
     headers = ("measure", "value", "limit measured / context", "ratio", "goal", "ok")
     cells = []
     for name, value, ctx, ratio, goal in rows:
@@ -325,6 +326,9 @@ def print_table(rows: list[tuple]) -> None:
     print("  ".join("-" * w for w in widths))
     for c in cells:
         print("  ".join(x.ljust(w) for x, w in zip(c, widths)))
+    missed = [c[0].strip() for c in cells if c[-1] == "NO"]
+    print("goal: " + ("met" if not missed else "MISSED: " + "; ".join(missed)))
+    return not missed
 
 
 def main(argv=None) -> int:
@@ -347,8 +351,7 @@ def main(argv=None) -> int:
     print(f"bench_store: codec {CODEC_NAME}; KV chunks: one whole layer up to 8 MiB, else one layer x ~4 MiB "
           f"token block (streamed KV: 64 MiB staging per prompt); {os.cpu_count()} CPUs, load avg "
           f"{os.getloadavg()[0]:.1f}, dir {args.dir}")
-    print_table(rows)
-    return 0
+    return 0 if print_table(rows) else 1
 
 
 if __name__ == "__main__":
