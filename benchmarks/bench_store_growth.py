@@ -240,8 +240,9 @@ def print_first_queries(base: Path, baseline: str | None, repeat: int) -> None:
     codes = {"this checkout": str(REPO)} | ({"baseline": baseline} if baseline else {})
     for query in ("SELECT run_id, engine, dtype, release FROM runs",
                   "SELECT layer, max(k_l2), max(v_l2) FROM kv_head_metrics GROUP BY layer"):
-        got = first_queries({"young": base / "young", "old": base / "old"}, codes, query, repeat)
-        print(f"\nfresh process, Store.open + `{query}` (best of {repeat}, in turn):")
+        # CPU time: on a loaded 2-core machine the wall time of a fresh process flipped this ratio between runs
+        got = first_queries({"young": base / "young", "old": base / "old"}, codes, query, repeat, cpu=True)
+        print(f"\nfresh process, Store.open + `{query}`, CPU time (best of {repeat}, in turn):")
         for c in codes:
             print(f"  {c:14s} young {got[(c, 'young')] * 1e3:7.1f} ms  old {got[(c, 'old')] * 1e3:7.1f} ms  "
                   f"old/young {got[(c, 'old')] / got[(c, 'young')]:5.2f}")
