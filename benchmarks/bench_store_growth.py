@@ -25,7 +25,16 @@ scan; no merged segment yet: what every query would pay for compaction to be pos
 over one merged segment of all their rows through that rule (the store after ``compact``), each
 against today's glob of the young store.
 
+A fresh process's first query (``Store.open`` and one query, what each CLI command pays; the
+import of capturestore not counted) is timed on both stores after compaction, in a new process
+per call, stores in turn, best of --repeat; ``--baseline DIR`` times it beside that with the
+capturestore of another checkout (``PYTHONPATH=DIR``: the code before a change) in the same
+rounds. ``--s3`` times instead one query a call on a store of three runs on a moto S3 server
+(each listing one LIST request): Store.sql listing the tables the query's views read against
+listing every table (what it did before), called in turn.
+
 Usage: python benchmarks/bench_store_growth.py [--quick] [--year] [--runs N] [--comparisons N] [--dir DIR]
+       [--baseline DIR] [--first-query-only] [--s3]
 The default (= --quick, what `make bench` runs) is 300 runs and 100 comparisons; --year is the
 issue's year of nightly CI, 10,000 runs and 3,000 comparisons. Building dominates: each run's
 prompts are zarr arrays (about 0.1 s a prompt on this 2-core machine at load 20), so --year takes
@@ -45,7 +54,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).parent))
 
-from timing import best_of
+from timing import best_of, best_of_interleaved
 
 GOAL = 2.0
 PROMPTS = [[1 + p, 2 + p, 3 + p, 5 + p, 8 + p] for p in range(4)]  # the fixed prompt set of every night
@@ -199,6 +208,104 @@ def compaction_estimate(base: Path, repeat: int) -> bool:
     return missed
 
 
+FIRST_QUERY = """
+import sys, time
+from capturestore import Store
+t, c = time.perf_counter(), time.process_time()
+Store.open(sys.argv[1], create=False).sql(sys.argv[2])
+print(time.perf_counter() - t, time.process_time() - c)
+"""
+
+
+def first_queries(stores: dict[str, Path], codes: dict[str, str], query: str, repeat: int,
+                  cpu: bool = False) -> dict[tuple, float]:
+    """{(code, store): best of ``repeat``} seconds of Store.open and ``query`` in a fresh process
+    (import not counted), each round calling every code on every store in turn. ``cpu``: the
+    process's CPU time (every thread's) instead of the wall time: less moved by a loaded machine."""
+    import os
+    import subprocess
+
+    best = {(c, k): float("inf") for c in codes for k in stores}
+    for _ in range(repeat):
+        for c, path in codes.items():
+            for k, root in stores.items():
+                env = {**os.environ, "PYTHONPATH": path}
+                out = subprocess.run([sys.executable, "-c", FIRST_QUERY, str(root), query], env=env, check=True,
+                                     capture_output=True, text=True).stdout
+                best[(c, k)] = min(best[(c, k)], float(out.split()[-1 if cpu else -2]))
+    return best
+
+
+def print_first_queries(base: Path, baseline: str | None, repeat: int) -> None:
+    codes = {"this checkout": str(REPO)} | ({"baseline": baseline} if baseline else {})
+    for query in ("SELECT run_id, engine, dtype, release FROM runs",
+                  "SELECT layer, max(k_l2), max(v_l2) FROM kv_head_metrics GROUP BY layer"):
+        # CPU time: on a loaded 2-core machine the wall time of a fresh process flipped this ratio between runs
+        got = first_queries({"young": base / "young", "old": base / "old"}, codes, query, repeat, cpu=True)
+        print(f"\nfresh process, Store.open + `{query}`, CPU time (best of {repeat}, in turn):")
+        for c in codes:
+            print(f"  {c:14s} young {got[(c, 'young')] * 1e3:7.1f} ms  old {got[(c, 'old')] * 1e3:7.1f} ms  "
+                  f"old/young {got[(c, 'old')] / got[(c, 'young')]:5.2f}")
+        if baseline:
+            print(f"  this checkout / baseline: young {got[('this checkout', 'young')] / got[('baseline', 'young')]:.2f}, "
+                  f"old {got[('this checkout', 'old')] / got[('baseline', 'old')]:.2f}")
+
+
+def s3_requests(store, query: str) -> dict[str, int]:
+    """{S3 operation: count} of one ``store.sql(query)`` (s3fs's requests, DuckDB's reads included:
+    it reads through the same filesystem)."""
+    from collections import Counter
+
+    fs = store.backend.fs
+    counts: Counter = Counter()
+    real = fs._call_s3
+
+    async def counted(method, *args, **kw):
+        counts[getattr(method, "__name__", str(method))] += 1
+        return await real(method, *args, **kw)
+
+    fs._call_s3 = counted
+    try:
+        store.sql(query)
+    finally:
+        del fs._call_s3
+    return dict(counts)
+
+
+def s3_queries(repeat: int) -> None:
+    """Per-query time of Store.sql on a store of three runs on a moto S3 server: listing the
+    tables the query's views read against listing every table (as before)."""
+    import os
+
+    from capturestore import Store
+
+    sys.path.insert(0, str(REPO))
+    from tests.capturestore.s3server import _moto_server, make_bucket
+
+    with _moto_server({}) as endpoint:
+        os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing-secret",
+                          AWS_REGION="us-east-1")
+        url = f"s3://{make_bucket()}/store"
+        store = Store.open(url)
+        for r in range(3):
+            with store.begin_run("hf", "tiny-llama", dtype="bfloat16", release=f"nightly-{r}") as w:
+                for toks in PROMPTS[:2]:
+                    w.add_prompt(toks)
+        every = Store.open(url, create=False)
+        # every table listed, as Store.sql did before (its path when the parse tree cannot tell)
+        every._query_tables = lambda query: setattr(every, "_con_tables", every.backend.listdir("tables"))
+        named = Store.open(url, create=False)
+        print(f"\nS3 (moto at {endpoint}), store of 3 runs, tables {', '.join(named.backend.table_names())}; "
+              f"one query a call, views built, best of {repeat}, in turn:")
+        for q in ("SELECT run_id, engine, dtype, release FROM runs", "SELECT count(*) FROM prompts"):
+            assert every.sql(q).to_pylist() == named.sql(q).to_pylist()
+            got = best_of_interleaved({"every": lambda q=q: every.sql(q), "named": lambda q=q: named.sql(q)}, repeat)
+            reqs = {k: s3_requests(st, q) for k, st in (("every", every), ("named", named))}
+            print(f"  {q:50s} every table {got['every']:.3f} s, the query's tables {got['named']:.3f} s "
+                  f"({got['named'] / got['every']:.2f}x); S3 requests " + ", ".join(
+                      f"{k}: " + " ".join(f"{op} {n}" for op, n in sorted(v.items())) for k, v in reqs.items()))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the default size (300 runs, 100 comparisons)")
@@ -207,7 +314,14 @@ def main() -> int:
     ap.add_argument("--comparisons", type=int, default=100)
     ap.add_argument("--repeat", type=int, default=7)
     ap.add_argument("--dir", default=str(REPO / ".bench-tmp" / "store-growth"))
+    ap.add_argument("--baseline", help="a checkout whose capturestore the first-query timing runs beside this one's")
+    ap.add_argument("--first-query-only", action="store_true",
+                    help="build, compact, and time only a fresh process's first query")
+    ap.add_argument("--s3", action="store_true", help="only the per-query time on a moto S3 server")
     a = ap.parse_args()
+    if a.s3:
+        s3_queries(a.repeat)
+        return 0
     n_runs, n_cmp = (10_000, 3_000) if a.year else (a.runs, a.comparisons)
     base = Path(a.dir)
     shutil.rmtree(base, ignore_errors=True)
@@ -218,6 +332,14 @@ def main() -> int:
     print(f"old store: {n_runs} runs x {len(PROMPTS)} prompts, {n_cmp} comparisons; young store: 20 runs, "
           f"10 comparisons; built in {built:.1f} s")
     ycid, ocid = young_ids[5], old_ids[len(old_ids) // 2]
+    if a.first_query_only:
+        from capturestore import Store
+
+        for which in ("old", "young"):
+            Store.open(base / which, create=False).compact(grace_s=0)
+        print_first_queries(base, a.baseline, a.repeat)
+        shutil.rmtree(base, ignore_errors=True)
+        return 0
     raw = interleaved({"young": calls(base / "young", ycid), "old": calls(base / "old", ocid),
                        "young window": calls(base / "young", ycid, True),
                        "old window": calls(base / "old", ocid, True)}, a.repeat)
@@ -250,6 +372,7 @@ def main() -> int:
           "the young store before its compaction (timed earlier); not compacted: both as written, and through the "
           "window. Limit: the same query on a store of 10 comparisons, same process, same disk; best of --repeat, "
           "the stores compared called in turn in each round")
+    print_first_queries(base, a.baseline, a.repeat)
     for label, t in (("as written", raw), ("compacted", comp)):
         print(f"explicit lists / window, {label}: " + ", ".join(
             f"{w} {sum(t[w][q] for q in t[w]) / sum(t[w + ' window'][q] for q in t[w]):.2f}" for w in ("young", "old")))

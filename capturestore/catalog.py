@@ -127,13 +127,16 @@ class SegmentFiles:
 _MARKERS_FIRST = ("runs", "comparisons")
 
 
-def segment_files(root: Backend, footers: dict | None = None) -> dict[str, SegmentFiles]:
+def segment_files(root: Backend, footers: dict | None = None,
+                  tables: list[str] | None = None) -> dict[str, SegmentFiles]:
     """{table: SegmentFiles} of every table with a segment, each table listed once, the marker
     tables first. ``footers``: {(table, merged segment): MergedSegment} kept between calls (a
-    merged segment is written once and never replaced: its footer never changes)."""
+    merged segment is written once and never replaced: its footer never changes). ``tables``:
+    list only these (Store.sql: the tables a query's views are built from, view_tables); by
+    default every table under ``tables/``."""
     from capturestore.compaction import is_merged, merged_segments
 
-    tables = root.listdir(TABLES_DIR)
+    tables = root.listdir(TABLES_DIR) if tables is None else list(dict.fromkeys(tables))
     order = [t for t in _MARKERS_FIRST if t in tables] + [t for t in tables if t not in _MARKERS_FIRST]
     out = {}
     for t in order:
@@ -155,10 +158,87 @@ def listed_files_gone(root: Backend, files: dict[str, SegmentFiles]) -> list[str
     return [f"{t}/{n}" for t, f in files.items() for n in sorted(set(f.listed) - set(root.segment_names(t)))]
 
 
+def view_tables(table: str) -> tuple[str, ...]:
+    """The tables whose listings the view of ``table`` is built from (view_sql): its own, and
+    the marker table that commits its rows (``runs`` for prompts/captures, ``comparisons`` for a
+    table a comparison writes; listed for any other table too, since whether it has a
+    ``comparison_id`` column is known only from its segments)."""
+    if table in ("runs", "comparisons"):
+        return (table,)
+    return (table, "runs") if table in RUN_TABLES else (table, "comparisons")
+
+
 def view_key(files: dict[str, SegmentFiles], table: str) -> tuple:
-    """What the view of ``table`` built from ``files`` depends on: its own listing and those of
-    the marker tables it is filtered by."""
-    return tuple(files.get(t) for t in (table, *_MARKERS_FIRST))
+    """What the view of ``table`` built from ``files`` depends on: the listings of view_tables."""
+    return tuple(files.get(t) for t in view_tables(table))
+
+
+# Table references of DuckDB's parse tree (json_serialize_sql) whose tables tables_named can
+# name: a table by name, a join, a subquery, no FROM, VALUES. Any other (a table function such
+# as query_table('runs') or duckdb_views(), DESCRIBE/SHOW, PIVOT) may read views by other means.
+_NAMED_REFS = {"BASE_TABLE", "JOIN", "SUBQUERY", "EMPTY", "EXPRESSION_LIST"}
+
+
+def tables_named(con: duckdb.DuckDBPyConnection, sql: str, tables: list[str]) -> set[str] | None:
+    """The tables of ``tables`` (a store's) that ``sql`` reads, from DuckDB's own parse tree
+    (``json_serialize_sql``; nothing is bound or run); None when the tree cannot tell: a
+    statement DuckDB does not serialise (not a SELECT, a syntax error), a reference other than a
+    table by name, join, subquery or VALUES (a table function, DESCRIBE, SHOW, PIVOT), a
+    schema-qualified name (``information_schema.columns``), or a name that is neither one of
+    ``tables`` nor a CTE of the query. Names match as DuckDB's identifiers do: case-insensitively.
+    A CTE named like a store table counts as that table (read or not, its view is then current)."""
+    import json
+
+    import duckdb
+
+    try:
+        tree = json.loads(con.execute("SELECT json_serialize_sql($1::VARCHAR)", [sql]).fetchone()[0])
+    except (duckdb.Error, TypeError, ValueError):
+        return None
+    if not isinstance(tree, dict) or tree.get("error") is not False or not tree.get("statements"):
+        return None
+    refs: list[str] = []
+    ctes: set[str] = set()
+    unsure = False
+
+    def walk(node) -> None:
+        nonlocal unsure
+        if isinstance(node, list):
+            for v in node:
+                walk(v)
+            return
+        if not isinstance(node, dict):
+            return
+        # a table reference (a query node has a sample but no alias; an expression has a class)
+        if "sample" in node and "alias" in node and "class" not in node and isinstance(node.get("type"), str):
+            kind = node["type"]
+            if kind not in _NAMED_REFS:
+                unsure = True
+            elif kind == "BASE_TABLE":
+                if node.get("schema_name") or node.get("catalog_name") or not isinstance(node.get("table_name"), str):
+                    unsure = True
+                else:
+                    refs.append(node["table_name"])
+        cte_map = node.get("cte_map")
+        if isinstance(cte_map, dict):
+            ctes.update(str(e.get("key", "")).lower() for e in cte_map.get("map") or () if isinstance(e, dict))
+        for v in node.values():
+            walk(v)
+
+    walk(tree["statements"])
+    if unsure:
+        return None
+    by_name: dict[str, list[str]] = {}
+    for t in tables:
+        by_name.setdefault(t.lower(), []).append(t)
+    out: set[str] = set()
+    for r in refs:
+        hit = by_name.get(r.lower())
+        if hit:
+            out.update(hit)
+        elif r.lower() not in ctes:
+            return None
+    return out
 
 
 def _listed_segments(root: Backend, table: str, files: SegmentFiles, filename: bool) -> str:

@@ -88,17 +88,19 @@ def merged_segments(b, table: str, names: list[str] | None = None,
     return out, bad
 
 
-def coverage(b, table: str, names: list[str] | None = None) -> dict[str, str]:
-    """{source file name: merged segment naming it} in ``table``'s listing ``names``."""
-    merged, _ = merged_segments(b, table, names)
+def coverage(b, table: str, names: list[str] | None = None, footers: dict | None = None) -> dict[str, str]:
+    """{source file name: merged segment naming it} in ``table``'s listing ``names``; ``footers``:
+    as merged_segments."""
+    merged, _ = merged_segments(b, table, names, footers)
     return {s: m.name for m in merged for s in m.sources}
 
 
-def logical_names(b, table: str, names: list[str] | None = None) -> list[str]:
+def logical_names(b, table: str, names: list[str] | None = None, footers: dict | None = None) -> list[str]:
     """The file names of ``table``'s segments as writers wrote them, whether still a file or
-    merged into a compacted segment (never a merged segment's own name, nor the schema segment)."""
+    merged into a compacted segment (never a merged segment's own name, nor the schema segment).
+    ``footers``: as merged_segments."""
     names = b.segment_names(table) if names is None else names
-    covered = coverage(b, table, names)
+    covered = coverage(b, table, names, footers)
     plain = [n for n in names if not is_merged(n) and n != SCHEMA_SEGMENT]
     return sorted(set(plain) | set(covered))
 

@@ -105,6 +105,7 @@ class Store:
         self._con = None  # in-memory DuckDB connection with the catalog views, made on first sql()
         self._con_views: dict[str, tuple] = {}  # table -> the listings its view was built from
         self._con_broken: dict[str, str] = {}  # table -> why its segments cannot be read
+        self._con_tables: list[str] = []  # the tables under tables/ at the last listing (Store.sql)
         self._footers: dict = {}  # (table, merged segment) -> its footer (compaction.MergedSegment)
         self._con_pid = -1
         self._con_lock = threading.Lock()
@@ -186,7 +187,8 @@ class Store:
         """Run ids committed now (read from the store, not cached): those with a runs segment, the
         commit marker (segments are named after their run; a runs segment merged by ``compact``
         still counts: compaction.logical_names)."""
-        return {n.removesuffix(".parquet") for n in logical_names(self.backend, "runs")}
+        # the footers of merged segments are kept (never replaced): Store.open's read serves Store.sql
+        return {n.removesuffix(".parquet") for n in logical_names(self.backend, "runs", footers=self._footers)}
 
     def _pending_lock(self, writer_id: str, info: dict[str, Any]):
         """``pending/<writer_id>.json``, held until ``release()`` (the backend's liveness says so)."""
@@ -567,7 +569,7 @@ class Store:
     def _read_run_table_once(self, table: str, run_id: str | None = None, retry: bool = True) -> pa.Table:
         schema = SCHEMAS[table]
         listing = self.backend.segment_names(table)  # one listing: a source and its merged segment never both count
-        cover = coverage(self.backend, table, listing)
+        cover = coverage(self.backend, table, listing, self._footers)
         names = [n for n in listing if n != SCHEMA_SEGMENT and not is_merged(n) and n not in cover]
         if table != "runs":
             ok = self.committed_ids()
@@ -627,12 +629,17 @@ class Store:
                 self._con_pid = os.getpid()
                 self._con_views, self._con_broken = {}, {}
             for attempt in range(4):
-                # every table listed once, markers first; the views read exactly these files
-                # (docs/compact.md, "Store.sql: explicit lists"), rebuilt when their listing changed
-                files = catalog.segment_files(where, self._footers)
-                names = list(files)
-                keys = {t: catalog.view_key(files, t) for t in names}
-                todo = [t for t in names if self._con_views.get(t) != keys[t] or t in self._con_broken]
+                # the tables the query's views are built from (docs/sql.md, "Tables listed"), each
+                # listed once, markers first; the views read exactly these files (docs/compact.md,
+                # "Store.sql: explicit lists"), rebuilt when their listing changed
+                wanted = self._query_tables(query)
+                files = catalog.segment_files(where, self._footers, self._con_tables if wanted is None else wanted)
+                names = list(files) if wanted is None else self._con_tables
+                # the views whose every listing was made now; any other keeps its view until a
+                # query that lists its tables (a view reads its files, never another view)
+                built = [t for t in files if wanted is None or set(catalog.view_tables(t)) <= set(wanted)]
+                keys = {t: catalog.view_key(files, t) for t in built}
+                todo = [t for t in built if self._con_views.get(t) != keys[t] or t in self._con_broken]
                 if todo:  # views are created after the lockdown: they read only under tables/
                     broken = catalog.add_views(self._con, where, todo, files=files)
                     self._con_broken = {t: why for t, why in self._con_broken.items() if t not in todo} | broken
@@ -649,6 +656,20 @@ class Store:
                         raise QueryError(f"{e}; segment {gone[0]} was listed and then removed (No such file) before "
                                          f"the query read it, {attempt + 1} times in a row; retry the query") from None
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _query_tables(self, query: str) -> list[str] | None:
+        """The tables whose listings the views ``query`` reads are built from (catalog.view_tables
+        of each table it names); None when DuckDB's parse tree cannot tell (catalog.tables_named):
+        then every table of a fresh listing of ``tables/`` (self._con_tables). The table names
+        known from an earlier listing are used first: a store's tables are only ever added, and a
+        name not among them lists ``tables/`` again."""
+        named = catalog.tables_named(self._con, query, self._con_tables) if self._con_tables else None
+        if named is None:
+            self._con_tables = self.backend.listdir(TABLES_DIR)
+            named = catalog.tables_named(self._con, query, self._con_tables)
+            if named is None:
+                return None
+        return list(dict.fromkeys(d for t in sorted(named) for d in catalog.view_tables(t)))
 
     def show(self, run_id: str) -> dict[str, Any]:
         """One run: its runs row, and per prompt the arrays it holds."""

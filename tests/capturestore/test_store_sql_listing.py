@@ -9,6 +9,7 @@ import pytest
 from capturestore import Store, catalog
 from capturestore.compaction import is_merged
 from capturestore.errors import QueryError
+from tests.capturestore.test_backend_contract import _scaled_run
 from tests.capturestore.test_compact import _fill, _seen, url  # noqa: F401 - url: the local and memory fixture
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -90,8 +91,8 @@ def test_a_merged_segment_written_after_the_listing_doubles_no_row(url, monkeypa
     listing = catalog.segment_files
     calls = []
 
-    def then_compact(root, footers=None):
-        files = listing(root, footers)
+    def then_compact(root, footers=None, tables=None):
+        files = listing(root, footers, tables)
         if not calls:
             Store.open(url, create=False).compact(grace_s=3600)
         calls.append(files)
@@ -113,8 +114,8 @@ def test_a_source_removed_after_the_listing_is_listed_and_read_again(url, monkey
     listing = catalog.segment_files
     calls = []
 
-    def then_compact_and_remove(root, footers=None):
-        files = listing(root, footers)
+    def then_compact_and_remove(root, footers=None, tables=None):
+        files = listing(root, footers, tables)
         if not calls:  # merged and its sources removed at once (grace 0): the listed sources are gone
             Store.open(url, create=False).compact(grace_s=0)
         calls.append(files)
@@ -134,8 +135,8 @@ def test_a_source_removed_after_every_listing_fails_naming_it(tmp_path, monkeypa
     reader = Store.open(tmp_path / "store", create=False)
     listing = catalog.segment_files
 
-    def then_hide(root, footers=None):
-        files = listing(root, footers)
+    def then_hide(root, footers=None, tables=None):
+        files = listing(root, footers, tables)
         run = sorted(n for n in files["runs"].uncovered if not n.startswith("_"))[0]
         (tmp_path / "store" / "tables" / "runs" / run).rename(tmp_path / run)
         return files
@@ -150,3 +151,65 @@ def test_a_source_removed_after_every_listing_fails_naming_it(tmp_path, monkeypa
     monkeypatch.setattr(catalog, "listed_files_gone", lambda root, files: (gone(root, files), put_back())[0])
     with pytest.raises(QueryError, match=r"segment runs/\S+\.parquet was listed and then removed .* 4 times"):
         reader.sql("SELECT * FROM runs")
+
+
+def _listed_by(store: Store, monkeypatch, query: str, params=None) -> set[str]:
+    """The tables Store.sql listed (catalog.segment_files) to run ``query``."""
+    listing = catalog.segment_files
+    seen: set[str] = set()
+
+    def record(root, footers=None, *rest):
+        files = listing(root, footers, *rest)
+        seen.update(files)
+        return files
+
+    monkeypatch.setattr(catalog, "segment_files", record)
+    try:
+        store.sql(query, params)
+    finally:
+        monkeypatch.setattr(catalog, "segment_files", listing)
+    return seen
+
+
+def test_a_query_lists_only_the_tables_its_views_are_built_from(url, monkeypatch):
+    """One listing per table a query's views read (on object storage one LIST request each), not
+    every table of the store (seen failing before: every query listed all seven tables)."""
+    store = Store.open(url)
+    _fill(store)
+    reader = Store.open(url, create=False)
+    every = set(reader.backend.table_names())
+    assert every == {"runs", "prompts", "captures", "comparisons", "kv_head_metrics", "logit_token_metrics", "notes"}
+    assert _listed_by(reader, monkeypatch, "SELECT count(*) FROM runs") == {"runs"}
+    assert _listed_by(reader, monkeypatch, "SELECT count(*) FROM prompts WHERE run_id = $r", {"r": "x"}) == \
+        {"prompts", "runs"}
+    assert _listed_by(reader, monkeypatch, "SELECT count(*) FROM Prompts") == {"prompts", "runs"}  # runs commits them
+    assert _listed_by(reader, monkeypatch, "FROM kv_head_metrics SELECT max(k_l2)") == {"kv_head_metrics", "comparisons"}
+    assert _listed_by(reader, monkeypatch, "WITH n AS (FROM notes) SELECT count(*) FROM n; SELECT 1") == \
+        {"notes", "comparisons"}  # a user table: listed with comparisons (a comparison_id column would make it one's)
+    assert _listed_by(reader, monkeypatch, "SELECT 42") == set()
+    # what the parse tree cannot name reads every table, as before
+    for q in ("SELECT count(*) FROM query_table('prompts')", "SELECT count(*) FROM information_schema.columns",
+              "DESCRIBE runs", "SELECT count(*) FROM main.runs", "SELECT count(*) FROM duckdb_views()"):
+        assert _listed_by(reader, monkeypatch, q) == every, q
+    with pytest.raises(QueryError, match="the store's views: captures, comparisons, kv_head_metrics, logit_token_metrics, notes, prompts, runs$"):
+        reader.sql("SELECT * FROM nope")
+
+
+def test_views_of_tables_a_query_did_not_list_are_rebuilt_before_any_query_reads_them(url):
+    """A view left from an earlier query while other queries listed other tables: whatever names
+    it next (by name in any case, in a CTE, through a table function the parse tree cannot follow)
+    reads a current listing. Seen failing with query_table counted as a table the tree names
+    (the stale prompts view: 6 rows for 8)."""
+    store = Store.open(url)
+    _fill(store)
+    reader = Store.open(url, create=False)
+    count = lambda q: reader.sql(q).column(0)[0].as_py()  # noqa: E731
+    assert count("SELECT count(*) FROM prompts") == 6
+    _scaled_run(store, 1.5)  # a fourth run of two prompts, committed after the prompts view was built
+    assert count("SELECT count(*) FROM runs") == 4  # runs listed again; prompts not
+    assert count("SELECT count(*) FROM query_table('prompts')") == 8
+    _scaled_run(store, 1.6)
+    assert count("WITH p AS (SELECT * FROM PROMPTS) SELECT count(*) FROM p") == 10
+    _scaled_run(store, 1.7)
+    assert count("SELECT (SELECT count(*) FROM prompts) + (SELECT count(*) FROM captures) * 0") == 12
+    assert count("SELECT count(*) FROM prompts WHERE run_id IN (SELECT run_id FROM runs)") == 12
