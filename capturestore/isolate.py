@@ -54,7 +54,10 @@ The engine re-run is HF (a ``transformers`` model: the target passed in, or rebu
 actual run's checkpoint, dtype and attention implementation) or vLLM at TP 1 (one engine, passed
 in or built from the run's checkpoint and dtype, re-run with replacement through the worker
 extension: ``extractors.vllm_replace``; the modules judged are those the vLLM run holds). Level 3
-is HF only (RoPE in vLLM is a module of its own, ``rotary_emb``, not a function to patch).
+on a vLLM target judges its RoPE at each attention's ``rotary_emb`` call, mapped to HF's q/k layout
+(``extractors.vllm_modules.rope_hf_modules``), under the same ``<attention>.rope`` names; its LM
+head is listed unchecked with the reason (``VLLM_LM_HEAD``: vLLM computes logits on the sampled
+rows only), never passed.
 
 Input snapshot (``snapshot=True``; by itself for a target that cannot be re-run, ``cannot_rerun``:
 a server target, vLLM under tensor parallelism, another engine): the target is not re-run; its
@@ -133,6 +136,16 @@ LEVEL3 = TableSpec(pa.schema([
     ("bc_threshold", _D), ("linf_ratio", _D), ("linf_threshold", _D), ("n_tokens", _I), ("first_token", _I),
     ("problem", _S), ("inplace_passed", _B),
 ]), 1)
+# Level 3's LM head on a vLLM target: not judged, and said so in its table's place (never a pass).
+VLLM_LM_HEAD = ("vLLM never calls its lm_head module: its logits processor computes logits from the lm_head "
+                "weight on the sampled rows only (the last prompt position, then each decode step), not on every "
+                "prefill position as HF's lm_head does, so no HF-shaped LM head output exists to replace or judge "
+                "(the logits comparator judges the engine's logits)")
+VLLM_SNAPSHOT_NORM = ("its input snapshot holds the residual sum hidden + residual rounded to the engine's dtype, "
+                      "which vLLM's fused add + RMSNorm never rounds before normalising (it adds in FP32), so every "
+                      "norm taking a residual is judged on another input than its own (a correct BF16 engine's "
+                      "model.layers.2.post_attention_layernorm measured at local sigma-ratio 1.21), and it holds no "
+                      "RoPE q/k")
 TABLES = {"module_local_metrics": MODULE_LOCAL_METRICS, "module_local_verdicts": MODULE_LOCAL_VERDICTS,
           "isolations": ISOLATIONS, **{f"level3_{k}": LEVEL3 for k in LEVEL3_KINDS}}
 
@@ -485,7 +498,7 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     what cannot be isolated; a passing comparison returns ``status="nothing_to_isolate"`` and
     stores nothing, unless ``even_if_passed`` (judge every module locally all the same: a
     correct engine's check that no module fails on the reference's inputs). level3: Level 3
-    (module docstring; implies ``even_if_passed``; HF targets): RoPE on q/k judged too, tables per kind.
+    (module docstring; implies ``even_if_passed``): RoPE on q/k judged too, tables per kind.
     A vLLM target (the actual run's engine "vllm", TP 1): ``target`` is the engine (``make_llm``; e.g.
     carrying a fault installed through the worker extension), default one engine built from the run's
     checkpoint and dtype for every re-run; only the modules the vLLM run holds are judged.
@@ -521,9 +534,6 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
                                  f"inputs and re-runs no target; do not pass one (or isolate without snapshot)")
         return _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config, say, t0, level3, why)
     vllm_target = recs["actual"]["engine"] == "vllm"
-    if vllm_target and level3:
-        raise IsolationError(f"Level 3 judges HF targets only; the actual run {runs['actual']} is vLLM (its RoPE is "
-                             f"the rotary_emb module, not yet judged): run isolate without --level3")
     if vllm_target:  # the modules vLLM can give under HF names (no lm_head, no act_fn): the actual run's
         held = set(recs["actual"]["config"].get("module_order") or [])
         order = [m for m in order if m in held]
@@ -537,11 +547,16 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     unchecked = {}
     if level3:
         from extractors.replace import ROPE_SUFFIX, rope_modules
+        from extractors.vllm_modules import vllm_rope_modules
 
-        order = _with_rope(order, rope_modules(tgt, [m for m in order if module_kind(m) == "attention"]))
+        attns = [m for m in order if module_kind(m) == "attention"]
+        order = _with_rope(order, vllm_rope_modules(tgt, attns) if vllm_target else rope_modules(tgt, attns))
         if not any(m.endswith(ROPE_SUFFIX) for m in order):
             unchecked["rope"] = (f"the target ({type(tgt).__name__}) has no captured attention calling "
-                                 f"apply_rotary_pos_emb")
+                                 + ("a rotary_emb module vLLM's name map gives" if vllm_target
+                                    else "apply_rotary_pos_emb"))
+        if vllm_target:
+            unchecked["lm_head"] = VLLM_LM_HEAD
     try:
         return _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_target, config, say, t0,
                         level3, unchecked)
@@ -559,6 +574,10 @@ def _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config,
     it. No engine re-run; two reference replays per depth."""
     from extractors.hf import load_hf_model
 
+    if level3 and recs["actual"]["engine"] == "vllm":
+        raise IsolationError(f"the actual run {runs['actual']} is vLLM: Level 3 re-runs a vLLM target (isolate "
+                             f"--level3 without --snapshot, TP 1; RoPE judged at its rotary call), not its snapshot"
+                             f"{' (' + why + ')' if why else ''}: {VLLM_SNAPSHOT_NORM}")
     held = set(recs["actual"]["config"].get("module_order") or [])
     order = [m for m in order if m in held]  # the modules the target's run holds (vLLM gives no lm_head, ...)
     if not order:
@@ -567,9 +586,6 @@ def _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config,
     act_caps = snapshot_inputs(store, comparison_id, runs, recs, order, prompts, why)
     unchecked = {}
     if level3:
-        if recs["actual"]["engine"] == "vllm":
-            raise IsolationError(f"Level 3 judges HF targets only; the actual run {runs['actual']} is vLLM (its RoPE "
-                                 f"is the rotary_emb module, not yet judged): run isolate without --level3")
         unchecked["rope"] = ("an input snapshot holds no RoPE q/k: the module capture hooks modules, and "
                              "apply_rotary_pos_emb is a function (judged by --level3 on a re-run target)")
     rounding = recs["expected"]["config"].get("kernel_rounding")

@@ -56,10 +56,11 @@ import numpy as np
 
 from extractors.modules import INPUT_SUFFIX, resolve_modules
 
-__all__ = ["NOT_COMPUTED", "VLLM_TO_HF", "ModuleCaptureMixin", "capture_vllm_module_run", "collect_vllm_modules",
-           "forward_segments", "group_request_records", "hf_kv_layer_name", "install_vllm_module_capture",
-           "input_not_hf", "mappable_hf_modules", "merge_tp_records", "remove_vllm_module_capture", "split_sizes",
-           "vllm_architecture", "vllm_engine_options", "vllm_module_input"]
+__all__ = ["NOT_COMPUTED", "ROPE_HOW", "VLLM_TO_HF", "ModuleCaptureMixin", "capture_vllm_module_run",
+           "collect_vllm_modules", "forward_segments", "group_request_records", "hf_kv_layer_name",
+           "install_vllm_module_capture", "input_not_hf", "mappable_hf_modules", "merge_tp_records",
+           "remove_vllm_module_capture", "rope_hf_modules", "rope_hooks", "rope_layout", "rope_split", "split_sizes",
+           "vllm_architecture", "vllm_engine_options", "vllm_module_input", "vllm_rope_modules"]
 
 _LLAMA = {
     "model.embed_tokens": ("model.embed_tokens", "first"),
@@ -144,6 +145,34 @@ VLLM_TO_HF = {"LlamaForCausalLM": _LLAMA, "MistralForCausalLM": _LLAMA, "Gemma3F
               "Qwen3MoeForCausalLM": _moe_map("mlp", _LLAMA), "GptOssForCausalLM": _GPT_OSS}
 
 _STATE = "_capturestore_module_capture"  # on the worker: {"records", "handles", "positions"}
+
+
+# RoPE on q/k (``extractors.replace``'s pseudo-module ``<attention>.rope``): vLLM's attention calls its
+# ``rotary_emb`` module as ``(q, k) = rotary_emb(positions, q, k)`` on the flattened ``[token, heads *
+# head_size]`` q and k (in place on the CPU backend); captured and replaced through that call, laid out as
+# HF's ``[token, q_heads + kv_heads, head_dim]`` (q's heads, then k's). vLLM shares one rotary module
+# between every attention with the same rope (``get_rope``'s cache), so a hook on it acts only while the
+# attention it is mapped for runs and calls it as its own ``rotary_emb`` (``how`` "rope": the vLLM name is
+# the attention). Asked for by exact name only: a pattern never matches it (the HF module capture has no
+# such module), and TP = 1 only (each rank holds its own heads).
+ROPE_HOW = "rope"
+_ROPE_ATTENTION = {"GptOssForCausalLM": "attn"}  # vLLM's attention module name, else self_attn
+
+
+def rope_hf_modules(arch: str, num_layers: int) -> dict[str, tuple[str, str]]:
+    """``{"model.layers.{i}.self_attn.rope": (vllm attention, "rope")}`` of an architecture the name
+    map knows (module comment above)."""
+    if arch not in VLLM_TO_HF:
+        return {}
+    attn = _ROPE_ATTENTION.get(arch, "self_attn")
+    return {f"model.layers.{i}.self_attn.rope": (f"model.layers.{i}.{attn}", ROPE_HOW) for i in range(num_layers)}
+
+
+def vllm_rope_modules(llm, attentions) -> list[str]:
+    """``<attention>.rope`` for each of ``attentions`` (HF names) whose RoPE the engine's name map
+    gives (``rope_hf_modules``): ``extractors.replace.rope_modules`` for a vLLM engine."""
+    table = rope_hf_modules(*vllm_architecture(llm))
+    return [a + ".rope" for a in attentions if a + ".rope" in table]
 
 
 def mappable_hf_modules(arch: str, num_layers: int) -> dict[str, tuple[str, str]]:
@@ -254,6 +283,68 @@ def forward_segments(runner, n_tokens: int) -> list[tuple[str | None, int, int]]
     return [(rid, starts[j], starts[j + 1]) for j, rid in enumerate(ids) if starts[j + 1] > starts[j]]
 
 
+def rope_layout(q, k, head_size: int):
+    """vLLM's rotary call's ``q [token, q_heads * head_size]``, ``k [token, kv_heads * head_size]`` as
+    HF's rope tensor ``[token, q_heads + kv_heads, head_size]`` (a new tensor)."""
+    import torch
+
+    n = q.shape[0]
+    return torch.cat([q.reshape(n, -1, head_size), k.reshape(n, -1, head_size)], dim=1)
+
+
+def rope_split(x, q_heads: int):
+    """``rope_layout``'s inverse: ``(q [token, q_heads * head_size], k [token, kv_heads * head_size])``, contiguous."""
+    n = x.shape[0]
+    return x[:, :q_heads].reshape(n, -1).contiguous(), x[:, q_heads:].reshape(n, -1).contiguous()
+
+
+def rope_hooks(mods: dict, attentions, pre=None, post=None) -> list:
+    """Hooks calling ``pre(attention, rotary, args)`` (its return: new args, or None) before and
+    ``post(attention, rotary, output)`` (new output or None) after each of ``attentions``' (vLLM
+    module names) own ``rotary_emb`` call (``rope_hf_modules``' comment: a rotary module shared by
+    several attentions acts only for the one running, and only when it is that attention's own:
+    a module wrapping it, e.g. a planted fault, is hooked instead). Returns the handles."""
+    now = {"attn": None}
+    handles, rotaries = [], {}
+    for a in attentions:
+        rot = getattr(mods[a], "rotary_emb", None)
+        if rot is None:
+            raise ValueError(f"vLLM RoPE: attention {a} ({type(mods[a]).__name__}) has no rotary_emb module")
+
+        def enter(module, args, kwargs, a=a):
+            now["attn"] = a
+
+        def leave(module, args, output):
+            now["attn"] = None
+        handles.append(mods[a].register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(mods[a].register_forward_hook(leave))
+        rotaries[id(rot)] = rot
+    wanted = set(attentions)
+
+    def own(module):
+        a = now["attn"]
+        return a if a in wanted and getattr(mods[a], "rotary_emb", None) is module else None
+
+    def pre_hook(module, args):
+        a = own(module)
+        return None if a is None or pre is None else pre(a, module, args)
+
+    def post_hook(module, args, output):
+        a = own(module)
+        return None if a is None or post is None else post(a, module, output)
+    for rot in rotaries.values():
+        handles.append(rot.register_forward_pre_hook(pre_hook))
+        handles.append(rot.register_forward_hook(post_hook))
+    return handles
+
+
+def _rope_args(args):
+    """``(positions, q, k)`` of a rotary call (all positional in vLLM's attentions)."""
+    if len(args) < 3:
+        raise ValueError(f"vLLM RoPE: the rotary call took {len(args)} positional arguments, not (positions, q, k)")
+    return args[0], args[1], args[2]
+
+
 def _worker_install(worker, plan: list[tuple[str, str, str]]) -> dict:
     import torch
 
@@ -270,11 +361,28 @@ def _worker_install(worker, plan: list[tuple[str, str, str]]) -> dict:
 
     by_vllm: dict[str, list] = {}
     ins: dict[str, list] = {}  # vLLM module -> the HF ``name:input`` records its input gives
+    ropes: dict[str, dict] = {}  # vLLM attention -> {"rope_input": hf, "rope": hf}
     for hf, vl, how in plan:
         if vl not in mods:
             raise ValueError(f"vLLM module capture: the engine's model ({type(model).__name__}) has no module {vl!r} "
                              f"(for HF {hf})")
-        (ins.setdefault(vl, []).append(hf) if how == "input" else by_vllm.setdefault(vl, []).append((hf, how)))
+        if how in (ROPE_HOW, "rope_input"):
+            ropes.setdefault(vl, {})[how] = hf
+        else:
+            (ins.setdefault(vl, []).append(hf) if how == "input" else by_vllm.setdefault(vl, []).append((hf, how)))
+    if ropes:
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
+        if int(get_tensor_model_parallel_world_size()) != 1:
+            raise ValueError("vLLM module capture: RoPE q/k is captured at TP = 1 only (each rank holds its own heads)")
+
+    def keep_rope(a, how, rot, q, k):
+        pos, hf = state["positions"], ropes[a].get(how)
+        if pos is None or hf is None:
+            return
+        t = rope_layout(q, k, int(rot.head_size)).detach().to("cpu", copy=True)  # before the in-place kernel
+        for req, lo, hi in state["segments"]:
+            state["records"].append((hf, pos[lo:hi], t[lo:hi], req))
 
     def in_hook_for(targets):
         def hook(module, args, kwargs):
@@ -318,11 +426,16 @@ def _worker_install(worker, plan: list[tuple[str, str, str]]) -> dict:
         state["handles"].append(mods[vl].register_forward_pre_hook(in_hook_for(targets), with_kwargs=True))
     for vl, targets in by_vllm.items():
         state["handles"].append(mods[vl].register_forward_hook(hook_for(vl, targets)))
+    if ropes:
+        state["handles"] += rope_hooks(
+            mods, list(ropes), pre=lambda a, rot, args: keep_rope(a, "rope_input", rot, *_rope_args(args)[1:]),
+            post=lambda a, rot, out: keep_rope(a, ROPE_HOW, rot, out[0], out[1]))
     setattr(model, _STATE, state)
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     return {"tp_size": int(get_tensor_model_parallel_world_size()), "tp_rank": int(get_tensor_model_parallel_rank()),
-            "shards": {hf: _shard_kind(mods[vl], how) for hf, vl, how in plan}}
+            "shards": {hf: ("same", 1) if how in (ROPE_HOW, "rope_input") else _shard_kind(mods[vl], how)
+                       for hf, vl, how in plan}}
 
 
 def _worker_pop(worker, transport: str = "tensor") -> list:
@@ -465,12 +578,16 @@ def vllm_architecture(llm) -> tuple[str, int]:
 def _resolve(llm, modules) -> tuple[list[str], dict]:
     arch, n_layers = vllm_architecture(llm)
     table = mappable_hf_modules(arch, n_layers)
+    ropes = rope_hf_modules(arch, n_layers)
+    modules = [modules] if isinstance(modules, str) else list(modules)
+    asked = [m for m in modules if m in ropes]  # by exact name only (``rope_hf_modules``)
+    rest = [m for m in modules if m not in ropes]
     try:
-        names = resolve_modules(list(table), modules, where=f"vLLM module capture ({arch})")
+        names = resolve_modules(list(table), rest, where=f"vLLM module capture ({arch})") if rest or not asked else []
     except ValueError as e:
         raise ValueError(f"{e}. Modules vLLM's {arch} can give under HF names: "
                          f"{_compact(list(table))}") from None
-    return names, table
+    return [*names, *(r for r in ropes if r in asked)], {**table, **ropes}
 
 
 def _install(llm, modules, inputs: bool = False) -> tuple[list[str], dict]:
@@ -479,7 +596,8 @@ def _install(llm, modules, inputs: bool = False) -> tuple[list[str], dict]:
     names, table = _resolve(llm, modules)
     plan = [[hf, *table[hf]] for hf in names]
     if inputs:
-        plan += [[hf + INPUT_SUFFIX, table[hf][0], "input"] for hf in names if input_not_hf(hf) is None]
+        plan += [[hf + INPUT_SUFFIX, table[hf][0], "rope_input" if table[hf][1] == ROPE_HOW else "input"]
+                 for hf in names if input_not_hf(hf) is None]
     infos = _rpc(llm, "install_module_capture", plan=plan)
     tp = {int(i["tp_size"]) for i in infos}
     if tp != {len(infos)} or sorted(int(i["tp_rank"]) for i in infos) != list(range(len(infos))):

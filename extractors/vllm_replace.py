@@ -83,10 +83,10 @@ def position_sources(caps: Mapping, modules: Sequence[str], kind: str, where: st
 def replacement_plan(llm, replace_inputs: Sequence[str], replace_outputs: Sequence[str]) -> list[list]:
     """``[[hf, vllm_module, how, kind]]`` for the HF names asked for (``kind`` "input"/"output");
     a name vLLM cannot give (``mappable_hf_modules``) is refused with the mappable list."""
-    from extractors.vllm_modules import mappable_hf_modules, vllm_architecture
+    from extractors.vllm_modules import mappable_hf_modules, rope_hf_modules, vllm_architecture
 
     arch, n_layers = vllm_architecture(llm)
-    table = mappable_hf_modules(arch, n_layers)
+    table = {**mappable_hf_modules(arch, n_layers), **rope_hf_modules(arch, n_layers)}
     plan = []
     for kind, names in (("input", replace_inputs), ("output", replace_outputs)):
         for hf in names:
@@ -111,7 +111,8 @@ def _split_offsets(mod, part: int) -> tuple[int, int]:
 def _worker_install(worker, plan: list, sources: dict) -> dict:
     import torch
 
-    from extractors.vllm_modules import forward_segments, vllm_module_input
+    from extractors.vllm_modules import (ROPE_HOW, forward_segments, rope_hooks, rope_layout, rope_split,
+                                         vllm_module_input)
     from extractors.vllm_transport import decode_tensor
 
     model = worker.model_runner.model
@@ -205,13 +206,25 @@ def _worker_install(worker, plan: list, sources: dict) -> dict:
             return output
         return hook
 
+    def rope_for(kind):  # RoPE q/k in HF's layout (``extractors.vllm_modules.rope_layout``), split back
+        def act(a, rot, qk):
+            if state["positions"] is None or (a, kind) not in ropes:
+                return None
+            q, k = qk
+            new = rows_like(ropes[(a, kind)], kind, rope_layout(q, k, int(rot.head_size)))
+            count(a + ".rotary_emb", kind)
+            return rope_split(new, q.shape[-1] // int(rot.head_size))
+        return act
+
     state["handles"].append(model.register_forward_pre_hook(pre_model, with_kwargs=True))
-    ins, outs = {}, {}
+    ins, outs, ropes = {}, {}, {}
     for hf, vl, how, kind in plan:
         if vl not in mods:
             raise ValueError(f"vLLM replacement: the engine's model ({type(model).__name__}) has no module {vl!r} "
                              f"(for HF {hf})")
-        if kind == "input":
+        if how == ROPE_HOW:
+            ropes[(vl, kind)] = hf
+        elif kind == "input":
             ins.setdefault(vl, hf)  # a fused module's input: the first of its parts asked for
         else:
             outs.setdefault(vl, []).append((hf, how))
@@ -221,8 +234,22 @@ def _worker_install(worker, plan: list, sources: dict) -> dict:
         h = mods[vl].register_forward_hook(post_for(vl, targets))
         state["handles"].append(h)
         state["moves"].append((mods[vl], h.id))
+    if ropes:
+        rin, rout = rope_for("input"), rope_for("output")
+
+        def pre_rope(a, rot, args):
+            pos, q, k = args[:3]
+            got = rin(a, rot, (q, k))
+            return None if got is None else (pos, *got, *args[3:])
+        handles = rope_hooks(mods, sorted({a for a, _ in ropes}), pre=pre_rope,
+                             post=lambda a, rot, out: rout(a, rot, out))
+        state["handles"] += handles
+        for a in {a for a, kind in ropes if kind == "output"}:
+            rot = mods[a].rotary_emb
+            state["moves"] += [(rot, h.id) for h in handles if h.id in rot._forward_hooks]
+    hooked_ropes = {kind: [a + ".rotary_emb" for a, k in ropes if k == kind] for kind in ("input", "output")}
     setattr(model, _RSTATE, state)
-    return {"input": sorted(ins), "output": sorted(outs)}
+    return {"input": sorted([*ins, *hooked_ropes["input"]]), "output": sorted([*outs, *hooked_ropes["output"]])}
 
 
 def _worker_counts(worker) -> dict:

@@ -184,3 +184,96 @@ def test_a_decode_kv_write_into_the_wrong_slot_fails_the_in_place_kv_comparison_
     assert r.kv_verdict.first_failing_layer == "model.layers.1.self_attn.attn", r.kv_verdict
     assert [x["passed"] for x in r.kv_layers][0] is True
     print(f"\nBF16 KV: {fault.summary()}; per layer passed {[x['passed'] for x in r.kv_layers]}")
+
+
+def _rope_positions_x2(worker, layer):
+    """Layer ``layer``'s RoPE fed positions x 2 (a wrong rotary frequency, as a bad rope scaling
+    gives): its attention's ``rotary_emb`` wrapped; the other layers keep the shared rotary module."""
+    import torch
+
+    class DoubledPositions(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.head_size, self.calls = inner, inner.head_size, 0
+
+        def forward(self, positions, q, k):
+            self.calls += 1
+            return self.inner(positions * 2, q, k)
+
+    attn = worker.model_runner.model.get_submodule(f"model.layers.{int(layer)}.self_attn")
+    attn.rotary_emb = DoubledPositions(attn.rotary_emb)
+
+
+def _rope_restore(worker, layer):
+    attn = worker.model_runner.model.get_submodule(f"model.layers.{int(layer)}.self_attn")
+    calls = attn.rotary_emb.calls
+    attn.rotary_emb = attn.rotary_emb.inner
+    return calls
+
+
+def test_level3_on_a_vllm_bf16_engine_fills_every_kind_and_flags_a_rope_fault_at_its_layer(engine, refs):
+    """Level 3 on the re-run path of a vLLM target: on the correct BF16 engine every kind vLLM gives
+    is judged (RoPE at each attention's rotary_emb call, in HF's q/k layout) and none fails locally;
+    the LM head is listed unchecked with its reason, never passed. Layer 1's RoPE fed positions x 2
+    (proven on a probe to move the engine's logprobs) is flagged in level3_rope at layer 1 alone,
+    in prefill and decode; its attention fails too but is not flagged (the RoPE inside it fails)."""
+    import time
+
+    from capturestore.isolate import LEVEL3_KINDS, level3
+    from extractors.faults import probe_change, run_on_worker
+
+    path, llm = engine
+    store, order, mode, compared = refs
+    n_layers = sum(1 for m in order if m.count(".") == 2 and m.startswith("model.layers."))
+    t0 = time.perf_counter()
+    res = level3(store, compared().comparison_id, target=llm)
+    wall = time.perf_counter() - t0
+    print("\n" + "\n".join(res.level3_summary()) + f"\nwall {wall:.1f}s")
+    from capturestore.isolate import VLLM_LM_HEAD
+
+    assert res.unchecked == {"lm_head": VLLM_LM_HEAD}
+    judged = {k: len(res.level3[k]) for k in LEVEL3_KINDS}
+    assert judged == {"embedding": 2, "rmsnorm": 4 * n_layers, "attention": 2 * n_layers, "rope": 2 * n_layers,
+                      "mlp": 2 * n_layers, "decoder_layer": 2 * n_layers, "final_norm": 2, "lm_head": 0}, judged
+    failing = [(r["module"], r["phase"], r["sigma_ratio"]) for rows in res.level3.values() for r in rows
+               if r["passed"] is not True]
+    assert not failing, failing
+    assert not res.level3_passed()  # the LM head is unchecked: never a pass
+    rope = {(r["module"], r["phase"]): r["sigma_ratio"] for r in res.level3["rope"]}
+    held = store.sql("SELECT count(*) FROM level3_rope WHERE comparison_id = ? AND passed",
+                     [res.comparison_id]).column(0)[0].as_py()
+    assert held == 2 * n_layers
+    print(f"RoPE sigma-ratios on the correct engine: {sorted(set(round(s, 3) for s in rope.values()))}")
+
+    prompts, conts = _prompts()
+    effect, spread, _ = probe_change(llm, prompts[0] + conts[0], lambda: run_on_worker(llm, _rope_positions_x2, 1))
+    try:
+        assert effect > spread, (effect, spread)
+        bad = level3(store, compared().comparison_id, target=llm, max_prompts=1)
+    finally:
+        calls = run_on_worker(llm, _rope_restore, 1)
+        llm.reset_prefix_cache()
+    assert calls > 0
+    print("\n".join(bad.level3_summary()))
+    assert bad.flagged() == {"rope": [("model.layers.1.self_attn.rope", "prefill", 1),
+                                      ("model.layers.1.self_attn.rope", "decode", 1)]}, bad.flagged()
+    attn = {(r["module"], r["phase"]): r for r in bad.level3["attention"]}
+    assert attn[("model.layers.1.self_attn", "prefill")]["failing_inside"] == "model.layers.1.self_attn.rope"
+    rows = {(r["module"], r["phase"]): r for r in bad.level3["rope"]}
+    print(f"RoPE positions x2 at layer 1: probe max |dlogprob| {effect:.3g} (clean spread {spread:.3g}); "
+          f"sigma-ratio prefill {rows[('model.layers.1.self_attn.rope', 'prefill')]['sigma_ratio']:.2f}, "
+          f"decode {rows[('model.layers.1.self_attn.rope', 'decode')]['sigma_ratio']:.2f}")
+
+
+
+def test_level3_refuses_a_vllm_input_snapshot_saying_why(engine, refs):
+    """A vLLM input snapshot is no Level-3 evidence: vLLM's fused add + RMSNorm normalises the FP32
+    sum its snapshot holds only rounded (measured with Level 3 run on it: a correct BF16 engine's
+    layer-2 post_attention_layernorm failed at sigma-ratio 1.21), and it holds no RoPE q/k. Refused
+    in one line pointing at the re-run path, before any input is read."""
+    from capturestore.isolate import IsolationError, level3
+
+    store, order, mode, compared = refs
+    cid = compared().comparison_id
+    with pytest.raises(IsolationError, match=r"Level 3 re-runs a vLLM target .*fused add \+ RMSNorm never rounds"):
+        level3(store, cid, snapshot=True)
