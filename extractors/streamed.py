@@ -447,7 +447,7 @@ class StreamedModel:
 
         for mod, attr, t, nbytes in tensors:
             # requires_grad as from_pretrained leaves it (True): torch's CPU BF16 linear takes
-            # another kernel for a weight that requires no grad (AVX512-BF16, torch 2.13: other
+            # another kernel for a weight that requires no grad (AVX-512F, torch 2.13: other
             # rounding in the LM head, 6.8x slower), so a frozen weight is another reference
             mod._parameters[attr] = nn.Parameter(t, requires_grad=mod._parameters[attr].requires_grad)
             self._lent[id(mod), attr] = t

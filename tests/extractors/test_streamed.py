@@ -140,7 +140,7 @@ def test_streamed_logits_and_kv_are_bit_identical_to_the_whole_model(tiny_model,
 
 def test_streamed_weights_require_grad_as_loaded_ones_so_bf16_lm_heads_round_alike(tmp_path):
     """torch 2.13's CPU BF16 linear runs another kernel for a weight that requires no grad
-    (measured on AVX512-BF16: the LM head's logits differ by up to 1/32, 6.8x slower); the
+    (measured on an AVX-512F Xeon: the LM head's logits differ by up to 1/32, 6.8x slower); the
     streamed weights were installed frozen, so at an LM head of 256 x 32,000 the streamed BF16
     reference differed from the whole model's (which from_pretrained leaves requiring grad). Both
     halves are asserted: the flag as loaded (on any CPU), and the logits bit for bit (where the two
