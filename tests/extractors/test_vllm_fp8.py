@@ -201,11 +201,16 @@ def test_real_kernel_in_block_order_is_the_vec_layout():
 @pytest.mark.parametrize("kvd", ["fp8", "fp8_e5m2"])
 def test_real_kernel_attention_reads_code_times_scale(kvd):
     """vLLM's own FP8 attention over a cache it wrote (two blocks out of order, GQA, causal, subnormal codes):
-    its BF16 output equals BF16 of FP32 attention over ``vllm_cpu_codes * scale`` on every element; a cache
-    rounded to nearest instead is far off."""
+    its BF16 output equals FP32 attention over ``vllm_cpu_codes * scale`` rounded to BF16 as this machine's
+    kernels round (probed: toward zero without AVX512-BF16, to nearest with it; CI's Xeon without it failed
+    a test that assumed nearest) on every element; a cache rounded to nearest instead is far off."""
     import math
 
+    from extractors.kernel_rounding import probe_vllm_cpu_rounding, round_toward_zero_bf16
+
     ops = _real_kernel()
+    to_bf16 = {"nearest": lambda t: t.to(torch.bfloat16), "toward_zero": round_toward_zero_bf16}[
+        probe_vllm_cpu_rounding()]
     g = torch.Generator().manual_seed(0)
     H, h, bs, d, L, nq = 4, 2, 32, 32, 45, 5
     for ks, vs in ((0.013, 0.021), (2.0 ** -6, 2.0 ** -4)):
@@ -234,7 +239,7 @@ def test_real_kernel_attention_reads_code_times_scale(kvd):
                     o[i, hh] = torch.softmax(sc, -1) @ vd[:pos + 1, hh // (H // h)]
             return o
 
-        assert torch.equal(out, attention("vllm_cpu").to(torch.bfloat16)), (ks, vs)
+        assert torch.equal(out, to_bf16(attention("vllm_cpu"))), (ks, vs)
         assert float((out.float() - attention("nearest")).abs().max()) > 0.1
 
 

@@ -159,12 +159,18 @@ def tp_runs(tmp_path_factory):
 
 
 def _hf(dtype, names):
+    """HF's captures of ``names``; in BF16 rounding the rotary embedding and attention outputs as this
+    machine's vLLM kernels do (probed), as ``capturestore run`` does: without AVX512-BF16 they round
+    toward zero, and a plain HF BF16 reference failed a correct TP=2 engine's o_proj (sigma-ratio 1.31)."""
     from extractors.hf import load_hf_model
+    from extractors.kernel_rounding import kernel_rounding, probe_vllm_cpu_rounding
     from extractors.models import tiny_model
     from extractors.modules import collect_hf_modules
 
     prompts, teacher = _prompts_and_teacher()
-    caps, order = collect_hf_modules(load_hf_model(tiny_model("llama-gqa"), dtype), prompts, teacher, names)
+    model = load_hf_model(tiny_model("llama-gqa"), dtype)
+    with kernel_rounding(model, probe_vllm_cpu_rounding() if dtype == "bfloat16" else None):
+        caps, order = collect_hf_modules(model, prompts, teacher, names)
     assert order == names
     return caps
 
