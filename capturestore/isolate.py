@@ -65,7 +65,12 @@ module run's stored inputs (``module:input``, captured in place with ``inputs=Tr
 through the HF modules off the engine, the FP32 module on the target's input the truth, the BF16
 module (the expected run's kernel rounding) on it the noise, and the target's stored output
 judged against them by ``judge_local``, the same search by depth (two replays per depth, no
-engine re-run). Stored alike, ``method`` "snapshot" in the localisation and ``isolations``.
+engine re-run). Stored alike, ``method`` "snapshot" in the localisation and ``isolations``. A vLLM
+snapshot holds the residual sum ``hidden + residual`` of a norm or decoder layer in FP32, as vLLM's
+fused add + RMSNorm normalises it (``extractors.vllm_modules.residual_sum``; the run config's
+``module_input_residual_sum``); a BF16 / FP16 vLLM run captured without it (before it was kept) is
+refused (``VLLM_SNAPSHOT_NORM``: a correct engine's norm failed on the rounded sum). Level 3 from a
+vLLM snapshot lists RoPE (no q/k in a module snapshot) and the LM head (``VLLM_LM_HEAD``) unchecked.
 """
 from __future__ import annotations
 
@@ -141,11 +146,12 @@ VLLM_LM_HEAD = ("vLLM never calls its lm_head module: its logits processor compu
                 "weight on the sampled rows only (the last prompt position, then each decode step), not on every "
                 "prefill position as HF's lm_head does, so no HF-shaped LM head output exists to replace or judge "
                 "(the logits comparator judges the engine's logits)")
-VLLM_SNAPSHOT_NORM = ("its input snapshot holds the residual sum hidden + residual rounded to the engine's dtype, "
-                      "which vLLM's fused add + RMSNorm never rounds before normalising (it adds in FP32), so every "
-                      "norm taking a residual is judged on another input than its own (a correct BF16 engine's "
-                      "model.layers.2.post_attention_layernorm measured at local sigma-ratio 1.21), and it holds no "
-                      "RoPE q/k")
+VLLM_SNAPSHOT_NORM = ("its input snapshot holds the residual sum hidden + residual rounded to the engine's dtype "
+                      "(captured before the sum was kept in FP32), which vLLM's fused add + RMSNorm never rounds "
+                      "before normalising (it adds in FP32), so every norm taking a residual would be judged on "
+                      "another input than its own (a correct BF16 engine's model.layers.2.post_attention_layernorm "
+                      "measured at local sigma-ratio 1.21); capture the run again with inputs (the sum is now kept "
+                      "in FP32) or isolate by re-running the engine (without --snapshot, TP 1)")
 TABLES = {"module_local_metrics": MODULE_LOCAL_METRICS, "module_local_verdicts": MODULE_LOCAL_VERDICTS,
           "isolations": ISOLATIONS, **{f"level3_{k}": LEVEL3 for k in LEVEL3_KINDS}}
 
@@ -574,9 +580,11 @@ def _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config,
     it. No engine re-run; two reference replays per depth."""
     from extractors.hf import load_hf_model
 
-    if level3 and recs["actual"]["engine"] == "vllm":
-        raise IsolationError(f"the actual run {runs['actual']} is vLLM: Level 3 re-runs a vLLM target (isolate "
-                             f"--level3 without --snapshot, TP 1; RoPE judged at its rotary call), not its snapshot"
+    act = recs["actual"]
+    vllm_target = act["engine"] == "vllm"
+    if vllm_target and act["dtype"] not in ("float32", "float64") and \
+            not act["config"].get("module_input_residual_sum"):
+        raise IsolationError(f"the actual run {runs['actual']} is a {act['dtype']} vLLM run"
                              f"{' (' + why + ')' if why else ''}: {VLLM_SNAPSHOT_NORM}")
     held = set(recs["actual"]["config"].get("module_order") or [])
     order = [m for m in order if m in held]  # the modules the target's run holds (vLLM gives no lm_head, ...)
@@ -588,6 +596,8 @@ def _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config,
     if level3:
         unchecked["rope"] = ("an input snapshot holds no RoPE q/k: the module capture hooks modules, and "
                              "apply_rotary_pos_emb is a function (judged by --level3 on a re-run target)")
+        if vllm_target:
+            unchecked["lm_head"] = VLLM_LM_HEAD
     rounding = recs["expected"]["config"].get("kernel_rounding")
     say(f"input snapshot of run {runs['actual']} ({recs['actual']['engine']}): {len(order)} modules, "
         f"{len(prompts)} prompts; replaying them through the FP32 {recs['baseline']['model_path']} and the "

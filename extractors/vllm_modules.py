@@ -58,7 +58,8 @@ from extractors.modules import INPUT_SUFFIX, resolve_modules
 
 __all__ = ["NOT_COMPUTED", "ROPE_HOW", "VLLM_TO_HF", "ModuleCaptureMixin", "capture_vllm_module_run",
            "collect_vllm_modules", "forward_segments", "group_request_records", "hf_kv_layer_name",
-           "install_vllm_module_capture", "input_not_hf", "mappable_hf_modules", "merge_tp_records",
+           "RESIDUAL_SUM", "install_vllm_module_capture", "input_not_hf", "mappable_hf_modules", "merge_tp_records",
+           "residual_sum",
            "remove_vllm_module_capture", "rope_hf_modules", "rope_hooks", "rope_layout", "rope_split", "split_sizes",
            "vllm_architecture", "vllm_engine_options", "vllm_module_input", "vllm_rope_modules"]
 
@@ -208,6 +209,25 @@ _INPUT_NOT_HF = (
 def input_not_hf(hf: str) -> str | None:
     """Why vLLM's captured input of HF module ``hf`` is not HF's input of it (None: it is)."""
     return next((why for pat, why in _INPUT_NOT_HF if pat.search(hf)), None)
+
+
+# What a captured input holds where vLLM passes a residual beside the hidden state (the run config's
+# ``module_input_residual_sum``): vLLM's fused add + RMSNorm adds the two in FP32 and normalises that
+# sum unrounded (only the residual it passes on is rounded to the model's dtype; measured, docs/isolate.md),
+# so the sum is kept in FP32 (exact for two BF16 / FP16 summands but where it loses low bits to FP32's
+# own rounding) and an input snapshot replays the norm on the very input it saw. HF's BF16 module,
+# fed it, rounds it as HF's own residual add does (``extractors.replace`` casts to the input's dtype).
+RESIDUAL_SUM = "float32"
+
+
+def residual_sum(x, res):
+    """``x + res`` as vLLM's fused add + RMSNorm forms it: in FP32 (``RESIDUAL_SUM``); in the inputs'
+    dtype where that is wider (an FP64 model)."""
+    import torch
+
+    if x.dtype in (torch.float32, torch.float64):
+        return x + res
+    return x.float() + res.float()
 
 
 def vllm_module_input(args, kwargs):
@@ -392,7 +412,7 @@ def _worker_install(worker, plan: list[tuple[str, str, str]]) -> dict:
             x, _, res, _ = vllm_module_input(args, kwargs)
             if x is None:  # token ids (the embedding): its input is the run's tokens
                 return None
-            t = x if res is None else x + res  # HF's input: the residual stream hidden + residual
+            t = x if res is None else residual_sum(x, res)  # HF's input: the residual stream hidden + residual
             for req, lo, hi in state["segments"]:
                 kept = t[lo:hi].detach().to("cpu", copy=True)
                 for hf in targets:
@@ -751,7 +771,8 @@ def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int 
     of those positions. Under tensor parallelism every rank's output is taken and merged
     (``merge_tp_records``). ``inputs``: each module's input too, under ``module:input``, HF's input
     of the HF module (``vllm_module_input``: ``hidden + residual`` where vLLM keeps the residual
-    apart; a fused projection's input for each of its parts); none for the embedding (token ids)
+    apart, summed in FP32 as vLLM's fused add + RMSNorm sums it: ``residual_sum``; a fused
+    projection's input for each of its parts); none for the embedding (token ids)
     nor where ``input_not_hf`` says vLLM's module takes something else. ``first_index``: the index of ``prompts[0]`` in the caller's prompts,
     for the messages (a caller passing a slice of its prompts)."""
     from metrics.errors import as_float
@@ -862,7 +883,8 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
            "module_patterns": list([modules] if isinstance(modules, str) else modules),
            "modules": order, "module_order": order, "batch_size": batch_size, "module_inputs": bool(inputs),
            "engine_options": vllm_engine_options(llm),
-           **({"module_inputs_not_hf": {m: input_not_hf(m) for m in order if input_not_hf(m)}} if inputs else {}),
+           **({"module_inputs_not_hf": {m: input_not_hf(m) for m in order if input_not_hf(m)},
+               "module_input_residual_sum": RESIDUAL_SUM} if inputs else {}),
            "enable_prefix_caching": bool(getattr(llm.llm_engine.vllm_config.cache_config, "enable_prefix_caching",
                                                  False)),
            "vllm_architecture": arch, "tensor_layout": "as extractors.modules (HF names via extractors.vllm_modules)",

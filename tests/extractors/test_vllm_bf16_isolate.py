@@ -266,14 +266,90 @@ def test_level3_on_a_vllm_bf16_engine_fills_every_kind_and_flags_a_rope_fault_at
 
 
 
-def test_level3_refuses_a_vllm_input_snapshot_saying_why(engine, refs):
-    """A vLLM input snapshot is no Level-3 evidence: vLLM's fused add + RMSNorm normalises the FP32
-    sum its snapshot holds only rounded (measured with Level 3 run on it: a correct BF16 engine's
-    layer-2 post_attention_layernorm failed at sigma-ratio 1.21), and it holds no RoPE q/k. Refused
-    in one line pointing at the re-run path, before any input is read."""
-    from capturestore.isolate import IsolationError, level3
+def test_a_vllm_bf16_input_snapshot_judges_the_correct_engine_clean_and_names_a_softmax_fault(engine, refs):
+    """The engine's input snapshot (module inputs captured in place, no engine re-run) replayed through
+    the HF modules: vLLM's fused add + RMSNorm normalises hidden + residual summed in FP32, and the
+    snapshot keeps that sum in FP32 (a BF16-rounded sum failed the correct engine's layer-2
+    post_attention_layernorm at local sigma-ratio 1.21). The correct engine: every module vLLM
+    gives judged, prefill and decode, none failing; Level 3 from it lists RoPE and the LM head
+    unchecked, never passed. Layer 1's softmax scale x 1.1 (proven to change the logits) is named
+    at model.layers.1.self_attn in prefill from the snapshot alone."""
+    import json
 
+    import torch
+
+    from capturestore.analysis import compare_runs
+    from capturestore.isolate import VLLM_LM_HEAD, isolate, level3
+    from extractors.faults import probe_change
+    from extractors.vllm_modules import capture_vllm_module_run
+
+    path, llm = engine
     store, order, mode, compared = refs
-    cid = compared().comparison_id
-    with pytest.raises(IsolationError, match=r"Level 3 re-runs a vLLM target .*fused add \+ RMSNorm never rounds"):
-        level3(store, cid, snapshot=True)
+    prompts, conts = _prompts()
+    base, exp = (store.sql(f"SELECT run_id FROM runs WHERE engine = 'hf' AND dtype = '{d}'").column(0)[0].as_py()
+                 for d in ("float32", "bfloat16"))
+
+    def snapshot_comparison():
+        act = capture_vllm_module_run(store, llm, path, prompts, None, order, teacher_tokens=conts, inputs=True)
+        return act, compare_runs(store, baseline_run=base, expected_run=exp, actual_run=act, logits=False, kv=False,
+                                 comparators=["modules"]).comparison_id
+
+    act, cid = snapshot_comparison()
+    cfg = json.loads(store.sql("SELECT config FROM runs WHERE run_id = ?", [act]).column(0)[0].as_py())
+    assert cfg["module_input_residual_sum"] == "float32"
+    post = store.read_tensor(act, store.prompts(act).column("prompt_id")[0].as_py(),
+                             "model.layers.2.post_attention_layernorm:input", phase="prefill", as_torch=True)
+    assert post.dtype == torch.float32  # the FP32 sum, not the engine's BF16
+    assert not torch.equal(post, post.bfloat16().float())  # and not BF16 values widened
+    res = isolate(store, cid, snapshot=True, even_if_passed=True)
+    ratios = sorted(((v.tensor.sigma_ratio, v.module, v.phase) for v in res.verdicts), reverse=True)
+    print(f"\nvLLM BF16 input snapshot, correct engine: worst local sigma-ratios "
+          f"{[(round(r, 3), m, p) for r, m, p in ratios[:4]]}")
+    assert res.method == "snapshot" and res.engine_reruns == 0
+    assert len(res.verdicts) == 2 * len(order)
+    failing = [(v.module, v.phase, v.tensor.sigma_ratio) for v in res.verdicts if v.passed is not True]
+    assert not failing and res.status == "not_local", failing
+    # the norms normalise the very sum the engine did: no error of their own beyond BF16 noise (on a
+    # BF16-rounded sum they read 1.19-1.23, layers 1 and 2, prefill and decode)
+    norms = [(r, m, p) for r, m, p in ratios if m.endswith("layernorm")]
+    assert len(norms) == 2 * 2 * 3 and max(norms)[0] <= 1.05, norms
+    l3 = level3(store, cid, snapshot=True)
+    assert set(l3.unchecked) == {"rope", "lm_head"} and l3.unchecked["lm_head"] == VLLM_LM_HEAD
+    assert not any(r["passed"] is not True for rows in l3.level3.values() for r in rows)
+    assert not l3.level3_passed()
+
+    try:
+        effect, spread, _ = probe_change(llm, prompts[0] + conts[0],
+                                         lambda: llm.collective_rpc(_scale_softmax, args=(1, 1.1)))
+        assert effect > spread, (effect, spread)
+        _, bad_cid = snapshot_comparison()
+    finally:
+        llm.collective_rpc(_scale_softmax, args=(1, 1 / 1.1))
+    bad = isolate(store, bad_cid, snapshot=True, even_if_passed=True)
+    assert bad.status == "found" and bad.engine_reruns == 0, bad.summary()
+    loc = bad.localisation
+    assert (loc["module"], loc["layer"], loc["phase"], loc["method"]) == ("model.layers.1.self_attn", 1, "prefill",
+                                                                          "snapshot"), loc
+    print(f"softmax x1.1 from the snapshot: local sigma-ratio {bad.found.tensor.sigma_ratio:.2f}")
+
+
+def test_a_bf16_vllm_snapshot_with_its_residual_sum_rounded_is_refused_saying_why(engine, refs):
+    """A BF16 vLLM run whose config does not say the residual sum was kept in FP32 (captured before
+    it was) is refused in one line, before any input is read, pointing at a re-capture or the re-run."""
+    from capturestore.analysis import compare_runs
+    from capturestore.isolate import IsolationError, isolate, level3
+    from extractors.vllm_modules import capture_vllm_module_run
+
+    path, llm = engine
+    store, order, mode, compared = refs
+    prompts, conts = _prompts()
+    base, exp = (store.sql(f"SELECT run_id FROM runs WHERE engine = 'hf' AND dtype = '{d}'").column(0)[0].as_py()
+                 for d in ("float32", "bfloat16"))
+    act = capture_vllm_module_run(store, llm, path, prompts[:1], None, order, teacher_tokens=conts[:1], inputs=True,
+                                  config={"module_input_residual_sum": None})  # as an older run's config reads
+    cid = compare_runs(store, baseline_run=base, expected_run=exp, actual_run=act, logits=False, kv=False,
+                       comparators=["modules"]).comparison_id
+    for fn in (isolate, level3):
+        with pytest.raises(IsolationError, match=rf"actual run {act} is a bfloat16 vLLM run: .*fused add \+ RMSNorm "
+                                                 r"never rounds .*capture the run again with inputs"):
+            fn(store, cid, snapshot=True, even_if_passed=True)
