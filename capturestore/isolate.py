@@ -599,10 +599,14 @@ def _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config,
         if vllm_target:
             unchecked["lm_head"] = VLLM_LM_HEAD
     rounding = recs["expected"]["config"].get("kernel_rounding")
+    tp = int(act.get("tp_degree") or 1)
+    rows = list(act["config"].get("row_parallel_modules") or []) if tp > 1 else []
     say(f"input snapshot of run {runs['actual']} ({recs['actual']['engine']}): {len(order)} modules, "
         f"{len(prompts)} prompts; replaying them through the FP32 {recs['baseline']['model_path']} and the "
         f"{recs['expected']['dtype']} {recs['expected']['model_path']}"
-        + (f" (rounding FP32 -> BF16 {rounding.replace('_', ' ')}, as its run records)" if rounding else ""))
+        + (f" (rounding FP32 -> BF16 {rounding.replace('_', ' ')}, as its run records)" if rounding else "")
+        + (f"; its {len(rows)} row-parallel layers as the engine's TP={tp} computes them (per-rank partial "
+           f"sums, all-reduced)" if rows else ""))
     base_model = load_hf_model(recs["baseline"]["model_path"], "float32")
     exp_model = load_hf_model(recs["expected"]["model_path"], recs["expected"]["dtype"])
     tree = module_tree(order)
@@ -616,7 +620,8 @@ def _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config,
         say(f"level {level}: {len(mods)} module(s) replayed on the target's inputs")
         try:
             base = on_reference_inputs(base_model, P, C, mods, act_caps, what="target's input snapshot")
-            exp = on_reference_inputs(exp_model, P, C, mods, act_caps, rounding, what="target's input snapshot")
+            exp = on_reference_inputs(exp_model, P, C, mods, act_caps, rounding, what="target's input snapshot",
+                                      row_parallel=(rows, tp))  # inside a judged module too
         except ValueError as e:
             raise IsolationError(f"replaying the input snapshot of run {runs['actual']} through the HF modules: "
                                  f"{e}") from None
@@ -786,15 +791,19 @@ def local_inputs(exp_model, prompts, continuations, modules, rounding=None) -> l
 
 
 def on_reference_inputs(model, prompts, continuations, modules, exp_caps, rounding=None,
-                        what: str = "expected reference") -> list[dict]:
+                        what: str = "expected reference", row_parallel=None) -> list[dict]:
     """One re-run of an HF ``model`` (the target, or the FP32 reference) with the inputs of
     ``modules`` (none nesting in another) replaced by ``exp_caps``' (``local_inputs``; or a
     target's input snapshot, ``snapshot_inputs``): per prompt ``{(module, phase): [token, ...]}``
-    of their outputs. ``rounding``: the kernel rounding to run ``model`` with (``extractors.kernel_rounding``)."""
-    from extractors.kernel_rounding import kernel_rounding
+    of their outputs. ``rounding``: the kernel rounding to run ``model`` with (``extractors.kernel_rounding``).
+    ``row_parallel``: ``(modules, tp)``, linear layers computed as a tensor-parallel engine's
+    row-parallel layers are (``extractors.kernel_rounding.tp_row_parallel``, all-reduce rounded as
+    ``rounding``)."""
+    from extractors.kernel_rounding import kernel_rounding, tp_row_parallel
     from extractors.replace import collect_hf_replaced
 
-    with kernel_rounding(model, rounding):
+    rows, tp = row_parallel or ((), 1)
+    with kernel_rounding(model, rounding), tp_row_parallel(model, rows, tp, rounding):
         return [c for c, _, _ in collect_hf_replaced(model, prompts, continuations, modules, replace_inputs=modules,
                                                      sources=exp_caps, what=what)]
 

@@ -56,12 +56,12 @@ import numpy as np
 
 from extractors.modules import INPUT_SUFFIX, resolve_modules
 
-__all__ = ["NOT_COMPUTED", "ROPE_HOW", "VLLM_TO_HF", "ModuleCaptureMixin", "capture_vllm_module_run",
+__all__ = ["NOT_COMPUTED", "RESIDUAL_SUM", "ROPE_HOW", "VLLM_TO_HF", "ModuleCaptureMixin", "capture_vllm_module_run",
            "collect_vllm_modules", "forward_segments", "group_request_records", "hf_kv_layer_name",
-           "RESIDUAL_SUM", "install_vllm_module_capture", "input_not_hf", "mappable_hf_modules", "merge_tp_records",
-           "residual_sum",
-           "remove_vllm_module_capture", "rope_hf_modules", "rope_hooks", "rope_layout", "rope_split", "split_sizes",
-           "vllm_architecture", "vllm_engine_options", "vllm_module_input", "vllm_rope_modules"]
+           "install_vllm_module_capture", "input_not_hf", "mappable_hf_modules", "merge_tp_records",
+           "remove_vllm_module_capture", "residual_sum", "rope_hf_modules", "rope_hooks", "rope_layout", "rope_split",
+           "row_parallel_modules", "split_sizes", "vllm_architecture", "vllm_engine_options", "vllm_module_input",
+           "vllm_rope_modules"]
 
 _LLAMA = {
     "model.embed_tokens": ("model.embed_tokens", "first"),
@@ -634,6 +634,18 @@ def _install(llm, modules, inputs: bool = False) -> tuple[list[str], dict]:
     return names, {"tp_size": len(infos), "shards": shards, "rank_order": rank_order}
 
 
+def row_parallel_modules(llm, modules: Iterable[str] | str) -> list[str]:
+    """The HF names among ``modules`` whose vLLM module is row-parallel under the engine's tensor
+    parallelism (its input is each rank's slice, its output all-reduced: ``RowParallelLinear``,
+    ``input_is_parallel``), in execution order; [] at TP 1. Asked of the workers by installing the
+    capture hooks and removing them again."""
+    names, info = _install(llm, modules, inputs=True)
+    remove_vllm_module_capture(llm)
+    if info["tp_size"] <= 1:
+        return []
+    return [hf for hf in names if info["shards"].get(hf + INPUT_SUFFIX) == ("cat", 1)]
+
+
 def install_vllm_module_capture(llm, modules: Iterable[str] | str) -> list[str]:
     """Hook the HF-named ``modules`` (patterns as ``extractors.modules``) on every worker (TP rank) of
     the engine; returns the HF names captured, in execution order. A pattern matching no mappable
@@ -885,6 +897,7 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
            "engine_options": vllm_engine_options(llm),
            **({"module_inputs_not_hf": {m: input_not_hf(m) for m in order if input_not_hf(m)},
                "module_input_residual_sum": RESIDUAL_SUM} if inputs else {}),
+           **({"row_parallel_modules": row_parallel_modules(llm, order)} if tp > 1 else {}),
            "enable_prefix_caching": bool(getattr(llm.llm_engine.vllm_config.cache_config, "enable_prefix_caching",
                                                  False)),
            "vllm_architecture": arch, "tensor_layout": "as extractors.modules (HF names via extractors.vllm_modules)",

@@ -81,6 +81,45 @@ def _capture_rope(worker, store):
     return attn.register_forward_hook(hook)
 
 
+@pytest.mark.parametrize("tp,mode", [(2, "toward_zero"), (2, "nearest"), (4, "nearest"), (3, "toward_zero")])
+def test_tp_row_parallel_sums_rounded_rank_partials_as_an_all_reduce(tp, mode):
+    """``tp_row_parallel`` against a hand-written TP engine: per rank a BF16 linear on its slice of the
+    input (bias on rank 0 only), the partials summed in FP32 in rank order, rounded as ``mode``; the
+    result is not the full-width linear's, the layer's own forward comes back on exit, an FP32 model is
+    left alone, and a width not divisible by TP is refused by name."""
+    import torch
+
+    from extractors.kernel_rounding import round_toward_zero_bf16, tp_row_parallel
+
+    g = torch.Generator().manual_seed(tp)
+    model = torch.nn.Sequential()
+    model.add_module("o_proj", torch.nn.Linear(96, 40, bias=True))
+    with torch.no_grad():
+        model.o_proj.weight.copy_(torch.randn(40, 96, generator=g) / 10)
+        model.o_proj.bias.copy_(torch.randn(40, generator=g))
+    model = model.to(torch.bfloat16)
+    x = torch.randn(7, 96, generator=g).to(torch.bfloat16)
+    w, b, k = model.o_proj.weight, model.o_proj.bias, 96 // tp
+    total = torch.zeros(7, 40)
+    for r in range(tp):
+        part = x[:, r * k:(r + 1) * k].float() @ w[:, r * k:(r + 1) * k].float().T + (b.float() if r == 0 else 0)
+        total = total + part.to(torch.bfloat16).float()  # each rank's linear rounds its own partial
+    want = round_toward_zero_bf16(total) if mode == "toward_zero" else total.to(torch.bfloat16)
+    full = model.o_proj(x)
+    with torch.no_grad(), tp_row_parallel(model, ["o_proj"], tp, mode):
+        got = model.o_proj(x)
+    assert torch.equal(got, want), float((got == want).float().mean())
+    assert float((got == full).float().mean()) < 0.9
+    assert torch.equal(model.o_proj(x), full) and "forward" not in model.o_proj.__dict__
+    f32 = model.float()
+    with torch.no_grad(), tp_row_parallel(f32, ["o_proj"], tp, mode):
+        assert torch.equal(f32.o_proj(x.float()), torch.nn.functional.linear(x.float(), f32.o_proj.weight,
+                                                                             f32.o_proj.bias))
+    with pytest.raises(ValueError, match=r"o_proj has 96 input features, not divisible by tensor parallelism 5"):
+        with tp_row_parallel(model, ["o_proj"], 5, mode):
+            pass
+
+
 @pytest.mark.vllm
 def test_probe_names_the_rounding_of_the_engine_rope(engine):
     """Oracle: the engine's own q and k after its rotary kernel, against the HF rotary embedding in
