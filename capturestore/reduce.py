@@ -42,8 +42,9 @@ Engines: ``engine`` is a callable ``(model_dir) -> transformers model`` (the eng
 e.g. a fault installed on a loaded model) or a ``"module:function"`` naming one; the bundle
 records the name so its command rebuilds it (a callable without an importable name is refused:
 the bundle would not be self-contained). Without an engine the actual run's HF engine is rebuilt
-from the checkpoint (its dtype and attention implementation). HF engines only (vLLM replacement
-is not here yet).
+from the checkpoint (its dtype and attention implementation). HF engines only: a comparison whose
+actual run is vLLM or a server target is refused without ``engine`` (an HF engine that reproduces
+its failure may be given); ``capturestore isolate`` localises those.
 """
 from __future__ import annotations
 
@@ -588,7 +589,7 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, lo
     if row["passed"]:
         return ReductionResult(comparison_id, "nothing_to_reduce", verdict=verdict, isolation=isolation)
     try:
-        runs, recs = checked_runs(store, comparison_id, row)
+        runs, recs = checked_runs(store, comparison_id, row, snapshot=True)  # the engine is checked below
     except IsolationError as e:
         raise ReductionError(str(e)) from None
     if local:
@@ -610,6 +611,10 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, lo
     order = recs["expected"]["config"].get("module_order")
     act = recs["actual"]
     default = {"dtype": act["dtype"], "attn_implementation": act["config"].get("attn_implementation") or "eager"}
+    if engine is None and act["engine"] != "hf":
+        raise ReductionError(f"the actual run {runs['actual']} is a {act['engine']} engine: reduce re-runs HF engines "
+                             f"only (give an HF engine that reproduces the failure: --engine MODULE:FUNCTION); "
+                             f"localise it instead with capturestore isolate {comparison_id}")
     if engine is None and act["config"].get("model_given"):
         raise ReductionError(f"the actual run {runs['actual']} was captured from a model passed in (a patched engine "
                              f"the checkpoint does not hold): give that engine (--engine MODULE:FUNCTION)")

@@ -242,6 +242,22 @@ def test_a_layer_count_under_text_config_is_read_and_an_unloadable_checkpoint_is
     assert "cannot load the reference checkpoint" in err and str(model) in err and err.count("\n") == 1, err
 
 
+def test_a_vllm_target_without_an_hf_engine_is_refused_before_any_trial(tmp_path, capsys):
+    """reduce re-runs HF engines: a failing comparison whose actual run is vLLM (or a server target) is
+    refused in one line, naming the run and what to do, before any checkpoint is read; it used to
+    judge trials on an HF engine rebuilt from the checkpoint, another engine than the one that failed."""
+    store = Store.open(tmp_path / "s")
+    for engine in ("vllm", "vllm-server"):
+        r = _synthetic_norm_comparison(store, str(tmp_path / "no-such-model"), actual_noise=5e-2, actual_engine=engine)
+        assert not r.passed
+        assert main(["reduce", r.comparison_id, "--store", str(store.root), "--out", str(tmp_path / engine),
+                     "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert f"is a {engine} engine: reduce re-runs HF engines only" in err and err.count("\n") == 1, err
+        assert f"capturestore isolate {r.comparison_id}" in err and "--engine" in err, err
+        assert not (tmp_path / engine).exists() or not any((tmp_path / engine).iterdir())
+
+
 def test_a_passing_comparison_has_nothing_to_reduce(tmp_path, capsys):
     """Synthetic module runs (the target's tensors are the expected run's): the comparison passes."""
     store = Store.open(tmp_path / "s")
@@ -372,12 +388,14 @@ def test_local_without_an_isolation_names_what_to_run(local_case, tmp_path, caps
     assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
 
 
-def _synthetic_norm_comparison(store, model_path: str, actual_noise: float):
+def _synthetic_norm_comparison(store, model_path: str, actual_noise: float, actual_engine: str = "hf"):
     """Three synthetic module runs of ``model.norm`` (2 prompts, prefill; the expected run 1e-3 off
-    the baseline, the actual run ``actual_noise`` off) compared with the modules comparator."""
+    the baseline, the actual run ``actual_noise`` off, captured from ``actual_engine``) compared with
+    the modules comparator."""
     ids = {}
     for role, noise in (("baseline", 0.0), ("expected", 1e-3), ("actual", actual_noise)):
-        run = store.begin_run(engine="hf", model_path=model_path, model_hash="h", dtype="float32",
+        run = store.begin_run(engine=actual_engine if role == "actual" else "hf", model_path=model_path,
+                              model_hash="h", dtype="float32",
                               config={"module_order": ["model.norm"]})
         with run:
             for p in range(2):
