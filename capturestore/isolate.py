@@ -600,6 +600,12 @@ def _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config,
             unchecked["lm_head"] = VLLM_LM_HEAD
     rounding = recs["expected"]["config"].get("kernel_rounding")
     tp = int(act.get("tp_degree") or 1)
+    if tp > 1 and act["dtype"] not in ("float32", "float64") and "row_parallel_modules" not in act["config"]:
+        raise IsolationError(f"the actual run {runs['actual']} is a {act['dtype']} engine at tensor parallelism {tp} "
+                             f"whose run records no row_parallel_modules (captured before they were recorded): its "
+                             f"row-parallel layers round each rank's partial sum, and replayed as one full-width "
+                             f"linear a correct engine fails there (measured: sigma-ratio 1.47-1.54); capture the run "
+                             f"again with inputs")
     rows = list(act["config"].get("row_parallel_modules") or []) if tp > 1 else []
     say(f"input snapshot of run {runs['actual']} ({recs['actual']['engine']}): {len(order)} modules, "
         f"{len(prompts)} prompts; replaying them through the FP32 {recs['baseline']['model_path']} and the "
@@ -634,7 +640,7 @@ def _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config,
     for kind in (k for k in LEVEL3_KINDS if kinds is not None and not kinds[k] and k not in unchecked):
         unchecked[kind] = "the target's run holds no module of this kind"
     cid = _store(store, comparison_id, row, runs, prompts, status, loc, search, verdicts, metric_rows, inplace, rank,
-                 0, replays, wall, kinds, method="snapshot")
+                 0, replays, wall, kinds, method="snapshot", unchecked=unchecked)
     return IsolationResult(comparison_id, status, cid, loc, 0, replays, tuple(search), tuple(v for _, v in verdicts),
                            {k: v[0] for k, v in inplace.items()}, wall,
                            None if kinds is None else {k: tuple(r) for k, r in kinds.items()}, unchecked, "snapshot")
@@ -741,7 +747,7 @@ def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_ta
         unchecked[kind] = (f"the module runs hold no module of this kind; capture them with every module "
                            f"(extractors.modules.DEFAULT_MODULES: {', '.join(DEFAULT_MODULES)})")
     cid = _store(store, comparison_id, row, runs, prompts, status, loc, search, verdicts, metric_rows, inplace, rank,
-                 engine_reruns, ref_reruns, wall, kinds)
+                 engine_reruns, ref_reruns, wall, kinds, unchecked=unchecked)
     return IsolationResult(comparison_id, status, cid, loc, engine_reruns, ref_reruns, tuple(search),
                            tuple(v for _, v in verdicts), {k: v[0] for k, v in inplace.items()}, wall,
                            None if kinds is None else {k: tuple(r) for k, r in kinds.items()}, unchecked)
@@ -887,7 +893,11 @@ def _level3_rows(verdicts, tree, inplace) -> dict:
 
 
 def _store(store, source, row, runs, prompts, status, loc, search, verdicts, metric_rows, inplace, rank,
-           engine_reruns, ref_reruns, wall, kinds=None, method: str = "rerun") -> str:
+           engine_reruns, ref_reruns, wall, kinds=None, method: str = "rerun", unchecked=None) -> str:
+    """Commit an isolation as a comparison. Its ``passed`` is true only when no module fails locally,
+    every module was judged (none ``passed`` None: a problem) and, for Level 3, no kind went
+    unchecked; an unchecked kind is stored as a row of its table with ``passed`` NULL, ``module``
+    NULL and the reason in ``problem`` (a query over the table never reads it as a pass)."""
     from capturestore.comparators import declared_tables
     from capturestore.comparators.base import COMPARISONS_SCHEMA_VERSION, to_arrow
     from capturestore.integrity import commit_comparison
@@ -922,7 +932,10 @@ def _store(store, source, row, runs, prompts, status, loc, search, verdicts, met
     staged = {"module_local_metrics": to_arrow(metric_rows, MODULE_LOCAL_METRICS, "module_local_metrics"),
               "module_local_verdicts": to_arrow([vrows], MODULE_LOCAL_VERDICTS, "module_local_verdicts"),
               "isolations": to_arrow([iso], ISOLATIONS, "isolations")}
+    unchecked = unchecked or {}
     for kind, rows in (kinds or {}).items():
+        rows = list(rows) + ([{"module": None, "phase": None, "passed": None, "flagged": False,
+                               "problem": f"not checked: {unchecked[kind]}"}] if kind in unchecked else [])
         staged[f"level3_{kind}"] = to_arrow([[{"comparison_id": cid, "source_comparison_id": source, **r}
                                               for r in rows]], LEVEL3, f"level3_{kind}")
     staged = {t: x for t, x in staged.items() if x.num_rows}
@@ -932,7 +945,8 @@ def _store(store, source, row, runs, prompts, status, loc, search, verdicts, met
             "created_at": datetime.now(UTC),
             "baseline_run": runs["baseline"], "expected_run": runs["expected"], "actual_run": runs["actual"],
             "three_way": True, "n_prompts": len(prompts), "models_differ": bool(row.get("models_differ")),
-            "passed": status != "found",
+            "passed": status != "found" and all(v.passed is True for _, v in verdicts)
+                      and not (kinds is not None and unchecked),
             "failure_phase": loc and loc["phase"], "localisation": None if loc is None else json.dumps(loc),
             "failure_layer": loc and loc["layer"], "failure_module": loc and loc["module"],
             "failure_token": loc and loc["token"], "judged": ["isolation"]}

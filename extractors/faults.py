@@ -694,6 +694,10 @@ def inject_server_output_scale(url: str, model_path, module: str, factor: float,
     try:
         effect = _max_abs_diff(clean, _server_probe(info, probe))
         calls = int(_server_rpc(url, "capturestore_hook_calls", module)["calls"])
+    except BaseException:  # an unproven fault never stays installed
+        with contextlib.suppress(Exception):
+            _server_rpc(url, "capturestore_remove_faults")
+        raise
     finally:
         with contextlib.suppress(ValueError):
             request_json(base_url(url), "/reset_prefix_cache", {}, timeout=60)
@@ -761,6 +765,12 @@ def inject_server_fault(url: str, model_path, kind: str, probe: Sequence[int], *
         args, module = args_of(params), module_of(params)
     except KeyError as e:
         raise ValueError(f"fault injection: served fault {kind} needs the parameter {e.args[0]!r}") from None
+    except (TypeError, ValueError):
+        raise ValueError(f"fault injection: served fault {kind}: the layer must be an integer (one layer per served "
+                         f"fault), got {params.get('layer')!r}") from None
+    for k in ("factor", "eps"):
+        if k in params and not (isinstance(params[k], (int, float)) and math.isfinite(params[k])):
+            raise ValueError(f"fault injection: served fault {kind}: {k} must be a finite number, got {params[k]!r}")
     probe = [int(t) for t in probe]
     if len(probe) < 2:
         raise ValueError(f"fault injection: the probe needs >= 2 tokens, got {len(probe)}")
@@ -781,6 +791,10 @@ def inject_server_fault(url: str, model_path, kind: str, probe: Sequence[int], *
         effect = change(clean, run())
         calls = int(_server_rpc(url, "capturestore_hook_calls", module)["calls"])
         moved = _max_abs_diff(clean_prefill, _server_probe(info, probe)) if decode else 0.0
+    except BaseException:  # an unproven fault never stays installed
+        with contextlib.suppress(Exception):
+            _server_rpc(url, "capturestore_remove_faults")
+        raise
     finally:
         reset()
     what = f"{kind} {', '.join(f'{k}={v}' for k, v in params.items())}"

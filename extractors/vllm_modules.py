@@ -634,11 +634,13 @@ def _install(llm, modules, inputs: bool = False) -> tuple[list[str], dict]:
     return names, {"tp_size": len(infos), "shards": shards, "rank_order": rank_order}
 
 
-def row_parallel_modules(llm, modules: Iterable[str] | str) -> list[str]:
-    """The HF names among ``modules`` whose vLLM module is row-parallel under the engine's tensor
-    parallelism (its input is each rank's slice, its output all-reduced: ``RowParallelLinear``,
-    ``input_is_parallel``), in execution order; [] at TP 1. Asked of the workers by installing the
-    capture hooks and removing them again."""
+def row_parallel_modules(llm, modules: Iterable[str] | str = ("**",)) -> list[str]:
+    """The HF names among ``modules`` (default: every module vLLM gives) whose vLLM module is
+    row-parallel under the engine's tensor parallelism (its input is each rank's slice, its output
+    all-reduced: ``RowParallelLinear``, ``input_is_parallel``), in execution order; [] at TP 1. Asked
+    of the workers by installing the capture hooks and removing them again. A module run records
+    them all, captured or not: a captured attention holds its ``o_proj`` whether or not ``o_proj``
+    itself was captured, and its replay must compute it as the engine does."""
     names, info = _install(llm, modules, inputs=True)
     remove_vllm_module_capture(llm)
     if info["tp_size"] <= 1:
@@ -897,7 +899,7 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
            "engine_options": vllm_engine_options(llm),
            **({"module_inputs_not_hf": {m: input_not_hf(m) for m in order if input_not_hf(m)},
                "module_input_residual_sum": RESIDUAL_SUM} if inputs else {}),
-           **({"row_parallel_modules": row_parallel_modules(llm, order)} if tp > 1 else {}),
+           **({"row_parallel_modules": row_parallel_modules(llm)} if tp > 1 else {}),
            "enable_prefix_caching": bool(getattr(llm.llm_engine.vllm_config.cache_config, "enable_prefix_caching",
                                                  False)),
            "vllm_architecture": arch, "tensor_layout": "as extractors.modules (HF names via extractors.vllm_modules)",

@@ -63,3 +63,20 @@ def test_served_faults_are_proven_and_come_out_exactly(served):
         assert np.array_equal(_server_decode_probe(info, PROBE), clean_d), kind
         assert np.array_equal(_server_probe(info, PROBE), clean_p), kind
     print(f"\nserved faults, (max |Δ logprob| (inf: another greedy token), hook calls): {figures}")
+
+
+@pytest.mark.parametrize("kind,params,match", [
+    ("decode_rope", {"layer": None, "offset": 2}, r"decode_rope: the layer must be an integer .*got None"),
+    ("softmax", {"layer": "one", "factor": 1.1}, r"softmax: the layer must be an integer .*got 'one'"),
+    ("softmax", {"layer": 1, "factor": float("nan")}, r"softmax: factor must be a finite number, got nan"),
+    ("v_head", {"layer": 1, "head": 0, "factor": float("inf")}, r"v_head: factor must be a finite number"),
+    ("kv_slot", {}, r"kv_slot needs the parameter 'layer'"),
+])
+def test_bad_served_fault_parameters_are_one_line_before_any_request(kind, params, match):
+    """Refused in one ValueError before the server is asked anything (the address is closed): a layer
+    that is not one integer (in process, None means every layer; a served fault is one layer), a
+    non-finite factor, a missing parameter."""
+    from extractors.faults import inject_server_fault
+
+    with pytest.raises(ValueError, match=match):
+        inject_server_fault("http://127.0.0.1:9", "no-model", kind, PROBE, **params)

@@ -317,6 +317,15 @@ def test_a_vllm_bf16_input_snapshot_judges_the_correct_engine_clean_and_names_a_
     assert set(l3.unchecked) == {"rope", "lm_head"} and l3.unchecked["lm_head"] == VLLM_LM_HEAD
     assert not any(r["passed"] is not True for rows in l3.level3.values() for r in rows)
     assert not l3.level3_passed()
+    # stored as it reads: the plain isolation passed (every module judged), Level 3 did not (two kinds
+    # unchecked), and each unchecked kind's table holds a row saying why, never a pass
+    passed = {c: store.sql("SELECT passed FROM comparisons WHERE comparison_id = ?", [c]).column(0)[0].as_py()
+              for c in (res.comparison_id, l3.comparison_id)}
+    assert passed == {res.comparison_id: True, l3.comparison_id: False}, passed
+    for kind in ("lm_head", "rope"):
+        rows = store.sql(f"SELECT module, passed, problem FROM level3_{kind} WHERE comparison_id = ?",
+                         [l3.comparison_id]).to_pylist()
+        assert rows == [{"module": None, "passed": None, "problem": f"not checked: {l3.unchecked[kind]}"}], rows
 
     try:
         effect, spread, _ = probe_change(llm, prompts[0] + conts[0],
