@@ -215,6 +215,10 @@ def test_tp2_bf16_module_capture_passes_against_hf_and_a_rank_fault_is_refused_b
     base, exp = _hf("float32", names), _hf("bfloat16", names)
     v = judge_modules([{k: (b[k], e[k], a[k]) for k in b} for b, e, a in zip(base, exp, act)], names,
                       prompt_lens=[len(p) for p in prompts])
+    worst = sorted(((m.tensor.sigma_ratio, m.tensor.bc - m.tensor.bc_threshold_used, m.module, m.phase)
+                    for m in v.modules if m.tensor is not None), reverse=True)[:4]
+    print(f"\nTP=2 BF16 in place: worst (sigma-ratio, BC margin over its bar) "
+          f"{[(round(s, 3), round(b, 4), mod, ph) for s, b, mod, ph in worst]}")
     assert v.passed, [m.summary() for m in v.modules if not m.passed]
     assert len(v.modules) == 2 * len(names)
     # rank 1's copy of an all-reduced output scaled by 1.01: the merge names it instead of picking a rank
