@@ -315,14 +315,11 @@ def _has_tensors(store, rid: str) -> bool:
 
 def cannot_rerun(rec: dict) -> str | None:
     """Why the engine of run record ``rec`` cannot be re-run with replaced tensors (None: it can:
-    HF, vLLM at TP 1); such a target is judged from its input snapshot (``isolate(..., snapshot=True)``)."""
+    HF, vLLM at any TP); such a target is judged from its input snapshot (``isolate(..., snapshot=True)``)."""
     from extractors.vllm_server import ENGINE as SERVER
 
     if rec["engine"] == SERVER:
         return f"a server target ({SERVER}): it cannot be re-run with replaced tensors"
-    if rec["engine"] == "vllm" and int(rec.get("tp_degree") or 1) > 1:
-        return (f"a vLLM engine with tensor parallelism {rec['tp_degree']}: replacement through the worker "
-                f"extension supports TP = 1 only")
     if rec["engine"] not in ("hf", "vllm"):
         return f"a {rec['engine']} engine: isolation re-runs HF and vLLM engines only"
     return None
@@ -556,8 +553,13 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
         from extractors.vllm_modules import vllm_rope_modules
 
         attns = [m for m in order if module_kind(m) == "attention"]
-        order = _with_rope(order, vllm_rope_modules(tgt, attns) if vllm_target else rope_modules(tgt, attns))
-        if not any(m.endswith(ROPE_SUFFIX) for m in order):
+        tp = int(recs["actual"].get("tp_degree") or 1)
+        if vllm_target and tp > 1:
+            unchecked["rope"] = (f"RoPE q/k of a vLLM engine at tensor parallelism {tp} are not replaced (each rank "
+                                 f"rotates its own heads): judged inside each attention only")
+        else:
+            order = _with_rope(order, vllm_rope_modules(tgt, attns) if vllm_target else rope_modules(tgt, attns))
+        if "rope" not in unchecked and not any(m.endswith(ROPE_SUFFIX) for m in order):
             unchecked["rope"] = (f"the target ({type(tgt).__name__}) has no captured attention calling "
                                  + ("a rotary_emb module vLLM's name map gives" if vllm_target
                                     else "apply_rotary_pos_emb"))
@@ -689,7 +691,9 @@ def rebuild_options(rec: dict, prompts) -> dict:
     longest = max(len(p) + len(c) for _, p, c in prompts)
     opts = dict(rec["config"].get("engine_options") or {})
     opts["max_model_len"] = max(int(opts.get("max_model_len") or 256), longest + 16)
-    return {**opts, "dtype": rec["dtype"], "enable_prefix_caching": False}
+    tp = int(rec.get("tp_degree") or 1)
+    par = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
+    return {**opts, **par, "dtype": rec["dtype"], "enable_prefix_caching": False}
 
 
 def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_target, config, say, t0,
@@ -728,14 +732,19 @@ def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_ta
     exp_caps = local_inputs(exp_model, P, C, order, rounding)
     ref_reruns += 1
     _check_reproduced(store, runs, prompts[:1], exp_caps[:1], [m for m in order if not m.endswith(ROPE_SUFFIX)])
+    rows, tp = _row_parallel(recs["actual"], tgt if vllm_target else None, say)
     for level, mods in enumerate(levels, start=1):
         say(f"level {level}: {len(mods)} module(s) on the expected reference's inputs")
         act = rerun_target(P, C, mods, exp_caps)
         engine_reruns += 1
         base = on_reference_inputs(base_model, P, C, mods, exp_caps)
         ref_reruns += 1
+        exp = exp_caps
+        if rows:  # the BF16 noise of the target's own TP arithmetic, on the same inputs
+            exp = on_reference_inputs(exp_model, P, C, mods, exp_caps, rounding, row_parallel=(rows, tp))
+            ref_reruns += 1
 
-        _judge_level(level, prompts, mods, exp_caps, [a[0] for a in act], base, order, config, verdicts, search,
+        _judge_level(level, prompts, mods, exp, [a[0] for a in act], base, order, config, verdicts, search,
                      metric_rows)
     status, loc = _located(verdicts, order, comparison_id, "rerun")
     wall = time.perf_counter() - t0
@@ -751,6 +760,23 @@ def _isolate(store, comparison_id, row, runs, recs, order, prompts, tgt, vllm_ta
     return IsolationResult(comparison_id, status, cid, loc, engine_reruns, ref_reruns, tuple(search),
                            tuple(v for _, v in verdicts), {k: v[0] for k, v in inplace.items()}, wall,
                            None if kinds is None else {k: tuple(r) for k, r in kinds.items()}, unchecked)
+
+
+def _row_parallel(act: dict, llm, say) -> tuple[list, int]:
+    """``(row-parallel HF modules, tp)`` of a BF16 / FP16 vLLM target at TP > 1, whose expected
+    outputs are then computed as its TP arithmetic computes them (``tp_row_parallel``): the run's
+    ``row_parallel_modules``, else asked of the engine ``llm``; ``([], tp)`` otherwise."""
+    tp = int(act.get("tp_degree") or 1)
+    if act["engine"] != "vllm" or tp <= 1 or act["dtype"] in ("float32", "float64"):
+        return [], tp
+    rows = act["config"].get("row_parallel_modules")
+    if rows is None and llm is not None:
+        from extractors.vllm_modules import row_parallel_modules
+
+        rows = row_parallel_modules(llm)
+    say(f"the expected reference computes the target's {len(rows or [])} row-parallel layers as its TP={tp} does "
+        f"(per-rank partial sums, all-reduced)")
+    return list(rows or []), tp
 
 
 def _judge_level(level, prompts, mods, exp_caps, act_caps, base_caps, order, config, verdicts, search, metric_rows):

@@ -41,9 +41,14 @@ Capture order: a module's captured output is what it computed, before its own ou
 its module at each forward. Faults installed as forward hooks before it (``extractors.faults``)
 act first, as they do on the unreplaced engine.
 
-Tensor parallelism: TP = 1 only (a TP engine is refused in one line; sources would have to be
-sharded per rank as ``merge_tp_records`` merges captures). The engine needs the worker in eager
-mode (``make_llm``'s ``enforce_eager=True``).
+Tensor parallelism: every rank gets the whole source and takes its own part, cut as the module
+capture merges it (``extractors.vllm_modules._shard_kind``): a row-parallel layer's input
+(``o_proj``, ``down_proj``) and a column-parallel output (``q_proj`` / ``k_proj`` / ``v_proj`` parts
+of ``qkv_proj``, ``gate_up_proj``'s parts) are this rank's slice of the last axis (K/V heads
+replicated over ``num_kv_head_replicas`` ranks); everything else is whole on every rank. Every
+rank must replace in the same forwards (checked). RoPE q/k are not replaced under TP > 1 (each
+rank rotates its own heads; refused in one line). The engine needs the worker in eager mode
+(``make_llm``'s ``enforce_eager=True``).
 
 Every replacement is counted per vLLM module and forward; ``collect_vllm_replaced`` refuses a
 module asked for that was not replaced in every forward its request ran.
@@ -118,11 +123,14 @@ def _worker_install(worker, plan: list, sources: dict) -> dict:
     model = worker.model_runner.model
     if hasattr(model, _RSTATE):
         raise ValueError("vLLM replacement: already installed on this engine; remove it first")
-    from vllm.distributed import get_tensor_model_parallel_world_size
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    if int(get_tensor_model_parallel_world_size()) != 1:
-        raise ValueError(f"vLLM replacement: tensor parallelism {get_tensor_model_parallel_world_size()} is not "
-                         "supported (TP = 1 only)")
+    from extractors.vllm_modules import _shard_kind
+
+    tp, rank = int(get_tensor_model_parallel_world_size()), int(get_tensor_model_parallel_rank())
+    if tp > 1 and any(how == ROPE_HOW for _, _, how, _ in plan):
+        raise ValueError(f"vLLM replacement: RoPE q/k under tensor parallelism {tp} is not supported (each rank "
+                         "rotates its own heads); replace the attention's input instead")
     mods = dict(model.named_modules())
     src = {(hf, kind): decode_tensor(t) for hf, kind, t in sources}
     state = {"handles": [], "positions": None, "rows": None, "forwards": 0, "counts": {}, "moves": [],
@@ -141,7 +149,19 @@ def _worker_install(worker, plan: list, sources: dict) -> dict:
             if hid in mod._forward_hooks:
                 mod._forward_hooks.move_to_end(hid)
 
-    def rows_like(name, kind, like, lo_col=None, hi_col=None):
+    def rank_cols(shard, width):
+        """This rank's columns of a source ``width`` wide that the engine shards as ``shard``
+        (``_shard_kind``, as the module capture merges it); None: the whole width."""
+        kind, replicas = shard
+        if kind != "cat" or tp <= 1:
+            return None
+        n = tp // int(replicas)
+        if width % n:
+            raise ValueError(f"vLLM replacement: a source {width} wide cannot be cut into {n} rank slices")
+        k, i = width // n, rank // int(replicas)
+        return i * k, (i + 1) * k
+
+    def rows_like(name, kind, like, lo_col=None, hi_col=None, shard=("same", 1)):
         t = src[(name, kind)]
         lo, hi = state["rows"]
         pos = state["positions"][lo:hi]
@@ -149,6 +169,9 @@ def _worker_install(worker, plan: list, sources: dict) -> dict:
             raise ValueError(f"vLLM replacement of {name} ({kind}): position {int(pos.max())} but the source holds "
                              f"{t.shape[0]} positions")
         rows = t.index_select(0, pos)
+        cols = rank_cols(shard, rows.shape[-1])
+        if cols is not None:  # under tensor parallelism: this rank's slice of the whole source
+            rows = rows[..., cols[0]:cols[1]]
         cols = like[lo:hi] if lo_col is None else like[lo:hi, ..., lo_col:hi_col]
         if tuple(rows.shape) != tuple(cols.shape):
             raise ValueError(f"vLLM replacement of {name} ({kind}): the source holds rows of shape "
@@ -172,7 +195,7 @@ def _worker_install(worker, plan: list, sources: dict) -> dict:
             if x is None:
                 state["not_floating"].add(vl)
                 return None  # token ids (the embedding): nothing to replace, as on HF
-            new = rows_like(hf, "input", x)
+            new = rows_like(hf, "input", x, shard=_shard_kind(module, "input"))
             args, kwargs = list(args), dict(kwargs)
             if where[0] == "kw":
                 kwargs["hidden_states"] = new
@@ -197,10 +220,10 @@ def _worker_install(worker, plan: list, sources: dict) -> dict:
                     output = (rows_like(hf, "output", output[0]), torch.zeros_like(output[1]))
                     continue
                 if how.startswith("split:"):
-                    lo, hi = _split_offsets(module, int(how.split(":")[1]))
-                    new = rows_like(hf, "output", first, lo, hi)
+                    lo, hi = _split_offsets(module, int(how.split(":")[1]))  # this rank's part
+                    new = rows_like(hf, "output", first, lo, hi, shard=_shard_kind(module, how))
                 else:
-                    new = rows_like(hf, "output", first)
+                    new = rows_like(hf, "output", first, shard=_shard_kind(module, how))
                 output = (new, *output[1:]) if isinstance(output, (tuple, list)) else new
             count(vl, "output")
             return output
@@ -283,9 +306,6 @@ class ReplaceMixin:
 
 def _check_engine(llm) -> None:
     cfg = llm.llm_engine.vllm_config
-    tp = int(cfg.parallel_config.tensor_parallel_size)
-    if tp != 1:
-        raise ValueError(f"vLLM replacement: the engine runs tensor parallelism {tp}; replacement supports TP = 1 only")
     if bool(getattr(cfg.cache_config, "enable_prefix_caching", False)):
         raise ValueError("vLLM replacement: the engine serves prompts from the prefix cache (positions never computed "
                          "cannot be replaced); build it with enable_prefix_caching=False")
@@ -323,13 +343,18 @@ def collect_vllm_replaced(llm, prompts, continuations, capture: Sequence[str], r
                 for m, a in position_sources(sources[i], names, kind, where,
                                                          len(prompt) + len(cont) - 1).items():
                     enc.append([m, kind, encode_tensor(torch.from_numpy(a), transport)])
-        hooked = call_workers(llm, "install_module_replacement", plan=plan, sources=enc)[0]
         try:
+            hooked = call_workers(llm, "install_module_replacement", plan=plan, sources=enc)[0]
             caps, _, _ = collect_vllm_modules(llm, [prompt], None, list(capture), teacher_tokens=[list(cont)],
                                               first_index=i)
-            got = call_workers(llm, "module_replacement_counts")[0]
+            per_rank = call_workers(llm, "module_replacement_counts")
         finally:
             call_workers(llm, "remove_module_replacement")
+        got = per_rank[0]
+        for r, other in enumerate(per_rank[1:], start=1):  # every TP rank replaced in the same forwards
+            if other != got:
+                raise ValueError(f"vLLM replacement, prompt {i}: TP rank {r} replaced {other} where rank 0 replaced "
+                                 f"{got}")
         fw = int(got["forwards"])
         if fw != len(cont):
             raise ValueError(f"vLLM replacement, prompt {i}: the engine ran {fw} forwards for {len(cont)} teacher "

@@ -256,27 +256,19 @@ def test_a_server_target_cannot_be_rerun_and_the_snapshot_path_is_offered(tmp_pa
     assert "input snapshot" in p.stderr and "Traceback" not in p.stderr
 
 
-def test_a_vllm_target_under_tensor_parallelism_is_refused_in_one_line(tmp_path):
-    store = Store.open(tmp_path / "s")
-    ids = {}
-    for role, engine, tp, noise in (("baseline", "hf", 1, 0.0), ("expected", "hf", 1, 1e-3),
-                                    ("actual", "vllm", 2, 5e-2)):
-        run = store.begin_run(engine=engine, model_path="m", model_hash="h", dtype="float32", tp_degree=tp,
-                              config={"module_order": ["model.norm"]})
-        with run:
-            for p in range(2):
-                pid = run.add_prompt([5 + p, 6, 7, 8], continuation=[9, 10])
-                x = np.random.default_rng(p).standard_normal((4, 16)).astype(np.float32)
-                run.write_tensor(pid, "model.norm", x * (1 + noise * np.random.default_rng(9).standard_normal(x.shape))
-                                 .astype(np.float32), step=0, phase="prefill")
-        ids[role] = run.run_id
-    r = compare_runs(store, baseline_run=ids["baseline"], expected_run=ids["expected"], actual_run=ids["actual"],
-                     logits=False, kv=False, comparators=["modules"])
-    assert not r.passed
-    p = _cli(store, r.comparison_id)
-    assert p.returncode == 2 and "Traceback" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
-    assert f"actual run {ids['actual']}" in p.stderr and "tensor parallelism 2" in p.stderr
-    assert "TP = 1 only" in p.stderr, p.stderr
+def test_a_vllm_target_under_tensor_parallelism_is_rebuilt_at_its_tp():
+    """A vLLM run at TP 2 is re-run (replacement cuts each rank's part of the sources,
+    tests/extractors/test_vllm_modules_tp.py): its engine is rebuilt with the same tensor
+    parallelism, workers in their own processes; a server target still cannot be re-run."""
+    from capturestore.isolate import cannot_rerun, rebuild_options
+
+    rec = {"engine": "vllm", "tp_degree": 2, "dtype": "bfloat16", "config": {"engine_options": {"block_size": 32}}}
+    assert cannot_rerun(rec) is None
+    opts = rebuild_options(rec, [("p", [1, 2, 3], [4, 5])])
+    assert opts == {"block_size": 32, "max_model_len": 256, "tensor_parallel_size": 2,
+                    "distributed_executor_backend": "mp", "dtype": "bfloat16", "enable_prefix_caching": False}, opts
+    assert "tensor_parallel_size" not in rebuild_options({**rec, "tp_degree": 1}, [("p", [1], [2])])
+    assert "server target" in cannot_rerun({**rec, "engine": "vllm-server"})
 
 
 # ------------------------------------------------------------------------------ input snapshot
