@@ -51,7 +51,7 @@ in a layer's MLP fails the MLP and may fail its decoder layer too (the layer hol
 is flagged in ``level3_mlp`` only; a fault in a projection is its attention's (or MLP's) own.
 
 The engine re-run is HF (a ``transformers`` model: the target passed in, or rebuilt from the
-actual run's checkpoint, dtype and attention implementation) or vLLM at TP 1 (one engine, passed
+actual run's checkpoint, dtype and attention implementation) or vLLM at any TP (one engine, passed
 in or built from the run's checkpoint and dtype, re-run with replacement through the worker
 extension: ``extractors.vllm_replace``; the modules judged are those the vLLM run holds). Level 3
 on a vLLM target judges its RoPE at each attention's ``rotary_emb`` call, mapped to HF's q/k layout
@@ -151,7 +151,7 @@ VLLM_SNAPSHOT_NORM = ("its input snapshot holds the residual sum hidden + residu
                       "before normalising (it adds in FP32), so every norm taking a residual would be judged on "
                       "another input than its own (a correct BF16 engine's model.layers.2.post_attention_layernorm "
                       "measured at local sigma-ratio 1.21); capture the run again with inputs (the sum is now kept "
-                      "in FP32) or isolate by re-running the engine (without --snapshot, TP 1)")
+                      "in FP32) or isolate by re-running the engine (without --snapshot)")
 TABLES = {"module_local_metrics": MODULE_LOCAL_METRICS, "module_local_verdicts": MODULE_LOCAL_VERDICTS,
           "isolations": ISOLATIONS, **{f"level3_{k}": LEVEL3 for k in LEVEL3_KINDS}}
 
@@ -502,12 +502,12 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     stores nothing, unless ``even_if_passed`` (judge every module locally all the same: a
     correct engine's check that no module fails on the reference's inputs). level3: Level 3
     (module docstring; implies ``even_if_passed``): RoPE on q/k judged too, tables per kind.
-    A vLLM target (the actual run's engine "vllm", TP 1): ``target`` is the engine (``make_llm``; e.g.
+    A vLLM target (the actual run's engine "vllm", any TP): ``target`` is the engine (``make_llm``; e.g.
     carrying a fault installed through the worker extension), default one engine built from the run's
     checkpoint and dtype for every re-run; only the modules the vLLM run holds are judged.
     snapshot: judge the target from its input snapshot (``_snapshot``: its stored module outputs
     against the HF modules replayed on its stored module inputs; no engine re-run); None (default):
-    when the target cannot be re-run (``cannot_rerun``: a server target, vLLM under TP > 1, another
+    when the target cannot be re-run (``cannot_rerun``: a server target, another
     engine), else the re-run. ``store``: a ``Store`` or its path / URL, refused before any work
     when it cannot be written (``capturestore isolate`` calls this alone)."""
     from capturestore.store import as_store, require_writable
