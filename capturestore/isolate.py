@@ -608,7 +608,7 @@ def _snapshot(store, comparison_id, row, runs, recs, order, max_prompts, config,
                              f"row-parallel layers round each rank's partial sum, and replayed as one full-width "
                              f"linear a correct engine fails there (measured: sigma-ratio 1.47-1.54); capture the run "
                              f"again with inputs")
-    rows = list(act["config"].get("row_parallel_modules") or []) if tp > 1 else []
+    rows, _ = _row_parallel(act, None, lambda m: None)  # an FP32 engine rounds no partial sum: none
     say(f"input snapshot of run {runs['actual']} ({recs['actual']['engine']}): {len(order)} modules, "
         f"{len(prompts)} prompts; replaying them through the FP32 {recs['baseline']['model_path']} and the "
         f"{recs['expected']['dtype']} {recs['expected']['model_path']}"
@@ -656,6 +656,12 @@ def _vllm_target(rec: dict, rid: str, target, prompts):
         if not hasattr(target, "llm_engine"):
             raise IsolationError(f"the actual run {rid} is a vLLM engine but the target passed in is a "
                                  f"{type(target).__name__}, not a vllm LLM (extractors.vllm_rpc.make_llm)")
+        tp = int(target.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
+        if tp != int(rec.get("tp_degree") or 1):
+            raise IsolationError(f"the actual run {rid} was captured at tensor parallelism {rec.get('tp_degree') or 1} "
+                                 f"but the target passed in runs at {tp}: its row-parallel layers round other partial "
+                                 f"sums, so its local errors would be judged against another engine's noise; pass an "
+                                 f"engine at the run's TP")
         return target, None
     from extractors.vllm_rpc import close_llm, make_llm
 

@@ -184,12 +184,13 @@ def tp_row_parallel(model, modules, tp: int, mode: str | None = None):
     for n, lin in layers.items():
         if not isinstance(lin, torch.nn.Linear):
             raise ValueError(f"tensor-parallel emulation: {n} is a {type(lin).__name__}, not a linear layer")
-        if lin.in_features % tp:
-            raise ValueError(f"tensor-parallel emulation: {n} has {lin.in_features} input features, not divisible "
-                             f"by tensor parallelism {tp}")
     if tp <= 1 or not layers or next(iter(layers.values())).weight.dtype in (torch.float32, torch.float64):
         yield
         return
+    for n, lin in layers.items():
+        if lin.in_features % tp:
+            raise ValueError(f"tensor-parallel emulation: {n} has {lin.in_features} input features, not divisible "
+                             f"by tensor parallelism {tp}")
     to_dtype = round_toward_zero_bf16 if mode == "toward_zero" else None
 
     def forward_of(lin):

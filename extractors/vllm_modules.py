@@ -640,7 +640,9 @@ def row_parallel_modules(llm, modules: Iterable[str] | str = ("**",)) -> list[st
     all-reduced: ``RowParallelLinear``, ``input_is_parallel``), in execution order; [] at TP 1. Asked
     of the workers by installing the capture hooks and removing them again. A module run records
     them all, captured or not: a captured attention holds its ``o_proj`` whether or not ``o_proj``
-    itself was captured, and its replay must compute it as the engine does."""
+    itself was captured, and its replay must compute it as the engine does. Dense linear layers
+    only: a MoE block's experts (vLLM's ``FusedMoE``, its intermediate dimension split over ranks and
+    the experts' output all-reduced) are not listed, and no replay emulates them (docs/isolate.md)."""
     names, info = _install(llm, modules, inputs=True)
     remove_vllm_module_capture(llm)
     if info["tp_size"] <= 1:

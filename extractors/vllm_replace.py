@@ -320,7 +320,7 @@ def collect_vllm_replaced(llm, prompts, continuations, capture: Sequence[str], r
     prompt as ``collect_hf_modules`` returns it, inputs under ``module:input``), ``capture``'s
     outputs captured. Returns per prompt ``({(module, phase): float32 [token, ...]}, replaced)``
     (``replaced``: ``{(vllm_module, "input"/"output"): forwards}``). ``ValueError`` when a module
-    asked for was not replaced in every forward of its request, on TP > 1 or prefix caching."""
+    asked for was not replaced in every forward of its request (on any TP rank), or on prefix caching."""
     from extractors.vllm_modules import collect_vllm_modules
     from extractors.vllm_transport import call_workers, encode_tensor, rpc_transport
 
@@ -353,8 +353,8 @@ def collect_vllm_replaced(llm, prompts, continuations, capture: Sequence[str], r
         got = per_rank[0]
         for r, other in enumerate(per_rank[1:], start=1):  # every TP rank replaced in the same forwards
             if other != got:
-                raise ValueError(f"vLLM replacement, prompt {i}: TP rank {r} replaced {other} where rank 0 replaced "
-                                 f"{got}")
+                raise ValueError(f"vLLM replacement, prompt {i}: worker {r} (in answer order) replaced {other} where "
+                                 f"worker 0 replaced {got}")
         fw = int(got["forwards"])
         if fw != len(cont):
             raise ValueError(f"vLLM replacement, prompt {i}: the engine ran {fw} forwards for {len(cont)} teacher "

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from capturestore import Store
+from tests.capturestore.s3server import moto_endpoint, s3_env, s3_url  # noqa: F401 - one moto server per session
 
 REPO = Path(__file__).resolve().parents[2]
 WRITER_SCRIPT = Path(__file__).with_name("writer_proc.py")

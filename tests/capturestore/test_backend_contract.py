@@ -17,7 +17,7 @@ import pytest
 from capturestore import Store
 from capturestore.backends import Backend, LocalBackend, MemoryBackend, backend_for
 from capturestore.objectstore import S3Backend
-from tests.capturestore.s3server import make_bucket, moto_endpoint, s3_env  # noqa: F401
+from tests.capturestore.s3server import make_bucket
 from tests.capturestore.writer_proc import PROMPT_LEN, prompt_data
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

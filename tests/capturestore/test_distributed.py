@@ -17,7 +17,7 @@ import pytest
 from capturestore import Store
 from capturestore.analysis import compare_runs
 from tests.capturestore.conftest import REPO
-from tests.capturestore.s3server import free_port, make_bucket, moto_endpoint  # noqa: F401
+from tests.capturestore.s3server import free_port, make_bucket
 
 distributed = pytest.importorskip("dask.distributed", reason="dask[distributed] is in the test extra")
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::DeprecationWarning"),

@@ -256,6 +256,29 @@ def test_a_server_target_cannot_be_rerun_and_the_snapshot_path_is_offered(tmp_pa
     assert "input snapshot" in p.stderr and "Traceback" not in p.stderr
 
 
+def test_the_tp_emulation_applies_to_low_precision_tp_engines_and_a_target_at_another_tp_is_refused():
+    """The expected outputs emulate TP partial sums only for a BF16 / FP16 vLLM run at TP > 1 (an FP32
+    engine rounds no partial sum: emulating it would inflate the noise and let faults pass); a vLLM
+    engine passed in at another TP than its run's is refused in one line (its noise is another's)."""
+    from types import SimpleNamespace
+
+    from capturestore.isolate import IsolationError, _row_parallel, _vllm_target
+
+    rows = ["model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"]
+    rec = {"engine": "vllm", "tp_degree": 2, "dtype": "bfloat16", "config": {"row_parallel_modules": rows}}
+    said = []
+    assert _row_parallel(rec, None, said.append) == (rows, 2) and "2 row-parallel layers" in said[0]
+    assert _row_parallel({**rec, "dtype": "float32"}, None, said.append) == ([], 2)
+    assert _row_parallel({**rec, "tp_degree": 1}, None, said.append) == ([], 1)
+    assert _row_parallel({**rec, "engine": "hf"}, None, said.append) == ([], 2)
+    engine = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=2))))
+    assert _vllm_target(rec, "run-x", engine, [])[0] is engine
+    with pytest.raises(IsolationError, match=r"run-x was captured at tensor parallelism 1 but the target passed in "
+                                             r"runs at 2"):
+        _vllm_target({**rec, "tp_degree": 1}, "run-x", engine, [])
+
+
 def test_a_vllm_target_under_tensor_parallelism_is_rebuilt_at_its_tp():
     """A vLLM run at TP 2 is re-run (replacement cuts each rank's part of the sources,
     tests/extractors/test_vllm_modules_tp.py): its engine is rebuilt with the same tensor

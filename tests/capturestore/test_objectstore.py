@@ -16,8 +16,7 @@ import pytest
 from capturestore import Store, StoreError
 from capturestore.errors import QueryError
 from tests.capturestore.conftest import REPO, start_writer
-from tests.capturestore.s3server import auth_moto_server, bucket_keys, free_port, make_bucket, s3_env, s3_url  # noqa: F401
-from tests.capturestore.s3server import moto_endpoint  # noqa: F401
+from tests.capturestore.s3server import auth_moto_server, bucket_keys, free_port, make_bucket
 from tests.capturestore.writer_proc import LAYERS, PROMPT_LEN, prompt_data
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -111,13 +111,14 @@ def test_tp_row_parallel_sums_rounded_rank_partials_as_an_all_reduce(tp, mode):
     assert torch.equal(got, want), float((got == want).float().mean())
     assert float((got == full).float().mean()) < 0.9
     assert torch.equal(model.o_proj(x), full) and "forward" not in model.o_proj.__dict__
-    f32 = model.float()
-    with torch.no_grad(), tp_row_parallel(f32, ["o_proj"], tp, mode):
-        assert torch.equal(f32.o_proj(x.float()), torch.nn.functional.linear(x.float(), f32.o_proj.weight,
-                                                                             f32.o_proj.bias))
     with pytest.raises(ValueError, match=r"o_proj has 96 input features, not divisible by tensor parallelism 5"):
         with tp_row_parallel(model, ["o_proj"], 5, mode):
             pass
+    f32 = model.float()  # in place: the same module, now FP32 (no partial sum is rounded; any TP accepted)
+    for n in (tp, 5):
+        with torch.no_grad(), tp_row_parallel(f32, ["o_proj"], n, mode):
+            assert torch.equal(f32.o_proj(x.float()), torch.nn.functional.linear(x.float(), f32.o_proj.weight,
+                                                                                 f32.o_proj.bias))
 
 
 @pytest.mark.vllm
