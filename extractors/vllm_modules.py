@@ -60,8 +60,8 @@ __all__ = ["NOT_COMPUTED", "RESIDUAL_SUM", "ROPE_HOW", "VLLM_TO_HF", "ModuleCapt
            "collect_vllm_modules", "forward_segments", "group_request_records", "hf_kv_layer_name",
            "install_vllm_module_capture", "input_not_hf", "mappable_hf_modules", "merge_tp_records",
            "remove_vllm_module_capture", "residual_sum", "rope_hf_modules", "rope_hooks", "rope_layout", "rope_split",
-           "row_parallel_modules", "split_sizes", "vllm_architecture", "vllm_engine_options", "vllm_module_input",
-           "vllm_rope_modules"]
+           "row_parallel_modules", "shard_kind", "split_sizes", "vllm_architecture", "vllm_engine_options",
+           "vllm_module_input", "vllm_rope_modules"]
 
 _LLAMA = {
     "model.embed_tokens": ("model.embed_tokens", "first"),
@@ -265,7 +265,7 @@ def split_sizes(mod) -> list[int]:
     return [n // 2, n // 2]
 
 
-def _shard_kind(mod, how: str) -> tuple[str, int]:
+def shard_kind(mod, how: str) -> tuple[str, int]:
     """How this rank's output of ``mod`` relates to the whole: ``("cat", replicas)`` when it is a
     slice of the last axis (column-parallel without gather: ranks ``0, replicas, 2*replicas, ...``
     hold consecutive slices, the ranks in between copies), ``("same", 1)`` when every rank holds
@@ -454,7 +454,7 @@ def _worker_install(worker, plan: list[tuple[str, str, str]]) -> dict:
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
     return {"tp_size": int(get_tensor_model_parallel_world_size()), "tp_rank": int(get_tensor_model_parallel_rank()),
-            "shards": {hf: ("same", 1) if how in (ROPE_HOW, "rope_input") else _shard_kind(mods[vl], how)
+            "shards": {hf: ("same", 1) if how in (ROPE_HOW, "rope_input") else shard_kind(mods[vl], how)
                        for hf, vl, how in plan}}
 
 
@@ -485,7 +485,7 @@ class ModuleCaptureMixin:
 
     def install_module_capture(self, plan: list) -> dict:
         """Hook ``plan`` (``[hf, vllm_module, how]`` rows); returns this rank's TP rank and size and
-        per HF name how its output is sharded (``_shard_kind``)."""
+        per HF name how its output is sharded (``shard_kind``)."""
         return _worker_install(self, [tuple(p) for p in plan])
 
     def take_module_capture(self, transport: str = "bytes") -> list:

@@ -42,7 +42,7 @@ its module at each forward. Faults installed as forward hooks before it (``extra
 act first, as they do on the unreplaced engine.
 
 Tensor parallelism: every rank gets the whole source and takes its own part, cut as the module
-capture merges it (``extractors.vllm_modules._shard_kind``): a row-parallel layer's input
+capture merges it (``extractors.vllm_modules.shard_kind``): a row-parallel layer's input
 (``o_proj``, ``down_proj``) and a column-parallel output (``q_proj`` / ``k_proj`` / ``v_proj`` parts
 of ``qkv_proj``, ``gate_up_proj``'s parts) are this rank's slice of the last axis (K/V heads
 replicated over ``num_kv_head_replicas`` ranks); everything else is whole on every rank. Every
@@ -125,7 +125,7 @@ def _worker_install(worker, plan: list, sources: dict) -> dict:
         raise ValueError("vLLM replacement: already installed on this engine; remove it first")
     from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 
-    from extractors.vllm_modules import _shard_kind
+    from extractors.vllm_modules import shard_kind
 
     tp, rank = int(get_tensor_model_parallel_world_size()), int(get_tensor_model_parallel_rank())
     if tp > 1 and any(how == ROPE_HOW for _, _, how, _ in plan):
@@ -151,7 +151,7 @@ def _worker_install(worker, plan: list, sources: dict) -> dict:
 
     def rank_cols(shard, width):
         """This rank's columns of a source ``width`` wide that the engine shards as ``shard``
-        (``_shard_kind``, as the module capture merges it); None: the whole width."""
+        (``shard_kind``, as the module capture merges it); None: the whole width."""
         kind, replicas = shard
         if kind != "cat" or tp <= 1:
             return None
@@ -195,7 +195,7 @@ def _worker_install(worker, plan: list, sources: dict) -> dict:
             if x is None:
                 state["not_floating"].add(vl)
                 return None  # token ids (the embedding): nothing to replace, as on HF
-            new = rows_like(hf, "input", x, shard=_shard_kind(module, "input"))
+            new = rows_like(hf, "input", x, shard=shard_kind(module, "input"))
             args, kwargs = list(args), dict(kwargs)
             if where[0] == "kw":
                 kwargs["hidden_states"] = new
@@ -221,9 +221,9 @@ def _worker_install(worker, plan: list, sources: dict) -> dict:
                     continue
                 if how.startswith("split:"):
                     lo, hi = _split_offsets(module, int(how.split(":")[1]))  # this rank's part
-                    new = rows_like(hf, "output", first, lo, hi, shard=_shard_kind(module, how))
+                    new = rows_like(hf, "output", first, lo, hi, shard=shard_kind(module, how))
                 else:
-                    new = rows_like(hf, "output", first, shard=_shard_kind(module, how))
+                    new = rows_like(hf, "output", first, shard=shard_kind(module, how))
                 output = (new, *output[1:]) if isinstance(output, (tuple, list)) else new
             count(vl, "output")
             return output
