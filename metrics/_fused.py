@@ -20,18 +20,24 @@ by a shift in registers, so no float32 copy of the cache is made) and give:
   bin = the last edge <= x (last bin closed), every value in the last bin when ``step == 0``.
   A SIMD estimate moved by at most one bin, checked against those edges whenever any value
   moved, falling back to an exact per-value walk, so counts are the rule's; ``sqrt(p * q)`` per
-  bin is written out for numpy to sum: BC is bit-identical to ``metrics.bc``. (Both differ
+  bin (p, q from a per-tensor table of k / (n + 1e-10): the same divisions) summed in numpy's
+  pairwise order (``_np_sum``, checked against the installed numpy once; else the terms are
+  written out for numpy to sum): BC is bit-identical to ``metrics.bc``. (Both differ
   from np.histogram in one corner inherited from the numpy path: a range of one or two
   subnormals, where ``width / bins`` underflows to 0, is binned as a flat range.)
 
 A position whose inputs hold any NaN or infinity is flagged instead of measured; the caller
 recomputes it with the numpy path (NaN exclusion and the NaN / 0.0 BC rules live in one place).
-Positions are split across threads (``num_threads``; the kernels release the GIL). Compiled code
+Positions are split across threads (``num_threads``; the kernels release the GIL); one
+layer's K and V parts share the threads, and the results are written straight into the
+caller's arrays (``compare_kv_caches``' per-layer slices), with no per-tensor copy. Compiled code
 is cached on disk where numba finds a writable place, else compiled once per process.
 """
 from __future__ import annotations
 
+import functools
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -44,7 +50,7 @@ from llvmlite import ir  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic, overload  # noqa: E402
 
-__all__ = ["kv_tensor_metrics", "hist_counts", "takes", "num_threads"]
+__all__ = ["kv_tensor_metrics", "kv_tensors_metrics", "hist_counts", "takes", "num_threads"]
 
 _F32 = np.float32
 _U32 = np.uint32
@@ -329,26 +335,62 @@ def _scatter2(ia, ib, n, h, st):  # pragma: no cover - compiled
 
 
 @_njit()
-def _bc_terms(h, st, n_a, n_b, out):  # pragma: no cover - compiled
-    """out[j] = sqrt(p_j * q_j), p = ha / (n_a + 1e-10), as metrics.bc (float64); h as
-    _scatter2 fills it."""
-    da = np.float64(n_a) + 1e-10
-    db = np.float64(n_b) + 1e-10
-    for j in range(out.size):
-        ha = h[j] + h[st + j]
-        hb = h[2 * st + j] + h[3 * st + j]
-        out[j] = np.sqrt((np.float64(ha) / da) * (np.float64(hb) / db))
+def _np_sum(x, n):  # pragma: no cover - compiled
+    """x[:n] (float64, n <= 128) summed in the order of numpy's pairwise summation, which
+    ``np.add.reduce`` uses along a contiguous axis: fewer than 8 values one by one from -0.0;
+    else 8 accumulators fed in blocks of 8, combined as a fixed tree, then the rest one by one
+    (more than 128 values would be split in halves: not done here, and no recursion, which
+    numba's cache does not survive). ``np_sum_order_holds`` checks the order against the
+    installed numpy before it is relied on."""
+    if n < 8:
+        res = -0.0
+        for i in range(n):
+            res += x[i]
+        return res
+    r0, r1, r2, r3, r4, r5, r6, r7 = x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]
+    i = 8
+    m = n - n % 8
+    while i < m:
+        r0 += x[i]
+        r1 += x[i + 1]
+        r2 += x[i + 2]
+        r3 += x[i + 3]
+        r4 += x[i + 4]
+        r5 += x[i + 5]
+        r6 += x[i + 6]
+        r7 += x[i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += x[i]
+        i += 1
+    return res
+
+
+NP_SUM_MAX = 128  # BC bins up to which the kernel sums its terms itself
 
 
 @_njit()
-def _kv_kernel(r, a, e, three, want_raw, bins, s0, s1, out, sq, bad, raw_t, raw_b):  # pragma: no cover
+def _bc_terms_frac(h, st, frac, out):  # pragma: no cover - compiled
+    """``_bc_terms`` of two samples of n values each, frac[k] = k / (n + 1e-10) for k in
+    0..n: the same divisions, made once per tensor instead of twice per bin."""
+    for j in range(out.size):
+        out[j] = np.sqrt(frac[h[j] + h[st + j]] * frac[h[2 * st + j] + h[3 * st + j]])
+
+
+@_njit()
+def _kv_kernel(r, a, e, three, want_raw, bins, s0, s1, o_linf, o_l2, o_cos, o_blinf, o_bl2, bc, sq, sum_bc,
+               bad, raw_t, raw_b):  # pragma: no cover
     """Positions [s0, s1) of one K or V tensor.
 
     r, a, e: [batch, kv_head, seq, head_dim] (float32 or bf16 bits as uint16; e == r unused
-    when not three-way). out: float64 [batch, seq, kv_head, 5] (_OUT_FIELDS); sq: float64
-    [batch, seq, bins] sqrt(p q) terms (three-way); bad: uint8 [batch, seq] set to 1 where an
-    input is NaN/inf (nothing else written there); raw_t, raw_b: float32 [batch, seq,
-    kv_head * head_dim] absolute errors when want_raw.
+    when not three-way). o_*: float64 [batch, seq, kv_head] outputs (_OUT_FIELDS; any strides,
+    e.g. one layer's slice of compare_kv_caches' result arrays; o_blinf, o_bl2 unused when not
+    three-way); three-way BC: with sum_bc, bc [batch, seq] = the clipped sum of the sqrt(p q)
+    terms in numpy's order (``_np_sum``), else sq [batch, seq, bins] = the terms for numpy to
+    sum; bad: uint8 [batch, seq] set to 1 where an input is NaN/inf (nothing else written
+    there); raw_t, raw_b: float32 [batch, seq, kv_head * head_dim] absolute errors when
+    want_raw (any strides).
     """
     B, H, S, D = r.shape
     n = H * D
@@ -365,6 +407,11 @@ def _kv_kernel(r, a, e, three, want_raw, bins, s0, s1, out, sq, bad, raw_t, raw_
     bi_ = np.empty(n, np.uint32)
     hist = np.zeros(4 * bins, np.int32)  # base-sample lanes 0, 1; target lanes 2, 3
     acc = np.zeros((4, 8), np.float32)
+    terms = np.empty(bins)
+    frac = np.empty(n + 1)  # k / (n + 1e-10): p and q of a bin holding k of a sample's n values
+    dn = np.float64(n) + 1e-10
+    for k in range(n + 1):
+        frac[k] = np.float64(k) / dn
     last = _F32(bins - 1)
     zero = _F32(0.0)
     one = _F32(1.0)
@@ -400,12 +447,12 @@ def _kv_kernel(r, a, e, three, want_raw, bins, s0, s1, out, sq, bad, raw_t, raw_
                     nr = np.sqrt(Rd)
                     na = np.sqrt(max(Rd + 2 * Pd + np.float64(Q), 0.0))
                     den_l2 = max(nr, 1e-10)
-                    out[b, s, h, 0] = np.float64(_F32(_U32(dmax).view(np.float32) / den_inf))
-                    out[b, s, h, 1] = np.sqrt(np.float64(Q)) / den_l2
-                    out[b, s, h, 2] = (Rd + Pd) / (max(nr, 1e-8) * max(na, 1e-8))
+                    o_linf[b, s, h] = np.float64(_F32(_U32(dmax).view(np.float32) / den_inf))
+                    o_l2[b, s, h] = np.sqrt(np.float64(Q)) / den_l2
+                    o_cos[b, s, h] = (Rd + Pd) / (max(nr, 1e-8) * max(na, 1e-8))
                     if three:
-                        out[b, s, h, 3] = np.float64(_F32(_U32(b_max).view(np.float32) / den_inf))
-                        out[b, s, h, 4] = np.float64(np.sqrt(QB)) / den_l2
+                        o_blinf[b, s, h] = np.float64(_F32(_U32(b_max).view(np.float32) / den_inf))
+                        o_bl2[b, s, h] = np.float64(np.sqrt(QB)) / den_l2
                         ext[t, 0] = dmin if dmin < ext[t, 0] else ext[t, 0]
                         ext[t, 1] = dmax if dmax > ext[t, 1] else ext[t, 1]
                         ext[t, 2] = b_min if b_min < ext[t, 2] else ext[t, 2]
@@ -437,7 +484,12 @@ def _kv_kernel(r, a, e, three, want_raw, bins, s0, s1, out, sq, bad, raw_t, raw_
                     for i in range(n):
                         hist[_bin_of(bdt[i], lo, step, scale, last, zero, one)] += 1
                         hist[2 * bins + _bin_of(tdt[i], lo, step, scale, last, zero, one)] += 1
-                _bc_terms(hist, bins, n, n, sq[b, s])
+                if sum_bc:
+                    _bc_terms_frac(hist, bins, frac, terms)
+                    v = 0.0 + _np_sum(terms, bins)
+                    bc[b, s] = 0.0 if v < 0.0 else (1.0 if v > 1.0 else v)
+                else:
+                    _bc_terms_frac(hist, bins, frac, sq[b, s])
 
 
 @_njit()
@@ -504,24 +556,135 @@ def num_threads() -> int:
     return max(1, min(8, n))
 
 
-def _run_split(fn, n_items, work):
-    """fn(i0, i1) over [0, n_items) in up to num_threads() contiguous parts."""
-    global _POOL
+def _split_bounds(n_items, work):
+    """Contiguous parts [(i0, i1), ...] of [0, n_items) for up to num_threads() threads."""
     parts = min(num_threads(), n_items, max(1, work // _MIN_SPLIT))
-    if parts <= 1:
-        fn(0, n_items)
-        return
-    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < parts:
-        # a forked child inherits the pool object but not its threads: make a new one
-        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=parts, thread_name_prefix="metrics-fused"))
     bounds = np.linspace(0, n_items, parts + 1).astype(int)
-    futs = [_POOL[1].submit(fn, int(bounds[i]), int(bounds[i + 1])) for i in range(1, parts)]
-    fn(int(bounds[0]), int(bounds[1]))
+    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(parts)]
+
+
+def _run_tasks(tasks):
+    """Call every task (no argument) on up to num_threads() threads, the calling thread one of
+    them; each thread takes the next task when it finishes one. The pool is made once per
+    process (a forked child inherits the pool object but not its threads: it makes its own)."""
+    global _POOL
+    n = min(num_threads(), len(tasks))
+    if n <= 1:
+        for t in tasks:
+            t()
+        return
+    if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < n - 1:
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="metrics-fused"))
+    todo = iter(tasks)
+    lock = threading.Lock()
+
+    def drain():
+        while True:
+            with lock:
+                t = next(todo, None)
+            if t is None:
+                return
+            t()
+
+    futs = [_POOL[1].submit(drain) for _ in range(n - 1)]
+    try:
+        drain()
+    finally:
+        for f in futs:  # every thread done before a result (or an error) is returned
+            f.exception()
     for f in futs:
         f.result()
 
 
-def kv_tensor_metrics(ref, act, exp, want_raw: bool, bins: int):
+def _run_split(fn, n_items, work):
+    """fn(i0, i1) over [0, n_items) in up to num_threads() contiguous parts."""
+    _run_tasks([functools.partial(fn, i0, i1) for i0, i1 in _split_bounds(n_items, work)])
+
+
+_NP_SUM_OK = None
+
+
+def np_sum_order_holds() -> bool:
+    """Whether the installed numpy's ``x.sum(axis=-1)`` of float64 rows adds in ``_np_sum``'s
+    order (checked once, on rows of 1..NP_SUM_MAX values spread over many binades, with zeros
+    among them as BC terms have)."""
+    global _NP_SUM_OK
+    if _NP_SUM_OK is None:
+        rng = np.random.default_rng(20261203)
+        ok = True
+        for n in range(1, NP_SUM_MAX + 1):
+            x = rng.random((4, n)) * np.exp2(rng.integers(-30, 2, (4, n)))
+            x[rng.random((4, n)) < 0.3] = 0.0
+            want = x.sum(axis=-1)
+            ok &= all(_np_sum_py(row) == w for row, w in zip(x, want))
+        _NP_SUM_OK = bool(ok)
+    return _NP_SUM_OK
+
+
+def _np_sum_py(row):
+    return 0.0 + _np_sum(np.ascontiguousarray(row, np.float64), row.size)
+
+
+class _KVTensorJob:
+    """One K or V tensor for ``_kv_kernel``: its inputs prepared, outputs either the caller's
+    (``dest``: arrays of the right shape, any strides) or made here, and its parts."""
+
+    def __init__(self, ref, act, exp, want_raw, bins, dest=None):
+        self.three = three = exp is not None
+        self.r = _kernel_view(ref)
+        self.a = _kernel_view(act)
+        self.e = _kernel_view(exp) if three else self.r
+        B, H, S, D = self.r.shape
+        self.shape, self.want_raw, self.bins = (B, H, S, D), want_raw, bins
+        names = _OUT_FIELDS[: 5 if three else 3]
+        dest = dict(dest or {})
+        for n in names:
+            if n not in dest:
+                dest[n] = np.empty((B, S, H))
+        if three and "bc" not in dest:
+            dest["bc"] = np.empty((B, S))
+        if want_raw:
+            for n in ("tgt_err", "base_err"):
+                if n not in dest:
+                    dest[n] = np.empty((B, S, H * D), np.float32)
+        self.dest = dest
+        dummy3 = np.empty((0, 0, 0))
+        self.outs = [dest[n] for n in names] + [dummy3] * (5 - len(names))
+        self.sum_bc = bool(three and bins <= NP_SUM_MAX and np_sum_order_holds())
+        self.bc = dest["bc"] if three and self.sum_bc else np.empty((0, 0))
+        self.sq = np.empty((B, S, bins)) if three and not self.sum_bc else np.empty((0, 0, 0))
+        self.bad = np.zeros((B, S), np.uint8)
+        none = np.empty((0, 0, 0), np.float32)
+        self.raw_t = dest["tgt_err"] if want_raw else none
+        self.raw_b = dest["base_err"] if want_raw else none
+
+    def parts(self):
+        B, H, S, D = self.shape
+        if B * H * S * D == 0:
+            return []
+        return [functools.partial(self._part, s0, s1) for s0, s1 in _split_bounds(S, B * H * S * D)]
+
+    def _part(self, s0, s1):
+        _kv_kernel(self.r, self.a, self.e, self.three, self.want_raw, self.bins, s0, s1, *self.outs, self.bc,
+                   self.sq, self.sum_bc, self.bad, self.raw_t, self.raw_b)
+
+    def finish(self):
+        dest = self.dest
+        if self.three and not self.sum_bc:
+            dest["bc"][...] = np.clip(self.sq.sum(axis=-1), 0.0, 1.0)
+        flagged = self.bad.view(np.bool_)
+        if flagged.any():  # the kernel wrote nothing there: keep uninitialised memory out of the sums
+            for n in _OUT_FIELDS[: 5 if self.three else 3]:
+                dest[n][flagged] = np.nan
+            if self.three:
+                dest["bc"][flagged] = 0.0
+            if self.want_raw:
+                dest["tgt_err"][flagged] = np.nan
+                dest["base_err"][flagged] = np.nan
+        return dest, np.flatnonzero(flagged.any(axis=0))
+
+
+def kv_tensor_metrics(ref, act, exp, want_raw: bool, bins: int, dest=None):
     """Metrics of one layer's K (or V), fused.
 
     ref, act, exp: numpy ``[batch, kv_head, seq, head_dim]`` (exp None in two-way).
@@ -529,40 +692,19 @@ def kv_tensor_metrics(ref, act, exp, want_raw: bool, bins: int):
     kv_head]`` arrays linf, l2, cos, base_linf, base_l2; ``bc [batch, seq]``; raw errors
     ``[batch, seq, kv_head * head_dim]``), and the sorted positions (seq indices) the kernel
     left to the numpy path because an input there is NaN or infinite (their values here are
-    NaN, BC 0, until the caller redoes them).
+    NaN, BC 0, until the caller redoes them). dest: optional arrays of those names and shapes
+    (any strides) written in place and returned in ``res``.
     """
-    three = exp is not None
-    r = _kernel_view(ref)
-    a = _kernel_view(act)
-    e = _kernel_view(exp) if three else r
-    B, H, S, D = r.shape
-    out = np.empty((B, S, H, 5))
-    sq = np.empty((B, S, bins) if three else (0, 0, 0))
-    bad = np.zeros((B, S), np.uint8)
-    if want_raw:
-        raw_t = np.empty((B, S, H * D), np.float32)
-        raw_b = np.empty((B, S, H * D), np.float32)
-    else:
-        raw_t = raw_b = np.empty((0, 0, 0), np.float32)
+    return kv_tensors_metrics([(ref, act, exp, dest)], want_raw, bins)[0]
 
-    def part(s0, s1):
-        _kv_kernel(r, a, e, three, want_raw, bins, s0, s1, out, sq, bad, raw_t, raw_b)
 
-    _run_split(part, S, B * H * S * D)
-    flagged = bad.view(np.bool_)
-    if flagged.any():  # the kernel wrote nothing there: keep uninitialised memory out of the sums
-        out[flagged] = np.nan
-        if three:
-            sq[flagged] = 0.0
-        if want_raw:
-            raw_t[flagged] = np.nan
-            raw_b[flagged] = np.nan
-    res = {n: out[..., i] for i, n in enumerate(_OUT_FIELDS[: 5 if three else 3])}
-    if three:
-        res["bc"] = np.clip(sq.sum(axis=-1), 0.0, 1.0)
-    if want_raw:
-        res["tgt_err"], res["base_err"] = raw_t, raw_b
-    return res, np.flatnonzero(bad.any(axis=0))
+def kv_tensors_metrics(items, want_raw: bool, bins: int):
+    """``kv_tensor_metrics`` of several tensors (``items``: ``(ref, act, exp, dest)``, e.g. one
+    layer's K and V) whose parts run on the threads together: one wait for all of them, not
+    one per tensor."""
+    jobs = [_KVTensorJob(r, a, e, want_raw, bins, d) for r, a, e, d in items]
+    _run_tasks([t for j in jobs for t in j.parts()])
+    return [j.finish() for j in jobs]
 
 
 def hist_counts(x, lo, step, scale, bins):

@@ -408,14 +408,7 @@ def _one_tensor(ref, act, exp, want_raw, bins=DEFAULT_BINS, backend="numpy"):
     """
     B, H, S, D = ref.shape
     if backend == "numba" and B * H * S * D > 0:
-        from . import _fused
-
-        res, redo = _fused.kv_tensor_metrics(ref, act, exp, want_raw, bins)
-        if redo.size:  # NaN / inf: the numpy path's exclusion rules, on those positions only
-            sub = _one_tensor(ref[:, :, redo], act[:, :, redo], None if exp is None else exp[:, :, redo], want_raw, bins)
-            for n, arr in sub.items():
-                res[n][:, redo] = arr
-        return res
+        return _fused_tensors([(ref, act, exp, None)], want_raw, bins)[0]
     names = ["linf", "l2", "cos"] + (["base_linf", "base_l2"] if exp is not None else [])
     res = {n: np.empty((B, S, H)) for n in names}
     if exp is not None:
@@ -439,6 +432,22 @@ def _one_tensor(ref, act, exp, want_raw, bins=DEFAULT_BINS, backend="numpy"):
             res["tgt_err"][:, s0:s1] = d.transpose(0, 2, 1, 3).reshape(B, s1 - s0, H * D)
             res["base_err"][:, s0:s1] = db.transpose(0, 2, 1, 3).reshape(B, s1 - s0, H * D)
     return res
+
+
+def _fused_tensors(items, want_raw, bins):
+    """``_one_tensor`` (numba) of several tensors at once (``(ref, act, exp, dest)``; dest:
+    arrays to write into, or None), their parts sharing the threads; positions holding a NaN
+    or infinity are then redone by the numpy path (its exclusion rules, those positions only)."""
+    from . import _fused
+
+    out = []
+    for (ref, act, exp, _), (res, redo) in zip(items, _fused.kv_tensors_metrics(items, want_raw, bins)):
+        if redo.size:
+            sub = _one_tensor(ref[:, :, redo], act[:, :, redo], None if exp is None else exp[:, :, redo], want_raw, bins)
+            for n, arr in sub.items():
+                res[n][:, redo] = arr
+        out.append(res)
+    return out
 
 
 _BACKENDS = ("auto", "numba", "numpy")
@@ -517,30 +526,19 @@ def compare_kv_caches(
                 f"layer {name!r} has batch x seq {(B, S)} but layer {layers[0]!r} has {bs_shape}; "
                 "all layers must cover the same positions (pad with NaN)"
             )
-        mk = _one_tensor(rk, ak, ek if three_way else None, return_raw_errors, bins, backend)
-        mv = _one_tensor(rv, av, ev if three_way else None, return_raw_errors, bins, backend)
-        del src, ek, ev, ak, av, rk, rv
-        # Results go straight into the [batch, token, layer, head] arrays, layer by layer.
+        # Result arrays first (made at the first layer, widened, NaN-padded, when a layer has
+        # more KV heads or a wider K / V): the fused kernel writes into this layer's slices.
         if arrays is None:
             arrays = {n: np.full((B, S, L, H), np.nan) for n in HEAD_METRIC_NAMES}
             k_bc, v_bc = np.full((B, S, L), np.nan), np.full((B, S, L), np.nan)
-        elif H > arrays["k_linf"].shape[-1]:  # a layer with more KV heads: widen (NaN-padded)
+        elif H > arrays["k_linf"].shape[-1]:
             grown = {n: np.full((B, S, L, H), np.nan) for n in HEAD_METRIC_NAMES}
             for n, arr in arrays.items():
                 grown[n][..., : arr.shape[-1]] = arr
             arrays = grown
         num_heads.append(H)
-        for kv_name, m in (("k", mk), ("v", mv)):
-            arrays[f"{kv_name}_cos"][:, :, li, :H] = m["cos"]
-            arrays[f"{kv_name}_linf"][:, :, li, :H] = m["linf"]
-            arrays[f"{kv_name}_l2"][:, :, li, :H] = m["l2"]
-            if three_way:
-                arrays[f"base_{kv_name}_linf"][:, :, li, :H] = m["base_linf"]
-                arrays[f"base_{kv_name}_l2"][:, :, li, :H] = m["base_l2"]
-        if three_way:
-            k_bc[:, :, li], v_bc[:, :, li] = mk["bc"], mv["bc"]
+        wk, wv = rk.shape[1] * rk.shape[3], rv.shape[1] * rv.shape[3]
         if return_raw_errors:
-            wk, wv = mk["tgt_err"].shape[-1], mv["tgt_err"].shape[-1]
             if raw is None:
                 raw = {"widths": [], "v_widths": []}
             for f, w in (("base_k", wk), ("tgt_k", wk), ("base_v", wv), ("tgt_v", wv)):
@@ -550,13 +548,30 @@ def compare_kv_caches(
                     if have is not None:
                         grown[..., : have.shape[-1]] = have
                     raw[f] = grown
-            raw["base_k"][:, :, li, :wk] = mk["base_err"]
-            raw["tgt_k"][:, :, li, :wk] = mk["tgt_err"]
-            raw["base_v"][:, :, li, :wv] = mv["base_err"]
-            raw["tgt_v"][:, :, li, :wv] = mv["tgt_err"]
             raw["widths"].append(wk)
             raw["v_widths"].append(wv)
-        del mk, mv
+
+        def dest(kv_name, heads, width):
+            d = {n: arrays[f"{kv_name}_{n}"][:, :, li, :heads] for n in ("cos", "linf", "l2")}
+            if three_way:
+                d["base_linf"] = arrays[f"base_{kv_name}_linf"][:, :, li, :heads]
+                d["base_l2"] = arrays[f"base_{kv_name}_l2"][:, :, li, :heads]
+                d["bc"] = (k_bc if kv_name == "k" else v_bc)[:, :, li]
+            if return_raw_errors:
+                d["tgt_err"] = raw[f"tgt_{kv_name}"][:, :, li, :width]
+                d["base_err"] = raw[f"base_{kv_name}"][:, :, li, :width]
+            return d
+
+        dk, dv = dest("k", H, wk), dest("v", rv.shape[1], wv)
+        if backend == "numba" and rk.size and rv.size:  # K and V share the threads; written in place
+            _fused_tensors([(rk, ak, ek if three_way else None, dk), (rv, av, ev if three_way else None, dv)],
+                           return_raw_errors, bins)
+        else:
+            for d, (r, a, e) in ((dk, (rk, ak, ek)), (dv, (rv, av, ev))):
+                m = _one_tensor(r, a, e if three_way else None, return_raw_errors, bins, backend)
+                for n, arr in d.items():
+                    arr[...] = m[n]
+        del src, ek, ev, ak, av, rk, rv
 
     result = KVComparison(layers, arrays, k_bc, v_bc, num_heads, three_way)
     if return_raw_errors:

@@ -297,6 +297,27 @@ def test_positions_left_to_numpy_read_no_uninitialised_memory(monkeypatch):
     assert np.isfinite(got.k_bc[:, [5, 17, 39]]).all()
 
 
+@pytest.mark.parametrize("bins", [7, 100, 128, 129, 200])
+def test_bc_summed_in_the_kernel_or_by_numpy_is_the_numpy_path_s(monkeypatch, bins):
+    """Up to 128 bins the kernel sums each position's sqrt(p q) terms itself, in numpy's
+    pairwise order (checked against the installed numpy once: ``np_sum_order_holds``); above,
+    or where the check fails, it leaves the terms for numpy to sum. Every way gives the numpy
+    path's BC bit for bit (a tree order one swap off fails test_fused_bc_identical_on_edge_valued_errors)."""
+    exp, act, base = _bf16_kv(25, 2, 4, 64, 32, nan_at=(3,))
+    r, a, e = base["model.layers.0.self_attn"][0], act["model.layers.0.self_attn"][0], exp["model.layers.0.self_attn"][0]
+    want = compare_kv_caches(exp, act, baseline_kv=base, bins=bins, backend="numpy")
+    assert _fused.np_sum_order_holds()
+    assert _fused._KVTensorJob(r, a, e, False, bins).sum_bc == (bins <= 128)
+    got = compare_kv_caches(exp, act, baseline_kv=base, bins=bins, backend="numba")
+    monkeypatch.setattr(_fused, "_NP_SUM_OK", False)
+    assert not _fused._KVTensorJob(r, a, e, False, bins).sum_bc
+    by_numpy = compare_kv_caches(exp, act, baseline_kv=base, bins=bins, backend="numba")
+    for name in ("k_bc", "v_bc"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(want, name), err_msg=name)
+        np.testing.assert_array_equal(getattr(by_numpy, name), getattr(want, name), err_msg=name)
+    assert np.isfinite(got.k_bc).all() and 0 < got.k_bc.min() and got.k_bc.max() <= 1
+
+
 def test_backend_names_and_missing_numba(monkeypatch):
     import metrics.kv as kv
 
