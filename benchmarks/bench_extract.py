@@ -19,7 +19,10 @@ Adding a measurement (vLLM part): write ``def bench_<name>(args) -> list[Row]`` 
 vLLM part (extractors/vllm_rpc.py, extractors/paged.py):
 - ``vllm_extract``: KV of one 2k-token request (in-process engine, block_size 32) extracted
   through the worker extension and reconstructed to contiguous ``[1, kv_head, seq, head_dim]``
-  per layer, vs one clone of the same number of bytes. Goal: <= 3x for the live request
+  per layer, vs one clone of the same number of bytes, on a random Llama with a real model's KV
+  geometry (default 8 layers x 8 KV heads x head_dim 128: Llama 3 8B's heads, 64 MiB of BF16 K+V;
+  ``--vllm-kv-shape none`` for the tiny model, where a 0.1 ms clone makes the ratio a measure of
+  the fixed Python cost per call, not of throughput). Goal: <= 3x for the live request
   in-process (the engine's cache read in place), through the numba gather kernel
   (``extractors/_paged_numba.py``). Informational rows: the same extraction through the torch
   gather (the path without numba; interleaved with the first, so old / new is one run's ratio),
@@ -334,10 +337,14 @@ def main(argv=None) -> int:
     ap.add_argument("--hf-arch", default="llama-gqa", help="tiny model for the HF measurements")
     ap.add_argument("--vllm-arch", default="llama-gqa", help="tiny model for the vLLM measurements")
     ap.add_argument("--vllm-dtypes", default="bfloat16,float32", help="comma-separated vLLM dtypes")
-    ap.add_argument("--vllm-kv-shape", default=None, metavar="LxHxD",
-                    help="vllm_extract on a random Llama with this KV geometry (layers x KV heads x head_dim, "
-                         "e.g. 32x8x128: Llama 3 8B's) instead of the tiny model")
+    ap.add_argument("--vllm-kv-shape", default="8x8x128", metavar="LxHxD",
+                    help="vllm_extract on a random Llama with this KV geometry (layers x KV heads x head_dim; "
+                         "default 8x8x128: Llama 3 8B's KV heads and head_dim, 8 of its 32 layers, 64 MiB "
+                         "of BF16 K+V at 2,048 tokens; 32x8x128 is the whole 8B), or 'none': the tiny "
+                         "--vllm-arch model (1.5 MiB: measures the fixed cost of a call, not throughput)")
     args = ap.parse_args(argv)
+    if args.vllm_kv_shape.lower() == "none":
+        args.vllm_kv_shape = None
     rows: list[Row] = []
     for name, fn in MEASUREMENTS:
         if args.only and name != args.only:
