@@ -46,7 +46,7 @@ import numpy as np
 
 from .bc import DEFAULT_BINS, bhattacharyya_batched, numba_available
 from .errors import COS_EPS, EPS, as_float, cosine, rel_l2, rel_linf
-from .verdict import KVTensorVerdict, KVVerdictConfig, _all_finite, _tensor_verdict
+from .verdict import KVTensorVerdict, KVVerdictConfig, _all_finite, _fused_numbers, _tensor_verdict
 
 __all__ = [
     "PHASE_ORDER",
@@ -474,14 +474,19 @@ class ModuleJudge:
                                      "no position computed by the target", n_nc)
             return ModuleVerdict(module, phase, layer, False, None, None, math.nan, None, 0, 0, None, None, None,
                                  "; ".join(slot["problems"]), n_nc)
-        if all(_all_finite(m.tgt_err) for m in ms):  # a correct engine: nothing to count or mask
-            bad, tgt = [0] * len(ms), [m.tgt_err for m in ms]
+        # a correct engine (every error finite): nothing to count or mask, one kernel pass
+        tv = _fused_numbers([m.base_err for m in ms], [m.tgt_err for m in ms], cfg.kv)
+        if tv is not None:
+            bad = [0] * len(ms)
         else:
-            with np.errstate(invalid="ignore"):
-                bad = [int(np.count_nonzero(~np.isfinite(m.tgt_err) & np.isfinite(m.base_err))) for m in ms]
-            tgt = [np.where(np.isfinite(m.tgt_err), m.tgt_err, np.nan) for m in ms]
-        # NaN where a reference is NaN too is excluded by the rule; a non-finite target error counts
-        tv = _tensor_verdict([m.base_err for m in ms], tgt, cfg.kv, sum(bad))
+            if all(_all_finite(m.tgt_err) for m in ms):
+                bad, tgt = [0] * len(ms), [m.tgt_err for m in ms]
+            else:
+                with np.errstate(invalid="ignore"):
+                    bad = [int(np.count_nonzero(~np.isfinite(m.tgt_err) & np.isfinite(m.base_err))) for m in ms]
+                tgt = [np.where(np.isfinite(m.tgt_err), m.tgt_err, np.nan) for m in ms]
+            # NaN where a reference is NaN too is excluded by the rule; a non-finite target error counts
+            tv = _tensor_verdict([m.base_err for m in ms], tgt, cfg.kv, sum(bad))
         l2r = np.concatenate([m.l2_ratio for m in ms])
         max_l2 = float(np.nanmax(l2r)) if np.isfinite(l2r).any() or np.isinf(l2r).any() else math.nan
         static = None if math.isnan(max_l2) else bool(max_l2 < cfg.max_l2_ratio)
