@@ -168,9 +168,19 @@ def _metrics_from_sums(b_max, be_max, te_max, nb2, be2, te2, b_e, e_e, b_a, a_a)
     return bl, tl, b2, t2, cos(b_e, e_e), cos(b_a, a_a)
 
 
+_FLOAT32 = np.dtype(np.float32)
+
+
 def _checked(baseline, expected, actual, module, phase, positions):
     """The three tensors as float32 ``[token, width]`` and the positions ``[token]``; ``ValueError``
     naming the module when the shapes differ or the positions do not fit."""
+    if (type(baseline) is np.ndarray and type(expected) is np.ndarray and type(actual) is np.ndarray
+            and baseline.dtype == _FLOAT32 and expected.dtype == _FLOAT32 and actual.dtype == _FLOAT32
+            and positions is None and baseline.ndim and baseline.shape == expected.shape == actual.shape):
+        # float32 numpy tensors (a capture read back): what the general path below gives, without
+        # its per-tensor conversions (~10 us a tensor, 142 tensors a prompt)
+        n = baseline.shape[0]
+        return baseline.reshape(n, -1), expected.reshape(n, -1), actual.reshape(n, -1), np.arange(n)
     shapes = [tuple(np.shape(x)) for x in (baseline, expected, actual)]
     if len(set(shapes)) != 1:
         raise ValueError(f"module {module} ({phase}): shapes differ: baseline {shapes[0]}, expected {shapes[1]}, "
@@ -423,6 +433,10 @@ class ModuleJudge:
         out: list = [None] * len(items)
         todo = []
         for i, (module, phase, baseline, expected, actual, positions) in enumerate(items):
+            if (type(baseline) is np.ndarray and type(expected) is np.ndarray and type(actual) is np.ndarray
+                    and baseline.shape == expected.shape == actual.shape):
+                todo.append(i)
+                continue
             shapes = [tuple(np.shape(x)) for x in (baseline, expected, actual)]
             if len(set(shapes)) != 1:
                 self._slot(module, phase)["problems"].append(
