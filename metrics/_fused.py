@@ -809,18 +809,20 @@ def _row_sums(b, e, a, be, te, acc, sums):  # pragma: no cover - compiled
 
 
 @_njit()
-def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, bad):  # pragma: no cover - compiled
+def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bcv, bad):  # pragma: no cover
     """Rows [r0, r1) of float32 [rows, width] b (baseline), e (expected), a (actual).
 
     Writes be = |e - b|, te = |a - b| (float32, as numpy), sums [rows, 7] (einsum order),
-    maxes [rows, 3] float32: max |b|, max be, max te; sq [rows, bins]: the sqrt(p q) terms of
-    the row's BC of be vs te (metrics.bc's bins). bad[row] = 1 where be or te holds a NaN or b
+    maxes [rows, 3] float32: max |b|, max be, max te; the row's BC of be vs te (metrics.bc's
+    bins): with fold, bcv[row] = numpy's clipped sum of its sqrt(p q) terms (bins <= 128: one
+    pairwise block), else the terms into sq [rows, bins] for numpy to sum. bad[row] = 1 where be or te holds a NaN or b
     an infinity (the numpy path's test for its NaN-aware reductions), 2 where only the BC is
     left to numpy (an infinite error: np.histogram has no finite range); nothing else is
     meaningful in a flagged row.
     """
     n = b.shape[1]
     acc = np.zeros((_MOD_SUMS, 2), np.float64)
+    terms = np.empty(bins, np.float64)
     ti = np.empty(n, np.uint32)
     bi_ = np.empty(n, np.uint32)
     hist = np.zeros(4 * bins, np.int32)
@@ -877,12 +879,16 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, bad):  #
                 hist[2 * bins + _bin_of(ter[i], lo, step, scale, last, zero, one)] += 1
         # sqrt(p q) is 0.0 exactly where either count is 0 (sq starts zeroed): only shared bins
         da = np.float64(n) + 1e-10
-        sqr = sq[r]
+        sqr = terms if fold else sq[r]
+        if fold:
+            terms[:] = 0.0
         for jb in range(bins):
             ha = hist[jb] + hist[bins + jb]
             hb = hist[2 * bins + jb] + hist[3 * bins + jb]
             if ha != 0 and hb != 0:
                 sqr[jb] = np.sqrt((np.float64(ha) / da) * (np.float64(hb) / da))
+        if fold:
+            bcv[r] = min(max(0.0 + _pw_leaf(terms, 0, bins, False), 0.0), 1.0)
 
 
 def module_row_metrics(b, e, a, bins: int):
@@ -894,14 +900,18 @@ def module_row_metrics(b, e, a, bins: int):
     te = np.empty((rows, n), np.float32)
     sums = np.empty((rows, _MOD_SUMS))
     maxes = np.empty((rows, 3), np.float32)
-    sq = np.zeros((rows, bins))
+    # the BC terms summed in the kernel, in numpy's order (no [rows, bins] array to fill and sum)
+    fold = bins <= _PW_BLOCK and pairwise_order_holds()
+    sq = np.zeros((0, 0) if fold else (rows, bins))
+    bc = np.empty(rows)
     bad = np.zeros(rows, np.uint8)
 
     def part(r0, r1):
-        _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, bad)
+        _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bc, bad)
 
     _run_split(part, rows, rows * n)
-    bc = np.clip(sq.sum(axis=1), 0.0, 1.0)
+    if not fold:
+        bc = np.clip(sq.sum(axis=1), 0.0, 1.0)
     bc[bad != 0] = np.nan
     return be, te, sums, maxes, bc, bad
 
@@ -1499,6 +1509,9 @@ def pairwise_order_holds() -> bool:
             sq = x.astype(np.float64) ** 2
             s = _pw_sum(sq)
             ok &= bool(s == np.add.reduce(sq) and s == sq.reshape(1, n).sum(axis=1)[0] and s / n == np.mean(sq))
+            if n <= _PW_BLOCK:  # rows of BC terms summed at once, as module_row_metrics' numpy path
+                many = (rng.random((5, n)) * np.exp2(rng.integers(-30, 30, (5, n)))) ** 2
+                ok &= bool(np.array_equal(many.sum(axis=1), [_pw_sum(r) for r in many]))
             if n >= 3 and (n % 7 == 0 or n > 300):  # the kernel's own sums, chunks of a few rows of 3
                 rows = x[: n - n % 3].reshape(-1, 3)
                 chunks = np.split(rows, np.sort(rng.integers(0, rows.shape[0] + 1, 5)))
