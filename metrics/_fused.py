@@ -1009,7 +1009,7 @@ def pooled_bc(x, y, bins: int) -> float:
 # and >= +0 means bits < 0x7F800000, where integer order is float order; a value outside that
 # (NaN, inf, a set sign bit) leaves the whole tensor to numpy.
 _PW_BLOCK = 128
-POOL_PARTS = (1, 4, 16, 64)  # tuple lengths compiled for (padded with empty parts)
+POOL_PARTS = (4, 16, 64)  # tuple lengths compiled for (padded with empty parts; each a compile, cached)
 _EMPTY_PART = np.zeros(0, np.float32)
 _MAX_POSITIONS = 1 << 24  # np.quantile's virtual index is float32: positions exact up to here
 # out[] of _pooled_kernel
