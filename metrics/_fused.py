@@ -342,29 +342,7 @@ def _np_sum(x, n):  # pragma: no cover - compiled
     (more than 128 values would be split in halves: not done here, and no recursion, which
     numba's cache does not survive). ``np_sum_order_holds`` checks the order against the
     installed numpy before it is relied on."""
-    if n < 8:
-        res = -0.0
-        for i in range(n):
-            res += x[i]
-        return res
-    r0, r1, r2, r3, r4, r5, r6, r7 = x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]
-    i = 8
-    m = n - n % 8
-    while i < m:
-        r0 += x[i]
-        r1 += x[i + 1]
-        r2 += x[i + 2]
-        r3 += x[i + 3]
-        r4 += x[i + 4]
-        r5 += x[i + 5]
-        r6 += x[i + 6]
-        r7 += x[i + 7]
-        i += 8
-    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-    while i < n:
-        res += x[i]
-        i += 1
-    return res
+    return _pw_leaf(x, 0, n, False)  # the pooled verdict's block sum, the same adds
 
 
 NP_SUM_MAX = 128  # BC bins up to which the kernel sums its terms itself
@@ -814,8 +792,8 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bc
 
     Writes be = |e - b|, te = |a - b| (float32, as numpy), sums [rows, 7] (einsum order),
     maxes [rows, 3] float32: max |b|, max be, max te; the row's BC of be vs te (metrics.bc's
-    bins): with fold, bcv[row] = numpy's clipped sum of its sqrt(p q) terms (bins <= 128: one
-    pairwise block), else the terms into sq [rows, bins] for numpy to sum. bad[row] = 1 where be or te holds a NaN or b
+    bins): with fold, bcv[row] = numpy's clipped sum of its sqrt(p q) terms (``_np_sum``, bins
+    <= NP_SUM_MAX), else the terms into sq [rows, bins] for numpy to sum. bad[row] = 1 where be or te holds a NaN or b
     an infinity (the numpy path's test for its NaN-aware reductions), 2 where only the BC is
     left to numpy (an infinite error: np.histogram has no finite range); nothing else is
     meaningful in a flagged row.
@@ -888,7 +866,7 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bc
             if ha != 0 and hb != 0:
                 sqr[jb] = np.sqrt((np.float64(ha) / da) * (np.float64(hb) / da))
         if fold:
-            bcv[r] = min(max(0.0 + _pw_leaf(terms, 0, bins, False), 0.0), 1.0)
+            bcv[r] = min(max(0.0 + _np_sum(terms, bins), 0.0), 1.0)
 
 
 def module_row_metrics(b, e, a, bins: int):
@@ -901,7 +879,7 @@ def module_row_metrics(b, e, a, bins: int):
     sums = np.empty((rows, _MOD_SUMS))
     maxes = np.empty((rows, 3), np.float32)
     # the BC terms summed in the kernel, in numpy's order (no [rows, bins] array to fill and sum)
-    fold = bins <= _PW_BLOCK and pairwise_order_holds()
+    fold = bins <= NP_SUM_MAX and np_sum_order_holds()
     sq = np.zeros((0, 0) if fold else (rows, bins))
     bc = np.empty(rows)
     bad = np.zeros(rows, np.uint8)
@@ -1021,22 +999,27 @@ _P_FIELDS = 13
 @_njit()
 def _pw_leaf(a, o, n, square):  # pragma: no cover - compiled
     """numpy's pairwise_sum of the n <= 128 values a[o:o + n] as float64 (squared if square):
-    below 8 values one running sum from 0.0, else 8 accumulators over blocks of 8, added as
+    below 8 values one running sum from -0.0, else 8 accumulators over blocks of 8, added as
     ((0+1)+(2+3))+((4+5)+(6+7)), then the rest in order. A float32 square is exact in float64.
     Unsigned indices: no negative-index wraparound code in the loop."""
     o = _U64(o)
     n = _U64(n)
     if n < _U64(8):
-        res = 0.0
+        res = -0.0
         for i in range(n):
             v = np.float64(a[o + _U64(i)])
             res += v * v if square else v
         return res
-    r = np.empty(8, np.float64)
-    for k in range(8):
-        v = np.float64(a[o + _U64(k)])
-        r[k] = v * v if square else v
-    r0, r1, r2, r3, r4, r5, r6, r7 = r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]
+    r0 = np.float64(a[o])
+    r1 = np.float64(a[o + _U64(1)])
+    r2 = np.float64(a[o + _U64(2)])
+    r3 = np.float64(a[o + _U64(3)])
+    r4 = np.float64(a[o + _U64(4)])
+    r5 = np.float64(a[o + _U64(5)])
+    r6 = np.float64(a[o + _U64(6)])
+    r7 = np.float64(a[o + _U64(7)])
+    if square:
+        r0, r1, r2, r3, r4, r5, r6, r7 = r0 * r0, r1 * r1, r2 * r2, r3 * r3, r4 * r4, r5 * r5, r6 * r6, r7 * r7
     i = _U64(8)
     m = n - n % _U64(8)
     if square:
@@ -1509,9 +1492,6 @@ def pairwise_order_holds() -> bool:
             sq = x.astype(np.float64) ** 2
             s = _pw_sum(sq)
             ok &= bool(s == np.add.reduce(sq) and s == sq.reshape(1, n).sum(axis=1)[0] and s / n == np.mean(sq))
-            if n <= _PW_BLOCK:  # rows of BC terms summed at once, as module_row_metrics' numpy path
-                many = (rng.random((5, n)) * np.exp2(rng.integers(-30, 30, (5, n)))) ** 2
-                ok &= bool(np.array_equal(many.sum(axis=1), [_pw_sum(r) for r in many]))
             if n >= 3 and (n % 7 == 0 or n > 300):  # the kernel's own sums, chunks of a few rows of 3
                 rows = x[: n - n % 3].reshape(-1, 3)
                 chunks = np.split(rows, np.sort(rng.integers(0, rows.shape[0] + 1, 5)))

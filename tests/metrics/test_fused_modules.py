@@ -179,7 +179,7 @@ def test_pooled_bc_equals_bhattacharyya_coefficient(monkeypatch, case):
 @pytest.mark.parametrize("bins", [100, 128, 129, 300, 7])
 def test_row_bcs_summed_in_the_kernel_or_by_numpy_equal_the_numpy_path(monkeypatch, bins):
     """Up to 128 bins the kernel sums each row's sqrt(p q) terms itself (numpy's pairwise order,
-    gated by pairwise_order_holds); above, numpy sums them: the BC bits are the same either way."""
+    gated by np_sum_order_holds); above, numpy sums them: the BC bits are the same either way."""
     rng = np.random.default_rng(bins)
     b = rng.standard_normal((40, 96)).astype(np.float32)
     e = (b * (1 + 4e-3 * rng.standard_normal(b.shape))).astype(np.float32)
