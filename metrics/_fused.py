@@ -342,29 +342,7 @@ def _np_sum(x, n):  # pragma: no cover - compiled
     (more than 128 values would be split in halves: not done here, and no recursion, which
     numba's cache does not survive). ``np_sum_order_holds`` checks the order against the
     installed numpy before it is relied on."""
-    if n < 8:
-        res = -0.0
-        for i in range(n):
-            res += x[i]
-        return res
-    r0, r1, r2, r3, r4, r5, r6, r7 = x[0], x[1], x[2], x[3], x[4], x[5], x[6], x[7]
-    i = 8
-    m = n - n % 8
-    while i < m:
-        r0 += x[i]
-        r1 += x[i + 1]
-        r2 += x[i + 2]
-        r3 += x[i + 3]
-        r4 += x[i + 4]
-        r5 += x[i + 5]
-        r6 += x[i + 6]
-        r7 += x[i + 7]
-        i += 8
-    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-    while i < n:
-        res += x[i]
-        i += 1
-    return res
+    return _pw_leaf(x, 0, n, False)  # the pooled verdict's block sum, the same adds
 
 
 NP_SUM_MAX = 128  # BC bins up to which the kernel sums its terms itself
@@ -809,18 +787,20 @@ def _row_sums(b, e, a, be, te, acc, sums):  # pragma: no cover - compiled
 
 
 @_njit()
-def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, bad):  # pragma: no cover - compiled
+def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bcv, bad):  # pragma: no cover
     """Rows [r0, r1) of float32 [rows, width] b (baseline), e (expected), a (actual).
 
     Writes be = |e - b|, te = |a - b| (float32, as numpy), sums [rows, 7] (einsum order),
-    maxes [rows, 3] float32: max |b|, max be, max te; sq [rows, bins]: the sqrt(p q) terms of
-    the row's BC of be vs te (metrics.bc's bins). bad[row] = 1 where be or te holds a NaN or b
+    maxes [rows, 3] float32: max |b|, max be, max te; the row's BC of be vs te (metrics.bc's
+    bins): with fold, bcv[row] = numpy's clipped sum of its sqrt(p q) terms (``_np_sum``, bins
+    <= NP_SUM_MAX), else the terms into sq [rows, bins] for numpy to sum. bad[row] = 1 where be or te holds a NaN or b
     an infinity (the numpy path's test for its NaN-aware reductions), 2 where only the BC is
     left to numpy (an infinite error: np.histogram has no finite range); nothing else is
     meaningful in a flagged row.
     """
     n = b.shape[1]
     acc = np.zeros((_MOD_SUMS, 2), np.float64)
+    terms = np.empty(bins, np.float64)
     ti = np.empty(n, np.uint32)
     bi_ = np.empty(n, np.uint32)
     hist = np.zeros(4 * bins, np.int32)
@@ -877,12 +857,16 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, bad):  #
                 hist[2 * bins + _bin_of(ter[i], lo, step, scale, last, zero, one)] += 1
         # sqrt(p q) is 0.0 exactly where either count is 0 (sq starts zeroed): only shared bins
         da = np.float64(n) + 1e-10
-        sqr = sq[r]
+        sqr = terms if fold else sq[r]
+        if fold:
+            terms[:] = 0.0
         for jb in range(bins):
             ha = hist[jb] + hist[bins + jb]
             hb = hist[2 * bins + jb] + hist[3 * bins + jb]
             if ha != 0 and hb != 0:
                 sqr[jb] = np.sqrt((np.float64(ha) / da) * (np.float64(hb) / da))
+        if fold:
+            bcv[r] = min(max(0.0 + _np_sum(terms, bins), 0.0), 1.0)
 
 
 def module_row_metrics(b, e, a, bins: int):
@@ -894,14 +878,18 @@ def module_row_metrics(b, e, a, bins: int):
     te = np.empty((rows, n), np.float32)
     sums = np.empty((rows, _MOD_SUMS))
     maxes = np.empty((rows, 3), np.float32)
-    sq = np.zeros((rows, bins))
+    # the BC terms summed in the kernel, in numpy's order (no [rows, bins] array to fill and sum)
+    fold = bins <= NP_SUM_MAX and np_sum_order_holds()
+    sq = np.zeros((0, 0) if fold else (rows, bins))
+    bc = np.empty(rows)
     bad = np.zeros(rows, np.uint8)
 
     def part(r0, r1):
-        _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, bad)
+        _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bc, bad)
 
     _run_split(part, rows, rows * n)
-    bc = np.clip(sq.sum(axis=1), 0.0, 1.0)
+    if not fold:
+        bc = np.clip(sq.sum(axis=1), 0.0, 1.0)
     bc[bad != 0] = np.nan
     return be, te, sums, maxes, bc, bad
 
@@ -982,3 +970,554 @@ def pooled_bc(x, y, bins: int) -> float:
     sq = np.empty(bins)
     _pooled_bc_kernel(np.ascontiguousarray(x), np.ascontiguousarray(y), bins, sq)
     return float(np.clip(sq.reshape(1, bins).sum(axis=1), 0.0, 1.0)[0])
+
+
+# ---- the pooled verdict of one tensor (metrics.verdict._tensor_numbers), every value finite ----
+#
+# The numbers of ``_tensor_numbers`` over chunks ``[rows, width]`` of absolute errors, read where
+# they lie (no concatenation, no float64 copy), in one call per tensor:
+# - the float64 sums of squares of the RMS in the order ``np.mean`` sums them: numpy's pairwise
+#   summation over the concatenated values (a run of at most 128 summed with 8 accumulators, a
+#   longer one split at half its length rounded down to a multiple of 8), then 0.0 + that;
+# - the two pooled BCs with ``pooled_bc``'s bins and counts, and numpy's sum of sqrt(p q);
+# - the per-position L-inf (row maxima) and ``np.quantile``'s linear interpolation of their order
+#   statistics, in float32 as numpy computes it for float32 input.
+# ``pairwise_order_holds`` and ``quantile_rule_holds`` check both rules against the installed
+# numpy (where they do not hold numpy runs). Values are read as float32 bits: every value finite
+# and >= +0 means bits < 0x7F800000, where integer order is float order; a value outside that
+# (NaN, inf, a set sign bit) leaves the whole tensor to numpy.
+_PW_BLOCK = 128
+POOL_PARTS = (4, 16, 64)  # tuple lengths compiled for (padded with empty parts; each a compile, cached)
+_EMPTY_PART = np.zeros(0, np.float32)
+_MAX_POSITIONS = 1 << 24  # np.quantile's virtual index is float32: positions exact up to here
+# out[] of _pooled_kernel
+(_P_STATUS, _P_SSB, _P_SST, _P_BC, _P_NOISE_BC, _P_NEVEN, _P_NODD, _P_QB, _P_QT, _P_QE, _P_QO, _P_MAXB,
+ _P_MAXT) = range(13)
+_P_FIELDS = 13
+
+
+@_njit()
+def _pw_leaf(a, o, n, square):  # pragma: no cover - compiled
+    """numpy's pairwise_sum of the n <= 128 values a[o:o + n] as float64 (squared if square):
+    below 8 values one running sum from -0.0, else 8 accumulators over blocks of 8, added as
+    ((0+1)+(2+3))+((4+5)+(6+7)), then the rest in order. A float32 square is exact in float64.
+    Unsigned indices: no negative-index wraparound code in the loop."""
+    o = _U64(o)
+    n = _U64(n)
+    if n < _U64(8):
+        res = -0.0
+        for i in range(n):
+            v = np.float64(a[o + _U64(i)])
+            res += v * v if square else v
+        return res
+    r0 = np.float64(a[o])
+    r1 = np.float64(a[o + _U64(1)])
+    r2 = np.float64(a[o + _U64(2)])
+    r3 = np.float64(a[o + _U64(3)])
+    r4 = np.float64(a[o + _U64(4)])
+    r5 = np.float64(a[o + _U64(5)])
+    r6 = np.float64(a[o + _U64(6)])
+    r7 = np.float64(a[o + _U64(7)])
+    if square:
+        r0, r1, r2, r3, r4, r5, r6, r7 = r0 * r0, r1 * r1, r2 * r2, r3 * r3, r4 * r4, r5 * r5, r6 * r6, r7 * r7
+    i = _U64(8)
+    m = n - n % _U64(8)
+    if square:
+        while i < m:
+            p = o + i
+            v0 = np.float64(a[p])
+            v1 = np.float64(a[p + _U64(1)])
+            v2 = np.float64(a[p + _U64(2)])
+            v3 = np.float64(a[p + _U64(3)])
+            v4 = np.float64(a[p + _U64(4)])
+            v5 = np.float64(a[p + _U64(5)])
+            v6 = np.float64(a[p + _U64(6)])
+            v7 = np.float64(a[p + _U64(7)])
+            r0 += v0 * v0
+            r1 += v1 * v1
+            r2 += v2 * v2
+            r3 += v3 * v3
+            r4 += v4 * v4
+            r5 += v5 * v5
+            r6 += v6 * v6
+            r7 += v7 * v7
+            i += _U64(8)
+    else:
+        while i < m:
+            p = o + i
+            r0 += np.float64(a[p])
+            r1 += np.float64(a[p + _U64(1)])
+            r2 += np.float64(a[p + _U64(2)])
+            r3 += np.float64(a[p + _U64(3)])
+            r4 += np.float64(a[p + _U64(4)])
+            r5 += np.float64(a[p + _U64(5)])
+            r6 += np.float64(a[p + _U64(6)])
+            r7 += np.float64(a[p + _U64(7)])
+            i += _U64(8)
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        v = np.float64(a[o + i])
+        res += v * v if square else v
+        i += _U64(1)
+    return res
+
+
+@_njit()
+def _pw_runs(n, lens):  # pragma: no cover - compiled
+    """The runs numpy's pairwise_sum of n values sums with _pw_leaf, in order: their lengths into
+    lens; returns how many (a run longer than 128 is split at half its length rounded down to a
+    multiple of 8). An explicit stack: numba's cache cannot load a recursive function."""
+    stack = np.empty(128, np.int64)  # right halves still to split (halving from 2**63: < 64 deep)
+    top = 0
+    stack[0] = n
+    k = 0
+    while top >= 0:
+        m = stack[top]
+        top -= 1
+        while m > _PW_BLOCK:
+            h = m // 2
+            h -= h % 8
+            top += 1
+            stack[top] = m - h
+            m = h
+        lens[k] = m
+        k += 1
+    return k
+
+
+@_njit()
+def _pw_combine(n, sums):  # pragma: no cover - compiled
+    """pairwise_sum(n) from the sums of its runs (``_pw_runs`` order): each split adds its left
+    half's sum and its right half's, as numpy's recursion does; then 0.0 + that, as
+    np.add.reduce starts from its identity."""
+    size = np.empty(128, np.int64)
+    state = np.empty(128, np.int64)  # 0: left half next, 1: right half next, 2: both summed
+    vals = np.empty(128, np.float64)  # sums of finished halves, left below right
+    top = 0
+    nv = 0
+    k = 0
+    size[0] = n
+    state[0] = 0
+    while top >= 0:
+        m = size[top]
+        if m <= _PW_BLOCK:
+            vals[nv] = sums[k]
+            k += 1
+            nv += 1
+            top -= 1
+            continue
+        h = m // 2
+        h -= h % 8
+        if state[top] == 0:
+            state[top] = 1
+            top += 1
+            size[top] = h
+            state[top] = 0
+        elif state[top] == 1:
+            state[top] = 2
+            top += 1
+            size[top] = m - h
+            state[top] = 0
+        else:
+            nv -= 1
+            vals[nv - 1] = vals[nv - 1] + vals[nv]
+            top -= 1
+    return 0.0 + vals[0]
+
+
+@_njit()
+def _pw_sum_parts(parts, nparts, n, square):  # pragma: no cover - compiled
+    """``np.add.reduce`` of the n values of parts[:nparts] (1-D arrays taken in order as one
+    sequence) as float64, squared if square: numpy's pairwise_sum over the sequence. Each part
+    is taken from the tuple once (a tuple item at a runtime index is not cheap); a run across
+    parts is gathered into a buffer first."""
+    lens = np.empty(n // 64 + 2, np.int64)  # runs are >= 64 long, but for n <= 128
+    nruns = _pw_runs(n, lens)
+    sums = np.empty(nruns, np.float64)
+    buf = np.empty(_PW_BLOCK, np.float64)
+    k = 0  # current run
+    filled = 0  # values of run k gathered into buf so far
+    for j in range(nparts):
+        a = parts[j]
+        o = 0
+        size = a.size
+        while o < size and k < nruns:
+            m = lens[k]
+            if filled == 0 and o + m <= size:
+                sums[k] = _pw_leaf(a, o, m, square)
+                o += m
+                k += 1
+                continue
+            take = min(m - filled, size - o)
+            for i in range(take):
+                buf[filled + i] = np.float64(a[o + i])
+            filled += take
+            o += take
+            if filled == m:
+                sums[k] = _pw_leaf(buf, 0, m, square)
+                filled = 0
+                k += 1
+    if n == 0:
+        sums[0] = 0.0
+    return _pw_combine(n, sums)
+
+
+@_njit()
+def _kth_u32(x, m, k):  # pragma: no cover - compiled
+    """The k-th smallest of x[:m] (uint32), x reordered so that x[k + 1:m] >= it (quickselect,
+    Hoare partition around a median of three)."""
+    lo = 0
+    hi = m - 1
+    while hi > lo:
+        a = x[lo]
+        b = x[(lo + hi) >> 1]
+        c = x[hi]
+        piv = max(min(a, b), min(max(a, b), c))
+        i = lo
+        j = hi
+        while i <= j:
+            while x[i] < piv:
+                i += 1
+            while x[j] > piv:
+                j -= 1
+            if i <= j:
+                t = x[i]
+                x[i] = x[j]
+                x[j] = t
+                i += 1
+                j -= 1
+        if k <= j:
+            hi = j
+        elif k >= i:
+            lo = i
+        else:
+            break
+    return x[k]
+
+
+@_njit()
+def _quantile_bits(x, m, q):  # pragma: no cover - compiled
+    """np.quantile(v, q) (method "linear") of the m >= 1 float32 values v >= +0 whose bits are
+    x[:m] (reordered), as numpy computes it for float32 input: q as float32, the virtual index
+    (m - 1) * q in float32, its order statistics floor(index) and the next, and _lerp's formula
+    in float32 (from the upper one where the fraction is >= 0.5). Returns float32."""
+    v = _F32(_F32(m - 1) * q)
+    if v >= _F32(m - 1):
+        hi = x[0]
+        for i in range(1, m):
+            hi = x[i] if x[i] > hi else hi
+        return _U32(hi).view(np.float32)
+    k = np.int64(np.floor(v))
+    g = _F32(v - _F32(k))
+    lo = _U32(_kth_u32(x, m, k)).view(np.float32)
+    nb = x[k + 1]
+    for i in range(k + 2, m):
+        nb = x[i] if x[i] < nb else nb
+    nxt = _U32(nb).view(np.float32)
+    d = _F32(nxt - lo)
+    if g >= _F32(0.5):
+        return _F32(nxt - _F32(d * _F32(_F32(1.0) - g)))
+    return _F32(lo + _F32(d * g))
+
+
+@_njit()
+def _bc_of_counts(hx, hy, nx, ny, bins):  # pragma: no cover - compiled
+    """BC from the counts of two samples, as pooled_bc / metrics.bc: p = h / (n + 1e-10), numpy's
+    sum of sqrt(p q), clipped to [0, 1]."""
+    da = np.float64(nx) + 1e-10
+    db = np.float64(ny) + 1e-10
+    sq = np.empty(bins)
+    for j in range(bins):
+        sq[j] = np.sqrt((np.float64(hx[j]) / da) * (np.float64(hy[j]) / db))
+    s = _pw_sum_parts((sq,), 1, bins, False)
+    return min(max(s, 0.0), 1.0)
+
+
+@_njit()
+def _bins_of(x, lo, step, scale, bins, idx):  # pragma: no cover - compiled
+    """idx[:x.size] = metrics.bc's bin of each value of x (1-D float32 in [lo, lo + bins * step],
+    step > 0), as pooled_bc bins them."""
+    last = _F32(bins - 1)
+    zero = _F32(0.0)
+    one = _F32(1.0)
+    if scale < np.inf:
+        _bin_row(x, x.size, lo, step, scale, last, zero, one, idx)
+    else:
+        for i in range(x.size):
+            idx[i] = _bin_of(x[i], lo, step, scale, last, zero, one)
+
+
+@_njit()
+def _count(idx, o, n, h, bins):  # pragma: no cover - compiled
+    """h[0:bins] + h[bins:2 bins] += the counts of idx[o:o + n] (two interleaved histograms, so a
+    run of one bin does not serialise on its counter)."""
+    s0 = _U64(0)
+    s1 = _U64(bins)
+    m = n - n % 2
+    for i in range(o, o + m, 2):
+        h[s0 + _U64(idx[i])] += 1
+        h[s1 + _U64(idx[i + 1])] += 1
+    if n % 2:
+        h[s0 + _U64(idx[o + n - 1])] += 1
+
+
+@_njit()
+def _pooled_kernel(bs, ts, nparts, widths, seg_rows, bins, q, out):  # pragma: no cover - compiled
+    """The numbers of metrics.verdict._tensor_numbers for bs[:nparts] (BF16 errors) and
+    ts[:nparts] (target errors): 1-D float32, part j holding rows of widths[j] >= 1 values, the
+    same sizes in both roles. The verdict's chunks are runs of rows, seg_rows[k] >= 1 rows each,
+    in order (then a 0): their even and odd rows are the noise halves. out[_P_STATUS] = 1, and
+    nothing else written, where a value is not finite or not >= +0."""
+    n = 0
+    rows = 0
+    widest = 0
+    for j in range(nparts):
+        n += bs[j].size
+        rows += bs[j].size // widths[j]
+        widest = max(widest, bs[j].size)
+    pos_b = np.empty(rows, np.uint32)  # per-position L-inf, as float32 bits
+    pos_t = np.empty(rows, np.uint32)
+    pos_e = np.empty(rows, np.uint32)
+    pos_o = np.empty(rows, np.uint32)
+    odd = np.empty(rows, np.bool_)
+    bmin = _U32(0xFFFFFFFF)
+    bmax = _U32(0)
+    tmin = _U32(0xFFFFFFFF)
+    tmax = _U32(0)
+    r = 0
+    seg = 0
+    in_seg = 0
+    ne = 0
+    no = 0
+    ne_vals = 0
+    no_vals = 0
+    for j in range(nparts):
+        b = bs[j].view(np.uint32)
+        t = ts[j].view(np.uint32)
+        w = widths[j]
+        for i0 in range(0, b.size, w):
+            rb_max = _U32(0)
+            rb_min = _U32(0xFFFFFFFF)
+            rt_max = _U32(0)
+            rt_min = _U32(0xFFFFFFFF)
+            for k in range(i0, i0 + w):
+                u = b[k]
+                rb_max = u if u > rb_max else rb_max
+                rb_min = u if u < rb_min else rb_min
+                u = t[k]
+                rt_max = u if u > rt_max else rt_max
+                rt_min = u if u < rt_min else rt_min
+            if rb_max >= _NONFINITE or rt_max >= _NONFINITE:  # NaN, inf, or a sign bit set
+                out[_P_STATUS] = 1
+                return
+            bmin = rb_min if rb_min < bmin else bmin
+            bmax = rb_max if rb_max > bmax else bmax
+            tmin = rt_min if rt_min < tmin else tmin
+            tmax = rt_max if rt_max > tmax else tmax
+            pos_b[r] = rb_max
+            pos_t[r] = rt_max
+            if in_seg == seg_rows[seg]:  # the next chunk
+                seg += 1
+                in_seg = 0
+            is_odd = in_seg % 2 == 1
+            odd[r] = is_odd
+            if is_odd:
+                pos_o[no] = rb_max
+                no += 1
+                no_vals += w
+            else:
+                pos_e[ne] = rb_max
+                ne += 1
+                ne_vals += w
+            in_seg += 1
+            r += 1
+    out[_P_STATUS] = 0
+    out[_P_NEVEN] = ne
+    out[_P_NODD] = no
+    out[_P_MAXB] = _U32(bmax).view(np.float32)
+    out[_P_MAXT] = _U32(tmax).view(np.float32)
+    out[_P_SSB] = _pw_sum_parts(bs, nparts, n, True)
+    out[_P_SST] = _pw_sum_parts(ts, nparts, n, True)
+    qf = _F32(q)
+    out[_P_QB] = _quantile_bits(pos_b, rows, qf)
+    out[_P_QT] = _quantile_bits(pos_t, rows, qf)
+    if ne:
+        out[_P_QE] = _quantile_bits(pos_e, ne, qf)
+    if no:
+        out[_P_QO] = _quantile_bits(pos_o, no, qf)
+    # BC target vs BF16 over their joint range; BC of the BF16 errors' even vs odd rows over
+    # theirs. Where the ranges are one, the even and odd counts together are the BF16 counts.
+    lo1 = _U32(bmin if bmin < tmin else tmin).view(np.float32)
+    hi1 = _U32(bmax if bmax > tmax else tmax).view(np.float32)
+    lo2 = _U32(bmin).view(np.float32)
+    hi2 = _U32(bmax).view(np.float32)
+    step1, scale1 = _bin_params(lo1, hi1, bins)
+    step2, scale2 = _bin_params(lo2, hi2, bins)
+    one_range = lo1 == lo2 and hi1 == hi2
+    hb = np.zeros(2 * bins, np.int64)
+    ht = np.zeros(2 * bins, np.int64)
+    he = np.zeros(2 * bins, np.int64)
+    ho = np.zeros(2 * bins, np.int64)
+    idx = np.empty(widest, np.uint32)
+    r = 0
+    for j in range(nparts):
+        b = bs[j]
+        w = widths[j]
+        if step2 == _F32(0.0):  # one value: np.histogram's last bin
+            idx[: b.size] = bins - 1
+        else:
+            _bins_of(b, lo2, step2, scale2, bins, idx)
+        for i0 in range(0, b.size, w):
+            _count(idx, i0, w, ho if odd[r] else he, bins)
+            r += 1
+        if not one_range:
+            if step1 == _F32(0.0):
+                idx[: b.size] = bins - 1
+            else:
+                _bins_of(b, lo1, step1, scale1, bins, idx)
+            _count(idx, 0, b.size, hb, bins)
+        t = ts[j]
+        if step1 == _F32(0.0):
+            idx[: t.size] = bins - 1
+        else:
+            _bins_of(t, lo1, step1, scale1, bins, idx)
+        _count(idx, 0, t.size, ht, bins)
+    cb = np.empty(bins, np.int64)
+    ct = np.empty(bins, np.int64)
+    ce = np.empty(bins, np.int64)
+    co = np.empty(bins, np.int64)
+    for k in range(bins):
+        ce[k] = he[k] + he[bins + k]
+        co[k] = ho[k] + ho[bins + k]
+        cb[k] = ce[k] + co[k] if one_range else hb[k] + hb[bins + k]
+        ct[k] = ht[k] + ht[bins + k]
+    out[_P_BC] = _bc_of_counts(cb, ct, n, n, bins)
+    out[_P_NOISE_BC] = _bc_of_counts(ce, co, ne_vals, no_vals, bins) if ne_vals and no_vals else np.nan
+
+
+def pooled_verdict_numbers(base_chunks, tgt_chunks, bins: int, q: float):
+    """The numbers of ``metrics.verdict._tensor_numbers`` in one kernel call, or None where the
+    kernel does not apply (then numpy decides): a chunk not float32, shapes that differ between
+    the roles, a value not finite or below +0, nothing to judge, chunks of more widths in a row
+    than the largest compiled tuple holds. Returns a dict: n (values), ss_b / ss_t (float64 sums
+    of squares, np.mean's order), bc, noise_bc (NaN with an empty half), the per-position L-inf
+    of the BF16 errors, the target's, the even and odd BF16 positions: q_b, q_t, q_even, q_odd
+    (np.quantile(..., q); the halves' None where empty), max_b, max_t."""
+    if len(base_chunks) != len(tgt_chunks):
+        return None
+    bs, ts, widths, seg = [], [], [], []
+    for b, t in zip(base_chunks, tgt_chunks):
+        if b.dtype != np.float32 or t.dtype != np.float32 or b.shape != t.shape or b.ndim == 0:
+            return None
+        if b.size == 0:  # no value, no position: the numpy path skips it too
+            continue
+        bs.append(_flat(b))
+        ts.append(_flat(t))
+        widths.append(b.size // b.shape[0])
+        seg.append(b.shape[0])
+    if not bs or sum(seg) > _MAX_POSITIONS:
+        return None
+    if len(bs) > POOL_PARTS[-1]:
+        merged = _merge_runs(bs, ts, widths)
+        if merged is None:
+            return None
+        bs, ts, widths = merged
+    k = next(p for p in POOL_PARTS if p >= len(bs))
+    pad = (_EMPTY_PART,) * (k - len(bs))
+    out = np.full(_P_FIELDS, np.nan)
+    _pooled_kernel(tuple(bs) + pad, tuple(ts) + pad, len(bs), np.asarray(widths, np.int64),
+                   np.asarray(seg + [0], np.int64), bins, float(q), out)
+    if out[_P_STATUS] != 0:
+        return None
+    return {"n": sum(b.size for b in bs), "ss_b": float(out[_P_SSB]), "ss_t": float(out[_P_SST]),
+            "bc": float(out[_P_BC]), "noise_bc": float(out[_P_NOISE_BC]), "q_b": float(out[_P_QB]),
+            "q_t": float(out[_P_QT]), "q_even": float(out[_P_QE]) if out[_P_NEVEN] else None,
+            "q_odd": float(out[_P_QO]) if out[_P_NODD] else None, "max_b": float(out[_P_MAXB]),
+            "max_t": float(out[_P_MAXT])}
+
+
+def _flat(x):
+    """x's values in order as a writable C-contiguous 1-D float32 array (a view where one is)."""
+    f = x.reshape(-1)
+    if not (f.flags.c_contiguous and f.flags.writeable):
+        f = np.array(f)
+    return f
+
+
+def _merge_runs(bs, ts, widths):
+    """bs, ts, widths with consecutive parts of one width concatenated, at most POOL_PARTS[-1]
+    parts (the chunks' rows stay in seg_rows), or None where the width changes too often."""
+    per = -(-len(bs) // POOL_PARTS[-1])
+    groups, cur = [], []
+    for i, w in enumerate(widths):
+        if cur and (len(cur) == per or widths[cur[0]] != w):
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    groups.append(cur)
+    if len(groups) > POOL_PARTS[-1]:
+        return None
+    return ([np.concatenate([bs[i] for i in g]) for g in groups], [np.concatenate([ts[i] for i in g]) for g in groups],
+            [widths[g[0]] for g in groups])
+
+
+@_njit()
+def _pw_sum(a):  # pragma: no cover - compiled
+    """np.add.reduce of a float64 1-D array, as the pooled kernel sums."""
+    return _pw_sum_parts((a,), 1, a.size, False)
+
+
+@_njit()
+def _quantile_of(x, q):  # pragma: no cover - compiled
+    """np.quantile(x, q) of float32 x >= +0, as the pooled kernel computes it."""
+    return _quantile_bits(x.view(np.uint32).copy(), x.size, _F32(q))
+
+
+_PAIRWISE_OK = None
+_QUANTILE_OK: dict = {}
+
+
+def pairwise_order_holds() -> bool:
+    """Whether the installed numpy sums float64 values (``np.add.reduce``, ``np.mean``, and a
+    ``[1, n].sum(axis=1)`` as ``metrics.bc`` sums its sqrt(p q) terms) in the pairwise order the
+    pooled kernel replays: checked once, on every length up to 300 and some longer ones (across
+    the 128-value runs and their halving), values spread over many binades so that any other
+    order shows, and through the kernel on chunks split at random rows."""
+    global _PAIRWISE_OK
+    if _PAIRWISE_OK is None:
+        rng = np.random.default_rng(20261203)
+        ok = True
+        for n in [*range(1, 301), 1000, 1024, 4099, 8191, 8192, 8193, 65543, 300007]:
+            x = (rng.random(n) * np.exp2(rng.integers(-30, 30, n))).astype(np.float32)
+            sq = x.astype(np.float64) ** 2
+            s = _pw_sum(sq)
+            ok &= bool(s == np.add.reduce(sq) and s == sq.reshape(1, n).sum(axis=1)[0] and s / n == np.mean(sq))
+            if n >= 3 and (n % 7 == 0 or n > 300):  # the kernel's own sums, chunks of a few rows of 3
+                rows = x[: n - n % 3].reshape(-1, 3)
+                chunks = np.split(rows, np.sort(rng.integers(0, rows.shape[0] + 1, 5)))
+                got = pooled_verdict_numbers(chunks, chunks, 10, 0.75)
+                flat = rows.astype(np.float64).ravel()
+                ok &= got is not None and bool(got["ss_b"] / flat.size == np.mean(flat * flat))
+        _PAIRWISE_OK = ok
+    return _PAIRWISE_OK
+
+
+def quantile_rule_holds(q) -> bool:
+    """Whether ``np.quantile(x, q)`` of the installed numpy is, bit for bit, what the pooled
+    kernel computes for float32 samples x >= +0 (checked once per q: lengths 1..40 and some
+    longer, ties, zeros, values over many binades)."""
+    key = float(q)
+    if key not in _QUANTILE_OK:
+        rng = np.random.default_rng(20261204)
+        ok = True
+        for n in [*range(1, 41), 64, 127, 128, 129, 255, 256, 1000]:
+            for kind in ("spread", "ties", "zeros"):
+                x = (rng.random(n) * np.exp2(rng.integers(-20, 20, n))).astype(np.float32)
+                if kind == "ties":
+                    x = np.round(x * 4 % 3).astype(np.float32)
+                elif kind == "zeros":
+                    x[rng.random(n) < 0.5] = 0
+                want = np.float32(np.quantile(x, q))
+                ok &= bool(np.float32(_quantile_of(x, key)).view(np.uint32) == want.view(np.uint32))
+        _QUANTILE_OK[key] = ok
+    return _QUANTILE_OK[key]

@@ -46,7 +46,7 @@ import numpy as np
 
 from .bc import DEFAULT_BINS, bhattacharyya_batched, numba_available
 from .errors import COS_EPS, EPS, as_float, cosine, rel_l2, rel_linf
-from .verdict import KVTensorVerdict, KVVerdictConfig, _all_finite, _tensor_verdict
+from .verdict import KVTensorVerdict, KVVerdictConfig, _all_finite, _fused_numbers, _tensor_verdict
 
 __all__ = [
     "PHASE_ORDER",
@@ -168,9 +168,19 @@ def _metrics_from_sums(b_max, be_max, te_max, nb2, be2, te2, b_e, e_e, b_a, a_a)
     return bl, tl, b2, t2, cos(b_e, e_e), cos(b_a, a_a)
 
 
+_FLOAT32 = np.dtype(np.float32)
+
+
 def _checked(baseline, expected, actual, module, phase, positions):
     """The three tensors as float32 ``[token, width]`` and the positions ``[token]``; ``ValueError``
     naming the module when the shapes differ or the positions do not fit."""
+    if (type(baseline) is np.ndarray and type(expected) is np.ndarray and type(actual) is np.ndarray
+            and baseline.dtype == _FLOAT32 and expected.dtype == _FLOAT32 and actual.dtype == _FLOAT32
+            and positions is None and baseline.ndim and baseline.shape == expected.shape == actual.shape):
+        # float32 numpy tensors (a capture read back): what the general path below gives, without
+        # its per-tensor conversions (~10 us a tensor, 142 tensors a prompt)
+        n = baseline.shape[0]
+        return baseline.reshape(n, -1), expected.reshape(n, -1), actual.reshape(n, -1), np.arange(n)
     shapes = [tuple(np.shape(x)) for x in (baseline, expected, actual)]
     if len(set(shapes)) != 1:
         raise ValueError(f"module {module} ({phase}): shapes differ: baseline {shapes[0]}, expected {shapes[1]}, "
@@ -423,6 +433,10 @@ class ModuleJudge:
         out: list = [None] * len(items)
         todo = []
         for i, (module, phase, baseline, expected, actual, positions) in enumerate(items):
+            if (type(baseline) is np.ndarray and type(expected) is np.ndarray and type(actual) is np.ndarray
+                    and baseline.shape == expected.shape == actual.shape):
+                todo.append(i)
+                continue
             shapes = [tuple(np.shape(x)) for x in (baseline, expected, actual)]
             if len(set(shapes)) != 1:
                 self._slot(module, phase)["problems"].append(
@@ -474,14 +488,19 @@ class ModuleJudge:
                                      "no position computed by the target", n_nc)
             return ModuleVerdict(module, phase, layer, False, None, None, math.nan, None, 0, 0, None, None, None,
                                  "; ".join(slot["problems"]), n_nc)
-        if all(_all_finite(m.tgt_err) for m in ms):  # a correct engine: nothing to count or mask
-            bad, tgt = [0] * len(ms), [m.tgt_err for m in ms]
+        # a correct engine (every error finite): nothing to count or mask, one kernel pass
+        tv = _fused_numbers([m.base_err for m in ms], [m.tgt_err for m in ms], cfg.kv)
+        if tv is not None:
+            bad = [0] * len(ms)
         else:
-            with np.errstate(invalid="ignore"):
-                bad = [int(np.count_nonzero(~np.isfinite(m.tgt_err) & np.isfinite(m.base_err))) for m in ms]
-            tgt = [np.where(np.isfinite(m.tgt_err), m.tgt_err, np.nan) for m in ms]
-        # NaN where a reference is NaN too is excluded by the rule; a non-finite target error counts
-        tv = _tensor_verdict([m.base_err for m in ms], tgt, cfg.kv, sum(bad))
+            if all(_all_finite(m.tgt_err) for m in ms):
+                bad, tgt = [0] * len(ms), [m.tgt_err for m in ms]
+            else:
+                with np.errstate(invalid="ignore"):
+                    bad = [int(np.count_nonzero(~np.isfinite(m.tgt_err) & np.isfinite(m.base_err))) for m in ms]
+                tgt = [np.where(np.isfinite(m.tgt_err), m.tgt_err, np.nan) for m in ms]
+            # NaN where a reference is NaN too is excluded by the rule; a non-finite target error counts
+            tv = _tensor_verdict([m.base_err for m in ms], tgt, cfg.kv, sum(bad))
         l2r = np.concatenate([m.l2_ratio for m in ms])
         max_l2 = float(np.nanmax(l2r)) if np.isfinite(l2r).any() or np.isinf(l2r).any() else math.nan
         static = None if math.isnan(max_l2) else bool(max_l2 < cfg.max_l2_ratio)

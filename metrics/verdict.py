@@ -346,7 +346,65 @@ def _pooled_bc(x, y, bins: int, finite: bool) -> float:
     return bhattacharyya_coefficient(x, y, bins=bins)
 
 
+def _ratio(x: float, y: float) -> float:
+    """x / y of two non-negative numbers, 0.0 for 0 / 0 and inf for x / 0."""
+    return x / y if y > 0 else (0.0 if x == 0 else math.inf)
+
+
+def _numbers_verdict(n, b_ms, t_ms, bc, noise_bc, q_b, q_t, q_even, q_odd, max_b, max_t,
+                     cfg: KVVerdictConfig) -> KVTensorVerdict:
+    """The rule over the pooled numbers: n values, mean squares of the BF16 (b_ms) and target
+    (t_ms) errors, the two BCs, the linf_quantile quantiles of the per-position L-inf of the BF16
+    errors, the target's and the even / odd BF16 positions, and the largest L-inf of each; a
+    quantile or maximum is None where there is no position."""
+    sigma = _ratio(math.sqrt(t_ms), math.sqrt(b_ms))
+    nan = math.nan
+    linf_ratio = nan if q_t is None or q_b is None else _ratio(q_t, q_b)
+    max_ratio = nan if max_t is None or max_b is None else _ratio(max_t, max_b)
+    r = nan if q_even is None or q_odd is None else _ratio(q_even, q_odd)
+    spread = 1.0 if math.isnan(r) or r == 0 else max(r, 1.0 / r)
+    bc_bar = cfg.bc_threshold if math.isnan(noise_bc) else min(cfg.bc_threshold, noise_bc - cfg.bc_noise_margin)
+    linf_bar = max(cfg.linf_ratio_threshold, spread)
+    if sigma <= cfg.sigma_ratio_threshold:
+        passed, why = True, "sigma_ratio"
+    elif bc >= bc_bar and linf_ratio <= linf_bar and max_ratio <= cfg.max_linf_ratio_threshold:
+        passed, why = True, "bc_and_linf"
+    else:
+        passed, why = False, None
+    return KVTensorVerdict(passed, why, n, sigma, bc, noise_bc, bc_bar, linf_ratio, spread, linf_bar, max_ratio)
+
+
+def _fused_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict | None:
+    """``_tensor_numbers`` in one pass of ``metrics._fused.pooled_verdict_numbers`` over the
+    chunks as they lie, or None where it does not apply: no numba, a numpy that sums or
+    interpolates quantiles otherwise than the kernel replays (checked once), a chunk that is not
+    float32, a value that is not finite or below +0 (absolute errors of a correct engine are
+    neither)."""
+    q = cfg.linf_quantile
+    if not (numba_available() and isinstance(q, (int, float)) and 0 <= q <= 1):
+        return None
+    from . import _fused
+
+    if not (_fused.pairwise_order_holds() and _fused.quantile_rule_holds(q)):
+        return None
+    r = _fused.pooled_verdict_numbers(base_chunks, tgt_chunks, cfg.bins, q)
+    if r is None:
+        return None
+    n = r["n"]
+    return _numbers_verdict(n, r["ss_b"] / n, r["ss_t"] / n, r["bc"], r["noise_bc"], r["q_b"], r["q_t"], r["q_even"],
+                            r["q_odd"], r["max_b"], r["max_t"], cfg)
+
+
 def _tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict:
+    """The pooled numbers and pass / fail of one tensor (see the module docstring): in one pass of
+    the fused kernel where it applies, else by numpy; the same numbers either way, bit for bit
+    (tests/metrics/test_verdict_fused.py)."""
+    fused = _fused_numbers(base_chunks, tgt_chunks, cfg)
+    return fused if fused is not None else _tensor_numbers_numpy(base_chunks, tgt_chunks, cfg)
+
+
+def _tensor_numbers_numpy(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict:
+    """``_tensor_numbers`` by numpy: any dtype, NaN and inf masked (the reference path)."""
     def cat(chunks):
         return np.concatenate([c.ravel() for c in chunks]) if chunks else np.zeros(0, np.float32)
 
@@ -366,8 +424,7 @@ def _tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVe
         nan = math.nan
         return KVTensorVerdict(None, None, 0, nan, nan, nan, nan, nan, nan, nan)
     b, t = base.astype(np.float64), tgt.astype(np.float64)
-    b_rms, t_rms = math.sqrt(float(np.mean(b * b))), math.sqrt(float(np.mean(t * t)))
-    sigma = t_rms / b_rms if b_rms > 0 else (0.0 if t_rms == 0 else math.inf)
+    b_ms, t_ms = float(np.mean(b * b)), float(np.mean(t * t))
     bc = _pooled_bc(base, tgt, cfg.bins, finite)
     # Per-position L-inf (max over width), pooled over chunks; positions with no value dropped.
     def pos_linf(chunks):
@@ -375,37 +432,23 @@ def _tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVe
         out = np.concatenate(out) if out else np.zeros(0)
         return out[~np.isnan(out)]
 
-    def qratio(x, y):
-        if x.size == 0 or y.size == 0:
-            return math.nan
-        qx, qy = float(np.quantile(x, cfg.linf_quantile)), float(np.quantile(y, cfg.linf_quantile))
-        return qx / qy if qy > 0 else (0.0 if qx == 0 else math.inf)
+    def quantile(x):
+        return float(np.quantile(x, cfg.linf_quantile)) if x.size else None
 
     with np.errstate(invalid="ignore"):
         base_pos, tgt_pos = pos_linf(base_chunks), pos_linf(tgt_chunks)
-        linf_ratio = qratio(tgt_pos, base_pos)
-        max_ratio = math.nan
-        if base_pos.size and tgt_pos.size:
-            bm, tm = float(base_pos.max()), float(tgt_pos.max())
-            max_ratio = tm / bm if bm > 0 else (0.0 if tm == 0 else math.inf)
+        q_b, q_t = quantile(base_pos), quantile(tgt_pos)
+        max_b = float(base_pos.max()) if base_pos.size else None
+        max_t = float(tgt_pos.max()) if tgt_pos.size else None
         # The BF16 noise against itself: even vs odd positions of every chunk.
         even_pos, odd_pos = pos_linf([c[0::2] for c in base_chunks]), pos_linf([c[1::2] for c in base_chunks])
-    r = qratio(even_pos, odd_pos)
-    spread = 1.0 if math.isnan(r) or r == 0 else max(r, 1.0 / r)
     even = np.concatenate([c[0::2].ravel() for c in base_chunks]) if base_chunks else np.zeros(0)
     odd = np.concatenate([c[1::2].ravel() for c in base_chunks]) if base_chunks else np.zeros(0)
     if not finite:
         even, odd = even[~np.isnan(even)], odd[~np.isnan(odd)]
     noise_bc = _pooled_bc(even, odd, cfg.bins, finite) if even.size and odd.size else math.nan
-    bc_bar = cfg.bc_threshold if math.isnan(noise_bc) else min(cfg.bc_threshold, noise_bc - cfg.bc_noise_margin)
-    linf_bar = max(cfg.linf_ratio_threshold, spread)
-    if sigma <= cfg.sigma_ratio_threshold:
-        passed, why = True, "sigma_ratio"
-    elif bc >= bc_bar and linf_ratio <= linf_bar and max_ratio <= cfg.max_linf_ratio_threshold:
-        passed, why = True, "bc_and_linf"
-    else:
-        passed, why = False, None
-    return KVTensorVerdict(passed, why, n, sigma, bc, noise_bc, bc_bar, linf_ratio, spread, linf_bar, max_ratio)
+    return _numbers_verdict(n, b_ms, t_ms, bc, noise_bc, q_b, q_t, quantile(even_pos), quantile(odd_pos), max_b,
+                            max_t, cfg)
 
 
 def _both(a, b):

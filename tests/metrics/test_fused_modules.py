@@ -174,3 +174,17 @@ def test_pooled_bc_equals_bhattacharyya_coefficient(monkeypatch, case):
     monkeypatch.setattr(bc_mod, "_NUMBA_OK", False)
     want = bhattacharyya_coefficient(x, y, bins=100)
     assert np.float64(got).tobytes() == np.float64(want).tobytes(), (got, want)
+
+
+@pytest.mark.parametrize("bins", [100, 128, 129, 300, 7])
+def test_row_bcs_summed_in_the_kernel_or_by_numpy_equal_the_numpy_path(monkeypatch, bins):
+    """Up to 128 bins the kernel sums each row's sqrt(p q) terms itself (numpy's pairwise order,
+    gated by np_sum_order_holds); above, numpy sums them: the BC bits are the same either way."""
+    rng = np.random.default_rng(bins)
+    b = rng.standard_normal((40, 96)).astype(np.float32)
+    e = (b * (1 + 4e-3 * rng.standard_normal(b.shape))).astype(np.float32)
+    a = (b * (1 + 2e-2 * rng.standard_normal(b.shape))).astype(np.float32)
+    got = _fused.module_row_metrics(b, e, a, bins)[4]
+    monkeypatch.setattr(bc_mod, "_NUMBA_OK", False)
+    want = bc_mod.bhattacharyya_batched(np.abs(e - b), np.abs(a - b), bins=bins)
+    _same_bits(got, want, f"row BCs, {bins} bins")

@@ -137,3 +137,19 @@ def test_the_docs_example_runs_and_judges_as_the_per_tensor_path():
             want.add(str(i), m, ph, b, e, a)
     assert repr(env["verdict"]) == repr(want.verdict(order))
     assert len(env["verdict"].modules) == 4
+
+
+@pytest.mark.parametrize("dtypes", [(np.float32,) * 3, (np.float32, ml_dtypes.bfloat16, np.float32),
+                                    (np.float32, np.dtype(">f4"), np.float32)])
+def test_float32_numpy_tensors_skip_the_conversions_with_the_same_result(dtypes):
+    """``_checked``'s shortcut for float32 numpy tensors (a capture read back) gives the general
+    path's arrays; anything else (bf16, a non-native byte order, positions given) takes that path."""
+    import metrics.modules as mod
+
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((5, 2, 3)).astype(dt) for dt in dtypes]
+    fast = mod._checked(*xs, "m", "decode", None)
+    general = mod._checked(*xs, "m", "decode", np.arange(5))
+    for f, g, what in zip(fast, general, ("baseline", "expected", "actual", "positions")):
+        _same_bits(f, g, what)
+    assert fast[0].base is xs[0] or fast[0].base is xs[0].base  # a view of the capture: no copy

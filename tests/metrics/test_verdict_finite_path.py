@@ -1,7 +1,8 @@
 """metrics.verdict's pooled tensor numbers (the KV and module verdict rule): the path that skips
 the masking copies when every value is finite gives the numbers of the masking path it
 shortcuts, to the last bit (oracle: that path as it was, copied below), on chunks with and
-without NaN / inf, empty and one-row chunks, float32 and float64."""
+without NaN / inf, empty and one-row chunks, float32 and float64; so does the fused kernel that
+``_tensor_numbers`` takes for finite float32 chunks (tests/metrics/test_verdict_fused.py)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from metrics.bc import bhattacharyya_coefficient
-from metrics.verdict import KVTensorVerdict, KVVerdictConfig, _finite_in_all_three, _tensor_numbers
+from metrics.verdict import (KVTensorVerdict, KVVerdictConfig, _finite_in_all_three, _tensor_numbers,
+                             _tensor_numbers_numpy)
 
 
 def _oracle_tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict:
@@ -93,6 +95,7 @@ def test_tensor_numbers_equal_the_masking_path(chunks, margin):
     with np.errstate(invalid="ignore"):
         want = _oracle_tensor_numbers(base, tgt, cfg)
     assert repr(_tensor_numbers(base, tgt, cfg)) == repr(want)  # repr: every float to the last bit, NaN too
+    assert repr(_tensor_numbers_numpy(base, tgt, cfg)) == repr(want)  # the numpy path on its own (no fused kernel)
 
 
 def test_a_clean_engine_takes_the_shortcut_and_a_nan_does_not(monkeypatch):
