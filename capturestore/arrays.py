@@ -11,6 +11,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _json_str
 from pathlib import Path
 from typing import Any
 
@@ -182,9 +183,48 @@ def write_document(root: Path, path: str, doc: dict, dirs: MadeDirs | None = Non
         dirs.groups.update(missing)
         if parent != root_s:
             dirs.groups.add(parent)
-        _write_all(fd, json.dumps(doc, indent=2).encode())
+        _write_all(fd, document_bytes(doc))
     finally:
         os.close(fd)
+
+
+def document_bytes(doc: Any) -> bytes:
+    """``json.dumps(doc, indent=2).encode()``, the bytes zarr writes, at about half its cost: the
+    indenting encoder is json's pure-Python one, ~80 us an array document (tests pin the two
+    equal on random documents)."""
+    return _indented(doc, "").encode()
+
+
+def _indented(o: Any, ind: str) -> str:
+    t = type(o)
+    if t is dict:
+        if not o:
+            return "{}"
+        inner = ind + "  "
+        try:
+            parts = [f"{inner}{_json_str(k)}: {_indented(v, inner)}" for k, v in o.items()]
+        except TypeError:  # a key that is not a str: json's own conversion
+            return json.dumps(o, indent=2).replace("\n", "\n" + ind)
+        return "{\n" + ",\n".join(parts) + "\n" + ind + "}"
+    if t is list or t is tuple:
+        if not o:
+            return "[]"
+        inner = ind + "  "
+        kinds = set(map(type, o))
+        if kinds == {int}:
+            items = map(int.__repr__, o)
+        elif kinds == {str}:
+            items = map(_json_str, o)
+        else:
+            items = (_indented(v, inner) for v in o)
+        return "[\n" + inner + (",\n" + inner).join(items) + "\n" + ind + "]"
+    if t is str:
+        return _json_str(o)
+    if t is int:
+        return int.__repr__(o)
+    if isinstance(o, (dict, list, tuple)):  # a subclass: json's own encoder (a JSON string holds no raw newline)
+        return json.dumps(o, indent=2).replace("\n", "\n" + ind)
+    return json.dumps(o)
 
 
 def _write_all(fd: int, data: bytes) -> None:
