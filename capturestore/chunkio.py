@@ -168,13 +168,14 @@ def _encode_and_write(path: Path | str, block: np.ndarray, itemsize: int, compre
 
 def write_block(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...], block: np.ndarray,
                 offset: tuple[int, ...], compressed: bool = True, pending: list | None = None,
-                dirs: MadeDirs | None = None) -> bool:
+                dirs: MadeDirs | None = None, sizes: dict[str, int] | None = None) -> bool:
     """Write ``block`` (storage dtype) at ``offset`` of the array; True if done (or queued).
 
     ``compressed``: the array's codecs are bytes+blosc+crc32c (else bytes+crc32c).
     ``pending``: if given, the chunk jobs are queued on the pool and their futures appended to
     it instead of awaited; ``block`` must then stay unchanged until they are done.
     ``dirs``: the writer's ``MadeDirs`` (chunk directories made once each).
+    ``sizes``: ``{chunk key: bytes in its file}`` of the chunks written here (not of queued ones).
 
     Returns False (nothing written) when the block does not start on chunk boundaries or ends
     inside a chunk that is not the array's last along that axis: such writes need a
@@ -194,19 +195,24 @@ def write_block(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...]
     for idx in itertools.product(*ranges):
         src = tuple(slice(i * c - o, min((i + 1) * c, o + n) - o) for i, c, o, n in zip(idx, chunks, offset, block.shape))
         # an edge chunk is stored padded to the full chunk shape with the fill value 0, as zarr does
-        jobs.append((f"{base}/{chunk_key(idx)}", block[src]))
+        jobs.append((chunk_key(idx), block[src]))
     cshape = tuple(chunks)
     if pending is None and len(jobs) == 1:
-        _encode_and_write(jobs[0][0], jobs[0][1], itemsize, compressed, cshape, dirs)
+        n = _encode_and_write(f"{base}/{jobs[0][0]}", jobs[0][1], itemsize, compressed, cshape, dirs)
+        if sizes is not None:
+            sizes[jobs[0][0]] = n
         return True
     if dirs is not None:  # here, not racing on the pool's threads
-        for p, _ in jobs:
-            dirs.make(os.path.dirname(p))
-    futures = [_pool().submit(_encode_and_write, p, b, itemsize, compressed, cshape, dirs) for p, b in jobs]
+        for key, _ in jobs:
+            dirs.make(os.path.dirname(f"{base}/{key}"))
+    futures = [_pool().submit(_encode_and_write, f"{base}/{key}", b, itemsize, compressed, cshape, dirs)
+               for key, b in jobs]
     if pending is not None:
         pending.extend(futures)
     else:
-        wait_all(futures)
+        wait_all(list(futures))
+        if sizes is not None:
+            sizes.update((key, f.result()) for (key, _), f in zip(jobs, futures))
     return True
 
 

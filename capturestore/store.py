@@ -195,14 +195,15 @@ class Store:
         return self.backend.writer_lock(writer_id, info)
 
     def _write_block(self, ref: ArrayRef, arr: zarr.Array, block: np.ndarray, offset: tuple[int, ...],
-                     compressed: bool, pending: list | None, dirs: MadeDirs | None = None) -> bool:
+                     compressed: bool, pending: list | None, dirs: MadeDirs | None = None,
+                     sizes: dict[str, int] | None = None) -> bool:
         """Write chunk-aligned ``block`` straight to the chunk files of a directory; False: left to
         zarr (``arr[...] = block``: one PUT per chunk on object storage). ``dirs``: the writer's
-        ``MadeDirs`` under ``_zstore``'s root (``_made_dirs``)."""
+        ``MadeDirs`` under ``_zstore``'s root (``_made_dirs``); ``sizes``: as ``chunkio.write_block``."""
         if self.backend.path is None:
             return False
-        return write_block(self.backend.path / ARRAYS_DIR / ref.path, tuple(arr.shape), tuple(arr.chunks), block,
-                           offset, compressed=compressed, pending=pending, dirs=dirs)
+        return write_block(f"{self.backend.path}/{ARRAYS_DIR}/{ref.path}", tuple(arr.shape), tuple(arr.chunks), block,
+                           offset, compressed=compressed, pending=pending, dirs=dirs, sizes=sizes)
 
     def _made_dirs(self) -> MadeDirs | None:
         """A fresh ``MadeDirs`` for one writer of a directory store (None on object storage)."""

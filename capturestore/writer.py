@@ -122,6 +122,8 @@ class _ArrayState:
     buffer: _Buffer | None = None
     layers_written: set[int] | None = None  # for create_kv + write_kv_layer
     steps_stored: int = 0  # how many of ``steps`` the array's attributes already hold
+    # {chunk key: bytes} of every chunk file, while all were written here (None: ask the store)
+    chunk_bytes: dict[str, int] | None = field(default_factory=dict)
 
     @property
     def logical_shape(self) -> tuple[int, ...]:
@@ -326,8 +328,12 @@ class RunWriter:
         """Write ``block`` (storage dtype) at ``offset`` (default: origin) of the array; with
         ``pending``, queue the chunk writes and collect their futures there."""
         offset = offset or (0,) * block.ndim
+        sizes = st.chunk_bytes if pending is None else None
+        if pending is not None:  # sizes known only once the queued writes are done
+            st.chunk_bytes = None
         if not self.store._write_block(st.ref, st.arr, block, offset, self.compression is not None, pending,
-                                       self._dirs):
+                                       self._dirs, sizes):
+            st.chunk_bytes = None
             st.arr[tuple(slice(o, o + n) for o, n in zip(offset, block.shape))] = block  # unaligned: zarr
 
     def _tokens_per_chunk(self, bytes_per_token: int, known_len: int | None) -> int:
@@ -682,7 +688,9 @@ class RunWriter:
                 "shape": shape, "dimension_names": st.dims, "chunks": [int(c) for c in st.arr.chunks],
                 "dtype": st.ld.name, "storage_dtype": st.ld.storage.name, "codec": CODEC_NAMES[self.compression],
                 "nbytes": int(np.prod(shape, dtype=np.int64)) * st.ld.numpy.itemsize,
-                "stored_bytes": self.store._stored_bytes(st.ref), "layer_names": st.layer_names,
+                "stored_bytes": (sum(st.chunk_bytes.values()) if st.chunk_bytes is not None
+                                 else self.store._stored_bytes(st.ref)),
+                "layer_names": st.layer_names,
                 "path": f"{ARRAYS_DIR}/{st.ref.path}",
             })
         return pa.Table.from_pylist(rows, schema=CAPTURES_SCHEMA)
