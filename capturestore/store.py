@@ -16,7 +16,7 @@ import zarr
 
 from capturestore import catalog, integrity
 from capturestore.arrays import ArrayRef, bad_chunks, check_compression
-from capturestore.chunkio import read_region, write_block
+from capturestore.chunkio import MadeDirs, read_region, write_block
 from capturestore.compaction import LOCK_PREFIX as COMPACTION_LOCK_PREFIX
 from capturestore.compaction import SOURCE_COLUMN, coverage, is_merged, logical_names
 from capturestore.dtypes import LOGICAL_DTYPES, from_storage
@@ -195,13 +195,19 @@ class Store:
         return self.backend.writer_lock(writer_id, info)
 
     def _write_block(self, ref: ArrayRef, arr: zarr.Array, block: np.ndarray, offset: tuple[int, ...],
-                     compressed: bool, pending: list | None) -> bool:
+                     compressed: bool, pending: list | None, dirs: MadeDirs | None = None,
+                     sizes: dict[str, int] | None = None) -> bool:
         """Write chunk-aligned ``block`` straight to the chunk files of a directory; False: left to
-        zarr (``arr[...] = block``: one PUT per chunk on object storage)."""
+        zarr (``arr[...] = block``: one PUT per chunk on object storage). ``dirs``: the writer's
+        ``MadeDirs`` under ``_zstore``'s root (``_made_dirs``); ``sizes``: as ``chunkio.write_block``."""
         if self.backend.path is None:
             return False
-        return write_block(self.backend.path / ARRAYS_DIR / ref.path, tuple(arr.shape), tuple(arr.chunks), block,
-                           offset, compressed=compressed, pending=pending)
+        return write_block(f"{self.backend.path}/{ARRAYS_DIR}/{ref.path}", tuple(arr.shape), tuple(arr.chunks), block,
+                           offset, compressed=compressed, pending=pending, dirs=dirs, sizes=sizes)
+
+    def _made_dirs(self) -> MadeDirs | None:
+        """A fresh ``MadeDirs`` for one writer of a directory store (None on object storage)."""
+        return None if self.backend.path is None else MadeDirs(self.backend.path / ARRAYS_DIR)
 
     def _shard_shape(self, shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int) -> tuple[int, ...] | None:
         """Shard shape of an array written whole (None: one object per chunk)."""

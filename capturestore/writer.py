@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 import zarr
 
-from capturestore.arrays import CODEC_NAMES, ArrayRef, create_array
+from capturestore.arrays import CODEC_NAMES, ArrayRef, create_array, create_group
 from capturestore.chunkio import wait_all
 from capturestore.dtypes import (
     FLOAT_DTYPES,
@@ -122,6 +122,8 @@ class _ArrayState:
     buffer: _Buffer | None = None
     layers_written: set[int] | None = None  # for create_kv + write_kv_layer
     steps_stored: int = 0  # how many of ``steps`` the array's attributes already hold
+    # {chunk key: bytes} of every chunk file, while all were written here (None: ask the store)
+    chunk_bytes: dict[str, int] | None = field(default_factory=dict)
 
     @property
     def logical_shape(self) -> tuple[int, ...]:
@@ -148,9 +150,10 @@ class RunWriter:
         self._kv_geometry: dict[str, tuple] = {}  # group -> (layers, kv_heads, head_dim, dtype, names)
         self._logits_geometry: tuple[int, str] | None = None  # (vocab, dtype)
         self._closed = False
+        self._dirs = store._made_dirs()  # directories of this run's arrays, made once each
         self._lock = store._pending_lock(run_id, {"run_id": run_id, "started_at": self._created_at.isoformat(),
                                                   "status": "running"})  # pending/<run_id>.json, locked
-        zarr.create_group(store=store._zstore, path=run_id, attributes={"run_id": run_id})
+        create_group(store._zstore, run_id, {"run_id": run_id}, self._dirs)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def __enter__(self) -> RunWriter:
@@ -255,7 +258,7 @@ class RunWriter:
             raise ValueError(f"run {self.run_id}: add_prompt text must be a str, got {type(text).__name__}")
         if self._logits_geometry is not None:
             self._check_vocab(pid, seq, self._logits_geometry[0], where)
-        zarr.create_group(store=self.store._zstore, path=f"{self.run_id}/{pid}", attributes={"prompt_id": pid})
+        create_group(self.store._zstore, f"{self.run_id}/{pid}", {"prompt_id": pid}, self._dirs)
         ld = LOGICAL_DTYPES["int32"]
         st = self._new_array(pid, "tokens", "tokens", ld, seq.shape, (max(1, min(seq.size, 1 << 20)),), TOKENS_DIMS,
                              {"n_prompt_tokens": int(ids.size)})
@@ -315,7 +318,7 @@ class RunWriter:
         # arrays written whole in one call may be sharded where the store wants few objects (objectstore.py)
         shards = self.store._shard_shape(shape, chunks, ld.storage.itemsize) if one_shot else None
         arr = create_array(self.store._zstore, ref, shape, ld.storage, chunks, dims, attributes,
-                           compression=self.compression, shards=shards)
+                           compression=self.compression, shards=shards, dirs=self._dirs)
         st = _ArrayState(ref=ref, arr=arr, kind=kind, ld=ld, dims=dims, **state)
         self._arrays[(pid, name)] = st
         return st
@@ -325,7 +328,12 @@ class RunWriter:
         """Write ``block`` (storage dtype) at ``offset`` (default: origin) of the array; with
         ``pending``, queue the chunk writes and collect their futures there."""
         offset = offset or (0,) * block.ndim
-        if not self.store._write_block(st.ref, st.arr, block, offset, self.compression is not None, pending):
+        sizes = st.chunk_bytes if pending is None else None
+        if pending is not None:  # sizes known only once the queued writes are done
+            st.chunk_bytes = None
+        if not self.store._write_block(st.ref, st.arr, block, offset, self.compression is not None, pending,
+                                       self._dirs, sizes):
+            st.chunk_bytes = None
             st.arr[tuple(slice(o, o + n) for o, n in zip(offset, block.shape))] = block  # unaligned: zarr
 
     def _tokens_per_chunk(self, bytes_per_token: int, known_len: int | None) -> int:
@@ -680,7 +688,9 @@ class RunWriter:
                 "shape": shape, "dimension_names": st.dims, "chunks": [int(c) for c in st.arr.chunks],
                 "dtype": st.ld.name, "storage_dtype": st.ld.storage.name, "codec": CODEC_NAMES[self.compression],
                 "nbytes": int(np.prod(shape, dtype=np.int64)) * st.ld.numpy.itemsize,
-                "stored_bytes": self.store._stored_bytes(st.ref), "layer_names": st.layer_names,
+                "stored_bytes": (sum(st.chunk_bytes.values()) if st.chunk_bytes is not None
+                                 else self.store._stored_bytes(st.ref)),
+                "layer_names": st.layer_names,
                 "path": f"{ARRAYS_DIR}/{st.ref.path}",
             })
         return pa.Table.from_pylist(rows, schema=CAPTURES_SCHEMA)

@@ -25,7 +25,8 @@ Capture is a copy: every captured tensor is cloned before the forward goes on, s
 that later reuses the buffer in place cannot change what was captured. Tensors go to a sink as
 they are produced (into the store: once the prompt's last step ran, each module's prefill output
 and its decode steps with one ``RunWriter.write_tensor_steps``: the decode steps share one chunk,
-docs/module-compare.md "Store layout"), so memory holds one prompt's outputs at most, never the run.
+docs/module-compare.md "Store layout"; a whole model's prompt is written on a background thread
+while the next prompt's forwards run), so memory holds two prompts' outputs at most, never the run.
 
 transformers and torch are imported lazily.
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 import difflib
 import re
 import threading
+from concurrent.futures import ThreadPoolExecutor, wait
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -75,6 +77,11 @@ def _match(pat: list[str], name: list[str]) -> bool:
     return bool(name) and _seg_match(pat[0], name[0]) and _match(pat[1:], name[1:])
 
 
+def _is_literal(pat: list[str]) -> bool:
+    """A pattern that only matches the module of that very name (no ``*``, ``**`` or range)."""
+    return not any(seg in ("*", "**") or _RANGE.match(seg) for seg in pat)
+
+
 def resolve_modules(names: Sequence[str], patterns: Iterable[str] | str, where: str = "module capture") -> list[str]:
     """The names (in the order given) matched by any pattern; ``ValueError`` naming a pattern that
     matches none, with the closest names. ``names``: e.g. ``[n for n, _ in model.named_modules()]``."""
@@ -84,12 +91,18 @@ def resolve_modules(names: Sequence[str], patterns: Iterable[str] | str, where: 
     if not patterns:
         raise ValueError(f"{where}: no module patterns given")
     split = [n.split(".") for n in names]
+    index: dict[str, list[int]] = {}
+    for i, n in enumerate(names):
+        index.setdefault(n, []).append(i)
     chosen: set[int] = set()
     for p in patterns:
         if not isinstance(p, str) or not p or any(s == "" for s in p.split(".")):
             raise ValueError(f"{where}: module pattern {p!r} must be a non-empty dotted name")
         pat = p.split(".")
-        hits = [i for i, s in enumerate(split) if _match(pat, s)]
+        if _is_literal(pat):  # a module's own name (a capture re-resolves its ~80 names): one lookup, not ~80 matches
+            hits = index.get(p, [])
+        else:
+            hits = [i for i, s in enumerate(split) if _match(pat, s)]
         if not hits:
             close = difflib.get_close_matches(p, list(names), n=5, cutoff=0.5)
             if not close:  # a wrong range/wildcard part: show names of the same depth
@@ -321,7 +334,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     if model_dtype != dtype:
         raise ValueError(f"capture_hf_module_run: the model passed is {model_dtype}, the run says dtype={dtype!r}")
     names = modules_of(model, patterns)  # refuse a bad pattern before a run exists
-    # whole model: one prompt at a time (its tensors written before the next runs)
+    # whole model: one prompt at a time (its tensors written while the next one runs, below)
     groups = plan.groups if sm is not None else [[i] for i in range(len(prompt_rows))]
     info.update(path="streamed" if sm is not None else "whole",
                 groups=[len(g) for g in groups] if sm is not None else [len(prompt_rows)],
@@ -333,54 +346,85 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     from extractors.kernel_rounding import kernel_rounding as rounding_as
     from extractors.routing import routing_run_config
 
-    run = None
-    with PeakMemory(device) as peak, rounding_as(model, kernel_rounding):
-        for group in groups:
-            held = {i: {"prefill": [], "decode": {}} for i in group}
-
-            def sink_of(i):
-                def sink(module, phase, step, t):
-                    if phase == "decode":
-                        held[i]["decode"].setdefault(module, []).append(t)
-                    else:
-                        held[i]["prefill"].append((module, step, t))
-                return sink
-
-            if sm is None:
-                results = [one(i, sink_of(i)) for i in group]
-            else:
-                results = run_streamed(sm, [lambda i=i: one(i, sink_of(i)) for i in group])
-            if run is None:
-                # execution order, as the hooks saw the modules finish in the first prompt's prefill
-                order = results[0][1]
-                cfg = {
-                    "mode": "teacher_forced_stepwise",
-                    "attn_implementation": getattr(model.config, "_attn_implementation", None),
-                    "module_patterns": patterns,
-                    "modules": names,
-                    "module_order": order,
-                    "module_inputs": bool(inputs),
-                    "prompt_lens": [len(p) for p in prompt_rows],
-                    "tensor_layout": MODULE_TENSOR_LAYOUT,
-                    "logits_layout": MODULE_LOGITS_LAYOUT,
-                    "model_given": model_given,  # a model passed in (e.g. a patched fault) is never a reference
-                    **({"kernel_rounding": kernel_rounding} if kernel_rounding not in (None, "nearest") else {}),
-                    **reference_config(device, info["path"], info["groups"], plan),
-                    **routing_run_config(model_path),  # MoE: top_k and experts, so the store judges routing alone
-                    **(config or {}),
-                }
-                run = store.begin_run(engine="hf", model_path=str(Path(model_path)),
-                                      model_hash=model_hash or model_content_hash(model_path), dtype=dtype, device=device,
-                                      engine_version=transformers.__version__, release=release, config=cfg)
-                run.__enter__()
+    def write_group(group, results, held):
+        for i, (logits, _) in zip(group, results):
             try:
-                for i, (logits, _) in zip(group, results):
-                    write_prompt_modules(run, prompt_rows[i], teacher_rows[i], held[i]["prefill"], held[i]["decode"],
-                                         logits)
-                    del held[i]
+                write_prompt_modules(run, prompt_rows[i], teacher_rows[i], held[i]["prefill"], held[i]["decode"],
+                                     logits)
             except BaseException as e:
-                run.__exit__(type(e), e, e.__traceback__)
+                if background:
+                    e.add_note(f"capture_hf_module_run: raised writing prompts[{i}] into run {run.run_id} on the "
+                               "background writer thread; the run is aborted")
                 raise
+            del held[i]
+
+    # A whole model writes a prompt on a background thread while the next prompt's forwards run
+    # (file creation is most of a capture's store time: ~300 files a prompt); at most one prompt is
+    # queued, so memory holds two prompts' tensors at most. A streamed model's memory plan holds one
+    # group's, so it writes in turn.
+    background = sm is None and len(groups) > 1
+    run = writing = None
+    with PeakMemory(device) as peak, rounding_as(model, kernel_rounding), \
+            ThreadPoolExecutor(1, thread_name_prefix="capturestore-module-writer") as writer:
+        try:
+            for group in groups:
+                held = {i: {"prefill": [], "decode": {}} for i in group}
+
+                def sink_of(i):
+                    def sink(module, phase, step, t):
+                        if phase == "decode":
+                            held[i]["decode"].setdefault(module, []).append(t)
+                        else:
+                            held[i]["prefill"].append((module, step, t))
+                    return sink
+
+                if sm is None:
+                    results = [one(i, sink_of(i)) for i in group]
+                else:
+                    results = run_streamed(sm, [lambda i=i: one(i, sink_of(i)) for i in group])
+                if writing is not None:  # the previous prompt's write: its error surfaces here
+                    writing, done = None, writing
+                    done.result()
+                if run is None:
+                    # execution order, as the hooks saw the modules finish in the first prompt's prefill
+                    order = results[0][1]
+                    cfg = {
+                        "mode": "teacher_forced_stepwise",
+                        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+                        "module_patterns": patterns,
+                        "modules": names,
+                        "module_order": order,
+                        "module_inputs": bool(inputs),
+                        "prompt_lens": [len(p) for p in prompt_rows],
+                        "tensor_layout": MODULE_TENSOR_LAYOUT,
+                        "logits_layout": MODULE_LOGITS_LAYOUT,
+                        "model_given": model_given,  # a model passed in (e.g. a patched fault) is never a reference
+                        **({"kernel_rounding": kernel_rounding} if kernel_rounding not in (None, "nearest") else {}),
+                        **reference_config(device, info["path"], info["groups"], plan),
+                        **routing_run_config(model_path),  # MoE: top_k and experts, so the store judges routing alone
+                        **(config or {}),
+                    }
+                    run = store.begin_run(engine="hf", model_path=str(Path(model_path)),
+                                          model_hash=model_hash or model_content_hash(model_path), dtype=dtype,
+                                          device=device, engine_version=transformers.__version__, release=release,
+                                          config=cfg)
+                    run.__enter__()
+                if background:
+                    writing = writer.submit(write_group, group, results, held)
+                else:
+                    write_group(group, results, held)
+            if writing is not None:
+                writing, done = None, writing
+                done.result()
+        except BaseException as e:
+            if writing is not None:  # the writer must be done with the run before it is aborted
+                wait([writing])
+                other = writing.exception()
+                if other is not None and other is not e:
+                    e.add_note(f"capture_hf_module_run: the background writer failed too: {other!r}")
+            if run is not None:
+                run.__exit__(type(e), e, e.__traceback__)
+            raise
     run.__exit__(None, None, None)
     info["peak"] = peak
     if sm is not None:

@@ -52,6 +52,15 @@ def test_patterns_ranges_wildcards_and_globstar_keep_the_model_order():
     assert resolve_modules(NAMES, "**.up_proj") == ["model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]
 
 
+def test_a_modules_own_name_resolves_to_it_alone_in_the_model_order():
+    # a capture resolves the names it resolved before as literal patterns (one lookup each)
+    assert resolve_modules(NAMES, NAMES[::-1]) == NAMES
+    assert resolve_modules(NAMES, ["model.layers.12", "model.layers.1"]) == ["model.layers.1", "model.layers.12"]
+    assert resolve_modules(NAMES, ["model.layers.1-2", "lm_head"]) == ["model.layers.1", "model.layers.2", "lm_head"]
+    with pytest.raises(ValueError, match=r"'model.layers.3' matches no module.*model.layers.2"):
+        resolve_modules(NAMES, ["model.layers.3"])
+
+
 def test_a_pattern_matching_nothing_is_refused_with_close_matches():
     with pytest.raises(ValueError, match=r"'model.layers.\*.mpl' matches no module.*model.layers.0.mlp"):
         resolve_modules(NAMES, ["lm_head", "model.layers.*.mpl"])

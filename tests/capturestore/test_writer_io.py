@@ -1,0 +1,59 @@
+"""RunWriter file I/O on a directory store: what a capture costs in system calls (each directory
+made once) and what the catalogue records from it."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from extractors.modules import write_prompt_modules
+
+
+def _module_prompt(rng, modules=("model.embed_tokens", "model.layers.0", "model.layers.0.mlp", "lm_head"), steps=4):
+    prefill = [(m, 0, rng.standard_normal((5, 8), dtype=np.float32)) for m in modules]
+    import torch
+
+    decode = {m: [torch.from_numpy(rng.standard_normal((1, 8), dtype=np.float32)) for _ in range(steps)]
+              for m in modules}
+    return prefill, decode, rng.standard_normal((steps + 1, 16), dtype=np.float32)
+
+
+def test_a_module_runs_directories_are_each_made_once(store, monkeypatch):
+    made: list[str] = []
+    real = os.mkdir
+
+    def counting(path, *a, **kw):
+        made.append(os.fspath(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(os, "mkdir", counting)
+    rng = np.random.default_rng(0)
+    with store.begin_run(engine="hf", model_path="m", dtype="float32") as run:
+        for p in range(2):
+            prefill, decode, logits = _module_prompt(rng)
+            write_prompt_modules(run, [1 + p, 2, 3, 4, 5], [6, 7, 8, 9, 10], prefill, decode, logits)
+    twice = sorted({d for d in made if made.count(d) > 1})
+    assert not twice, f"made more than once: {twice}"
+    assert len(store.captures(run.run_id)) == 2 * (2 + 2 * 4)  # tokens, logits, 4 modules x 2 phases
+
+
+def test_stored_bytes_are_the_chunk_files_on_disk_whichever_way_they_were_written(store):
+    # one-shot (kept by the writer), appended (queued on the pool) and unaligned (through zarr) writes
+    rng = np.random.default_rng(1)
+    with store.begin_run(engine="hf", model_path="m", dtype="float32") as run:
+        pid = run.add_prompt(list(range(1, 11)), continuation=[11, 12, 13, 14, 15, 16])
+        k = rng.standard_normal((2, 1, 16, 8), dtype=np.float32)
+        run.write_kv(pid, k, k)
+        for n in range(6):
+            run.append_logits(pid, rng.standard_normal(32, dtype=np.float32))
+        for step in range(3):
+            run.write_tensor(pid, "m.a", rng.standard_normal((1, 8), dtype=np.float32), step=step, phase="decode")
+        run.write_tensor_steps(pid, "m.b", rng.standard_normal((3, 1, 8), dtype=np.float32), [0, 1, 2])
+        run.write_tensor_steps(pid, "m.b", rng.standard_normal((1, 1, 8), dtype=np.float32), [3])  # chunk-aligned
+        run.write_tensor_steps(pid, "m.b", rng.standard_normal((1, 1, 8), dtype=np.float32), [4])  # inside chunk 1: zarr
+    assert run._arrays[(pid, "tensors/m.b/decode")].chunk_bytes is None  # so the store was asked
+    rows = store.captures(run.run_id).to_pylist()
+    assert len(rows) == 6
+    for r in rows:
+        on_disk = sum(f.stat().st_size for f in (store.root / r["path"] / "c").rglob("*") if f.is_file())
+        assert r["stored_bytes"] == on_disk > 0, r["array_name"]
