@@ -362,7 +362,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     # (file creation is most of a capture's store time: ~300 files a prompt); at most one prompt is
     # queued, so memory holds two prompts' tensors at most. A streamed model's memory plan holds one
     # group's, so it writes in turn.
-    background = sm is None and len(groups) > 1
+    background = BACKGROUND_WRITER and sm is None and len(groups) > 1
     run = writing = None
     with PeakMemory(device) as peak, rounding_as(model, kernel_rounding), \
             ThreadPoolExecutor(1, thread_name_prefix="capturestore-module-writer") as writer:
@@ -431,6 +431,9 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
         info["weight_passes"] = sm.loads / len(sm.units)
         info["prefetched_units"] = sm.prefetched
     return run.run_id
+
+
+BACKGROUND_WRITER = True  # capture_hf_module_run of a whole model writes on a thread (False: in turn)
 
 
 def write_prompt_modules(run, prompt, continuation, prefill, decode: dict, logits) -> str:

@@ -46,7 +46,7 @@ import numpy as np
 
 from .bc import DEFAULT_BINS, bhattacharyya_batched, numba_available
 from .errors import COS_EPS, EPS, as_float, cosine, rel_l2, rel_linf
-from .verdict import KVTensorVerdict, KVVerdictConfig, _all_finite, _fused_numbers, _tensor_verdict
+from .verdict import KVTensorVerdict, KVVerdictConfig, _all_finite, fused_tensor_numbers, _tensor_verdict
 
 __all__ = [
     "PHASE_ORDER",
@@ -489,7 +489,7 @@ class ModuleJudge:
             return ModuleVerdict(module, phase, layer, False, None, None, math.nan, None, 0, 0, None, None, None,
                                  "; ".join(slot["problems"]), n_nc)
         # a correct engine (every error finite): nothing to count or mask, one kernel pass
-        tv = _fused_numbers([m.base_err for m in ms], [m.tgt_err for m in ms], cfg.kv)
+        tv = fused_tensor_numbers([m.base_err for m in ms], [m.tgt_err for m in ms], cfg.kv)
         if tv is not None:
             bad = [0] * len(ms)
         else:

@@ -374,7 +374,7 @@ def _numbers_verdict(n, b_ms, t_ms, bc, noise_bc, q_b, q_t, q_even, q_odd, max_b
     return KVTensorVerdict(passed, why, n, sigma, bc, noise_bc, bc_bar, linf_ratio, spread, linf_bar, max_ratio)
 
 
-def _fused_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict | None:
+def fused_tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict | None:
     """``_tensor_numbers`` in one pass of ``metrics._fused.pooled_verdict_numbers`` over the
     chunks as they lie, or None where it does not apply: no numba, a numpy that sums or
     interpolates quantiles otherwise than the kernel replays (checked once), a chunk that is not
@@ -399,7 +399,7 @@ def _tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVe
     """The pooled numbers and pass / fail of one tensor (see the module docstring): in one pass of
     the fused kernel where it applies, else by numpy; the same numbers either way, bit for bit
     (tests/metrics/test_verdict_fused.py)."""
-    fused = _fused_numbers(base_chunks, tgt_chunks, cfg)
+    fused = fused_tensor_numbers(base_chunks, tgt_chunks, cfg)
     return fused if fused is not None else _tensor_numbers_numpy(base_chunks, tgt_chunks, cfg)
 
 

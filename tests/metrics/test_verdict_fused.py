@@ -75,7 +75,7 @@ def _pools(draw, max_chunks=6):
 def test_fused_verdict_numbers_equal_the_numpy_path(pool, q, margin, bins):
     base, tgt = pool
     cfg = KVVerdictConfig(bc_noise_margin=margin, linf_quantile=q, bins=bins)
-    got = verdict._fused_numbers(base, tgt, cfg)
+    got = verdict.fused_tensor_numbers(base, tgt, cfg)
     want = _tensor_numbers_numpy(base, tgt, cfg)
     if want.n_values == 0:  # nothing to judge: left to numpy
         assert got is None
@@ -100,7 +100,7 @@ def test_more_chunks_than_a_compiled_tuple_equal_the_numpy_path(pool, n_chunks):
         tgt.append(t[idx] if t.shape[0] else t)
     cfg = KVVerdictConfig()
     want = _tensor_numbers_numpy(base, tgt, cfg)
-    got = verdict._fused_numbers(base, tgt, cfg)
+    got = verdict.fused_tensor_numbers(base, tgt, cfg)
     assert (got is None) == (want.n_values == 0)
     if got is not None:
         assert repr(got) == repr(want)
@@ -186,14 +186,14 @@ def test_the_order_checks_refuse_a_kernel_one_ulp_off(monkeypatch):
     assert _fused.pairwise_order_holds() is False
     rng = np.random.default_rng(0)
     base = [np.abs(rng.standard_normal((4, 16))).astype(np.float32)]
-    assert verdict._fused_numbers(base, base, KVVerdictConfig()) is None
+    assert verdict.fused_tensor_numbers(base, base, KVVerdictConfig()) is None
     monkeypatch.setattr(_fused, "_pw_sum", real_sum)
     monkeypatch.setattr(_fused, "_PAIRWISE_OK", None)
     assert _fused.pairwise_order_holds() is True
     monkeypatch.setattr(_fused, "_quantile_of", lambda x, q: np.nextafter(np.float32(real_q(x, q)), np.float32(9)))
     monkeypatch.setattr(_fused, "_QUANTILE_OK", {})
     assert _fused.quantile_rule_holds(0.75) is False
-    assert verdict._fused_numbers(base, base, KVVerdictConfig()) is None
+    assert verdict.fused_tensor_numbers(base, base, KVVerdictConfig()) is None
     monkeypatch.setattr(_fused, "_quantile_of", real_q)
     monkeypatch.setattr(_fused, "_QUANTILE_OK", {})
     assert _fused.quantile_rule_holds(0.75) is True
@@ -206,5 +206,5 @@ def test_without_numba_the_numpy_path_runs(monkeypatch):
     monkeypatch.setattr(verdict, "numba_available", lambda: False)
     rng = np.random.default_rng(2)
     base = [np.abs(rng.standard_normal((6, 32))).astype(np.float32) for _ in range(3)]
-    assert verdict._fused_numbers(base, base, KVVerdictConfig()) is None
+    assert verdict.fused_tensor_numbers(base, base, KVVerdictConfig()) is None
     assert _tensor_numbers(base, base, KVVerdictConfig()).n_values == 3 * 6 * 32
