@@ -33,6 +33,7 @@ transformers and torch are imported lazily.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -362,7 +363,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     # (file creation is most of a capture's store time: ~300 files a prompt); at most one prompt is
     # queued, so memory holds two prompts' tensors at most. A streamed model's memory plan holds one
     # group's, so it writes in turn.
-    background = BACKGROUND_WRITER and sm is None and len(groups) > 1
+    background = sm is None and len(groups) > 1 and background_writes(model)
     run = writing = None
     with PeakMemory(device) as peak, rounding_as(model, kernel_rounding), \
             ThreadPoolExecutor(1, thread_name_prefix="capturestore-module-writer") as writer:
@@ -433,7 +434,28 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     return run.run_id
 
 
-BACKGROUND_WRITER = True  # capture_hf_module_run of a whole model writes on a thread (False: in turn)
+BACKGROUND_WRITER = None  # True / False: always / never write on a thread; None: background_writes decides
+
+
+def background_writes(model) -> bool:
+    """Whether ``capture_hf_module_run`` writes a prompt on a thread while the next prompt's
+    forwards run: when ``BACKGROUND_WRITER`` says so, else when the forwards leave a CPU to the
+    writer (the model on an accelerator, or torch's intra-op threads fewer than this process's
+    CPUs). Measured on 2 cores with torch on both (docs/module-compare.md): no gain, the writer's
+    Python competing with the forwards (random Llama 1024 x 8 layers, 4 prompts: 1.60x / 1.63x
+    the plain forwards with it, 1.56x / 1.51x in turn, FP32 / BF16)."""
+    if BACKGROUND_WRITER is not None:
+        return bool(BACKGROUND_WRITER)
+    import torch
+
+    p = next(model.parameters(), None)
+    if p is not None and p.device.type != "cpu":
+        return True
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return torch.get_num_threads() < cpus
 
 
 def write_prompt_modules(run, prompt, continuation, prefill, decode: dict, logits) -> str:

@@ -26,6 +26,35 @@ def llama(tiny_model):
     return path, load_hf_model(path, "float32")
 
 
+@pytest.fixture(autouse=True)
+def background_on(monkeypatch):
+    """These tests are about the writer thread: on, whatever this machine's CPUs say."""
+    monkeypatch.setattr(modules, "BACKGROUND_WRITER", True)
+
+
+def test_the_writer_thread_is_used_only_where_the_forwards_leave_a_cpu(llama, monkeypatch):
+    """Auto (BACKGROUND_WRITER None): a CPU model whose torch threads take every CPU writes in
+    turn (measured: no gain on 2 cores); one thread fewer than the CPUs, or the switch, writes on
+    the thread."""
+    import torch
+
+    _, model = llama
+    cpus = len(__import__("os").sched_getaffinity(0))
+    monkeypatch.setattr(modules, "BACKGROUND_WRITER", None)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(cpus)
+        assert modules.background_writes(model) is False
+        if cpus > 1:
+            torch.set_num_threads(cpus - 1)
+            assert modules.background_writes(model) is True
+    finally:
+        torch.set_num_threads(threads)
+    for switch in (True, False):
+        monkeypatch.setattr(modules, "BACKGROUND_WRITER", switch)
+        assert modules.background_writes(model) is switch
+
+
 def _prompts(n):
     rng = np.random.default_rng(n)
     return ([rng.integers(4, 200, size=6).tolist() for _ in range(n)],
