@@ -16,6 +16,20 @@ WRITER_SCRIPT = Path(__file__).with_name("writer_proc.py")
 
 
 @pytest.fixture
+def mkdirs(monkeypatch):
+    """Every os.mkdir call's path, in order."""
+    made: list[str] = []
+    real = os.mkdir
+
+    def counting(path, *a, **kw):
+        made.append(os.fspath(path))
+        return real(path, *a, **kw)
+
+    monkeypatch.setattr(os, "mkdir", counting)
+    return made
+
+
+@pytest.fixture
 def store(tmp_path: Path) -> Store:
     return Store.open(tmp_path / "store")
 

@@ -13,20 +13,6 @@ from capturestore.arrays import ArrayRef, create_array
 from capturestore.chunkio import MadeDirs, write_block
 
 
-@pytest.fixture
-def mkdirs(monkeypatch):
-    """Every os.mkdir call's path, in order."""
-    made: list[str] = []
-    real = os.mkdir
-
-    def counting(path, *a, **kw):
-        made.append(os.fspath(path))
-        return real(path, *a, **kw)
-
-    monkeypatch.setattr(os, "mkdir", counting)
-    return made
-
-
 def test_each_directory_is_made_once_however_many_files_go_into_it(tmp_path, mkdirs):
     dirs = MadeDirs(tmp_path)
     for name in ("a/b/c/x", "a/b/c/y", "a/b/z", "a/d/w"):

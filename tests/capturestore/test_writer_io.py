@@ -2,7 +2,6 @@
 made once) and what the catalogue records from it."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
@@ -18,15 +17,8 @@ def _module_prompt(rng, modules=("model.embed_tokens", "model.layers.0", "model.
     return prefill, decode, rng.standard_normal((steps + 1, 16), dtype=np.float32)
 
 
-def test_a_module_runs_directories_are_each_made_once(store, monkeypatch):
-    made: list[str] = []
-    real = os.mkdir
-
-    def counting(path, *a, **kw):
-        made.append(os.fspath(path))
-        return real(path, *a, **kw)
-
-    monkeypatch.setattr(os, "mkdir", counting)
+def test_a_module_runs_directories_are_each_made_once(store, mkdirs):
+    made = mkdirs
     rng = np.random.default_rng(0)
     with store.begin_run(engine="hf", model_path="m", dtype="float32") as run:
         for p in range(2):
