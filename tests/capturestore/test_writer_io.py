@@ -2,7 +2,6 @@
 made once) and what the catalogue records from it."""
 from __future__ import annotations
 
-
 import numpy as np
 
 from extractors.modules import write_prompt_modules
