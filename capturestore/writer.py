@@ -109,7 +109,7 @@ class _Buffer:
 @dataclass
 class _ArrayState:
     ref: ArrayRef
-    arr: zarr.Array
+    live: zarr.Array | None  # the open array; None once parked (``park``), reopened when needed
     kind: str
     ld: LogicalDtype
     dims: list[str]
@@ -124,10 +124,35 @@ class _ArrayState:
     steps_stored: int = 0  # how many of ``steps`` the array's attributes already hold
     # {chunk key: bytes} of every chunk file, while all were written here (None: ask the store)
     chunk_bytes: dict[str, int] | None = field(default_factory=dict)
+    zstore: Any = None  # where a parked array is reopened
+    parked: tuple | None = None  # (shape, chunks) of a parked array
+
+    @property
+    def arr(self) -> zarr.Array:
+        if self.live is None:
+            self.live = zarr.open_array(store=self.zstore, path=self.ref.path, mode="r+")
+            self.parked = None
+        return self.live
+
+    def park(self) -> None:
+        """Drop the open ``zarr.Array`` of an array written whole (its metadata and codec objects,
+        ~6 KB: with ~150 module arrays a prompt the run's memory grew ~1 MiB a prompt), keeping its
+        shape and chunks for the catalogue; a later append reopens it."""
+        if self.live is not None:
+            self.parked = (tuple(self.live.shape), tuple(self.live.chunks))
+            self.live = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.parked[0] if self.parked is not None else tuple(self.arr.shape)
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return self.parked[1] if self.parked is not None else tuple(self.arr.chunks)
 
     @property
     def logical_shape(self) -> tuple[int, ...]:
-        shape = list(self.arr.shape)
+        shape = list(self.shape)
         if self.buffer is not None:
             shape[self.buffer.axis] = self.length + self.buffer.fill
         return tuple(shape)
@@ -319,7 +344,7 @@ class RunWriter:
         shards = self.store._shard_shape(shape, chunks, ld.storage.itemsize) if one_shot else None
         arr = create_array(self.store._zstore, ref, shape, ld.storage, chunks, dims, attributes,
                            compression=self.compression, shards=shards, dirs=self._dirs)
-        st = _ArrayState(ref=ref, arr=arr, kind=kind, ld=ld, dims=dims, **state)
+        st = _ArrayState(ref=ref, live=arr, kind=kind, ld=ld, dims=dims, zstore=self.store._zstore, **state)
         self._arrays[(pid, name)] = st
         return st
 
@@ -659,6 +684,7 @@ class RunWriter:
                                  steps=list(steps))
             st.steps_stored = len(steps)
             self._write(st, bits)
+            st.park()  # written whole: the run keeps its shape, not the open array
             return
         if tuple(st.arr.shape[1:]) != arr.shape[1:] or st.ld.name != ld.name:
             raise ValueError(f"{where}: shape {arr.shape[1:]} {ld.name} disagrees with earlier steps of this "
@@ -680,12 +706,12 @@ class RunWriter:
     def _captures_table(self) -> pa.Table:
         rows = []
         for (pid, name), st in self._arrays.items():
-            shape = [int(s) for s in st.arr.shape]
+            shape = [int(s) for s in st.shape]
             rows.append({
                 "run_id": self.run_id, "prompt_id": pid, "array_name": name, "kind": st.kind,
                 "kv_group": st.kv_group, "module": st.module, "phase": st.phase,
                 "steps": st.steps if st.kind == "tensor" else None,
-                "shape": shape, "dimension_names": st.dims, "chunks": [int(c) for c in st.arr.chunks],
+                "shape": shape, "dimension_names": st.dims, "chunks": [int(c) for c in st.chunks],
                 "dtype": st.ld.name, "storage_dtype": st.ld.storage.name, "codec": CODEC_NAMES[self.compression],
                 "nbytes": int(np.prod(shape, dtype=np.int64)) * st.ld.numpy.itemsize,
                 "stored_bytes": (sum(st.chunk_bytes.values()) if st.chunk_bytes is not None
