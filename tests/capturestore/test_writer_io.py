@@ -55,7 +55,7 @@ def test_stored_bytes_are_the_chunk_files_on_disk_whichever_way_they_were_writte
 @pytest.mark.parametrize("where", ["dir", "memory"])
 def test_module_arrays_written_whole_are_parked_and_still_take_appended_steps(tmp_path, where):
     """A module run's writer keeps no open zarr.Array of an array written whole (each holds its
-    metadata and codec objects, ~6 KB: ~150 module arrays a prompt made a run's memory grow ~1 MiB
+    metadata and codec objects, ~3 KB: ~150 module arrays a prompt made a run's memory grow ~0.4 MiB
     a prompt); the catalogue's shape and chunks are the array's, and a step appended later
     reopens it and lands where a never-parked array's would."""
     store = Store.open(tmp_path / "s" if where == "dir" else f"memory://parked-{tmp_path.name}")
