@@ -50,7 +50,7 @@ from llvmlite import ir  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic, overload  # noqa: E402
 
-__all__ = ["kv_tensor_metrics", "kv_tensors_metrics", "hist_counts", "takes", "num_threads"]
+__all__ = ["kv_tensors_metrics", "hist_counts", "takes", "num_threads"]
 
 _F32 = np.float32
 _U32 = np.uint32
@@ -662,24 +662,17 @@ class _KVTensorJob:
         return dest, np.flatnonzero(flagged.any(axis=0))
 
 
-def kv_tensor_metrics(ref, act, exp, want_raw: bool, bins: int, dest=None):
-    """Metrics of one layer's K (or V), fused.
-
-    ref, act, exp: numpy ``[batch, kv_head, seq, head_dim]`` (exp None in two-way).
-    Returns ``(res, bad_positions)``: ``res`` as ``metrics.kv._one_tensor`` (``[batch, seq,
-    kv_head]`` arrays linf, l2, cos, base_linf, base_l2; ``bc [batch, seq]``; raw errors
-    ``[batch, seq, kv_head * head_dim]``), and the sorted positions (seq indices) the kernel
-    left to the numpy path because an input there is NaN or infinite (their values here are
-    NaN, BC 0, until the caller redoes them). dest: optional arrays of those names and shapes
-    (any strides) written in place and returned in ``res``.
-    """
-    return kv_tensors_metrics([(ref, act, exp, dest)], want_raw, bins)[0]
-
-
 def kv_tensors_metrics(items, want_raw: bool, bins: int):
-    """``kv_tensor_metrics`` of several tensors (``items``: ``(ref, act, exp, dest)``, e.g. one
-    layer's K and V) whose parts run on the threads together: one wait for all of them, not
-    one per tensor."""
+    """Metrics of several K / V tensors (``items``: ``(ref, act, exp, dest)``, e.g. one layer's
+    K and V; ref, act, exp numpy ``[batch, kv_head, seq, head_dim]``, exp None in two-way), their
+    parts run on the threads together: one wait for all of them, not one per tensor.
+
+    Returns ``[(res, bad_positions)]``: ``res`` as ``metrics.kv._one_tensor`` (``[batch, seq,
+    kv_head]`` arrays linf, l2, cos, base_linf, base_l2; ``bc [batch, seq]``; raw errors
+    ``[batch, seq, kv_head * head_dim]``), written into ``dest`` (arrays of those names and
+    shapes, any strides) where given; and the sorted positions (seq indices) the kernel left to
+    the numpy path because an input there is NaN or infinite (their values are NaN, BC 0, until
+    the caller redoes them)."""
     jobs = [_KVTensorJob(r, a, e, want_raw, bins, d) for r, a, e, d in items]
     _run_tasks([t for j in jobs for t in j.parts()])
     return [j.finish() for j in jobs]
