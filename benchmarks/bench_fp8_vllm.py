@@ -14,7 +14,7 @@ wrapper's cost, not vLLM's FP8 kernels.
 Goal: capture <= 2x the plain generate, the goal of the ordinary vLLM capture
 (``bench_vllm_capture.py``); printed met / MISSED next to the ratio, exit 1 when missed.
 
-Usage: python benchmarks/bench_fp8_vllm.py [--prompts 4] [--len 128] [--steps 16] [--repeat 2] [--kv-cache-dtype fp8]
+Usage: python benchmarks/bench_fp8_vllm.py [--prompts 8] [--len 128] [--steps 16] [--repeat 5] [--kv-cache-dtype fp8]
 """
 from __future__ import annotations
 
@@ -38,10 +38,10 @@ GOAL = 2.0
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--len", type=int, default=128)
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--kv-cache-dtype", default="fp8")
     a = ap.parse_args()
 
