@@ -37,13 +37,16 @@ def test_verdicts_and_exit_status(tmp_path):
     silent = _bench(tmp_path, "bench_silent.py", "print('ratio 0.5x')")
     broken = _bench(tmp_path, "bench_broken.py", "raise ValueError('boom')")
     info = _bench(tmp_path, "bench_info.py", "print('rate 3 MB/s'); print('info: no goal; a property of the API')")
-    r = _run(met, missed, silent, broken, info)
+    # a verdict the benchmark reports as data (an engine's NOT PASSED) is not its goal: its own word decides
+    data = _bench(tmp_path, "bench_data.py", "print('engine | verdict | goal | met'); print('vllm | NOT PASSED | no FAIL | met')")
+    r = _run(met, missed, silent, broken, info, data)
     assert r.returncode == 1, r.stdout + r.stderr
     assert _row(r.stdout, "bench_met.py")[-1] == "met"
     assert _row(r.stdout, "bench_missed.py")[-1] == "MISSED"
     assert _row(r.stdout, "bench_silent.py")[-1] == "no goal printed"
     assert _row(r.stdout, "bench_broken.py")[-1] == "FAILED (exit 1)"
     assert _row(r.stdout, "bench_info.py")[-1] == "informational (no goal)"
+    assert _row(r.stdout, "bench_data.py")[-1] == "met"
     assert "goal missed, not printed, or failed: bench_missed.py bench_silent.py bench_broken.py" in r.stdout
     # each benchmark's own output is passed through, then its line of figures
     assert "ratio 0.5x, goal <= 1x: met\n== bench_met.py: wall " in r.stdout
