@@ -92,42 +92,17 @@ def child_rss(n_prompts: int) -> None:
 def main(sections) -> None:
     import torch
 
-    from capturestore import Store
-    from extractors.hf import load_hf_model
     from extractors.models import tiny_model
-    from extractors.modules import DEFAULT_MODULES, capture_hf_module_run, capture_hf_modules
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     path = tiny_model(ARCH)
     prompts, conts = _tokens(8)
     rows = []
-    for dtype in (("float32", "bfloat16") if "capture" in sections else ()):
-        model = load_hf_model(path, dtype)
-        p, c = prompts[0], conts[0]
-        plain_forwards(model, p, c)  # warm-up
-        kept = []
-        with tempfile.TemporaryDirectory() as d:
-            store = Store.open(os.path.join(d, "s"))
-            t = best_of_interleaved({
-                "plain": lambda: plain_forwards(model, p, c),
-                "hooks": lambda: (kept.clear(), capture_hf_modules(model, p, c, lambda *a: kept.append(a[-1]),
-                                                                  DEFAULT_MODULES)),
-                "store": lambda: capture_hf_module_run(store, path, [p], [c], dtype=dtype, model=model)}, 5)
-        t_plain, t_hooks, t_store = t["plain"], t["hooks"], t["store"]
-        rows.append((f"plain forwards ({dtype}, 1 prefill + {DECODE_STEPS} decode)", f"{t_plain * 1e3:.1f} ms", "1.00x", ""))
-        rows.append((f"  (a) capture_hf_modules, {len(kept)} clones in memory", f"{t_hooks * 1e3:.1f} ms",
-                     f"{t_hooks / t_plain:.2f}x", _goal("<= 1.5x", t_hooks / t_plain <= 1.5)))
-        rows.append(("  (b) capture_hf_module_run into a store", f"{t_store * 1e3:.1f} ms", f"{t_store / t_plain:.2f}x",
-                     _goal("<= 1.5x", t_store / t_plain <= 1.5)))
-        n = len(prompts)  # (c): one run of every prompt, each written while the next one's forwards run
-        with tempfile.TemporaryDirectory() as d:
-            store = Store.open(os.path.join(d, "s"))
-            t = best_of_interleaved({
-                "plain": lambda: [plain_forwards(model, pp, cc) for pp, cc in zip(prompts, conts)],
-                "store": lambda: capture_hf_module_run(store, path, prompts, conts, dtype=dtype, model=model)}, 3)
-        rows.append((f"plain forwards ({dtype}, {n} prompts)", f"{t['plain'] * 1e3:.1f} ms", "1.00x", ""))
-        rows.append((f"  (c) capture_hf_module_run, {n} prompts in one run", f"{t['store'] * 1e3:.1f} ms",
-                     f"{t['store'] / t['plain']:.2f}x", _goal("<= 1.5x", t["store"] / t["plain"] <= 1.5)))
+    if "capture" in sections:
+        rows += capture_rows(path, prompts, conts, f"tiny {ARCH}", 5, with_run=True)
+    if "capture-1b" in sections:
+        rows += capture_rows(real_shape_model(), prompts[:1], [c[: REAL_DECODE_STEPS + 1] for c in conts[:1]],
+                             "1.5B Llama shape", 2, with_run=False)
 
     # 2. peak RSS, fresh processes
     rss = {}
@@ -146,6 +121,65 @@ def main(sections) -> None:
         rows += compare_rows(path, prompts, conts, "store" in sections)
 
     _print_rows(rows)
+
+
+REAL_DECODE_STEPS = 8  # decode forwards of the real-shape capture (each reads every weight)
+
+
+def real_shape_model():
+    """bench_main_job's random Llama of a small real model's shape (hidden 2048, 16 layers, GQA
+    32/8, MLP 8192, vocabulary 128,256: 1.5 B parameters), built once into .bench-tmp/."""
+    from pathlib import Path
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_main_job import FULL, build
+
+    return build(Path(__file__).resolve().parents[1] / ".bench-tmp" / "main-job-1b", FULL)
+
+
+def capture_rows(path, prompts, conts, label: str, repeat: int, with_run: bool) -> list:
+    """Section 1 on the model at ``path``: (a) hooks into memory and (b) a one-prompt store run
+    against the plain forwards of prompts[0], interleaved, best of ``repeat``, FP32 and BF16;
+    with_run: (c) every prompt in one run against their plain forwards, best of 3."""
+    import torch  # noqa: F401
+
+    from capturestore import Store
+    from extractors.hf import load_hf_model
+    from extractors.modules import DEFAULT_MODULES, capture_hf_module_run, capture_hf_modules
+
+    rows = []
+    steps = len(conts[0]) - 1
+    for dtype in ("float32", "bfloat16"):
+        model = load_hf_model(path, dtype)
+        p, c = prompts[0], conts[0]
+        plain_forwards(model, p, c)  # warm-up
+        kept = []
+        with tempfile.TemporaryDirectory() as d:
+            store = Store.open(os.path.join(d, "s"))
+            t = best_of_interleaved({
+                "plain": lambda: plain_forwards(model, p, c),
+                "hooks": lambda: (kept.clear(), capture_hf_modules(model, p, c, lambda *a: kept.append(a[-1]),
+                                                                  DEFAULT_MODULES)),
+                "store": lambda: capture_hf_module_run(store, path, [p], [c], dtype=dtype, model=model)}, repeat)
+        t_plain, t_hooks, t_store = t["plain"], t["hooks"], t["store"]
+        rows.append((f"plain forwards ({label}, {dtype}, 1 prefill of {len(p)} + {steps} decode)", f"{t_plain * 1e3:.1f} ms",
+                     "1.00x", ""))
+        rows.append((f"  (a) capture_hf_modules, {len(kept)} clones in memory", f"{t_hooks * 1e3:.1f} ms",
+                     f"{t_hooks / t_plain:.2f}x", _goal("<= 1.5x", t_hooks / t_plain <= 1.5)))
+        rows.append(("  (b) capture_hf_module_run into a store", f"{t_store * 1e3:.1f} ms", f"{t_store / t_plain:.2f}x",
+                     _goal("<= 1.5x", t_store / t_plain <= 1.5)))
+        if with_run:  # (c): one run of every prompt, each written while the next one's forwards run
+            n = len(prompts)
+            with tempfile.TemporaryDirectory() as d:
+                store = Store.open(os.path.join(d, "s"))
+                t = best_of_interleaved({
+                    "plain": lambda: [plain_forwards(model, pp, cc) for pp, cc in zip(prompts, conts)],
+                    "store": lambda: capture_hf_module_run(store, path, prompts, conts, dtype=dtype, model=model)}, 3)
+            rows.append((f"plain forwards ({label}, {dtype}, {n} prompts)", f"{t['plain'] * 1e3:.1f} ms", "1.00x", ""))
+            rows.append((f"  (c) capture_hf_module_run, {n} prompts in one run", f"{t['store'] * 1e3:.1f} ms",
+                         f"{t['store'] / t['plain']:.2f}x", _goal("<= 1.5x", t["store"] / t["plain"] <= 1.5)))
+        del model
+    return rows
 
 
 def compare_rows(path, prompts, conts, with_store: bool) -> list:
@@ -277,6 +311,7 @@ def _print_rows(rows) -> None:
 
 
 SECTIONS = ("capture", "rss", "compare", "store")
+EXTRA_SECTIONS = ("capture-1b",)  # only when asked: builds a 2.8 GiB checkpoint once, minutes on 2 cores
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child-rss":
@@ -286,11 +321,12 @@ if __name__ == "__main__":
 
         ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
         ap.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+                        help=f"comma-separated subset of {','.join(SECTIONS + EXTRA_SECTIONS)} (default: "
+                             f"{','.join(SECTIONS)})")
         ap.add_argument("--quick", action="store_true", help="only the in-memory module compare (--sections compare)")
         args = ap.parse_args()
         chosen = ["compare"] if args.quick else [x.strip() for x in args.sections.split(",") if x.strip()]
-        unknown = sorted(set(chosen) - set(SECTIONS))
+        unknown = sorted(set(chosen) - set(SECTIONS) - set(EXTRA_SECTIONS))
         if unknown:
-            ap.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+            ap.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS + EXTRA_SECTIONS)}")
         main(chosen)

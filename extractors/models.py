@@ -26,6 +26,7 @@ import json
 import os
 import random
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -358,16 +359,90 @@ def _canonical_config(path: Path) -> bytes:
     return json.dumps(cfg, sort_keys=True, separators=(",", ":")).encode()
 
 
-def model_content_hash(path) -> str:
+HASH_CACHE_VERSION = 1  # bump when what model_content_hash covers changes: old entries are then ignored
+RACY_NS = 3_000_000_000  # a file changed less than this before its hash began is not cached
+
+
+def _hash_inputs(path: Path) -> list[Path]:
+    """The files model_content_hash reads: config.json and the weights it chooses."""
+    st_files = sorted(path.glob("*.safetensors"))
+    weights = st_files or (sorted(path.glob("*.bin")) + sorted(path.glob("*.pt")))
+    return [path / "config.json", *weights]
+
+
+def _file_stamps(files: list[Path]) -> list:
+    """Per file: name, device, inode, size and both times in ns. Any write to a file changes its
+    ctime, which no call can set back (mtime can be: ``touch -r``), so equal stamps mean the
+    bytes were not written in between (git's index rests on the same rule)."""
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append([str(f.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns])
+    return out
+
+
+def _hash_cache_dir() -> Path:
+    return _cache_root().parent / "content-hashes"
+
+
+_HASH_MEMO: dict[str, str] = {}
+
+
+def model_content_hash(path, cache: bool = True) -> str:
     """sha256 hex of a checkpoint's weights and config (what the store records as model_hash).
 
     Covers ``config.json`` (canonical JSON, ``transformers_version`` dropped) and every weight
     file: safetensors as (name, dtype, shape, raw bytes) per tensor in name order, so the hash
     does not depend on how tensors are split across shards; other weight files by bytes.
+
+    Reading every weight costs seconds a GiB (3.6 s for a 2.8 GiB checkpoint here), and every
+    capture of a run records it, so with ``cache`` the result is kept per process and on disk
+    (``$CAPTURESTORE_CACHE/content-hashes``, default ``~/.cache/capturestore``) under the stamps
+    of the files it read (``_file_stamps``: inode, size, mtime and ctime): a later call whose
+    files carry the same stamps returns it without reading them. Nothing is kept when the stamps
+    after the read differ from those before it (a file written meanwhile) or a file changed less
+    than ``RACY_NS`` before the read (a second write within the filesystem's timestamp tick would
+    keep its stamps). An unwritable or unreadable cache is only a slower call; ``cache=False``
+    always reads.
     """
     path = Path(path)
     if not (path / "config.json").exists():
         raise ValueError(f"model_content_hash: {path} has no config.json")
+    if not cache:
+        return _content_hash(path)
+    files = _hash_inputs(path)
+    before = _file_stamps(files)
+    key = hashlib.sha256(json.dumps([HASH_CACHE_VERSION, before]).encode()).hexdigest()
+    if key in _HASH_MEMO:
+        return _HASH_MEMO[key]
+    entry = _hash_cache_dir() / f"{key}.json"
+    try:
+        got = json.loads(entry.read_text())
+        if got.get("stamps") == before and isinstance(got.get("sha256"), str) and len(got["sha256"]) == 64:
+            _HASH_MEMO[key] = got["sha256"]
+            return got["sha256"]
+    except (OSError, ValueError, AttributeError):
+        pass  # absent or unreadable: computed below
+    now = time.time_ns()
+    digest = _content_hash(path)
+    if _file_stamps(_hash_inputs(path)) != before or any(st[5] > now - RACY_NS for st in before):
+        # a file changed while it was read, or was written so recently that another write in the
+        # same timestamp tick (1-4 ms on Linux; 2 s on FAT) would leave its stamps as they are
+        # ("racy git"): nothing kept, the next call reads again
+        return digest
+    _HASH_MEMO[key] = digest
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_name(f".{entry.name}.{uuid.uuid4().hex}.tmp")
+        tmp.write_text(json.dumps({"stamps": before, "sha256": digest, "model": str(path.resolve())}))
+        os.replace(tmp, entry)
+    except OSError:
+        pass
+    return digest
+
+
+def _content_hash(path: Path) -> str:
+    """model_content_hash read from the files, no cache."""
     h = hashlib.sha256()
     h.update(b"config\0" + _canonical_config(path))
     st_files = sorted(path.glob("*.safetensors"))

@@ -259,3 +259,58 @@ def test_vllm_cpu_loads_every_arch_and_greedy_matches_hf(tiny_model):
             hf = model.generate(torch.tensor([prompt]), max_new_tokens=n_new, do_sample=False,
                                 pad_token_id=PAD_ID)[0, len(prompt):].tolist()
         assert vllm_tokens[arch] == hf, f"{arch}: vLLM greedy {vllm_tokens[arch]} != HF {hf}"
+
+
+def test_content_hash_is_read_once_and_read_again_after_any_write(tmp_path, monkeypatch):
+    """The hash is kept under the files' stamps: a second call (same process or a new one, via
+    the disk entry) reads no weight; a write to a weight file, even one that puts its mtime back,
+    changes ctime and so gets a fresh read; a file written less than RACY_NS ago is not kept; a
+    broken or unwritable cache only costs a read."""
+    import time as _time
+
+    from extractors import models as M
+
+    m = build_tiny_model("llama-gqa", tmp_path / "m", seed=3)
+    monkeypatch.setenv("CAPTURESTORE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(M, "_HASH_MEMO", {})
+    reads = []
+    real = M._content_hash
+    monkeypatch.setattr(M, "_content_hash", lambda p: reads.append(p) or real(p))
+    want = model_content_hash(m, cache=False)
+    assert len(reads) == 1
+
+    # written just now: racy, so read every time and nothing kept
+    assert model_content_hash(m) == want and model_content_hash(m) == want
+    assert len(reads) == 3 and not (tmp_path / "cache" / "content-hashes").exists()
+
+    monkeypatch.setattr(M, "RACY_NS", 0)
+    assert model_content_hash(m) == want and len(reads) == 4
+    entries = list((tmp_path / "cache" / "content-hashes").glob("*.json"))
+    assert len(entries) == 1 and json.loads(entries[0].read_text())["sha256"] == want
+    assert model_content_hash(m) == want and len(reads) == 4  # the process's memo
+    M._HASH_MEMO.clear()
+    assert model_content_hash(m) == want and len(reads) == 4  # the disk entry, as a new process
+
+    # one byte of a weight changed in place, mtime put back: same size, inode and mtime
+    f = m / "model.safetensors"
+    st = f.stat()
+    _time.sleep(0.05)  # past the timestamp tick of the stamps taken above
+    with open(f, "r+b") as fh:
+        fh.seek(st.st_size - 1)
+        b = fh.read(1)
+        fh.seek(st.st_size - 1)
+        fh.write(bytes([b[0] ^ 1]))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_mtime_ns == st.st_mtime_ns and f.stat().st_size == st.st_size
+    changed = model_content_hash(m)
+    assert len(reads) == 5 and changed != want and changed == model_content_hash(m, cache=False)
+
+    # a garbled entry is read over; an unwritable cache location still gives the hash
+    M._HASH_MEMO.clear()
+    for e in (tmp_path / "cache" / "content-hashes").glob("*.json"):
+        e.write_text('{"stamps": [], "sha256": 12')
+    assert model_content_hash(m) == changed
+    M._HASH_MEMO.clear()
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("CAPTURESTORE_CACHE", str(tmp_path / "not-a-dir"))
+    assert model_content_hash(m) == changed
