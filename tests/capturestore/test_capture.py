@@ -63,7 +63,7 @@ def test_an_unknown_capture_mode_is_refused_before_a_run_begins(tmp_path):
 
 
 def test_hf_and_fp8_runs_record_the_common_run_config(tmp_path):
-    hf = pytest.importorskip("extractors.hf")
+    from extractors import hf
     from extractors.models import tiny_model
     from nki_fp8.target import capture_fp8_kv_run
 

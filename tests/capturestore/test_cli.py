@@ -232,22 +232,11 @@ def test_calibrate_out_onto_an_existing_file_writes_nothing(kv_store, capsys, tm
     assert _tree(store.root) == before
 
 
-def _read_only_prefix(path) -> list[str]:
-    """Run a command with ``path`` bind-mounted read-only in a private mount namespace: unlike
-    chmod, this stops root too (the tests run as root here). Skips where user namespaces are off."""
-    prefix = ["unshare", "-rm", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(path)]
-    probe = subprocess.run([*prefix, "sh", "-c", 'touch "$0/.probe"', str(path)], capture_output=True, text=True)
-    if probe.returncode == 0 or "Read-only file system" not in probe.stderr:
-        if (path / ".probe").exists():
-            (path / ".probe").unlink()
-        pytest.skip(f"no read-only bind mount here (unshare -rm): {probe.stderr.strip()[:200]}")
-    return prefix
-
-
-def test_writing_commands_on_a_read_only_store_fail_in_one_line_with_nothing_written(kv_store, tmp_path):
+def test_writing_commands_on_a_read_only_store_fail_in_one_line_with_nothing_written(kv_store, tmp_path,
+                                                                                    read_only_prefix):
     store, (expected, actual) = kv_store
     S = ["--store", str(store.root)]
-    ro = _read_only_prefix(store.root)
+    ro = read_only_prefix(store.root)
     before = _tree(store.root)
     out = tmp_path / "scales"
     prompts = tmp_path / "p.txt"

@@ -284,7 +284,7 @@ def test_real_hf_captures_a_faulty_release_regresses_at_the_next_kv_layer_in_pre
     releases of a BF16 "engine": r1 (correct) and r2 (layer 1's o_proj output scaled by 1.1 by a
     forward hook, as extractors.faults does in vLLM; proven to change the logits first). A bug in
     layer 1 first shows in the KV of layer 2 (its input), from the prompt on: prefill."""
-    hf = pytest.importorskip("extractors.hf")
+    from extractors import hf
     from extractors.models import tiny_model
 
     path = tiny_model("llama-gqa")
@@ -324,7 +324,6 @@ def test_real_hf_module_captures_a_decode_only_fault_regresses_at_its_module_in_
     layer-1 o_proj output is scaled by 1.1 on decode steps only (a forward hook that fires when the
     step feeds one token), proven to change r2's decode logits and leave its prefill logit alone.
     The diff names that module and the decode phase; its prefill is no regression."""
-    pytest.importorskip("extractors.hf")
     from extractors.hf import load_hf_model
     from extractors.models import tiny_model
     from extractors.modules import capture_hf_module_run

@@ -212,7 +212,7 @@ def test_tensor_inputs_are_accepted_like_lists(models):
 
 
 def test_capture_hf_run_writes_what_the_extractors_return(models, tiny_model, tmp_path):
-    store_mod = pytest.importorskip("capturestore")
+    import capturestore as store_mod
     from extractors.models import model_content_hash
 
     path = tiny_model("gemma3-sliding")

@@ -7,9 +7,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-hf = pytest.importorskip("extractors.hf")
 
 from capturestore import Store  # noqa: E402
+from extractors import hf  # noqa: E402
 from extractors.models import tiny_model  # noqa: E402
 from nki_fp8.calibration import calibrate_kv_scales  # noqa: E402
 from nki_fp8.checkpoint import load_kv_scales  # noqa: E402

@@ -13,8 +13,8 @@ from capturestore import Store
 from tests.reports.conftest import REPO
 
 
-def _report(store_root, cid, out, *extra):
-    return subprocess.run([sys.executable, "-m", "capturestore.cli", "report", cid, "--store", str(store_root),
+def _report(store_root, cid, out, *extra, prefix=()):
+    return subprocess.run([*prefix, sys.executable, "-m", "capturestore.cli", "report", cid, "--store", str(store_root),
                            "--out", str(out), *extra], capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
@@ -55,12 +55,22 @@ def test_output_that_cannot_be_created(compared):
     assert "cannot be written" in line
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a mode-555 directory; /proc covers it above")
-def test_output_directory_without_write_permission(compared, tmp_path):
+def test_output_directory_that_cannot_be_written(compared, tmp_path, read_only_prefix):
+    # an existing directory: check_out_dir must probe it by writing, and leave it as it was.
+    # Mode 555 stops a non-root user; root ignores permission bits (CI runs as root), so there the
+    # directory is bind-mounted read-only in a private mount namespace instead.
     d = tmp_path / "ro"
-    d.mkdir(mode=0o555)
-    line = _one_error_line(_report(compared["store"].root, compared["ok"].comparison_id, d))
-    assert "cannot be written" in line and list(d.iterdir()) == []
+    if os.geteuid() == 0:
+        d.mkdir()
+        prefix = read_only_prefix(d)
+    else:
+        d.mkdir(mode=0o555)
+        prefix = ()
+    r = _report(compared["store"].root, compared["ok"].comparison_id, d, prefix=prefix)
+    assert "Traceback" not in r.stderr, r.stderr
+    line = _one_error_line(r)
+    assert f"output directory {d} cannot be written" in line, line
+    assert d.is_dir() and list(d.iterdir()) == []
 
 
 def test_empty_comparison(tmp_path):
