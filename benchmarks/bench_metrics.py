@@ -58,7 +58,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -69,6 +68,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from metrics.kv import KVRawErrors, aggregate_kv_bc_across_prompts, compare_kv_caches, resolve_backend  # noqa: E402
+from timing import peak_rss_mib  # noqa: E402  (benchmarks/ is on sys.path: run as a script)
 
 BF16 = ml_dtypes.bfloat16
 
@@ -200,16 +200,6 @@ def upstream_aggregate_loop(raws, prompt_lens, gens, layer_idx):
 def rss_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def peak_rss_mib():
-    # VmHWM belongs to this process image; getrusage's ru_maxrss survives exec and would
-    # report the parent's peak at fork time.
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def streaming_child(n_layers, heads, seq, dim):

@@ -40,16 +40,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo (run as a script)
-from timing import best_of, best_of_interleaved  # noqa: E402
+from timing import best_of, best_of_interleaved, peak_rss_mib  # noqa: E402
 
 ARCH, PROMPT_LEN, DECODE_STEPS = "gemma3-sliding", 16, 32
 
@@ -74,20 +72,6 @@ def plain_forwards(model, prompt, cont):
                   past_key_values=cache, use_cache=True)
 
 
-def peak_rss_kib() -> int:
-    """This process image's peak RSS (VmHWM). Not ru_maxrss: it survives exec, so a child started
-    by a parent holding 9 GiB (the capture-1b section's model) read 9 GiB before and after, and
-    the bounded-memory check compared two copies of the parent's figure."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # no /proc: the lifetime peak
-
-
 def child_rss(n_prompts: int) -> None:
     """In a fresh process: RSS before and peak RSS after a store capture of n_prompts."""
     import torch  # noqa: F401  (imported before the baseline RSS is read)
@@ -103,11 +87,11 @@ def child_rss(n_prompts: int) -> None:
     with tempfile.TemporaryDirectory() as d:
         store = Store.open(os.path.join(d, "s"))
         capture_hf_module_run(store, path, prompts[:1], conts[:1], dtype="bfloat16", model=model)  # warm-up
-        before = peak_rss_kib()
+        before = peak_rss_mib()  # VmHWM: ru_maxrss would hold the parent's peak (9 GiB after capture-1b)
         capture_hf_module_run(store, path, prompts, conts, dtype="bfloat16", model=model)
-        peak = peak_rss_kib()
+        peak = peak_rss_mib()
         stored = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
-    print(json.dumps({"before_mib": before / 1024, "peak_mib": peak / 1024, "stored_mib": stored / 2**20}))
+    print(json.dumps({"before_mib": before, "peak_mib": peak, "stored_mib": stored / 2**20}))
 
 
 def main(sections) -> None:
@@ -178,8 +162,6 @@ def capture_rows(path, prompts, conts, label: str, repeat: int, with_run: bool) 
     """Section 1 on the model at ``path``: (a) hooks into memory and (b) a one-prompt store run
     against the plain forwards of prompts[0], interleaved, best of ``repeat``, FP32 and BF16;
     with_run: (c) every prompt in one run against their plain forwards, best of 3."""
-    import torch  # noqa: F401
-
     from capturestore import Store
     from extractors.hf import load_hf_model
     from extractors.modules import DEFAULT_MODULES, capture_hf_module_run, capture_hf_modules
@@ -215,7 +197,7 @@ def capture_rows(path, prompts, conts, label: str, repeat: int, with_run: bool) 
             rows.append((f"plain forwards ({label}, {dtype}, {n} prompts)", f"{t['plain'] * 1e3:.1f} ms", "1.00x", ""))
             rows.append((f"  (c) capture_hf_module_run, {n} prompts in one run", f"{t['store'] * 1e3:.1f} ms",
                          f"{t['store'] / t['plain']:.2f}x", _goal("<= 1.5x", t["store"] / t["plain"] <= 1.5)))
-        del model
+        model = None  # the FP32 model freed before the BF16 one loads (6 GiB at the 1.5B shape)
     return rows
 
 

@@ -1,6 +1,20 @@
-"""Timing helper shared by the benchmark scripts (run as `python benchmarks/bench_*.py`, so this
-folder is on sys.path)."""
+"""Timing (and peak-memory) helpers shared by the benchmark scripts (run as
+`python benchmarks/bench_*.py`, so this folder is on sys.path)."""
+import resource
 import time
+
+
+def peak_rss_mib() -> float:
+    """This process image's peak RSS (VmHWM), MiB. Not getrusage's ru_maxrss: it survives exec,
+    so a child started by a parent holding 9 GiB reads 9 GiB before and after its own work."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # no /proc: the lifetime peak
 
 
 def best_of(fn, repeat: int) -> float:
