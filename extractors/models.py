@@ -445,14 +445,14 @@ def _content_hash(path: Path) -> str:
     """model_content_hash read from the files, no cache."""
     h = hashlib.sha256()
     h.update(b"config\0" + _canonical_config(path))
-    st_files = sorted(path.glob("*.safetensors"))
-    if st_files:
+    weights = _hash_inputs(path)[1:]  # the files the cache stamps: one rule for both
+    if weights and weights[0].suffix == ".safetensors":
         import torch
 
         from extractors.streamed import read_safetensors_header, safetensors_torch_dtype
 
         digests = {}  # name -> digest of (name, dtype, shape, bytes); sharding-independent
-        for f in st_files:
+        for f in weights:
             # plain chunked reads (no mmap, no whole-tensor copy): bounded memory on any model size
             with open(f, "rb", buffering=0) as fh:
                 for name, e in sorted(read_safetensors_header(f).items(), key=lambda x: x[1].offset):
@@ -470,10 +470,9 @@ def _content_hash(path: Path) -> str:
         for name in sorted(digests):
             h.update(digests[name])
     else:
-        bins = sorted(path.glob("*.bin")) + sorted(path.glob("*.pt"))
-        if not bins:
+        if not weights:
             raise ValueError(f"model_content_hash: {path} has no *.safetensors or *.bin weights")
-        for f in bins:
+        for f in weights:
             h.update(f"\0{f.name}\0".encode())
             with open(f, "rb") as fh:
                 for chunk in iter(lambda: fh.read(1 << 20), b""):
