@@ -499,8 +499,9 @@ class ModuleJudge:
                 with np.errstate(invalid="ignore"):
                     bad = [int(np.count_nonzero(~np.isfinite(m.tgt_err) & np.isfinite(m.base_err))) for m in ms]
                 tgt = [np.where(np.isfinite(m.tgt_err), m.tgt_err, np.nan) for m in ms]
-            # NaN where a reference is NaN too is excluded by the rule; a non-finite target error counts
-            tv = _tensor_verdict([m.base_err for m in ms], tgt, cfg.kv, sum(bad))
+            # NaN where a reference is NaN too is excluded by the rule; a non-finite target error counts.
+            # The fused pass declined these chunks above, and would again: numpy decides.
+            tv = _tensor_verdict([m.base_err for m in ms], tgt, cfg.kv, sum(bad), fused=False)
         l2r = np.concatenate([m.l2_ratio for m in ms])
         max_l2 = float(np.nanmax(l2r)) if np.isfinite(l2r).any() or np.isinf(l2r).any() else math.nan
         static = None if math.isnan(max_l2) else bool(max_l2 < cfg.max_l2_ratio)

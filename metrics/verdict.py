@@ -312,10 +312,12 @@ class KVVerdict:
         )
 
 
-def _tensor_verdict(base_chunks, tgt_chunks, cfg: KVVerdictConfig, n_nonfinite: int = 0) -> KVTensorVerdict:
+def _tensor_verdict(base_chunks, tgt_chunks, cfg: KVVerdictConfig, n_nonfinite: int = 0,
+                    fused: bool = True) -> KVTensorVerdict:
     """base_chunks/tgt_chunks: lists of [positions, width] arrays (one per prompt/row).
-    n_nonfinite: values non-finite in the actual where the references are finite (any fails)."""
-    t = _tensor_numbers(base_chunks, tgt_chunks, cfg)
+    n_nonfinite: values non-finite in the actual where the references are finite (any fails).
+    fused=False: the numpy path only (a caller whose fused_tensor_numbers already declined)."""
+    t = (_tensor_numbers if fused else _tensor_numbers_numpy)(base_chunks, tgt_chunks, cfg)
     if n_nonfinite:
         return dataclasses.replace(t, passed=False, decided_by=None, n_nonfinite=int(n_nonfinite))
     return t
