@@ -423,7 +423,8 @@ NP_SUM_MAX = 128  # BC bins up to which the kernel sums its terms itself
 
 @_njit()
 def _bc_terms_frac(h, st, frac, out):  # pragma: no cover - compiled
-    """``_bc_terms`` of two samples of n values each, frac[k] = k / (n + 1e-10) for k in
+    """out[j] = sqrt(p_j * q_j) of the two samples of n values each that ``_scatter2`` counted
+    into h (p = count / (n + 1e-10), as metrics.bc), with frac[k] = k / (n + 1e-10) for k in
     0..n: the same divisions, made once per tensor instead of twice per bin."""
     for j in range(out.size):
         out[j] = np.sqrt(frac[h[j] + h[st + j]] * frac[h[2 * st + j] + h[3 * st + j]])
