@@ -611,6 +611,8 @@ def num_threads() -> int:
 def _split_bounds(n_items, work):
     """Contiguous parts [(i0, i1), ...] of [0, n_items) for up to num_threads() threads."""
     parts = min(num_threads(), n_items, max(1, work // _MIN_SPLIT))
+    if parts == 1:  # most calls (a module tensor's rows): no linspace (~10 us)
+        return [(0, n_items)]
     bounds = np.linspace(0, n_items, parts + 1).astype(int)
     return [(int(bounds[i]), int(bounds[i + 1])) for i in range(parts)]
 
@@ -853,6 +855,98 @@ def _row_sums(b, e, a, be, te, acc, sums):  # pragma: no cover - compiled
     sums[6] = 0.0 + (s60 + s61)
 
 
+_SUM_ROWS = 4  # rows per block of _row_sums_simd
+
+
+@intrinsic
+def _row_sums_simd(typingctx, b, e, a, r, n, sums):  # pragma: no cover - compiled
+    """``_row_sums`` of rows r .. r + 3 of float32 C-contiguous [rows, n] b, e, a at once, for n
+    a multiple of 8, as LLVM ``<8 x double>`` vector code: sums[r + j, 0:7] (float64 [rows, 7],
+    C-contiguous). Each vector holds the two einsum lanes of four rows (row j's lane 0 and 1 in
+    elements 2j, 2j + 1); a block of 8 columns is loaded row by row and its column pairs gathered
+    across the rows (a 4 x 4 transpose of 64-bit pairs), then fed last pair first, as in
+    ``_row_sums``: every lane sees the same float64 products added in the same order, so the
+    bits are the scalar loop's. The errors |e - b|, |a - b| are formed in float32 as the kernel
+    forms them. Scalar, the 14 lane chains of a row cost ~4 ns an element: numba's loop
+    vectoriser does not reorder float sums and the SLP vectoriser is off."""
+    sig = types.void(b, e, a, r, n, sums)
+
+    def codegen(context, builder, signature, args):
+        b_v, e_v, a_v, r_v, n_v, s_v = args
+        tys = signature.args
+        i64, i32, f32, v8f, v8i = _ir_types(8)
+        f64 = ir.DoubleType()
+        v8d, v4q = ir.VectorType(f64, 8), ir.VectorType(i64, 4)
+        bp, ep, ap = (context.make_array(tys[k])(context, builder, v).data for k, v in enumerate((b_v, e_v, a_v)))
+        sp = context.make_array(tys[5])(context, builder, s_v).data
+        r = context.cast(builder, r_v, tys[3], types.int64)
+        n = context.cast(builder, n_v, tys[4], types.int64)
+        starts = [builder.mul(builder.add(r, ir.Constant(i64, j)), n) for j in range(_SUM_ROWS)]
+        absmask = ir.Constant(v8i, [0x7FFFFFFF] * 8)
+        acc = [cgutils.alloca_once_value(builder, ir.Constant(v8d, [0.0] * 8)) for _ in range(_MOD_SUMS)]
+
+        def mask(m):
+            return ir.Constant(ir.VectorType(i32, len(m)), m)
+
+        def pairs(p, i):  # [pair 0, .., pair 3] of columns i .. i + 7: <row 0 x2u, x2u+1, row 1 .., .., row 3 ..>
+            rows = [builder.bitcast(builder.load(builder.bitcast(builder.gep(p, [builder.add(st, i)]), v8f.as_pointer()),
+                                                 align=4), v4q) for st in starts]
+            t0 = builder.shuffle_vector(rows[0], rows[1], mask([0, 4, 2, 6]))  # r0p0 r1p0 r0p2 r1p2
+            t1 = builder.shuffle_vector(rows[0], rows[1], mask([1, 5, 3, 7]))  # r0p1 r1p1 r0p3 r1p3
+            t2 = builder.shuffle_vector(rows[2], rows[3], mask([0, 4, 2, 6]))
+            t3 = builder.shuffle_vector(rows[2], rows[3], mask([1, 5, 3, 7]))
+            c = [builder.shuffle_vector(t0, t2, mask([0, 1, 4, 5])), builder.shuffle_vector(t1, t3, mask([0, 1, 4, 5])),
+                 builder.shuffle_vector(t0, t2, mask([2, 3, 6, 7])), builder.shuffle_vector(t1, t3, mask([2, 3, 6, 7]))]
+            return [builder.bitcast(x, v8f) for x in c]
+
+        def absdiff(x, y):
+            return builder.bitcast(builder.and_(builder.bitcast(builder.fsub(x, y), v8i), absmask), v8f)
+
+        def add(k, x, y):
+            builder.store(builder.fadd(builder.load(acc[k]), builder.fmul(x, y)), acc[k])
+
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 0), n, ir.Constant(i64, 8), i64) as (i, _):
+            bs, es, as_ = pairs(bp, i), pairs(ep, i), pairs(ap, i)
+            for u in (3, 2, 1, 0):
+                x, y = absdiff(es[u], bs[u]), absdiff(as_[u], bs[u])
+                bd, ed, ad, xd, yd = (builder.fpext(v, v8d) for v in (bs[u], es[u], as_[u], x, y))
+                for k, (p, q) in enumerate(((bd, bd), (xd, xd), (yd, yd), (bd, ed), (ed, ed), (bd, ad), (ad, ad))):
+                    add(k, p, q)
+        zero = ir.Constant(f64, 0.0)
+        for k in range(_MOD_SUMS):
+            v = builder.load(acc[k])
+            for j in range(_SUM_ROWS):
+                lane = builder.fadd(builder.extract_element(v, ir.Constant(i32, 2 * j)),
+                                    builder.extract_element(v, ir.Constant(i32, 2 * j + 1)))
+                at = builder.add(builder.mul(builder.add(r, ir.Constant(i64, j)), ir.Constant(i64, _MOD_SUMS)),
+                                 ir.Constant(i64, k))
+                builder.store(builder.fadd(zero, lane), builder.gep(sp, [at]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _row_sums_block(b, e, a, r, n, sums):  # pragma: no cover - only its numba overload runs
+    raise NotImplementedError
+
+
+@overload(_row_sums_block, inline="always")
+def _row_sums_block_impl(b, e, a, r, n, sums):
+    """Whether rows r .. r + 3 got their sums from _row_sums_simd (n a multiple of 8, b, e, a
+    float32 and sums float64, all 2-D C-contiguous); False, nothing done, for anything else."""
+    def fits(t, dt):
+        return isinstance(t, types.Array) and t.dtype == dt and t.ndim == 2 and t.layout == "C"
+
+    if all(fits(t, types.float32) for t in (b, e, a)) and fits(sums, types.float64):
+        def impl(b, e, a, r, n, sums):
+            if n % 8 != 0 or n == 0:
+                return False
+            _row_sums_simd(b, e, a, r, n, sums)
+            return True
+        return impl
+    return lambda b, e, a, r, n, sums: False
+
+
 @_njit()
 def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bcv, bad):  # pragma: no cover
     """Rows [r0, r1) of float32 [rows, width] b (baseline), e (expected), a (actual).
@@ -874,7 +968,10 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bc
     last = _F32(bins - 1)
     zero = _F32(0.0)
     one = _F32(1.0)
+    vec_to = r0  # rows below this have their sums from _row_sums_simd
     for r in range(r0, r1):
+        if r >= vec_to and r + _SUM_ROWS <= r1 and _row_sums_block(b, e, a, r, n, sums):
+            vec_to = r + _SUM_ROWS
         br = b[r]
         er = e[r]
         ar = a[r]
@@ -900,7 +997,8 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bc
         if emax > _NONFINITE or dmax > _NONFINITE or bmax >= _NONFINITE:  # NaN error / infinite baseline
             bad[r] = 1
             continue
-        _row_sums(br, er, ar, ber, ter, acc, sums[r])
+        if r >= vec_to:
+            _row_sums(br, er, ar, ber, ter, acc, sums[r])
         maxes[r, 0] = _U32(bmax).view(np.float32)
         maxes[r, 1] = _U32(emax).view(np.float32)
         maxes[r, 2] = _U32(dmax).view(np.float32)
@@ -940,7 +1038,17 @@ def module_row_metrics(b, e, a, bins: int):
     """The per-row quantities of ``metrics.modules`` for float32 ``[rows, width]`` b, e, a
     (C-contiguous, width <= EINSUM_MAX_WIDTH): ``(base_err, tgt_err, sums [rows, 7], maxes
     [rows, 3], bc [rows], bad [rows])``; see ``_module_rows_kernel``. bc is NaN where bad."""
-    rows, n = b.shape
+    return module_row_metrics_parts([(b, e, a)], bins)
+
+
+def module_row_metrics_parts(parts, bins: int):
+    """``module_row_metrics`` of the rows of every ``(b, e, a)`` of parts (float32 ``[rows_k,
+    width]``, one width) stacked in order, each part read where it lies: the outputs are one
+    stack, the inputs are never copied into one (a stacked copy of three roles cost as much as
+    a fifth of the compare at a 1.5B shape). A kernel call per part (or per thread's share of a
+    large part) on the threads, writing into its rows of the outputs: ~1.5 us a call."""
+    n = parts[0][0].shape[1]
+    rows = sum(p[0].shape[0] for p in parts)
     be = np.empty((rows, n), np.float32)
     te = np.empty((rows, n), np.float32)
     sums = np.empty((rows, _MOD_SUMS))
@@ -950,11 +1058,17 @@ def module_row_metrics(b, e, a, bins: int):
     sq = np.zeros((0, 0) if fold else (rows, bins))
     bc = np.empty(rows)
     bad = np.zeros(rows, np.uint8)
-
-    def part(r0, r1):
-        _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bc, bad)
-
-    _run_split(part, rows, rows * n)
+    tasks = []
+    o = 0
+    for b, e, a in parts:
+        b, e, a = (np.ascontiguousarray(x) for x in (b, e, a))
+        m = b.shape[0]
+        out = (be[o:o + m], te[o:o + m], sums[o:o + m], maxes[o:o + m], sq if fold else sq[o:o + m], fold,
+               bc[o:o + m], bad[o:o + m])
+        tasks += [functools.partial(_module_rows_kernel, b, e, a, bins, r0, r1, *out)
+                  for r0, r1 in _split_bounds(m, m * n)]
+        o += m
+    _run_tasks(tasks)
     if not fold:
         bc = np.clip(sq.sum(axis=1), 0.0, 1.0)
     bc[bad != 0] = np.nan
@@ -967,15 +1081,16 @@ _EINSUM_OK = None
 def einsum_order_holds() -> bool:
     """Whether the installed numpy's ``einsum("ij,ij->i", x, y, dtype=float64)`` sums float32
     rows in the order ``_row_sums`` replays (checked once, on rows of every length up to 40 and
-    a few longer ones, values spread over many binades so that any other order shows)."""
+    a few longer ones, values spread over many binades so that any other order shows; 5 rows:
+    a block of four in ``_row_sums_simd`` where the width is a multiple of 8, one scalar)."""
     global _EINSUM_OK
     if _EINSUM_OK is None:
         rng = np.random.default_rng(20261202)
         ok = True
-        for n in [*range(1, 41), 127, 1000, 4099]:
-            x = (rng.standard_normal((3, n)) * np.exp2(rng.integers(-20, 20, (3, n)))).astype(np.float32)
-            y = (rng.standard_normal((3, n)) * np.exp2(rng.integers(-20, 20, (3, n)))).astype(np.float32)
-            z = (rng.standard_normal((3, n)) * np.exp2(rng.integers(-20, 20, (3, n)))).astype(np.float32)
+        for n in [*range(1, 41), 127, 1000, 4099, 4096]:
+            x = (rng.standard_normal((5, n)) * np.exp2(rng.integers(-20, 20, (5, n)))).astype(np.float32)
+            y = (rng.standard_normal((5, n)) * np.exp2(rng.integers(-20, 20, (5, n)))).astype(np.float32)
+            z = (rng.standard_normal((5, n)) * np.exp2(rng.integers(-20, 20, (5, n)))).astype(np.float32)
             _, _, sums, _, _, _ = module_row_metrics(x, y, z, 10)
             with np.errstate(all="ignore"):
                 be, te = np.abs(y - x), np.abs(z - x)
@@ -1064,19 +1179,9 @@ _P_FIELDS = 13
 
 
 @_njit()
-def _pw_leaf(a, o, n, square):  # pragma: no cover - compiled
-    """numpy's pairwise_sum of the n <= 128 values a[o:o + n] as float64 (squared if square):
-    below 8 values one running sum from -0.0, else 8 accumulators over blocks of 8, added as
-    ((0+1)+(2+3))+((4+5)+(6+7)), then the rest in order. A float32 square is exact in float64.
-    Unsigned indices: no negative-index wraparound code in the loop."""
-    o = _U64(o)
-    n = _U64(n)
-    if n < _U64(8):
-        res = -0.0
-        for i in range(n):
-            v = np.float64(a[o + _U64(i)])
-            res += v * v if square else v
-        return res
+def _pw_blocks_scalar(a, o, n, square):  # pragma: no cover - compiled
+    """``_pw_leaf``'s 8 accumulators over the first n - n % 8 values of a[o:] (n >= 8; o, n
+    unsigned), added ((0+1)+(2+3))+((4+5)+(6+7)); returns (that sum, n - n % 8)."""
     r0 = np.float64(a[o])
     r1 = np.float64(a[o + _U64(1)])
     r2 = np.float64(a[o + _U64(2)])
@@ -1121,7 +1226,72 @@ def _pw_leaf(a, o, n, square):  # pragma: no cover - compiled
             r6 += np.float64(a[p + _U64(6)])
             r7 += np.float64(a[p + _U64(7)])
             i += _U64(8)
-    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    return ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), m
+
+
+@intrinsic
+def _pw_blocks_simd(typingctx, a, o, m, square):  # pragma: no cover - compiled
+    """``_pw_blocks_scalar`` for float32 C-contiguous 1-D a and m a multiple of 8 (>= 8), as LLVM
+    ``<8 x double>`` vector code: accumulator j is lane j, started from the first block and added
+    block by block in order, then the same tree: the same bits. numba leaves the 8 scalar
+    accumulators scalar (~1 ns a value, two such sums per pooled verdict)."""
+    sig = types.float64(a, o, m, square)
+
+    def codegen(context, builder, signature, args):
+        a_v, o_v, m_v, sq_v = args
+        tys = signature.args
+        i64, i32, f32, v8f, _ = _ir_types(8)
+        v8d = ir.VectorType(ir.DoubleType(), 8)
+        base = builder.gep(context.make_array(tys[0])(context, builder, a_v).data,
+                           [context.cast(builder, o_v, tys[1], types.int64)])
+        m = context.cast(builder, m_v, tys[2], types.int64)
+        sq = context.cast(builder, sq_v, tys[3], types.boolean)
+
+        def block(at):
+            v = builder.fpext(builder.load(builder.bitcast(builder.gep(base, [at]), v8f.as_pointer()), align=4), v8d)
+            return builder.select(sq, builder.fmul(v, v), v)
+
+        acc = cgutils.alloca_once_value(builder, block(ir.Constant(i64, 0)))
+        with cgutils.for_range_slice(builder, ir.Constant(i64, 8), m, ir.Constant(i64, 8), i64) as (i, _):
+            builder.store(builder.fadd(builder.load(acc), block(i)), acc)
+        v = builder.load(acc)
+        e = [builder.extract_element(v, ir.Constant(i32, j)) for j in range(8)]
+        return builder.fadd(builder.fadd(builder.fadd(e[0], e[1]), builder.fadd(e[2], e[3])),
+                            builder.fadd(builder.fadd(e[4], e[5]), builder.fadd(e[6], e[7])))
+
+    return sig, codegen
+
+
+def _pw_blocks(a, o, n, square):  # pragma: no cover - only its numba overload runs
+    raise NotImplementedError
+
+
+@overload(_pw_blocks, inline="always")
+def _pw_blocks_impl(a, o, n, square):
+    """_pw_blocks_simd where a is float32, 1-D and C-contiguous; _pw_blocks_scalar otherwise."""
+    if isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1 and a.layout == "C":
+        def impl(a, o, n, square):
+            m = n - n % _U64(8)
+            return _pw_blocks_simd(a, o, m, square), m
+        return impl
+    return lambda a, o, n, square: _pw_blocks_scalar(a, o, n, square)
+
+
+@_njit()
+def _pw_leaf(a, o, n, square):  # pragma: no cover - compiled
+    """numpy's pairwise_sum of the n <= 128 values a[o:o + n] as float64 (squared if square):
+    below 8 values one running sum from -0.0, else 8 accumulators over blocks of 8, added as
+    ((0+1)+(2+3))+((4+5)+(6+7)), then the rest in order. A float32 square is exact in float64.
+    Unsigned indices: no negative-index wraparound code in the loop."""
+    o = _U64(o)
+    n = _U64(n)
+    if n < _U64(8):
+        res = -0.0
+        for i in range(n):
+            v = np.float64(a[o + _U64(i)])
+            res += v * v if square else v
+        return res
+    res, i = _pw_blocks(a, o, n, square)
     while i < n:
         v = np.float64(a[o + i])
         res += v * v if square else v

@@ -46,7 +46,8 @@ import numpy as np
 
 from .bc import DEFAULT_BINS, bhattacharyya_batched, numba_available
 from .errors import COS_EPS, EPS, as_float, cosine, rel_l2, rel_linf
-from .verdict import KVTensorVerdict, KVVerdictConfig, _all_finite, fused_tensor_numbers, _tensor_verdict
+from .verdict import (KVTensorVerdict, KVVerdictConfig, _all_finite, _tensor_verdict, fused_tensor_numbers,
+                      fused_tensor_numbers_many)
 
 __all__ = [
     "PHASE_ORDER",
@@ -241,14 +242,14 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
             out[i] = compare_module_tensors(b, e, a, m, ph, pos, bins=bins)
     for idx in groups.values():
         parts = [checked[i][0] for i in idx]
-        b = np.concatenate([p[0] for p in parts])
-        e = np.concatenate([p[1] for p in parts])
-        a = np.concatenate([p[2] for p in parts])
         bounds = np.cumsum([0] + [p[0].shape[0] for p in parts])
-        fused = _fused_rows(b, e, a, bins)
+        fused = _fused_rows([p[:3] for p in parts], bins)
         if fused is not None:  # one pass of metrics._fused: the same numbers (see _fused_rows)
             base_err, tgt_err, sums, row_max, bc, row_bad = fused
-        else:
+        else:  # numpy: over the rows of every tensor of this width stacked
+            b = np.concatenate([p[0] for p in parts])
+            e = np.concatenate([p[1] for p in parts])
+            a = np.concatenate([p[2] for p in parts])
             with np.errstate(invalid="ignore", over="ignore"):
                 base_err, tgt_err = np.abs(e - b), np.abs(a - b)
                 # the row maxima the L-inf needs also find the rows the single form would not call clean:
@@ -271,7 +272,7 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
                     c[rows] = f
         for k in np.flatnonzero(~clean):
             r0, r1 = bounds[k], bounds[k + 1]
-            bk, ek, ak = b[r0:r1], e[r0:r1], a[r0:r1]
+            bk, ek, ak = parts[k][:3]
             slow = (rel_linf(bk, ek), rel_linf(bk, ak), rel_l2(bk, ek), rel_l2(bk, ak), cosine(bk, ek),
                     cosine(bk, ak))
             for c, f in zip(cols, slow):
@@ -290,21 +291,22 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
     return out
 
 
-def _fused_rows(b, e, a, bins):
-    """``metrics._fused.module_row_metrics`` of a stack of rows, or None where it does not
-    apply: no numba, rows wider than einsum sums in one piece, or a numpy whose einsum sums
+def _fused_rows(parts, bins):
+    """``metrics._fused.module_row_metrics_parts`` of the rows of parts (``(b, e, a)`` float32
+    ``[rows, width]`` of one width, stacked in order, each read in place), or None where it does
+    not apply: no numba, rows wider than einsum sums in one piece, or a numpy whose einsum sums
     in another order than the kernel replays (checked once). Returns ``(base_err, tgt_err,
     sums, row_max, bc, row_bad)``: sums the seven float64 row sums of ``_metrics_from_sums``,
     row_max its three float32 row maxima, bc the row BCs (rows where row_bad is set are left
     to the numpy path: a NaN error, or an infinite baseline value)."""
-    if b.shape[1] > _MAX_FUSED_WIDTH or not b.shape[0] or not numba_available():
+    width = parts[0][0].shape[1]
+    if width > _MAX_FUSED_WIDTH or not sum(p[0].shape[0] for p in parts) or not numba_available():
         return None
     from . import _fused
 
     if not _fused.einsum_order_holds():
         return None
-    be, te, sums, maxes, bc, bad = _fused.module_row_metrics(np.ascontiguousarray(b), np.ascontiguousarray(e),
-                                                              np.ascontiguousarray(a), bins)
+    be, te, sums, maxes, bc, bad = _fused.module_row_metrics_parts(parts, bins)
     row_bad = bad == 1
     return be, te, tuple(sums.T), tuple(maxes.T), bc, row_bad
 
@@ -393,6 +395,9 @@ class ModulesVerdict:
                 f"or no position computed){skipped}")
 
 
+_NOT_YET = object()  # ModuleJudge._judge: the pool's fused numbers not computed by the caller
+
+
 class ModuleJudge:
     """Accumulates per-prompt module metrics, then judges every module and phase.
 
@@ -476,7 +481,9 @@ class ModuleJudge:
                 else:
                     slot[name].extend(items)
 
-    def _judge(self, module, phase, slot) -> ModuleVerdict:
+    def _judge(self, module, phase, slot, fused=_NOT_YET) -> ModuleVerdict:
+        """fused: the pool's fused_tensor_numbers when the caller computed it (verdict(), across
+        threads), else computed here."""
         cfg = self.config
         ms, prompts = slot["metrics"], slot["prompts"]
         n_tok = sum(m.positions.size for m in ms)
@@ -489,7 +496,8 @@ class ModuleJudge:
             return ModuleVerdict(module, phase, layer, False, None, None, math.nan, None, 0, 0, None, None, None,
                                  "; ".join(slot["problems"]), n_nc)
         # a correct engine (every error finite): nothing to count or mask, one kernel pass
-        tv = fused_tensor_numbers([m.base_err for m in ms], [m.tgt_err for m in ms], cfg.kv)
+        tv = fused_tensor_numbers([m.base_err for m in ms], [m.tgt_err for m in ms], cfg.kv) \
+            if fused is _NOT_YET else fused
         if tv is not None:
             bad = [0] * len(ms)
         else:
@@ -548,7 +556,12 @@ class ModuleJudge:
         missing from it go last, by name)."""
         rank = {m: i for i, m in enumerate(order or ())}
         keys = sorted(self._acc, key=lambda k: (_phase_rank(k[1]), rank.get(k[0], len(rank)), k[0]))
-        vs = tuple(self._judge(m, ph, self._acc[(m, ph)]) for m, ph in keys)
+        # the pools' kernel passes first, shared across threads; then each verdict in order
+        pools = [k for k in keys if self._acc[k]["metrics"]]
+        fused = dict(zip(pools, fused_tensor_numbers_many(
+            [([m.base_err for m in self._acc[k]["metrics"]], [m.tgt_err for m in self._acc[k]["metrics"]])
+             for k in pools], self.config.kv)))
+        vs = tuple(self._judge(m, ph, self._acc[(m, ph)], fused.get((m, ph))) for m, ph in keys)
         first = first_failing_module(vs)
         passed = bool(vs) and all(v.passed is True for v in vs)
         return ModulesVerdict(passed, vs, first, self.config)

@@ -48,6 +48,7 @@ Broken evidence never passes:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -395,6 +396,27 @@ def fused_tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTen
     n = r["n"]
     return _numbers_verdict(n, r["ss_b"] / n, r["ss_t"] / n, r["bc"], r["noise_bc"], r["q_b"], r["q_t"], r["q_even"],
                             r["q_odd"], r["max_b"], r["max_t"], cfg)
+
+
+def fused_tensor_numbers_many(pools, cfg: KVVerdictConfig) -> list:
+    """``fused_tensor_numbers`` of each ``(base_chunks, tgt_chunks)`` pool, in order: the first
+    here (the once-per-process order checks run in it), the rest shared across
+    ``metrics._fused``'s threads (the kernel releases the GIL; each pool's numbers are its own,
+    so the same bits whichever thread computes them)."""
+    out: list = [None] * len(pools)
+    if not pools:
+        return out
+    out[0] = fused_tensor_numbers(*pools[0], cfg)
+    if len(pools) > 1 and numba_available():
+        from . import _fused
+
+        def one(i):
+            out[i] = fused_tensor_numbers(*pools[i], cfg)
+
+        _fused._run_tasks([functools.partial(one, i) for i in range(1, len(pools))])
+    else:
+        out[1:] = [fused_tensor_numbers(*p, cfg) for p in pools[1:]]
+    return out
 
 
 def _tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict:

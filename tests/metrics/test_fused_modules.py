@@ -90,9 +90,34 @@ def test_the_einsum_order_is_replayed_or_the_kernel_is_not_used():
         if _fused.einsum_order_holds():
             _same_bits(sums, want, f"sums width {n}")
             _same_bits(maxes, np.stack([np.abs(x).max(1), be.max(1), te.max(1)], axis=1), "maxima")
-            assert mod._fused_rows(x, y, z, 100) is not None
+            assert mod._fused_rows([(x, y, z)], 100) is not None
         else:
-            assert mod._fused_rows(x, y, z, 100) is None
+            assert mod._fused_rows([(x, y, z)], 100) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(4, 13), width=st.sampled_from([8, 16, 24, 40, 64, 128, 1000, 2048, 8192]),
+       seed=st.integers(0, 2**32 - 1), spread=st.sampled_from([0, 30, 60]), nans=st.integers(0, 2))
+def test_row_sums_of_four_rows_at_once_are_each_rows_own(rows, width, seed, spread, nans):
+    """``_row_sums_simd`` (blocks of four rows of a width that is a multiple of 8) gives each row
+    the sums the scalar ``_row_sums`` gives it alone (a one-row call takes the scalar loop), bit
+    for bit, whatever the row's place in the block, with NaN rows beside it; and einsum's sums
+    where this numpy sums in that order. Values over up to 2**60 binades: any other order of
+    adds shows."""
+    rng = np.random.default_rng(seed)
+    x, y, z = ((rng.standard_normal((rows, width)) * np.exp2(rng.integers(-spread, spread + 1, (rows, width))))
+               .astype(np.float32) for _ in range(3))
+    for _ in range(nans):
+        y[rng.integers(rows), rng.integers(width)] = np.nan
+    be, te, sums, maxes, bc, bad = _fused.module_row_metrics(x, y, z, 100)
+    for r in np.flatnonzero(bad == 0):
+        one = _fused.module_row_metrics(x[r:r + 1].copy(), y[r:r + 1].copy(), z[r:r + 1].copy(), 100)
+        _same_bits(sums[r], one[2][0], f"row {r} of {rows} x {width}: sums")
+        _same_bits(bc[r], one[4][0], f"row {r}: bc")
+    if _fused.einsum_order_holds():
+        want = np.stack([np.einsum("ij,ij->i", p, q, dtype=np.float64) for p, q in
+                         ((x, x), (be, be), (te, te), (x, y), (y, y), (x, z), (z, z))], axis=1)
+        _same_bits(sums[bad == 0], want[bad == 0], "sums against einsum")
 
 
 def test_the_order_check_rejects_sums_one_ulp_off(monkeypatch):
@@ -114,7 +139,7 @@ def test_the_order_check_rejects_sums_one_ulp_off(monkeypatch):
 
 def test_wider_rows_than_one_einsum_buffer_take_the_numpy_path():
     x = np.ones((2, 8193), np.float32)
-    assert mod._fused_rows(x, x, x, 100) is None
+    assert mod._fused_rows([(x, x, x)], 100) is None
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -13,7 +13,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import metrics.verdict as verdict
@@ -104,6 +104,24 @@ def test_more_chunks_than_a_compiled_tuple_equal_the_numpy_path(pool, n_chunks):
     assert (got is None) == (want.n_values == 0)
     if got is not None:
         assert repr(got) == repr(want)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pools=st.lists(_pools(), min_size=1, max_size=12), nan_at=st.integers(-1, 11),
+       threads=st.sampled_from(["1", "2", "5"]))
+def test_pools_judged_on_threads_equal_each_pool_judged_alone(monkeypatch, pools, nan_at, threads):
+    """fused_tensor_numbers_many (ModuleJudge.verdict's pass over every module and phase, on the
+    kernel's threads) gives each pool what fused_tensor_numbers gives it alone, in order; a pool
+    holding a NaN gets None there as alone."""
+    if 0 <= nan_at < len(pools) and pools[nan_at][1][0].size:
+        pools[nan_at][1][0].reshape(-1)[0] = np.nan
+    monkeypatch.setenv("CAPTURESTORE_METRICS_THREADS", threads)
+    cfg = KVVerdictConfig()
+    got = verdict.fused_tensor_numbers_many(pools, cfg)
+    want = [verdict.fused_tensor_numbers(b, t, cfg) for b, t in pools]
+    assert [repr(g) for g in got] == [repr(w) for w in want]
+    if 0 <= nan_at < len(pools) and pools[nan_at][1][0].size:
+        assert got[nan_at] is None
 
 
 def test_chunks_of_alternating_widths_beyond_a_compiled_tuple_are_left_to_numpy():
