@@ -314,11 +314,13 @@ class KVVerdict:
 
 
 def _tensor_verdict(base_chunks, tgt_chunks, cfg: KVVerdictConfig, n_nonfinite: int = 0,
-                    fused: bool = True) -> KVTensorVerdict:
+                    fused: bool = True, numbers: KVTensorVerdict | None = None) -> KVTensorVerdict:
     """base_chunks/tgt_chunks: lists of [positions, width] arrays (one per prompt/row).
     n_nonfinite: values non-finite in the actual where the references are finite (any fails).
-    fused=False: the numpy path only (a caller whose fused_tensor_numbers already declined)."""
-    t = (_tensor_numbers if fused else _tensor_numbers_numpy)(base_chunks, tgt_chunks, cfg)
+    fused=False: the numpy path only (a caller whose fused_tensor_numbers already declined);
+    numbers: what the caller's fused_tensor_numbers(_many) gave for these chunks, if not None."""
+    t = numbers if numbers is not None else \
+        (_tensor_numbers if fused else _tensor_numbers_numpy)(base_chunks, tgt_chunks, cfg)
     if n_nonfinite:
         return dataclasses.replace(t, passed=False, decided_by=None, n_nonfinite=int(n_nonfinite))
     return t
@@ -500,12 +502,14 @@ def _nonfinite_counts(base, tgt, last_never_fed: bool = False):
 def _kv_verdict_over(chunks, layers, cfg, n_prompts, n_positions) -> KVVerdict:
     """chunks: list of (base_k, base_v, tgt_k, tgt_v, bad_k, bad_v), the first four
     [positions, layer, width], the non-finite counts [positions, layer]."""
+    # every layer's K and V pools through the fused pass first, on the threads; numpy for the rest
+    pools = [([c[kv][:, li] for c in chunks], [c[kv + 2][:, li] for c in chunks])
+             for li in range(len(layers)) for kv in (0, 1)]
+    numbers = fused_tensor_numbers_many(pools, cfg)
     lvs = []
     for li, name in enumerate(layers):
-        k = _tensor_verdict([c[0][:, li] for c in chunks], [c[2][:, li] for c in chunks], cfg,
-                            sum(int(c[4][:, li].sum()) for c in chunks))
-        v = _tensor_verdict([c[1][:, li] for c in chunks], [c[3][:, li] for c in chunks], cfg,
-                            sum(int(c[5][:, li].sum()) for c in chunks))
+        k, v = (_tensor_verdict(*pools[2 * li + kv], cfg, sum(int(c[kv + 4][:, li].sum()) for c in chunks),
+                                fused=False, numbers=numbers[2 * li + kv]) for kv in (0, 1))
         lvs.append(KVLayerVerdict(name, _both(k.passed, v.passed), k, v))
     first = next((lv.layer for lv in lvs if lv.passed is False), None)
     passed = bool(lvs) and all(lv.passed is True for lv in lvs)

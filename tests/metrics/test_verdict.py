@@ -305,3 +305,30 @@ def test_an_infinite_reference_value_neither_hides_a_bug_nor_fails_a_correct_eng
     v = aggregate_kv_verdict(raws(bug=False))
     assert v.passed, v.summary()
     assert v.layers[0].k.n_values == 3 * 12 * 64 - 1 and v.layers[0].v.n_values == 3 * 12 * 64
+
+
+def test_kv_verdict_on_the_threads_is_the_one_thread_verdict_and_numpys(monkeypatch):
+    """Every layer's K and V pools go through the fused pass on the threads
+    (fused_tensor_numbers_many): the verdict is the one-thread verdict and the numpy path's, to
+    the last bit (repr), with a NaN layer (numpy's masking path for that pool) and a bug beside
+    correct layers."""
+    import metrics.bc as bc_mod
+
+    rng = np.random.default_rng(12)
+
+    def bug(base, act):
+        act = _nan_layer("layers.1", "k")(base, act)
+        k, v = act["layers.3"]
+        act["layers.3"] = (k, bf16(np.asarray(v, np.float32) * 1.05))
+        return act
+
+    raws = [kv_prompt(rng, layers=6, bug=bug)[1] for _ in range(5)]
+    got = {}
+    for threads in ("1", "3"):
+        monkeypatch.setenv("CAPTURESTORE_METRICS_THREADS", threads)
+        got[threads] = repr(aggregate_kv_verdict(raws, prompt_lens=[8] * 5))
+    monkeypatch.setattr(bc_mod, "_NUMBA_OK", False)
+    v = aggregate_kv_verdict(raws, prompt_lens=[8] * 5)
+    assert got["1"] == got["3"] == repr(v)
+    assert not v.passed and v.first_failing_layer == "layers.1"
+    assert [lv.passed for lv in v.layers] == [True, False, True, False, True, True]
