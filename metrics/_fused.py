@@ -867,8 +867,9 @@ def _row_sums_simd(typingctx, b, e, a, r, n, sums):  # pragma: no cover - compil
     across the rows (a 4 x 4 transpose of 64-bit pairs), then fed last pair first, as in
     ``_row_sums``: every lane sees the same float64 products added in the same order, so the
     bits are the scalar loop's. The errors |e - b|, |a - b| are formed in float32 as the kernel
-    forms them. Scalar, the 14 lane chains of a row cost ~4 ns an element: numba's loop
-    vectoriser does not reorder float sums and the SLP vectoriser is off."""
+    forms them. numba compiles the scalar loop's 14 lane chains as scalar code (its loop
+    vectoriser does not reorder float sums, the SLP vectoriser is off): with this, the whole
+    per-row kernel on 2048-wide rows went from 2.83 to ~1.5 ns a value, one thread."""
     sig = types.void(b, e, a, r, n, sums)
 
     def codegen(context, builder, signature, args):
