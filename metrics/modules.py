@@ -46,8 +46,7 @@ import numpy as np
 
 from .bc import DEFAULT_BINS, bhattacharyya_batched, numba_available
 from .errors import COS_EPS, EPS, as_float, cosine, rel_l2, rel_linf
-from .verdict import (KVTensorVerdict, KVVerdictConfig, _all_finite, _tensor_verdict, fused_tensor_numbers,
-                      fused_tensor_numbers_many)
+from .verdict import KVTensorVerdict, KVVerdictConfig, _all_finite, _tensor_verdict, fused_tensor_numbers_many
 
 __all__ = [
     "PHASE_ORDER",
@@ -395,9 +394,6 @@ class ModulesVerdict:
                 f"or no position computed){skipped}")
 
 
-_NOT_YET = object()  # ModuleJudge._judge: the pool's fused numbers not computed by the caller
-
-
 class ModuleJudge:
     """Accumulates per-prompt module metrics, then judges every module and phase.
 
@@ -481,9 +477,9 @@ class ModuleJudge:
                 else:
                     slot[name].extend(items)
 
-    def _judge(self, module, phase, slot, fused=_NOT_YET) -> ModuleVerdict:
-        """fused: the pool's fused_tensor_numbers when the caller computed it (verdict(), across
-        threads), else computed here."""
+    def _judge(self, module, phase, slot, fused) -> ModuleVerdict:
+        """fused: the pool's fused_tensor_numbers (verdict() computes every pool's on the
+        threads first); None where the fused pass declined it or nothing was added."""
         cfg = self.config
         ms, prompts = slot["metrics"], slot["prompts"]
         n_tok = sum(m.positions.size for m in ms)
@@ -496,8 +492,7 @@ class ModuleJudge:
             return ModuleVerdict(module, phase, layer, False, None, None, math.nan, None, 0, 0, None, None, None,
                                  "; ".join(slot["problems"]), n_nc)
         # a correct engine (every error finite): nothing to count or mask, one kernel pass
-        tv = fused_tensor_numbers([m.base_err for m in ms], [m.tgt_err for m in ms], cfg.kv) \
-            if fused is _NOT_YET else fused
+        tv = fused
         if tv is not None:
             bad = [0] * len(ms)
         else:
