@@ -233,8 +233,9 @@ class LocalBackend(Backend):
         return str(self._p(rel))
 
     def read(self, rel: str) -> bytes:
-        try:
-            return self._p(rel).read_bytes()
+        try:  # a str path (pathlib's joins were ~30 us a read: a module compare reads thousands)
+            with open(f"{self.url}/{rel}" if rel else self.url, "rb") as f:
+                return f.read()
         except (IsADirectoryError, NotADirectoryError):
             raise FileNotFoundError(self.where(rel)) from None
 

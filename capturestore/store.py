@@ -88,6 +88,11 @@ def _is_layout_entry(name: str) -> bool:
     return name in _LAYOUT_ENTRIES or name.startswith(".")
 
 
+
+def _plain_name(name: Any) -> bool:
+    """A str that names one directory entry (no separator, not '', '.' or '..')."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
+
 class Store:
     """A capture store: a directory, ``s3://bucket/prefix`` or ``memory://name``. Open with
     ``Store.open(path)``. Every method is written once over its ``backend`` (backends.py), which
@@ -376,17 +381,24 @@ class Store:
         self._require_run(run_id)
         if not isinstance(prompt_id, str):
             raise ValueError(f"run {run_id} has no prompt {prompt_id!r}")
+        got = self._ref_if_present(run_id, prompt_id, name)
+        if got is None:
+            if not self.backend.listdir(f"{ARRAYS_DIR}/{run_id}/{prompt_id}"):
+                raise ValueError(f"run {run_id} has no prompt {prompt_id!r}")
+            have = sorted(self._array_names(run_id, prompt_id))
+            raise ValueError(f"run {run_id}, prompt {prompt_id} has no array {name!r}; it has {have}")
+        return got
+
+    def _ref_if_present(self, run_id: str, prompt_id: str, name: str) -> tuple[ArrayRef, dict[str, Any]] | None:
+        """``_ref`` of an array that is there, None where its zarr.json is missing (no listing:
+        the caller names what is missing); StoreError where it is unreadable."""
         ref = ArrayRef(run_id, prompt_id, name)
         if ref.path in self._array_meta:
             return ref, self._array_meta[ref.path]
-        b = self.backend
         try:
-            raw = b.read(f"{ARRAYS_DIR}/{ref.path}/zarr.json")
+            raw = self.backend.read(f"{ARRAYS_DIR}/{ref.path}/zarr.json")
         except FileNotFoundError:
-            if not b.listdir(f"{ARRAYS_DIR}/{run_id}/{prompt_id}"):
-                raise ValueError(f"run {run_id} has no prompt {prompt_id!r}") from None
-            have = sorted(self._array_names(run_id, prompt_id))
-            raise ValueError(f"run {run_id}, prompt {prompt_id} has no array {name!r}; it has {have}") from None
+            return None
         except OSError as e:
             raise StoreError(f"{ref.where()}: array metadata zarr.json is unreadable ({e})") from None
         try:
@@ -417,7 +429,8 @@ class Store:
                 got = b.read_many([f"{base}/{k}" for k in keys])
                 return {k: got[f"{base}/{k}"] for k in keys}
 
-            bits = read_region(None if b.path is None else b.path / base, shape, chunks, np.dtype(meta["data_type"]),
+            local = None if b.path is None else f"{os.fspath(b.path)}/{base}"  # a str: no pathlib per read
+            bits = read_region(local, shape, chunks, np.dtype(meta["data_type"]),
                                region, ref.where(), compressed=len(codecs) == 3,
                                fetch=fetch if b.path is None else None)
         else:  # sharded or another codec chain: zarr decodes (its crc32c codec checks every inner chunk)
@@ -479,6 +492,19 @@ class Store:
         """A module tensor: [step, ...] of one phase (step=None), or one step's array."""
         check_module_name(module)
         self._require_run(run_id)
+        if isinstance(prompt_id, str) and _plain_name(phase):
+            # the phase named: its zarr.json read at once (no existence check first: a stat here, a
+            # HEAD request on object storage); only where it is missing does the listing below run
+            got = self._ref_if_present(run_id, prompt_id, f"tensors/{module}/{phase}")
+            if got is not None:
+                ref, meta = got
+                if step is None:
+                    return self._read(ref, meta, None, as_torch)
+                steps = list(meta["attributes"].get("steps", []))
+                if step in steps:
+                    i = steps.index(step)
+                    return self._read(ref, meta, (slice(i, i + 1),), as_torch)[0]
+                raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no step {step} in phases {[phase]}")
         phases = self._tensor_phases(run_id, str(prompt_id), module, phase)
         if not phases:
             raise ValueError(f"run {run_id}, prompt {prompt_id} has no tensor for module {module!r}")
@@ -503,8 +529,7 @@ class Store:
         """The module's phases; only ``[phase]`` when that one is there (no listing: the others are
         only named in errors)."""
         b, mdir = self.backend, f"{ARRAYS_DIR}/{run_id}/{prompt_id}/tensors/{module}"
-        if (isinstance(phase, str) and phase not in ("", ".", "..") and "/" not in phase and os.sep not in phase
-                and b.exists(f"{mdir}/{phase}/zarr.json")):
+        if _plain_name(phase) and b.exists(f"{mdir}/{phase}/zarr.json"):
             return [phase]
         names = b.listdir(mdir)
         have = b.read_many([f"{mdir}/{n}/zarr.json" for n in names])

@@ -127,3 +127,32 @@ def test_decode_chunks_are_bounded_by_the_target_chunk_size(tmp_path):
     got = store.read_tensor(w.run_id, pid, "m.a", phase="decode")
     assert np.array_equal(got, np.concatenate([steps, steps[:1] + 1]))
     assert store.verify().ok
+
+
+@pytest.mark.parametrize("backend", ["local", "memory"])
+def test_a_named_phase_is_read_without_an_existence_request(tmp_path, monkeypatch, backend):
+    """read_tensor(phase=...) reads the phase's zarr.json at once: no ``exists`` first (a stat on a
+    disk, a HEAD request on object storage, per tensor of a module compare). A phase or a step
+    that is not there still gets its one line naming what the module has."""
+    import uuid
+
+    url = str(tmp_path / "s") if backend == "local" else f"memory://chunks-{uuid.uuid4().hex[:12]}"
+    store = Store.open(url)
+    steps = np.arange(12, dtype=np.float32).reshape(3, 1, 4)
+    with store.begin_run("hf", "m", dtype="float32") as w:
+        pid = w.add_prompt([1, 2], continuation=[3, 4, 5])
+        w.write_tensor_steps(pid, "m.a", steps, range(3), phase="decode")
+        w.write_tensor(pid, "m.a", steps[0] + 100, step=0, phase="prefill")
+    asked = []
+    real_exists = type(store.backend).exists
+    monkeypatch.setattr(type(store.backend), "exists", lambda self, rel: asked.append(rel) or real_exists(self, rel))
+    assert np.array_equal(store.read_tensor(w.run_id, pid, "m.a", phase="decode"), steps)
+    assert np.array_equal(store.read_tensor(w.run_id, pid, "m.a", phase="decode", step=2), steps[2])
+    assert np.array_equal(store.read_tensor(w.run_id, pid, "m.a", phase="prefill"), (steps[0] + 100)[None])
+    assert asked == []
+    with pytest.raises(ValueError, match=r"module m.a: no phase 'verify'; it has \['decode', 'prefill'\]"):
+        store.read_tensor(w.run_id, pid, "m.a", phase="verify")
+    with pytest.raises(ValueError, match=r"module m.a: no step 7 in phases \['decode'\]"):
+        store.read_tensor(w.run_id, pid, "m.a", phase="decode", step=7)
+    with pytest.raises(ValueError, match=r"has no tensor for module 'm.b'"):
+        store.read_tensor(w.run_id, pid, "m.b", phase="decode")
