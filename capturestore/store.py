@@ -88,10 +88,10 @@ def _is_layout_entry(name: str) -> bool:
     return name in _LAYOUT_ENTRIES or name.startswith(".")
 
 
-
 def _plain_name(name: Any) -> bool:
     """A str that names one directory entry (no separator, not '', '.' or '..')."""
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
+
 
 class Store:
     """A capture store: a directory, ``s3://bucket/prefix`` or ``memory://name``. Open with
@@ -492,20 +492,14 @@ class Store:
         """A module tensor: [step, ...] of one phase (step=None), or one step's array."""
         check_module_name(module)
         self._require_run(run_id)
-        if isinstance(prompt_id, str) and _plain_name(phase):
-            # the phase named: its zarr.json read at once (no existence check first: a stat here, a
-            # HEAD request on object storage); only where it is missing does the listing below run
+        known = {}  # phase: (ref, meta) already read
+        tried = isinstance(prompt_id, str) and _plain_name(phase)
+        if tried:  # the phase named: its zarr.json read at once (no existence check first: a stat
+            # here, a HEAD request on object storage); only where it is missing are phases listed
             got = self._ref_if_present(run_id, prompt_id, f"tensors/{module}/{phase}")
             if got is not None:
-                ref, meta = got
-                if step is None:
-                    return self._read(ref, meta, None, as_torch)
-                steps = list(meta["attributes"].get("steps", []))
-                if step in steps:
-                    i = steps.index(step)
-                    return self._read(ref, meta, (slice(i, i + 1),), as_torch)[0]
-                raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no step {step} in phases {[phase]}")
-        phases = self._tensor_phases(run_id, str(prompt_id), module, phase)
+                known[phase] = got
+        phases = [phase] if known else self._tensor_phases(run_id, str(prompt_id), module, None if tried else phase)
         if not phases:
             raise ValueError(f"run {run_id}, prompt {prompt_id} has no tensor for module {module!r}")
         if phase is not None:
@@ -513,7 +507,7 @@ class Store:
                 raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no phase {phase!r}; it has {phases}")
             phases = [phase]
         for ph in phases:
-            ref, meta = self._ref(run_id, prompt_id, f"tensors/{module}/{ph}")
+            ref, meta = known[ph] if ph in known else self._ref(run_id, prompt_id, f"tensors/{module}/{ph}")
             steps = list(meta["attributes"].get("steps", []))
             if step is None:
                 if len(phases) > 1:
