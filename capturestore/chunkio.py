@@ -16,6 +16,7 @@ import functools
 import itertools
 import os
 import struct
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -229,38 +230,70 @@ def wait_all(futures: list) -> None:
         raise first
 
 
-def _read_chunk(path: Path | str, chunks: tuple[int, ...], dtype: np.dtype, where: str, key: str,
-                compressed: bool) -> np.ndarray:
+# A chunk file is read into a buffer its reading thread keeps (up to this size): a fresh ``bytes``
+# per chunk is a fresh mapping for a chunk of megabytes, every page of it faulted in and cleared
+# before the file's bytes are copied over it (bench_store.py's KV read).
+_KEEP_READ_BUFFER = 16 << 20
+_read_buffers = threading.local()
+
+
+def _file_bytes(path: str) -> memoryview | None:
+    """The bytes of the file at ``path`` (None if it does not exist), valid until this thread's
+    next call: read into the thread's kept buffer, or into a fresh one above _KEEP_READ_BUFFER."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        data = None
-    return decode_chunk(data, chunks, dtype, where, key, compressed)
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        buf = getattr(_read_buffers, "buf", None)
+        if buf is None or len(buf) < size + 1:
+            buf = bytearray(size + 1)  # one byte more than the file: a file grown since fstat is seen
+            if len(buf) <= _KEEP_READ_BUFFER:
+                _read_buffers.buf = buf
+        view, got = memoryview(buf), 0
+        while got < len(view):
+            n = os.readv(fd, [view[got:]])
+            if n == 0:
+                return view[:got]
+            got += n
+    finally:
+        os.close(fd)
+    with open(path, "rb") as f:  # it grew while read: read it whole
+        return memoryview(f.read())
 
 
-def decode_chunk(data: bytes | None, chunks: tuple[int, ...], dtype: np.dtype, where: str, key: str,
-                 compressed: bool) -> np.ndarray:
-    """One chunk's array from its stored bytes (None: missing), its CRC32C checked first."""
+def decode_chunk(data, chunks: tuple[int, ...], dtype: np.dtype, where: str, key: str,
+                 compressed: bool, out: np.ndarray | None = None) -> np.ndarray:
+    """One chunk's array from its stored bytes (None: missing), its CRC32C checked first.
+
+    ``out``: a C-contiguous array of the chunk's shape and dtype to decode into (returned),
+    else a new one."""
     if data is None:
         raise CorruptChunkError(f"{where}, chunk {key}: chunk file is missing")
     if len(data) < 4:
         raise CorruptChunkError(f"{where}, chunk {key}: chunk file is truncated ({len(data)} bytes)")
     mv = memoryview(data)
-    stored = struct.unpack("<I", data[-4:])[0]
+    stored = struct.unpack_from("<I", mv, len(mv) - 4)[0]
     computed = crc32c.crc32c(mv[:-4])
     if stored != computed:
         raise CorruptChunkError(
             f"{where}, chunk {key}: checksum mismatch (stored crc32c {stored:#010x}, computed {computed:#010x})"
         )
-    out = np.empty(chunks, dtype)
+    out = np.empty(chunks, dtype) if out is None else out
+    dest = out.reshape(-1).view(np.uint8)
     if not compressed:
         if len(mv) - 4 != out.nbytes:
             raise CorruptChunkError(f"{where}, chunk {key}: {len(mv) - 4} bytes where {out.nbytes} were expected")
-        out.reshape(-1).view(np.uint8)[:] = np.frombuffer(mv[:-4], np.uint8)
+        dest[:] = np.frombuffer(mv[:-4], np.uint8)
         return out
+    # blosc decodes a frame of fewer bytes than its destination and leaves the rest as it was: the
+    # frame's own size (header bytes 4-7) must be the chunk's
+    held = struct.unpack_from("<I", mv, 4)[0] if len(mv) >= 20 else None
+    if held is not None and held != out.nbytes:
+        raise CorruptChunkError(f"{where}, chunk {key}: blosc frame of {held} bytes where {out.nbytes} were expected")
     try:
-        Blosc().decode(mv[:-4], out=out.reshape(-1).view(np.uint8))
+        Blosc().decode(mv[:-4], out=dest)
     except Exception as e:  # noqa: BLE001 - a valid CRC over an undecodable frame
         raise CorruptChunkError(f"{where}, chunk {key}: cannot decode ({e})") from None
     return out
@@ -283,16 +316,18 @@ def read_region(array_dir: Path | None, shape: tuple[int, ...], chunks: tuple[in
 
     def one(idx: tuple[int, ...]) -> None:
         key = chunk_key(idx)
-        if fetched is None:
-            chunk = _read_chunk(os.path.join(base, key), chunks, dtype, where, key, compressed)
-        else:
-            chunk = decode_chunk(fetched.get(key), chunks, dtype, where, key, compressed)
-        src, dst = [], []
+        src, dst, whole = [], [], True
         for i, c, (a, b) in zip(idx, chunks, bounds):
             lo, hi = max(a, i * c), min(b, (i + 1) * c)
             src.append(slice(lo - i * c, hi - i * c))
             dst.append(slice(lo - a, hi - a))
-        out[tuple(dst)] = chunk[tuple(src)]
+            whole = whole and lo == i * c and hi == (i + 1) * c
+        into = out[tuple(dst)] if whole else None  # a whole chunk decodes in place when its part of out is contiguous
+        into = into if into is not None and into.flags.c_contiguous else None
+        data = _file_bytes(os.path.join(base, key)) if fetched is None else fetched.get(key)
+        chunk = decode_chunk(data, chunks, dtype, where, key, compressed, out=into)
+        if into is None:
+            out[tuple(dst)] = chunk[tuple(src)]
 
     idxs = list(itertools.product(*ranges))
     if len(idxs) == 1:

@@ -1,16 +1,23 @@
-"""capturestore.chunkio.MadeDirs: a writer makes each directory of its arrays once, and still
-writes a file whose directory another writer (gc, an abort) removed behind its back."""
+"""capturestore.chunkio: a writer makes each directory of its arrays once (MadeDirs), and still
+writes a file whose directory another writer (gc, an abort) removed behind its back; read_region
+returns exactly the slice written, and a chunk that decodes short is corrupt."""
 from __future__ import annotations
 
 import os
 import shutil
+import struct
 
+import crc32c
 import numpy as np
 import pytest
 import zarr
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from capturestore import chunkio
 from capturestore.arrays import ArrayRef, create_array
-from capturestore.chunkio import MadeDirs, write_block
+from capturestore.chunkio import MadeDirs, read_region, write_block
+from capturestore.errors import CorruptChunkError
 
 
 def test_each_directory_is_made_once_however_many_files_go_into_it(tmp_path, mkdirs):
@@ -55,3 +62,68 @@ def test_a_group_removed_behind_its_back_gets_its_zarr_json_again(tmp_path):
                  dirs=dirs)
     assert (tmp_path / "run/p/tensors/zarr.json").is_file() and (tmp_path / "run/p/tensors/a/zarr.json").is_file()
     assert zarr.open_array(store=zs, path="run/p/tensors/a/decode", mode="r").shape == (1, 2)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_read_region_is_numpys_slice_of_what_was_written(tmp_path_factory, data):
+    """Oracle: numpy's slice of the array written. Whole chunks whose part of the result is
+    contiguous decode in place, the others through a chunk copy; both, compressed or not, serial
+    or on the pool (_THREADED_READ_BYTES set to 0 or not), over shapes with edge chunks."""
+    ndim = data.draw(st.integers(1, 4))
+    shape = tuple(data.draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim)))
+    chunks = tuple(data.draw(st.integers(1, n + 1)) for n in shape)
+    dtype = np.dtype(data.draw(st.sampled_from(["float32", "uint16", "int32", "float64"])))
+    compressed = data.draw(st.booleans())
+    region = []
+    for n in shape:
+        a = data.draw(st.integers(0, n - 1))
+        region.append(slice(a, data.draw(st.integers(a + 1, n))))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    x = rng.integers(0, 2**16, shape).astype(dtype)
+    d = tmp_path_factory.mktemp("a")
+    assert write_block(d, shape, chunks, x, (0,) * ndim, compressed=compressed)
+    threaded = data.draw(st.booleans())
+    old = chunkio._THREADED_READ_BYTES
+    chunkio._THREADED_READ_BYTES = 0 if threaded else 1 << 40
+    try:
+        got = read_region(d, shape, chunks, dtype, tuple(region), "x", compressed=compressed)
+    finally:
+        chunkio._THREADED_READ_BYTES = old
+    want = x[tuple(region)]
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert got.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("compressed", [True, False])
+def test_a_chunk_holding_fewer_bytes_than_its_shape_is_corrupt_not_padded(tmp_path, compressed):
+    """A chunk file whose CRC is right but whose payload decodes to fewer bytes than the chunk
+    (blosc decodes such a frame into a larger destination and leaves the rest as it was: here,
+    uninitialised memory, or the bytes a kept buffer held) is named as corrupt."""
+    shape = chunks = (4, 64)
+    x = np.arange(256, dtype=np.float32).reshape(shape)
+    assert write_block(tmp_path, shape, chunks, x, (0, 0), compressed=compressed)
+    short = x.reshape(-1)[:200]
+    payload = (chunkio._blosc(4).encode(short) if compressed else short.tobytes())
+    (tmp_path / "c/0/0").write_bytes(payload + struct.pack("<I", crc32c.crc32c(payload)))
+    with pytest.raises(CorruptChunkError, match=r"x, chunk c/0/0: (blosc frame of )?800 bytes where 1024 were expected"):
+        read_region(tmp_path, shape, chunks, np.dtype("float32"), (slice(0, 4), slice(0, 64)), "x",
+                    compressed=compressed)
+
+
+def test_a_chunk_file_longer_than_its_size_said_is_read_whole(tmp_path, monkeypatch):
+    """The thread's kept buffer is sized from fstat; a file that grew since (fstat reporting less)
+    is read again whole, not cut at the size fstat gave (whose CRC would then fail)."""
+    shape = chunks = (8, 32)
+    x = np.arange(256, dtype=np.float32).reshape(shape)
+    assert write_block(tmp_path, shape, chunks, x, (0, 0))
+    real = os.fstat
+
+    class Smaller:
+        def __init__(self, st):
+            self.st_size = st.st_size // 2
+
+    monkeypatch.setattr(chunkio.os, "fstat", lambda fd: Smaller(real(fd)))
+    monkeypatch.setattr(chunkio._read_buffers, "buf", None, raising=False)
+    got = read_region(tmp_path, shape, chunks, np.dtype("float32"), (slice(0, 8), slice(0, 32)), "x")
+    assert got.tobytes() == x.tobytes()
