@@ -99,7 +99,7 @@ def test_read_region_is_numpys_slice_of_what_was_written(tmp_path_factory, data)
 def test_a_chunk_holding_fewer_bytes_than_its_shape_is_corrupt_not_padded(tmp_path, compressed):
     """A chunk file whose CRC is right but whose payload decodes to fewer bytes than the chunk
     (blosc decodes such a frame into a larger destination and leaves the rest as it was: here,
-    uninitialised memory, or the bytes a kept buffer held) is named as corrupt."""
+    the result's uninitialised memory) is named as corrupt."""
     shape = chunks = (4, 64)
     x = np.arange(256, dtype=np.float32).reshape(shape)
     assert write_block(tmp_path, shape, chunks, x, (0, 0), compressed=compressed)
