@@ -12,6 +12,7 @@ committed are ever written, and a torn chunk of a writer that died is never cata
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -230,37 +231,73 @@ def wait_all(futures: list) -> None:
         raise first
 
 
-# A chunk file is read into a buffer its reading thread keeps (up to this size): a fresh ``bytes``
-# per chunk is a fresh mapping for a chunk of megabytes, every page of it faulted in and cleared
-# before the file's bytes are copied over it (bench_store.py's KV read).
-_KEEP_READ_BUFFER = 16 << 20
-_read_buffers = threading.local()
+# A chunk file of at least _BUFFERED_READ_BYTES is read into a kept buffer: a fresh ``bytes`` per
+# chunk is a fresh mapping for a chunk of megabytes, every page of it faulted in and cleared before
+# the file's bytes are copied over it (bench_store.py's KV read). The buffers are shared by every
+# reading thread (the I/O pool has a thread per CPU of the machine, not of this process), at most
+# _KEPT_READ_BUFFERS of them and _KEPT_READ_BYTES in all; a smaller file is read into a new bytes,
+# which the allocator serves from memory it holds.
+_BUFFERED_READ_BYTES = 256 << 10
+_KEPT_READ_BUFFERS = 8
+_KEPT_READ_BYTES = 64 << 20
+_read_buffers: list[bytearray] = []
+_read_buffers_lock = threading.Lock()
 
 
-def _file_bytes(path: str) -> memoryview | None:
-    """The bytes of the file at ``path`` (None if it does not exist), valid until this thread's
-    next call: read into the thread's kept buffer, or into a fresh one above _KEEP_READ_BUFFER."""
+def _take_buffer(size: int) -> bytearray:
+    with _read_buffers_lock:
+        for i, buf in enumerate(_read_buffers):
+            if len(buf) >= size:
+                return _read_buffers.pop(i)
+    return bytearray(size)
+
+
+def _give_buffer(buf: bytearray) -> None:
+    """Keep ``buf`` for a later read, the largest buffers first, within the bounds above."""
+    with _read_buffers_lock:
+        kept, total = [], 0
+        for b in sorted([*_read_buffers, buf], key=len, reverse=True):
+            if len(kept) < _KEPT_READ_BUFFERS and total + len(b) <= _KEPT_READ_BYTES:
+                kept.append(b)
+                total += len(b)
+        _read_buffers[:] = kept
+
+
+@contextlib.contextmanager
+def _file_bytes(path: str):
+    """The bytes of the file at ``path`` (None if it does not exist), valid inside the ``with``."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
-        return None
+        yield None
+        return
+    buf = None
     try:
         size = os.fstat(fd).st_size
-        buf = getattr(_read_buffers, "buf", None)
-        if buf is None or len(buf) < size + 1:
-            buf = bytearray(size + 1)  # one byte more than the file: a file grown since fstat is seen
-            if len(buf) <= _KEEP_READ_BUFFER:
-                _read_buffers.buf = buf
-        view, got = memoryview(buf), 0
-        while got < len(view):
-            n = os.readv(fd, [view[got:]])
-            if n == 0:
-                return view[:got]
-            got += n
+        if size < _BUFFERED_READ_BYTES:
+            parts = []
+            while part := os.read(fd, max(size, 1 << 16)):
+                parts.append(part)
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+        else:
+            buf = _take_buffer(size + 1)  # one byte more than the file: a file grown since fstat is seen
+            view, got = memoryview(buf), 0
+            while got < len(view) and (n := os.readv(fd, [view[got:]])):
+                got += n
+            if got < len(view):
+                data = view[:got]
+            else:  # it grew while read: the rest too
+                rest = []
+                while part := os.read(fd, 1 << 20):
+                    rest.append(part)
+                data = bytes(view) + b"".join(rest)
     finally:
         os.close(fd)
-    with open(path, "rb") as f:  # it grew while read: read it whole
-        return memoryview(f.read())
+    try:
+        yield data
+    finally:
+        if buf is not None:
+            _give_buffer(buf)
 
 
 def decode_chunk(data, chunks: tuple[int, ...], dtype: np.dtype, where: str, key: str,
@@ -324,8 +361,11 @@ def read_region(array_dir: Path | None, shape: tuple[int, ...], chunks: tuple[in
             whole = whole and lo == i * c and hi == (i + 1) * c
         into = out[tuple(dst)] if whole else None  # a whole chunk decodes in place when its part of out is contiguous
         into = into if into is not None and into.flags.c_contiguous else None
-        data = _file_bytes(os.path.join(base, key)) if fetched is None else fetched.get(key)
-        chunk = decode_chunk(data, chunks, dtype, where, key, compressed, out=into)
+        if fetched is None:
+            with _file_bytes(os.path.join(base, key)) as data:
+                chunk = decode_chunk(data, chunks, dtype, where, key, compressed, out=into)
+        else:
+            chunk = decode_chunk(fetched.get(key), chunks, dtype, where, key, compressed, out=into)
         if into is None:
             out[tuple(dst)] = chunk[tuple(src)]
 

@@ -69,7 +69,8 @@ def test_a_group_removed_behind_its_back_gets_its_zarr_json_again(tmp_path):
 def test_read_region_is_numpys_slice_of_what_was_written(tmp_path_factory, data):
     """Oracle: numpy's slice of the array written. Whole chunks whose part of the result is
     contiguous decode in place, the others through a chunk copy; both, compressed or not, serial
-    or on the pool (_THREADED_READ_BYTES set to 0 or not), over shapes with edge chunks."""
+    or on the pool (_THREADED_READ_BYTES set to 0 or not), read through the kept buffers or not,
+    over shapes with edge chunks."""
     ndim = data.draw(st.integers(1, 4))
     shape = tuple(data.draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim)))
     chunks = tuple(data.draw(st.integers(1, n + 1)) for n in shape)
@@ -83,13 +84,14 @@ def test_read_region_is_numpys_slice_of_what_was_written(tmp_path_factory, data)
     x = rng.integers(0, 2**16, shape).astype(dtype)
     d = tmp_path_factory.mktemp("a")
     assert write_block(d, shape, chunks, x, (0,) * ndim, compressed=compressed)
-    threaded = data.draw(st.booleans())
-    old = chunkio._THREADED_READ_BYTES
+    threaded, buffered = data.draw(st.booleans()), data.draw(st.booleans())
+    old = chunkio._THREADED_READ_BYTES, chunkio._BUFFERED_READ_BYTES
     chunkio._THREADED_READ_BYTES = 0 if threaded else 1 << 40
+    chunkio._BUFFERED_READ_BYTES = 0 if buffered else 1 << 40  # every file through a kept buffer, or none
     try:
         got = read_region(d, shape, chunks, dtype, tuple(region), "x", compressed=compressed)
     finally:
-        chunkio._THREADED_READ_BYTES = old
+        chunkio._THREADED_READ_BYTES, chunkio._BUFFERED_READ_BYTES = old
     want = x[tuple(region)]
     assert got.shape == want.shape and got.dtype == want.dtype
     assert got.tobytes() == want.tobytes()
@@ -112,18 +114,34 @@ def test_a_chunk_holding_fewer_bytes_than_its_shape_is_corrupt_not_padded(tmp_pa
 
 
 def test_a_chunk_file_longer_than_its_size_said_is_read_whole(tmp_path, monkeypatch):
-    """The thread's kept buffer is sized from fstat; a file that grew since (fstat reporting less)
-    is read again whole, not cut at the size fstat gave (whose CRC would then fail)."""
-    shape = chunks = (8, 32)
-    x = np.arange(256, dtype=np.float32).reshape(shape)
+    """A kept buffer is taken for the size fstat gave; a file that grew since (fstat reporting
+    half) is read on to its end, not cut at that size (whose CRC would then fail)."""
+    shape = chunks = (256, 1024)  # 1 MiB of random bits: half of it is still a buffered read
+    x = np.random.default_rng(3).integers(0, 2**32, shape, dtype=np.uint32).view(np.float32)
     assert write_block(tmp_path, shape, chunks, x, (0, 0))
+    assert (tmp_path / "c/0/0").stat().st_size // 2 >= chunkio._BUFFERED_READ_BYTES
     real = os.fstat
 
-    class Smaller:
+    class Half:
         def __init__(self, st):
             self.st_size = st.st_size // 2
 
-    monkeypatch.setattr(chunkio.os, "fstat", lambda fd: Smaller(real(fd)))
-    monkeypatch.setattr(chunkio._read_buffers, "buf", None, raising=False)
-    got = read_region(tmp_path, shape, chunks, np.dtype("float32"), (slice(0, 8), slice(0, 32)), "x")
+    monkeypatch.setattr(chunkio.os, "fstat", lambda fd: Half(real(fd)))
+    got = read_region(tmp_path, shape, chunks, np.dtype("float32"), (slice(0, 256), slice(0, 1024)), "x")
     assert got.tobytes() == x.tobytes()
+
+
+def test_read_buffers_kept_are_the_largest_within_their_bounds(monkeypatch):
+    """However many threads read, at most _KEPT_READ_BUFFERS buffers and _KEPT_READ_BYTES in all
+    stay kept between reads, the largest first; a buffer taken is one at least the size asked."""
+    monkeypatch.setattr(chunkio, "_read_buffers", [])
+    mib = 1 << 20
+    for n in range(1, 11):
+        chunkio._give_buffer(bytearray(n * mib))
+    assert [len(b) // mib for b in chunkio._read_buffers] == [10, 9, 8, 7, 6, 5, 4, 3]  # 8 buffers, 52 MiB
+    monkeypatch.setattr(chunkio, "_KEPT_READ_BYTES", 20 * mib)
+    chunkio._give_buffer(bytearray(mib))
+    assert [len(b) // mib for b in chunkio._read_buffers] == [10, 9, 1]
+    got = chunkio._take_buffer(2 * mib)
+    assert len(got) >= 2 * mib and [len(b) // mib for b in chunkio._read_buffers] in ([9, 1], [10, 1])
+    assert len(chunkio._take_buffer(11 * mib)) == 11 * mib  # none large enough: a new one
