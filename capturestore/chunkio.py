@@ -291,6 +291,8 @@ def _file_bytes(path: str):
                 while part := os.read(fd, 1 << 20):
                     rest.append(part)
                 data = bytes(view) + b"".join(rest)
+    except OSError as e:  # os.read names no file (a directory where the chunk should be: EISDIR)
+        raise type(e)(e.errno, e.strerror, path) from None
     finally:
         os.close(fd)
     try:
@@ -324,11 +326,19 @@ def decode_chunk(data, chunks: tuple[int, ...], dtype: np.dtype, where: str, key
             raise CorruptChunkError(f"{where}, chunk {key}: {len(mv) - 4} bytes where {out.nbytes} were expected")
         dest[:] = np.frombuffer(mv[:-4], np.uint8)
         return out
-    # blosc decodes a frame of fewer bytes than its destination and leaves the rest as it was: the
-    # frame's own size (header bytes 4-7) must be the chunk's
-    held = struct.unpack_from("<I", mv, 4)[0] if len(mv) >= 20 else None
-    if held is not None and held != out.nbytes:
+    # blosc (1.x) is given no length, only the frame's 16-byte header: a frame decoding to fewer
+    # bytes than its destination leaves the rest as it was, and one cut short (its CRC taken after
+    # the cut) reads on past the file's bytes, into whatever the read buffer held before. So the
+    # header's sizes must be this chunk's and this file's: bytes 4-7 the decoded size, 12-15 the
+    # frame's own length.
+    if len(mv) - 4 < 16:
+        raise CorruptChunkError(f"{where}, chunk {key}: blosc frame of {len(mv) - 4} bytes, shorter than its header")
+    held, length = struct.unpack_from("<I", mv, 4)[0], struct.unpack_from("<I", mv, 12)[0]
+    if held != out.nbytes:
         raise CorruptChunkError(f"{where}, chunk {key}: blosc frame of {held} bytes where {out.nbytes} were expected")
+    if length != len(mv) - 4:
+        raise CorruptChunkError(f"{where}, chunk {key}: blosc frame says it is {length} bytes long, the file holds "
+                                f"{len(mv) - 4} before its checksum")
     try:
         Blosc().decode(mv[:-4], out=dest)
     except Exception as e:  # noqa: BLE001 - a valid CRC over an undecodable frame

@@ -101,7 +101,7 @@ def test_read_region_is_numpys_slice_of_what_was_written(tmp_path_factory, data)
 def test_a_chunk_holding_fewer_bytes_than_its_shape_is_corrupt_not_padded(tmp_path, compressed):
     """A chunk file whose CRC is right but whose payload decodes to fewer bytes than the chunk
     (blosc decodes such a frame into a larger destination and leaves the rest as it was: here,
-    the result's uninitialised memory) is named as corrupt."""
+    the result's uninitialised memory) is named as corrupt. A frame cut short: the test below."""
     shape = chunks = (4, 64)
     x = np.arange(256, dtype=np.float32).reshape(shape)
     assert write_block(tmp_path, shape, chunks, x, (0, 0), compressed=compressed)
@@ -145,3 +145,37 @@ def test_read_buffers_kept_are_the_largest_within_their_bounds(monkeypatch):
     got = chunkio._take_buffer(2 * mib)
     assert len(got) >= 2 * mib and [len(b) // mib for b in chunkio._read_buffers] in ([9, 1], [10, 1])
     assert len(chunkio._take_buffer(11 * mib)) == 11 * mib  # none large enough: a new one
+
+
+def test_a_blosc_frame_cut_short_under_a_valid_checksum_is_corrupt_not_read_on(tmp_path):
+    """blosc 1.x is given no input length: a memcpy'd frame (random bits do not compress) cut
+    short, its CRC32C taken after the cut, decoded without an error, reading on past the file's
+    bytes into what the kept read buffer held: the bytes of the chunk read before it (review of
+    5933fe0: every byte past the cut matched that chunk). The header's own length must be the
+    file's; a frame shorter than its 16-byte header is corrupt too."""
+    n = 1 << 20
+    a = np.random.default_rng(1).integers(0, 256, n, dtype=np.uint8)
+    assert write_block(tmp_path / "A", (n,), (n,), a, (0,))
+    got = read_region(tmp_path / "A", (n,), (n,), np.dtype("u1"), (slice(0, n),), "A")
+    assert np.array_equal(got, a)  # a ~1 MiB buffer now holds A's frame
+    header = chunkio._blosc(1).encode(a)[:16]
+    assert struct.unpack_from("<I", header, 12)[0] == n + 16  # memcpy'd: the header and the bytes as they are
+    body = header + b"\x11" * (300 << 10)
+    (tmp_path / "B/c").mkdir(parents=True)
+    (tmp_path / "B/c/0").write_bytes(body + struct.pack("<I", crc32c.crc32c(body)))
+    with pytest.raises(CorruptChunkError, match=rf"B, chunk c/0: blosc frame says it is {n + 16} bytes long, "
+                                                rf"the file holds {len(body)} before its checksum"):
+        read_region(tmp_path / "B", (n,), (n,), np.dtype("u1"), (slice(0, n),), "B")
+    tiny = header[:10]
+    (tmp_path / "B/c/0").write_bytes(tiny + struct.pack("<I", crc32c.crc32c(tiny)))
+    with pytest.raises(CorruptChunkError, match="blosc frame of 10 bytes, shorter than its header"):
+        read_region(tmp_path / "B", (n,), (n,), np.dtype("u1"), (slice(0, n),), "B")
+
+
+def test_a_directory_where_a_chunk_file_should_be_is_named(tmp_path):
+    shape = chunks = (4, 8)
+    assert write_block(tmp_path, shape, chunks, np.ones(shape, np.float32), (0, 0))
+    (tmp_path / "c/0/0").unlink()
+    (tmp_path / "c/0/0").mkdir()
+    with pytest.raises(IsADirectoryError, match=str(tmp_path / "c/0/0")):
+        read_region(tmp_path, shape, chunks, np.dtype("float32"), (slice(0, 4), slice(0, 8)), "x")
