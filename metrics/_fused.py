@@ -797,8 +797,11 @@ def hist_counts(x, lo, step, scale, bins):
 # lane 1 added to 0. A product of two float32 values is exact in float64, so a fused multiply-add
 # gives the same bits. ``einsum_order_holds`` checks this order against the installed numpy
 # before the kernel is used (another numpy build may sum differently: then numpy runs).
+# A row wider than einsum's buffer (NPY_BUFSIZE, 8192 elements, whatever np.setbufsize says) is
+# summed piece by piece: each piece of 8192 as a row of its own, in the order above, and the
+# pieces' sums added to the output in turn (``_row_sums_wide``; an LM head's 128,256-wide rows).
 _MOD_SUMS = 7  # b.b, be.be, te.te, b.e, e.e, b.a, a.a
-EINSUM_MAX_WIDTH = 8192  # wider rows are summed in buffer-sized pieces by einsum: numpy does them
+EINSUM_MAX_WIDTH = 8192  # rows up to this width einsum sums in one piece
 
 
 @_njit()
@@ -871,6 +874,21 @@ def _row_sums(b, e, a, be, te, acc, sums):  # pragma: no cover - compiled
     sums[4] = 0.0 + (s40 + s41)
     sums[5] = 0.0 + (s50 + s51)
     sums[6] = 0.0 + (s60 + s61)
+
+
+@_njit()
+def _row_sums_wide(b, e, a, be, te, acc, sums, part):  # pragma: no cover - compiled
+    """``_row_sums`` of a row wider than EINSUM_MAX_WIDTH in einsum's order: each piece of
+    EINSUM_MAX_WIDTH elements summed as ``_row_sums`` sums a row (into part, float64 [7]), the
+    piece sums added to sums in turn, from 0."""
+    n = b.size
+    for k in range(_MOD_SUMS):
+        sums[k] = 0.0
+    for p0 in range(0, n, EINSUM_MAX_WIDTH):
+        p1 = min(n, p0 + EINSUM_MAX_WIDTH)
+        _row_sums(b[p0:p1], e[p0:p1], a[p0:p1], be[p0:p1], te[p0:p1], acc, part)
+        for k in range(_MOD_SUMS):
+            sums[k] = sums[k] + part[k]
 
 
 _SUM_ROWS = 4  # rows per block of _row_sums_simd
@@ -980,6 +998,7 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bc
     """
     n = b.shape[1]
     acc = np.zeros((_MOD_SUMS, 2), np.float64)
+    part = np.empty(_MOD_SUMS, np.float64)
     terms = np.empty(bins, np.float64)
     ti = np.empty(n, np.uint32)
     bi_ = np.empty(n, np.uint32)
@@ -987,9 +1006,10 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bc
     last = _F32(bins - 1)
     zero = _F32(0.0)
     one = _F32(1.0)
+    wide = n > EINSUM_MAX_WIDTH  # summed piece by piece (_row_sums_wide), never by _row_sums_simd
     vec_to = r0  # rows below this have their sums from _row_sums_simd
     for r in range(r0, r1):
-        if r >= vec_to and r + _SUM_ROWS <= r1 and _row_sums_block(b, e, a, r, n, sums):
+        if not wide and r >= vec_to and r + _SUM_ROWS <= r1 and _row_sums_block(b, e, a, r, n, sums):
             vec_to = r + _SUM_ROWS
         br = b[r]
         er = e[r]
@@ -1016,7 +1036,9 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bc
         if emax > _NONFINITE or dmax > _NONFINITE or bmax >= _NONFINITE:  # NaN error / infinite baseline
             bad[r] = 1
             continue
-        if r >= vec_to:
+        if wide:
+            _row_sums_wide(br, er, ar, ber, ter, acc, sums[r], part)
+        elif r >= vec_to:
             _row_sums(br, er, ar, ber, ter, acc, sums[r])
         maxes[r, 0] = _U32(bmax).view(np.float32)
         maxes[r, 1] = _U32(emax).view(np.float32)
@@ -1054,7 +1076,7 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bc
 
 def module_row_metrics(b, e, a, bins: int):
     """The per-row quantities of ``metrics.modules`` for float32 ``[rows, width]`` b, e, a
-    (C-contiguous, width <= EINSUM_MAX_WIDTH): ``(base_err, tgt_err, sums [rows, 7], maxes
+    (C-contiguous, any width): ``(base_err, tgt_err, sums [rows, 7], maxes
     [rows, 3], bc [rows], bad [rows])``; see ``_module_rows_kernel``. bc is NaN where bad."""
     return module_row_metrics_parts([(b, e, a)], bins)
 
@@ -1100,12 +1122,13 @@ def einsum_order_holds() -> bool:
     """Whether the installed numpy's ``einsum("ij,ij->i", x, y, dtype=float64)`` sums float32
     rows in the order ``_row_sums`` replays (checked once, on rows of every length up to 40 and
     a few longer ones, values spread over many binades so that any other order shows; 5 rows:
-    a block of four in ``_row_sums_simd`` where the width is a multiple of 8, one scalar)."""
+    a block of four in ``_row_sums_simd`` where the width is a multiple of 8, one scalar), and
+    rows wider than its buffer in the pieces ``_row_sums_wide`` replays."""
     global _EINSUM_OK
     if _EINSUM_OK is None:
         rng = np.random.default_rng(20261202)
         ok = True
-        for n in [*range(1, 41), 127, 1000, 4099, 4096]:
+        for n in [*range(1, 41), 127, 1000, 4099, 4096, 8192, 8193, 2 * 8192 + 8, 3 * 8192 + 5]:
             x = (rng.standard_normal((5, n)) * np.exp2(rng.integers(-20, 20, (5, n)))).astype(np.float32)
             y = (rng.standard_normal((5, n)) * np.exp2(rng.integers(-20, 20, (5, n)))).astype(np.float32)
             z = (rng.standard_normal((5, n)) * np.exp2(rng.integers(-20, 20, (5, n)))).astype(np.float32)

@@ -215,7 +215,6 @@ def compare_module_tensors(baseline, expected, actual, module: str = "", phase: 
 # Tensors narrower than this are compared one by one: batching them would put more rows in one BC
 # step than the numpy histogram's float32 bin offsets hold exactly (metrics.bc, nrows * bins < 2**24).
 _MIN_BATCH_WIDTH = 4
-_MAX_FUSED_WIDTH = 8192  # metrics._fused.EINSUM_MAX_WIDTH (einsum sums wider rows in pieces)
 
 
 def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
@@ -293,13 +292,12 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
 def _fused_rows(parts, bins):
     """``metrics._fused.module_row_metrics_parts`` of the rows of parts (``(b, e, a)`` float32
     ``[rows, width]`` of one width, stacked in order, each read in place), or None where it does
-    not apply: no numba, rows wider than einsum sums in one piece, or a numpy whose einsum sums
-    in another order than the kernel replays (checked once). Returns ``(base_err, tgt_err,
+    not apply: no numba, or a numpy whose einsum sums in another order than the kernel replays
+    (checked once; rows wider than einsum's buffer in its pieces too). Returns ``(base_err, tgt_err,
     sums, row_max, bc, row_bad)``: sums the seven float64 row sums of ``_metrics_from_sums``,
     row_max its three float32 row maxima, bc the row BCs (rows where row_bad is set are left
     to the numpy path: a NaN error, or an infinite baseline value)."""
-    width = parts[0][0].shape[1]
-    if width > _MAX_FUSED_WIDTH or not sum(p[0].shape[0] for p in parts) or not numba_available():
+    if not sum(p[0].shape[0] for p in parts) or not numba_available():
         return None
     from . import _fused
 

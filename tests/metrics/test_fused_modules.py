@@ -36,7 +36,7 @@ def _same_bits(x, y, what):
 
 @st.composite
 def _tensor(draw, module):
-    width = draw(st.one_of(st.integers(4, 40), st.sampled_from([64, 100, 127, 128, 1000, 8192])))
+    width = draw(st.one_of(st.integers(4, 40), st.sampled_from([64, 100, 127, 128, 1000, 8192, 8193, 8200, 20001])))
     rows = draw(st.integers(1, 12 if width < 1000 else 2))
     trailing = (width,) if width % 2 or not draw(st.booleans()) else (2, width // 2)
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
@@ -78,7 +78,7 @@ def test_the_einsum_order_is_replayed_or_the_kernel_is_not_used():
     """On this numpy the kernel's row sums are einsum's bit for bit (then the fused path runs);
     where they are not, ``_fused_rows`` declines and the numpy path runs."""
     rng = np.random.default_rng(7)
-    for n in (1, 5, 8, 9, 17, 128, 1000, 8192):
+    for n in (1, 5, 8, 9, 17, 128, 1000, 8192, 8193, 8200, 2 * 8192, 3 * 8192 + 5, 128256):
         x, y, z = ((rng.standard_normal((4, n)) * np.exp2(rng.integers(-30, 30, (4, n)))).astype(np.float32)
                    for _ in range(3))
         be, te, sums, maxes, _, bad = _fused.module_row_metrics(x, y, z, 100)
@@ -96,13 +96,14 @@ def test_the_einsum_order_is_replayed_or_the_kernel_is_not_used():
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=st.integers(4, 13), width=st.sampled_from([8, 16, 24, 40, 64, 128, 1000, 2048, 8192]),
+@given(rows=st.integers(4, 13), width=st.sampled_from([8, 16, 24, 40, 64, 128, 1000, 2048, 8192, 8200, 16392]),
        seed=st.integers(0, 2**32 - 1), spread=st.sampled_from([0, 30, 60]), nans=st.integers(0, 2))
 def test_row_sums_of_four_rows_at_once_are_each_rows_own(rows, width, seed, spread, nans):
     """``_row_sums_simd`` (blocks of four rows of a width that is a multiple of 8) gives each row
     the sums the scalar ``_row_sums`` gives it alone (a one-row call takes the scalar loop), bit
     for bit, whatever the row's place in the block, with NaN rows beside it; and einsum's sums
-    where this numpy sums in that order. Values over up to 2**60 binades: any other order of
+    where this numpy sums in that order (rows wider than einsum's buffer, multiples of 8 too,
+    summed in its pieces, never by the four-row block). Values over up to 2**60 binades: any other order of
     adds shows."""
     rng = np.random.default_rng(seed)
     x, y, z = ((rng.standard_normal((rows, width)) * np.exp2(rng.integers(-spread, spread + 1, (rows, width))))
@@ -137,9 +138,46 @@ def test_the_order_check_rejects_sums_one_ulp_off(monkeypatch):
     assert _fused.einsum_order_holds() is bool(_fused.einsum_order_holds())
 
 
-def test_wider_rows_than_one_einsum_buffer_take_the_numpy_path():
-    x = np.ones((2, 8193), np.float32)
-    assert mod._fused_rows([(x, x, x)], 100) is None
+def test_rows_wider_than_one_einsum_buffer_are_summed_in_its_pieces():
+    """einsum sums a row wider than its 8192-element buffer piece by piece (whatever
+    np.setbufsize says) and adds the pieces' sums to the output in turn; the kernel replays that
+    (an LM head's 128,256-wide rows took the numpy path, ~5x the time a byte of the fused one):
+    its sums of a wide row are the fold of its own sums of the 8192-wide pieces, which pieces of
+    another size or one piece over the whole row are not, and einsum's where this numpy sums in
+    the order the kernel replays (else the numpy path runs)."""
+    rng = np.random.default_rng(11)
+    n = 3 * 8192 + 5
+    x, y = ((rng.standard_normal((3, n)) * np.exp2(rng.integers(-20, 20, (3, n)))).astype(np.float32)
+            for _ in range(2))
+    sums = _fused.module_row_metrics(x, y, y, 100)[2][:, 3]
+
+    def pieces(size):
+        out = np.zeros(3)
+        for p0 in range(0, n, size):
+            out = out + _fused.module_row_metrics(x[:, p0:p0 + size].copy(), y[:, p0:p0 + size].copy(),
+                                                  y[:, p0:p0 + size].copy(), 100)[2][:, 3]
+        return out
+
+    def one_piece():  # the order of a row up to 8192 wide, over the whole row
+        out, part, zeros = np.empty(3), np.empty(7), np.zeros(n, np.float32)
+        for r in range(3):
+            _fused._row_sums(x[r], y[r], y[r], zeros, zeros, np.zeros((7, 2)), part)
+            out[r] = part[3]
+        return out
+
+    assert sums.tobytes() == pieces(8192).tobytes()
+    assert not np.array_equal(pieces(4096), sums) and not np.array_equal(one_piece(), sums)
+    want = np.einsum("ij,ij->i", x, y, dtype=np.float64)
+    old = np.setbufsize(4096)
+    try:
+        assert np.einsum("ij,ij->i", x, y, dtype=np.float64).tobytes() == want.tobytes()
+    finally:
+        np.setbufsize(old)
+    if _fused.einsum_order_holds():
+        assert sums.tobytes() == want.tobytes()
+        assert mod._fused_rows([(x, y, y)], 100) is not None
+    else:
+        assert mod._fused_rows([(x, y, y)], 100) is None
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
