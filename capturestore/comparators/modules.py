@@ -177,8 +177,9 @@ class ModulesComparator(Comparator):
             arrs = {}
             for role in prompt.runs:
                 a = self._read(prompt, role, module, phase)
-                sel = ri if role == "expected" else [idx[role][i] for i in ri.tolist()]
-                a = a[np.asarray(sel)]
+                sel = ri if role == "expected" else np.asarray([idx[role][i] for i in ri.tolist()])
+                if not (sel.size == a.shape[0] and (sel == np.arange(a.shape[0])).all()):  # every step in order: no copy
+                    a = a[sel]
                 arrs[role] = a.reshape(a.shape[0] * a.shape[1], *a.shape[2:]) if a.ndim >= 2 else a
             step_ids = np.asarray(ref_steps)[ri]
             rows_per_step = arrs["expected"].shape[0] // max(1, len(step_ids))

@@ -18,9 +18,11 @@ def _bf16(x):
     return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).view(np.float32)
 
 
-def _run(store, seed_noise, fault=None, size=0.0, shapes=None, nan=None, modules=MODULES, dtype="float32"):
+def _run(store, seed_noise, fault=None, size=0.0, shapes=None, nan=None, modules=MODULES, dtype="float32",
+         decode_steps=None):
     """A hand-written run of 3 prompts: tensors = a fixed signal (the same in every run) plus this
-    run's own noise; fault scales one module's output (and every later one's)."""
+    run's own noise; fault scales one module's output (and every later one's); decode_steps:
+    ``{module: [step, ...]}``, the decode steps written for it, in that order (default all, in order)."""
     sig = np.random.default_rng(0)
     rng = np.random.default_rng(seed_noise)
     run = store.begin_run(engine="hf", model_path="m", model_hash="h", dtype=dtype,
@@ -30,7 +32,9 @@ def _run(store, seed_noise, fault=None, size=0.0, shapes=None, nan=None, modules
             pid = run.add_prompt(list(range(10 + p, 10 + p + P)), continuation=[1, 2, 3])
             hit = False
             for m in MODULES:
+                order = (decode_steps or {}).get(m, list(range(T - 1)))
                 for phase, n_steps, rows in (("prefill", 1, P), ("decode", T - 1, 1)):
+                    written = []
                     for s in range(n_steps):
                         x = sig.standard_normal((rows, W)).astype(np.float32)
                         if seed_noise is not None:
@@ -45,7 +49,10 @@ def _run(store, seed_noise, fault=None, size=0.0, shapes=None, nan=None, modules
                         if nan and (m, phase, p, s) == nan:
                             x = x.copy()
                             x[0, 3] = np.nan
-                        run.write_tensor(pid, m, x, step=s, phase=phase)
+                        written.append((s, phase, x))
+                    for s, ph, x in sorted(written, key=lambda w: order.index(w[0]) if w[0] in order else -1):
+                        if ph == "prefill" or s in order:
+                            run.write_tensor(pid, m, x, step=s, phase=ph)
                 hit = hit or m == fault
     return run.run_id
 
@@ -166,3 +173,30 @@ def test_hf_runs_in_a_store_name_the_faulty_layer(store):
     clean = compare_runs(store, baseline_run=base, expected_run=exp, actual_run=other, kv=False,
                          comparators=["modules"])
     assert clean.verdicts["modules"].passed, clean.verdicts["modules"].text
+
+
+def _rows(store, cid):
+    return store.sql(f"SELECT prompt_id, module, phase, position, gen_token_idx, base_linf, tgt_linf, base_l2, tgt_l2, "
+                     f"base_cos, tgt_cos, bc FROM module_metrics WHERE comparison_id = '{cid}' "
+                     f"ORDER BY prompt_id, module, phase, position").to_pylist()
+
+
+def test_decode_steps_stored_out_of_order_or_missing_are_lined_up_by_step_number(store):
+    """The actual run's decode steps of a module written in another order are compared step for
+    step: every metric row equal to the same run written in order (the comparator selects the
+    steps; where every step is there in order it reads them without a copy). A step missing
+    fails, named, and the steps there keep their rows."""
+    base, exp = _run(store, None), _run(store, 1)
+    in_order = _cmp(store, base, exp, _run(store, 2))
+    assert in_order.passed
+    want = _rows(store, in_order.comparison_id)
+    shuffled = _cmp(store, base, exp, _run(store, 2, decode_steps={"model.layers.1.mlp": [1, 0]}))
+    assert shuffled.passed and _rows(store, shuffled.comparison_id) == want
+    missing = _cmp(store, base, exp, _run(store, 2, decode_steps={"model.norm": [1]}))
+    assert not missing.passed
+    prob = store.sql(f"SELECT problem FROM module_verdicts WHERE comparison_id = '{missing.comparison_id}' "
+                     f"AND module = 'model.norm' AND phase = 'decode'").column(0)[0].as_py()
+    assert "lacks step(s) [0]" in prob, prob
+    got = _rows(store, missing.comparison_id)
+    assert got == [r for r in want if not (r["module"] == "model.norm" and r["phase"] == "decode"
+                                           and r["gen_token_idx"] == 0)]
