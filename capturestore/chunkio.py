@@ -27,7 +27,7 @@ from numcodecs import Blosc
 
 from capturestore.errors import CorruptChunkError
 
-_POOL: ThreadPoolExecutor | None = None
+_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor)
 # read_region reads chunks on the pool only when they average at least this many bytes: in stores
 # written before 2026-12 a module tensor's decode steps are one chunk of [1, hidden] each (a few
 # hundred bytes), where submitting to a thread took longer than the read (bench_modules.py).
@@ -35,10 +35,13 @@ _THREADED_READ_BYTES = 64 << 10
 
 
 def _pool() -> ThreadPoolExecutor:
+    """The chunk I/O threads; made again in a forked child, which inherits the executor but not
+    its threads (a task submitted there was never run: the child's read waited for ever)."""
     global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2), thread_name_prefix="capturestore-io")
-    return _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2),
+                                                 thread_name_prefix="capturestore-io"))
+    return _POOL[1]
 
 
 def _blosc(itemsize: int) -> Blosc:

@@ -73,6 +73,7 @@ def _build():
 # Below this many elements one thread does it: handing work to a pool costs more than it saves.
 PARALLEL_MIN_ELEMENTS = 1 << 20
 _POOL = None
+_POOL_PID = None  # the process that made _POOL: a forked child inherits it without its threads
 
 
 def num_threads() -> int:
@@ -90,7 +91,7 @@ def round_trip(x_bits: np.ndarray, scale: np.float32, max_finite: float, q_out: 
     Large inputs are split into contiguous slices run on a thread pool (the kernel releases the
     GIL); every element is computed by the same kernel, so the bits do not depend on the split.
     """
-    global _KERNEL, _POOL
+    global _KERNEL, _POOL, _POOL_PID
     if _KERNEL is None:
         _KERNEL = _build()
     s, m = np.float32(scale), np.float32(max_finite)
@@ -99,10 +100,10 @@ def round_trip(x_bits: np.ndarray, scale: np.float32, max_finite: float, q_out: 
     if k == 1:
         _KERNEL(x_bits, s, m, q_out, d_out)
         return
-    if _POOL is None or _POOL._max_workers < k:
+    if _POOL is None or _POOL._max_workers < k or _POOL_PID != os.getpid():
         from concurrent.futures import ThreadPoolExecutor
 
-        _POOL = ThreadPoolExecutor(max_workers=k, thread_name_prefix="nki-fp8")
+        _POOL, _POOL_PID = ThreadPoolExecutor(max_workers=k, thread_name_prefix="nki-fp8"), os.getpid()
     bounds = [n * i // k for i in range(k + 1)]
     futures = [_POOL.submit(_KERNEL, x_bits[a:b], s, m, q_out[a:b], d_out[a:b]) for a, b in zip(bounds, bounds[1:])]
     for f in futures:

@@ -179,3 +179,34 @@ def test_a_directory_where_a_chunk_file_should_be_is_named(tmp_path):
     (tmp_path / "c/0/0").mkdir()
     with pytest.raises(IsADirectoryError, match=str(tmp_path / "c/0/0")):
         read_region(tmp_path, shape, chunks, np.dtype("float32"), (slice(0, 4), slice(0, 8)), "x")
+
+
+def _read_in_child(q, d, shape, chunks):
+    got = read_region(d, shape, chunks, np.dtype("float32"), tuple(slice(0, n) for n in shape), "x")
+    q.put(got.tobytes())
+
+
+def test_a_forked_child_reads_on_a_pool_of_its_own(tmp_path):
+    """A process forked after its parent read chunks on the I/O pool inherits the pool object but
+    not its threads: a read there waited for ever (seen: the child's read never returned). The
+    pool is made again in the child; its multi-chunk read (each chunk above the threaded-read
+    size) returns the bytes written."""
+    import multiprocessing
+
+    shape, chunks = (8, 8192), (2, 8192)  # four chunks of 64 KiB: read on the pool
+    assert chunks[0] * chunks[1] * 4 >= chunkio._THREADED_READ_BYTES
+    x = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    assert write_block(tmp_path, shape, chunks, x, (0, 0))
+    region = (slice(0, 8), slice(0, 8192))
+    assert read_region(tmp_path, shape, chunks, np.dtype("float32"), region, "x").tobytes() == x.tobytes()
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_read_in_child, args=(q, tmp_path, shape, chunks))
+    p.start()
+    try:
+        got = q.get(timeout=60)
+    finally:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    assert got == x.tobytes()

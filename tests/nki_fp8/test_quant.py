@@ -231,3 +231,37 @@ def test_quantize_equals_the_oracle_for_any_float32_and_scale(platform, values, 
         y = np.clip(x * np.float32(scale), -m, m)  # the clamp the oracle assumes, in float32
     want = [encode_rne(float(v), FORMATS[platform]) for v in y]
     assert codes(quantize(x, scale, platform=platform)) == want
+
+
+def _round_trip_in_child(q, bits, max_finite):
+    from nki_fp8 import fastpath
+
+    out, dq = np.empty(bits.size, np.uint8), np.empty(bits.size, np.uint16)
+    fastpath.round_trip(bits, np.float32(12.0), max_finite, out, dq, threads=2)
+    q.put((out.tobytes(), dq.tobytes()))
+
+
+def test_a_forked_child_round_trips_on_a_pool_of_its_own():
+    """A child forked after the threaded round trip ran in its parent inherits the pool without
+    its threads (its slices were never run); the pool is made again there, the bits the same."""
+    pytest.importorskip("numba")
+    import multiprocessing
+
+    from nki_fp8 import fastpath
+
+    n = 2 * fastpath.PARALLEL_MIN_ELEMENTS + 7
+    bits = np.random.default_rng(8).integers(0, 1 << 16, n, dtype=np.uint32).astype(np.uint16)
+    fmt = Fp8Codec(12.0, platform="trn2", backend="numpy").fmt
+    q, d = np.empty(n, np.uint8), np.empty(n, np.uint16)
+    fastpath.round_trip(bits, np.float32(12.0), fmt.max_finite, q, d, threads=2)
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    p = ctx.Process(target=_round_trip_in_child, args=(queue, bits, fmt.max_finite))
+    p.start()
+    try:
+        got = queue.get(timeout=120)
+    finally:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    assert got == (q.tobytes(), d.tobytes())
