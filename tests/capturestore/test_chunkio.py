@@ -18,6 +18,7 @@ from capturestore import chunkio
 from capturestore.arrays import ArrayRef, create_array
 from capturestore.chunkio import MadeDirs, read_region, write_block
 from capturestore.errors import CorruptChunkError
+from tests.forked import result_in_forked_child
 
 
 def test_each_directory_is_made_once_however_many_files_go_into_it(tmp_path, mkdirs):
@@ -191,22 +192,10 @@ def test_a_forked_child_reads_on_a_pool_of_its_own(tmp_path):
     not its threads: a read there waited for ever (seen: the child's read never returned). The
     pool is made again in the child; its multi-chunk read (each chunk above the threaded-read
     size) returns the bytes written."""
-    import multiprocessing
-
     shape, chunks = (8, 8192), (2, 8192)  # four chunks of 64 KiB: read on the pool
     assert chunks[0] * chunks[1] * 4 >= chunkio._THREADED_READ_BYTES
     x = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
     assert write_block(tmp_path, shape, chunks, x, (0, 0))
     region = (slice(0, 8), slice(0, 8192))
     assert read_region(tmp_path, shape, chunks, np.dtype("float32"), region, "x").tobytes() == x.tobytes()
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_read_in_child, args=(q, tmp_path, shape, chunks))
-    p.start()
-    try:
-        got = q.get(timeout=60)
-    finally:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    assert got == x.tobytes()
+    assert result_in_forked_child(_read_in_child, tmp_path, shape, chunks) == x.tobytes()

@@ -16,6 +16,7 @@ from nki_fp8.quant import (
     quantize,
     quantize_torch,
 )
+from tests.forked import result_in_forked_child
 
 from .fp8_oracle import FORMATS, decode, encode_rne, positive_finite_codes
 
@@ -245,8 +246,6 @@ def test_a_forked_child_round_trips_on_a_pool_of_its_own():
     """A child forked after the threaded round trip ran in its parent inherits the pool without
     its threads (its slices were never run); the pool is made again there, the bits the same."""
     pytest.importorskip("numba")
-    import multiprocessing
-
     from nki_fp8 import fastpath
 
     n = 2 * fastpath.PARALLEL_MIN_ELEMENTS + 7
@@ -254,14 +253,4 @@ def test_a_forked_child_round_trips_on_a_pool_of_its_own():
     fmt = Fp8Codec(12.0, platform="trn2", backend="numpy").fmt
     q, d = np.empty(n, np.uint8), np.empty(n, np.uint16)
     fastpath.round_trip(bits, np.float32(12.0), fmt.max_finite, q, d, threads=2)
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    p = ctx.Process(target=_round_trip_in_child, args=(queue, bits, fmt.max_finite))
-    p.start()
-    try:
-        got = queue.get(timeout=120)
-    finally:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    assert got == (q.tobytes(), d.tobytes())
+    assert result_in_forked_child(_round_trip_in_child, bits, fmt.max_finite, timeout=120) == (q.tobytes(), d.tobytes())
