@@ -64,11 +64,12 @@
     if (!showTab(h)) showTab("overview");
   }
   document.addEventListener("DOMContentLoaded", function () {
+    // a click shows its tab at once; hashchange (a later task) routes back/forward and typed links
     document.querySelectorAll("nav.tabs button").forEach(function (b) {
-      b.addEventListener("click", function () { location.hash = b.getAttribute("data-tab"); });
+      b.addEventListener("click", function () { location.hash = b.getAttribute("data-tab"); route(); });
     });
     document.querySelectorAll(".sidebar a[data-page]").forEach(function (a) {
-      a.addEventListener("click", function (ev) { ev.preventDefault(); location.hash = "prompt-" + a.getAttribute("data-page"); });
+      a.addEventListener("click", function (ev) { ev.preventDefault(); location.hash = "prompt-" + a.getAttribute("data-page"); route(); });
     });
     var filter = document.getElementById("prompt-filter"), failing = document.getElementById("prompt-failing");
     function applyFilter() {

@@ -86,7 +86,7 @@ def test_report_in_headless_chromium(browser, compared, tmp_path_factory, artifa
     assert page.evaluate("typeof window.Plotly") == "undefined"
     assert not [u for u in browser.requests if u.endswith("/plotly.min.js")]
     page.click('nav.tabs button[data-tab="kv"]')
-    assert page.is_visible("#tab-kv") and not page.is_visible("#tab-overview")
+    assert page.is_visible("#tab-kv") and not page.is_visible("#tab-overview")  # shown by the click itself
     hover = _hover_heatmap(page, "div-agg-k-bc")
     assert "BC" in hover and "generation token" in hover
     page.screenshot(path=str(artifacts / "kv.png"), full_page=True)
