@@ -7,7 +7,9 @@ run, prompt, array and chunk.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -18,9 +20,10 @@ from typing import Any
 import crc32c
 import numpy as np
 import zarr
-from zarr.codecs import BloscCodec, Crc32cCodec
+from zarr.codecs import BloscCodec, Crc32cCodec, ShardingCodec
+from zarr.core.metadata.v3 import ArrayV3Metadata
 
-from capturestore.chunkio import MadeDirs
+from capturestore.chunkio import MadeDirs, blosc_frame_problem
 from capturestore.errors import CorruptChunkError
 from capturestore.layout import chunk_keys, chunk_keys_in_region
 
@@ -53,6 +56,38 @@ def compressors_for(itemsize: int, compression: str | None = "lz4") -> list[Any]
         BloscCodec(cname="lz4", clevel=5, shuffle="bitshuffle", typesize=itemsize),
         Crc32cCodec(),
     ]
+
+
+class CheckedBloscCodec(BloscCodec):
+    """zarr's blosc codec, refusing a frame whose header is not its chunk's
+    (``chunkio.blosc_frame_problem``): zarr decodes the inner chunks of a sharded array, and
+    hands blosc a frame with no length, as chunkio would."""
+
+    def _decode_sync(self, chunk_bytes: Any, chunk_spec: Any) -> Any:
+        nbytes = math.prod(chunk_spec.shape) * chunk_spec.dtype.to_native_dtype().itemsize
+        problem = blosc_frame_problem(chunk_bytes.as_numpy_array(), nbytes)
+        if problem is not None:
+            raise CorruptChunkError(problem)
+        return super()._decode_sync(chunk_bytes, chunk_spec)
+
+
+def _checked_codecs(codecs: tuple) -> tuple:
+    out = []
+    for c in codecs:
+        if type(c) is BloscCodec:
+            c = CheckedBloscCodec(typesize=c.typesize, cname=c.cname, clevel=c.clevel, shuffle=c.shuffle,
+                                  blocksize=c.blocksize)
+        elif isinstance(c, ShardingCodec):
+            c = dataclasses.replace(c, codecs=_checked_codecs(c.codecs))
+        out.append(c)
+    return tuple(out)
+
+
+def read_metadata(doc: dict) -> ArrayV3Metadata:
+    """An array's parsed zarr.json for reading through zarr, its blosc codecs (inner ones of a
+    shard too) ``CheckedBloscCodec``."""
+    meta = ArrayV3Metadata.from_dict(dict(doc))
+    return dataclasses.replace(meta, codecs=_checked_codecs(meta.codecs))
 
 
 @dataclass(frozen=True)
@@ -283,17 +318,6 @@ class DocumentArray:
         return self._array()[key]
 
 
-def open_array(zstore: zarr.storage.LocalStore, ref: ArrayRef) -> zarr.Array:
-    try:
-        return zarr.open_array(store=zstore, path=ref.path, mode="r")
-    except (FileNotFoundError, KeyError) as e:
-        raise CorruptChunkError(f"{ref.where()}: array metadata is missing ({e})") from None
-    except Exception as e:  # noqa: BLE001 - zarr raises several types for a missing node
-        if type(e).__name__ in ("ArrayNotFoundError", "NodeNotFoundError", "GroupNotFoundError"):
-            raise CorruptChunkError(f"{ref.where()}: array is missing from arrays.zarr") from None
-        raise
-
-
 def chunk_problem(array_dir: Path, key: str) -> str | None:
     """Why the chunk file ``key`` under ``array_dir`` is bad, or None if its CRC32C checks out."""
     p = array_dir / key
@@ -327,31 +351,6 @@ def bad_chunks(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...],
         if why is not None:
             out.append((key, why))
     return out
-
-
-def checked_read(zstore_root: Path, arr: zarr.Array, ref: ArrayRef, region: tuple[slice, ...] | None = None) -> np.ndarray:
-    """arr[region], raising CorruptChunkError naming run, prompt, array and chunk on a bad chunk.
-
-    Missing chunk files would silently read as the fill value in zarr, so their presence is
-    checked first (cheap: one stat per chunk).
-    """
-    shape = tuple(arr.shape)
-    chunks = tuple(arr.chunks)
-    full = tuple(slice(0, s) for s in shape)
-    region = full if region is None else region + full[len(region):]
-    array_dir = zstore_root / ref.path
-    for _, key in chunk_keys_in_region(shape, chunks, region):
-        if not os.path.exists(array_dir / key):
-            raise CorruptChunkError(f"{ref.where()}, chunk {key}: chunk file is missing")
-    try:
-        return arr[region]
-    except Exception as e:  # noqa: BLE001 - locate the chunk, then report it
-        bad = bad_chunks(array_dir, shape, chunks, region)
-        if not bad:
-            raise
-        listing = "; ".join(f"chunk {k}: {why}" for k, why in bad[:8])
-        more = f" (+{len(bad) - 8} more)" if len(bad) > 8 else ""
-        raise CorruptChunkError(f"{ref.where()}: {len(bad)} corrupt chunk(s): {listing}{more}") from e
 
 
 def stored_bytes(array_dir: Path) -> int:

@@ -305,6 +305,24 @@ def _file_bytes(path: str):
             _give_buffer(buf)
 
 
+def blosc_frame_problem(frame, nbytes: int) -> str | None:
+    """Why ``frame`` (a chunk's bytes before its CRC32C) cannot be the blosc frame of a chunk of
+    ``nbytes`` bytes, or None.
+
+    blosc (1.x) is given no length, only the frame's 16-byte header: a frame decoding to fewer
+    bytes than its destination leaves the rest as it was, and one cut short (its CRC taken after
+    the cut) reads on past its bytes, into whatever the buffer held next. So the header's sizes
+    must be the chunk's and the frame's: bytes 4-7 the decoded size, 12-15 the frame's length."""
+    if len(frame) < 16:
+        return f"blosc frame of {len(frame)} bytes, shorter than its header"
+    held, length = struct.unpack_from("<I", frame, 4)[0], struct.unpack_from("<I", frame, 12)[0]
+    if held != nbytes:
+        return f"blosc frame of {held} bytes where {nbytes} were expected"
+    if length != len(frame):
+        return f"blosc frame says it is {length} bytes long, the chunk holds {len(frame)} before its checksum"
+    return None
+
+
 def decode_chunk(data, chunks: tuple[int, ...], dtype: np.dtype, where: str, key: str,
                  compressed: bool, out: np.ndarray | None = None) -> np.ndarray:
     """One chunk's array from its stored bytes (None: missing), its CRC32C checked first.
@@ -329,19 +347,9 @@ def decode_chunk(data, chunks: tuple[int, ...], dtype: np.dtype, where: str, key
             raise CorruptChunkError(f"{where}, chunk {key}: {len(mv) - 4} bytes where {out.nbytes} were expected")
         dest[:] = np.frombuffer(mv[:-4], np.uint8)
         return out
-    # blosc (1.x) is given no length, only the frame's 16-byte header: a frame decoding to fewer
-    # bytes than its destination leaves the rest as it was, and one cut short (its CRC taken after
-    # the cut) reads on past the file's bytes, into whatever the read buffer held before. So the
-    # header's sizes must be this chunk's and this file's: bytes 4-7 the decoded size, 12-15 the
-    # frame's own length.
-    if len(mv) - 4 < 16:
-        raise CorruptChunkError(f"{where}, chunk {key}: blosc frame of {len(mv) - 4} bytes, shorter than its header")
-    held, length = struct.unpack_from("<I", mv, 4)[0], struct.unpack_from("<I", mv, 12)[0]
-    if held != out.nbytes:
-        raise CorruptChunkError(f"{where}, chunk {key}: blosc frame of {held} bytes where {out.nbytes} were expected")
-    if length != len(mv) - 4:
-        raise CorruptChunkError(f"{where}, chunk {key}: blosc frame says it is {length} bytes long, the file holds "
-                                f"{len(mv) - 4} before its checksum")
+    problem = blosc_frame_problem(mv[:-4], out.nbytes)
+    if problem is not None:
+        raise CorruptChunkError(f"{where}, chunk {key}: {problem}")
     try:
         Blosc().decode(mv[:-4], out=dest)
     except Exception as e:  # noqa: BLE001 - a valid CRC over an undecodable frame

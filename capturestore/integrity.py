@@ -777,8 +777,10 @@ def _verify_capture(b, c: dict, metas: dict[str, bytes | None], report: VerifyRe
     from zarr.core.array import Array, AsyncArray
     from zarr.storage import StorePath
 
+    from capturestore.arrays import read_metadata
+
     try:
-        Array(AsyncArray(metadata=meta, store_path=StorePath(b.zarr_store(base))))[...]
+        Array(AsyncArray(metadata=read_metadata(meta), store_path=StorePath(b.zarr_store(base))))[...]
     except Exception as e:  # noqa: BLE001
         report.append(Problem("corrupt-chunk", f"shard unreadable: {' '.join(str(e).split())}", **where))
 

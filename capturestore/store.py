@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import zarr
 
 from capturestore import catalog, integrity
-from capturestore.arrays import ArrayRef, bad_chunks, check_compression
+from capturestore.arrays import ArrayRef, bad_chunks, check_compression, read_metadata
 from capturestore.chunkio import MadeDirs, read_region, write_block
 from capturestore.compaction import LOCK_PREFIX as COMPACTION_LOCK_PREFIX
 from capturestore.compaction import SOURCE_COLUMN, coverage, is_merged, logical_names
@@ -205,8 +205,8 @@ class Store:
         """Write chunk-aligned ``block`` straight to the chunk files of a directory; False: left to
         zarr (``arr[...] = block``: one PUT per chunk on object storage). ``dirs``: the writer's
         ``MadeDirs`` under ``_zstore``'s root (``_made_dirs``); ``sizes``: as ``chunkio.write_block``."""
-        if self.backend.path is None:
-            return False
+        if self.backend.path is None or (isinstance(arr, zarr.Array) and arr.shards is not None):
+            return False  # a shard holds many chunks and their index: zarr writes it (``arr.chunks`` are inner chunks)
         return write_block(f"{self.backend.path}/{ARRAYS_DIR}/{ref.path}", tuple(arr.shape), tuple(arr.chunks), block,
                            offset, compressed=compressed, pending=pending, dirs=dirs, sizes=sizes)
 
@@ -863,11 +863,12 @@ def _checked_zarr_read(store: Store, ref: ArrayRef, meta: dict, region) -> np.nd
     missing = [k for k in keys if base + k not in present]
     if missing:
         raise CorruptChunkError(f"{ref.where()}, chunk {missing[0]}: chunk file is missing")
-    arr = Array(AsyncArray(metadata=meta, store_path=StorePath(store._zstore, ref.path)))  # no second GET of zarr.json
+    arr = Array(AsyncArray(metadata=read_metadata(meta), store_path=StorePath(store._zstore, ref.path)))  # no second GET of zarr.json
+    sharded = meta["codecs"][0]["name"] == "sharding_indexed"
     try:
         return arr[region]
     except Exception as e:  # noqa: BLE001
-        if store.backend.path is not None:  # a directory: name each bad chunk by its CRC
+        if store.backend.path is not None and not sharded:  # a directory of chunk files: name each bad one by its CRC
             bad = bad_chunks(store.backend.path / base, tuple(meta["shape"]), grid, region)
             if bad:
                 listing = "; ".join(f"chunk {k}: {why}" for k, why in bad[:8])

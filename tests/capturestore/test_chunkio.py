@@ -165,7 +165,7 @@ def test_a_blosc_frame_cut_short_under_a_valid_checksum_is_corrupt_not_read_on(t
     (tmp_path / "B/c").mkdir(parents=True)
     (tmp_path / "B/c/0").write_bytes(body + struct.pack("<I", crc32c.crc32c(body)))
     with pytest.raises(CorruptChunkError, match=rf"B, chunk c/0: blosc frame says it is {n + 16} bytes long, "
-                                                rf"the file holds {len(body)} before its checksum"):
+                                                rf"the chunk holds {len(body)} before its checksum"):
         read_region(tmp_path / "B", (n,), (n,), np.dtype("u1"), (slice(0, n),), "B")
     tiny = header[:10]
     (tmp_path / "B/c/0").write_bytes(tiny + struct.pack("<I", crc32c.crc32c(tiny)))
