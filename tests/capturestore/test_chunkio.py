@@ -199,3 +199,23 @@ def test_a_forked_child_reads_on_a_pool_of_its_own(tmp_path):
     region = (slice(0, 8), slice(0, 8192))
     assert read_region(tmp_path, shape, chunks, np.dtype("float32"), region, "x").tobytes() == x.tobytes()
     assert result_in_forked_child(_read_in_child, tmp_path, shape, chunks) == x.tobytes()
+
+
+def test_the_io_pool_has_a_thread_per_cpu_this_process_may_use(monkeypatch):
+    """Sized by the process's CPU affinity (a container's or taskset's share), not the machine's
+    CPU count: on a 64-CPU host a process given 3 CPUs had 64 threads, each decoding a chunk."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 5, 9})
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(chunkio, "_POOL", None)
+    pool = chunkio._pool()
+    try:
+        assert pool._max_workers == 3
+    finally:
+        pool.shutdown()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(chunkio, "_POOL", None)
+    pool = chunkio._pool()
+    try:
+        assert pool._max_workers == 2  # never fewer than 2: file reads overlap decoding
+    finally:
+        pool.shutdown()
