@@ -39,10 +39,8 @@ def _pool() -> ThreadPoolExecutor:
     its threads (a task submitted there was never run: the child's read waited for ever)."""
     global _POOL
     if _POOL is None or _POOL[0] != os.getpid():
-        try:  # the CPUs this process may run on (a container's or taskset's share), not the machine's
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # not on Linux
-            cpus = os.cpu_count() or 2
+        # the CPUs this process may run on (a container's or taskset's share), not the machine's
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
         _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=max(2, cpus), thread_name_prefix="capturestore-io"))
     return _POOL[1]
 
