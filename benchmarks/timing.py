@@ -37,3 +37,31 @@ def best_of_interleaved(fns: dict, repeat: int) -> dict:
             fn()
             best[k] = min(best[k], time.perf_counter() - t)
     return best
+
+
+def keep_freed_memory() -> str:
+    """Keep the memory this process frees for its own later allocations (glibc: no ``mmap`` for
+    large blocks, ``M_MMAP_MAX`` 0; no trimming of the heap, ``M_TRIM_THRESHOLD`` 2 GiB), and
+    return one line saying so for the benchmark's output ("" where it could not be set).
+
+    Why: this machine is a VM with free page reporting (Firecracker, virtio-balloon; the kernel
+    log says "Free page reporting enabled"): memory a process returns to the kernel is handed
+    back to the host within seconds, and the next first touch of such a page faults out to the
+    host. 3 GiB touched by a fresh process: 19.2 s (0.17 GB/s); the same right after: 0.20 s;
+    12 fresh 5 MB result arrays: 0.19 s, 0.01 s once the process had freed such memory before.
+    A timing that allocates then measures the host's paging, not the code (``np.fromfile`` of
+    256 MiB read at 0.22 GB/s, a store write at 0.20x instead of 0.44x), and which side of a
+    ratio pays depends on what ran seconds before. With this set both sides of every ratio
+    reuse the process's memory after their first round. Not for processes whose peak RSS is
+    measured: a heap that is never trimmed keeps its high-water mark."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return ""
+    try:
+        libc = ctypes.CDLL(None)
+        ok = libc.mallopt(-4, 0) == 1 and libc.mallopt(-1, 2**31 - 1) == 1  # M_MMAP_MAX, M_TRIM_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        return ""
+    return "allocator: freed memory kept in the process (timing.keep_freed_memory)" if ok else ""
