@@ -92,3 +92,48 @@ def test_a_missing_benchmark_is_one_line_and_exit_2(tmp_path):
     r = _run(tmp_path / "bench_nothere.py")
     assert r.returncode == 2
     assert r.stderr.strip() == f"run_all: no such benchmark: {tmp_path / 'bench_nothere.py'}"
+
+
+KEEP = """
+import sys
+sys.path.insert(0, {bench!r})
+import numpy as np
+from timing import keep_freed_memory
+
+def rss_kib():
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:"))
+
+line = keep_freed_memory() if sys.argv[1] == "keep" else ""
+before = rss_kib()
+a = np.ones(64 * 2**20, np.uint8)  # 64 MiB: above glibc's largest mmap threshold (32 MiB)
+held = rss_kib()
+del a
+print(held - before, rss_kib() - before)
+print("said:" + line)
+"""
+
+
+def test_keep_freed_memory_keeps_a_freed_block_in_the_process(tmp_path):
+    """glibc gives a freed 64 MiB block back to the kernel (RSS falls); after keep_freed_memory it
+    stays the process's, for its next allocation (RSS stays), and the benchmark says so."""
+    import platform
+
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        import pytest
+
+        pytest.skip("keep_freed_memory sets glibc's malloc options (Linux with glibc only)")
+    script = tmp_path / "keep.py"
+    script.write_text(KEEP.format(bench=str(ROOT / "benchmarks")))
+    out = {}
+    for mode in ("default", "keep"):
+        res = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=60, check=True)
+        nums, said = res.stdout.splitlines()
+        held, after = map(int, nums.split())
+        line = said.removeprefix("said:")
+        out[mode] = (line, held, after)
+    mib = 2**10
+    assert out["default"][1] >= 60 * mib and out["default"][2] < 8 * mib, out  # touched, then returned
+    assert out["keep"][1] >= 60 * mib and out["keep"][2] >= 60 * mib, out  # touched, and kept
+    assert out["keep"][0] == "allocator: freed memory kept in the process (timing.keep_freed_memory)"
+    assert out["default"][0] == ""
