@@ -51,8 +51,8 @@ within seconds), so what a later call reuses does not depend on how long ago it 
 block ahead of the walk each head's positions are prefetched (``_prefetch``: the hardware
 prefetchers stop at 4 KiB pages, and each head's run of a block starts a new page), and the
 BC terms' square roots run in a loop of their own (vectorised): one thread over the 80 layers,
-old and new kernel alternated 6 times in one process, bits identical: 0.272 -> 0.207 s; two
-threads 0.148 -> 0.113 s.
+old and new kernel alternated 6 times in one process, bits identical: 0.258 -> 0.195 s (the
+roots alone: 0.247 s); two threads 0.142 -> 0.109 s (docs/benchmarks.md).
 
 Tried before the vector head sums and not kept (2026-12-02, one 8 x 1024 x 128 bf16 tensor,
 one thread, CPU time of the thread, old and new kernel interleaved 40 times in one process at load 18-20, bits asserted
@@ -273,7 +273,6 @@ def main():
         compare_kv_caches({n: exp[n] for n in one}, {n: act[n] for n in one}, baseline_kv={n: base[n] for n in one},
                           backend=be)
         t_load[be] = time.perf_counter() - t0
-        res = None
         for i in range(3):  # best of three, as every timing here: the machine is shared
             res = None  # a process comparing prompt after prompt frees a result before the next
             t0 = time.perf_counter()
