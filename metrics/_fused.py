@@ -670,6 +670,8 @@ def num_threads() -> int:
 
 def _split_bounds(n_items, work):
     """Contiguous parts [(i0, i1), ...] of [0, n_items) for up to num_threads() threads."""
+    if work < 2 * _MIN_SPLIT:  # one part whatever the threads: no need to ask (a syscall, ~2 us)
+        return [(0, n_items)] if n_items > 0 else []
     parts = min(num_threads(), n_items, max(1, work // _MIN_SPLIT))
     if parts == 1:  # most calls (a module tensor's rows): no linspace (~10 us)
         return [(0, n_items)]
@@ -1027,8 +1029,11 @@ def _row_sums_block_impl(b, e, a, r, n, sums):
 
 
 @_njit()
-def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bcv, bad):  # pragma: no cover
-    """Rows [r0, r1) of float32 [rows, width] b (baseline), e (expected), a (actual).
+def _module_rows_kernel(b, e, a, bins, r0, r1, be_all, te_all, sums_all, maxes_all, sq_all, fold, bc_all, bad_all,
+                        o):  # pragma: no cover
+    """Rows [r0, r1) of float32 [rows, width] b (baseline), e (expected), a (actual), written to
+    rows o + r of the outputs (``*_all``: a stack of several tensors' rows; the outputs below
+    are their rows from o on, sliced here: ~2 us a tensor less than slicing in Python).
 
     Writes be = |e - b|, te = |a - b| (float32, as numpy), sums [rows, 7] (einsum order),
     maxes [rows, 3] float32: max |b|, max be, max te; the row's BC of be vs te (metrics.bc's
@@ -1038,6 +1043,13 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold, bc
     left to numpy (an infinite error: np.histogram has no finite range); nothing else is
     meaningful in a flagged row.
     """
+    be = be_all[o:]
+    te = te_all[o:]
+    sums = sums_all[o:]
+    maxes = maxes_all[o:]
+    sq = sq_all if fold else sq_all[o:]
+    bcv = bc_all[o:]
+    bad = bad_all[o:]
     n = b.shape[1]
     acc = np.zeros((_MOD_SUMS, 2), np.float64)
     part = np.empty(_MOD_SUMS, np.float64)
@@ -1145,10 +1157,9 @@ def module_row_metrics_parts(parts, bins: int):
     for b, e, a in parts:
         b, e, a = (np.ascontiguousarray(x) for x in (b, e, a))
         m = b.shape[0]
-        out = (be[o:o + m], te[o:o + m], sums[o:o + m], maxes[o:o + m], sq if fold else sq[o:o + m], fold,
-               bc[o:o + m], bad[o:o + m])
-        tasks += [functools.partial(_module_rows_kernel, b, e, a, bins, r0, r1, *out)
-                  for r0, r1 in _split_bounds(m, m * n)]
+        for r0, r1 in _split_bounds(m, m * n):
+            tasks.append(functools.partial(_module_rows_kernel, b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold,
+                                           bc, bad, o))
         o += m
     _run_tasks(tasks)
     if not fold:
