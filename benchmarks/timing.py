@@ -52,8 +52,11 @@ def keep_freed_memory() -> str:
     A timing that allocates then measures the host's paging, not the code (``np.fromfile`` of
     256 MiB read at 0.22 GB/s, a store write at 0.20x instead of 0.44x), and which side of a
     ratio pays depends on what ran seconds before. With this set both sides of every ratio
-    reuse the process's memory after their first round. Not for processes whose peak RSS is
-    measured: a heap that is never trimmed keeps its high-water mark."""
+    reuse the process's memory after their first round. What it covers: the main arena (the
+    main thread's allocations, and every block once a thread's arena is full); a worker
+    thread's own arena still gives back a heap it has emptied whatever the trim threshold
+    (glibc's ``heap_trim``), so memory freed by pool threads may still go back. Not for
+    processes whose peak RSS is measured: a heap that is never trimmed keeps its high-water mark."""
     import ctypes
     import sys
 

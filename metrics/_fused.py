@@ -529,9 +529,11 @@ def _kv_kernel(r, a, e, three, want_raw, bins, s0, s1, o_linf, o_l2, o_cos, o_bl
                 nonfinite[t] = False
             # head-major over the block: each source is read as H contiguous runs of nt * D
             # values (a position-major walk would keep 3 * H strided streams open)
-            # the next block's positions, where there is a next block (prefetched while this
-            # one is read: the hardware prefetchers stop at each 4 KiB page a head's run starts)
-            ahead = min(T, S - sb - nt)
+            # positions s + T of this part's next block, where it has one (prefetched while this
+            # block is read: the hardware prefetchers stop at each 4 KiB page a head's run starts);
+            # t < s1 - sb - T keeps s + T below s1, so a partial or last block prefetches nothing
+            # past the part (nor past the array)
+            ahead = min(nt, s1 - sb - T)
             for h in range(H):
                 for t in range(nt):
                     s = sb + t
