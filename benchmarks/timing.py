@@ -1,6 +1,8 @@
 """Timing (and peak-memory) helpers shared by the benchmark scripts (run as
 `python benchmarks/bench_*.py`, so this folder is on sys.path)."""
+import ctypes
 import resource
+import sys
 import time
 
 
@@ -57,9 +59,6 @@ def keep_freed_memory() -> str:
     thread's own arena still gives back a heap it has emptied whatever the trim threshold
     (glibc's ``heap_trim``), so memory freed by pool threads may still go back. Not for
     processes whose peak RSS is measured: a heap that is never trimmed keeps its high-water mark."""
-    import ctypes
-    import sys
-
     if not sys.platform.startswith("linux"):
         return ""
     try:

@@ -672,9 +672,10 @@ def num_threads() -> int:
 
 def _split_bounds(n_items, work):
     """Contiguous parts [(i0, i1), ...] of [0, n_items) for up to num_threads() threads."""
-    if work < 2 * _MIN_SPLIT:  # one part whatever the threads: no need to ask (a syscall, ~2 us)
+    most = min(n_items, max(1, work // _MIN_SPLIT))  # the parts the work allows
+    if most <= 1:  # none or one whatever the threads: no need to ask (a syscall, ~2 us)
         return [(0, n_items)] if n_items > 0 else []
-    parts = min(num_threads(), n_items, max(1, work // _MIN_SPLIT))
+    parts = min(num_threads(), most)
     if parts == 1:  # most calls (a module tensor's rows): no linspace (~10 us)
         return [(0, n_items)]
     bounds = np.linspace(0, n_items, parts + 1).astype(int)
