@@ -141,6 +141,7 @@ class Checkpoint:
 
     def __init__(self, path):
         self.path = Path(path)
+        self._local = threading.local()  # each reading thread's staging buffers (_read_staged)
         index = self.path / INDEX_FILE
         self.entries: dict[str, TensorEntry] = {}
         if index.exists():
@@ -225,7 +226,9 @@ class Checkpoint:
 
         e = self.entries[name]
         src_dtype = getattr(torch, _ST_DTYPES[e.dtype][0])
-        if src_dtype == dtype and str(device) == "cpu":
+        if str(device) != "cpu":
+            return self._read_staged(e, name, src_dtype, dtype, device)
+        if src_dtype == dtype:
             # from_pretrained keeps such a tensor where safetensors mmaps it: at its file offset
             # modulo the page. Kernels' results depend on alignment (an FP32 GEMV differs by
             # rounding between a 64-byte and a 40-mod-64 weight), so this copy sits at the same
@@ -238,10 +241,10 @@ class Checkpoint:
             buffer = raw
         else:
             key = self.buffer_key(name, dtype, device)
-            out = pool.take(key) if pool is not None and str(device) == "cpu" else None
+            out = pool.take(key) if pool is not None else None
             out = torch.empty(e.shape, dtype=dtype) if out is None else out
             buffer = out
-        if pool is not None and str(device) == "cpu":
+        if pool is not None:
             pool.lend(out, key, buffer)
         flat = out.view(-1)
         itemsize = _ST_DTYPES[e.dtype][1]
@@ -280,7 +283,60 @@ class Checkpoint:
                             flat[a + b:a + b + c].copy_(buf[b:b + c])
                     else:
                         flat[a:a + k].copy_(buf[:k])
-        return out if str(device) == "cpu" else out.to(device)
+        return out
+
+    def _read_staged(self, e: TensorEntry, name: str, src_dtype, dtype, device):
+        """:meth:`read` onto a device (CUDA): the file's bytes, chunk by chunk, into one of two
+        pinned host buffers, each chunk copied to the device without blocking while the next is
+        read, and cast there (a non-blocking copy converts on the device: BF16 -> FP32 is the exact
+        widening it is on the CPU, FP32 -> BF16 the same round to nearest even). Everything runs on
+        the device's current stream, in order with the forwards and the freeing of the unit before.
+
+        Before this, each weight went through a fresh pageable host tensor of the target dtype and
+        a blocking copy: 13.4 GB of new host pages per pass over a 3.6 B model in FP32, 10.8 s a
+        pass on an H200 machine whose whole-model forward took 0.16 s (docs/references.md)."""
+        import torch
+
+        out = torch.empty(e.shape, dtype=dtype, device=device)
+        flat = out.view(-1)
+        numel = flat.numel()
+        itemsize = _ST_DTYPES[e.dtype][1]
+        per = max(1, _READ_CHUNK // itemsize)
+        stages = self._stages(device)
+        with open(e.file, "rb", buffering=0) as f:
+            f.seek(e.offset)
+            for i, a in enumerate(range(0, numel, per)):
+                k = min(per, numel - a)
+                buf, copied = stages[i % 2]
+                if copied is not None:
+                    copied.synchronize()  # the copy that last read this buffer is done
+                view = memoryview(buf.numpy())
+                need, got = k * itemsize, 0
+                while got < need:
+                    n = f.readinto(view[got:need])
+                    if not n:
+                        raise CheckpointError(f"{e.file}: tensor {name}: file ended early")
+                    got += n
+                flat[a:a + k].copy_(buf[:need].view(src_dtype), non_blocking=True)
+                if copied is not None:
+                    copied.record()
+        for _, copied in stages:
+            if copied is not None:
+                copied.synchronize()
+        return out
+
+    def _stages(self, device) -> list:
+        """This thread's two staging buffers for ``device``: ``(pinned uint8 host tensor of
+        _READ_CHUNK bytes, CUDA event of its last copy)``; on the CPU (tests) plain memory, no event."""
+        import torch
+
+        mine = self._local.__dict__.setdefault("stages", {})
+        key = (str(device), _READ_CHUNK)
+        if key not in mine:
+            cuda = torch.device(device).type == "cuda"
+            mine[key] = [(torch.empty(_READ_CHUNK, dtype=torch.uint8, pin_memory=cuda),
+                          torch.cuda.Event() if cuda else None) for _ in range(2)]
+        return mine[key]
 
     def nbytes(self) -> int:
         return sum(e.nbytes for e in self.entries.values())

@@ -274,6 +274,10 @@ def test_a_background_read_casts_bit_for_bit_as_torch_does(tmp_path, monkeypatch
                 got = ck.read(name, dtype, background=background)
                 assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), \
                     (name, dtype, background)
+            # a device's read (staged through two host buffers, each chunk copied as read), run
+            # here on the CPU: the same chunks, offsets and casts
+            got = ck._read_staged(ck.entries[name], name, src.dtype, dtype, "cpu")
+            assert got.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (name, dtype)
     want = f32.clamp(-6e4, 6e4).half().float()
     assert torch.equal(ck.read("h", torch.float32, background=True).view(torch.int32), want.view(torch.int32))
 
