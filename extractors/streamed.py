@@ -63,6 +63,7 @@ _ST_DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2
 _PAGE = 4096  # mmap granularity: a mmapped tensor's address modulo it is its file offset's
 _READ_CHUNK = 4 << 20  # bytes read (and converted) at a time: bounds the transient copy (4 MiB: 2.5x faster
 # than 64 MiB for a BF16 -> FP32 copy_, the chunk still in cache; 60 MiB less beside a prefetch)
+READERS = 4  # threads reading one unit's tensors at once onto a device (StreamedModel.read_unit)
 _SERIAL_GRAIN = 32768  # at::internal::GRAIN_SIZE: an elementwise op on fewer elements runs serially
 
 
@@ -208,7 +209,7 @@ class Checkpoint:
                     raise CheckpointError(f"{where(name)}: tensor {name} is {_ST_DTYPES[floats[name]][0]}, the "
                                           f"checkpoint's dtype is {ref}")
 
-    def read(self, name: str, dtype, device="cpu", background: bool = False, pool=None):
+    def read(self, name: str, dtype, device="cpu", background: bool = False, pool=None, staged: bool | None = None):
         """Tensor ``name`` as ``dtype`` on ``device``: read in chunks, each cast with ``copy_``
         (``tensor.to(dtype)``'s cast), into one preallocated tensor.
 
@@ -220,13 +221,15 @@ class Checkpoint:
         other's cores). BF16 -> FP32, the usual cast, is then the exact widening it is (the 16
         bits shifted into the high half: what torch's scalar and vector casts do, NaN payloads
         included) in numpy, which runs it on this thread alone and releases the GIL; any other cast
-        is ``copy_`` in pieces below ATen's parallel grain (32,768 elements), which run serially."""
+        is ``copy_`` in pieces below ATen's parallel grain (32,768 elements), which run serially.
+
+        staged: read through :meth:`_read_staged` (default: on any device but the CPU)."""
         import numpy as np
         import torch
 
         e = self.entries[name]
         src_dtype = getattr(torch, _ST_DTYPES[e.dtype][0])
-        if str(device) != "cpu":
+        if staged if staged is not None else str(device) != "cpu":
             return self._read_staged(e, name, src_dtype, dtype, device)
         if src_dtype == dtype:
             # from_pretrained keeps such a tensor where safetensors mmaps it: at its file offset
@@ -295,6 +298,17 @@ class Checkpoint:
         Before this, each weight went through a fresh pageable host tensor of the target dtype and
         a blocking copy: 13.4 GB of new host pages per pass over a 3.6 B model in FP32, 10.8 s a
         pass on an H200 machine whose whole-model forward took 0.16 s (docs/references.md)."""
+        import contextlib
+
+        import torch
+
+        dev = torch.device(device)
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            # the device's current stream, not device 0's: the copies, the events and the forwards
+            # are then in one order on it, whichever thread reads
+            return self._read_chunks(e, name, src_dtype, dtype, device)
+
+    def _read_chunks(self, e: TensorEntry, name: str, src_dtype, dtype, device):
         import torch
 
         out = torch.empty(e.shape, dtype=dtype, device=device)
@@ -418,6 +432,11 @@ class StreamedModel:
         # here; prepare_reference keeps those whose pair fits the memory budget (ReferencePlan)
         self.prefetch = frozenset(range(len(self.units) - 1))
         self.pool = _BufferPool()  # freed units' memory, reused by the next unit's reads
+        # a device's weights are staged through pinned host buffers (Checkpoint._read_staged), a
+        # unit's tensors by up to READERS threads at once; the CPU's read into the pool, one by one
+        self.staged = self.device != "cpu"
+        self.readers = max(1, min(READERS, _usable_cpus()))
+        self._readers_pool = None
         self._lent = {}  # (id(module), attr) -> the weight tensor installed there
         self.streaming = False
         self.units[0].modules[0][1].register_forward_pre_hook(self._outside)
@@ -490,12 +509,27 @@ class StreamedModel:
         # what this unit cannot use goes before anything is allocated: never more than the plan
         self.pool.drop_unused([self.checkpoint.buffer_key(srcs[f], mod._parameters[a].dtype, self.device)
                                for f, (mod, a) in u.params.items()])
-        out = []
-        for full, (mod, attr) in u.params.items():
+        items = list(u.params.items())
+
+        def one(item):
+            full, (mod, attr) = item
             t = self.checkpoint.read(srcs[full], mod._parameters[attr].dtype, self.device, background=background,
-                                     pool=self.pool)
-            out.append((mod, attr, t, self.checkpoint.entries[srcs[full]].nbytes))
-        return out
+                                     pool=self.pool, staged=self.staged)
+            return mod, attr, t, self.checkpoint.entries[srcs[full]].nbytes
+
+        if self.staged and self.readers > 1 and len(items) > 1:
+            return list(self._reader_pool().map(one, items))
+        return [one(item) for item in items]
+
+    def _reader_pool(self):
+        """Threads reading one unit's tensors at once (staged reads only: each thread its own two
+        staging buffers; the reads release the GIL): one thread read 5.0 GB/s from the page cache
+        on the H200 machine, where a pass over the weights is the read alone (docs/references.md)."""
+        if self._readers_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._readers_pool = ThreadPoolExecutor(self.readers, thread_name_prefix="capturestore-read")
+        return self._readers_pool
 
     def install(self, tensors: list) -> None:
         """Put weights from :meth:`read_unit` into the model."""
@@ -527,6 +561,13 @@ class StreamedModel:
         del old, t
         if not pooled:
             _release_freed_memory()
+
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _release_freed_memory() -> None:

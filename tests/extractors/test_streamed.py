@@ -282,6 +282,32 @@ def test_a_background_read_casts_bit_for_bit_as_torch_does(tmp_path, monkeypatch
     assert torch.equal(ck.read("h", torch.float32, background=True).view(torch.int32), want.view(torch.int32))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_staged_reads_on_several_threads_give_every_unit_the_same_weights(tiny_model, whole, monkeypatch, dtype):
+    # a device's reads (staged through pinned buffers, a unit's tensors on up to READERS threads),
+    # run on the CPU: every weight the CPU path reads, bit for bit, in the unit's order; then a
+    # streamed capture through them is the whole model's
+    monkeypatch.setattr("extractors.streamed._READ_CHUNK", 1000)  # many chunks, both buffers of each thread
+    path = tiny_model("llama-gqa")
+    plain, staged = StreamedModel(path, dtype), StreamedModel(path, dtype)
+    staged.staged, staged.readers = True, 3
+    names = {id(m): n for n, m in plain.model.named_modules()} | {id(m): n for n, m in staged.model.named_modules()}
+    for u, v in zip(plain.units, staged.units):
+        want, got = plain.read_unit(u), staged.read_unit(v)
+        assert [(names[id(m)], a, n) for m, a, _, n in got] == [(names[id(m)], a, n) for m, a, _, n in want]
+        for (_, a, t, _), (_, _, w, _) in zip(got, want):
+            assert t.dtype == w.dtype and t.shape == w.shape and torch.equal(t.view(-1).view(torch.uint8),
+                                                                             w.view(-1).view(torch.uint8)), a
+    assert staged._readers_pool is not None and plain._readers_pool is None
+    if dtype == "bfloat16":  # a cast from the FP32 checkpoint: fresh memory on both paths, as aligned
+        fns = [lambda p=p, t=t: extract_hf_kv_caches_teacher_forced(staged.model, [p], [t], return_logits=True)
+               for p, t in zip(PROMPTS, TEACHERS)]
+        got = run_streamed(staged, fns)
+        for i, (p, t) in enumerate(zip(PROMPTS, TEACHERS)):
+            _same_capture(got[i], extract_hf_kv_caches_teacher_forced(whole(path, dtype), [p], [t],
+                                                                       return_logits=True), f"prompt {i}, staged")
+
+
 def test_random_groups_and_lengths_stream_bit_identically(tiny_model, whole):
     """Property: any group of prompts (sizes 1-5, lengths 1-30, teacher tokens 0-8) streamed in one
     pass gives each prompt exactly its whole-model capture."""
