@@ -27,13 +27,20 @@ Gemma3 model (every module of
    the same verdict, checked), and ``add_many`` with numba reported absent (the numpy path, as
    before the fused kernels of ``metrics._fused``; same verdict, checked). Goal >= 0.25x, as
    the KV compare (bench_metrics.py). Figures and what bounds them: docs/module-compare.md.
+3b. (``compare-1b``) Section 3's ``add_many`` + verdict on synthetic captures at a 1.5B Llama's
+   module shapes (every linear layer, norm, attention, MLP and layer output of 16 layers of hidden
+   2048: 384 module x phase, 2 prompts of 16 + 8 rows, 333 MiB in three roles), each in a fresh
+   process: once as a one-shot comparison runs (its error copies, kept for the verdict, in new
+   memory: goal >= 0.25x), once with ``timing.keep_freed_memory`` (the rounds reuse what the
+   last one freed: what the arithmetic alone costs; informational).
 4. ``compare_runs`` with the ``modules`` comparator over the same captures in a store, and how
    much of it is reading the tensors: goal below half (issue 24; ~70% when each decode step was
    its own chunk file, ~56,000 files for 8 prompts; now one chunk per module, phase and prompt).
 4b. (``store-1b``) Section 4 on the 1.5B shape of 1b, 2 prompts of 16 tokens + 8 decode steps, the
    three roles captured one model at a time; its reading share is the goal's at a user's sizes.
 
-Sections: ``--sections capture,capture-1b,rss,compare,store,store-1b`` (default all); ``--quick`` = ``compare``.
+Sections: ``--sections capture,capture-1b,rss,compare,compare-1b,store,store-1b`` (default all); ``--quick`` =
+``compare``.
 """
 from __future__ import annotations
 
@@ -70,6 +77,88 @@ def plain_forwards(model, prompt, cont):
         for n in range(len(cont) - 1):
             model(input_ids=torch.tensor([[cont[n]]]), position_ids=torch.tensor([[len(prompt) + n]]),
                   past_key_values=cache, use_cache=True)
+
+
+# the module outputs of one layer of a 1.5B Llama (hidden 2048, intermediate 8192, 4 KV heads of
+# 128): its linear layers, norms, attention, MLP and the layer itself; 16 layers
+LAYER_1B = (("self_attn.q_proj", 2048), ("self_attn.k_proj", 512), ("self_attn.v_proj", 512), ("self_attn.o_proj", 2048),
+            ("mlp.gate_proj", 8192), ("mlp.up_proj", 8192), ("mlp.down_proj", 2048), ("input_layernorm", 2048),
+            ("post_attention_layernorm", 2048), ("self_attn", 2048), ("mlp", 2048), ("", 2048))
+
+
+def child_compare_1b(keep: bool) -> None:
+    """In a fresh process: the in-memory module compare (``add_many`` per prompt + verdict) of
+    synthetic captures at a 1.5B Llama's module shapes (``LAYER_1B`` x 16 layers, 2 prompts of
+    16 prefill rows + 8 decode steps; baseline N(0, 1), expected its BF16 rounding, actual the
+    BF16 rounding of baseline + N(0, 1e-4): PASS) against one numpy pass over the same bytes, best of 5.
+    keep: with ``timing.keep_freed_memory`` (each round reuses the memory the last one freed);
+    without, each round's error copies are new memory, as in a one-shot comparison."""
+    from timing import keep_freed_memory
+
+    from metrics.modules import ModuleJudge
+
+    said = keep_freed_memory() if keep else ""
+    rng = np.random.default_rng(0)
+    names = [(f"model.layers.{i}" + (f".{m}" if m else ""), w) for i in range(16) for m, w in LAYER_1B]
+
+    def bf16(x):
+        u = x.view(np.uint32)
+        return ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) & np.uint32(0xFFFF0000)).view(np.float32)
+
+    prompts = []
+    for _ in range(2):
+        caps = []
+        for name, w in names:
+            for phase, rows in (("prefill", 16), ("decode", 8)):
+                b = rng.standard_normal((rows, w), dtype=np.float32)
+                noise = rng.standard_normal((rows, w), dtype=np.float32) * np.float32(1e-4)
+                caps.append((name, phase, b, bf16(b.copy()), bf16(b + noise), None))
+        prompts.append(caps)
+    nbytes = sum(x.nbytes for caps in prompts for c in caps for x in c[2:5])
+
+    def limit():
+        for caps in prompts:
+            for c in caps:
+                for x in c[2:5]:
+                    x.max()
+
+    def judge(verdict=True):
+        j = ModuleJudge()
+        for i, caps in enumerate(prompts):
+            j.add_many(str(i), caps)
+        return j.verdict([n for n, _ in names]) if verdict else None
+
+    judge()  # kernels loaded (numba's cache)
+    v = judge()
+    t_limit = best_of(limit, 5)
+    t_cmp = best_of(judge, 5)
+    t_adds = best_of(lambda: judge(False), 5)
+    print(json.dumps({"limit": t_limit, "compare": t_cmp, "adds": t_adds, "nbytes": nbytes, "pairs": len(prompts[0]),
+                      "passed": bool(v.passed), "allocator": said}))
+
+
+def compare_1b_rows() -> list:
+    """Section 3b: child_compare_1b without and with the memory kept, each in a fresh process."""
+    got = {}
+    for keep in (False, True):
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-compare-1b", "keep" if keep else "fresh"],
+                             capture_output=True, text=True, check=True)
+        got[keep] = json.loads(out.stdout.strip().splitlines()[-1])
+    f, k = got[False], got[True]
+    rows = [(f"module compare at a 1.5B Llama's module shapes (synthetic: 2 prompts x (16 + 8) rows, {f['pairs']} module "
+             f"x phase, {f['nbytes'] / 2**20:.0f} MiB, {'PASS' if f['passed'] else 'FAIL'})", "", "", ""),
+            ("  limit: one numpy pass over the same bytes", f"{f['limit'] * 1e3:.1f} ms",
+             f"{f['nbytes'] / 2**30 / f['limit']:.2f} GiB/s", ""),
+            ("  add_many + verdict, error copies in new memory (one-shot)", f"{f['compare'] * 1e3:.0f} ms",
+             f"{f['limit'] / f['compare']:.3f}x limit", _goal(">= 0.25x", f["limit"] / f["compare"] >= 0.25)),
+            ("    of which per-token metrics (add_many, no verdict)", f"{f['adds'] * 1e3:.0f} ms",
+             f"{f['limit'] / f['adds']:.3f}x limit", "")]
+    if k["allocator"]:
+        rows += [("  the same, memory the last round freed reused", f"{k['compare'] * 1e3:.0f} ms",
+                  f"{k['limit'] / k['compare']:.3f}x limit", "informational: " + k["allocator"]),
+                 ("    of which per-token metrics (add_many, no verdict)", f"{k['adds'] * 1e3:.0f} ms",
+                  f"{k['limit'] / k['adds']:.3f}x limit", "")]
+    return rows
 
 
 def child_rss(n_prompts: int) -> None:
@@ -126,6 +215,8 @@ def main(sections) -> None:
         rows.append(("  8 prompts vs 1 prompt peak RSS", "", f"{ratio:.2f}x", _goal("bounded: <= 1.1x", ratio <= 1.1)))
     if "compare" in sections or "store" in sections:
         rows += compare_rows(path, prompts, conts, "store" in sections)
+    if "compare-1b" in sections:
+        rows += compare_1b_rows()
 
     _print_rows(rows)
 
@@ -339,11 +430,13 @@ def _print_rows(rows) -> None:
         sys.exit(1)  # the benchmarks' convention: exit 1 when a goal is missed
 
 
-SECTIONS = ("capture", "capture-1b", "rss", "compare", "store", "store-1b")
+SECTIONS = ("capture", "capture-1b", "rss", "compare", "compare-1b", "store", "store-1b")
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child-rss":
         child_rss(int(sys.argv[2]))
+    elif len(sys.argv) > 2 and sys.argv[1] == "--child-compare-1b":
+        child_compare_1b(sys.argv[2] == "keep")
     else:
         import argparse
 
