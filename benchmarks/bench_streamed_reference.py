@@ -1,6 +1,6 @@
 """Benchmark of layer-streamed references (issue 18): a model far larger than its memory budget.
 
-Run: ``python benchmarks/bench_streamed_reference.py [--full | --quick] [--skip-whole]``.
+Run: ``python benchmarks/bench_streamed_reference.py [--full | --quick] [--skip-whole] [--readers N]``.
 
 Builds once (cached under ``.bench-tmp/``, git-ignored) a random Llama, as sharded BF16 safetensors
 written shard by shard (a few layers each) so that building it never holds the model. Default (the
@@ -163,6 +163,10 @@ def child_step(args) -> dict:
     from extractors.streamed import Checkpoint
 
     torch.set_num_threads(args.threads)
+    if args.readers:  # the streamed steps' reading threads (default: the library's, by the CPU count)
+        import extractors.streamed as streamed
+
+        streamed.READERS, streamed.CPUS_PER_READER = args.readers, 1
     cfg = json.loads((Path(args.model) / "config.json").read_text())
     prompts, teachers = _prompts(cfg["vocab_size"], args.prompts, args.length, args.teach)
     out = {"step": args.step}
@@ -217,7 +221,8 @@ def run_child(args, step: str, store: Path) -> dict:
 
     cmd = [sys.executable, __file__, "--step", step, "--model", str(args.model), "--store", str(store),
            "--memory", str(args.memory), "--prompts", str(args.prompts), "--length", str(args.length),
-           "--teach", str(args.teach), "--threads", str(args.threads), "--model-hash", args.model_hash]
+           "--teach", str(args.teach), "--threads", str(args.threads), "--model-hash", args.model_hash,
+           "--readers", str(args.readers or 0)]
     env = dict(os.environ)
     if args.gomp_spincount != "default":
         env["GOMP_SPINCOUNT"] = args.gomp_spincount
@@ -313,6 +318,8 @@ def main():
     ap.add_argument("--length", type=int, default=64, help="tokens of the longest prompt (others 3 fewer each)")
     ap.add_argument("--teach", type=int, default=8, help="teacher tokens per prompt")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--readers", type=int, default=0, help="threads reading a unit's tensors in the streamed steps "
+                    "(default: the library's choice, one per 4 usable CPUs, at most 4)")
     ap.add_argument("--cli", action="store_true", help="also `capturestore run --target hf:bfloat16 "
                     "--reference-memory MEMORY` end to end (peak RSS from outside, against one FP32 copy)")
     ap.add_argument("--cli-only", action="store_true", help="only the --cli step")
@@ -380,7 +387,9 @@ def main():
         n_params = weights // 2
         print(f"\n{n_params / 1e9:.2f} B parameters, {weights / GiB:.2f} GiB BF16; {args.prompts} prompts of "
               f"{[args.length - 3 * i for i in range(args.prompts)]} tokens + {args.teach} teacher tokens; "
-              f"budget {args.memory} GiB; {args.threads} threads; best of {args.repeat}; GOMP_SPINCOUNT "
+              f"budget {args.memory} GiB; {args.threads} threads; "
+              f"{f'{args.readers} reading threads' if args.readers else 'reading threads: the library default'}; "
+              f"best of {args.repeat}; GOMP_SPINCOUNT "
               f"{args.gomp_spincount}")
         read = res["read"]["wall_s"]
         rows = []

@@ -63,7 +63,8 @@ _ST_DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2
 _PAGE = 4096  # mmap granularity: a mmapped tensor's address modulo it is its file offset's
 _READ_CHUNK = 4 << 20  # bytes read (and converted) at a time: bounds the transient copy (4 MiB: 2.5x faster
 # than 64 MiB for a BF16 -> FP32 copy_, the chunk still in cache; 60 MiB less beside a prefetch)
-READERS = 4  # threads reading one unit's tensors at once onto a device (StreamedModel.read_unit)
+READERS = 4  # at most this many threads read one unit's tensors at once (StreamedModel.read_unit)
+CPUS_PER_READER = 4  # on the CPU one reading thread per this many usable CPUs (the forward needs the rest)
 _SERIAL_GRAIN = 32768  # at::internal::GRAIN_SIZE: an elementwise op on fewer elements runs serially
 
 
@@ -433,9 +434,11 @@ class StreamedModel:
         self.prefetch = frozenset(range(len(self.units) - 1))
         self.pool = _BufferPool()  # freed units' memory, reused by the next unit's reads
         # a device's weights are staged through pinned host buffers (Checkpoint._read_staged), a
-        # unit's tensors by up to READERS threads at once; the CPU's read into the pool, one by one
+        # unit's tensors by up to READERS threads at once; the CPU's read into the pool, by one
+        # thread per CPUS_PER_READER usable CPUs (one on 2-7 CPUs: the forward needs its cores)
         self.staged = self.device != "cpu"
-        self.readers = max(1, min(READERS, _usable_cpus()))
+        cpus = _usable_cpus()
+        self.readers = max(1, min(READERS, cpus if self.staged else cpus // CPUS_PER_READER))
         self._readers_pool = None
         self._lent = {}  # (id(module), attr) -> the weight tensor installed there
         self.streaming = False
@@ -510,21 +513,26 @@ class StreamedModel:
         self.pool.drop_unused([self.checkpoint.buffer_key(srcs[f], mod._parameters[a].dtype, self.device)
                                for f, (mod, a) in u.params.items()])
         items = list(u.params.items())
+        threads = self.readers > 1 and len(items) > 1
+        # on several threads each cast runs on its own thread (read's background form: numpy's
+        # widening or copy_ below ATen's grain), never an OpenMP team per thread; the same bits
+        serial = background or threads
 
         def one(item):
             full, (mod, attr) = item
-            t = self.checkpoint.read(srcs[full], mod._parameters[attr].dtype, self.device, background=background,
+            t = self.checkpoint.read(srcs[full], mod._parameters[attr].dtype, self.device, background=serial,
                                      pool=self.pool, staged=self.staged)
             return mod, attr, t, self.checkpoint.entries[srcs[full]].nbytes
 
-        if self.staged and self.readers > 1 and len(items) > 1:
+        if threads:
             return list(self._reader_pool().map(one, items))
         return [one(item) for item in items]
 
     def _reader_pool(self):
-        """Threads reading one unit's tensors at once (staged reads only: each thread its own two
-        staging buffers; the reads release the GIL): one thread read 5.0 GB/s from the page cache
-        on the H200 machine, where a pass over the weights is the read alone (docs/references.md)."""
+        """Threads reading one unit's tensors at once (the reads and casts release the GIL; a
+        staged read's thread has its own two staging buffers; the CPU's reads share the pool, which
+        locks): one thread read 5.0 GB/s from the page cache on the H200 machine, where a pass over
+        the weights is the read alone (docs/references.md)."""
         if self._readers_pool is None:
             from concurrent.futures import ThreadPoolExecutor
 

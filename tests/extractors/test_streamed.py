@@ -7,6 +7,7 @@ safetensors files: the cached tiny models, and re-sharded / re-typed copies the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import threading
@@ -283,6 +284,26 @@ def test_a_background_read_casts_bit_for_bit_as_torch_does(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_reads_on_several_threads_stream_bit_identically(tiny_model, whole, dtype):
+    # the CPU's reads on 3 threads (a machine of 12+ CPUs has them; 2-7 CPUs read on one): the pool
+    # shared under its lock, each cast on its own thread; every unit's weights and a streamed
+    # capture are the one-thread path's / the whole model's (FP32: the whole model's alignment)
+    path = tiny_model("llama-gqa")
+    assert StreamedModel(path, dtype).readers == max(1, min(4, len(os.sched_getaffinity(0)) // 4))
+    sm = StreamedModel(path, dtype)
+    sm.readers = 3
+    fns = [lambda p=p, t=t: extract_hf_kv_caches_teacher_forced(sm.model, [p], [t], return_logits=True)
+           for p, t in zip(PROMPTS, TEACHERS)]
+    fns.append(lambda: generate_hf_logits_and_kv(sm.model, [PROMPTS[0]], 3))
+    got = run_streamed(sm, fns)
+    assert sm._readers_pool is not None and sm.prefetched > 0
+    for i, (p, t) in enumerate(zip(PROMPTS, TEACHERS)):
+        _same_capture(got[i], extract_hf_kv_caches_teacher_forced(whole(path, dtype), [p], [t], return_logits=True),
+                      f"prompt {i}, 3 reading threads")
+    _same_capture(got[-1], generate_hf_logits_and_kv(whole(path, dtype), [PROMPTS[0]], 3), "greedy, 3 reading threads")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_staged_reads_on_several_threads_give_every_unit_the_same_weights(tiny_model, whole, monkeypatch, dtype):
     # a device's reads (staged through pinned buffers, a unit's tensors on up to READERS threads),
     # run on the CPU: every weight the CPU path reads, bit for bit, in the unit's order; then a
@@ -290,6 +311,7 @@ def test_staged_reads_on_several_threads_give_every_unit_the_same_weights(tiny_m
     monkeypatch.setattr("extractors.streamed._READ_CHUNK", 1000)  # many chunks, both buffers of each thread
     path = tiny_model("llama-gqa")
     plain, staged = StreamedModel(path, dtype), StreamedModel(path, dtype)
+    plain.readers = 1  # the CPU path as on 2-7 CPUs
     staged.staged, staged.readers = True, 3
     names = {id(m): n for n, m in plain.model.named_modules()} | {id(m): n for n, m in staged.model.named_modules()}
     for u, v in zip(plain.units, staged.units):
