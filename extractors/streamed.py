@@ -273,12 +273,7 @@ class Checkpoint:
                     dst32 = flat.view(torch.int32).numpy().view(np.uint32)
                 for a in range(0, numel, per):
                     k = min(per, numel - a)
-                    need, got = k * itemsize, 0
-                    while got < need:
-                        n = f.readinto(bview[got:need])
-                        if not n:
-                            raise CheckpointError(f"{e.file}: tensor {name}: file ended early")
-                        got += n
+                    _fill(f, bview, k * itemsize, e, name)
                     if widen:
                         np.left_shift(src16[:k], 16, out=dst32[a:a + k], dtype=np.uint32)
                     elif background:
@@ -325,13 +320,8 @@ class Checkpoint:
                 buf, copied = stages[i % 2]
                 if copied is not None:
                     copied.synchronize()  # the copy that last read this buffer is done
-                view = memoryview(buf.numpy())
-                need, got = k * itemsize, 0
-                while got < need:
-                    n = f.readinto(view[got:need])
-                    if not n:
-                        raise CheckpointError(f"{e.file}: tensor {name}: file ended early")
-                    got += n
+                need = k * itemsize
+                _fill(f, memoryview(buf.numpy()), need, e, name)
                 flat[a:a + k].copy_(buf[:need].view(src_dtype), non_blocking=True)
                 if copied is not None:
                     copied.record()
@@ -569,6 +559,17 @@ class StreamedModel:
         del old, t
         if not pooled:
             _release_freed_memory()
+
+
+def _fill(f, view: memoryview, need: int, e: TensorEntry, name: str) -> None:
+    """``view[:need]`` read from ``f`` (``readinto`` until it is full); CheckpointError where the
+    file ends first."""
+    got = 0
+    while got < need:
+        n = f.readinto(view[got:need])
+        if not n:
+            raise CheckpointError(f"{e.file}: tensor {name}: file ended early")
+        got += n
 
 
 def _usable_cpus() -> int:
