@@ -282,14 +282,16 @@ class Checkpoint:
                             flat[a + b:a + b + c].copy_(buf[b:b + c])
                     else:
                         flat[a:a + k].copy_(buf[:k])
-        return out
+        return out if str(device) == "cpu" else out.to(device)
 
     def _read_staged(self, e: TensorEntry, name: str, src_dtype, dtype, device):
         """:meth:`read` onto a device (CUDA): the file's bytes, chunk by chunk, into one of two
         pinned host buffers, each chunk copied to the device without blocking while the next is
         read, and cast there (a non-blocking copy converts on the device: BF16 -> FP32 is the exact
         widening it is on the CPU, FP32 -> BF16 the same round to nearest even). Everything runs on
-        the device's current stream, in order with the forwards and the freeing of the unit before.
+        the device's default stream (no thread here sets another), in order with the forwards and
+        the freeing of the unit before: the forwards must run on it too (a forward under
+        ``torch.cuda.stream(s)`` would not be ordered with a read into memory it still uses).
 
         Before this, each weight went through a fresh pageable host tensor of the target dtype and
         a blocking copy: 13.4 GB of new host pages per pass over a 3.6 B model in FP32, 10.8 s a
@@ -392,6 +394,9 @@ class StreamedModel:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.path, self.dtype, self.device = Path(path), dtype, str(device)
+        if torch.device(self.device).type == "cuda" and torch.device(self.device).index is None:
+            # the index now: reader threads would take theirs (device 0), not this thread's
+            self.device = f"cuda:{torch.cuda.current_device()}"
         self.checkpoint = Checkpoint(path)
         config = AutoConfig.from_pretrained(str(path))
         # As from_pretrained builds it: every tensor on meta, then the non-persistent buffers
@@ -430,6 +435,7 @@ class StreamedModel:
         cpus = _usable_cpus()
         self.readers = max(1, min(READERS, cpus if self.staged else cpus // CPUS_PER_READER))
         self._readers_pool = None
+        self._readers_lock = threading.Lock()
         self._lent = {}  # (id(module), attr) -> the weight tensor installed there
         self.streaming = False
         self.units[0].modules[0][1].register_forward_pre_hook(self._outside)
@@ -523,10 +529,13 @@ class StreamedModel:
         staged read's thread has its own two staging buffers; the CPU's reads share the pool, which
         locks): one thread read 5.0 GB/s from the page cache on the H200 machine, where a pass over
         the weights is the read alone (docs/references.md)."""
-        if self._readers_pool is None:
-            from concurrent.futures import ThreadPoolExecutor
+        with self._readers_lock:
+            if self._readers_pool is None:
+                import weakref
+                from concurrent.futures import ThreadPoolExecutor
 
-            self._readers_pool = ThreadPoolExecutor(self.readers, thread_name_prefix="capturestore-read")
+                self._readers_pool = ThreadPoolExecutor(self.readers, thread_name_prefix="capturestore-read")
+                weakref.finalize(self, self._readers_pool.shutdown, wait=False)  # its threads end with the model
         return self._readers_pool
 
     def install(self, tensors: list) -> None:
@@ -557,7 +566,7 @@ class StreamedModel:
             t = self._lent.pop((id(mod), attr), None)
             pooled &= t is not None and self.pool.give_back(t)
         del old, t
-        if not pooled:
+        if not pooled and not self.staged:  # a staged unit freed device memory, nothing of the host's
             _release_freed_memory()
 
 

@@ -283,6 +283,51 @@ def test_a_background_read_casts_bit_for_bit_as_torch_does(tmp_path, monkeypatch
     assert torch.equal(ck.read("h", torch.float32, background=True).view(torch.int32), want.view(torch.int32))
 
 
+def test_a_staged_read_waits_for_each_buffers_last_copy_before_refilling_it(tmp_path, monkeypatch):
+    # the order a device's read keeps, with events that log (on the CPU a copy is done when it
+    # returns, so only the order can be checked here; the H200 run checked the bits): before a
+    # buffer is filled, the event of its last copy is waited for; after its copy, recorded; and
+    # every event is waited for before the read returns
+    from safetensors.torch import save_file
+
+    import extractors.streamed as streamed
+
+    want = torch.arange(10_000, dtype=torch.float32)
+    save_file({"w": want}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(streamed, "_READ_CHUNK", 4096)  # 1,024 values a chunk: 10 chunks
+    log = []
+
+    class Event:
+        def __init__(self, i):
+            self.i = i
+
+        def record(self):
+            log.append(("record", self.i))
+
+        def synchronize(self):
+            log.append(("wait", self.i))
+
+    stages = [(torch.empty(4096, dtype=torch.uint8), Event(i)) for i in range(2)]
+    fill = streamed._fill
+
+    def logged_fill(f, view, need, e, name):
+        at = np.frombuffer(view, dtype=np.uint8).ctypes.data
+        log.append(("fill", [b.data_ptr() for b, _ in stages].index(at)))
+        fill(f, view, need, e, name)
+
+    monkeypatch.setattr(streamed, "_fill", logged_fill)
+    ck = Checkpoint(tmp_path)
+    monkeypatch.setattr(ck, "_stages", lambda device: stages)
+    got = ck.read("w", torch.float32, "cpu", staged=True)
+    assert torch.equal(got, want)
+    chunks = [x for i in range(10) for x in (("wait", i % 2), ("fill", i % 2), ("record", i % 2))]
+    assert log == chunks + [("wait", 0), ("wait", 1)]
+    # a device's read asked not to stage still returns on that device (meta stands in for one)
+    monkeypatch.setattr(streamed, "_fill", fill)
+    assert ck.read("w", torch.float32, "meta", staged=False).device.type == "meta"
+    assert ck.read("w", torch.bfloat16, "meta", staged=False).device.type == "meta"
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_cpu_reads_on_several_threads_stream_bit_identically(tiny_model, whole, dtype):
     # the CPU's reads on 3 threads (a machine of 12+ CPUs has them; 2-7 CPUs read on one): the pool
