@@ -33,7 +33,6 @@ transformers and torch are imported lazily.
 from __future__ import annotations
 
 import difflib
-import os
 import re
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -451,11 +450,9 @@ def background_writes(model) -> bool:
     p = next(model.parameters(), None)
     if p is not None and p.device.type != "cpu":
         return True
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
-    return torch.get_num_threads() < cpus
+    from extractors.streamed import usable_cpus
+
+    return torch.get_num_threads() < usable_cpus()
 
 
 def write_prompt_modules(run, prompt, continuation, prefill, decode: dict, logits) -> str:

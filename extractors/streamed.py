@@ -295,7 +295,8 @@ class Checkpoint:
 
         Before this, each weight went through a fresh pageable host tensor of the target dtype and
         a blocking copy: 13.4 GB of new host pages per pass over a 3.6 B model in FP32, 10.8 s a
-        pass on an H200 machine whose whole-model forward took 0.16 s (docs/references.md)."""
+        pass on an H200 machine where the whole model ran the same five passes in 0.78 s in all
+        (docs/references.md)."""
         import contextlib
 
         import torch
@@ -432,7 +433,7 @@ class StreamedModel:
         # unit's tensors by up to READERS threads at once; the CPU's read into the pool, by one
         # thread per CPUS_PER_READER usable CPUs (one on 2-7 CPUs: the forward needs its cores)
         self.staged = self.device != "cpu"
-        cpus = _usable_cpus()
+        cpus = usable_cpus()
         self.readers = max(1, min(READERS, cpus if self.staged else cpus // CPUS_PER_READER))
         self._readers_pool = None
         self._readers_lock = threading.Lock()
@@ -581,10 +582,11 @@ def _fill(f, view: memoryview, need: int, e: TensorEntry, name: str) -> None:
         got += n
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
+    """The CPUs this process may run on (a container's or taskset's share), not the machine's."""
     try:
         return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
+    except AttributeError:  # not on Linux
         return os.cpu_count() or 1
 
 
