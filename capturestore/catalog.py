@@ -50,9 +50,10 @@ from capturestore.layout import CATALOG_FILE, CATALOG_STAMP_FILE, LEGACY_CATALOG
 from capturestore.tables import RUN_TABLES
 
 # First line of catalog.stamp; a change to what view_sql writes changes it, so stores rebuild.
-CATALOG_STAMP = ("capturestore catalog views 8: segments relative to catalog.duckdb, committed rows only, "
+CATALOG_STAMP = ("capturestore catalog views 9: segments relative to catalog.duckdb, committed rows only, "
                  "declared tables by named columns, manifest guard, glob-escaped store path, "
-                 "compacted segments hide their sources, a table's own filename column kept")
+                 "compacted segments hide their sources, a table's own filename column kept, "
+                 "the last merged segment of a source wins")
 SEGMENT_FILE_COLUMN = "__capturestore_file"  # read_parquet's file name column (never shown in a view)
 SEGMENT_COLUMN = "__capturestore_segment"  # the segment a writer wrote a row in (the manifest guard's)
 
@@ -292,11 +293,12 @@ def _segments(root: Backend, table: str, relative: bool, allow_empty: bool = Fal
     hidden = ", ".join(_quote_str(c) for c in (SOURCE_COLUMN, SEGMENT_FILE_COLUMN, "__cs_seg", "__cs_covered"))
     shown = f", __cs_seg AS {_quote_ident(SEGMENT_COLUMN)}" if filename else ""
     return (f"(SELECT COLUMNS(lambda c: c NOT IN ({hidden})){shown} FROM ("
-            f"SELECT *, bool_or({src} IS NOT NULL) OVER (PARTITION BY __cs_seg) AS __cs_covered FROM ("
+            f"SELECT *, max(CASE WHEN {src} IS NOT NULL THEN {_quote_ident(SEGMENT_FILE_COLUMN)} END) "
+            f"OVER (PARTITION BY __cs_seg) AS __cs_covered FROM ("
             f"SELECT *, coalesce({src}, parse_filename({_quote_ident(SEGMENT_FILE_COLUMN)})) AS __cs_seg FROM ("
             f"SELECT NULL::VARCHAR AS {src}, NULL::VARCHAR AS {_quote_ident(SEGMENT_FILE_COLUMN)} WHERE false "
             f"UNION ALL BY NAME SELECT * FROM {scan}))) "
-            f"WHERE {src} IS NOT NULL OR NOT __cs_covered)")
+            f"WHERE __cs_covered IS NULL OR {_quote_ident(SEGMENT_FILE_COLUMN)} = __cs_covered)")
 
 
 def _declared() -> dict:

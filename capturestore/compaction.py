@@ -8,6 +8,15 @@ rule: a segment named as a source by a merged segment of the same listing is hid
 read from the merged segment. Sources are removed (by a later ``compact`` or by ``gc``) only once
 the merged segment is older than a grace period, so a query that listed a source a moment before
 still finds it.
+
+Tiers: a compaction also merges merged segments of about its own size (``_tier``), so a store
+compacted every night holds a few merged segments per table, not one per night. The new merged
+segment names the merged segments it replaces (``replaces``, transitively) and carries their
+sources' rows under the writers' file names; a replaced merged segment is hidden as a source is,
+and sorts before the one replacing it (the window form of the rule keeps, of the merged rows of
+one source, those of the last merged segment by name). A store whose merged segments replace
+others is format version 3 (``layout.REMERGED_FORMAT_VERSION``): a capturestore that knows only
+one level of merging would read both and count the rows twice, so it refuses to open it.
 """
 from __future__ import annotations
 
@@ -34,6 +43,10 @@ COMPACTED_PREFIX = "compacted-"
 SOURCE_COLUMN = "__capturestore_source"
 META_KEY = b"capturestore.compaction"
 LOCK_PREFIX = "compact-"  # pending/compact-<table>.json: one compaction of a table at a time
+# Tiers (_tier): a merged segment is merged again when it holds at most TIER_FACTOR times the rows
+# merged with it so far, and whenever more than MAX_MERGED merged segments would stay beside the new one.
+TIER_FACTOR = 4
+MAX_MERGED = 8
 
 
 def is_merged(name: str) -> bool:
@@ -54,6 +67,11 @@ class MergedSegment:
     name: str
     created_at: float  # seconds since the epoch, written by compact
     sources: dict[str, dict[str, Any]]  # source file name -> {rows, sha256, rows_sha256, columns}
+    replaces: tuple[str, ...] = ()  # merged segments whose rows it holds (hidden by it), transitively
+
+    @property
+    def rows(self) -> int:
+        return sum(int(i["rows"]) for i in self.sources.values())
 
 
 def _meta_of(schema: pa.Schema) -> dict[str, Any]:
@@ -63,11 +81,13 @@ def _meta_of(schema: pa.Schema) -> dict[str, Any]:
     return json.loads(raw)
 
 
-def merged_segments(b, table: str, names: list[str] | None = None,
-                    footers: dict | None = None) -> tuple[list[MergedSegment], dict[str, str]]:
+def merged_segments(b, table: str, names: list[str] | None = None, footers: dict | None = None,
+                    include_replaced: bool = False) -> tuple[list[MergedSegment], dict[str, str]]:
     """([merged segments of ``table``], {name: why} of merged segments whose footer cannot be read).
     ``names``: the listing to use (one listing for every decision of a reader). ``footers``:
-    {(table, name): MergedSegment} read before (a merged segment is never replaced), filled here."""
+    {(table, name): MergedSegment} read before (a merged segment's file is never rewritten), filled
+    here. Merged segments that another merged segment of the listing replaces are hidden, as
+    sources are, unless ``include_replaced``."""
     names = b.segment_names(table) if names is None else names
     out, bad = [], {}
     for n in sorted(names):
@@ -78,13 +98,17 @@ def merged_segments(b, table: str, names: list[str] | None = None,
             continue
         try:
             meta = _meta_of(b.read_schema(f"{TABLES_DIR}/{table}/{n}"))
-            out.append(MergedSegment(n, float(meta["created_at"]), dict(meta["sources"])))
+            out.append(MergedSegment(n, float(meta["created_at"]), dict(meta["sources"]),
+                                     tuple(str(r) for r in meta.get("replaces", ()))))
             if footers is not None:
                 footers[(table, n)] = out[-1]
         except FileNotFoundError:
             continue
         except Exception as e:  # noqa: BLE001 - verify reports it
             bad[n] = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if not include_replaced:
+        replaced = {r for m in out for r in m.replaces}
+        out = [m for m in out if m.name not in replaced]
     return out, bad
 
 
@@ -129,16 +153,18 @@ def rows_sha256(t: pa.Table) -> str:
     return hashlib.sha256(json.dumps(t.column_names).encode() + b"\n" + text.encode()).hexdigest()
 
 
-def merged_problems(b, table: str, m: MergedSegment, only: str | None = None) -> list[str]:
+def merged_problems(b, table: str, m: MergedSegment, only: str | None = None, t: pa.Table | None = None) -> list[str]:
     """How merged segment ``m`` of ``table`` disagrees with its footer: unreadable, a source's
     rows missing, extra or altered (row count, canonical row hash), rows of no listed source.
     ``only``: the rows of that one source alone (check_evidence; rows of a source the footer does
-    not list are verify's to find, and the manifest guard's when they carry a comparison's id)."""
+    not list are verify's to find, and the manifest guard's when they carry a comparison's id).
+    ``t``: its rows, when the caller has read them."""
     where = f"table {table} merged segment {m.name}"
-    try:
-        t = pq.read_table(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{m.name}")))
-    except Exception as e:  # noqa: BLE001
-        return [f"{where} is unreadable: {e}"]
+    if t is None:
+        try:
+            t = pq.read_table(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{m.name}")))
+        except Exception as e:  # noqa: BLE001
+            return [f"{where} is unreadable: {e}"]
     out = []
     have = set() if only is not None or SOURCE_COLUMN not in t.column_names else \
         set(pc.unique(t.column(SOURCE_COLUMN)).to_pylist())
@@ -169,6 +195,7 @@ class TableCompaction:
     merged: str | None = None  # the merged segment written, if any
     sources_removed: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # why segments were left as they are
+    remerged: list[str] = field(default_factory=list)  # merged segments merged again into ``merged``
 
 
 @dataclass
@@ -233,6 +260,45 @@ def compact(store, tables: list[str] | None = None, grace_s: float | None = None
     return CompactResult(out)
 
 
+def _tier(merged: list[MergedSegment], rows: int) -> list[MergedSegment]:
+    """The merged segments to merge again with ``rows`` new rows: smallest first, each while it
+    holds at most TIER_FACTOR times the rows gathered so far, and any that would leave more than
+    MAX_MERGED merged segments beside the new one. Merged segments then grow by tiers: a store
+    compacted after every batch holds about log(rows / batch) of them, and a row is merged again
+    about that many times."""
+    out, acc = [], rows
+    ordered = sorted(merged, key=lambda m: (m.rows, m.name))
+    for i, m in enumerate(ordered):
+        if m.rows > TIER_FACTOR * acc and len(ordered) - i <= MAX_MERGED:
+            break
+        out.append(m)
+        acc += m.rows
+    return out
+
+
+def _merged_name(replaces: list[str]) -> tuple[float, str]:
+    """(created_at, file name stem) of a new merged segment, its name sorting after every merged
+    segment it replaces (the window form of the reader rule keeps the last by name)."""
+    while True:
+        created = time.time()
+        name = f"{COMPACTED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime(created))}-{uuid.uuid4().hex[:12]}"
+        if not replaces or f"{name}.parquet" > max(replaces):
+            return created, name
+        time.sleep(0.05)  # the replaced one was written within this second: the next second sorts after it
+
+
+def _require_remerged_format(store) -> None:
+    """Mark the store format version 3 before its first merged segment that replaces merged ones."""
+    from capturestore.layout import FORMAT_FILE, FORMAT_NAME, REMERGED_FORMAT_VERSION
+    from capturestore.store import parse_format
+
+    b = store.backend
+    info = parse_format(b.read(FORMAT_FILE).decode(errors="replace"), b.where(FORMAT_FILE))
+    if info["format_version"] < REMERGED_FORMAT_VERSION:
+        info = {**info, "format": FORMAT_NAME, "format_version": REMERGED_FORMAT_VERSION}
+        b.put(FORMAT_FILE, (json.dumps(info, indent=2) + "\n").encode(), durable=True)
+
+
 def _untouched(b, table: str, why: str) -> TableCompaction:
     sizes = _sizes(b, table)
     n = len([s for s in sizes if s != SCHEMA_SEGMENT])
@@ -242,9 +308,10 @@ def _untouched(b, table: str, why: str) -> TableCompaction:
 def remove_finished_sources(b, table: str, grace_s: float, names: list[str] | None = None,
                             dry_run: bool = False, step: Callable[[str], None] | None = None,
                             kept: list[str] | None = None) -> list[str]:
-    """Remove the sources of ``table``'s merged segments older than ``grace_s``; returns their keys.
-    A merged segment whose rows disagree with its footer (merged_problems) keeps its sources: they
-    may be the last good copy; why is appended to ``kept`` (verify reports the disagreement)."""
+    """Remove the sources of ``table``'s merged segments older than ``grace_s``, and the merged
+    segments they replace; returns their keys. A merged segment whose rows disagree with its footer
+    (merged_problems) keeps them: they may be the last good copy; why is appended to ``kept``
+    (verify reports the disagreement)."""
     names = b.segment_names(table) if names is None else names
     merged, _ = merged_segments(b, table, names)
     now = time.time()
@@ -254,6 +321,7 @@ def remove_finished_sources(b, table: str, grace_s: float, names: list[str] | No
         if now - m.created_at < grace_s:
             continue
         left = [s for s in sorted(m.sources) if s in present and not is_merged(s)]
+        left += [r for r in sorted(m.replaces) if r in present]
         if not left:
             continue
         problems = merged_problems(b, table, m)
@@ -281,7 +349,8 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
     kept: list[str] = []
     removed = remove_finished_sources(b, table, grace, names, step=step, kept=kept)
     names = [n for n in names if f"{TABLES_DIR}/{table}/{n}" not in set(removed)]
-    cover = coverage(b, table, names)
+    visible, _ = merged_segments(b, table, names)
+    cover = {s: m.name for m in visible for s in m.sources}
     res = TableCompaction(table, len([n for n in before if n != SCHEMA_SEGMENT]), 0, 0,
                           sum(before.values()), 0, sources_removed=removed, skipped=kept)
     candidates = [n for n in sorted(names) if not is_merged(n) and n != SCHEMA_SEGMENT and n not in cover]
@@ -330,6 +399,24 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
         t = t.replace_schema_metadata(None)
         sources[n] = {"rows": t.num_rows, "sha256": sha, "columns": t.column_names, "table": t}
         parts.append(t.append_column(SOURCE_COLUMN, pa.array([n] * t.num_rows, pa.string())))
+    # merged segments of about the size of what is merged now go into the same merged segment
+    replaced: list[MergedSegment] = []
+    remerged: dict[str, dict[str, Any]] = {}  # a replaced merged segment's sources -> their footer entries
+    for m in _tier(visible, sum(i["rows"] for i in sources.values())):
+        try:
+            t = pq.read_table(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{m.name}")))
+        except FileNotFoundError:
+            continue
+        except Exception:  # noqa: BLE001 - verify reports the unreadable segment
+            res.skipped.append(f"merged segment {m.name} is unreadable (run capturestore verify)")
+            continue
+        problems = merged_problems(b, table, m, t=t)
+        if problems:  # never launder rows that disagree with their footer into a new one
+            res.skipped.append(f"merged segment {m.name} not merged again: {problems[0]} (run capturestore verify)")
+            continue
+        replaced.append(m)
+        remerged.update(m.sources)
+        parts.append(t.replace_schema_metadata(None))
     if len(parts) >= 2:
         try:
             merged = pa.concat_tables(parts, promote_options="permissive")
@@ -345,11 +432,22 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
                     raise StoreError(f"compact: table {table}: merging {n} would change its rows; nothing written")
                 meta_sources[n] = {"rows": info["rows"], "sha256": info["sha256"], "rows_sha256": h,
                                    "columns": info["columns"]}
-            created = time.time()
-            meta = json.dumps({"version": 1, "created_at": created, "sources": meta_sources})
-            merged = merged.replace_schema_metadata({META_KEY: meta.encode()})
-            name = f"{COMPACTED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime(created))}-{uuid.uuid4().hex[:12]}"
+            for n, info in remerged.items():  # rows merged before: as their merged segment's footer says
+                rows = _source_rows(merged, n, info["columns"])
+                if rows.num_rows != info["rows"] or rows_sha256(rows) != info["rows_sha256"]:
+                    raise StoreError(f"compact: table {table}: merging again the rows of {n} would change them; "
+                                     f"nothing written")
+                meta_sources[n] = dict(info)
+            replaces = sorted({m.name for m in replaced} | {r for m in replaced for r in m.replaces})
+            if replaces:
+                _require_remerged_format(store)
+            created, name = _merged_name(replaces)
+            meta = {"version": 2 if replaces else 1, "created_at": created, "sources": meta_sources}
+            if replaces:
+                meta["replaces"] = replaces
+            merged = merged.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
             b.put(f"{TABLES_DIR}/{table}/{name}.parquet", merged_bytes(merged), if_absent=True)
+            res.remerged = [m.name for m in replaced]
             res.merged, res.rows = f"{name}.parquet", merged.num_rows
             step(f"merged {table}")
             if grace <= 0:

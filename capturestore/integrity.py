@@ -351,11 +351,13 @@ def evidence_problems(store, comparison_ids=None) -> list[Problem]:
             listed.setdefault(e["table"], set()).add(e["segment"])
     names_cache: dict[str, set[str]] = {}
     merged_cache: dict[str, dict[str, Any]] = {}  # table -> {source: (merged name, its footer entry)}
+    replaced: dict[str, set[str]] = {}  # table -> merged segments merged again (hidden, as sources are)
 
     def merged_of(t: str) -> dict[str, Any]:
         if t not in merged_cache:
             ms, _ = merged_segments(store.backend, t, sorted(names_cache.setdefault(t, set(store.segment_names(t)))))
             merged_cache[t] = {src: (m.name, info) for m in ms for src, info in m.sources.items()}
+            replaced[t] = {r for m in ms for r in m.replaces}
         return merged_cache[t]
 
     for cid, entries in sorted(checked.items()):
@@ -398,7 +400,8 @@ def evidence_problems(store, comparison_ids=None) -> list[Problem]:
             for cid in sorted(ids & set(checked)):
                 out.append(Problem("foreign-segment", f"comparison {cid}: table {t} segment {src} (merged into {mname}) "
                                                       f"holds rows of the comparison but is not in its manifest"))
-        for seg in sorted(names_cache.setdefault(t, set(store.segment_names(t))) - listed.get(t, set()) - merged_names):
+        for seg in sorted(names_cache.setdefault(t, set(store.segment_names(t))) - listed.get(t, set()) - merged_names
+                          - replaced[t]):
             try:
                 ids = store.segment_comparison_ids(t, seg)
             except Exception:  # noqa: BLE001 - an unreadable segment: verify's bad-segment
@@ -678,6 +681,7 @@ def _verify_compacted(b, table: str, report: VerifyReport) -> None:
 
     names = b.segment_names(table)
     merged, bad = merged_segments(b, table, names)
+    replaced = sorted({r for m in merged for r in m.replaces} & set(names))
     for n, why in bad.items():
         report.append(Problem("bad-segment", f"table {table} merged segment {n}: its compaction footer is unreadable: {why}"))
     seen: dict[str, str] = {}
@@ -693,6 +697,9 @@ def _verify_compacted(b, table: str, report: VerifyReport) -> None:
         if left:
             report.notes.append(f"table {table}: compaction to finish: {len(left)} source segment(s) of {m.name} "
                                 f"still present (hidden; `capturestore compact` or `gc` removes them after the grace)")
+    if replaced:
+        report.notes.append(f"table {table}: compaction to finish: {len(replaced)} merged segment(s) merged again "
+                            f"still present (hidden; `capturestore compact` or `gc` removes them after the grace)")
 
 
 def _verify_run_marker(b, run_id: str, report: VerifyReport, cover: dict[str, str] | None = None) -> bool:

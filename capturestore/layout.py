@@ -21,8 +21,13 @@ from pathlib import Path
 FORMAT_NAME = "capturestore"
 # 1: KV arrays [layer, kv_head, seq, head_dim], tokens [token] (FORMAT1_POSITION_DIMS).
 # 2: the axis they share is named POSITION_DIM in both, as in the SQL views' `position`.
-# Every earlier version is read; each run records its own (runs.format_version).
+# 3: merged table segments may replace merged segments (compaction tiers); runs are written as in
+#    2. A store becomes 3 at its first such merge (an older capturestore would count those rows twice).
+# Every earlier version is read; each run records its own (runs.format_version). FORMAT_VERSION is
+# what a new store and every run are written as; READABLE_FORMAT_VERSION the newest store this reads.
 FORMAT_VERSION = 2
+REMERGED_FORMAT_VERSION = 3
+READABLE_FORMAT_VERSION = 3
 POSITION_DIM = "position"
 FORMAT1_POSITION_DIMS = ("seq", "token")
 FORMAT_FILE = "capturestore.json"

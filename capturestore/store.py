@@ -26,6 +26,7 @@ from capturestore.layout import (
     FORMAT_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
+    READABLE_FORMAT_VERSION,
     PENDING_DIR,
     TABLES_DIR,
     check_component,
@@ -149,10 +150,10 @@ class Store:
             if why:
                 raise StoreError(why)
             cls._create_layout(b)
-        elif info["format_version"] > FORMAT_VERSION:
+        elif info["format_version"] > READABLE_FORMAT_VERSION:
             raise FormatVersionError(
-                f"store {b.url} has format version {info['format_version']}, newer than the {FORMAT_VERSION} this "
-                f"capturestore reads; upgrade capturestore to open it"
+                f"store {b.url} has format version {info['format_version']}, newer than the {READABLE_FORMAT_VERSION} "
+                f"this capturestore reads; upgrade capturestore to open it"
             )
         store = cls(b)
         store._committed = store.committed_ids()

@@ -99,7 +99,9 @@ def test_every_table_reads_the_same_rows_before_during_and_after_compaction(url)
     new = _scaled_run(store, 2.0)
     assert new in store.committed_ids() and len(store.sql("SELECT * FROM runs").to_pylist()) == 4
     res = store.compact(grace_s=0)
-    assert {t.table: t.rows for t in res.tables}["runs"] == 0  # one new segment: nothing to merge
+    # the new segment and the merged one of its tier (3 rows <= 4 x 1) are merged again into one
+    by = {t.table: t for t in res.tables}
+    assert by["runs"].rows == 4 and len(by["runs"].remerged) == 1
     assert len(_seen(store)["runs"]) == 4
 
 
@@ -505,3 +507,193 @@ def test_remove_run_and_a_compaction_of_runs_exclude_each_other(url, monkeypatch
     fresh = Store.open(url, create=False)
     assert fresh.committed_ids() == {keep} and [r["run_id"] for r in fresh.runs().to_pylist()] == [keep]
     assert fresh.verify().ok
+
+
+# ------------------------------------------------------------------ tiers: merged segments merged again
+def _catalog_rows(path: Path) -> dict:
+    """Every view of catalog.duckdb (the window form of the reader rule, what other DuckDB clients
+    read) as _seen's rows: sorted reprs."""
+    import duckdb
+
+    con = duckdb.connect(str(path / "catalog.duckdb"), read_only=True)
+    try:
+        views = [r[0] for r in con.execute("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()]
+        out = {}
+        for v in views:
+            cur = con.execute(f'SELECT * FROM "{v}"')
+            cols = [d[0] for d in cur.description]
+            out[v] = sorted(repr(dict(zip(cols, r))) for r in cur.fetchall())
+        return out
+    finally:
+        con.close()
+
+
+def _visible_merged(store: Store, table: str) -> list[str]:
+    from capturestore.compaction import merged_segments
+
+    return [m.name for m in merged_segments(store.backend, table)[0]]
+
+
+def test_tier_policy_keeps_few_merged_segments_and_merges_each_row_a_few_times():
+    """_tier, a year of nightly compactions of batches of varying size (a slow obvious simulation
+    of what compact keeps): never more than MAX_MERGED + 1 merged segments, about log4 of the
+    batches in steady state, and each row written a bounded number of times."""
+    import random
+
+    from capturestore.compaction import MAX_MERGED, MergedSegment, _tier
+
+    rng = random.Random(7)
+    for sizes in ([27] * 365, [rng.randint(1, 200) for _ in range(365)], [1] * 2000, [5000] + [1] * 300):
+        merged: list[MergedSegment] = []
+        written = counts = 0
+        most = 0
+        for day, n in enumerate(sizes):
+            sel = _tier(merged, n)
+            rows = n + sum(m.rows for m in sel)
+            written += rows
+            merged = [m for m in merged if m not in sel] + [
+                MergedSegment(f"compacted-{day:06d}.parquet", 0.0, {f"d{day}": {"rows": rows}})]
+            most = max(most, len(merged))
+            counts += len(merged)
+        total = sum(sizes)
+        assert sum(m.rows for m in merged) == total  # no row lost or doubled by the policy
+        assert most <= MAX_MERGED + 1, (sizes[:3], most)
+        assert counts / len(sizes) <= 6, (sizes[:3], counts / len(sizes))  # ~log4(365) = 4.3 on average
+        assert written / total <= 12, (sizes[:3], written / total)  # each row merged about log_{5/4}... times
+
+
+def test_compacting_after_every_batch_merges_merged_segments_and_every_row_reads_once(url):
+    """A store compacted after each of 12 batches (grace 1 h: every replaced merged segment and
+    source still there beside the one replacing it, the hardest listing for a reader): every view,
+    the run tables by name and (on a directory) catalog.duckdb's window form read each row once,
+    as before each compaction; a few merged segments stay visible; verify and check_evidence
+    accept the store; a compaction with no grace leaves only the visible merged segments."""
+    from capturestore.analysis import compare_runs
+
+    store = Store.open(url)
+    first = _scaled_run(store, 1.0)
+    local = not url.startswith("memory://")
+    remerged = 0
+    for i in range(12):
+        r = _scaled_run(store, 1.1 + 0.01 * i)
+        if i % 4 == 0:
+            compare_runs(store, expected_run=first, actual_run=r)
+        store.append_table("notes", [{"k": i, "v": f"batch {i}"}])
+        before = _seen(store)
+        res = store.compact(grace_s=3600)
+        remerged += sum(len(t.remerged) for t in res.tables)
+        assert _seen(store) == before, f"after compaction {i}"
+        if local:
+            cat = _catalog_rows(Path(url))
+            for t in ("runs", "prompts", "notes", "kv_head_metrics"):
+                assert cat[t] == before[t], f"catalog.duckdb view {t} after compaction {i}"
+        for t in ("runs", "prompts", "notes"):
+            assert len(_visible_merged(store, t)) <= 2, (t, i, _visible_merged(store, t))
+    assert remerged >= 10
+    assert len(before["runs"]) == 13 and len(before["notes"]) == 12
+    replaced = [n for n in _merged(store, "runs") if n not in _visible_merged(store, "runs")]
+    assert len(replaced) >= 5  # hidden, still there
+    rep = store.verify()
+    assert rep.ok, rep.summary()
+    assert any("merged segment(s) merged again still present" in n for n in rep.notes), rep.notes
+    cids = [r["comparison_id"] for r in store.sql("SELECT comparison_id FROM comparisons").to_pylist()]
+    assert len(cids) == 3
+    store.check_evidence(cids, "diff")
+    import json
+
+    assert json.loads(store.backend.read("capturestore.json"))["format_version"] == 3
+    store.compact(grace_s=0)
+    assert _seen(store) == before
+    for t in ("runs", "prompts", "notes", "kv_head_metrics"):
+        names = [n for n in store.backend.segment_names(t) if not n.startswith("_")]
+        # every replaced merged segment and source gone; a last batch too small to merge its tier stays
+        assert [n for n in names if is_merged(n)] == _visible_merged(store, t) and len(names) <= 3, (t, names)
+    rep = store.verify()
+    assert rep.ok and not rep.notes, rep.summary()
+    store.check_evidence(cids, "diff")
+    if local:
+        assert _catalog_rows(Path(url))["runs"] == before["runs"]
+
+
+def test_a_store_is_format_3_only_once_merged_segments_are_merged_again(tmp_path, monkeypatch):
+    """One level of merging is readable by a capturestore that knows only it (format 2); the first
+    merged segment that replaces merged ones makes the store format 3, which such a capturestore
+    refuses instead of counting the replaced rows twice."""
+    import json
+
+    import capturestore.store as store_mod
+    from capturestore import FormatVersionError
+
+    path = tmp_path / "store"
+    store = Store.open(path)
+    for i in range(3):
+        _scaled_run(store, 1.0 + i)
+    store.compact(tables=["runs"], grace_s=3600)
+    assert json.loads((path / "capturestore.json").read_text())["format_version"] == 2
+    _scaled_run(store, 9.0)
+    (res,) = store.compact(tables=["runs"], grace_s=3600).tables
+    assert res.remerged and res.rows == 4
+    assert json.loads((path / "capturestore.json").read_text())["format_version"] == 3
+    monkeypatch.setattr(store_mod, "READABLE_FORMAT_VERSION", 2)  # the capturestore before tiers
+    with pytest.raises(FormatVersionError, match="format version 3, newer than the 2"):
+        Store.open(path, create=False)
+    monkeypatch.undo()
+    assert len(Store.open(path, create=False).runs()) == 4
+
+
+def test_a_merged_segment_that_disagrees_with_its_footer_is_not_merged_again(tmp_path):
+    """Merging it again would write its altered rows under a new footer that agrees with them:
+    the corruption laundered. It stays as it is, named; verify and check_evidence still find it."""
+    from capturestore.analysis import compare_runs
+
+    store = Store.open(tmp_path / "store")
+    runs = _fill(store)
+    store.compact(tables=["kv_head_metrics"], grace_s=3600)
+    _damage(store, "kv_head_metrics", "k_linf zeroed")
+    compare_runs(store, expected_run=runs[0], actual_run=runs[1])
+    (res,) = store.compact(tables=["kv_head_metrics"], grace_s=3600).tables
+    assert res.remerged == [] and any("not merged again" in s and "row hash" in s for s in res.skipped), res.skipped
+    rep = store.verify()
+    assert not rep.ok and any("kv_head_metrics merged segment" in str(p) for p in rep), rep.summary()
+    cids = [r["comparison_id"] for r in store.sql("SELECT comparison_id FROM comparisons").to_pylist()]
+    with pytest.raises(StoreError, match="evidence incomplete"):
+        Store.open(tmp_path / "store", create=False).check_evidence(cids, "diff")
+
+
+def test_sigkill_at_every_step_of_a_compaction_that_merges_merged_segments(tmp_path):
+    """The crash test above, on a store already compacted once (its sources still there, hidden)
+    with new segments since: the compaction removes those sources, merges the merged segment again
+    with the new ones, then removes the replaced merged segment and the new sources."""
+    pristine = tmp_path / "pristine"
+    store = Store.open(pristine)
+    _fill(store)
+    store.compact(tables=["runs", "notes"], grace_s=3600)
+    _scaled_run(store, 3.0)
+    store.append_table("notes", [{"k": 9, "v": "late"}])
+    before = _seen(store)
+    tables = ["runs", "notes"]
+    probe = tmp_path / "probe"
+    shutil.copytree(pristine, probe)
+    steps = _kill_steps(probe, tables)
+    for t in tables:
+        assert f"listed {t}" in steps and f"merged {t}" in steps
+    assert any(s.startswith("removed runs/compacted-") for s in steps), steps
+    probe_store = Store.open(probe, create=False)
+    assert _seen(probe_store) == before
+    assert all(len(_merged(probe_store, t)) == 1 for t in tables)
+    for i, step in enumerate(steps):
+        path = tmp_path / f"kill{i}"
+        shutil.copytree(pristine, path)
+        r = _run_killed(path, step, tables)
+        assert r.returncode == -9 and r.stdout.split("\n")[-2] == step, (step, r.returncode, r.stderr[-500:])
+        killed = Store.open(path, create=False)
+        assert _seen(killed) == before, f"killed after {step!r}"
+        assert _catalog_rows(path)["runs"] == before["runs"], f"catalog.duckdb, killed after {step!r}"
+        rep = killed.verify()
+        assert rep.ok, (step, rep.summary())
+        killed.compact(tables=tables, grace_s=0)
+        assert _seen(killed) == before, f"finished after a kill after {step!r}"
+        rep = killed.verify()
+        assert rep.ok and not rep.notes, (step, rep.summary())
+        for t in tables:
+            assert [n for n in killed.backend.segment_names(t) if not n.startswith("_")] == _merged(killed, t), step

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from capturestore import CorruptChunkError, FormatVersionError, Store, StoreError
-from capturestore.layout import ARRAYS_DIR, FORMAT_FILE, FORMAT_VERSION
+from capturestore.layout import ARRAYS_DIR, FORMAT_FILE, READABLE_FORMAT_VERSION
 from tests.capturestore.conftest import start_writer
 from tests.capturestore.writer_proc import prompt_data
 
@@ -175,8 +175,9 @@ def test_missing_chunk_file_is_reported_not_read_as_zeros(store):
 def test_newer_format_version_is_refused_with_a_message(tmp_path):
     path = tmp_path / "store"
     Store.open(path)
-    (path / FORMAT_FILE).write_text(json.dumps({"format": "capturestore", "format_version": FORMAT_VERSION + 1}))
-    with pytest.raises(FormatVersionError, match=rf"format version {FORMAT_VERSION + 1}, newer than .*upgrade capturestore"):
+    newer = READABLE_FORMAT_VERSION + 1  # a store is written as FORMAT_VERSION and read up to READABLE
+    (path / FORMAT_FILE).write_text(json.dumps({"format": "capturestore", "format_version": newer}))
+    with pytest.raises(FormatVersionError, match=rf"format version {newer}, newer than .*upgrade capturestore"):
         Store.open(path)
 
 
