@@ -697,3 +697,20 @@ def test_sigkill_at_every_step_of_a_compaction_that_merges_merged_segments(tmp_p
         assert rep.ok and not rep.notes, (step, rep.summary())
         for t in tables:
             assert [n for n in killed.backend.segment_names(t) if not n.startswith("_")] == _merged(killed, t), step
+
+
+def test_a_merged_segment_is_named_after_every_merged_segment_it_replaces(monkeypatch):
+    """Within one second the uuid decides the order: a new name sorting before the replaced one
+    would make catalog.duckdb's window read the replaced copy (unverified once hidden) where the
+    explicit lists read the new one. The replaced name here ends in f...f, the new uuid in 0...0."""
+    import types
+
+    from capturestore import compaction
+
+    monkeypatch.setattr(compaction.uuid, "uuid4", lambda: types.SimpleNamespace(hex="0" * 32))
+    now = time.strftime("%Y%m%dT%H%M%S", time.gmtime(time.time()))
+    replaced = [f"compacted-{now}-{'f' * 12}.parquet", f"compacted-{now}-{'0' * 11}1.parquet"]
+    t0 = time.time()
+    created, name = compaction._merged_name(replaced)
+    assert f"{name}.parquet" > max(replaced) and t0 <= created <= time.time()
+    assert compaction._merged_name([])[1].startswith("compacted-")
