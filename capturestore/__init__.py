@@ -11,7 +11,8 @@
 
 Layout (see ../shared/DESIGN.md)::
 
-    <store>/capturestore.json                              {"format": "capturestore", "format_version": 2}
+    <store>/capturestore.json                              {"format": "capturestore", "format_version": 2}  (3 once
+                                                           merged segments were merged again: docs/compact.md)
     <store>/arrays.zarr/<run_id>/<prompt_id>/tokens         int32 [position]  (prompt + continuation)
     <store>/arrays.zarr/<run_id>/<prompt_id>/logits         [gen_token, vocab]
     <store>/arrays.zarr/<run_id>/<prompt_id>/kv_k, kv_v     [layer, kv_head, position, head_dim]  (kv_k_<group> ...)
