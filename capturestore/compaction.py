@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -47,6 +48,26 @@ LOCK_PREFIX = "compact-"  # pending/compact-<table>.json: one compaction of a ta
 # merged with it so far, and whenever more than MAX_MERGED merged segments would stay beside the new one.
 TIER_FACTOR = 4
 MAX_MERGED = 8
+
+
+AUTO_ENV = "CAPTURESTORE_AUTO_COMPACT"
+DEFAULT_AUTO_SEGMENTS = 64
+
+
+def auto_compact_segments() -> int:
+    """$CAPTURESTORE_AUTO_COMPACT: a commit that leaves a table with this many segments no merged
+    segment covers compacts that table (default 64; 0: never). StoreError in one line otherwise."""
+    raw = os.environ.get(AUTO_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_AUTO_SEGMENTS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise StoreError(f"${AUTO_ENV}={raw!r} is not a whole number of segments (0 turns automatic "
+                         f"compaction off)") from None
+    if value < 0 or value == 1:
+        raise StoreError(f"${AUTO_ENV}={raw!r} must be 0 (off) or a number of segments >= 2")
+    return value
 
 
 def is_merged(name: str) -> bool:
@@ -297,6 +318,34 @@ def _require_remerged_format(store) -> None:
     if info["format_version"] < REMERGED_FORMAT_VERSION:
         info = {**info, "format": FORMAT_NAME, "format_version": REMERGED_FORMAT_VERSION}
         b.put(FORMAT_FILE, (json.dumps(info, indent=2) + "\n").encode(), durable=True)
+
+
+def compact_if_due(store, tables) -> CompactResult | None:
+    """Compact those of ``tables`` that hold auto_compact_segments() or more segments no merged
+    segment covers (what a commit calls: Store._after_commit); None when none is due or it is off.
+    A table that compaction left as it was is tried again only once n / 2 more segments came."""
+    n = auto_compact_segments()
+    if not n:
+        return None
+    b = store.backend
+    due = []
+    for t in dict.fromkeys(tables):
+        names = b.segment_names(t)
+        if len(names) < n:  # fewer files than that: nothing to read to know
+            continue
+        merged, _ = merged_segments(b, t, names, store._footers)
+        covered = {s for m in merged for s in m.sources}
+        plain = len([x for x in names if not is_merged(x) and x != SCHEMA_SEGMENT and x not in covered])
+        if plain >= max(n, store._auto_compact_left.get(t, 0) + n // 2):
+            due.append(t)
+            store._auto_compact_left[t] = plain
+    if not due:
+        return None
+    res = compact(store, due)
+    for t in res.tables:
+        if t.merged:
+            store._auto_compact_left.pop(t.table, None)
+    return res
 
 
 def _untouched(b, table: str, why: str) -> TableCompaction:

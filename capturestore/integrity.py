@@ -235,6 +235,8 @@ class PendingComparison:
                 self._remove(self.written)
         finally:
             self._lock.release()
+        if self.committed:  # its tables compacted when due (Store._after_commit), the lock released first
+            self.store._after_commit([*dict.fromkeys(e["table"] for _, e in self.written), "comparisons"])
 
     def append(self, table: str, rows: Any) -> None:
         """Write ``rows`` of ``table`` as one segment (nothing for no rows)."""

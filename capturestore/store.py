@@ -113,6 +113,7 @@ class Store:
         self._con_broken: dict[str, str] = {}  # table -> why its segments cannot be read
         self._con_tables: list[str] = []  # the tables under tables/ at the last listing (Store.sql)
         self._footers: dict = {}  # (table, merged segment) -> its footer (compaction.MergedSegment)
+        self._auto_compact_left: dict[str, int] = {}  # table -> segments an automatic compaction left
         self._con_pid = -1
         self._con_lock = threading.Lock()
         self._segment_schemas: dict[str, SegmentSchemas] = {}  # table -> its segments' column types
@@ -155,6 +156,9 @@ class Store:
                 f"store {b.url} has format version {info['format_version']}, newer than the {READABLE_FORMAT_VERSION} "
                 f"this capturestore reads; upgrade capturestore to open it"
             )
+        from capturestore.compaction import auto_compact_segments
+
+        auto_compact_segments()  # a bad $CAPTURESTORE_AUTO_COMPACT: one line now, not a warning at each commit
         store = cls(b)
         store._committed = store.committed_ids()
         try:
@@ -340,6 +344,8 @@ class Store:
                 self._refresh_catalog()
             except Exception:  # noqa: BLE001 - the file catalog catches up on the next open
                 pass
+        if name != "comparisons" and "comparison_id" not in table.column_names:
+            self._after_commit([name])  # a comparison's tables: when its marker is written (PendingComparison)
         return path
 
     def _check_comparison_rows(self, table: str, comparison_ids) -> None:
@@ -747,6 +753,20 @@ class Store:
         from capturestore.compaction import compact
 
         return compact(self, tables, grace_s, on_step)
+
+    def _after_commit(self, tables) -> None:
+        """Compact ``tables`` when a commit left one of them with $CAPTURESTORE_AUTO_COMPACT
+        segments not merged (compaction.compact_if_due; docs/compact.md, "Automatic"). The commit
+        stands whatever happens here: a failure is a warning naming the store and the tables."""
+        from capturestore.compaction import compact_if_due
+
+        try:
+            compact_if_due(self, list(tables))
+        except Exception as e:  # noqa: BLE001 - committed already; a later commit or `compact` retries
+            import warnings
+
+            why = str(e).splitlines()[0] if str(e) else type(e).__name__
+            warnings.warn(f"{self.root}: automatic compaction of {', '.join(tables)} not done: {why}", stacklevel=3)
 
     def remove_run(self, run_id: str) -> None:
         """Uncommit and delete committed run ``run_id``: its ``runs`` segment (the commit marker)

@@ -48,7 +48,7 @@ from capturestore.layout import (
     tensor_chunks,
     token_chunk,
 )
-from capturestore.tables import CAPTURES_SCHEMA, PROMPTS_SCHEMA, RUNS_SCHEMA
+from capturestore.tables import CAPTURES_SCHEMA, PROMPTS_SCHEMA, RUN_TABLES, RUNS_SCHEMA
 
 if TYPE_CHECKING:
     from capturestore.store import Store
@@ -242,6 +242,7 @@ class RunWriter:
                 self._closed = True  # so __exit__'s abort() must not delete what the marker points at
                 self._lock.release()
                 self.store._committed.add(self.run_id)
+        store._after_commit(RUN_TABLES)  # committed: the run's tables compacted when due
 
     def _check_complete(self) -> None:
         for (pid, name), st in self._arrays.items():

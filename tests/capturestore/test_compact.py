@@ -714,3 +714,83 @@ def test_a_merged_segment_is_named_after_every_merged_segment_it_replaces(monkey
     created, name = compaction._merged_name(replaced)
     assert f"{name}.parquet" > max(replaced) and t0 <= created <= time.time()
     assert compaction._merged_name([])[1].startswith("compacted-")
+
+
+# ------------------------------------------------------------------ automatic compaction after commits
+def test_commits_compact_a_table_once_it_holds_the_automatic_number_of_segments(url, monkeypatch):
+    """$CAPTURESTORE_AUTO_COMPACT=4: runs committed one by one, a user table appended to and
+    comparisons committed never leave a table with 4 or more segments no merged segment covers, and
+    every row reads once (oracle: the same commits into a store with automatic compaction off)."""
+    from capturestore.analysis import compare_runs
+    from capturestore.compaction import merged_segments
+
+    def commits(store):
+        first = _scaled_run(store, 1.0)
+        for i in range(9):
+            r = _scaled_run(store, 1.1 + 0.01 * i)
+            if i % 2 == 0:
+                compare_runs(store, expected_run=first, actual_run=r)
+            store.append_table("notes", [{"k": i, "v": f"n{i}"}])
+            for t in ("runs", "prompts", "captures", "notes", "comparisons", "kv_head_metrics"):
+                names = [n for n in store.backend.segment_names(t) if not n.startswith("_")]
+                covered = {s for m in merged_segments(store.backend, t, names)[0] for s in m.sources}
+                plain = [n for n in names if not is_merged(n) and n not in covered]
+                counts.setdefault(t, []).append(len(plain))
+
+    counts: dict[str, list[int]] = {}
+    monkeypatch.setenv("CAPTURESTORE_AUTO_COMPACT", "0")
+    off = Store.open(f"memory://auto-off-{uuid.uuid4().hex[:12]}")
+    commits(off)
+    assert counts["runs"][-1] == 10 and counts["notes"][-1] == 9  # off: every segment as written
+    counts.clear()
+    monkeypatch.setenv("CAPTURESTORE_AUTO_COMPACT", "4")
+    store = Store.open(url)
+    commits(store)
+    assert all(max(c) <= 3 for c in counts.values()), counts
+    assert all(_merged(store, t) for t in ("runs", "prompts", "captures", "notes", "kv_head_metrics")), \
+        {t: store.backend.segment_names(t) for t in ("runs", "notes")}
+    seen, want = _seen(store), _seen(off)
+    assert {k: len(v) for k, v in seen.items()} == {k: len(v) for k, v in want.items()}
+    assert [r["k"] for r in store.sql("SELECT k FROM notes ORDER BY k").to_pylist()] == list(range(9))
+    assert store.runs().num_rows == 10 and store.prompts().num_rows == 20
+    rep = store.verify()
+    assert rep.ok, rep.summary()
+    cids = [r["comparison_id"] for r in store.sql("SELECT comparison_id FROM comparisons").to_pylist()]
+    assert len(cids) == 5
+    store.check_evidence(cids, "diff")
+    # the default: 64 segments, so three runs are left as written
+    monkeypatch.delenv("CAPTURESTORE_AUTO_COMPACT")
+    small = Store.open(f"memory://auto-default-{uuid.uuid4().hex[:12]}")
+    for i in range(3):
+        _scaled_run(small, 1.0 + i)
+    assert not _merged(small, "runs") and len(small.backend.segment_names("runs")) == 4  # 3 + the schema segment
+
+
+def test_a_failed_automatic_compaction_warns_and_the_commit_stands(tmp_path, monkeypatch):
+    from capturestore import compaction
+
+    monkeypatch.setenv("CAPTURESTORE_AUTO_COMPACT", "2")
+
+    def broken(store, tables=None, grace_s=None, on_step=None):
+        raise StoreError("disk full")
+
+    monkeypatch.setattr(compaction, "compact", broken)
+    store = Store.open(tmp_path / "store")
+    _scaled_run(store, 1.0)
+    with pytest.warns(UserWarning, match=r"automatic compaction of runs, prompts, captures not done: disk full"):
+        rid = _scaled_run(store, 2.0)
+    assert rid in Store.open(tmp_path / "store", create=False).committed_ids()
+    assert Store.open(tmp_path / "store", create=False).prompts(rid).num_rows == 2
+
+
+@pytest.mark.parametrize("value", ["x", "-1", "1", "2.5", "nan"])
+def test_a_bad_automatic_compaction_setting_is_one_line_at_open_and_exit_2(tmp_path, monkeypatch, capsys, value):
+    from capturestore.cli import main
+
+    Store.open(tmp_path / "store")
+    monkeypatch.setenv("CAPTURESTORE_AUTO_COMPACT", value)
+    with pytest.raises(StoreError, match=r"\$CAPTURESTORE_AUTO_COMPACT="):
+        Store.open(tmp_path / "store", create=False)
+    assert main(["sql", "--store", str(tmp_path / "store"), "SELECT 1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "CAPTURESTORE_AUTO_COMPACT" in err and "\n" not in err and "Traceback" not in err
