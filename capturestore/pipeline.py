@@ -799,10 +799,13 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     pstore = _ProgressStore(st, progress, texts)
     references: list[str] = []  # complete reference runs (reusable): an interrupted run keeps them
     try:
-        result, reused = _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns, model_path, cfg,
-                                      model_hash, rows, pids, given, analysis, num_tokens, release, label, tp,
-                                      engine_options, engine_hook, eng, scales, fp8_platform, references,
-                                      ref, fp8_plan, module_inputs)
+        # no automatic compaction until the invocation succeeded: a roll-back removes what it
+        # committed segment by segment, which a merged segment would keep (docs/compact.md)
+        with st.auto_compaction_held():
+            result, reused = _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns,
+                                                  model_path, cfg, model_hash, rows, pids, given, analysis, num_tokens,
+                                                  release, label, tp, engine_options, engine_hook, eng, scales,
+                                                  fp8_platform, references, ref, fp8_plan, module_inputs)
     except BaseException as e:
         _roll_back(st, pstore, references, interrupted=isinstance(e, KeyboardInterrupt), fresh=fresh, say=say)
         raise

@@ -1,6 +1,8 @@
 """Store: open a capture store directory, begin runs, read captures, query the catalog."""
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 import threading
@@ -114,6 +116,7 @@ class Store:
         self._con_tables: list[str] = []  # the tables under tables/ at the last listing (Store.sql)
         self._footers: dict = {}  # (table, merged segment) -> its footer (compaction.MergedSegment)
         self._auto_compact_left: dict[str, int] = {}  # table -> segments an automatic compaction left
+        self._auto_compact_held: list[str] | None = None  # tables committed while held (auto_compaction_held)
         self._con_pid = -1
         self._con_lock = threading.Lock()
         self._segment_schemas: dict[str, SegmentSchemas] = {}  # table -> its segments' column types
@@ -754,12 +757,35 @@ class Store:
 
         return compact(self, tables, grace_s, on_step)
 
+    @contextlib.contextmanager
+    def auto_compaction_held(self):
+        """No automatic compaction of this Store's commits inside the block; the tables they wrote
+        are compacted when due as it ends without an exception, and left as written when it raises:
+        what the block committed can then be undone segment by segment (remove_run and
+        remove_written refuse, or leave rows behind, once a segment is merged). ``capturestore
+        run`` holds it around an invocation, which rolls back what it committed when it fails."""
+        if self._auto_compact_held is not None:  # nested: the outer block decides
+            yield
+            return
+        self._auto_compact_held = []
+        try:
+            yield
+        except BaseException:
+            self._auto_compact_held = None
+            raise
+        tables, self._auto_compact_held = self._auto_compact_held, None
+        if tables:
+            self._after_commit(list(dict.fromkeys(tables)))
+
     def _after_commit(self, tables) -> None:
         """Compact ``tables`` when a commit left one of them with $CAPTURESTORE_AUTO_COMPACT
         segments not merged (compaction.compact_if_due; docs/compact.md, "Automatic"). The commit
         stands whatever happens here: a failure is a warning naming the store and the tables."""
         from capturestore.compaction import compact_if_due
 
+        if self._auto_compact_held is not None:
+            self._auto_compact_held.extend(tables)
+            return
         try:
             compact_if_due(self, list(tables))
         except Exception as e:  # noqa: BLE001 - committed already; a later commit or `compact` retries

@@ -794,3 +794,23 @@ def test_a_bad_automatic_compaction_setting_is_one_line_at_open_and_exit_2(tmp_p
     assert main(["sql", "--store", str(tmp_path / "store"), "SELECT 1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "CAPTURESTORE_AUTO_COMPACT" in err and "\n" not in err and "Traceback" not in err
+
+
+def test_commits_inside_a_held_block_are_compacted_when_it_ends_and_left_as_written_when_it_raises(tmp_path,
+                                                                                                    monkeypatch):
+    monkeypatch.setenv("CAPTURESTORE_AUTO_COMPACT", "2")
+    store = Store.open(tmp_path / "store")
+    with pytest.raises(RuntimeError):
+        with store.auto_compaction_held():
+            runs = [_scaled_run(store, 1.0 + i) for i in range(3)]
+            assert not _merged(store, "runs")
+            raise RuntimeError("the invocation failed")
+    assert not _merged(store, "runs")
+    for r in runs:  # each undone as written: nothing of them merged
+        store.remove_run(r)
+    assert store.committed_ids() == set()
+    with store.auto_compaction_held():
+        with store.auto_compaction_held():  # nested: the outer block decides
+            runs = [_scaled_run(store, 1.0 + i) for i in range(3)]
+        assert not _merged(store, "runs")
+    assert _merged(store, "runs") and _merged(store, "prompts") and store.runs().num_rows == 3

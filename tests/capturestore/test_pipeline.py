@@ -668,6 +668,29 @@ def test_a_run_failing_after_its_captures_rolls_back_its_runs_and_removes_the_st
     assert not store.exists()  # it made the store: nothing of it is left
 
 
+def test_a_failing_run_rolls_back_its_runs_where_automatic_compaction_would_merge_them(model, prompt_file, tmp_path,
+                                                                                        monkeypatch):
+    """$CAPTURESTORE_AUTO_COMPACT=2: the second of the invocation's 3 commits would merge its runs,
+    which remove_run then refuses ("merged into compacted segments") and the failed run would stay
+    committed. The invocation holds automatic compaction until it succeeds; a passing one compacts."""
+    from capturestore import pipeline
+    from capturestore.compaction import is_merged
+
+    monkeypatch.setenv("CAPTURESTORE_AUTO_COMPACT", "2")
+    store = tmp_path / "s"
+    Store.open(store)
+    err, text = _run_with(Refuses, model, prompt_file, store, "r1")
+    assert "refused on purpose" in str(err)
+    assert "rolled back the 3 run(s) this invocation committed" in text and "could not roll back" not in text, text
+    assert Store.open(store, create=False).committed_ids() == set()
+    ok = pipeline.run(model, prompt_file, target="hf:bfloat16", num_tokens=3, store=store, release="r1", quiet=True,
+                      out=lambda _: None)
+    assert ok.passed
+    s = Store.open(store, create=False)
+    assert any(is_merged(n) for n in s.backend.segment_names("runs")) and len(_runs(store)) == 3
+    assert s.verify().ok
+
+
 def test_a_failing_run_removes_the_store_it_created_on_any_backend(model, prompt_file):
     """Issue 19: the store a failed run created is removed through the backend, not only a local
     directory; one that existed before (the second invocation) keeps its layout."""
