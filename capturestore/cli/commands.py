@@ -81,6 +81,7 @@ def cmd_compact(args: argparse.Namespace) -> int:
     rows = [{"table": t.table, "segments_before": t.segments_before, "segments_after": t.segments_after,
              "rows_merged": t.rows, "bytes_before": t.bytes_before, "bytes_after": t.bytes_after,
              "sources_removed": len(t.sources_removed), "merged": t.merged or "",
+             "merged_again": len(t.remerged),
              "left": "; ".join(t.skipped)} for t in result.tables]
     if rows:
         print(format_table(pa.Table.from_pylist(rows)))

@@ -288,6 +288,12 @@ def test_compact_cli_bad_input_is_one_line_exit_2_and_store_untouched(tmp_path, 
     _scaled_run(store, 1.1)
     assert main(["compact", "--table", "runs", "--store", str(store.root)]) == 0
     assert "merged 2 row(s) in 1 table(s)" in capsys.readouterr().out
+    _scaled_run(store, 1.2)  # a new segment and the merged one of its tier: merged again
+    assert main(["compact", "--table", "runs", "--store", str(store.root)]) == 0
+    out = capsys.readouterr().out
+    header, row = out.splitlines()[0], out.splitlines()[2]
+    assert "merged_again" in header and "merged 3 row(s) in 1 table(s)" in out, out
+    assert row.split()[header.split().index("merged_again")] == "1", out  # "left" (last) is empty
 
 
 def test_a_table_with_its_own_filename_column_reads_before_and_after_compaction(url):
