@@ -820,3 +820,29 @@ def test_commits_inside_a_held_block_are_compacted_when_it_ends_and_left_as_writ
             runs = [_scaled_run(store, 1.0 + i) for i in range(3)]
         assert not _merged(store, "runs")
     assert _merged(store, "runs") and _merged(store, "prompts") and store.runs().num_rows == 3
+
+
+def test_merged_segments_merged_again_on_a_real_s3_api(s3_url):
+    """Tiers on the moto S3 server (the other tests run on a directory and in memory): a merged
+    segment and a new run merged again, the replaced segment hidden beside its replacer, every row
+    read once, format 3 written over S3, the replaced segment and sources gone with no grace."""
+    import json
+
+    store = Store.open(s3_url)
+    for i in range(2):
+        _scaled_run(store, 1.0 + i)
+    store.compact(tables=["runs", "prompts"], grace_s=3600)
+    _scaled_run(store, 3.0)
+    before = _seen(store)
+    by = {t.table: t for t in store.compact(tables=["runs", "prompts"], grace_s=3600).tables}
+    assert len(by["runs"].remerged) == 1 and by["runs"].rows == 3 and len(by["prompts"].remerged) == 1
+    assert len(_merged(store, "runs")) == 2 and len(_visible_merged(store, "runs")) == 1
+    assert _seen(store) == before
+    assert json.loads(store.backend.read("capturestore.json"))["format_version"] == 3
+    rep = store.verify()
+    assert rep.ok and any("merged again still present" in n for n in rep.notes), rep.summary()
+    store.compact(tables=["runs", "prompts"], grace_s=0)
+    assert [n for n in store.backend.segment_names("runs") if not n.startswith("_")] == _visible_merged(store, "runs")
+    assert _seen(store) == before
+    rep = store.verify()
+    assert rep.ok and not rep.notes, rep.summary()
