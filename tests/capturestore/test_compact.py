@@ -194,6 +194,13 @@ def test_sigkill_at_every_step_of_compaction_never_hides_or_doubles_a_row(tmp_pa
     for t in tables:
         assert f"listed {t}" in steps and f"merged {t}" in steps
     assert sum(s.startswith("removed runs/") for s in steps) == 3 and len(steps) == 9, steps
+    _kill_at_every_step(pristine, tmp_path, steps, tables, before)
+
+
+def _kill_at_every_step(pristine: Path, tmp_path: Path, steps: list[str], tables: list[str], before: dict) -> None:
+    """A copy of ``pristine`` compacted and SIGKILLed right after each step in turn: every view,
+    the run tables by name and catalog.duckdb's runs read as ``before``, verify at most notes; a
+    second compaction finishes (every source gone, the same rows, no notes, no lock left)."""
     for i, step in enumerate(steps):
         path = tmp_path / f"kill{i}"
         shutil.copytree(pristine, path)
@@ -201,9 +208,9 @@ def test_sigkill_at_every_step_of_compaction_never_hides_or_doubles_a_row(tmp_pa
         assert r.returncode == -9 and r.stdout.split("\n")[-2] == step, (step, r.returncode, r.stderr[-500:])
         killed = Store.open(path, create=False)
         assert _seen(killed) == before, f"killed after {step!r}"
+        assert _catalog_rows(path)["runs"] == before["runs"], f"catalog.duckdb, killed after {step!r}"
         rep = killed.verify()
         assert rep.ok, (step, rep.summary())  # at most notes: "compaction to finish"
-        # a second compaction finishes: every source gone, the same rows
         killed.compact(tables=tables, grace_s=0)
         assert _seen(killed) == before, f"finished after a kill after {step!r}"
         rep = killed.verify()
@@ -687,22 +694,7 @@ def test_sigkill_at_every_step_of_a_compaction_that_merges_merged_segments(tmp_p
     probe_store = Store.open(probe, create=False)
     assert _seen(probe_store) == before
     assert all(len(_merged(probe_store, t)) == 1 for t in tables)
-    for i, step in enumerate(steps):
-        path = tmp_path / f"kill{i}"
-        shutil.copytree(pristine, path)
-        r = _run_killed(path, step, tables)
-        assert r.returncode == -9 and r.stdout.split("\n")[-2] == step, (step, r.returncode, r.stderr[-500:])
-        killed = Store.open(path, create=False)
-        assert _seen(killed) == before, f"killed after {step!r}"
-        assert _catalog_rows(path)["runs"] == before["runs"], f"catalog.duckdb, killed after {step!r}"
-        rep = killed.verify()
-        assert rep.ok, (step, rep.summary())
-        killed.compact(tables=tables, grace_s=0)
-        assert _seen(killed) == before, f"finished after a kill after {step!r}"
-        rep = killed.verify()
-        assert rep.ok and not rep.notes, (step, rep.summary())
-        for t in tables:
-            assert [n for n in killed.backend.segment_names(t) if not n.startswith("_")] == _merged(killed, t), step
+    _kill_at_every_step(pristine, tmp_path, steps, tables, before)
 
 
 def test_a_merged_segment_is_named_after_every_merged_segment_it_replaces(monkeypatch):
