@@ -20,6 +20,7 @@ one level of merging would read both and count the rows twice, so it refuses to 
 """
 from __future__ import annotations
 
+import calendar
 import hashlib
 import json
 import math
@@ -41,6 +42,7 @@ __all__ = ["COMPACTED_PREFIX", "CompactResult", "MergedSegment", "SOURCE_COLUMN"
            "coverage", "grace_seconds", "is_merged", "logical_names", "merged_segments", "read_source", "rows_sha256"]
 
 COMPACTED_PREFIX = "compacted-"
+_STAMP = "%Y%m%dT%H%M%S"  # a merged segment's name: compacted-<_STAMP in UTC>-<12 hex digits>.parquet
 SOURCE_COLUMN = "__capturestore_source"
 META_KEY = b"capturestore.compaction"
 LOCK_PREFIX = "compact-"  # pending/compact-<table>.json: one compaction of a table at a time
@@ -81,6 +83,10 @@ def grace_seconds() -> float:
     from capturestore.objectstore import lease_seconds
 
     return lease_seconds()
+
+
+class ListingChanged(FileNotFoundError):
+    """A merged segment of a listing was removed before its footer was read: decide on a new listing."""
 
 
 @dataclass(frozen=True)
@@ -124,7 +130,10 @@ def merged_segments(b, table: str, names: list[str] | None = None, footers: dict
             if footers is not None:
                 footers[(table, n)] = out[-1]
         except FileNotFoundError:
-            continue
+            # only a replaced merged segment is ever removed: its replacer came after this listing,
+            # whose decisions would drop its rows; the caller lists again (Store.sql, the run tables)
+            raise ListingChanged(f"table {table}: merged segment {n} was listed and then removed (merged again); "
+                                 f"list again") from None
         except Exception as e:  # noqa: BLE001 - verify reports it
             bad[n] = str(e).splitlines()[0] if str(e) else type(e).__name__
     if not include_replaced:
@@ -281,6 +290,34 @@ def compact(store, tables: list[str] | None = None, grace_s: float | None = None
     return CompactResult(out)
 
 
+def _merged_table(table: str, parts: list[pa.Table], sources: dict[str, dict[str, Any]],
+                  remerged: dict[str, dict[str, Any]], strict: bool = False) -> tuple[pa.Table | None, dict[str, dict[str, Any]] | None]:
+    """(the parts as one table, the footer's per-source entries), each source's rows checked to
+    read back unchanged: a new source's against its rows as read, a merged-again source's against
+    its merged segment's footer (row count, row hash). (None, None) when some would change (a
+    type promotion) or the parts do not concatenate; ``strict``: StoreError / the arrow error then."""
+    try:
+        merged = pa.concat_tables(parts, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        if strict:
+            raise
+        return None, None
+    meta: dict[str, dict[str, Any]] = {}
+    for n, info in sources.items():
+        h = rows_sha256(_source_rows(merged, n, info["columns"]))
+        if h != rows_sha256(info["table"]):  # the merge changed a value (a type promotion): leave it
+            if strict:
+                raise StoreError(f"compact: table {table}: merging {n} would change its rows; nothing written")
+            return None, None
+        meta[n] = {"rows": info["rows"], "sha256": info["sha256"], "rows_sha256": h, "columns": info["columns"]}
+    for n, info in remerged.items():  # rows merged before: as their merged segment's footer says
+        rows = _source_rows(merged, n, info["columns"])
+        if rows.num_rows != info["rows"] or rows_sha256(rows) != info["rows_sha256"]:
+            return None, None
+        meta[n] = dict(info)
+    return merged, meta
+
+
 def _tier(merged: list[MergedSegment], rows: int) -> list[MergedSegment]:
     """The merged segments to merge again with ``rows`` new rows: smallest first, each while it
     holds at most TIER_FACTOR times the rows gathered so far, and any that would leave more than
@@ -299,13 +336,18 @@ def _tier(merged: list[MergedSegment], rows: int) -> list[MergedSegment]:
 
 def _merged_name(replaces: list[str]) -> tuple[float, str]:
     """(created_at, file name stem) of a new merged segment, its name sorting after every merged
-    segment it replaces (the window form of the reader rule keeps the last by name)."""
-    while True:
-        created = time.time()
-        name = f"{COMPACTED_PREFIX}{time.strftime('%Y%m%dT%H%M%S', time.gmtime(created))}-{uuid.uuid4().hex[:12]}"
-        if not replaces or f"{name}.parquet" > max(replaces):
-            return created, name
-        time.sleep(0.05)  # the replaced one was written within this second: the next second sorts after it
+    segment it replaces (the window form of the reader rule keeps the last by name): its time
+    stamp is now, or one second after the last replaced one's where that is not earlier (a
+    replaced segment written within this second, or by a host whose clock runs ahead)."""
+    created = time.time()
+    stamp = time.strftime(_STAMP, time.gmtime(created))
+    last = max(replaces)[len(COMPACTED_PREFIX):len(COMPACTED_PREFIX) + len(stamp)] if replaces else ""
+    if last and stamp <= last:
+        try:
+            stamp = time.strftime(_STAMP, time.gmtime(calendar.timegm(time.strptime(last, _STAMP)) + 1))
+        except ValueError:  # not a name compact wrote: sort after it whatever it holds
+            stamp = last + "~"
+    return created, f"{COMPACTED_PREFIX}{stamp}-{uuid.uuid4().hex[:12]}"
 
 
 def _require_remerged_format(store) -> None:
@@ -450,7 +492,7 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
         parts.append(t.append_column(SOURCE_COLUMN, pa.array([n] * t.num_rows, pa.string())))
     # merged segments of about the size of what is merged now go into the same merged segment
     replaced: list[MergedSegment] = []
-    remerged: dict[str, dict[str, Any]] = {}  # a replaced merged segment's sources -> their footer entries
+    again: list[pa.Table] = []
     for m in _tier(visible, sum(i["rows"] for i in sources.values())):
         try:
             t = pq.read_table(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{m.name}")))
@@ -464,43 +506,34 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
             res.skipped.append(f"merged segment {m.name} not merged again: {problems[0]} (run capturestore verify)")
             continue
         replaced.append(m)
-        remerged.update(m.sources)
-        parts.append(t.replace_schema_metadata(None))
-    if len(parts) >= 2:
+        again.append(t.replace_schema_metadata(None))
+    merged = meta_sources = None
+    if replaced and len(parts) + len(again) >= 2:
+        merged, meta_sources = _merged_table(table, parts + again, sources, {s: i for m in replaced for s, i in m.sources.items()})
+        if merged is None:  # a column's type differs (a promotion would change rows): merge the new segments alone
+            res.skipped.append(f"merged segment(s) {', '.join(m.name for m in replaced)} not merged again: their "
+                               f"rows and the new ones do not merge unchanged (a column's type differs)")
+            replaced = []
+    if merged is None and len(parts) >= 2:
         try:
-            merged = pa.concat_tables(parts, promote_options="permissive")
+            merged, meta_sources = _merged_table(table, parts, sources, {}, strict=True)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             res.skipped.append(f"segments cannot be merged into one table: {e}")
-            merged = None
-        if merged is not None:
-            meta_sources = {}
-            for n, info in sources.items():
-                rows = _source_rows(merged, n, info["columns"])
-                h = rows_sha256(rows)
-                if h != rows_sha256(info["table"]):  # the merge changed a value (a type promotion): leave it
-                    raise StoreError(f"compact: table {table}: merging {n} would change its rows; nothing written")
-                meta_sources[n] = {"rows": info["rows"], "sha256": info["sha256"], "rows_sha256": h,
-                                   "columns": info["columns"]}
-            for n, info in remerged.items():  # rows merged before: as their merged segment's footer says
-                rows = _source_rows(merged, n, info["columns"])
-                if rows.num_rows != info["rows"] or rows_sha256(rows) != info["rows_sha256"]:
-                    raise StoreError(f"compact: table {table}: merging again the rows of {n} would change them; "
-                                     f"nothing written")
-                meta_sources[n] = dict(info)
-            replaces = sorted({m.name for m in replaced} | {r for m in replaced for r in m.replaces})
-            if replaces:
-                _require_remerged_format(store)
-            created, name = _merged_name(replaces)
-            meta = {"version": 2 if replaces else 1, "created_at": created, "sources": meta_sources}
-            if replaces:
-                meta["replaces"] = replaces
-            merged = merged.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
-            b.put(f"{TABLES_DIR}/{table}/{name}.parquet", merged_bytes(merged), if_absent=True)
-            res.remerged = [m.name for m in replaced]
-            res.merged, res.rows = f"{name}.parquet", merged.num_rows
-            step(f"merged {table}")
-            if grace <= 0:
-                res.sources_removed += remove_finished_sources(b, table, grace, step=step, kept=res.skipped)
+    if merged is not None:
+        replaces = sorted({m.name for m in replaced} | {r for m in replaced for r in m.replaces})
+        if replaces:
+            _require_remerged_format(store)
+        created, name = _merged_name(replaces)
+        meta = {"version": 2 if replaces else 1, "created_at": created, "sources": meta_sources}
+        if replaces:
+            meta["replaces"] = replaces
+        merged = merged.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
+        b.put(f"{TABLES_DIR}/{table}/{name}.parquet", merged_bytes(merged), if_absent=True)
+        res.remerged = [m.name for m in replaced]
+        res.merged, res.rows = f"{name}.parquet", merged.num_rows
+        step(f"merged {table}")
+        if grace <= 0:
+            res.sources_removed += remove_finished_sources(b, table, grace, step=step, kept=res.skipped)
     after = _sizes(b, table)
     res.segments_after = len([n for n in after if n != SCHEMA_SEGMENT])
     res.bytes_after = sum(after.values())

@@ -20,7 +20,7 @@ from capturestore import catalog, integrity
 from capturestore.arrays import ArrayRef, bad_chunks, check_compression, read_metadata
 from capturestore.chunkio import MadeDirs, read_region, write_block
 from capturestore.compaction import LOCK_PREFIX as COMPACTION_LOCK_PREFIX
-from capturestore.compaction import SOURCE_COLUMN, coverage, is_merged, logical_names
+from capturestore.compaction import SOURCE_COLUMN, ListingChanged, coverage, is_merged, logical_names
 from capturestore.dtypes import LOGICAL_DTYPES, from_storage
 from capturestore.errors import FormatVersionError, StoreError, WriterIdTaken
 from capturestore.layout import (
@@ -201,7 +201,13 @@ class Store:
         commit marker (segments are named after their run; a runs segment merged by ``compact``
         still counts: compaction.logical_names)."""
         # the footers of merged segments are kept (never replaced): Store.open's read serves Store.sql
-        return {n.removesuffix(".parquet") for n in logical_names(self.backend, "runs", footers=self._footers)}
+        for attempt in range(4):
+            try:
+                return {n.removesuffix(".parquet") for n in logical_names(self.backend, "runs", footers=self._footers)}
+            except ListingChanged:  # a merged segment merged again and removed since the listing: list again
+                if attempt == 3:
+                    raise
+        raise AssertionError("unreachable")
 
     def _pending_lock(self, writer_id: str, info: dict[str, Any]):
         """``pending/<writer_id>.json``, held until ``release()`` (the backend's liveness says so)."""
@@ -604,7 +610,12 @@ class Store:
     def _read_run_table_once(self, table: str, run_id: str | None = None, retry: bool = True) -> pa.Table:
         schema = SCHEMAS[table]
         listing = self.backend.segment_names(table)  # one listing: a source and its merged segment never both count
-        cover = coverage(self.backend, table, listing, self._footers)
+        try:
+            cover = coverage(self.backend, table, listing, self._footers)
+        except ListingChanged:
+            if retry:
+                raise _SourceGone from None
+            raise
         names = [n for n in listing if n != SCHEMA_SEGMENT and not is_merged(n) and n not in cover]
         if table != "runs":
             ok = self.committed_ids()
@@ -620,6 +631,8 @@ class Store:
                          and (table == "runs" or src.removesuffix(".parquet") in ok)})
         for m, v in self.backend.read_many([f"{TABLES_DIR}/{table}/{m}" for m in merged]).items():
             if v is None:
+                if retry:  # merged again and removed after its grace: list again
+                    raise _SourceGone
                 raise StoreError(f"{self.root}: merged segment {m} was listed but is gone; retry the read")
             t = pq.read_table(pa.BufferReader(v))
             keep = [f"{run_id}.parquet"] if run_id is not None else \
@@ -668,7 +681,13 @@ class Store:
                 # listed once, markers first; the views read exactly these files (docs/compact.md,
                 # "Store.sql: explicit lists"), rebuilt when their listing changed
                 wanted = self._query_tables(query)
-                files = catalog.segment_files(where, self._footers, self._con_tables if wanted is None else wanted)
+                try:
+                    files = catalog.segment_files(where, self._footers, self._con_tables if wanted is None else wanted)
+                except ListingChanged:  # a merged segment listed, merged again and removed: list again
+                    if attempt == 3:
+                        raise QueryError(f"{self.root}: tables were compacted under the query 4 times in a row; "
+                                         f"retry it") from None
+                    continue
                 names = list(files) if wanted is None else self._con_tables
                 # the views whose every listing was made now; any other keeps its view until a
                 # query that lists its tables (a view reads its files, never another view)

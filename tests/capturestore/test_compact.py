@@ -712,6 +712,11 @@ def test_a_merged_segment_is_named_after_every_merged_segment_it_replaces(monkey
     created, name = compaction._merged_name(replaced)
     assert f"{name}.parquet" > max(replaced) and t0 <= created <= time.time()
     assert compaction._merged_name([])[1].startswith("compacted-")
+    # a replaced segment named by a host whose clock runs an hour ahead: no wait, still after it
+    ahead = time.strftime("%Y%m%dT%H%M%S", time.gmtime(time.time() + 3600))
+    t0 = time.time()
+    _, name = compaction._merged_name([f"compacted-{ahead}-{'f' * 12}.parquet"])
+    assert time.time() - t0 < 0.5 and f"{name}.parquet" > f"compacted-{ahead}-{'f' * 12}.parquet"
 
 
 # ------------------------------------------------------------------ automatic compaction after commits
@@ -838,3 +843,66 @@ def test_merged_segments_merged_again_on_a_real_s3_api(s3_url):
     assert _seen(store) == before
     rep = store.verify()
     assert rep.ok and not rep.notes, rep.summary()
+
+
+def test_a_reader_whose_listing_holds_a_merged_segment_merged_again_and_removed_lists_again(tmp_path, monkeypatch):
+    """Only a replaced merged segment is ever removed; a reader that listed it before its replacer
+    existed would, skipping it, drop its rows (the reviewer's stale listing: 0 runs of 4). Each
+    reader (Store.runs, committed_ids, Store.sql) lists again instead, and a listing that stays
+    stale is an error, never fewer rows."""
+    from capturestore.compaction import ListingChanged
+
+    store = Store.open(tmp_path / "store")
+    for i in range(3):
+        _scaled_run(store, 1.0 + i)
+    store.compact(tables=["runs"], grace_s=0)
+    stale = store.backend.segment_names("runs")  # the merged segment of 3 runs, nothing else
+    _scaled_run(store, 9.0)
+    (res,) = store.compact(tables=["runs"], grace_s=0).tables  # merged again; the old one removed at once
+    assert res.remerged == [n for n in stale if is_merged(n)] and not set(res.remerged) & set(
+        store.backend.segment_names("runs"))
+
+    def stale_once(backend):
+        real, left = backend.segment_names, [1]
+
+        def listing(t):
+            if t == "runs" and left:
+                left.pop()
+                return list(stale)
+            return real(t)
+        return listing
+
+    for read in (lambda s: s.runs().num_rows, lambda s: len(s.committed_ids()),
+                 lambda s: s.sql("SELECT count(*) AS n FROM runs").to_pylist()[0]["n"]):
+        reader = Store.open(tmp_path / "store", create=False)
+        if read(reader) != 4:
+            raise AssertionError("fresh listing")
+        cls = type(reader.backend)
+        monkeypatch.setattr(cls, "segment_names", lambda self, t, _f=stale_once(reader.backend): _f(t))
+        assert read(reader) == 4
+        monkeypatch.undo()
+    reader = Store.open(tmp_path / "store", create=False)
+    monkeypatch.setattr(type(reader.backend), "segment_names", lambda self, t: list(stale) if t == "runs" else [])
+    with pytest.raises(ListingChanged, match="listed and then removed"):
+        reader.committed_ids()
+
+
+def test_a_merged_segment_whose_column_type_differs_from_new_segments_is_left_and_the_rest_merges(tmp_path):
+    """x int64 merged, then x double appended: merged again, the ints would read back as floats
+    (another row hash). The reviewer saw every later compact raise and stop there; now the merged
+    segment is left, named, the new segments merge alone, and the other tables are compacted."""
+    store = Store.open(tmp_path / "store")
+    store.append_table("t", [{"k": 1, "x": 1}])
+    store.append_table("t", [{"k": 2, "x": 2}])
+    store.compact(tables=["t"], grace_s=0)
+    store.append_table("t", [{"k": 3, "x": 1.5}])
+    store.append_table("t", [{"k": 4, "x": 2.5}])
+    for i in range(2):
+        _scaled_run(store, 1.0 + i)
+    before = _seen(store)
+    by = {t.table: t for t in store.compact(grace_s=0).tables}
+    assert by["t"].merged and by["t"].remerged == [] and by["t"].rows == 2
+    assert any("not merged again" in s and "type differs" in s for s in by["t"].skipped), by["t"].skipped
+    assert by["runs"].merged and by["runs"].rows == 2  # a table after it is compacted too
+    assert _seen(store) == before
+    assert store.verify().ok
