@@ -365,28 +365,26 @@ def _require_remerged_format(store) -> None:
 def compact_if_due(store, tables) -> CompactResult | None:
     """Compact those of ``tables`` that hold auto_compact_segments() or more segments no merged
     segment covers (what a commit calls: Store._after_commit); None when none is due or it is off.
-    A table that compaction left as it was is tried again only once n / 2 more segments came."""
+    A table is tried again only once n / 2 more segments came than its last compaction left."""
     n = auto_compact_segments()
     if not n:
         return None
     b = store.backend
-    due = []
-    for t in dict.fromkeys(tables):
+
+    def plain(t: str) -> int | None:
         names = b.segment_names(t)
         if len(names) < n:  # fewer files than that: nothing to read to know
-            continue
+            return None
         merged, _ = merged_segments(b, t, names, store._footers)
         covered = {s for m in merged for s in m.sources}
-        plain = len([x for x in names if not is_merged(x) and x != SCHEMA_SEGMENT and x not in covered])
-        if plain >= max(n, store._auto_compact_left.get(t, 0) + n // 2):
-            due.append(t)
-            store._auto_compact_left[t] = plain
+        return len([x for x in names if not is_merged(x) and x != SCHEMA_SEGMENT and x not in covered])
+
+    due = [t for t in dict.fromkeys(tables) if (plain(t) or 0) >= max(n, store._auto_compact_left.get(t, 0) + n // 2)]
     if not due:
         return None
     res = compact(store, due)
-    for t in res.tables:
-        if t.merged:
-            store._auto_compact_left.pop(t.table, None)
+    for t in due:  # what it could not merge (segments of a killed writer, a comparison not committed) counts
+        store._auto_compact_left[t] = plain(t) or 0  # once: the next try waits for n / 2 more
     return res
 
 

@@ -684,6 +684,13 @@ def _verify_compacted(b, table: str, report: VerifyReport) -> None:
     names = b.segment_names(table)
     merged, bad = merged_segments(b, table, names)
     replaced = sorted({r for m in merged for r in m.replaces} & set(names))
+    every = {m.name: m for m in merged_segments(b, table, names, include_replaced=True)[0]}
+    for m in merged:  # a replaced segment hides its rows: its replacer must hold every one of its sources
+        for r in m.replaces:
+            lost = sorted(set(every[r].sources) - set(m.sources)) if r in every else []
+            if lost:
+                report.append(Problem("bad-segment", f"table {table} merged segment {m.name} replaces {r} but lacks "
+                                                     f"its source(s) {', '.join(lost[:3])}: their rows are hidden"))
     for n, why in bad.items():
         report.append(Problem("bad-segment", f"table {table} merged segment {n}: its compaction footer is unreadable: {why}"))
     seen: dict[str, str] = {}

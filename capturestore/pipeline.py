@@ -798,26 +798,35 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     texts = {pid: p.text for pid, p in zip(pids, given) if p.text is not None}
     pstore = _ProgressStore(st, progress, texts)
     references: list[str] = []  # complete reference runs (reusable): an interrupted run keeps them
+    # no compaction merges what this invocation commits until it succeeded (its runs' writer locks
+    # held, its own automatic compaction deferred): a roll-back removes it segment by segment, and
+    # remove_run refuses a merged run (docs/compact.md, "Automatic"); the roll-back runs inside
+    emptied = False  # the roll-back left the store this invocation created empty: removed once the locks are
     try:
-        # no automatic compaction until the invocation succeeded: a roll-back removes what it
-        # committed segment by segment, which a merged segment would keep (docs/compact.md)
         with st.auto_compaction_held():
-            result, reused = _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns,
-                                                  model_path, cfg, model_hash, rows, pids, given, analysis, num_tokens,
-                                                  release, label, tp, engine_options, engine_hook, eng, scales,
-                                                  fp8_platform, references, ref, fp8_plan, module_inputs)
-    except BaseException as e:
-        _roll_back(st, pstore, references, interrupted=isinstance(e, KeyboardInterrupt), fresh=fresh, say=say)
+            try:
+                result, reused = _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns,
+                                                      model_path, cfg, model_hash, rows, pids, given, analysis,
+                                                      num_tokens, release, label, tp, engine_options, engine_hook, eng,
+                                                      scales, fp8_platform, references, ref, fp8_plan, module_inputs)
+            except BaseException as e:
+                emptied = _roll_back(st, pstore, references, interrupted=isinstance(e, KeyboardInterrupt),
+                                     fresh=fresh, say=say)
+                raise
+    except BaseException:
+        if emptied:
+            st.remove_if_empty()  # the store this invocation created, when it holds nothing
         raise
     tm["total"] = time.perf_counter() - t_start
     _print_result(out, result, reused, st, tgt)
     return result
 
 
-def _roll_back(st, pstore, references: list, *, interrupted: bool, fresh: bool, say) -> None:
+def _roll_back(st, pstore, references: list, *, interrupted: bool, fresh: bool, say) -> bool:
     """Undo what a failed invocation committed (docs/run.md "A run that fails commits nothing"):
-    every run it began and committed, newest first, and the task-analysis segments it appended; a
-    store it created is removed when nothing else is in it. Interrupted (Ctrl-C), the complete
+    every run it began and committed, newest first, and the task-analysis segments it appended.
+    Returns whether the store it created is to be removed when nothing else is in it (the caller
+    does, once the runs' writer locks are released). Interrupted (Ctrl-C), the complete
     reference runs it captured are kept, so the next invocation reuses them and resumes. Runs of
     earlier invocations are never touched (reused ones are not in ``pstore.begun``)."""
     from capturestore.errors import StoreError
@@ -845,8 +854,7 @@ def _roll_back(st, pstore, references: list, *, interrupted: bool, fresh: bool, 
         say(f"rolled back the {len(undone)} run(s) this invocation committed: {', '.join(reversed(undone))}")
     if kept:
         say(f"interrupted: kept the complete reference run(s) {', '.join(reversed(kept))} (the next run reuses them)")
-    if fresh and not kept:
-        st.remove_if_empty()  # the store this invocation created, when it holds nothing
+    return fresh and not kept
 
 
 def _capture_and_compare(st, pstore, progress, tm, say, tgt, names, needs, patterns, model_path, cfg, model_hash,

@@ -117,6 +117,7 @@ class Store:
         self._footers: dict = {}  # (table, merged segment) -> its footer (compaction.MergedSegment)
         self._auto_compact_left: dict[str, int] = {}  # table -> segments an automatic compaction left
         self._auto_compact_held: list[str] | None = None  # tables committed while held (auto_compaction_held)
+        self._held_locks: list = []  # writer locks of runs committed while held, released as it ends
         self._con_pid = -1
         self._con_lock = threading.Lock()
         self._segment_schemas: dict[str, SegmentSchemas] = {}  # table -> its segments' column types
@@ -778,23 +779,35 @@ class Store:
 
     @contextlib.contextmanager
     def auto_compaction_held(self):
-        """No automatic compaction of this Store's commits inside the block; the tables they wrote
-        are compacted when due as it ends without an exception, and left as written when it raises:
-        what the block committed can then be undone segment by segment (remove_run and
-        remove_written refuse, or leave rows behind, once a segment is merged). ``capturestore
-        run`` holds it around an invocation, which rolls back what it committed when it fails."""
+        """No automatic compaction of this Store's commits inside the block, and every run committed
+        in it kept alive to every other compaction (its writer lock held until the block ends: a
+        compaction merges only runs whose writer has released it), so that what the block
+        committed can still be undone segment by segment: ``remove_run`` refuses a merged run.
+        ``capturestore run`` holds it around an invocation and rolls back inside it when it fails.
+        As the block ends the locks are released; then, when it ended without an exception, the
+        tables it wrote are compacted when due (after the locks: the runs are merged only then)."""
         if self._auto_compact_held is not None:  # nested: the outer block decides
             yield
             return
         self._auto_compact_held = []
+        ok = False
         try:
             yield
-        except BaseException:
-            self._auto_compact_held = None
-            raise
-        tables, self._auto_compact_held = self._auto_compact_held, None
-        if tables:
+            ok = True
+        finally:
+            tables, self._auto_compact_held = self._auto_compact_held, None
+            locks, self._held_locks = self._held_locks, []
+            for lock in locks:
+                lock.release()
+        if ok and tables:
             self._after_commit(list(dict.fromkeys(tables)))
+
+    def _release_writer_lock(self, lock) -> None:
+        """A committed run's writer lock: released now, or as auto_compaction_held ends."""
+        if self._auto_compact_held is not None:
+            self._held_locks.append(lock)
+        else:
+            lock.release()
 
     def _after_commit(self, tables) -> None:
         """Compact ``tables`` when a commit left one of them with $CAPTURESTORE_AUTO_COMPACT

@@ -240,7 +240,7 @@ class RunWriter:
         finally:
             if store._segment_exists("runs", self.run_id):  # in place: committed, even if a later fsync failed,
                 self._closed = True  # so __exit__'s abort() must not delete what the marker points at
-                self._lock.release()
+                store._release_writer_lock(self._lock)  # held on while an invocation may still roll it back
                 self.store._committed.add(self.run_id)
         store._after_commit(RUN_TABLES)  # committed: the run's tables compacted when due
 
