@@ -116,7 +116,7 @@ def merged_segments(b, table: str, names: list[str] | None = None, footers: dict
     here. Merged segments that another merged segment of the listing replaces are hidden, as
     sources are, unless ``include_replaced``."""
     names = b.segment_names(table) if names is None else names
-    out, bad = [], {}
+    out, bad, missing = [], {}, []
     for n in sorted(names):
         if not is_merged(n):
             continue
@@ -130,12 +130,17 @@ def merged_segments(b, table: str, names: list[str] | None = None, footers: dict
             if footers is not None:
                 footers[(table, n)] = out[-1]
         except FileNotFoundError:
-            # only a replaced merged segment is ever removed: its replacer came after this listing,
-            # whose decisions would drop its rows; the caller lists again (Store.sql, the run tables)
-            raise ListingChanged(f"table {table}: merged segment {n} was listed and then removed (merged again); "
-                                 f"list again") from None
+            missing.append(n)
+            continue
         except Exception as e:  # noqa: BLE001 - verify reports it
             bad[n] = str(e).splitlines()[0] if str(e) else type(e).__name__
+    # only a replaced merged segment is ever removed, once its replacer is older than the grace; one
+    # the listing's own merged segments replace hides nothing, but one whose replacer came after the
+    # listing (grace 0, or a reader slower than the grace) holds rows this listing would drop
+    lost = sorted(set(missing) - {r for m in out for r in m.replaces})
+    if lost:
+        raise ListingChanged(f"table {table}: merged segment {lost[0]} was listed and then removed (merged again); "
+                             f"list again")
     if not include_replaced:
         replaced = {r for m in out for r in m.replaces}
         out = [m for m in out if m.name not in replaced]
@@ -143,20 +148,34 @@ def merged_segments(b, table: str, names: list[str] | None = None, footers: dict
 
 
 def coverage(b, table: str, names: list[str] | None = None, footers: dict | None = None) -> dict[str, str]:
-    """{source file name: merged segment naming it} in ``table``'s listing ``names``; ``footers``:
-    as merged_segments."""
-    merged, _ = merged_segments(b, table, names, footers)
-    return {s: m.name for m in merged for s in m.sources}
+    """{source file name: merged segment naming it} in ``table``'s listing ``names`` (default: a
+    listing of its own, made again where a merged segment of it was merged again and removed
+    meanwhile); ``footers``: as merged_segments."""
+    for attempt in range(4):
+        try:
+            merged, _ = merged_segments(b, table, names, footers)
+            return {s: m.name for m in merged for s in m.sources}
+        except ListingChanged:
+            if names is not None or attempt == 3:  # the caller's listing: the caller lists again
+                raise
+    raise AssertionError("unreachable")
 
 
 def logical_names(b, table: str, names: list[str] | None = None, footers: dict | None = None) -> list[str]:
     """The file names of ``table``'s segments as writers wrote them, whether still a file or
     merged into a compacted segment (never a merged segment's own name, nor the schema segment).
     ``footers``: as merged_segments."""
-    names = b.segment_names(table) if names is None else names
-    covered = coverage(b, table, names, footers)
-    plain = [n for n in names if not is_merged(n) and n != SCHEMA_SEGMENT]
-    return sorted(set(plain) | set(covered))
+    for attempt in range(4):
+        listing = b.segment_names(table) if names is None else names
+        try:
+            covered = coverage(b, table, listing, footers)
+        except ListingChanged:  # a listing of its own: made again; the caller's: the caller lists again
+            if names is not None or attempt == 3:
+                raise
+            continue
+        plain = [n for n in listing if not is_merged(n) and n != SCHEMA_SEGMENT]
+        return sorted(set(plain) | set(covered))
+    raise AssertionError("unreachable")
 
 
 def read_source(b, table: str, name: str, cover: dict[str, str] | None = None) -> pa.Table:
@@ -291,23 +310,19 @@ def compact(store, tables: list[str] | None = None, grace_s: float | None = None
 
 
 def _merged_table(table: str, parts: list[pa.Table], sources: dict[str, dict[str, Any]],
-                  remerged: dict[str, dict[str, Any]], strict: bool = False) -> tuple[pa.Table | None, dict[str, dict[str, Any]] | None]:
-    """(the parts as one table, the footer's per-source entries), each source's rows checked to
-    read back unchanged: a new source's against its rows as read, a merged-again source's against
-    its merged segment's footer (row count, row hash). (None, None) when some would change (a
-    type promotion) or the parts do not concatenate; ``strict``: StoreError / the arrow error then."""
+                  remerged: dict[str, dict[str, Any]]) -> tuple[pa.Table | None, dict[str, dict[str, Any]] | None]:
+    """(the parts of ``table`` as one table, the footer's per-source entries), each source's rows
+    checked to read back unchanged: a new source's against its rows as read, a merged-again
+    source's against its merged segment's footer (row count, row hash). (None, None) when some
+    would change (a type promotion) or the parts do not concatenate."""
     try:
         merged = pa.concat_tables(parts, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError):
-        if strict:
-            raise
         return None, None
     meta: dict[str, dict[str, Any]] = {}
     for n, info in sources.items():
         h = rows_sha256(_source_rows(merged, n, info["columns"]))
         if h != rows_sha256(info["table"]):  # the merge changed a value (a type promotion): leave it
-            if strict:
-                raise StoreError(f"compact: table {table}: merging {n} would change its rows; nothing written")
             return None, None
         meta[n] = {"rows": info["rows"], "sha256": info["sha256"], "rows_sha256": h, "columns": info["columns"]}
     for n, info in remerged.items():  # rows merged before: as their merged segment's footer says
@@ -382,10 +397,11 @@ def compact_if_due(store, tables) -> CompactResult | None:
     due = [t for t in dict.fromkeys(tables) if (plain(t) or 0) >= max(n, store._auto_compact_left.get(t, 0) + n // 2)]
     if not due:
         return None
-    res = compact(store, due)
-    for t in due:  # what it could not merge (segments of a killed writer, a comparison not committed) counts
-        store._auto_compact_left[t] = plain(t) or 0  # once: the next try waits for n / 2 more
-    return res
+    try:
+        return compact(store, due)
+    finally:  # what it could not merge (segments of a killed writer, a comparison not committed), or all
+        for t in due:  # of them when it failed, counts once: the next try waits for n / 2 more
+            store._auto_compact_left[t] = plain(t) or 0
 
 
 def _untouched(b, table: str, why: str) -> TableCompaction:
@@ -505,18 +521,36 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
             continue
         replaced.append(m)
         again.append(t.replace_schema_metadata(None))
+    # the merged segments whose rows merge unchanged with the new ones (a user column int64 in
+    # one and double in another would read back changed): each tried in turn, any other left
     merged = meta_sources = None
-    if replaced and len(parts) + len(again) >= 2:
-        merged, meta_sources = _merged_table(table, parts + again, sources, {s: i for m in replaced for s, i in m.sources.items()})
-        if merged is None:  # a column's type differs (a promotion would change rows): merge the new segments alone
-            res.skipped.append(f"merged segment(s) {', '.join(m.name for m in replaced)} not merged again: their "
-                               f"rows and the new ones do not merge unchanged (a column's type differs)")
-            replaced = []
-    if merged is None and len(parts) >= 2:
-        try:
-            merged, meta_sources = _merged_table(table, parts, sources, {}, strict=True)
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
-            res.skipped.append(f"segments cannot be merged into one table: {e}")
+    base: list[pa.Table] = []  # the new segments, when they merge unchanged among themselves
+    if parts and (len(parts) >= 2 or replaced):
+        merged, meta_sources = _merged_table(table, parts, sources, {})
+        if merged is None:
+            res.skipped.append("segments do not merge unchanged (a column's type differs between them): left as "
+                               "written")
+        else:
+            base = parts
+    kept: list[MergedSegment] = []
+    kept_tables: list[pa.Table] = []
+    for m, t in zip(replaced, again):
+        if len(base) + len(kept_tables) == 0:  # no new segment: the first merged one waits for a partner
+            kept.append(m)
+            kept_tables.append(t)
+            continue
+        trial = _merged_table(table, base + kept_tables + [t], sources if base else {},
+                              {s: i for x in (*kept, m) for s, i in x.sources.items()})
+        if trial[0] is None:
+            res.skipped.append(f"merged segment {m.name} not merged again: its rows and the others' do not merge "
+                               f"unchanged (a column's type differs)")
+            continue
+        kept.append(m)
+        kept_tables.append(t)
+        merged, meta_sources = trial
+    if len(base) + len(kept_tables) < 2:
+        merged = None
+    replaced = kept
     if merged is not None:
         replaces = sorted({m.name for m in replaced} | {r for m in replaced for r in m.replaces})
         if replaces:

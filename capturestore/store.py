@@ -797,8 +797,14 @@ class Store:
         finally:
             tables, self._auto_compact_held = self._auto_compact_held, None
             locks, self._held_locks = self._held_locks, []
-            for lock in locks:
-                lock.release()
+            for lock in locks:  # every one, whatever the others do: a lock left held keeps its run unmerged
+                try:
+                    lock.release()
+                except Exception as e:  # noqa: BLE001 - the runs are committed; gc clears a lease left behind
+                    import warnings
+
+                    warnings.warn(f"{self.root}: a committed run's writer lock was not released: "
+                                  f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", stacklevel=3)
         if ok and tables:
             self._after_commit(list(dict.fromkeys(tables)))
 

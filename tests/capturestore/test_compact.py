@@ -885,6 +885,14 @@ def test_a_reader_whose_listing_holds_a_merged_segment_merged_again_and_removed_
     monkeypatch.setattr(type(reader.backend), "segment_names", lambda self, t: list(stale) if t == "runs" else [])
     with pytest.raises(ListingChanged, match="listed and then removed"):
         reader.committed_ids()
+    monkeypatch.undo()
+    # a listing that holds the removed segment and its replacer too loses nothing: no alarm
+    now = store.backend.segment_names("runs")
+    both = sorted(set(now) | set(stale))
+    from capturestore.compaction import coverage, merged_segments
+
+    assert [m.name for m in merged_segments(store.backend, "runs", both)[0]] == [n for n in now if is_merged(n)]
+    assert len(coverage(store.backend, "runs", both)) == 4
 
 
 def test_a_merged_segment_whose_column_type_differs_from_new_segments_is_left_and_the_rest_merges(tmp_path):
@@ -906,6 +914,19 @@ def test_a_merged_segment_whose_column_type_differs_from_new_segments_is_left_an
     assert by["runs"].merged and by["runs"].rows == 2  # a table after it is compacted too
     assert _seen(store) == before
     assert store.verify().ok
+    # the tiers go on among the double segments, the int one left each time (not one more a compaction)
+    for i in range(3):
+        store.append_table("t", [{"k": 10 + i, "x": 0.5 + i}])
+        (res,) = store.compact(tables=["t"], grace_s=0).tables
+        assert len(_visible_merged(store, "t")) == 2, (i, res)
+    assert sorted(r["k"] for r in store.sql("SELECT k FROM t").to_pylist()) == [1, 2, 3, 4, 10, 11, 12]
+    # new segments of two types among themselves, before any compaction: left as written, no error
+    store.append_table("u", [{"k": 1, "x": 1}])
+    store.append_table("u", [{"k": 2, "x": 1.5}])
+    _scaled_run(store, 5.0)
+    by = {t.table: t for t in store.compact(grace_s=0).tables}
+    assert by["u"].merged is None and any("type differs" in s for s in by["u"].skipped)
+    assert by["runs"].merged and store.sql("SELECT x FROM u ORDER BY k").column("x").to_pylist() == [1.0, 1.5]
 
 
 def test_another_writers_automatic_compaction_leaves_the_runs_of_a_held_block_to_its_roll_back(tmp_path,
@@ -988,3 +1009,18 @@ def test_verify_finds_a_merged_segment_that_replaces_one_without_holding_all_its
     store.backend.put(rel, sink.getvalue().to_pybytes())
     rep = Store.open(tmp_path / "store", create=False).verify()
     assert not rep.ok and any("lacks its source(s)" in str(p) and gone in str(p) for p in rep), rep.summary()
+
+
+def test_a_held_lock_that_fails_to_release_warns_and_the_others_are_released(tmp_path):
+    class Broken:
+        def release(self):
+            raise OSError("the lease object could not be deleted")
+
+    path = tmp_path / "store"
+    store = Store.open(path)
+    with pytest.warns(UserWarning, match="writer lock was not released: the lease object could not be deleted"):
+        with store.auto_compaction_held():
+            store._held_locks.append(Broken())
+            rid = _scaled_run(store, 1.0)
+            assert list((path / "pending").glob("*.json"))  # held while the block runs
+    assert not list((path / "pending").glob("*.json")) and rid in store.committed_ids()
