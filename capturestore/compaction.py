@@ -141,10 +141,13 @@ def merged_segments(b, table: str, names: list[str] | None = None, footers: dict
     if lost:
         raise ListingChanged(f"table {table}: merged segment {lost[0]} was listed and then removed (merged again); "
                              f"list again")
-    if not include_replaced:
-        replaced = {r for m in out for r in m.replaces}
-        out = [m for m in out if m.name not in replaced]
-    return out, bad
+    return (out if include_replaced else visible_merged(out)), bad
+
+
+def visible_merged(merged: list[MergedSegment]) -> list[MergedSegment]:
+    """Those of ``merged`` (one listing's) that no other of them replaces: the ones readers read."""
+    replaced = {r for m in merged for r in m.replaces}
+    return [m for m in merged if m.name not in replaced]
 
 
 def coverage(b, table: str, names: list[str] | None = None, footers: dict | None = None) -> dict[str, str]:
@@ -309,9 +312,9 @@ def compact(store, tables: list[str] | None = None, grace_s: float | None = None
     return CompactResult(out)
 
 
-def _merged_table(table: str, parts: list[pa.Table], sources: dict[str, dict[str, Any]],
+def _merged_table(parts: list[pa.Table], sources: dict[str, dict[str, Any]],
                   remerged: dict[str, dict[str, Any]]) -> tuple[pa.Table | None, dict[str, dict[str, Any]] | None]:
-    """(the parts of ``table`` as one table, the footer's per-source entries), each source's rows
+    """(the parts as one table, the footer's per-source entries), each source's rows
     checked to read back unchanged: a new source's against its rows as read, a merged-again
     source's against its merged segment's footer (row count, row hash). (None, None) when some
     would change (a type promotion) or the parts do not concatenate."""
@@ -526,7 +529,7 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
     merged = meta_sources = None
     base: list[pa.Table] = []  # the new segments, when they merge unchanged among themselves
     if parts and (len(parts) >= 2 or replaced):
-        merged, meta_sources = _merged_table(table, parts, sources, {})
+        merged, meta_sources = _merged_table(parts, sources, {})
         if merged is None:
             res.skipped.append("segments do not merge unchanged (a column's type differs between them): left as "
                                "written")
@@ -539,7 +542,7 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
             kept.append(m)
             kept_tables.append(t)
             continue
-        trial = _merged_table(table, base + kept_tables + [t], sources if base else {},
+        trial = _merged_table(base + kept_tables + [t], sources if base else {},
                               {s: i for x in (*kept, m) for s, i in x.sources.items()})
         if trial[0] is None:
             res.skipped.append(f"merged segment {m.name} not merged again: its rows and the others' do not merge "

@@ -679,12 +679,13 @@ def verify(store_or_root: Any) -> VerifyReport:
 def _verify_compacted(b, table: str, report: VerifyReport) -> None:
     """Each merged segment of ``table`` against its footer (every source's rows, count and hash),
     no source merged twice; sources still present beside their merged segment are a note."""
-    from capturestore.compaction import merged_problems, merged_segments
+    from capturestore.compaction import merged_problems, merged_segments, visible_merged
 
     names = b.segment_names(table)
-    merged, bad = merged_segments(b, table, names)
+    every_merged, bad = merged_segments(b, table, names, include_replaced=True)  # each footer read once
+    merged = visible_merged(every_merged)
     replaced = sorted({r for m in merged for r in m.replaces} & set(names))
-    every = {m.name: m for m in merged_segments(b, table, names, include_replaced=True)[0]}
+    every = {m.name: m for m in every_merged}
     for m in merged:  # a replaced segment hides its rows: its replacer must hold every one of its sources
         for r in m.replaces:
             lost = sorted(set(every[r].sources) - set(m.sources)) if r in every else []
