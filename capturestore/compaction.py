@@ -248,6 +248,7 @@ class TableCompaction:
     sources_removed: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # why segments were left as they are
     remerged: list[str] = field(default_factory=list)  # merged segments merged again into ``merged``
+    stale_lock: bool = False  # left because a stopped compaction's lock is still there (gc removes it)
 
 
 @dataclass
@@ -301,9 +302,11 @@ def compact(store, tables: list[str] | None = None, grace_s: float | None = None
         try:  # created if absent (a dead compaction's lock taken over where the medium allows): atomic
             lock = b.writer_lock(lock_id, {"status": f"compacting {t}"})
         except WriterIdTaken:
-            why = f"another compaction of {t} is running" if b.liveness()(lock_id) else \
+            alive = b.liveness()(lock_id)
+            why = f"another compaction of {t} is running" if alive else \
                 f"a stopped compaction left {PENDING_DIR}/{lock_id}.json (run capturestore gc, then compact)"
             out.append(_untouched(b, t, why))
+            out[-1].stale_lock = not alive
             continue
         try:
             out.append(_compact_table(store, t, grace, step))

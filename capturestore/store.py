@@ -824,13 +824,19 @@ class Store:
         if self._auto_compact_held is not None:
             self._auto_compact_held.extend(tables)
             return
-        try:
-            compact_if_due(self, list(tables))
-        except Exception as e:  # noqa: BLE001 - committed already; a later commit or `compact` retries
-            import warnings
+        import warnings
 
+        try:
+            done = compact_if_due(self, list(tables))
+        except Exception as e:  # noqa: BLE001 - committed already; a later commit or `compact` retries
             why = str(e).splitlines()[0] if str(e) else type(e).__name__
             warnings.warn(f"{self.root}: automatic compaction of {', '.join(tables)} not done: {why}", stacklevel=3)
+            return
+        # a stopped compaction's lock on object storage (no atomic take-over) leaves the table as
+        # written until gc: said at the commit that found it, not only by an explicit compact
+        for t in done.tables if done is not None else ():
+            if t.stale_lock:
+                warnings.warn(f"{self.root}: automatic compaction of {t.table} not done: {t.skipped[0]}", stacklevel=3)
 
     def remove_run(self, run_id: str) -> None:
         """Uncommit and delete committed run ``run_id``: its ``runs`` segment (the commit marker)

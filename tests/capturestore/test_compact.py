@@ -491,6 +491,44 @@ def test_a_dead_compactions_lock_without_take_over_leaves_the_table_and_gc_clear
     assert sorted(r["k"] for r in store.sql("SELECT k FROM notes").to_pylist()) == [1, 2]
 
 
+def test_an_automatic_compaction_a_stale_lock_stops_warns_at_the_commit(monkeypatch):
+    """Automatic compaction meeting a stopped compaction's lock on object storage (no take-over)
+    leaves the table as written; the commit that found it says so, naming the lock and gc, where
+    it used to say nothing and the table grew until someone ran gc. A live compaction's lock is
+    not worth a warning (it merges)."""
+    import warnings
+
+    from capturestore import backends as B
+    from capturestore.errors import WriterIdTaken
+
+    url = f"memory://compact-{uuid.uuid4().hex[:12]}"
+    store = Store.open(url)
+    store.backend.put("pending/compact-notes.json", b'{"status": "compacting notes"}')  # its writer is gone
+    real = B.MemoryBackend.writer_lock
+
+    def lease_like(self, writer_id, info):
+        if self.exists(f"pending/{writer_id}.json"):
+            raise WriterIdTaken(f"{self.url}: writer id {writer_id} is already taken by another writer")
+        return real(self, writer_id, info)
+
+    monkeypatch.setattr(B.MemoryBackend, "writer_lock", lease_like)
+    monkeypatch.setenv("CAPTURESTORE_AUTO_COMPACT", "2")
+    store.append_table("notes", [{"k": 1, "v": "a"}])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        store.append_table("notes", [{"k": 2, "v": "b"}])  # 2 segments: due, and the lock stops it
+    said = [str(w.message) for w in seen]
+    assert said == [f"{url}: automatic compaction of notes not done: a stopped compaction left "
+                    "pending/compact-notes.json (run capturestore gc, then compact)"], said
+    assert not any(is_merged(n) for n in store.backend.segment_names("notes"))
+    assert "pending/compact-notes.json" in store.gc()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        store.append_table("notes", [{"k": 3, "v": "c"}])  # 3 segments: due again, and merged
+    assert not seen and any(is_merged(n) for n in store.backend.segment_names("notes"))
+    assert sorted(r["k"] for r in store.sql("SELECT k FROM notes").to_pylist()) == [1, 2, 3]
+
+
 def test_remove_run_and_a_compaction_of_runs_exclude_each_other(url, monkeypatch):
     """remove_run and a compaction of ``runs`` take the same lock: a compaction that had read a
     run's marker before remove_run removed it wrote the marker into its merged segment, and the
