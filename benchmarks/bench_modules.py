@@ -57,6 +57,45 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from timing import best_of, best_of_interleaved, peak_rss_mib  # noqa: E402
 
 ARCH, PROMPT_LEN, DECODE_STEPS = "gemma3-sliding", 16, 32
+# --store-dir: where the stores of sections 1, 2 and 4 are made (None: tempfile's directory); an
+# environment variable, so that section 2's child processes make theirs there too
+STORE_DIR = os.environ.get("BENCH_MODULES_STORE_DIR") or None
+
+
+def fs_probe(where: str, n_dirs: int, n_files: int) -> None:
+    """What the file system charges for a prompt's layout, nothing else: ``n_dirs`` directories
+    (chains ``i/c/0``, made with ``os.mkdir``) and ``n_files`` files of 300 bytes created (O_EXCL),
+    written and closed in them, in a fresh directory under ``where`` (left for the caller's
+    temporary directory to remove). Timed beside the capture it is the floor under row (b): on
+    this VM one directory of ``/tmp`` measured 20-750 us a mkdir from one minute to the next, where
+    ``/work`` on the same disk measured ~30 us (docs/module-compare.md, "The store directory's own
+    cost")."""
+    d = tempfile.mkdtemp(dir=where)
+    made = []
+    for i in range(-(-n_dirs // 3)):
+        x = os.path.join(d, str(i))
+        os.mkdir(x)
+        os.mkdir(x + "/c")
+        os.mkdir(x + "/c/0")
+        made.append(x + "/c/0")
+    payload = b"x" * 300
+    for i in range(n_files):
+        fd = os.open(f"{made[i % len(made)]}/{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, payload)
+        os.close(fd)
+
+
+def prompt_layout(store_root: str) -> tuple[int, int]:
+    """(directories, files) of one prompt of a store's last run (arrays.zarr/<run>/<prompt>/...,
+    the prompt's own directory included)."""
+    runs = sorted(os.scandir(os.path.join(store_root, "arrays.zarr")), key=lambda e: e.name)
+    run = [e for e in runs if e.is_dir()][-1].path
+    prompt = [e.path for e in os.scandir(run) if e.is_dir()][0]
+    n_dirs, n_files = 1, 0
+    for _, ds, fs in os.walk(prompt):
+        n_dirs += len(ds)
+        n_files += len(fs)
+    return n_dirs, n_files
 
 
 def _tokens(n_prompts, seed=0):
@@ -173,7 +212,7 @@ def child_rss(n_prompts: int) -> None:
     path = tiny_model(ARCH)
     model = load_hf_model(path, "bfloat16")
     prompts, conts = _tokens(n_prompts)
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory(dir=STORE_DIR) as d:
         store = Store.open(os.path.join(d, "s"))
         capture_hf_module_run(store, path, prompts[:1], conts[:1], dtype="bfloat16", model=model)  # warm-up
         before = peak_rss_mib()  # VmHWM: ru_maxrss would hold the parent's peak (9 GiB after capture-1b)
@@ -264,13 +303,16 @@ def capture_rows(path, prompts, conts, label: str, repeat: int, with_run: bool) 
         p, c = prompts[0], conts[0]
         plain_forwards(model, p, c)  # warm-up
         kept = []
-        with tempfile.TemporaryDirectory() as d:
+        with tempfile.TemporaryDirectory(dir=STORE_DIR) as d:
             store = Store.open(os.path.join(d, "s"))
+            capture_hf_module_run(store, path, [p], [c], dtype=dtype, model=model)  # warm-up; the layout's size
+            n_dirs, n_files = prompt_layout(os.path.join(d, "s"))
             t = best_of_interleaved({
                 "plain": lambda: plain_forwards(model, p, c),
                 "hooks": lambda: (kept.clear(), capture_hf_modules(model, p, c, lambda *a: kept.append(a[-1]),
                                                                   DEFAULT_MODULES)),
-                "store": lambda: capture_hf_module_run(store, path, [p], [c], dtype=dtype, model=model)}, repeat)
+                "store": lambda: capture_hf_module_run(store, path, [p], [c], dtype=dtype, model=model),
+                "fs": lambda: fs_probe(d, n_dirs, n_files)}, repeat)  # beside the store: placement matters
         t_plain, t_hooks, t_store = t["plain"], t["hooks"], t["store"]
         rows.append((f"plain forwards ({label}, {dtype}, 1 prefill of {len(p)} + {steps} decode)", f"{t_plain * 1e3:.1f} ms",
                      "1.00x", ""))
@@ -278,16 +320,28 @@ def capture_rows(path, prompts, conts, label: str, repeat: int, with_run: bool) 
                      f"{t_hooks / t_plain:.2f}x", _goal("<= 1.5x", t_hooks / t_plain <= 1.5)))
         rows.append(("  (b) capture_hf_module_run into a store", f"{t_store * 1e3:.1f} ms", f"{t_store / t_plain:.2f}x",
                      _goal("<= 1.5x", t_store / t_plain <= 1.5)))
+        # what the file system itself charges for the prompt's layout, timed in the same rounds
+        floor = t["fs"]
+        rows.append((f"    the store directory's own cost of a prompt's {n_dirs} dirs + {n_files} files", f"{floor * 1e3:.1f} ms",
+                     f"{floor / t_plain:.2f}x", "informational: the file system's floor under (b), in the same rounds"))
+        rows.append(("    (b) less that floor", f"{(t_store - floor) * 1e3:.1f} ms",
+                     f"{(t_store - floor) / t_plain:.2f}x", "informational"))
         if with_run:  # (c): one run of every prompt, each written while the next one's forwards run
             n = len(prompts)
-            with tempfile.TemporaryDirectory() as d:
+            with tempfile.TemporaryDirectory(dir=STORE_DIR) as d:
                 store = Store.open(os.path.join(d, "s"))
                 t = best_of_interleaved({
                     "plain": lambda: [plain_forwards(model, pp, cc) for pp, cc in zip(prompts, conts)],
-                    "store": lambda: capture_hf_module_run(store, path, prompts, conts, dtype=dtype, model=model)}, 3)
+                    "store": lambda: capture_hf_module_run(store, path, prompts, conts, dtype=dtype, model=model),
+                    "fs": lambda: fs_probe(d, n * n_dirs, n * n_files)}, 3)
             rows.append((f"plain forwards ({label}, {dtype}, {n} prompts)", f"{t['plain'] * 1e3:.1f} ms", "1.00x", ""))
             rows.append((f"  (c) capture_hf_module_run, {n} prompts in one run", f"{t['store'] * 1e3:.1f} ms",
                          f"{t['store'] / t['plain']:.2f}x", _goal("<= 1.5x", t["store"] / t["plain"] <= 1.5)))
+            floor = t["fs"]
+            rows.append((f"    the store directory's own cost of {n} x ({n_dirs} dirs + {n_files} files)", f"{floor * 1e3:.1f} ms",
+                         f"{floor / t['plain']:.2f}x", "informational: the file system's floor under (c), in the same rounds"))
+            rows.append(("    (c) less that floor", f"{(t['store'] - floor) * 1e3:.1f} ms",
+                         f"{(t['store'] - floor) / t['plain']:.2f}x", "informational"))
         model = None  # the FP32 model freed before the BF16 one loads (6 GiB at the 1.5B shape)
     return rows
 
@@ -385,7 +439,7 @@ def store_rows(path, prompts, conts, models, t_limit=None, label="") -> list:
     from capturestore.analysis import compare_runs
     from extractors.modules import capture_hf_module_run
 
-    with tempfile.TemporaryDirectory() as d:
+    with tempfile.TemporaryDirectory(dir=STORE_DIR) as d:
         store = Store.open(os.path.join(d, "s"))
         runs = {}
         for role, m in models.items():
@@ -444,7 +498,12 @@ if __name__ == "__main__":
         ap.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
         ap.add_argument("--quick", action="store_true", help="only the in-memory module compare (--sections compare)")
+        ap.add_argument("--store-dir", default=None,
+                        help="directory the stores of sections 1, 2 and 4 are made in (default: the system's temporary "
+                             "directory); its own mkdir / file cost is measured and printed under (b)")
         args = ap.parse_args()
+        if args.store_dir:
+            STORE_DIR = os.environ["BENCH_MODULES_STORE_DIR"] = os.path.abspath(args.store_dir)
         chosen = ["compare"] if args.quick else [x.strip() for x in args.sections.split(",") if x.strip()]
         unknown = sorted(set(chosen) - set(SECTIONS))
         if unknown:
