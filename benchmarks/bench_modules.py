@@ -14,6 +14,12 @@ Gemma3 model (every module of
    when every decode step was its own chunk file and zarr created each array);
    (c) the 8 prompts in one run (each prompt written on a background thread while the next
    prompt's forwards run) against their 8 plain forwards, best of 3.
+   Under (b) and (c), informational: the store directory's own cost of the directories and files
+   a prompt's layout makes (``fs_probe``: the same number of ``mkdir`` and of 300-byte file
+   creations, nothing else, timed in the same rounds), and (b) / (c) less it. On this VM a mkdir
+   under ``/tmp`` cost 20-750 us from one directory or minute to the next (``/work``, same disk:
+   ~30 us), and that, not the capture's code, moved (b) between 1.7x and 9x; ``--store-dir DIR``
+   puts the stores elsewhere.
 1b. (``capture-1b``) The same (a) and (b) on a random Llama of a small real model's shape (hidden
    2048, 16 layers, vocabulary 128,256: 1.5 B parameters; ``bench_main_job.py``'s checkpoint, built
    once into ``.bench-tmp/``, 2.8 GiB), 1 prompt of 16 tokens + 8 decode steps, best of 3. On the
