@@ -622,12 +622,13 @@ def verify(store_or_root: Any) -> VerifyReport:
     # 2. every capture of a committed run: array present, shape and dtype as catalogued, every chunk's CRC
     _verify_group(b, "", report)
     covers = {t: coverage(b, t) for t in RUN_TABLES}
+    rows_of = _SourceRows(b)
     for run_id in sorted(_segment_ids(b, "runs")):
-        if not _verify_run_marker(b, run_id, report, covers["runs"]):
+        if not _verify_run_marker(b, run_id, report, covers["runs"], rows_of):
             continue
         try:
-            caps = read_source(b, "captures", f"{run_id}.parquet", covers["captures"]).to_pylist()
-            prompts = read_source(b, "prompts", f"{run_id}.parquet", covers["prompts"]).to_pylist()
+            caps = rows_of("captures", f"{run_id}.parquet", covers["captures"]).to_pylist()
+            prompts = rows_of("prompts", f"{run_id}.parquet", covers["prompts"]).to_pylist()
         except Exception as e:  # noqa: BLE001
             report.append(Problem("bad-segment", f"prompts/captures segment unreadable: {e}", run_id=run_id))
             continue
@@ -714,10 +715,43 @@ def _verify_compacted(b, table: str, report: VerifyReport) -> None:
                             f"still present (hidden; `capturestore compact` or `gc` removes them after the grace)")
 
 
-def _verify_run_marker(b, run_id: str, report: VerifyReport, cover: dict[str, str] | None = None) -> bool:
+class _SourceRows:
+    """``read_source`` for one verify: each merged segment read once and split by source (verify
+    reads every run's rows of runs, prompts and captures; a merged segment read per run made it
+    quadratic in the runs: 200 runs, 1.4 s of a 2.0 s verify)."""
+
+    def __init__(self, b):
+        self.b = b
+        self._split: dict[tuple[str, str], tuple[dict[str, pa.Table], pa.Table]] = {}
+
+    def __call__(self, table: str, name: str, cover: dict[str, str] | None) -> pa.Table:
+        import numpy as np
+
+        from capturestore.compaction import SOURCE_COLUMN
+
+        merged = (cover or {}).get(name)
+        if merged is None:
+            return read_source(self.b, table, name, cover)
+        key = (table, merged)
+        if key not in self._split:
+            t = pq.read_table(pa.BufferReader(self.b.read(f"{TABLES_DIR}/{table}/{merged}")))
+            col = t.column(SOURCE_COLUMN).combine_chunks().dictionary_encode()
+            codes = col.indices.to_numpy(zero_copy_only=False)
+            order = np.argsort(codes, kind="stable")  # each source's rows together, in their order
+            rows = t.take(pa.array(order)).drop_columns([SOURCE_COLUMN]).replace_schema_metadata(None)
+            counts = np.bincount(codes, minlength=len(col.dictionary))
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+            by = {src: rows.slice(a, n) for src, a, n in zip(col.dictionary.to_pylist(), starts, counts.tolist())}
+            self._split[key] = (by, rows.slice(0, 0))
+        by, empty = self._split[key]
+        return by.get(name, empty)
+
+
+def _verify_run_marker(b, run_id: str, report: VerifyReport, cover: dict[str, str] | None = None,
+                       rows_of: _SourceRows | None = None) -> bool:
     """The runs segment of a run is its commit marker: exactly one complete row naming it."""
     try:
-        rows = read_source(b, "runs", f"{run_id}.parquet", cover).select(["run_id", "status"]).to_pylist()
+        rows = (rows_of or _SourceRows(b))("runs", f"{run_id}.parquet", cover).select(["run_id", "status"]).to_pylist()
     except Exception:  # noqa: BLE001 - already reported as a bad segment
         return False
     if rows != [{"run_id": run_id, "status": "complete"}]:

@@ -312,6 +312,49 @@ def test_rows_sha256_by_column_is_the_definition_row_by_row():
         assert rows_sha256(t) == defined(t), t.schema
 
 
+def test_verify_reads_each_merged_segment_once_and_each_runs_rows_as_read_source_does(tmp_path, monkeypatch):
+    """verify took each run's rows of runs / prompts / captures by read_source, one read of the
+    whole merged segment per run (quadratic in the runs); its reader splits each merged segment
+    once: every source's rows equal read_source's, in order, and verify still finds a run whose
+    marker row is gone from the merged segment."""
+    from capturestore import integrity
+    from capturestore.compaction import coverage, read_source
+    from capturestore.tables import RUN_TABLES
+
+    store = Store.open(tmp_path / "store")
+    runs = _fill(store, 4)
+    store.compact(tables=list(RUN_TABLES), grace_s=0)
+    rows_of = integrity._SourceRows(store.backend)
+    reads = []
+    real = store.backend.read
+    got = {}
+    monkeypatch.setattr(store.backend, "read", lambda rel: (reads.append(rel), real(rel))[1])
+    covers = {}
+    for t in RUN_TABLES:
+        cover = coverage(store.backend, t)
+        assert len(cover) == 4
+        covers[t] = {**cover, "absent.parquet": next(iter(cover.values()))}  # a source its merged segment lacks
+        for src in covers[t]:
+            got[(t, src)] = rows_of(t, src, covers[t])
+    assert len([r for r in reads if "compacted-" in r]) == len(RUN_TABLES), reads  # one read per merged segment
+    monkeypatch.undo()
+    for (t, src), rows in got.items():
+        want = read_source(store.backend, t, src, covers[t])
+        assert rows.equals(want) and rows.schema.metadata is None and (rows.num_rows > 0) == (src != "absent.parquet"), (t, src)
+    assert store.verify().ok
+    # the marker of runs[1] cut out of the merged runs segment, the footer kept: verify names the run
+    (name,) = _merged(store, "runs")
+    rel = f"tables/runs/{name}"
+    t = pq.read_table(pa.BufferReader(store.backend.read(rel)))
+    keep = pa.array([r != runs[1] for r in t.column("run_id").to_pylist()])
+    sink = pa.BufferOutputStream()
+    pq.write_table(t.filter(keep), sink)
+    store.backend.remove([rel])
+    store.backend.put(rel, sink.getvalue().to_pybytes())
+    rep = store.verify()
+    assert not rep.ok and any(p.kind == "bad-marker" and p.run_id == runs[1] for p in rep), rep.summary()
+
+
 def _kill_steps(path: Path, tables: list[str]) -> list[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     r = subprocess.run([sys.executable, str(PROC), str(path), "-", *tables], capture_output=True, text=True, env=env)
