@@ -193,19 +193,19 @@ class Backend:
     def read_schema(self, rel: str) -> pa.Schema:
         return pq.read_schema(pa.BufferReader(self.read(rel)))
 
-    def read_range(self, rel: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the object (fewer where it is shorter); FileNotFoundError."""
-        return self.read(rel)[start:end]
-
     def read_parquet_metadata(self, rel: str) -> pq.FileMetaData:
         """The Parquet footer of a segment (row groups, their column chunks and statistics)."""
         return pq.read_metadata(pa.BufferReader(self.read(rel)))
 
-    def read_row_groups(self, rel: str, groups: list[int], columns: list[str]) -> pa.Table:
-        """``columns`` of row groups ``groups`` of a segment, reading only those, dictionary-encoded
-        (a merged segment's source column decodes ~20x faster so: its names repeat)."""
-        return pq.ParquetFile(pa.BufferReader(self.read(rel)), read_dictionary=columns).read_row_groups(
-            groups, columns=columns)
+    def read_row_groups(self, rel: str, groups: list[int] | None, columns: list[str] | None) -> pa.Table:
+        """``columns`` (None: all) of row groups ``groups`` (None: all) of a segment, reading only
+        those; named columns dictionary-encoded (a merged segment's source column decodes ~20x
+        faster so: its names repeat)."""
+        return _row_groups(pq.ParquetFile(pa.BufferReader(self.read(rel)), read_dictionary=columns), groups, columns)
+
+
+def _row_groups(f: pq.ParquetFile, groups: list[int] | None, columns: list[str] | None) -> pa.Table:
+    return f.read(columns=columns) if groups is None else f.read_row_groups(groups, columns=columns)
 
 
 def shard_shape(shape: tuple[int, ...], chunks: tuple[int, ...], itemsize: int,
@@ -290,19 +290,12 @@ class LocalBackend(Backend):
     def read_schema(self, rel: str) -> pa.Schema:
         return pq.read_schema(self._p(rel))
 
-    def read_range(self, rel: str, start: int, end: int) -> bytes:
-        try:
-            with open(f"{self.url}/{rel}", "rb") as f:
-                f.seek(start)
-                return f.read(max(0, end - start))
-        except (IsADirectoryError, NotADirectoryError):
-            raise FileNotFoundError(self.where(rel)) from None
-
     def read_parquet_metadata(self, rel: str) -> pq.FileMetaData:
         return pq.read_metadata(self._p(rel))
 
-    def read_row_groups(self, rel: str, groups: list[int], columns: list[str]) -> pa.Table:
-        return pq.ParquetFile(self._p(rel), read_dictionary=columns).read_row_groups(groups, columns=columns)
+    def read_row_groups(self, rel: str, groups: list[int] | None, columns: list[str] | None) -> pa.Table:
+        with open(self._p(rel), "rb") as f:
+            return _row_groups(pq.ParquetFile(f, read_dictionary=columns), groups, columns)
 
     def put(self, rel: str, data: bytes, if_absent: bool = False, durable: bool = False) -> None:
         from capturestore.tables import fsync_path
@@ -494,16 +487,13 @@ class FsspecBackend(Backend):
         with self.fs.open(self.key(rel), "rb") as f:
             return pq.read_schema(f)
 
-    def read_range(self, rel: str, start: int, end: int) -> bytes:
-        return self.fs.cat_file(self.key(rel), start=start, end=end) if end > start else b""
-
     def read_parquet_metadata(self, rel: str) -> pq.FileMetaData:
         with self.fs.open(self.key(rel), "rb") as f:
             return pq.read_metadata(f)
 
-    def read_row_groups(self, rel: str, groups: list[int], columns: list[str]) -> pa.Table:
+    def read_row_groups(self, rel: str, groups: list[int] | None, columns: list[str] | None) -> pa.Table:
         with self.fs.open(self.key(rel), "rb") as f:
-            return pq.ParquetFile(f, read_dictionary=columns).read_row_groups(groups, columns=columns)
+            return _row_groups(pq.ParquetFile(f, read_dictionary=columns), groups, columns)
 
 
 # ------------------------------------------------------------------------------ memory

@@ -7,9 +7,8 @@ SHA-256 of its bytes and SHA-256 of its rows in canonical form (``rows_sha256``)
 rule: a segment named as a source by a merged segment of the same listing is hidden; its rows are
 read from the merged segment. Sources are removed (by a later ``compact`` or by ``gc``) only once
 the merged segment is older than a grace period, so a query that listed a source a moment before
-still finds it. The footer also records each row group's byte span and SHA-256 and each source's
-row groups (``row_group_digests``): checking one source's rows (check_evidence) hashes its row
-groups, never reads the whole merged segment; a footer without them is checked row by row.
+still finds it. Checking one source's rows (check_evidence) reads the source column, then only the
+row groups holding that source, and hashes its rows in canonical form (``merged_problems``).
 
 Tiers: a compaction also merges merged segments of about its own size (``_tier``), so a store
 compacted every night holds a few merged segments per table, not one per night. The new merged
@@ -97,10 +96,6 @@ class MergedSegment:
     created_at: float  # seconds since the epoch, written by compact
     sources: dict[str, dict[str, Any]]  # source file name -> {rows, sha256, rows_sha256, columns}
     replaces: tuple[str, ...] = ()  # merged segments whose rows it holds (hidden by it), transitively
-    # {"spans": [[start, end, rows, sha256] per row group], "sources": {source: [first, last] row group}}:
-    # SHA-256 of each row group's bytes as written, so that one source's rows are checked by hashing
-    # its row groups instead of reading and hashing every row (None: written before, or left out)
-    digests: dict | None = field(default=None, compare=False)
 
     @property
     def rows(self) -> int:
@@ -132,7 +127,7 @@ def merged_segments(b, table: str, names: list[str] | None = None, footers: dict
         try:
             meta = _meta_of(b.read_schema(f"{TABLES_DIR}/{table}/{n}"))
             out.append(MergedSegment(n, float(meta["created_at"]), dict(meta["sources"]),
-                                     tuple(str(r) for r in meta.get("replaces", ())), _digests_of(meta)))
+                                     tuple(str(r) for r in meta.get("replaces", ()))))
             if footers is not None:
                 footers[(table, n)] = out[-1]
         except FileNotFoundError:
@@ -148,110 +143,6 @@ def merged_segments(b, table: str, names: list[str] | None = None, footers: dict
         raise ListingChanged(f"table {table}: merged segment {lost[0]} was listed and then removed (merged again); "
                              f"list again")
     return (out if include_replaced else visible_merged(out)), bad
-
-
-DIGESTS_KEY = "row_group_digests"
-
-
-def _digests_of(meta: dict) -> dict | None:
-    """A footer's row-group digests, when well formed (else None: the row-by-row check runs)."""
-    d = meta.get(DIGESTS_KEY)
-    try:
-        spans = [[int(a), int(b), int(r), str(h)] for a, b, r, h in d["spans"]]
-        sources = {str(k): [int(v[0]), int(v[1])] for k, v in d["sources"].items()}
-    except (TypeError, KeyError, ValueError, AttributeError):
-        return None
-    return {"spans": spans, "sources": sources}
-
-
-def _digest_problems(b, table: str, m: MergedSegment, only: str | None, where: str) -> list[str]:
-    """merged_problems by the footer's row-group digests: the file's row groups where the footer
-    says, each hashing as written (only those of source ``only``, if given), and each source's row
-    count in them as merged (read from the source column alone)."""
-    rel = f"{TABLES_DIR}/{table}/{m.name}"
-    spans, mapped = m.digests["spans"], m.digests["sources"]
-    try:
-        md = b.read_parquet_metadata(rel)
-        if md.num_row_groups != len(spans) or any(
-                [*_row_group_span(md.row_group(i)), md.row_group(i).num_rows] != sp[:3] for i, sp in enumerate(spans)):
-            return [f"{where}: its row groups are not where its footer recorded them (rewritten or cut short)"]
-        groups = list(range(len(spans))) if only is None else \
-            list(range(mapped[only][0], min(mapped[only][1], len(spans) - 1) + 1))
-        if only is None:
-            data = b.read(rel)
-            bad = [i for i in groups if hashlib.sha256(memoryview(data)[spans[i][0]:spans[i][1]]).hexdigest() != spans[i][3]]
-        else:
-            bad = [i for i in groups if hashlib.sha256(b.read_range(rel, spans[i][0], spans[i][1])).hexdigest() != spans[i][3]]
-        if bad:
-            return [f"{where}: row group {bad[0]} differs from what compaction wrote (SHA-256)"]
-        col = b.read_row_groups(rel, groups, [SOURCE_COLUMN]).column(SOURCE_COLUMN) if groups else pa.array([], pa.string())
-    except Exception as e:  # noqa: BLE001 - as the row-by-row check: verify reports it
-        return [f"{where} is unreadable: {str(e).splitlines()[0] if str(e) else type(e).__name__}"]
-    counts = {r["values"]: r["counts"] for r in pc.value_counts(col).to_pylist()}
-    out = []
-    if only is None:
-        for s in sorted(set(counts) - set(m.sources)):
-            out.append(f"{where} holds rows of {s!r}, which its footer does not list")
-    for s, info in sorted(m.sources.items()):
-        if only is not None and s != only:
-            continue
-        if counts.get(s, 0) != info["rows"]:
-            out.append(f"{where}: source {s} has {counts.get(s, 0)} rows where compaction merged {info['rows']} "
-                       f"(rows lost or added)")
-    return out
-
-
-def _row_group_span(rg: pq.RowGroupMetaData) -> tuple[int, int]:
-    """[start, end) of a row group's column chunks in its file (each chunk from its dictionary
-    page, if any, over its compressed size; a writer puts a row group's chunks side by side)."""
-    lo, hi = None, 0
-    for j in range(rg.num_columns):
-        c = rg.column(j)
-        start = c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset
-        lo = start if lo is None else min(lo, start)
-        hi = max(hi, start + c.total_compressed_size)
-    return (lo or 0), hi
-
-
-def _row_group_digests(data: bytes, merged: pa.Table) -> dict:
-    """The digests of merged segment bytes ``data`` holding ``merged``: each row group's span,
-    rows and SHA-256, and each source's first and last row group."""
-    import numpy as np
-
-    md = pq.read_metadata(pa.BufferReader(data))
-    spans = []
-    for i in range(md.num_row_groups):
-        lo, hi = _row_group_span(md.row_group(i))
-        spans.append([lo, hi, md.row_group(i).num_rows, hashlib.sha256(memoryview(data)[lo:hi]).hexdigest()])
-    ends = np.cumsum([sp[2] for sp in spans])  # one past each row group's last row
-    col = merged.column(SOURCE_COLUMN).combine_chunks().dictionary_encode()
-    codes = col.indices.to_numpy(zero_copy_only=False)
-    names = col.dictionary.to_pylist()
-    sources: dict[str, list[int]] = {}
-    if len(codes):
-        starts = np.concatenate([[0], np.flatnonzero(codes[1:] != codes[:-1]) + 1])
-        stops = np.concatenate([starts[1:], [len(codes)]])
-        first = np.searchsorted(ends, starts, side="right")
-        last = np.searchsorted(ends, stops - 1, side="right")
-        for code, a, z in zip(codes[starts].tolist(), first.tolist(), last.tolist()):
-            got = sources.get(names[code])
-            sources[names[code]] = [a, z] if got is None else [min(got[0], a), max(got[1], z)]
-    return {"spans": spans, "sources": sources}
-
-
-def _with_digests(merged: pa.Table, meta: dict) -> bytes:
-    """The merged segment's bytes with its row groups' digests in the footer. The rows are encoded
-    twice (the digests go into the footer written after them); the second encoding's row groups
-    must be the first's byte for byte, else the digests are left out (the row-by-row check runs)."""
-    first = merged_bytes(merged.replace_schema_metadata({META_KEY: json.dumps(meta).encode()}))
-    digests = _row_group_digests(first, merged)
-    second = merged_bytes(merged.replace_schema_metadata(
-        {META_KEY: json.dumps({**meta, DIGESTS_KEY: digests}).encode()}))
-    end = max((sp[1] for sp in digests["spans"]), default=4)
-    md = pq.read_metadata(pa.BufferReader(second))
-    same = md.num_row_groups == len(digests["spans"]) and all(
-        list(_row_group_span(md.row_group(i))) == sp[:2] for i, sp in enumerate(digests["spans"]))
-    return second if same and second[:end] == first[:end] else first
 
 
 def visible_merged(merged: list[MergedSegment]) -> list[MergedSegment]:
@@ -302,6 +193,57 @@ def read_source(b, table: str, name: str, cover: dict[str, str] | None = None) -
     return _source_rows(t, name)
 
 
+def _rows_of_one_source(b, rel: str, name: str) -> pa.Table:
+    """The rows of merged segment ``rel`` whose source column is ``name`` (the source column
+    kept), from the row groups holding any: the source column of every row group is read first,
+    dictionary-encoded (names repeat: the rows are found by comparing integer codes), then those
+    row groups whole. Decoded by pyarrow as the whole-file read decodes them, so what is hashed is
+    what a reader gets from those bytes."""
+    import numpy as np
+
+    col = b.read_row_groups(rel, None, [SOURCE_COLUMN]).column(SOURCE_COLUMN)
+    md = b.read_parquet_metadata(rel)
+    sizes = np.array([md.row_group(i).num_rows for i in range(md.num_row_groups)], dtype=np.int64)
+    if int(sizes.sum()) != len(col):
+        raise ValueError(f"its row groups hold {int(sizes.sum())} rows, its source column {len(col)}")
+    hits, off = [], 0
+    for ch in col.chunks:
+        if pa.types.is_dictionary(ch.type):
+            code = ch.dictionary.index(name).as_py()
+            found = np.flatnonzero(ch.indices.to_numpy(zero_copy_only=False) == code) if code >= 0 else []
+        else:
+            found = np.flatnonzero(pc.equal(ch, name).to_numpy(zero_copy_only=False))
+        hits.append(np.asarray(found, dtype=np.int64) + off)
+        off += len(ch)
+    rows = np.concatenate(hits) if hits else np.zeros(0, np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    group_of = np.searchsorted(np.cumsum(sizes), rows, side="right")
+    groups = sorted(set(group_of.tolist()))
+    if not groups:
+        return pa.table({SOURCE_COLUMN: pa.array([], pa.string())})
+    # each hit's place in the selected row groups read one after the other
+    base = {g: int(o) for g, o in zip(groups, np.concatenate([[0], np.cumsum(sizes[groups])[:-1]]))}
+    at = rows - starts[group_of] + np.array([base[g] for g in group_of.tolist()], dtype=np.int64)
+    t = b.read_row_groups(rel, groups, None).take(pa.array(at))
+    if not pc.all(pc.equal(t.column(SOURCE_COLUMN), name)).as_py():
+        raise ValueError(f"the rows of {name} moved between two reads of its source column")
+    return t
+
+
+def split_sources(merged: pa.Table) -> dict[str, pa.Table]:
+    """{source: its rows, in order, without the source column or schema metadata} of a merged
+    table, in one pass (filtering the whole table once per source was sources x rows)."""
+    import numpy as np
+
+    col = merged.column(SOURCE_COLUMN).combine_chunks().dictionary_encode()
+    codes = col.indices.to_numpy(zero_copy_only=False)
+    order = np.argsort(codes, kind="stable")  # each source's rows together, in their order
+    rows = merged.take(pa.array(order)).drop_columns([SOURCE_COLUMN]).replace_schema_metadata(None)
+    counts = np.bincount(codes, minlength=len(col.dictionary))
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
+    return {src: rows.slice(a, n) for src, a, n in zip(col.dictionary.to_pylist(), starts, counts.tolist())}
+
+
 def _source_rows(merged: pa.Table, name: str, columns: list[str] | None = None) -> pa.Table:
     rows = merged.filter(pc.equal(merged.column(SOURCE_COLUMN), name)).drop_columns([SOURCE_COLUMN])
     rows = rows.replace_schema_metadata(None)
@@ -338,23 +280,25 @@ def merged_problems(b, table: str, m: MergedSegment, only: str | None = None, t:
     not list are verify's to find, and the manifest guard's when they carry a comparison's id).
     ``t``: its rows, when the caller has read them."""
     where = f"table {table} merged segment {m.name}"
-    if m.digests is not None and (only is None or only in m.digests["sources"]):
-        return _digest_problems(b, table, m, only, where)
+    rel = f"{TABLES_DIR}/{table}/{m.name}"
     if t is None:
         try:
-            t = pq.read_table(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{m.name}")))
+            # one source: its rows decoded from the row groups that hold it (found by the source
+            # column, read dictionary-encoded), not the whole merged segment (up to millions of
+            # rows: check_evidence paid that for every comparison it checked)
+            t = _rows_of_one_source(b, rel, only) if only is not None else pq.read_table(pa.BufferReader(b.read(rel)))
         except Exception as e:  # noqa: BLE001
             return [f"{where} is unreadable: {e}"]
     out = []
-    have = set() if only is not None or SOURCE_COLUMN not in t.column_names else \
-        set(pc.unique(t.column(SOURCE_COLUMN)).to_pylist())
-    for s in sorted(have - set(m.sources)):
-        out.append(f"{where} holds rows of {s!r}, which its footer does not list")
+    by = split_sources(t) if SOURCE_COLUMN in t.column_names else {}
+    if only is None:
+        for s in sorted(set(by) - set(m.sources)):
+            out.append(f"{where} holds rows of {s!r}, which its footer does not list")
     for s, info in sorted(m.sources.items()):
         if only is not None and s != only:
             continue
-        rows = _source_rows(t, s, [c for c in info["columns"] if c in t.column_names]) if SOURCE_COLUMN in t.column_names \
-            else pa.table({})
+        rows = by.get(s, pa.table({})) if SOURCE_COLUMN in t.column_names else pa.table({})
+        rows = rows.select([c for c in info["columns"] if c in rows.column_names])
         if rows.num_rows != info["rows"]:
             out.append(f"{where}: source {s} has {rows.num_rows} rows where compaction merged {info['rows']} "
                        f"(rows lost or added)")
@@ -710,7 +654,8 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
         meta = {"version": 2 if replaces else 1, "created_at": created, "sources": meta_sources}
         if replaces:
             meta["replaces"] = replaces
-        b.put(f"{TABLES_DIR}/{table}/{name}.parquet", _with_digests(merged, meta), if_absent=True)
+        merged = merged.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
+        b.put(f"{TABLES_DIR}/{table}/{name}.parquet", merged_bytes(merged), if_absent=True)
         res.remerged = [m.name for m in replaced]
         res.merged, res.rows = f"{name}.parquet", merged.num_rows
         step(f"merged {table}")

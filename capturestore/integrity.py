@@ -725,9 +725,7 @@ class _SourceRows:
         self._split: dict[tuple[str, str], tuple[dict[str, pa.Table], pa.Table]] = {}
 
     def __call__(self, table: str, name: str, cover: dict[str, str] | None) -> pa.Table:
-        import numpy as np
-
-        from capturestore.compaction import SOURCE_COLUMN
+        from capturestore.compaction import SOURCE_COLUMN, split_sources
 
         merged = (cover or {}).get(name)
         if merged is None:
@@ -735,14 +733,8 @@ class _SourceRows:
         key = (table, merged)
         if key not in self._split:
             t = pq.read_table(pa.BufferReader(self.b.read(f"{TABLES_DIR}/{table}/{merged}")))
-            col = t.column(SOURCE_COLUMN).combine_chunks().dictionary_encode()
-            codes = col.indices.to_numpy(zero_copy_only=False)
-            order = np.argsort(codes, kind="stable")  # each source's rows together, in their order
-            rows = t.take(pa.array(order)).drop_columns([SOURCE_COLUMN]).replace_schema_metadata(None)
-            counts = np.bincount(codes, minlength=len(col.dictionary))
-            starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
-            by = {src: rows.slice(a, n) for src, a, n in zip(col.dictionary.to_pylist(), starts, counts.tolist())}
-            self._split[key] = (by, rows.slice(0, 0))
+            empty = t.slice(0, 0).drop_columns([SOURCE_COLUMN]).replace_schema_metadata(None)
+            self._split[key] = (split_sources(t), empty)
         by, empty = self._split[key]
         return by.get(name, empty)
 

@@ -179,14 +179,11 @@ def _small_row_groups(monkeypatch, rows: int = 7) -> None:
     monkeypatch.setattr(tables, "_row_group_rows", lambda data: real(data) or rows)
 
 
-def test_a_merged_segments_footer_holds_each_row_groups_digest_and_each_sources_row_groups(tmp_path, monkeypatch):
-    """The digests the evidence check relies on, against the file itself: the row groups side by
-    side from byte 4, each span's bytes hashing as recorded, each source's rows inside its
-    recorded row groups and none outside them."""
-    import dataclasses
-    import hashlib
-
-    from capturestore.compaction import merged_problems, merged_segments
+def test_one_sources_rows_read_from_its_row_groups_are_the_whole_files_rows_of_it(tmp_path, monkeypatch):
+    """check_evidence takes one source's rows from the row groups holding it (found by the source
+    column) and verify splits a merged table by source in one pass: both give, for every source and
+    for a name the segment does not hold, exactly the rows filtering the whole file gives."""
+    from capturestore.compaction import _rows_of_one_source, _source_rows, merged_segments, split_sources
 
     _small_row_groups(monkeypatch, 3)
     store = Store.open(tmp_path / "store")
@@ -194,89 +191,72 @@ def test_a_merged_segments_footer_holds_each_row_groups_digest_and_each_sources_
     store.compact(tables=["kv_head_metrics", "prompts"], grace_s=3600)
     for table in ("kv_head_metrics", "prompts"):
         (m,), _ = merged_segments(store.backend, table)
-        data = store.backend.read(f"tables/{table}/{m.name}")
-        spans = m.digests["spans"]
-        assert len(spans) >= 3 and spans[0][0] == 4 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-        assert [hashlib.sha256(data[a:z]).hexdigest() for a, z, _, _ in spans] == [h for *_, h in spans]
-        assert sorted(m.digests["sources"]) == sorted(m.sources)
-        f = pq.ParquetFile(pa.BufferReader(data))
-        for i in range(f.num_row_groups):
-            present = set(f.read_row_group(i, columns=[SOURCE_COLUMN]).column(0).to_pylist())
-            for src in m.sources:
-                first, last = m.digests["sources"][src]
-                assert (src in present) <= (first <= i <= last), (table, src, i)
-        assert sum(sp[2] for sp in spans) == m.rows
-        # the rows' own footer entries (count, canonical row hash) hold too: checked row by row
-        assert merged_problems(store.backend, table, dataclasses.replace(m, digests=None)) == []
+        rel = f"tables/{table}/{m.name}"
+        whole = pq.read_table(pa.BufferReader(store.backend.read(rel)))
+        assert pq.ParquetFile(pa.BufferReader(store.backend.read(rel))).num_row_groups >= 3
+        split = split_sources(whole)
+        assert sorted(split) == sorted(m.sources)
+        for src in [*sorted(m.sources), "absent.parquet"]:
+            want = _source_rows(whole, src)
+            one = _rows_of_one_source(store.backend, rel, src)
+            assert _source_rows(one, src).equals(want) if src in m.sources else one.num_rows == 0, (table, src)
+            if src in split:
+                assert split[src].equals(want), (table, src)
 
 
-def _flip_byte_in_row_group(store: Store, table: str, source: str) -> int:
-    """One byte of the row group holding ``source``'s first rows changed in place (the file's size
-    and footer kept): corruption that only a hash of the bytes can see. Returns the row group."""
-    from capturestore.compaction import merged_segments
+def _swap_in_footer(path: Path, a: bytes, b: bytes) -> None:
+    """Two column names of equal length swapped in a Parquet file's footer (its schema and column
+    chunk paths; the key-value metadata, JSON, spells them quoted and is left alone), no data
+    byte touched: every reader then decodes one column as the other (a review's repro)."""
+    import struct
 
-    (m,), _ = merged_segments(store.backend, table)
-    rg = m.digests["sources"][source][0]
-    lo, hi = m.digests["spans"][rg][:2]
-    path = store.root / "tables" / table / m.name
     data = bytearray(path.read_bytes())
-    data[(lo + hi) // 2] ^= 0x01
+    n = struct.unpack("<I", data[-8:-4])[0]
+    lo, hi = len(data) - 8 - n, len(data) - 8
+    ta, tb = bytes([len(a)]) + a, bytes([len(b)]) + b  # thrift: a varint length, then the bytes
+    foot = bytes(data[lo:hi])
+    assert ta in foot and tb in foot and len(a) == len(b)
+    data[lo:hi] = foot.replace(ta, b"\x00" * len(ta)).replace(tb, ta).replace(b"\x00" * len(ta), tb)
     path.write_bytes(bytes(data))
-    return rg
 
 
-def test_check_evidence_hashes_only_the_row_groups_of_the_comparisons_it_checks(tmp_path, monkeypatch):
-    """check_evidence of one comparison on a merged segment reads its row groups, never the whole
-    file (it read and hashed every row of the merged segment: 31x the query it guards on a store
-    of 200 comparisons, bench_evidence.py); a byte changed in its row group is found, by
-    check_evidence and verify; a comparison whose row groups are intact still passes it."""
+def test_a_merged_segment_whose_footer_alone_was_changed_is_found_everywhere(tmp_path, monkeypatch):
+    """A footer-only change (k_linf and v_linf swapped in the Parquet schema, no data byte touched)
+    changes what every reader decodes. Found by check_evidence (which reads only the row groups
+    holding each comparison: never the merged file whole), by verify, never merged again, and its
+    sources kept. (Row-group byte digests, tried first, passed it: they hash the data, not the
+    footer that says how to decode it.)"""
+    from capturestore.analysis import compare_runs
     from capturestore.backends import LocalBackend
-    from capturestore.compaction import merged_segments
 
     _small_row_groups(monkeypatch, 5)
     store = Store.open(tmp_path / "store")
-    _fill(store, 4)
-    store.compact(tables=["kv_head_metrics"], grace_s=0)
-    (m,), _ = merged_segments(store.backend, "kv_head_metrics")
+    runs = _fill(store, 4)
+    store.compact(tables=["kv_head_metrics"], grace_s=3600)
+    (name,) = _merged(store, "kv_head_metrics")
     cids = [r["comparison_id"] for r in store.sql("SELECT comparison_id FROM comparisons ORDER BY 1").to_pylist()]
-    src_of = {r["comparison_id"]: r["manifest_segments"][r["manifest_tables"].index("kv_head_metrics")]
-              for r in store.sql("SELECT comparison_id, manifest_tables, manifest_segments FROM comparisons").to_pylist()}
     whole = []
     real_read = LocalBackend.read
     monkeypatch.setattr(LocalBackend, "read", lambda self, rel: (whole.append(rel), real_read(self, rel))[1])
     store.check_evidence(cids, "diff")
-    assert not [r for r in whole if m.name in r], whole
-    rg = _flip_byte_in_row_group(store, "kv_head_metrics", src_of[cids[0]])
-    hit = [c for c in cids if rg in range(m.digests["sources"][src_of[c]][0], m.digests["sources"][src_of[c]][1] + 1)]
+    assert not [r for r in whole if name in r], whole
+    monkeypatch.setattr(LocalBackend, "read", real_read)
+    q = "SELECT sum(k_linf) AS k, sum(v_linf) AS v FROM kv_head_metrics"
+    before = store.sql(q).to_pylist()
+    _swap_in_footer(tmp_path / "store" / "tables" / "kv_head_metrics" / name, b"k_linf", b"v_linf")
     fresh = Store.open(tmp_path / "store", create=False)
-    with pytest.raises(StoreError, match=f"evidence incomplete: comparison {cids[0]}"):
-        fresh.check_evidence([cids[0]], "diff")
-    for c in sorted(set(cids) - set(hit)):
-        fresh.check_evidence([c], "diff")
+    after = fresh.sql(q).to_pylist()
+    assert after == [{"k": before[0]["v"], "v": before[0]["k"]}] and before[0]["k"] != before[0]["v"]  # the fault bites
+    for cid in cids:
+        with pytest.raises(StoreError, match=f"evidence incomplete: comparison {cid}"):
+            fresh.check_evidence([cid], "diff")
     rep = fresh.verify()
-    assert not rep.ok and any(f"row group {rg} differs" in str(p) for p in rep), rep.summary()
-
-
-def test_a_merged_segment_written_without_digests_is_still_checked_row_by_row(tmp_path, monkeypatch):
-    """Merged segments of the code before digests (and any whose second encoding differed) carry
-    none: verify and check_evidence read and hash their rows, as before."""
-    from capturestore import compaction
-
-    monkeypatch.setattr(compaction, "_with_digests", lambda merged, meta: compaction.merged_bytes(
-        merged.replace_schema_metadata({compaction.META_KEY: json.dumps(meta).encode()})))
-    store = Store.open(tmp_path / "store")
-    _fill(store)
-    store.compact(tables=["kv_head_metrics"], grace_s=0)
-    (m,), _ = compaction.merged_segments(store.backend, "kv_head_metrics")
-    assert m.digests is None
-    cids = [r["comparison_id"] for r in store.sql("SELECT comparison_id FROM comparisons").to_pylist()]
-    store.check_evidence(cids, "diff")
-    assert store.verify().ok
-    _damage(store, "kv_head_metrics", "value changed")
-    rep = store.verify()
     assert not rep.ok and any("row hash" in str(p) for p in rep), rep.summary()
-    with pytest.raises(StoreError, match="evidence incomplete"):
-        Store.open(tmp_path / "store", create=False).check_evidence(cids, "diff")
+    compare_runs(fresh, expected_run=runs[0], actual_run=runs[1])
+    (res,) = fresh.compact(tables=["kv_head_metrics"], grace_s=0).tables
+    assert res.remerged == [] and any("not merged again" in x and "row hash" in x for x in res.skipped), res.skipped
+    assert any("kept" in x and "disagrees with its footer" in x for x in res.skipped), res.skipped
+    assert name in fresh.backend.segment_names("kv_head_metrics")
 
 
 def test_rows_sha256_by_column_is_the_definition_row_by_row():
@@ -889,9 +869,7 @@ def test_a_merged_segment_that_disagrees_with_its_footer_is_not_merged_again(tmp
     _damage(store, "kv_head_metrics", "k_linf zeroed")
     compare_runs(store, expected_run=runs[0], actual_run=runs[1])
     (res,) = store.compact(tables=["kv_head_metrics"], grace_s=3600).tables
-    # rewritten by another writer: its row groups moved (digests); row hash where it has no digests
-    assert res.remerged == [] and any("not merged again" in s and ("row hash" in s or "row groups are not where" in s)
-                                      for s in res.skipped), res.skipped
+    assert res.remerged == [] and any("not merged again" in s and "row hash" in s for s in res.skipped), res.skipped
     rep = store.verify()
     assert not rep.ok and any("kv_head_metrics merged segment" in str(p) for p in rep), rep.summary()
     cids = [r["comparison_id"] for r in store.sql("SELECT comparison_id FROM comparisons").to_pylist()]
