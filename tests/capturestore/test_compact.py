@@ -627,18 +627,12 @@ def test_a_local_pending_lock_is_exclusive_and_taken_over_from_a_dead_writer(tmp
     assert not (root / "pending" / "w1.json").exists() and not list((root / "pending").iterdir())
 
 
-def test_a_dead_compactions_lock_without_take_over_leaves_the_table_and_gc_clears_it(monkeypatch):
-    """Object storage's lease is created only if absent and never taken over (no atomic
-    take-over): a stopped compaction's lock makes the next compact leave the table with one
-    line saying what to do, not fail the whole call; gc removes the lock, then compact merges.
-    Simulated in memory with a lock that, like objectstore.Lease, refuses an existing object."""
+def _stale_lease(monkeypatch, store: Store) -> None:
+    """A stopped compaction's lock on ``store`` (memory) that, like objectstore.Lease, is never
+    taken over: the memory backend's lock refuses an existing lock object."""
     from capturestore import backends as B
     from capturestore.errors import WriterIdTaken
 
-    url = f"memory://compact-{uuid.uuid4().hex[:12]}"
-    store = Store.open(url)
-    store.append_table("notes", [{"k": 1, "v": "a"}])
-    store.append_table("notes", [{"k": 2, "v": "b"}])
     store.backend.put("pending/compact-notes.json", b'{"status": "compacting notes"}')  # its writer is gone
     real = B.MemoryBackend.writer_lock
 
@@ -648,6 +642,18 @@ def test_a_dead_compactions_lock_without_take_over_leaves_the_table_and_gc_clear
         return real(self, writer_id, info)
 
     monkeypatch.setattr(B.MemoryBackend, "writer_lock", lease_like)
+
+
+def test_a_dead_compactions_lock_without_take_over_leaves_the_table_and_gc_clears_it(monkeypatch):
+    """Object storage's lease is created only if absent and never taken over (no atomic
+    take-over): a stopped compaction's lock makes the next compact leave the table with one
+    line saying what to do, not fail the whole call; gc removes the lock, then compact merges.
+    Simulated in memory with a lock that, like objectstore.Lease, refuses an existing object."""
+    url = f"memory://compact-{uuid.uuid4().hex[:12]}"
+    store = Store.open(url)
+    store.append_table("notes", [{"k": 1, "v": "a"}])
+    store.append_table("notes", [{"k": 2, "v": "b"}])
+    _stale_lease(monkeypatch, store)
     (res,) = store.compact(tables=["notes"], grace_s=0).tables
     assert res.merged is None and res.skipped == [
         "a stopped compaction left pending/compact-notes.json (run capturestore gc, then compact)"]
@@ -664,20 +670,9 @@ def test_an_automatic_compaction_a_stale_lock_stops_warns_at_the_commit(monkeypa
     not worth a warning (it merges)."""
     import warnings
 
-    from capturestore import backends as B
-    from capturestore.errors import WriterIdTaken
-
     url = f"memory://compact-{uuid.uuid4().hex[:12]}"
     store = Store.open(url)
-    store.backend.put("pending/compact-notes.json", b'{"status": "compacting notes"}')  # its writer is gone
-    real = B.MemoryBackend.writer_lock
-
-    def lease_like(self, writer_id, info):
-        if self.exists(f"pending/{writer_id}.json"):
-            raise WriterIdTaken(f"{self.url}: writer id {writer_id} is already taken by another writer")
-        return real(self, writer_id, info)
-
-    monkeypatch.setattr(B.MemoryBackend, "writer_lock", lease_like)
+    _stale_lease(monkeypatch, store)
     monkeypatch.setenv("CAPTURESTORE_AUTO_COMPACT", "2")
     store.append_table("notes", [{"k": 1, "v": "a"}])
     with warnings.catch_warnings(record=True) as seen:
