@@ -1037,6 +1037,14 @@ def test_merged_segments_merged_again_on_a_real_s3_api(s3_url):
     assert json.loads(store.backend.read("capturestore.json"))["format_version"] == 3
     rep = store.verify()
     assert rep.ok and any("merged again still present" in n for n in rep.notes), rep.summary()
+    # one source's rows through the S3 API's range reads (check_evidence's path) are the file's
+    from capturestore.compaction import _rows_of_one_source, _source_rows
+
+    (top,) = _visible_merged(store, "prompts")
+    whole = pq.read_table(pa.BufferReader(store.backend.read(f"tables/prompts/{top}")))
+    for src in sorted(set(whole.column("__capturestore_source").to_pylist())):
+        assert _source_rows(_rows_of_one_source(store.backend, f"tables/prompts/{top}", src), src).equals(
+            _source_rows(whole, src))
     store.compact(tables=["runs", "prompts"], grace_s=0)
     assert [n for n in store.backend.segment_names("runs") if not n.startswith("_")] == _visible_merged(store, "runs")
     assert _seen(store) == before
