@@ -208,9 +208,9 @@ def _rows_of_one_source(b, rel: str, name: str) -> pa.Table:
         raise ValueError(f"its row groups hold {int(sizes.sum())} rows, its source column {len(col)}")
     hits, off = [], 0
     for ch in col.chunks:
-        if pa.types.is_dictionary(ch.type):
-            code = ch.dictionary.index(name).as_py()
-            found = np.flatnonzero(ch.indices.to_numpy(zero_copy_only=False) == code) if code >= 0 else []
+        if pa.types.is_dictionary(ch.type):  # every code spelling ``name`` (a dictionary may hold it twice)
+            codes = np.flatnonzero(pc.equal(ch.dictionary, name).fill_null(False).to_numpy(zero_copy_only=False))
+            found = np.flatnonzero(np.isin(ch.indices.fill_null(-1).to_numpy(zero_copy_only=False), codes))
         else:
             found = np.flatnonzero(pc.equal(ch, name).to_numpy(zero_copy_only=False))
         hits.append(np.asarray(found, dtype=np.int64) + off)
@@ -219,13 +219,13 @@ def _rows_of_one_source(b, rel: str, name: str) -> pa.Table:
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     group_of = np.searchsorted(np.cumsum(sizes), rows, side="right")
     groups = sorted(set(group_of.tolist()))
-    if not groups:
-        return pa.table({SOURCE_COLUMN: pa.array([], pa.string())})
+    if not groups:  # none here: the file's columns, no row
+        return b.read_schema(rel).empty_table()
     # each hit's place in the selected row groups read one after the other
     base = {g: int(o) for g, o in zip(groups, np.concatenate([[0], np.cumsum(sizes[groups])[:-1]]))}
     at = rows - starts[group_of] + np.array([base[g] for g in group_of.tolist()], dtype=np.int64)
     t = b.read_row_groups(rel, groups, None).take(pa.array(at))
-    if not pc.all(pc.equal(t.column(SOURCE_COLUMN), name)).as_py():
+    if not pc.all(pc.equal(t.column(SOURCE_COLUMN), name).fill_null(False)).as_py():
         raise ValueError(f"the rows of {name} moved between two reads of its source column")
     return t
 
@@ -236,12 +236,13 @@ def split_sources(merged: pa.Table) -> dict[str, pa.Table]:
     import numpy as np
 
     col = merged.column(SOURCE_COLUMN).combine_chunks().dictionary_encode()
-    codes = col.indices.to_numpy(zero_copy_only=False)
+    names = col.dictionary.to_pylist() + [None]  # rows with no source name (damage) under None
+    codes = col.indices.fill_null(len(names) - 1).to_numpy(zero_copy_only=False).astype(np.int64)
     order = np.argsort(codes, kind="stable")  # each source's rows together, in their order
     rows = merged.take(pa.array(order)).drop_columns([SOURCE_COLUMN]).replace_schema_metadata(None)
-    counts = np.bincount(codes, minlength=len(col.dictionary))
+    counts = np.bincount(codes, minlength=len(names))
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
-    return {src: rows.slice(a, n) for src, a, n in zip(col.dictionary.to_pylist(), starts, counts.tolist())}
+    return {src: rows.slice(a, n) for src, a, n in zip(names, starts, counts.tolist()) if n}
 
 
 def _source_rows(merged: pa.Table, name: str, columns: list[str] | None = None) -> pa.Table:
@@ -290,14 +291,19 @@ def merged_problems(b, table: str, m: MergedSegment, only: str | None = None, t:
         except Exception as e:  # noqa: BLE001
             return [f"{where} is unreadable: {e}"]
     out = []
-    by = split_sources(t) if SOURCE_COLUMN in t.column_names else {}
+    try:
+        by = split_sources(t) if SOURCE_COLUMN in t.column_names else {}
+    except Exception as e:  # noqa: BLE001 - verify reports it
+        return [f"{where} is unreadable: its source column: {e}"]
     if only is None:
         for s in sorted(set(by) - set(m.sources)):
             out.append(f"{where} holds rows of {s!r}, which its footer does not list")
     for s, info in sorted(m.sources.items()):
         if only is not None and s != only:
             continue
-        rows = by.get(s, pa.table({})) if SOURCE_COLUMN in t.column_names else pa.table({})
+        # a source of no row holds none here: its columns, no rows (its footer hash names the columns)
+        rows = by.get(s, t.slice(0, 0).drop_columns([SOURCE_COLUMN]).replace_schema_metadata(None)) \
+            if SOURCE_COLUMN in t.column_names else pa.table({})
         rows = rows.select([c for c in info["columns"] if c in rows.column_names])
         if rows.num_rows != info["rows"]:
             out.append(f"{where}: source {s} has {rows.num_rows} rows where compaction merged {info['rows']} "

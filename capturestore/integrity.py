@@ -459,10 +459,9 @@ def _segment_matches(store, table: str, name: str, sha256: str, rows: int,
     """The rows the views read as segment ``name`` of ``table`` are what a manifest lists. When a
     merged segment of the listing names it (the reader rule hides the source file, which may
     still exist until its grace is over), the merged segment's footer must record those bytes
-    and row count and its rows of ``name`` must match the footer: the row groups holding them
-    hashing as compaction wrote them, and their count (footers with row-group digests, since
-    2026-12-04; before: every row of the merged segment read, ``name``'s hashed in canonical
-    form). The hidden file is never what is checked. Otherwise the file's bytes' SHA-256.
+    and row count and its rows of ``name`` must match the footer (count and canonical row hash;
+    read from the row groups holding them, ``compaction.merged_problems(only=name)``). The hidden
+    file is never what is checked. Otherwise the file's bytes' SHA-256.
     ``cache``: {table: {source: merged segment}}, shared by one check."""
     from capturestore.compaction import merged_problems
 

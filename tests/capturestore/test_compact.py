@@ -204,6 +204,64 @@ def test_one_sources_rows_read_from_its_row_groups_are_the_whole_files_rows_of_i
                 assert split[src].equals(want), (table, src)
 
 
+def test_a_zero_row_source_and_a_row_with_no_source_are_judged_not_raised(tmp_path):
+    """A review's two repros of split_sources: a source of no row (a 0-row segment another tool put
+    into a table) merged and checked clean, as before; a merged row whose source name is gone
+    (null) is reported by verify and keeps the sources, not a TypeError out of verify and compact."""
+    from capturestore.compaction import SOURCE_COLUMN, merged_bytes, merged_problems, merged_segments
+
+    store = Store.open(tmp_path / "store")
+    store.append_table("notes", [{"k": 1, "v": "a"}])
+    store.append_table("notes", [{"k": 2, "v": "b"}])
+    pq.write_table(pa.table({"k": pa.array([], pa.int64()), "v": pa.array([], pa.string())}),
+                   tmp_path / "store" / "tables" / "notes" / "zero.parquet")
+    assert store.compact(tables=["notes"], grace_s=3600).tables[0].rows == 2
+    (m,), _ = merged_segments(store.backend, "notes")
+    assert m.sources["zero.parquet"]["rows"] == 0
+    assert merged_problems(store.backend, "notes", m) == []
+    assert merged_problems(store.backend, "notes", m, only="zero.parquet") == []
+    assert store.verify().ok
+    # the last row's source name lost: its rows are one short, and a row names no source
+    path = tmp_path / "store" / "tables" / "notes" / m.name
+    t = pq.read_table(path)
+    src = t.column(SOURCE_COLUMN).to_pylist()
+    victim, src[-1] = src[-1], None
+    path.write_bytes(merged_bytes(t.set_column(t.column_names.index(SOURCE_COLUMN), SOURCE_COLUMN, pa.array(src))))
+    fresh = Store.open(tmp_path / "store", create=False)
+    problems = merged_problems(fresh.backend, "notes", m)
+    assert any("holds rows of None" in x for x in problems) and any(victim in x and "0 rows" in x for x in problems)
+    assert merged_problems(fresh.backend, "notes", m, only=victim)
+    assert not fresh.verify().ok
+    (res,) = fresh.compact(tables=["notes"], grace_s=0).tables
+    assert any("disagrees with its footer" in x for x in res.skipped), res.skipped
+
+
+def test_one_sources_rows_are_found_under_every_dictionary_code_that_spells_it():
+    """A source column whose dictionary holds a name twice (another writer's encoding, or damage
+    in a dictionary page, as a review showed with snappy pages, which carry no checksum): every
+    row of that name is taken, as a reader counts them, not only those under its first code. A
+    backend stub serves the column as read, duplicates kept (pyarrow's writer would unify them)."""
+    from types import SimpleNamespace
+
+    from capturestore.compaction import SOURCE_COLUMN, _rows_of_one_source
+
+    src = pa.DictionaryArray.from_arrays(pa.array([0, 1, 2, 1, 0, 2], pa.int32()), pa.array(["a", "b", "a"]))
+    t = pa.table({"k": pa.array([1, 2, 3, 4, 5, 6]), SOURCE_COLUMN: src})
+    groups = [t.slice(0, 2), t.slice(2, 2), t.slice(4, 2)]
+
+    class Stub:
+        def read_parquet_metadata(self, rel):
+            return SimpleNamespace(num_row_groups=3, row_group=lambda i: SimpleNamespace(num_rows=2))
+
+        def read_row_groups(self, rel, which, columns):
+            picked = pa.concat_tables(groups if which is None else [groups[i] for i in which])
+            return picked.select(columns) if columns else picked.cast(
+                pa.schema([pa.field("k", pa.int64()), pa.field(SOURCE_COLUMN, pa.string())]))
+
+    got = _rows_of_one_source(Stub(), "m.parquet", "a")
+    assert got.column("k").to_pylist() == [1, 3, 5, 6]
+
+
 def _swap_in_footer(path: Path, a: bytes, b: bytes) -> None:
     """Two column names of equal length swapped in a Parquet file's footer (its schema and column
     chunk paths; the key-value metadata, JSON, spells them quoted and is left alone), no data
