@@ -216,8 +216,9 @@ def _rows_of_one_source(b, rel: str, name: str) -> pa.Table:
         hits.append(np.asarray(found, dtype=np.int64) + off)
         off += len(ch)
     rows = np.concatenate(hits) if hits else np.zeros(0, np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    group_of = np.searchsorted(np.cumsum(sizes), rows, side="right")
+    ends = np.cumsum(sizes)
+    starts = ends - sizes
+    group_of = np.searchsorted(ends, rows, side="right")
     groups = sorted(set(group_of.tolist()))
     if not groups:  # none here: the file's columns, no row
         return b.read_schema(rel).empty_table()

@@ -623,7 +623,7 @@ def verify(store_or_root: Any) -> VerifyReport:
     covers = {t: coverage(b, t) for t in RUN_TABLES}
     rows_of = _SourceRows(b)
     for run_id in sorted(_segment_ids(b, "runs")):
-        if not _verify_run_marker(b, run_id, report, covers["runs"], rows_of):
+        if not _verify_run_marker(run_id, report, covers["runs"], rows_of):
             continue
         try:
             caps = rows_of("captures", f"{run_id}.parquet", covers["captures"]).to_pylist()
@@ -738,11 +738,10 @@ class _SourceRows:
         return by.get(name, empty)
 
 
-def _verify_run_marker(b, run_id: str, report: VerifyReport, cover: dict[str, str] | None = None,
-                       rows_of: _SourceRows | None = None) -> bool:
+def _verify_run_marker(run_id: str, report: VerifyReport, cover: dict[str, str], rows_of: _SourceRows) -> bool:
     """The runs segment of a run is its commit marker: exactly one complete row naming it."""
     try:
-        rows = (rows_of or _SourceRows(b))("runs", f"{run_id}.parquet", cover).select(["run_id", "status"]).to_pylist()
+        rows = rows_of("runs", f"{run_id}.parquet", cover).select(["run_id", "status"]).to_pylist()
     except Exception:  # noqa: BLE001 - already reported as a bad segment
         return False
     if rows != [{"run_id": run_id, "status": "complete"}]:
