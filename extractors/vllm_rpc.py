@@ -28,7 +28,10 @@ vLLM is imported lazily: this module imports without it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import signal
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -74,15 +77,55 @@ def make_llm(model, **kwargs):
     return LLM(model=str(model), **{**defaults, **kwargs})
 
 
-def close_llm(llm) -> None:
+SHUTDOWN_GRACE_S = 15.0
+
+
+def close_llm(llm, timeout: float = SHUTDOWN_GRACE_S) -> None:
     """Shut the engine down now rather than whenever the garbage collector finds it.
 
     The engine core's finalizer tears down vLLM's process-wide distributed state; run late, from
     inside a later engine's start in the same process, it removes that engine's parallel groups
-    ("pipeline model parallel group is not initialized"). Idempotent."""
+    ("pipeline model parallel group is not initialized"). Idempotent.
+
+    ``timeout`` is the engine processes' grace after SIGTERM (vLLM's own is 5 s, which a tensor
+    parallel engine on two busy cores can overrun). Past it vLLM kills the process tree, naming
+    each child for its log line first; a child that exits between the listing and the naming
+    raises ``psutil.NoSuchProcess`` out of vLLM's shutdown (seen in CI), with the rest of the tree
+    alive and the client's sockets open. That case is finished here: every process left is
+    killed and the client's resources closed."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-    if core is not None:
-        core.shutdown()
+    if core is None:
+        return
+    import psutil
+
+    try:
+        core.shutdown(timeout=timeout)
+    except psutil.NoSuchProcess:
+        resources = getattr(core, "resources", None)
+        manager = getattr(resources, "engine_manager", None)
+        _kill_process_trees(getattr(manager, "processes", ()))
+        if resources is not None:
+            resources()  # sockets and coordinator; the manager's own shutdown is spent already
+
+
+def _kill_process_trees(procs) -> None:
+    """SIGKILL each live process of ``procs`` and all its descendants, tolerating any that exit
+    meanwhile, then reap them."""
+    import psutil
+
+    for proc in procs:
+        if proc.pid is None or not proc.is_alive():
+            continue
+        try:
+            tree = psutil.Process(proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            tree = []
+        for p in tree:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                p.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.join(timeout=5)
 
 
 # ---------------------------------------------------------------------------------- transport

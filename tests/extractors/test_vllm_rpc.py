@@ -6,6 +6,7 @@ Engines (one LLM at a time, module-scoped): Llama MHA fp32, Llama GQA fp32/bf16,
 sliding + full layers (two KV cache groups) fp32/bf16, Mistral all-sliding fp32; plus one run
 with a separate engine process. Tests that need only some engines select them with ``on(...)``.
 """
+import contextlib
 import gc
 import json
 import os
@@ -88,6 +89,69 @@ def test_llvmlite_guard_hides_dunders_from_vllms_kernel_scan():
     R._guard_llvmlite_against_vllm_kernel_scan()  # idempotent
     assert not hasattr(ffi.lib, "__dict__")  # vLLM's scan skips values without one
     assert len(llvm.llvm_version_info) == 3  # real C functions still resolve through the wrapper
+
+
+
+def _stubborn_tree(ready):
+    """An engine core stand-in: ignores SIGTERM, starts a child that outlives the grace, waits."""
+    import signal
+    import time
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    ready.set()
+    time.sleep(120)
+
+
+def test_close_llm_finishes_a_shutdown_that_vllms_force_kill_broke_off(monkeypatch):
+    """vLLM kills an engine core that outlives its grace by walking its process tree and naming
+    each child for a log line before the kill; a child gone in between raises NoSuchProcess out of
+    vLLM's shutdown (CI, TP2 engine on two busy cores). close_llm must still leave no process and
+    close the client's resources. The race is made certain by a ``name`` that always raises."""
+    import multiprocessing as mp
+    from types import SimpleNamespace
+
+    import psutil
+    from vllm.v1.utils import shutdown as vllm_shutdown
+
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    core_proc = ctx.Process(target=_stubborn_tree, args=(ready,), daemon=True)
+    core_proc.start()
+    assert ready.wait(60)
+    tree = psutil.Process(core_proc.pid).children(recursive=True)
+    assert len(tree) == 1
+
+    def vanished(self):
+        raise psutil.NoSuchProcess(self.pid)
+
+    monkeypatch.setattr(psutil.Process, "name", vanished)
+    graces, closed = [], []
+
+    class Resources:  # the client's BackgroundResources: callable, closes sockets
+        engine_manager = SimpleNamespace(processes=[core_proc])
+
+        def __call__(self):
+            closed.append(1)
+
+    def core_shutdown(timeout=None):
+        graces.append(timeout)
+        vllm_shutdown([core_proc], timeout=0.5)  # vLLM's own code, grace cut short
+
+    core = SimpleNamespace(shutdown=core_shutdown, resources=Resources())
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=core))
+    try:
+        with pytest.raises(psutil.NoSuchProcess):  # the fault is real: vLLM's shutdown alone raises
+            vllm_shutdown([core_proc], timeout=0.5)
+        R.close_llm(llm)
+        assert graces == [R.SHUTDOWN_GRACE_S] and closed == [1]
+        assert not core_proc.is_alive()
+        gone, alive = psutil.wait_procs(tree, timeout=10)
+        assert alive == [], f"left running: {[p.pid for p in alive]}"
+    finally:
+        for p in [*tree, psutil.Process(core_proc.pid)] if core_proc.is_alive() else tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
 
 
 # ---------------------------------------------------------------- HF oracle
