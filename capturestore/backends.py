@@ -197,11 +197,35 @@ class Backend:
         """The Parquet footer of a segment (row groups, their column chunks and statistics)."""
         return pq.read_metadata(pa.BufferReader(self.read(rel)))
 
+    def read_parquet_footer(self, rel: str) -> bytes:
+        """A segment's footer as its bytes (Thrift), for ``capturestore.footer``."""
+        from capturestore.footer import footer_bytes
+
+        return footer_bytes(self.read(rel))
+
     def read_row_groups(self, rel: str, groups: list[int] | None, columns: list[str] | None) -> pa.Table:
         """``columns`` (None: all) of row groups ``groups`` (None: all) of a segment, reading only
         those; named columns dictionary-encoded (a merged segment's source column decodes ~20x
         faster so: its names repeat)."""
         return _row_groups(pq.ParquetFile(pa.BufferReader(self.read(rel)), read_dictionary=columns), groups, columns)
+
+
+def _footer_of(f) -> bytes:
+    """The Thrift footer of an open Parquet file, read from its end (two reads)."""
+    from capturestore.footer import FooterError
+
+    size = f.seek(0, 2)
+    if size < 12:
+        raise FooterError("not a Parquet file (shorter than its header and footer)")
+    f.seek(size - 8)
+    tail = f.read(8)
+    n = int.from_bytes(tail[:4], "little")
+    if tail[4:] != b"PAR1":
+        raise FooterError("not a Parquet file (no PAR1 at its end)")
+    if n > size - 12:
+        raise FooterError(f"its footer length {n} exceeds the file")
+    f.seek(size - 8 - n)
+    return f.read(n)
 
 
 def _row_groups(f: pq.ParquetFile, groups: list[int] | None, columns: list[str] | None) -> pa.Table:
@@ -292,6 +316,10 @@ class LocalBackend(Backend):
 
     def read_parquet_metadata(self, rel: str) -> pq.FileMetaData:
         return pq.read_metadata(self._p(rel))
+
+    def read_parquet_footer(self, rel: str) -> bytes:
+        with open(self._p(rel), "rb") as f:
+            return _footer_of(f)
 
     def read_row_groups(self, rel: str, groups: list[int] | None, columns: list[str] | None) -> pa.Table:
         with open(self._p(rel), "rb") as f:
@@ -490,6 +518,10 @@ class FsspecBackend(Backend):
     def read_parquet_metadata(self, rel: str) -> pq.FileMetaData:
         with self.fs.open(self.key(rel), "rb") as f:
             return pq.read_metadata(f)
+
+    def read_parquet_footer(self, rel: str) -> bytes:
+        with self.fs.open(self.key(rel), "rb") as f:
+            return _footer_of(f)
 
     def read_row_groups(self, rel: str, groups: list[int] | None, columns: list[str] | None) -> pa.Table:
         with self.fs.open(self.key(rel), "rb") as f:
