@@ -265,16 +265,22 @@ def _leaves(t: pa.DataType) -> int:
 
 def statistics_problems(md: pq.FileMetaData, footer: bytes, t: pa.Table, groups: list[int]) -> list[str]:
     """How the footer statistics of row groups ``groups`` of a segment misdescribe their rows
-    ``t`` (those row groups decoded, in that order): a column's min / max not covering its values,
-    a null count other than its nulls, a statistic that does not decode. DuckDB skips a row group
-    by them when a filter falls outside them, so a damaged footer could drop rows from a filtered
-    query while the rows themselves, the row counts and the manifest guard's count by comparison
-    all agree (a review's repro: one row group's k_linf min and max changed, ``WHERE comparison_id
-    = ... AND k_linf < 1e299`` lost its rows, check_evidence and verify passed). NaN is outside
-    min / max by the Parquet rule, as Arrow's min_max skips it. Flat columns are checked; nested
-    ones are not pruned by such filters and are left. ``footer``: the file's Thrift footer, decoded
-    by ``capturestore.footer`` (pyarrow's statistics accessors abort the process on some damaged
-    footers); ``md`` gives the row groups' row counts and the stored types only."""
+    ``t`` (those row groups decoded, in that order): a column's min / max other than its values'
+    (covering them where the footer says inexact, or for an Arrow dictionary column), a null
+    count other than its nulls, a min / max on a row group with no value, a statistic that does
+    not decode, a column chunk whose path or physical type is not the schema's. DuckDB skips a
+    row group by them when a filter falls outside them and answers ``min()`` / ``max()`` from
+    them, so a damaged footer could drop rows from a filtered query or change an aggregate while
+    the rows themselves, the row counts and the manifest guard's count by comparison all agree
+    (a review's repro: one row group's k_linf min and max changed, ``WHERE comparison_id = ...
+    AND k_linf < 1e299`` lost its rows, check_evidence and verify passed). NaN is outside min /
+    max by the Parquet rule, as Arrow's min_max skips it. Flat columns are checked; the leaves of
+    nested ones are not (this store writes none). Exact bounds assume pyarrow computed them from
+    the values, as it does for every column but an Arrow dictionary: a merged segment keeps Arrow's
+    schema whenever a column is one (``merged_bytes``), so such a column reads back as a
+    dictionary here and is held to covering only. ``footer``: the file's Thrift footer, decoded by
+    ``capturestore.footer`` (pyarrow's statistics accessors abort the process on some damaged
+    footers); ``md`` gives the row groups' row counts and the schema only."""
     from capturestore import footer as F
 
     try:
@@ -286,52 +292,69 @@ def statistics_problems(md: pq.FileMetaData, footer: bytes, t: pa.Table, groups:
     out: list[str] = []
     fields = list(t.schema)
     stored = md.schema.to_arrow_schema()  # the types as Parquet holds them (timestamp[s] as [ms], date64 as days)
+    if len(stored) != len(fields):
+        return [f"its schema has {len(stored)} columns where its rows have {len(fields)}"]
+    kinds = {name: k for k, name in enumerate(("BOOLEAN", "INT32", "INT64", "INT96", "FLOAT", "DOUBLE", "BYTE_ARRAY",
+                                               "FIXED_LEN_BYTE_ARRAY"))}
+    first_leaf = [0]
+    for sf in stored:  # leaves counted on the types Parquet holds (an extension type's storage, list views as lists)
+        first_leaf.append(first_leaf[-1] + _leaves(sf.type))
     off = 0
     for g in groups:
         n = md.row_group(g).num_rows
         rows = t.slice(off, n)
         off += n
-        leaf = 0
         for i, (f, col) in enumerate(zip(fields, rows.columns)):
-            j, leaf = leaf, leaf + _leaves(f.type)
-            how = _comparable(f.type)
-            if how is None or j >= len(stats[g]) or stats[g][j].path != (f.name,):
+            j, sf = first_leaf[i], stored.field(i)
+            how = _comparable(sf.type)
+            if how is None or _leaves(sf.type) != 1:
                 continue
-            st = stats[g][j]
             where = f"row group {g}, column {f.name}"
+            if j >= len(stats[g]):
+                out.append(f"{where}: its footer holds no column chunk {j}")
+                continue
+            st, want = stats[g][j], kinds.get(md.schema.column(j).physical_type)
+            if st.path != (f.name,) or st.physical_type != want:
+                out.append(f"{where}: its column chunk's path {'.'.join(st.path)!r} / physical type {st.physical_type} "
+                           f"is not the schema's ({f.name!r} / {want}): readers decode it by the schema")
+                continue
             if pa.types.is_dictionary(f.type):
                 col = col.cast(f.type.value_type)
             if st.null_count is not None and st.null_count != col.null_count:
                 out.append(f"{where}: its footer statistics count {st.null_count} nulls where it holds "
                            f"{col.null_count} (a filtered query could skip its rows)")
-            if st.min is None or st.max is None or col.null_count == len(col):
+            if st.min is None and st.max is None:
                 continue
             if how == "physical":  # the stored integers: the column in the type Parquet holds, then its bits
-                target = stored.field(i).type if i < len(stored) and stored.field(i).name == f.name else None
-                if target is None or _comparable(target) != "physical":
-                    continue
                 try:
-                    col = col.cast(target).cast(pa.int32() if target.bit_width == 32 else pa.int64())
+                    col = col.cast(sf.type).cast(pa.int32() if sf.type.bit_width == 32 else pa.int64())
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
                     continue
-            unsigned = pa.types.is_unsigned_integer(f.type)
-            lo, hi = (F.decode_value(v, st.physical_type, unsigned) for v in (st.min, st.max))
-            if lo is None or hi is None:
-                out.append(f"{where}: its footer statistics do not decode as its physical type {st.physical_type}")
-                continue
             mm = pc.min_max(col)
             vlo, vhi = mm["min"].as_py(), mm["max"].as_py()
             if vlo is None or (isinstance(vlo, float) and math.isnan(vlo)):
-                continue  # no value a statistic covers (all NaN)
+                out.append(f"{where}: its footer statistics give a min / max to a row group with no value (all null "
+                           f"or NaN): DuckDB answers min() and max() from them")
+                continue
+            unsigned = pa.types.is_unsigned_integer(sf.type)
+            lo, hi = (None if v is None else F.decode_value(v, want, unsigned) for v in (st.min, st.max))
+            if (st.min is not None and lo is None) or (st.max is not None and hi is None):
+                out.append(f"{where}: its footer statistics do not decode as its physical type {want}")
+                continue
             if isinstance(vlo, str):  # Parquet orders strings by their UTF-8 bytes
                 vlo, vhi = vlo.encode(), vhi.encode()
+            # DuckDB prunes by them and answers min() / max() from them: they must be the values' own,
+            # only covering them where the footer says inexact or pyarrow wrote an Arrow dictionary
+            # (its statistics come from the dictionary: a null slot counts the entry it points at)
+            loose = pa.types.is_dictionary(f.type)
             try:
-                covers = lo <= vlo and vhi <= hi
+                bad_lo = lo is not None and (lo > vlo if loose or st.min_exact is False else lo != vlo)
+                bad_hi = hi is not None and (hi < vhi if loose or st.max_exact is False else hi != vhi)
             except TypeError:
-                continue  # a statistic of another type than its column's: the read of the column fails loudly
-            if not covers:
-                out.append(f"{where}: its footer statistics (min {lo!r}, max {hi!r}) do not cover its values "
-                           f"(min {vlo!r}, max {vhi!r}): a filtered query would skip its rows")
+                bad_lo = bad_hi = True
+            if bad_lo or bad_hi:
+                out.append(f"{where}: its footer statistics (min {lo!r}, max {hi!r}) are not its values' (min {vlo!r}, "
+                           f"max {vhi!r}): a filtered query would skip its rows, min() / max() would read them")
     return out
 
 

@@ -2,13 +2,17 @@
 
 pyarrow's statistics accessors abort the process on some damaged footers (single-bit flips of a
 merged segment's footer: 64 of 8,063 aborted in ``ColumnChunkMetaData.statistics``, none in a read
-of the rows), so a check of damaged files cannot use them: this decoder can only raise. It reads
-what a reader prunes row groups by: per row group, per column chunk, its path, physical type,
-null count and min / max (``min_value`` / ``max_value``, else the deprecated ``min`` / ``max``),
-as the raw bytes the footer holds. Parquet's Thrift definitions: parquet-format, parquet.thrift.
+of the rows), so a check of damaged files cannot use them: this decoder returns or raises
+``FooterError``, in time and memory bounded by the footer's length (every value it decodes takes
+at least one byte, a count larger than the bytes left is refused). It reads what a reader prunes
+row groups and answers ``min`` / ``max`` by: per row group, per column chunk, its path, physical
+type, null count and each bound as DuckDB picks it (``min_value``, else the deprecated ``min``;
+``max_value``, else ``max``: each on its own), as the raw bytes the footer holds, with the
+footer's exactness flags. Parquet's Thrift definitions: parquet-format, parquet.thrift.
 """
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -26,6 +30,8 @@ class ChunkStatistics:
     null_count: int | None
     min: bytes | None  # raw, as the footer holds them (plain encoding of the physical type)
     max: bytes | None
+    min_exact: bool | None = None  # the footer's is_min_value_exact / is_max_value_exact; None: not said
+    max_exact: bool | None = None
 
 
 class FooterError(ValueError):
@@ -66,10 +72,20 @@ class _Reader:
     def binary(self) -> bytes:
         return self.take(self.varint())
 
+    def count(self, n: int) -> int:
+        """A container's element count: each element takes at least a byte."""
+        if n > len(self.d) - self.i:
+            raise FooterError(f"a container of {n} elements in {len(self.d) - self.i} bytes")
+        return n
+
     def list_header(self) -> tuple[int, int]:
         b = self.byte()
         size, etype = b >> 4, b & 0x0F
-        return (self.varint() if size == 15 else size), etype
+        return self.count(self.varint() if size == 15 else size), etype
+
+    def element(self, t: int, depth: int):
+        """A container's element: booleans are a byte each there, not a field header's type."""
+        return self.byte() == 1 if t in (_TRUE, _FALSE) else self.value(t, depth)
 
     def fields(self):
         """(field id, type) of a struct's fields, up to its STOP."""
@@ -99,15 +115,13 @@ class _Reader:
             return self.binary()
         if t in (_LIST, _SET):
             n, et = self.list_header()
-            if et in (_TRUE, _FALSE):  # booleans in a list are one byte each
-                return [self.byte() == 1 for _ in range(n)]
-            return [self.value(et, depth + 1) for _ in range(n)]
+            return [self.element(et, depth + 1) for _ in range(n)]
         if t == _MAP:
-            n = self.varint()
+            n = self.count(self.varint())
             if n == 0:
                 return {}
             kv = self.byte()
-            return [(self.value(kv >> 4, depth + 1), self.value(kv & 0x0F, depth + 1)) for _ in range(n)]
+            return [(self.element(kv >> 4, depth + 1), self.element(kv & 0x0F, depth + 1)) for _ in range(n)]
         if t == _STRUCT:
             return {fid: self.value(ft, depth + 1) for fid, ft in self.fields()}
         raise FooterError(f"unknown Thrift type {t}")
@@ -123,8 +137,10 @@ def footer_bytes(data: bytes) -> bytes:
     return data[len(data) - 8 - n:len(data) - 8]
 
 
-def row_group_statistics(footer: bytes) -> list[list[ChunkStatistics]]:
-    """Per row group, per column chunk: its statistics as the footer holds them."""
+@functools.lru_cache(maxsize=16)
+def row_group_statistics(footer: bytes) -> tuple[tuple[ChunkStatistics, ...], ...]:
+    """Per row group, per column chunk: its statistics as the footer holds them. Kept for the
+    last footers decoded (check_evidence reads the same merged segment's for each comparison)."""
     meta = _Reader(footer).value(_STRUCT)
     groups = meta.get(4)
     if not isinstance(groups, list):
@@ -144,15 +160,17 @@ def row_group_statistics(footer: bytes) -> list[list[ChunkStatistics]]:
                 raise FooterError("a column chunk without its path")
             st = md.get(12)
             st = st if isinstance(st, dict) else {}
-            new = isinstance(st.get(6), bytes) and isinstance(st.get(5), bytes)
-            lo, hi = (st.get(6), st.get(5)) if new else (st.get(2), st.get(1))
+            lo = st.get(6) if isinstance(st.get(6), bytes) else st.get(2)  # each bound as DuckDB picks it
+            hi = st.get(5) if isinstance(st.get(5), bytes) else st.get(1)
             chunks.append(ChunkStatistics(
                 path=tuple(p.decode("utf-8", "replace") for p in path),
                 physical_type=md.get(1) if isinstance(md.get(1), int) else None,
                 null_count=st.get(3) if isinstance(st.get(3), int) else None,
-                min=lo if isinstance(lo, bytes) else None, max=hi if isinstance(hi, bytes) else None))
-        out.append(chunks)
-    return out
+                min=lo if isinstance(lo, bytes) else None, max=hi if isinstance(hi, bytes) else None,
+                min_exact=st.get(8) if isinstance(st.get(8), bool) else None,
+                max_exact=st.get(7) if isinstance(st.get(7), bool) else None))
+        out.append(tuple(chunks))
+    return tuple(out)
 
 
 def decode_value(raw: bytes, physical_type: int | None, unsigned: bool = False):

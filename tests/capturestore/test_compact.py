@@ -462,9 +462,23 @@ def test_statistics_problems_reads_honest_footers_as_honest_and_finds_each_lying
     # group 1 really [None, 9] (footer: [2, 9], no null); group 2 really [1, 4] (footer: [1, None])
     assert statistics_problems(*shifted, rows, groups) == [
         "row group 1, column i: its footer statistics count 0 nulls where it holds 1 (a filtered query could skip its rows)",
+        "row group 1, column i: its footer statistics (min 2, max 9) are not its values' (min 9, max 9): a filtered "
+        "query would skip its rows, min() / max() would read them",
         "row group 2, column i: its footer statistics count 1 nulls where it holds 0 (a filtered query could skip its rows)",
-        "row group 2, column i: its footer statistics (min 1, max 1) do not cover its values (min 1, max 4): a filtered "
-        "query would skip its rows"]
+        "row group 2, column i: its footer statistics (min 1, max 1) are not its values' (min 1, max 4): a filtered "
+        "query would skip its rows, min() / max() would read them"]
+    # wider than the values: covering them is not enough, DuckDB answers min() / max() from them
+    wide = t.set_column(t.column_names.index("after"), "after", pa.array([90, 8, 7, 6, 5, -40]))
+    _, widened = footer(wide)
+    assert [p.split(":")[0] for p in statistics_problems(*widened, rows, groups)] == [
+        "row group 0, column after", "row group 2, column after"]
+    # a chunk's path or physical type not the schema's (readers decode by the schema): named, not skipped
+    k = t.column_names.index("after")
+    for other in (t.rename_columns([*t.column_names[:k], "aftes", *t.column_names[k + 1:]]),
+                  t.set_column(k, "after", pa.array([9.0, 8, 7, 6, 5, 4]))):
+        _, (_, foot) = footer(other)
+        assert [p.split(":")[0] + (" path/type" if "is not the schema's" in p else "") for p in
+                statistics_problems(md[0], foot, rows, groups)] == [f"row group {g}, column after path/type" for g in range(3)]
 
 
 
@@ -493,6 +507,72 @@ def test_the_footer_decoder_only_raises_on_any_single_bit_flip():
         except (FooterError, RecursionError):
             outcomes["refused"] += 1
     assert outcomes["decoded"] > 0 and outcomes["refused"] > 0, outcomes
+
+
+
+def _thrift(fields: dict) -> bytes:
+    """A Thrift compact struct of {field id: (type, value)}: the few types a Parquet footer's
+    statistics need (i32 5, i64 6, binary 8, list of structs / binaries 9, struct 12, bool 1/2)."""
+    def varint(n):
+        out = b""
+        while True:
+            out += bytes([(n & 0x7F) | (0x80 if n > 0x7F else 0)])
+            n >>= 7
+            if not n:
+                return out
+
+    def zz(n):
+        return varint((n << 1) ^ (n >> 63))
+
+    def val(t, v):
+        if t in (5, 6):
+            return zz(v)
+        if t == 8:
+            return varint(len(v)) + v
+        if t == 12:
+            return _thrift(v)
+        if t == 9:
+            et, items = v
+            return bytes([(min(len(items), 15) << 4) | et]) + (varint(len(items)) if len(items) >= 15 else b"") + \
+                b"".join(val(et, x) for x in items)
+        raise ValueError(t)
+
+    out, last = b"", 0
+    for fid in sorted(fields):
+        t, v = fields[fid]
+        if t == 1:  # a bool field: its value is the header's type, true 1 / false 2
+            t, v = (1 if v else 2), None
+        out += bytes([((fid - last) << 4) | t]) + (b"" if v is None else val(t, v))
+        last = fid
+    return out + b"\x00"
+
+
+def test_the_footer_decoder_picks_each_bound_as_duckdb_does_and_refuses_impossible_counts():
+    """min_value, else the deprecated min; max_value, else max: each on its own (a review's repro:
+    max_value dropped, min_value 100 and the deprecated max 200 kept, DuckDB pruned by (100, 200)
+    where a pair rule read (1, 200)). The exactness flags are read. A map of booleans with a count
+    far beyond the footer's bytes is refused at once (it looped, growing without reading a byte)."""
+    import struct
+    import time as _time
+
+    from capturestore.footer import INT64, FooterError, row_group_statistics
+
+    def footer(stats):
+        chunk = {3: (12, {1: (5, INT64), 3: (9, (8, [b"i"])), 12: (12, stats)})}
+        return _thrift({4: (9, (12, [{1: (9, (12, [chunk]))}]))})
+
+    q = lambda v: struct.pack("<q", v)  # noqa: E731
+    (( c,),) = row_group_statistics(footer({1: (8, q(200)), 2: (8, q(1)), 3: (6, 0), 6: (8, q(100))}))
+    assert (c.path, c.null_count, c.min, c.max, c.min_exact, c.max_exact) == (("i",), 0, q(100), q(200), None, None)
+    ((c,),) = row_group_statistics(footer({5: (8, q(7)), 6: (8, q(3)), 7: (1, True), 8: (1, False)}))
+    assert (c.min, c.max, c.max_exact, c.min_exact) == (q(3), q(7), True, False)
+    huge_map = b"\x1b" + bytes([0xFF] * 8 + [0x3F]) + b"\x11" + b"\x00"  # field 1: map<bool, bool> of 2^62 entries
+    started = _time.perf_counter()
+    with pytest.raises(FooterError, match="container"):
+        row_group_statistics(huge_map)
+    with pytest.raises(FooterError, match="container"):
+        row_group_statistics(b"\x19\xfc" + bytes([0xFF] * 8 + [0x3F]) + b"\x00")  # a list of 2^62 structs
+    assert _time.perf_counter() - started < 1.0
 
 
 def test_rows_sha256_by_column_is_the_definition_row_by_row():
