@@ -147,10 +147,12 @@ def write_segment(root: Path, table: str, data: pa.Table, segment: str | None = 
     return final
 
 
-def segment_bytes(data: pa.Table, store_schema: bool = True) -> bytes:
+def segment_bytes(data: pa.Table, store_schema: bool = True, groups: list[int] | None = None) -> bytes:
     """``data`` as one segment's bytes, encoded as ``write_segment`` writes it. ``store_schema``
     False: without pyarrow's ``ARROW:schema`` footer entry, a base64 copy of the schema and of its
-    metadata (a merged segment's per-source metadata would be in its footer twice)."""
+    metadata (a merged segment's per-source metadata would be in its footer twice). ``groups``:
+    row counts (summing to the rows) that each start a new row group, cut further where a count
+    exceeds the table's own row group size; default: that size's cuts alone."""
     sink = pa.BufferOutputStream()
     rows = _row_group_rows(data)
     opts: dict = {}
@@ -158,13 +160,19 @@ def segment_bytes(data: pa.Table, store_schema: bool = True) -> bytes:
         vec = [f.name for f in data.schema if pa.types.is_list(f.type) and pa.types.is_floating(f.type.value_type)]
         opts = {"compression": "zstd", "use_dictionary": [n for n in data.column_names if n not in vec],
                 "column_encoding": dict.fromkeys(vec, "BYTE_STREAM_SPLIT")}
-    if store_schema:
-        pq.write_table(data, sink, row_group_size=rows, **opts)
-    else:  # the schema's metadata as plain footer entries (pyarrow writes it only inside ARROW:schema)
-        with pq.ParquetWriter(sink, data.schema, store_schema=False, **opts) as w:
+    if groups is not None and sum(groups) != data.num_rows:
+        raise ValueError(f"segment_bytes: row groups of {sum(groups)} rows for a table of {data.num_rows}")
+    with pq.ParquetWriter(sink, data.schema, store_schema=store_schema, **opts) as w:
+        if groups is None:
             w.write_table(data, row_group_size=rows)
-            if data.schema.metadata:
-                w.add_key_value_metadata(data.schema.metadata)
+        else:  # each write starts a row group of its own (pyarrow never fills one across writes)
+            at = 0
+            for n in groups:
+                w.write_table(data.slice(at, n), row_group_size=rows)
+                at += n
+        if data.schema.metadata and not store_schema:
+            # the schema's metadata as plain footer entries (pyarrow writes it only inside ARROW:schema)
+            w.add_key_value_metadata(data.schema.metadata)
     return sink.getvalue().to_pybytes()
 
 

@@ -19,6 +19,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from capturestore import Store
 from capturestore.compaction import SOURCE_COLUMN, is_merged
@@ -203,6 +205,87 @@ def test_one_sources_rows_read_from_its_row_groups_are_the_whole_files_rows_of_i
             assert _source_rows(one, src).equals(want) if src in m.sources else one.num_rows == 0, (table, src)
             if src in split:
                 assert split[src].equals(want), (table, src)
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs=st.lists(st.integers(1, 40), max_size=14), target=st.integers(1, 30))
+def test_source_row_groups_keep_a_source_whole_unless_it_is_larger_than_the_target(runs, target):
+    """The row groups of a merged segment, against what they must be, source run by run: every
+    row in one group; a run of at most ``target`` rows inside one group, which holds at most
+    ``target``; a larger run in groups of its own of at most ``target`` rows; and runs packed (a
+    group of whole runs could not take the next group's first run)."""
+    import numpy as np
+
+    from capturestore.compaction import source_row_groups
+
+    names = [f"s{i % 3}" for i in range(len(runs))]  # a name may come back after another: a new run
+    t = pa.table({"x": np.arange(sum(runs)), SOURCE_COLUMN: [n for n, r in zip(names, runs) for _ in range(r)]})
+    got = source_row_groups(t, target)
+    assert all(g > 0 for g in got) and sum(got) == sum(runs)
+    # adjacent runs of one name are one run
+    merged_runs: list[int] = []
+    for i, r in enumerate(runs):
+        if i and names[i] == names[i - 1]:
+            merged_runs[-1] += r
+        else:
+            merged_runs.append(r)
+    group_end = np.cumsum(got)
+    group_of_row = np.searchsorted(group_end, np.arange(sum(runs)), side="right")
+    whole = []  # per group: made of whole runs of at most target rows
+    at = 0
+    for r in merged_runs:
+        gs = sorted(set(group_of_row[at:at + r].tolist()))
+        if r <= target:
+            assert len(gs) == 1, (r, target, got)
+        else:
+            assert all(got[g] <= target for g in gs), (r, target, got)
+            assert group_end[gs[-1]] == at + r and (gs[0] == 0 or group_end[gs[0] - 1] == at), (r, target, got)
+        at += r
+    starts = np.concatenate([[0], np.cumsum(merged_runs)[:-1]])
+    for g, n in enumerate(got):
+        lo = group_end[g] - n
+        inside = [r for s0, r in zip(starts, merged_runs) if lo <= s0 < group_end[g]]
+        assert n <= target or inside == [n] or len(inside) == 0, (g, got)
+        whole.append(all(r <= target for r in inside) and sum(inside) == n)
+    for g in range(len(got) - 1):
+        if whole[g] and whole[g + 1]:
+            nxt = [r for s0, r in zip(starts, merged_runs) if s0 == group_end[g]][0]
+            assert got[g] + nxt > target, (g, got, target)
+
+
+def test_check_evidence_decodes_the_row_groups_of_its_source_alone(tmp_path, monkeypatch):
+    """Merged segments are cut into row groups at source boundaries: check_evidence of one
+    comparison decodes at most ``max(MERGED_ROW_GROUP_ROWS, its rows)`` rows of each merged segment
+    (pyarrow's default, ~1 M rows a group, had it decode a million for a source of thousands), and
+    every view, verify and check_evidence read the store as before compaction."""
+    from capturestore import backends, compaction
+
+    monkeypatch.setattr(compaction, "MERGED_ROW_GROUP_ROWS", 40)
+    store = Store.open(tmp_path / "store")
+    _fill(store, 6)
+    before = _seen(store)
+    store.compact(grace_s=3600)
+    assert _seen(store) == before and store.verify().ok
+    (m,), _ = compaction.merged_segments(store.backend, "kv_head_metrics")
+    rel = f"tables/kv_head_metrics/{m.name}"
+    md = pq.ParquetFile(pa.BufferReader(store.backend.read(rel))).metadata
+    sizes = [md.row_group(i).num_rows for i in range(md.num_row_groups)]
+    assert sum(sizes) == sum(i["rows"] for i in m.sources.values()) > 2 * 40 and len(sizes) > 2, sizes
+    decoded: list[int] = []
+    real = backends.LocalBackend.read_row_groups
+
+    def counting(self, rel, which, columns):
+        t = real(self, rel, which, columns)
+        if columns is None:  # whole row groups (the source column alone is read first, of every group)
+            decoded.append(t.num_rows)
+        return t
+
+    monkeypatch.setattr(backends.LocalBackend, "read_row_groups", counting)
+    for r in store.sql("SELECT comparison_id, manifest_rows FROM comparisons").to_pylist():
+        decoded.clear()
+        store.check_evidence([r["comparison_id"]], "diff")
+        # each segment of the comparison's is one source of a merged segment: its rows and no more
+        assert decoded and max(decoded) <= max(40, *r["manifest_rows"]) < sum(sizes), (r, decoded, sizes)
 
 
 def test_a_zero_row_source_and_a_row_with_no_source_are_judged_not_raised(tmp_path):
@@ -606,6 +689,165 @@ def test_rows_sha256_by_column_is_the_definition_row_by_row():
     ]
     for t in tables:
         assert rows_sha256(t) == defined(t), t.schema
+
+
+_POOLS = {  # small pools of values per Arrow type: two random tables often hold the same values
+    "int": ([0, 1, -1, 2**40, None], [pa.int8(), pa.int32(), pa.int64(), pa.uint64()]),
+    "float": ([0.0, -0.0, 1.0, 0.1, float("nan"), -float("nan"), float("inf"), None], [pa.float32(), pa.float64()]),
+    "bool": ([True, False, None], [pa.bool_()]),
+    "str": (["", "a", "é", "a\x00", None], [pa.string(), pa.large_string(), "dict"]),
+}
+
+
+@st.composite
+def _tables(draw):
+    """Two tables of one shape: the second the first's values in other Arrow types of the same
+    kind, other chunks, or with one thing changed (a value, a null, a column's name or kind, the
+    rows' order), or independent values from the same pools."""
+    n = draw(st.integers(0, 4))
+    names = draw(st.lists(st.sampled_from("abc"), min_size=0, max_size=3, unique=True))
+    kinds = [draw(st.sampled_from(sorted(_POOLS))) for _ in names]
+
+    def column(kind, values):
+        typ = draw(st.sampled_from(_POOLS[kind][1]))
+        if kind == "int":  # a type the values fit (2**40 does not in int8 or int32, -1 not in uint64)
+            lo, hi = {pa.int8(): (-2**7, 2**7), pa.int32(): (-2**31, 2**31), pa.uint64(): (0, 2**64)}.get(typ, (-2**63, 2**63))
+            typ = typ if all(v is None or lo <= v < hi for v in values) else pa.int64()
+        if typ == "dict":
+            return pa.array(values, pa.string()).dictionary_encode()
+        return pa.array(values, typ)
+
+    def values(kind):
+        return [draw(st.sampled_from(_POOLS[kind][0])) for _ in range(n)]
+
+    first = [values(k) for k in kinds]
+    how = draw(st.sampled_from(["retyped", "value", "independent", "renamed", "kind", "reversed"]))
+    second, names2, kinds2 = [list(v) for v in first], list(names), list(kinds)
+    if how == "value" and n and names:
+        c, r = draw(st.integers(0, len(names) - 1)), draw(st.integers(0, n - 1))
+        second[c][r] = draw(st.sampled_from(_POOLS[kinds[c]][0]))
+    elif how == "independent":
+        second = [values(k) for k in kinds]
+    elif how == "renamed" and names:
+        names2[0] = "z"
+    elif how == "kind" and names:
+        kinds2[0] = draw(st.sampled_from(sorted(_POOLS)))
+        second[0] = values(kinds2[0])
+    elif how == "reversed":
+        second = [v[::-1] for v in second]
+    t1 = pa.Table.from_arrays([column(k, v) for k, v in zip(kinds, first)], names=names) if names else \
+        pa.table({"_": pa.array([None] * n)}).drop_columns(["_"])
+    cols2 = [column(k, v) for k, v in zip(kinds2, second)]
+    if n > 1 and draw(st.booleans()):  # other chunks
+        cols2 = [pa.chunked_array([c.slice(0, 1), c.slice(1)]) for c in cols2]
+    t2 = pa.Table.from_arrays(cols2, names=names2) if names2 else pa.table({"_": pa.array([None] * n)}).drop_columns(["_"])
+    return t1, t2
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_tables())
+def test_rows_sha256_binary_is_equal_exactly_where_the_json_row_hash_is(pair):
+    """The binary row hash (check_evidence's, ~50x faster) against the definition, the JSON form
+    of rows_sha256: over pairs of tables drawn from small pools of values (ints, floats with NaN,
+    inf and -0.0, bools, strings, nulls) in several Arrow types and chunkings, two tables have the
+    same binary hash exactly when they have the same JSON hash."""
+    from capturestore.compaction import rows_sha256, rows_sha256_binary
+
+    t1, t2 = pair
+    b1, b2 = rows_sha256_binary(t1), rows_sha256_binary(t2)
+    assert b1 is not None and b2 is not None, (t1.schema, t2.schema)
+    assert (b1 == b2) == (rows_sha256(t1) == rows_sha256(t2)), (t1.to_pydict(), t2.to_pydict(), t1.schema, t2.schema)
+
+
+def test_rows_sha256_binary_declines_what_its_form_does_not_cover():
+    """None (the JSON hash alone then) for types outside the binary form, an unsigned value beyond
+    int64 and a name twice; a dictionary whose dictionary holds a null reads as that null."""
+    import numpy as np
+
+    from capturestore.compaction import rows_sha256, rows_sha256_binary
+
+    for t in (pa.table({"t": pa.array([0, 1], pa.timestamp("us"))}), pa.table({"l": [[1.0], [2.0]]}),
+              pa.table({"u": pa.array([2**63], pa.uint64())}), pa.table({"y": pa.array([b"x"], pa.binary())}),
+              pa.Table.from_arrays([pa.array([1]), pa.array([2])], names=["x", "x"])):
+        assert rows_sha256_binary(t) is None, t.schema
+    d = pa.table({"b": pa.DictionaryArray.from_arrays(pa.array([0, 1, 0]), pa.array([1.5, None]))})
+    plain = pa.table({"b": [1.5, None, 1.5]})
+    assert rows_sha256(d) == rows_sha256(plain) and rows_sha256_binary(d) == rows_sha256_binary(plain)
+    assert rows_sha256_binary(pa.table({"u": pa.array([2**63 - 1], pa.uint64())})) == \
+        rows_sha256_binary(pa.table({"u": np.array([2**63 - 1], np.int64)}))
+
+
+def _rewrite_merged(path: Path, entry, rows=None) -> None:
+    """A merged segment written again with each source's footer entry passed through ``entry``
+    (and its rows through ``rows``): as an older capturestore, or damage, would leave it."""
+    from capturestore.compaction import META_KEY, merged_bytes
+
+    t = pq.read_table(path)
+    meta = json.loads(t.schema.metadata[META_KEY])
+    meta["sources"] = {n: entry(dict(i)) for n, i in meta["sources"].items()}
+    t = rows(t) if rows is not None else t
+    path.write_bytes(merged_bytes(t.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})))
+
+
+def test_check_evidence_checks_a_source_by_its_binary_row_hash_and_an_older_footer_by_the_json_one(tmp_path,
+                                                                                                    monkeypatch):
+    """Footers now hold both row hashes of each source. check_evidence checks the binary one alone
+    (the JSON one is never computed), verify both; a footer of an older capturestore (the JSON hash
+    alone) is checked by it; a wrong binary hash, or rows altered under a footer of either kind,
+    refuses the comparison."""
+    import pyarrow.compute as pc
+
+    from capturestore import compaction
+
+    store = Store.open(tmp_path / "store")
+    _fill(store, 3)
+    store.compact(tables=["kv_head_metrics"], grace_s=3600)
+    (m,), _ = compaction.merged_segments(store.backend, "kv_head_metrics")
+    assert all(len(i.get("rows_sha256_binary", "")) == 64 for i in m.sources.values()), m.sources
+    path = tmp_path / "store" / "tables" / "kv_head_metrics" / m.name
+    pristine = path.read_bytes()
+    cids = [r["comparison_id"] for r in store.sql("SELECT comparison_id FROM comparisons").to_pylist()]
+    json_hashes = []
+    real = compaction.rows_sha256
+    monkeypatch.setattr(compaction, "rows_sha256", lambda t: (json_hashes.append(t.num_rows), real(t))[1])
+
+    def fresh():
+        return Store.open(tmp_path / "store", create=False)
+
+    fresh().check_evidence(cids, "diff")
+    assert json_hashes == []  # the binary hash alone
+    assert fresh().verify().ok and json_hashes  # verify: both
+
+    def bump(t):  # one k_linf value changed in the merged rows
+        k = t.column("k_linf").to_numpy().copy()
+        k[0] += 1.0
+        return t.set_column(t.column_names.index("k_linf"), "k_linf", pa.array(k))
+
+    for case, entry, rows in [
+            ("older footer", lambda i: {k: v for k, v in i.items() if k != "rows_sha256_binary"}, None),
+            ("older footer, rows altered", lambda i: {k: v for k, v in i.items() if k != "rows_sha256_binary"}, bump),
+            ("binary hash wrong", lambda i: {**i, "rows_sha256_binary": "0" * 64}, None),
+            ("rows altered", lambda i: i, bump)]:
+        path.write_bytes(pristine)
+        _rewrite_merged(path, entry, rows)
+        json_hashes.clear()
+        if case == "older footer":
+            fresh().check_evidence(cids, "diff")
+            assert json_hashes and fresh().verify().ok, case
+            continue
+        if rows is not None:  # the fault is proven to change what the views read
+            assert fresh().sql("SELECT max(k_linf) FROM kv_head_metrics").column(0)[0].as_py() > \
+                pc.max(pq.read_table(pa.BufferReader(pristine)).column("k_linf")).as_py()
+        refused = []
+        for cid in cids:
+            try:
+                fresh().check_evidence([cid], "diff")
+            except StoreError as e:
+                refused.append((cid, str(e)))
+        assert refused and all("differs from what the comparison wrote" in e for _, e in refused), (case, refused)
+        assert len(refused) == (len(cids) if case == "binary hash wrong" else 1), (case, refused)
+        rep = fresh().verify()
+        assert any("differ from what compaction merged (row hash)" in str(p) for p in rep), (case, rep.summary())
 
 
 def test_verify_reads_each_merged_segment_once_and_each_runs_rows_as_read_source_does(tmp_path, monkeypatch):
