@@ -242,13 +242,20 @@ def tables_named(con: duckdb.DuckDBPyConnection, sql: str, tables: list[str]) ->
     return out
 
 
+# Every scan of segments: float columns may hold NaN. Parquet's min / max statistics leave NaN out
+# (pyarrow writes [1, NaN, 3] as min 1, max 3), and without this DuckDB 2.0 takes them for the
+# whole range: `WHERE isnan(x)` and `WHERE x > 5` (NaN sorts above every number in DuckDB) found no
+# row of such a file and `max(x)` read 3.0; with it, DuckDB uses no min / max of a float column.
+_NAN = ", can_have_nan = true"
+
+
 def _listed_segments(root: Backend, table: str, files: SegmentFiles, filename: bool) -> str:
     """The rows of ``files``: the merged segments and the segments they do not cover, read as
     one explicit list with no window, so a filter on any column reaches the scan (row-group
     statistics skip what it excludes). The rule was decided on the listing (SegmentFiles)."""
     urls = ", ".join(_quote_str(glob_escape(f"{root.tables_url}{root.sep}{table}{root.sep}{n}")) for n in files.files)
     opts = f", filename = {_quote_str(SEGMENT_FILE_COLUMN)}" if filename else ""
-    scan = f"read_parquet([{urls}], union_by_name = true{opts})"
+    scan = f"read_parquet([{urls}], union_by_name = true{_NAN}{opts})"
     hidden = ([SOURCE_COLUMN] if files.merged else []) + ([SEGMENT_FILE_COLUMN] if filename else [])
     cols = f"COLUMNS(lambda c: c NOT IN ({', '.join(_quote_str(c) for c in hidden)}))" if hidden else "*"
     if filename:
@@ -288,7 +295,7 @@ def _segments(root: Backend, table: str, relative: bool, allow_empty: bool = Fal
     else:
         where = _quote_str(glob_escape(f"{root.tables_url}/{table}") + "/*.parquet")
     opts = ", allow_empty = true" if allow_empty else ""
-    scan = f"read_parquet({where}, union_by_name = true, filename = {_quote_str(SEGMENT_FILE_COLUMN)}{opts})"
+    scan = f"read_parquet({where}, union_by_name = true{_NAN}, filename = {_quote_str(SEGMENT_FILE_COLUMN)}{opts})"
     src = _quote_ident(SOURCE_COLUMN)
     hidden = ", ".join(_quote_str(c) for c in (SOURCE_COLUMN, SEGMENT_FILE_COLUMN, "__cs_seg", "__cs_covered"))
     shown = f", __cs_seg AS {_quote_ident(SEGMENT_COLUMN)}" if filename else ""

@@ -1027,6 +1027,47 @@ def test_compact_cli_bad_input_is_one_line_exit_2_and_store_untouched(tmp_path, 
     assert row.split()[header.split().index("merged_again")] == "1", out  # "left" (last) is empty
 
 
+def test_a_nan_in_a_float_column_is_found_by_every_query_that_asks_for_it(url):
+    """Parquet's min / max statistics leave NaN out (pyarrow writes [1, NaN, 3] as 1 and 3), and
+    DuckDB 2.0 took them for the whole range: on a user table holding a NaN, ``WHERE isnan(x)``
+    found no row, ``WHERE x > 5`` none (NaN sorts above every number in DuckDB) and ``max(x)`` read
+    3.0 (the repro, before every scan read with ``can_have_nan``). The oracle: the same queries by
+    DuckDB over the same rows in memory (no statistics); through Store.sql as written and merged,
+    and catalog.duckdb's views (the window form), float64 and float32."""
+    import duckdb
+
+    nan = float("nan")
+    rows = [[{"k": 1, "x": 1.0, "y": 1.0}, {"k": 2, "x": nan, "y": nan}], [{"k": 3, "x": 3.0, "y": -2.0}]]
+    queries = ["SELECT count(*) FROM notes WHERE isnan(x)", "SELECT count(*) FROM notes WHERE x > 5",
+               "SELECT max(x), min(x), max(y) FROM notes", "SELECT count(*) FROM notes WHERE y >= 'nan'::FLOAT",
+               "SELECT k FROM notes WHERE NOT x <= 3 ORDER BY k"]
+    notes = pa.Table.from_pylist([r for part in rows for r in part],
+                                 schema=pa.schema([("k", pa.int64()), ("x", pa.float64()), ("y", pa.float32())]))
+    mem = duckdb.connect()
+    mem.register("notes", notes)
+    want = [repr(mem.sql(q).fetchall()) for q in queries]
+    assert want[0] == "[(1,)]" and want[1] == "[(1,)]" and want[2].startswith("[(nan, 1.0, nan)")
+
+    store = Store.open(url)
+    for part in rows:
+        store.append_table("notes", pa.Table.from_pylist(part, schema=notes.schema))
+    for grace in (None, 3600):  # as written; merged (the sources hidden)
+        if grace is not None:
+            store.compact(tables=["notes"], grace_s=grace)
+            assert _merged(store, "notes")
+        fresh = Store.open(url, create=False)
+        assert [repr([tuple(r.values()) for r in fresh.sql(q).to_pylist()]) for q in queries] == want, grace
+        assert fresh.verify().ok, grace  # the statistics check reads NaN as pyarrow writes it
+        cat = Path(url) / "catalog.duckdb"
+        assert cat.exists() != url.startswith("memory://")
+        if cat.exists():  # a local store: the views other DuckDB clients open
+            con = duckdb.connect(str(cat), read_only=True)
+            try:
+                assert [repr(con.sql(q).fetchall()) for q in queries] == want, grace
+            finally:
+                con.close()
+
+
 def test_a_table_with_its_own_filename_column_reads_before_and_after_compaction(url):
     """The reader rule's file name column must not clash with a user's ``filename`` column, nor
     show in any view (regression: every scan used read_parquet's default ``filename`` column)."""
