@@ -116,6 +116,38 @@ def _meta_of(schema: pa.Schema) -> dict[str, Any]:
     return json.loads(raw)
 
 
+# A source's footer entry: each key, and the JSON types its value may have (bool is no count)
+_ENTRY_KEYS = {"rows": (int,), "sha256": (str,), "rows_sha256": (str,), "columns": (list,)}
+
+
+def _merged_of(name: str, meta: Any) -> MergedSegment:
+    """The MergedSegment a compaction footer describes; ValueError in one line naming what is
+    missing or of the wrong type (every later use of an entry may then take its keys as given:
+    a renamed key was a KeyError traceback out of verify and compact)."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"its {META_KEY.decode()} entry is not a JSON object")
+    created = meta.get("created_at")
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or not math.isfinite(created):
+        raise ValueError(f"created_at is {created!r}, not a time")
+    sources, replaces = meta.get("sources"), meta.get("replaces", [])
+    if not isinstance(sources, dict):
+        raise ValueError(f"sources is {type(sources).__name__}, not an object of source entries")
+    if not isinstance(replaces, list) or not all(isinstance(r, str) for r in replaces):
+        raise ValueError("replaces is not a list of names")
+    for src, info in sources.items():
+        if not isinstance(info, dict):
+            raise ValueError(f"source {src}: its entry is not an object")
+        for key, types in _ENTRY_KEYS.items():
+            if key not in info:
+                raise ValueError(f"source {src}: no {key!r}")
+            if isinstance(info[key], bool) or not isinstance(info[key], types):
+                raise ValueError(f"source {src}: {key} is {info[key]!r}")
+        if info["rows"] < 0 or not all(isinstance(c, str) for c in info["columns"]) \
+                or not isinstance(info.get("rows_sha256_binary", ""), str):
+            raise ValueError(f"source {src}: rows, columns or rows_sha256_binary of the wrong form")
+    return MergedSegment(name, float(created), dict(sources), tuple(replaces))
+
+
 def merged_segments(b, table: str, names: list[str] | None = None, footers: dict | None = None,
                     include_replaced: bool = False) -> tuple[list[MergedSegment], dict[str, str]]:
     """([merged segments of ``table``], {name: why} of merged segments whose footer cannot be read).
@@ -132,9 +164,7 @@ def merged_segments(b, table: str, names: list[str] | None = None, footers: dict
             out.append(footers[(table, n)])
             continue
         try:
-            meta = _meta_of(b.read_schema(f"{TABLES_DIR}/{table}/{n}"))
-            out.append(MergedSegment(n, float(meta["created_at"]), dict(meta["sources"]),
-                                     tuple(str(r) for r in meta.get("replaces", ()))))
+            out.append(_merged_of(n, _meta_of(b.read_schema(f"{TABLES_DIR}/{table}/{n}"))))
             if footers is not None:
                 footers[(table, n)] = out[-1]
         except FileNotFoundError:

@@ -1027,6 +1027,50 @@ def test_compact_cli_bad_input_is_one_line_exit_2_and_store_untouched(tmp_path, 
     assert row.split()[header.split().index("merged_again")] == "1", out  # "left" (last) is empty
 
 
+@pytest.mark.parametrize("damage, said", [
+    (lambda meta: meta.pop("created_at"), "created_at is None, not a time"),
+    (lambda meta: meta.pop("sources"), "sources is NoneType"),
+    (lambda meta: meta.update(sources=[1, 2]), "sources is list"),
+    (lambda meta: meta.update(replaces="x"), "replaces is not a list of names"),
+    (lambda meta: [i.pop("rows") for i in meta["sources"].values()], "no 'rows'"),
+    (lambda meta: [i.pop("columns") for i in meta["sources"].values()], "no 'columns'"),
+    (lambda meta: [i.pop("rows_sha256") for i in meta["sources"].values()], "no 'rows_sha256'"),
+    (lambda meta: [i.update(rows=True) for i in meta["sources"].values()], "rows is True"),
+    (lambda meta: [i.update(rows_sha256_binary=7) for i in meta["sources"].values()], "rows_sha256_binary"),
+], ids=["created_at", "sources", "sources-list", "replaces", "rows", "columns", "rows_sha256", "rows-bool", "binary"])
+def test_a_compaction_footer_missing_a_key_is_one_line_everywhere_and_no_row_is_lost(tmp_path, capsys, damage, said):
+    """A compaction footer with a key renamed or of the wrong type was a KeyError traceback out of
+    `verify` and `compact` (a source entry without 'rows', 'columns' or 'rows_sha256'). Now the
+    footer is read as unreadable, in one line naming the key: verify reports it (exit 1, no
+    traceback), compact and gc run, and the views read the rows through the reader rule's window
+    (the source column), each row once."""
+    from capturestore.cli import main
+    from capturestore.compaction import META_KEY, merged_bytes
+
+    store = Store.open(tmp_path / "store")
+    store.append_table("notes", [{"k": 1}])
+    store.append_table("notes", [{"k": 2}, {"k": 3}])
+    store.compact(tables=["notes"], grace_s=0)  # the sources removed: the merged segment alone holds the rows
+    (name,) = _merged(store, "notes")
+    path = tmp_path / "store" / "tables" / "notes" / name
+    t = pq.read_table(path)
+    meta = json.loads(t.schema.metadata[META_KEY])
+    damage(meta)
+    path.write_bytes(merged_bytes(t.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})))
+    capsys.readouterr()
+    assert main(["verify", "--store", str(store.root)]) == 1
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err, out
+    bad = [line for line in out.out.splitlines() if name in line]
+    assert len(bad) == 1 and "its compaction footer is unreadable" in bad[0] and said in bad[0], out.out
+    for cmd in (["compact", "--table", "notes"], ["gc"]):
+        assert main([*cmd, "--store", str(store.root)]) == 0, cmd
+        out = capsys.readouterr()
+        assert "Traceback" not in out.out + out.err, (cmd, out)
+    fresh = Store.open(tmp_path / "store", create=False)
+    assert sorted(fresh.sql("SELECT k FROM notes").column(0).to_pylist()) == [1, 2, 3]
+
+
 def test_a_nan_in_a_float_column_is_found_by_every_query_that_asks_for_it(url):
     """Parquet's min / max statistics leave NaN out (pyarrow writes [1, NaN, 3] as 1 and 3), and
     DuckDB 2.0 took them for the whole range: on a user table holding a NaN, ``WHERE isnan(x)``
