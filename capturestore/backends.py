@@ -212,18 +212,11 @@ class Backend:
 
 def _footer_of(f) -> bytes:
     """The Thrift footer of an open Parquet file, read from its end (two reads)."""
-    from capturestore.footer import FooterError
+    from capturestore.footer import footer_length
 
     size = f.seek(0, 2)
-    if size < 12:
-        raise FooterError("not a Parquet file (shorter than its header and footer)")
-    f.seek(size - 8)
-    tail = f.read(8)
-    n = int.from_bytes(tail[:4], "little")
-    if tail[4:] != b"PAR1":
-        raise FooterError("not a Parquet file (no PAR1 at its end)")
-    if n > size - 12:
-        raise FooterError(f"its footer length {n} exceeds the file")
+    f.seek(max(0, size - 8))
+    n = footer_length(size, f.read(8))
     f.seek(size - 8 - n)
     return f.read(n)
 

@@ -127,13 +127,20 @@ class _Reader:
         raise FooterError(f"unknown Thrift type {t}")
 
 
+def footer_length(size: int, tail: bytes) -> int:
+    """The length of the footer of a Parquet file of ``size`` bytes whose last 8 bytes are
+    ``tail``; FooterError where they are no Parquet ending or the length exceeds the file."""
+    if size < 12 or len(tail) != 8 or tail[4:] != b"PAR1":
+        raise FooterError("not a Parquet file (no PAR1 at its end)")
+    n = struct.unpack("<I", tail[:4])[0]
+    if n > size - 12:
+        raise FooterError(f"its footer length {n} exceeds the file")
+    return n
+
+
 def footer_bytes(data: bytes) -> bytes:
     """The Thrift-encoded footer of a whole Parquet file's bytes."""
-    if len(data) < 12 or data[-4:] != b"PAR1":
-        raise FooterError("not a Parquet file (no PAR1 at its end)")
-    n = struct.unpack("<I", data[-8:-4])[0]
-    if n > len(data) - 12:
-        raise FooterError(f"its footer length {n} exceeds the file")
+    n = footer_length(len(data), bytes(data[-8:]))
     return data[len(data) - 8 - n:len(data) - 8]
 
 
