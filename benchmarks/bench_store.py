@@ -187,7 +187,8 @@ def throughput(workdir: Path, shape, repeat: int) -> list[tuple]:
     mib = nbytes / 2**20
     H, D = shape[1], shape[3]
     before = [(f"  same, chunks [1,{H},{tokens_before},{D}] (~4 MiB token blocks, before)", f"{gbps['st_w4']:.2f} GB/s",
-               f"raw tofile {gbps['raw_w']:.2f} GB/s", gbps["st_w4"] / gbps["raw_w"], GOAL)] if "st_w4" in gbps else []
+               f"raw tofile {gbps['raw_w']:.2f} GB/s; the layout before, for comparison (no goal)",
+               gbps["st_w4"] / gbps["raw_w"], None)] if "st_w4" in gbps else []
     return [
         (f"KV write, one shot ({mib:.0f} MiB bf16, chunks [1,{H},{tokens_now},{D}])", f"{gbps['st_w']:.2f} GB/s",
          f"raw tofile {gbps['raw_w']:.2f} GB/s", gbps["st_w"] / gbps["raw_w"], GOAL),
