@@ -28,6 +28,7 @@ only when ``catalog.stamp`` says its tables or view version changed (not on ever
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import re
 import shutil
@@ -49,11 +50,12 @@ from capturestore.compaction import SOURCE_COLUMN
 from capturestore.layout import CATALOG_FILE, CATALOG_STAMP_FILE, LEGACY_CATALOG_ROOT_FILE, TABLES_DIR
 from capturestore.tables import RUN_TABLES
 
-# First line of catalog.stamp; a change to what view_sql writes changes it, so stores rebuild.
-CATALOG_STAMP = ("capturestore catalog views 9: segments relative to catalog.duckdb, committed rows only, "
+# First line of catalog.stamp (with _view_code_digest); a change to what view_sql writes changes
+# it, so stores rebuild.
+CATALOG_STAMP = ("capturestore catalog views 10: segments relative to catalog.duckdb, committed rows only, "
                  "declared tables by named columns, manifest guard, glob-escaped store path, "
                  "compacted segments hide their sources, a table's own filename column kept, "
-                 "the last merged segment of a source wins")
+                 "the last merged segment of a source wins, float columns may hold NaN")
 SEGMENT_FILE_COLUMN = "__capturestore_file"  # read_parquet's file name column (never shown in a view)
 SEGMENT_COLUMN = "__capturestore_segment"  # the segment a writer wrote a row in (the manifest guard's)
 
@@ -316,10 +318,30 @@ def _declared() -> dict:
 
 
 def catalog_stamp() -> str:
-    """First line of catalog.stamp: the view version and every declared table's schema version,
-    so a change to either rebuilds catalog.duckdb."""
+    """First line of catalog.stamp: the view version, a digest of the code that writes the views
+    and every declared table's schema version, so a change to any rebuilds catalog.duckdb."""
     versions = " ".join(f"{t}/{spec.version}" for t, spec in sorted(_declared().items()))
-    return f"{CATALOG_STAMP}; declared schemas {versions}"
+    return f"{CATALOG_STAMP}; view code {_view_code_digest(_NAN)}; declared schemas {versions}"
+
+
+@functools.lru_cache(maxsize=4)
+def _view_code_digest(nan: str) -> str:
+    """12 hex digits of SHA-256 of this module's source and the SQL pieces its views are made of
+    (``nan``: ``_NAN``, passed so that a value set at run time is part of the key). A change to how
+    views are written then rebuilds every store's catalog.duckdb at its next open, whether or not
+    CATALOG_STAMP was bumped: 55dfc54 changed every scan without a bump, and stores kept views
+    that hid NaN while ``verify`` reported every view altered (a review's repro). Any edit of this
+    file rebuilds them once; a rebuild is what an open already does when the stamp differs."""
+    import hashlib
+    import inspect
+    import sys
+
+    try:
+        source = inspect.getsource(sys.modules[__name__])
+    except (OSError, TypeError):  # no source shipped: the constants alone
+        source = ""
+    pieces = [source, nan, _STORE_DIR_SQL, SEGMENT_FILE_COLUMN, SEGMENT_COLUMN, SOURCE_COLUMN]
+    return hashlib.sha256("\x00".join(pieces).encode()).hexdigest()[:12]
 
 
 def _columns_sql(root: Backend, table: str, relative: bool, spec, files=None) -> str:
