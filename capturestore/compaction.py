@@ -24,6 +24,7 @@ one level of merging would read both and count the rows twice, so it refuses to 
 from __future__ import annotations
 
 import calendar
+import dataclasses
 import hashlib
 import json
 import math
@@ -394,16 +395,26 @@ def statistics_problems(md: pq.FileMetaData, footer: bytes, t: pa.Table, groups:
     return out
 
 
+def _source_array(merged: pa.Table) -> pa.Array:
+    """A merged table's source column as one array: a string column as ``large_string`` first
+    (its names pass 2 GiB of string data at ~50 M rows, beyond what ``string`` offsets address:
+    combining the chunks raised there, a review's repro)."""
+    col = merged.column(SOURCE_COLUMN)
+    if pa.types.is_string(col.type):
+        col = col.cast(pa.large_string())
+    return col.combine_chunks()
+
+
 def split_sources(merged: pa.Table) -> dict[str, pa.Table]:
     """{source: its rows, in order, without the source column or schema metadata} of a merged
     table, in one pass (filtering the whole table once per source was sources x rows)."""
     import numpy as np
 
-    col = merged.column(SOURCE_COLUMN).combine_chunks().dictionary_encode()
+    col = _source_array(merged).dictionary_encode()
     names = col.dictionary.to_pylist() + [None]  # rows with no source name (damage) under None
     codes = col.indices.fill_null(len(names) - 1).to_numpy(zero_copy_only=False).astype(np.int64)
     order = np.argsort(codes, kind="stable")  # each source's rows together, in their order
-    rows = merged.take(pa.array(order)).drop_columns([SOURCE_COLUMN]).replace_schema_metadata(None)
+    rows = merged.drop_columns([SOURCE_COLUMN]).take(pa.array(order)).replace_schema_metadata(None)
     counts = np.bincount(codes, minlength=len(names))
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64).tolist()
     return {src: rows.slice(a, n) for src, a, n in zip(names, starts, counts.tolist()) if n}
@@ -433,11 +444,12 @@ _BINARY_FORM = b"capturestore rows, binary form 1\n"
 def rows_sha256_binary(t: pa.Table) -> str | None:
     """SHA-256 of ``t``'s rows in a binary canonical form that two tables share exactly when their
     ``rows_sha256`` is the same (its values, not their Arrow types or chunks: every integer as
-    int64, every float as float64 with one NaN, strings as UTF-8 of any Arrow string type, a
-    column of nulls alone as nulls whatever its type), computed by column in numpy: ~50x faster
-    than the JSON of ``rows_sha256`` (check_evidence hashes a source's rows each time). None for a
-    table this form does not cover (a column of another type, an integer beyond int64, a name
-    twice): ``rows_sha256`` alone is its hash."""
+    int64, every float32 / float64 as float64 with one NaN, strings as UTF-8 of any Arrow string
+    type, a column of nulls alone as nulls whatever its type), computed by column in numpy: ~50x
+    faster than the JSON of ``rows_sha256`` (check_evidence hashes a source's rows each time).
+    None for a table this form does not cover (a column of another type, float16 among them: the
+    JSON form spells it as pyarrow's ``to_pylist`` gives it, ``np.float16(0.5)`` before pyarrow 21;
+    an integer beyond int64; a name twice): ``rows_sha256`` alone is its hash."""
     import numpy as np
 
     names = t.column_names
@@ -456,7 +468,7 @@ def rows_sha256_binary(t: pa.Table) -> str | None:
                 continue
             if pa.types.is_integer(typ):
                 kind, v = b"i", pc.cast(c, pa.int64()).fill_null(0).to_numpy().astype("<i8", copy=False)
-            elif pa.types.is_floating(typ):
+            elif pa.types.is_float32(typ) or pa.types.is_float64(typ):
                 v = pc.cast(c, pa.float64()).fill_null(0.0).to_numpy().astype("<f8")
                 kind, v = b"f", np.where(np.isnan(v), np.float64("nan"), v)  # one NaN, as JSON spells every NaN
             elif pa.types.is_boolean(typ):
@@ -500,6 +512,31 @@ def _py_values(c: pa.ChunkedArray) -> list:
     return c.to_pylist()
 
 
+def _entry_rows(by: dict[str, pa.Table], t: pa.Table, s: str, info: dict[str, Any]) -> pa.Table:
+    """Source ``s``'s rows of merged table ``t`` (``by``: ``split_sources(t)``) in its footer
+    entry's columns; a source of no row holds none here: its columns, no rows."""
+    rows = by.get(s, t.slice(0, 0).drop_columns([SOURCE_COLUMN]).replace_schema_metadata(None)) \
+        if SOURCE_COLUMN in t.column_names else pa.table({})
+    return rows.select([c for c in info["columns"] if c in rows.column_names])
+
+
+def _with_binary_hashes(m: MergedSegment, t: pa.Table) -> MergedSegment:
+    """``m`` with ``rows_sha256_binary`` added to each source entry written without one (by a
+    capturestore before it), from that source's rows in ``t``: ``merged_problems`` has just
+    checked them against the entry's JSON hash, so a re-merge carries both and check_evidence
+    checks those sources by the binary one from then on."""
+    by = split_sources(t)
+    sources = {}
+    for s, info in m.sources.items():
+        info = dict(info)
+        if "rows_sha256_binary" not in info:
+            h = rows_sha256_binary(_entry_rows(by, t, s, info))
+            if h is not None:
+                info["rows_sha256_binary"] = h
+        sources[s] = info
+    return dataclasses.replace(m, sources=sources)
+
+
 def merged_problems(b, table: str, m: MergedSegment, only: str | None = None, t: pa.Table | None = None,
                     md: pq.FileMetaData | None = None, foot: bytes | None = None) -> list[str]:
     """How merged segment ``m`` of ``table`` disagrees with its footer: unreadable, a source's
@@ -541,9 +578,7 @@ def merged_problems(b, table: str, m: MergedSegment, only: str | None = None, t:
         if only is not None and s != only:
             continue
         # a source of no row holds none here: its columns, no rows (its footer hash names the columns)
-        rows = by.get(s, t.slice(0, 0).drop_columns([SOURCE_COLUMN]).replace_schema_metadata(None)) \
-            if SOURCE_COLUMN in t.column_names else pa.table({})
-        rows = rows.select([c for c in info["columns"] if c in rows.column_names])
+        rows = _entry_rows(by, t, s, info)
         if rows.num_rows != info["rows"]:
             out.append(f"{where}: source {s} has {rows.num_rows} rows where compaction merged {info['rows']} "
                        f"(rows lost or added)")
@@ -596,7 +631,7 @@ def source_row_groups(merged: pa.Table, target: int | None = None) -> list[int]:
     n = merged.num_rows
     if not n:
         return []
-    codes = merged.column(SOURCE_COLUMN).combine_chunks().dictionary_encode().indices
+    codes = _source_array(merged).dictionary_encode().indices
     codes = codes.fill_null(-1).to_numpy(zero_copy_only=False)
     starts = np.concatenate([[0], np.flatnonzero(codes[1:] != codes[:-1]) + 1])
     runs = np.diff(np.concatenate([starts, [n]])).tolist()
@@ -891,6 +926,11 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
                 res.skipped.append(f"{n} differs from its comparison's manifest (SHA-256); not merged (run capturestore verify)")
                 continue
         t = t.replace_schema_metadata(None)
+        try:  # a string of invalid UTF-8 (a segment another tool wrote) has no row hash: the JSON one raised
+            t.validate(full=True)
+        except pa.ArrowInvalid as e:
+            res.skipped.append(f"{n} is not valid Arrow data ({str(e).splitlines()[0][:120]}); not merged")
+            continue
         sources[n] = {"rows": t.num_rows, "sha256": sha, "columns": t.column_names, "table": t}
         parts.append(t.append_column(SOURCE_COLUMN, pa.array([n] * t.num_rows, pa.string())))
     # merged segments of about the size of what is merged now go into the same merged segment
@@ -910,6 +950,8 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
         if problems:  # never launder rows that disagree with their footer into a new one
             res.skipped.append(f"merged segment {m.name} not merged again: {problems[0]} (run capturestore verify)")
             continue
+        if any("rows_sha256_binary" not in i for i in m.sources.values()):
+            m = _with_binary_hashes(m, t)
         replaced.append(m)
         again.append(t.replace_schema_metadata(None))
     # the merged segments whose rows merge unchanged with the new ones (a user column int64 in

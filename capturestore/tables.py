@@ -184,7 +184,29 @@ def ensure_schema_segments(root: Path) -> None:
 
 
 def rows_to_table(rows: Any, what: str) -> pa.Table:
-    """pyarrow.Table from a Table, a list of dicts, or a dict of columns."""
+    """pyarrow.Table from a Table, a list of dicts, or a dict of columns; ValueError naming the
+    column when an Arrow table given holds data that is not valid for its type."""
+    return _validated(_as_table(rows, what), what)
+
+
+def _validated(t: pa.Table, what: str) -> pa.Table:
+    """``t``, checked in full by Arrow (a string column's bytes are UTF-8, offsets in bounds):
+    a table built from raw buffers could hold a string of invalid UTF-8, which Parquet stores as
+    given and every later reader decoding it to Python (compaction's row hash) failed on."""
+    try:
+        t.validate(full=True)
+    except pa.ArrowInvalid as e:
+        for f, c in zip(t.schema, t.columns):
+            try:
+                c.validate(full=True)
+            except pa.ArrowInvalid as ce:
+                raise ValueError(f"{what}: column {f.name} ({f.type}) is not valid Arrow data: "
+                                 f"{str(ce).splitlines()[0]}") from None
+        raise ValueError(f"{what}: not valid Arrow data: {str(e).splitlines()[0]}") from None
+    return t
+
+
+def _as_table(rows: Any, what: str) -> pa.Table:
     if isinstance(rows, pa.Table):
         return rows
     if isinstance(rows, pa.RecordBatch):
