@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 from capturestore.errors import StoreError, WriterIdTaken
 from capturestore.footer import footer_bytes
 from capturestore.layout import PENDING_DIR, TABLES_DIR
-from capturestore.tables import RUN_TABLES, SCHEMA_SEGMENT, segment_bytes
+from capturestore.tables import RUN_TABLES, SCHEMA_SEGMENT, checked_file, read_checked, segment_bytes, validated
 
 __all__ = ["COMPACTED_PREFIX", "CompactResult", "MergedSegment", "SOURCE_COLUMN", "TableCompaction", "compact",
            "coverage", "grace_seconds", "is_merged", "logical_names", "merged_segments", "read_source", "rows_sha256",
@@ -226,8 +226,8 @@ def read_source(b, table: str, name: str, cover: dict[str, str] | None = None) -
     cover = coverage(b, table) if cover is None else cover
     merged = cover.get(name)
     if merged is None:
-        return pq.read_table(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{name}")))
-    t = pq.read_table(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{merged}")))
+        return read_checked(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{name}")))
+    t = read_checked(pa.BufferReader(b.read(f"{TABLES_DIR}/{table}/{merged}")))
     return _source_rows(t, name)
 
 
@@ -558,7 +558,7 @@ def merged_problems(b, table: str, m: MergedSegment, only: str | None = None, t:
         else:
             if t is None:
                 data = b.read(rel)
-                f = pq.ParquetFile(pa.BufferReader(data))
+                f = checked_file(pa.BufferReader(data))
                 t, md, foot = f.read(), f.metadata, footer_bytes(data)
             else:
                 md = md if md is not None else b.read_parquet_metadata(rel)
@@ -910,11 +910,12 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
     for n in candidates:
         try:
             data = b.read(f"{TABLES_DIR}/{table}/{n}")
-            t = pq.read_table(pa.BufferReader(data))
+            t = read_checked(pa.BufferReader(data))
         except FileNotFoundError:  # removed meanwhile (remove_run, gc): not ours to merge
             continue
-        except Exception:  # noqa: BLE001 - verify reports the unreadable segment
-            res.skipped.append(f"{n} is unreadable (run capturestore verify)")
+        except Exception as e:  # noqa: BLE001 - a page failing its CRC, a damaged file: verify reports it
+            res.skipped.append(f"{n} is unreadable ({str(e).splitlines()[0][:120] if str(e) else type(e).__name__}); "
+                               f"not merged (run capturestore verify)")
             continue
         sha = hashlib.sha256(data).hexdigest()
         if by_comparison and "comparison_id" in t.column_names:
@@ -927,9 +928,9 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
                 continue
         t = t.replace_schema_metadata(None)
         try:  # a string of invalid UTF-8 (a segment another tool wrote) has no row hash: the JSON one raised
-            t.validate(full=True)
-        except pa.ArrowInvalid as e:
-            res.skipped.append(f"{n} is not valid Arrow data ({str(e).splitlines()[0][:120]}); not merged")
+            validated(t, n)
+        except ValueError as e:
+            res.skipped.append(f"{str(e)[:200]}; not merged")
             continue
         sources[n] = {"rows": t.num_rows, "sha256": sha, "columns": t.column_names, "table": t}
         parts.append(t.append_column(SOURCE_COLUMN, pa.array([n] * t.num_rows, pa.string())))
@@ -939,7 +940,7 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
     for m in _tier(visible, sum(i["rows"] for i in sources.values())):
         try:
             data = b.read(f"{TABLES_DIR}/{table}/{m.name}")
-            f = pq.ParquetFile(pa.BufferReader(data))
+            f = checked_file(pa.BufferReader(data))
             t = f.read()
         except FileNotFoundError:
             continue

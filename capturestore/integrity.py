@@ -32,12 +32,21 @@ from capturestore.layout import (
     TABLES_DIR,
     TMP_SUFFIX,
 )
-from capturestore.compaction import coverage, grace_seconds, merged_segments, read_source, remove_finished_sources
+from capturestore.compaction import (
+    coverage,
+    grace_seconds,
+    is_merged,
+    merged_segments,
+    read_source,
+    remove_finished_sources,
+)
 from capturestore.tables import (
     RUN_TABLES,
     SCHEMA_SEGMENT,
+    read_checked,
     rows_to_table,
     segment_comparison_ids,
+    validated,
 )
 
 
@@ -317,7 +326,7 @@ def comparison_manifests(store) -> dict[str, list[dict[str, Any]] | None] | None
     out: dict[str, list[dict[str, Any]] | None] = {}
     for name in store.segment_names("comparisons"):
         try:
-            t = pq.read_table(pa.BufferReader(store.read_segment("comparisons", name)))
+            t = read_checked(pa.BufferReader(store.read_segment("comparisons", name)))
         except Exception:  # noqa: BLE001 - verify reports unreadable segments
             return None
         cols = {c: t.column(c).to_pylist() if c in t.column_names else [None] * t.num_rows
@@ -609,11 +618,18 @@ def verify(store_or_root: Any) -> VerifyReport:
     one) catalog.duckdb against a rebuild. ``store_or_root``: a Store, a Backend or a directory."""
     b = _as_backend(store_or_root)
     report = VerifyReport()
-    # 1. every segment must be readable Parquet
+    # 1. every segment must be readable Parquet; a segment a writer wrote is read whole, each page
+    # against its CRC and the rows checked by Arrow (UTF-8 strings): a damaged page read back as
+    # other values with no error, which only such a read finds (a merged segment's rows are checked
+    # against its footer's row hashes below, _verify_compacted)
     for t in b.listdir(TABLES_DIR):
         for name in b.segment_names(t):
             try:
-                pq.read_metadata(pa.BufferReader(b.read(f"{TABLES_DIR}/{t}/{name}")))
+                data = b.read(f"{TABLES_DIR}/{t}/{name}")
+                if is_merged(name):
+                    pq.read_metadata(pa.BufferReader(data))
+                else:
+                    validated(read_checked(pa.BufferReader(data)), "its rows")
             except Exception as e:  # noqa: BLE001
                 run = name.removesuffix(".parquet") if t in RUN_TABLES else None
                 report.append(Problem("bad-segment", f"table {t} segment {name} is unreadable: {e}", run_id=run))
@@ -630,6 +646,13 @@ def verify(store_or_root: Any) -> VerifyReport:
             prompts = rows_of("prompts", f"{run_id}.parquet", covers["prompts"]).to_pylist()
         except Exception as e:  # noqa: BLE001
             report.append(Problem("bad-segment", f"prompts/captures segment unreadable: {e}", run_id=run_id))
+            continue
+        for what, rows in (("prompts", prompts), ("captures", caps)):
+            other = sorted({repr(r.get("run_id")) for r in rows if r.get("run_id") != run_id})
+            if other:  # damaged, or written by another tool: the arrays would be looked up under another run
+                report.append(Problem("bad-segment", f"table {what} segment {run_id}.parquet holds rows of run "
+                                                     f"{other[0]}", run_id=run_id))
+        if any(r.get("run_id") != run_id for r in (*prompts, *caps)):
             continue
         have_tokens = {c["prompt_id"] for c in caps if c["array_name"] == "tokens"}
         for p in prompts:
@@ -731,7 +754,7 @@ class _SourceRows:
             return read_source(self.b, table, name, cover)
         key = (table, merged)
         if key not in self._split:
-            t = pq.read_table(pa.BufferReader(self.b.read(f"{TABLES_DIR}/{table}/{merged}")))
+            t = read_checked(pa.BufferReader(self.b.read(f"{TABLES_DIR}/{table}/{merged}")))
             empty = t.slice(0, 0).drop_columns([SOURCE_COLUMN]).replace_schema_metadata(None)
             self._split[key] = (split_sources(t), empty)
         by, empty = self._split[key]

@@ -23,7 +23,6 @@ Commit protocol without POSIX locks or renames (docs/scale.md):
 """
 from __future__ import annotations
 
-import io
 import json
 import os
 import socket
@@ -33,8 +32,6 @@ import weakref
 from datetime import UTC, datetime
 from typing import Any
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import zarr
 
 from capturestore.backends import (
@@ -287,12 +284,6 @@ def _modified(info: dict | None) -> datetime:
     if isinstance(value, datetime):
         return value if value.tzinfo else value.replace(tzinfo=UTC)
     return datetime.fromisoformat(str(value))
-
-
-def _parquet_bytes(table: pa.Table) -> bytes:
-    buf = io.BytesIO()
-    pq.write_table(table, buf)
-    return buf.getvalue()
 
 
 # ------------------------------------------------------------------------------ the lease

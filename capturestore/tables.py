@@ -106,6 +106,25 @@ def fsync_tree(root: Path) -> None:
 
 VECTOR_ROW_GROUP_BYTES = 1 << 20
 
+# Every segment's pages carry Parquet's CRC-32 page checksum, and every read of a segment in this
+# process checks it (``read_checked``, ``checked_file``): one flipped bit in a segment's zstd page
+# read back as another value with no error (a column summed to 4999950001 where 4999950000 was
+# written, through pyarrow and DuckDB alike). DuckDB does not check the CRC, so a query still
+# reads such a page; ``verify`` and ``compact`` (which would otherwise merge the damage into a new
+# segment with a fresh CRC and row hash) do. Segments written before carry none and read as before.
+WRITE_OPTIONS = {"write_page_checksum": True}
+
+
+def read_checked(source: Any, columns: list[str] | None = None) -> pa.Table:
+    """``pq.read_table`` of a segment (a path, a file or a ``pa.BufferReader``), every page's CRC
+    checked where the writer stored one (OSError naming the page when one differs)."""
+    return pq.read_table(source, columns=columns, page_checksum_verification=True)
+
+
+def checked_file(source: Any, **kw: Any) -> pq.ParquetFile:
+    """``pq.ParquetFile`` whose reads check every page's CRC (as ``read_checked``)."""
+    return pq.ParquetFile(source, page_checksum_verification=True, **kw)
+
 
 def _row_group_rows(data: pa.Table) -> int | None:
     """Rows per Parquet row group: pyarrow's default, except for rows holding float vectors (the
@@ -133,10 +152,10 @@ def write_segment(root: Path, table: str, data: pa.Table, segment: str | None = 
     tmp = segment_tmp_name(final)
     rows = _row_group_rows(data)
     if rows is None:
-        pq.write_table(data, tmp)
+        pq.write_table(data, tmp, **WRITE_OPTIONS)
     else:  # float vectors: byte-stream-split + zstd (dictionary pages of small row groups double them)
         vec = [f.name for f in data.schema if pa.types.is_list(f.type) and pa.types.is_floating(f.type.value_type)]
-        pq.write_table(data, tmp, row_group_size=rows, compression="zstd",
+        pq.write_table(data, tmp, row_group_size=rows, compression="zstd", **WRITE_OPTIONS,
                        use_dictionary=[n for n in data.column_names if n not in vec],
                        column_encoding=dict.fromkeys(vec, "BYTE_STREAM_SPLIT"))
     if durable:
@@ -162,7 +181,7 @@ def segment_bytes(data: pa.Table, store_schema: bool = True, groups: list[int] |
                 "column_encoding": dict.fromkeys(vec, "BYTE_STREAM_SPLIT")}
     if groups is not None and sum(groups) != data.num_rows:
         raise ValueError(f"segment_bytes: row groups of {sum(groups)} rows for a table of {data.num_rows}")
-    with pq.ParquetWriter(sink, data.schema, store_schema=store_schema, **opts) as w:
+    with pq.ParquetWriter(sink, data.schema, store_schema=store_schema, **WRITE_OPTIONS, **opts) as w:
         if groups is None:
             w.write_table(data, row_group_size=rows)
         else:  # each write starts a row group of its own (pyarrow never fills one across writes)
@@ -186,10 +205,10 @@ def ensure_schema_segments(root: Path) -> None:
 def rows_to_table(rows: Any, what: str) -> pa.Table:
     """pyarrow.Table from a Table, a list of dicts, or a dict of columns; ValueError naming the
     column when an Arrow table given holds data that is not valid for its type."""
-    return _validated(_as_table(rows, what), what)
+    return validated(_as_table(rows, what), what)
 
 
-def _validated(t: pa.Table, what: str) -> pa.Table:
+def validated(t: pa.Table, what: str) -> pa.Table:
     """``t``, checked in full by Arrow (a string column's bytes are UTF-8, offsets in bounds):
     a table built from raw buffers could hold a string of invalid UTF-8, which Parquet stores as
     given and every later reader decoding it to Python (compaction's row hash) failed on."""
@@ -300,7 +319,7 @@ def committed_comparison_ids(root: Path) -> set[str] | None:
     out: set[str] = set()
     for seg in segment_files(root, "comparisons"):
         try:
-            out |= set(pq.read_table(seg, columns=["comparison_id"]).column(0).to_pylist())
+            out |= set(read_checked(seg, columns=["comparison_id"]).column(0).to_pylist())
         except Exception:  # noqa: BLE001 - verify reports unreadable segments
             return None
     out.discard(None)
@@ -326,7 +345,7 @@ def segment_comparison_ids(seg: Path | bytes) -> set[str] | None:
         st = meta.row_group(i).column(col).statistics
         if st is None or not st.has_min_max or st.min != st.max or (st.has_null_count and st.null_count):
             src = seg if data is None else pa.BufferReader(data)
-            return set(pq.read_table(src, columns=["comparison_id"]).column(0).to_pylist()) - {None}
+            return set(read_checked(src, columns=["comparison_id"]).column(0).to_pylist()) - {None}
         ids.add(st.min if isinstance(st.min, str) else st.min.decode())
     return ids
 
@@ -342,7 +361,7 @@ def read_table(root: Path, table: str, run_id: str | None = None) -> pa.Table:
         files = [f for f in files if f.name == f"{run_id}.parquet"]
     else:
         files = [f for f in files if f.name != SCHEMA_SEGMENT]
-    parts = [pq.read_table(f) for f in files]
+    parts = [read_checked(f) for f in files]
     parts = [p.select([n for n in schema.names if n in p.column_names]) for p in parts]
     if not parts:
         return schema.empty_table()

@@ -1199,6 +1199,70 @@ def test_a_string_of_invalid_utf8_is_refused_at_append_and_left_unmerged_by_comp
     (res,) = store.compact(tables=["u"], grace_s=3600).tables
     assert res.rows == 2 and len(res.skipped) == 1 and other in res.skipped[0] and "not valid Arrow" in res.skipped[0]
     assert Store.open(root, create=False).sql("SELECT count(*) AS n FROM u").to_pylist() == [{"n": 3}]
+    # and verify names it (it read footers alone, and passed such a segment)
+    bad_segments = [p.message for p in store.verify() if p.kind == "bad-segment"]
+    assert len(bad_segments) == 1 and f"table u segment {other} is unreadable" in bad_segments[0] \
+        and "not valid Arrow data" in bad_segments[0], bad_segments
+
+
+def _flipped_silently(data: bytes) -> bytes:
+    """``data`` (one segment's bytes) with one bit flipped inside a column chunk such that a read
+    without the page CRC check succeeds and returns other rows: damage only the checksum finds."""
+    md = pq.read_metadata(pa.BufferReader(data))
+    want = pq.read_table(pa.BufferReader(data))
+    for i in range(md.num_columns):
+        c = md.row_group(0).column(i)
+        start = c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset
+        for at in range(start + c.total_compressed_size - 1, c.data_page_offset, -1):  # the page's values first
+            d = bytearray(data)
+            d[at] ^= 0x01
+            try:
+                got = pq.read_table(pa.BufferReader(bytes(d)))
+            except Exception:  # noqa: BLE001 - a flip that fails decoding: not the silent kind
+                continue
+            if not got.equals(want):
+                return bytes(d)
+    raise AssertionError("no single-bit flip of this segment reads back silently changed")
+
+
+@pytest.mark.parametrize("table", ["u", "prompts"])
+def test_a_flipped_bit_in_a_segment_is_found_by_verify_and_never_merged(tmp_path, table):
+    """Segments carry Parquet's page CRC and every in-process read checks it. A single flipped bit
+    in a segment's page read back as another value with no error (DuckDB's sum below, pyarrow too);
+    verify read only the footer of a segment and passed it, and compact merged the damaged rows
+    into a merged segment with a fresh CRC and row hash, after which nothing could find it."""
+    root = tmp_path / "store"
+    store = Store.open(root)
+    _scaled_run(store, 1.0)
+    _scaled_run(store, 2.0)
+    xs = [i / 8 for i in range(1000)]
+    store.append_table("u", {"x": xs, "k": [f"key-{i % 7}" for i in range(1000)]})
+    store.append_table("u", {"x": [0.25], "k": ["last"]})
+    # the largest segment: in u the one holding the 1000 rows (names written in one second sort at random)
+    seg = max(sorted((root / "tables" / table).glob("2*.parquet")), key=lambda f: pq.read_metadata(f).num_rows)
+    if table == "u":
+        assert pq.read_table(seg).column("x").to_pylist() == xs
+    run = seg.name.removesuffix(".parquet")
+    written = seg.read_bytes()
+    md = pq.read_metadata(pa.BufferReader(written))
+    assert all(md.row_group(0).column(i).to_dict()["compression"] for i in range(md.num_columns))
+    damaged = _flipped_silently(written)
+    seg.write_bytes(damaged)
+    assert not pq.read_table(pa.BufferReader(damaged)).equals(pq.read_table(pa.BufferReader(written)))  # shown
+    with pytest.raises(OSError, match="CRC"):
+        pq.read_table(pa.BufferReader(damaged), page_checksum_verification=True)
+
+    report = store.verify()
+    named = [p for p in report if p.kind == "bad-segment" and f"table {table} segment {seg.name}" in p.message]
+    assert not report.ok and len(named) == 1 and "CRC" in named[0].message, report.summary()
+    assert named[0].run_id == (run if table == "prompts" else None)
+
+    (res,) = store.compact(tables=[table], grace_s=3600).tables
+    assert any(seg.name in s and "CRC" in s for s in res.skipped), res.skipped
+    assert seg.read_bytes() == damaged and not any(
+        seg.name in json.dumps(pq.read_schema(m).metadata[b"capturestore.compaction"].decode())
+        for m in (root / "tables" / table).glob("compacted-*.parquet"))
+    assert any(seg.name in p.message for p in store.verify())  # still found, never laundered
 
 
 def test_a_table_with_its_own_filename_column_reads_before_and_after_compaction(url):
@@ -1969,3 +2033,19 @@ def test_a_held_lock_that_fails_to_release_warns_and_the_others_are_released(tmp
             rid = _scaled_run(store, 1.0)
             assert list((path / "pending").glob("*.json"))  # held while the block runs
     assert not list((path / "pending").glob("*.json")) and rid in store.committed_ids()
+
+
+def test_a_prompts_row_naming_another_run_is_a_bad_segment_not_a_traceback(tmp_path):
+    """verify looked a run's arrays up under the run id its prompts rows name: a segment whose rows
+    name another run (damage a segment without page CRC hides, or another tool's rewrite) made it
+    raise FileNotFoundError out of `verify`."""
+    root = tmp_path / "store"
+    store = Store.open(root)
+    _scaled_run(store, 1.0)
+    (seg,) = (root / "tables" / "prompts").glob("2*.parquet")
+    t = pq.read_table(seg)
+    t = t.set_column(t.schema.get_field_index("run_id"), "run_id", pa.array([None] * t.num_rows, pa.string()))
+    pq.write_table(t, seg)  # as a tool writing no page CRC would
+    report = store.verify()
+    assert [(p.kind, p.message) for p in report] == [
+        ("bad-segment", f"table prompts segment {seg.name} holds rows of run None")], report.summary()
