@@ -208,6 +208,33 @@ def test_one_sources_rows_read_from_its_row_groups_are_the_whole_files_rows_of_i
 
 
 @settings(max_examples=300, deadline=None)
+@given(names=st.lists(st.sampled_from(["a.parquet", "b.parquet", "c.parquet", None]), max_size=40),
+       contiguous=st.booleans(), cuts=st.lists(st.integers(0, 40), max_size=4),
+       kind=st.sampled_from(["string", "large_string", "dictionary"]))
+def test_split_sources_gives_each_sources_rows_in_order_whatever_their_layout(names, contiguous, cuts, kind):
+    """split_sources against the obvious oracle (one filter per name, nulls under None): the slices
+    it takes where each name's rows are one run (how compaction writes them, across chunk
+    boundaries too) and the sort it falls back to where a name comes back (another tool's file)."""
+    from capturestore.compaction import SOURCE_COLUMN, _source_runs, split_sources
+
+    if contiguous:
+        names = sorted(names, key=lambda n: (n is None, n or ""))
+    src = pa.array(names, pa.string())
+    src = src.dictionary_encode() if kind == "dictionary" else src.cast(getattr(pa, kind)())
+    t = pa.table({"i": pa.array(range(len(names)), pa.int64()), SOURCE_COLUMN: src})
+    bounds = sorted({0, len(names), *(c for c in cuts if c <= len(names))})
+    t = pa.concat_tables([t.slice(a, b - a) for a, b in zip(bounds, bounds[1:])] or [t])
+    got = {k: v.column("i").to_pylist() for k, v in split_sources(t).items()}
+    want = {}
+    for i, n in enumerate(names):
+        want.setdefault(n, []).append(i)
+    assert got == want
+    assert all(v.column_names == ["i"] for v in split_sources(t).values())
+    assert (_source_runs(t.column(SOURCE_COLUMN)) is not None) == (len(set(names)) == sum(
+        1 for i, n in enumerate(names) if i == 0 or names[i - 1] != n))
+
+
+@settings(max_examples=300, deadline=None)
 @given(runs=st.lists(st.integers(1, 40), max_size=14), target=st.integers(1, 30))
 def test_source_row_groups_keep_a_source_whole_unless_it_is_larger_than_the_target(runs, target):
     """The row groups of a merged segment, against what they must be, source run by run: every
