@@ -34,7 +34,7 @@ import zarr
 
 from capturestore.errors import StoreError, WriterIdTaken
 from capturestore.layout import FORMAT_FILE, PENDING_DIR, TABLES_DIR, TMP_SUFFIX
-from capturestore.tables import checked_file, read_checked
+from capturestore.tables import checked_file, naming_segment, read_checked
 
 MEMORY_SCHEME = "memory://"
 
@@ -119,7 +119,7 @@ class Backend:
         return [n for n in self.listdir(f"{TABLES_DIR}/{table}") if n.endswith(".parquet")]
 
     def read_parquet(self, rel: str, columns: list[str] | None = None) -> pa.Table:
-        return read_checked(pa.BufferReader(self.read(rel)), columns=columns)
+        return read_checked(pa.BufferReader(self.read(rel)), columns=columns, where=self.where(rel))
 
     def dead_temp_files(self) -> list[str]:
         """Temp objects left by writers that died (only a backend that renames has them)."""
@@ -208,7 +208,9 @@ class Backend:
         """``columns`` (None: all) of row groups ``groups`` (None: all) of a segment, reading only
         those; named columns dictionary-encoded (a merged segment's source column decodes ~20x
         faster so: its names repeat)."""
-        return _row_groups(checked_file(pa.BufferReader(self.read(rel)), read_dictionary=columns), groups, columns)
+        data = self.read(rel)
+        with naming_segment(self.where(rel)):
+            return _row_groups(checked_file(pa.BufferReader(data), read_dictionary=columns), groups, columns)
 
 
 def _footer_of(f) -> bytes:
@@ -317,7 +319,8 @@ class LocalBackend(Backend):
 
     def read_row_groups(self, rel: str, groups: list[int] | None, columns: list[str] | None) -> pa.Table:
         with open(self._p(rel), "rb") as f:
-            return _row_groups(checked_file(f, read_dictionary=columns), groups, columns)
+            with naming_segment(self.where(rel)):
+                return _row_groups(checked_file(f, read_dictionary=columns), groups, columns)
 
     def put(self, rel: str, data: bytes, if_absent: bool = False, durable: bool = False) -> None:
         from capturestore.tables import fsync_path
@@ -519,7 +522,8 @@ class FsspecBackend(Backend):
 
     def read_row_groups(self, rel: str, groups: list[int] | None, columns: list[str] | None) -> pa.Table:
         with self.fs.open(self.key(rel), "rb") as f:
-            return _row_groups(checked_file(f, read_dictionary=columns), groups, columns)
+            with naming_segment(self.where(rel)):
+                return _row_groups(checked_file(f, read_dictionary=columns), groups, columns)
 
 
 # ------------------------------------------------------------------------------ memory

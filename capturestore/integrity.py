@@ -641,11 +641,9 @@ def verify(store_or_root: Any) -> VerifyReport:
     for run_id in sorted(_segment_ids(b, "runs")):
         if not _verify_run_marker(run_id, report, covers["runs"], rows_of):
             continue
-        try:
-            caps = rows_of("captures", f"{run_id}.parquet", covers["captures"]).to_pylist()
-            prompts = rows_of("prompts", f"{run_id}.parquet", covers["prompts"]).to_pylist()
-        except Exception as e:  # noqa: BLE001
-            report.append(Problem("bad-segment", f"prompts/captures segment unreadable: {e}", run_id=run_id))
+        caps = _run_rows(rows_of, "captures", run_id, covers["captures"], report)
+        prompts = _run_rows(rows_of, "prompts", run_id, covers["prompts"], report)
+        if caps is None or prompts is None:
             continue
         for what, rows in (("prompts", prompts), ("captures", caps)):
             other = sorted({repr(r.get("run_id")) for r in rows if r.get("run_id") != run_id})
@@ -761,11 +759,27 @@ class _SourceRows:
         return by.get(name, empty)
 
 
+def _run_rows(rows_of: _SourceRows, table: str, run_id: str, cover: dict[str, str], report: VerifyReport,
+              columns: list[str] | None = None) -> list[dict] | None:
+    """A run's rows of a run table as dicts, or None where its segment (or the merged segment
+    holding them) cannot be read: reported once, naming that segment (step 1 of verify has
+    usually named it already; a read that fails only here, e.g. a merged segment removed since
+    the listing, is reported here, never passed over in silence)."""
+    name = f"{run_id}.parquet"
+    try:
+        t = rows_of(table, name, cover)
+        return (t.select(columns) if columns else t).to_pylist()
+    except Exception as e:  # noqa: BLE001 - any failure to read is a finding, not a crash of verify
+        seg = (cover or {}).get(name, name)
+        if not any(p.kind == "bad-segment" and f"table {table} segment {seg} " in p.message for p in report):
+            report.append(Problem("bad-segment", f"table {table} segment {seg} is unreadable: {e}", run_id=run_id))
+        return None
+
+
 def _verify_run_marker(run_id: str, report: VerifyReport, cover: dict[str, str], rows_of: _SourceRows) -> bool:
     """The runs segment of a run is its commit marker: exactly one complete row naming it."""
-    try:
-        rows = rows_of("runs", f"{run_id}.parquet", cover).select(["run_id", "status"]).to_pylist()
-    except Exception:  # noqa: BLE001 - already reported as a bad segment
+    rows = _run_rows(rows_of, "runs", run_id, cover, report, ["run_id", "status"])
+    if rows is None:
         return False
     if rows != [{"run_id": run_id, "status": "complete"}]:
         what = "no row" if not rows else f"{len(rows)} rows {[r['run_id'] for r in rows][:3]}"

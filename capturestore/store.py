@@ -627,7 +627,7 @@ class Store:
         got = self.backend.read_many([f"{TABLES_DIR}/{table}/{n}" for n in names])
         if retry and any(v is None for v in got.values()) and is_merged_anywhere(self.backend, table):
             raise _SourceGone
-        parts = [read_checked(pa.BufferReader(v)) for v in got.values() if v is not None]
+        parts = [read_checked(pa.BufferReader(v), where=self.backend.where(k)) for k, v in got.items() if v is not None]
         merged = sorted({m for src, m in cover.items()
                          if (run_id is None or src == f"{run_id}.parquet")
                          and (table == "runs" or src.removesuffix(".parquet") in ok)})
@@ -636,7 +636,7 @@ class Store:
                 if retry:  # merged again and removed after its grace: list again
                     raise _SourceGone
                 raise StoreError(f"{self.root}: merged segment {m} was listed but is gone; retry the read")
-            t = read_checked(pa.BufferReader(v))
+            t = read_checked(pa.BufferReader(v), where=self.backend.where(m))
             keep = [f"{run_id}.parquet"] if run_id is not None else \
                 [src for src, mm in cover.items() if mm == m.rsplit("/", 1)[-1]
                  and (table == "runs" or src.removesuffix(".parquet") in ok)]

@@ -9,9 +9,11 @@ a ``comparison_id`` column are invisible until their comparison has its row (int
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -115,10 +117,30 @@ VECTOR_ROW_GROUP_BYTES = 1 << 20
 WRITE_OPTIONS = {"write_page_checksum": True}
 
 
-def read_checked(source: Any, columns: list[str] | None = None) -> pa.Table:
+def read_checked(source: Any, columns: list[str] | None = None, where: str | None = None) -> pa.Table:
     """``pq.read_table`` of a segment (a path, a file or a ``pa.BufferReader``), every page's CRC
-    checked where the writer stored one (OSError naming the page when one differs)."""
-    return pq.read_table(source, columns=columns, page_checksum_verification=True)
+    checked where the writer stored one (OSError naming the page when one differs). where: the
+    segment as a user finds it, named in the error (default: the path, where source is one)."""
+    with naming_segment(where if where is not None or not isinstance(source, (str, Path)) else str(source)):
+        return pq.read_table(source, columns=columns, page_checksum_verification=True)
+
+
+@contextlib.contextmanager
+def naming_segment(where: str | None) -> Iterator[None]:
+    """Errors of the Parquet reader inside (a failed page CRC, an undecodable page or footer: Arrow
+    names neither the file nor the table) re-raised as their own type, the segment named first, so
+    that a command reading the store says which file, not only "CRC checksum verification failed
+    for page_ordinal 0". where None: unchanged."""
+    try:
+        yield
+    except (OSError, pa.ArrowException) as e:
+        if where is None or where in str(e):
+            raise
+        try:
+            named = type(e)(f"segment {where}: {e} (`capturestore verify` lists every damaged segment)")
+        except Exception:  # noqa: BLE001 - an exception type that takes other arguments: as it came
+            raise e from None
+        raise named from e
 
 
 def checked_file(source: Any, **kw: Any) -> pq.ParquetFile:
