@@ -825,6 +825,30 @@ def _merged_table(parts: list[pa.Table], sources: dict[str, dict[str, Any]],
     return merged, meta
 
 
+def _first_line(e: BaseException) -> str:
+    """An error's first line (at most 200 characters), or its type's name where it says nothing."""
+    return str(e).splitlines()[0][:200] if str(e).strip() else type(e).__name__
+
+
+def _type_clash(parts: list[pa.Table]) -> str:
+    """Which column's type differs between ``parts`` (each holding its rows' source names in
+    SOURCE_COLUMN) and in which segments, for the skipped list: "column x is int64 in A.parquet,
+    double in B.parquet" (the first such column), or where the types agree and a value still would
+    not read back unchanged, so."""
+    seen: dict[str, tuple[pa.DataType, str]] = {}
+    for p in parts:
+        src = p.column(SOURCE_COLUMN)
+        where = src[0].as_py() if len(src) else "an empty segment"
+        for f in p.schema:
+            if f.name == SOURCE_COLUMN:
+                continue
+            if f.name in seen and not seen[f.name][0].equals(f.type):
+                t0, w0 = seen[f.name]
+                return f"column {f.name!r} is {t0} in {w0}, {f.type} in {where}"
+            seen.setdefault(f.name, (f.type, where))
+    return "the types agree, a value would not read back unchanged"
+
+
 def _entry(info: dict[str, Any], h: str, binary: str | None) -> dict[str, Any]:
     """A source's footer entry: its row count, SHA-256 of its bytes, its row hashes (the binary
     one where its columns have that form; the JSON one always, which a capturestore that knows no
@@ -979,7 +1003,10 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
         committed = set(logical_names(b, "runs"))
         ok = [n for n in candidates if n in committed and not alive(n.removesuffix(".parquet"))]
         if len(ok) < len(candidates):
-            res.skipped.append(f"{len(candidates) - len(ok)} segment(s) of runs not committed or still being written")
+            kept = set(ok)
+            left = [n for n in candidates if n not in kept]
+            res.skipped.append(f"{len(left)} segment(s) of runs not committed or still being written: "
+                               f"{', '.join(left[:3])}{', ...' if len(left) > 3 else ''}")
         candidates = ok
     elif by_comparison:
         got = integrity.committed_comparisons(b)
@@ -1001,8 +1028,7 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
         except FileNotFoundError:  # removed meanwhile (remove_run, gc): not ours to merge
             continue
         except Exception as e:  # noqa: BLE001 - a page failing its CRC, a damaged footer: verify reports it
-            res.skipped.append(f"{n} is unreadable ({str(e).splitlines()[0][:200] if str(e) else type(e).__name__}); "
-                               f"not merged (run capturestore verify)")
+            res.skipped.append(f"{n} is unreadable ({_first_line(e)}); not merged (run capturestore verify)")
             continue
         sha = hashlib.sha256(data).hexdigest()
         if by_comparison and "comparison_id" in t.column_names:
@@ -1026,8 +1052,9 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
             t = f.read()
         except FileNotFoundError:
             continue
-        except Exception:  # noqa: BLE001 - verify reports the unreadable segment
-            res.skipped.append(f"merged segment {m.name} is unreadable (run capturestore verify)")
+        except Exception as e:  # noqa: BLE001 - verify reports the unreadable segment
+            res.skipped.append(f"merged segment {m.name} is unreadable ({_first_line(e)}); not merged again "
+                               f"(run capturestore verify)")
             continue
         problems = merged_problems(b, table, m, t=t, md=f.metadata, foot=footer_bytes(data))
         if problems:  # never launder rows that disagree with their footer into a new one
@@ -1044,8 +1071,8 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
     if parts and (len(parts) >= 2 or replaced):
         merged, meta_sources = _merged_table(parts, sources, {})
         if merged is None:
-            res.skipped.append("segments do not merge unchanged (a column's type differs between them): left as "
-                               "written")
+            res.skipped.append(f"segments do not merge unchanged (a column's type differs between them: "
+                               f"{_type_clash(parts)}): left as written")
         else:
             base = parts
     kept: list[MergedSegment] = []
@@ -1059,7 +1086,7 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
                               {s: i for x in (*kept, m) for s, i in x.sources.items()})
         if trial[0] is None:
             res.skipped.append(f"merged segment {m.name} not merged again: its rows and the others' do not merge "
-                               f"unchanged (a column's type differs)")
+                               f"unchanged (a column's type differs: {_type_clash(base + kept_tables + [t])})")
             continue
         kept.append(m)
         kept_tables.append(t)

@@ -1999,6 +1999,9 @@ def test_a_merged_segment_whose_column_type_differs_from_new_segments_is_left_an
     by = {t.table: t for t in store.compact(grace_s=0).tables}
     assert by["t"].merged and by["t"].remerged == [] and by["t"].rows == 2
     assert any("not merged again" in s and "type differs" in s for s in by["t"].skipped), by["t"].skipped
+    # which column, which types, where (the message said only "a column's type differs")
+    assert any(re.search(r"column 'x' is (int64|double) in \S+\.parquet, (double|int64) in \S+\.parquet", s)
+               for s in by["t"].skipped), by["t"].skipped
     assert by["runs"].merged and by["runs"].rows == 2  # a table after it is compacted too
     assert _seen(store) == before
     assert store.verify().ok
@@ -2014,6 +2017,10 @@ def test_a_merged_segment_whose_column_type_differs_from_new_segments_is_left_an
     _scaled_run(store, 5.0)
     by = {t.table: t for t in store.compact(grace_s=0).tables}
     assert by["u"].merged is None and any("type differs" in s for s in by["u"].skipped)
+    u_segs = sorted(p.name for p in (tmp_path / "store" / "tables" / "u").glob("2*.parquet"))
+    assert any(f"column 'x' is int64 in {u_segs[0]}, double in {u_segs[1]}" in s or
+               f"column 'x' is int64 in {u_segs[1]}, double in {u_segs[0]}" in s for s in by["u"].skipped), \
+        (u_segs, by["u"].skipped)
     assert by["runs"].merged and store.sql("SELECT x FROM u ORDER BY k").column("x").to_pylist() == [1.0, 1.5]
 
 
@@ -2063,6 +2070,11 @@ def test_segments_compaction_cannot_merge_do_not_make_every_commit_compact(tmp_p
         _scaled_run(store, 1.1 + i / 100)
     assert sum("prompts" in c for c in calls) <= 3, calls
     assert store.prompts().num_rows == 14 and store.runs().num_rows == 7
+    # what was left is named (the skipped list said only how many)
+    (res,) = real(store, ["prompts"]).tables
+    dead = [f"20990101T00000{i}-dead{i:04d}.parquet" for i in range(4)]
+    assert f"4 segment(s) of runs not committed or still being written: {', '.join(dead[:3])}, ..." in res.skipped, \
+        res.skipped
 
 
 def test_verify_finds_a_merged_segment_that_replaces_one_without_holding_all_its_sources(tmp_path):
