@@ -215,9 +215,11 @@ def merged_copy(tables: Path, table: str, out: Path) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from capturestore.tables import read_checked
+
     parts = []
     for f in sorted((tables / table).glob("*.parquet")):
-        t = pq.read_table(f)
+        t = read_checked(f)  # page CRCs checked, as every read of a segment in the project
         parts.append(t.append_column("__capturestore_source", pa.array([f.name] * t.num_rows, pa.string())))
     out.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.concat_tables(parts, promote_options="default"), out / "compacted-0.parquet")
