@@ -126,6 +126,144 @@ class _Reader:
             return {fid: self.value(ft, depth + 1) for fid, ft in self.fields()}
         raise FooterError(f"unknown Thrift type {t}")
 
+    def skip(self, t: int, depth: int = 0) -> None:
+        """Pass over a value of type ``t`` as ``value`` decodes it (``_skip``)."""
+        self.i = _skip(self.d, self.i, t, depth)
+
+    def pruned(self, t: int, keep: dict | None, depth: int = 0):
+        """``value(t)`` with only the struct fields ``keep`` names decoded (the others passed over by
+        ``skip``, with the same checks): keep maps a field id to what to keep of that field's value
+        (None: all of it); for a list or set, to what to keep of each element. The result is
+        ``value``'s with every other field left out, and the same footers raise."""
+        if keep is None or t not in (_STRUCT, _LIST, _SET):
+            return self.value(t, depth)
+        if depth > _DEPTH:
+            raise FooterError("values nested too deep")
+        if t == _STRUCT:
+            out = {}
+            for fid, ft in self.fields():
+                if fid in keep:
+                    out[fid] = self.pruned(ft, keep[fid], depth + 1)
+                else:
+                    self.i = _skip(self.d, self.i, ft, depth + 1)
+            return out
+        n, et = self.list_header()
+        if et in (_TRUE, _FALSE):
+            return [self.byte() == 1 for _ in range(n)]
+        return [self.pruned(et, keep, depth + 1) for _ in range(n)]
+
+
+def _varint_at(d: bytes, i: int) -> tuple[int, int]:
+    """(the varint at d[i:], the index after it), as ``_Reader.varint`` reads it."""
+    out = shift = 0
+    n = len(d)
+    while True:
+        if i >= n:
+            raise FooterError("the footer ends inside a value")
+        b = d[i]
+        i += 1
+        out |= (b & 0x7F) << shift
+        if b < 0x80:
+            return out, i
+        shift += 7
+        if shift > 70:
+            raise FooterError("a varint longer than 10 bytes")
+
+
+def _skip(d: bytes, i: int, t: int, depth: int) -> int:
+    """The index after the value of type ``t`` at d[i:], passed over with ``_Reader.value``'s checks
+    (the same footers raise ``FooterError``) and nothing built: the byte loop inline, not a method
+    call a byte (most of a footer is what ``row_group_statistics`` does not read: 3.5x faster than
+    decoding it whole, measured on run tables' segments)."""
+    if depth > _DEPTH:
+        raise FooterError("values nested too deep")
+    n = len(d)
+    if t == _STRUCT:
+        while True:
+            if i >= n:
+                raise FooterError("the footer ends inside a value")
+            b = d[i]
+            i += 1
+            ft = b & 0x0F
+            if ft == _STOP:
+                return i
+            if not b >> 4:  # the field id as a zigzag varint
+                _, i = _varint_at(d, i)
+            if depth + 1 > _DEPTH:
+                raise FooterError("values nested too deep")
+            if _I16 <= ft <= _I64:
+                shift = 0
+                while True:
+                    if i >= n:
+                        raise FooterError("the footer ends inside a value")
+                    b = d[i]
+                    i += 1
+                    if b < 0x80:
+                        break
+                    shift += 7
+                    if shift > 70:
+                        raise FooterError("a varint longer than 10 bytes")
+            elif ft == _BINARY:
+                m, i = _varint_at(d, i)
+                if i + m > n:
+                    raise FooterError("a value runs past the footer's end")
+                i += m
+            elif ft != _TRUE and ft != _FALSE:
+                i = _skip(d, i, ft, depth + 1)
+    if _I16 <= t <= _I64:
+        _, i = _varint_at(d, i)
+        return i
+    if t == _BINARY:
+        m, i = _varint_at(d, i)
+        if i + m > n:
+            raise FooterError("a value runs past the footer's end")
+        return i + m
+    if t == _LIST or t == _SET:
+        if i >= n:
+            raise FooterError("the footer ends inside a value")
+        b = d[i]
+        i += 1
+        size, et = b >> 4, b & 0x0F
+        if size == 15:
+            size, i = _varint_at(d, i)
+        if size > n - i:
+            raise FooterError(f"a container of {size} elements in {n - i} bytes")
+        if et == _TRUE or et == _FALSE:  # a byte each in a container
+            return i + size
+        for _ in range(size):
+            i = _skip(d, i, et, depth + 1)
+        return i
+    if t == _TRUE or t == _FALSE:
+        return i
+    if t == _BYTE:
+        if i >= n:
+            raise FooterError("the footer ends inside a value")
+        return i + 1
+    if t == _DOUBLE:
+        if i + 8 > n:
+            raise FooterError("a value runs past the footer's end")
+        return i + 8
+    if t == _MAP:
+        size, i = _varint_at(d, i)
+        if size > n - i:
+            raise FooterError(f"a container of {size} elements in {n - i} bytes")
+        if not size:
+            return i
+        if i >= n:
+            raise FooterError("the footer ends inside a value")
+        kv = d[i]
+        i += 1
+        for _ in range(size):
+            for et in (kv >> 4, kv & 0x0F):
+                if et == _TRUE or et == _FALSE:
+                    if i >= n:
+                        raise FooterError("the footer ends inside a value")
+                    i += 1
+                else:
+                    i = _skip(d, i, et, depth + 1)
+        return i
+    raise FooterError(f"unknown Thrift type {t}")
+
 
 def footer_length(size: int, tail: bytes) -> int:
     """The length of the footer of a Parquet file of ``size`` bytes whose last 8 bytes are
@@ -144,11 +282,19 @@ def footer_bytes(data: bytes) -> bytes:
     return data[len(data) - 8 - n:len(data) - 8]
 
 
+# What row_group_statistics reads of FileMetaData: its row groups (4), their column chunks (1), each
+# one's ColumnMetaData (3): physical type (1), path (3) and statistics (12). The rest of the
+# footer (the schema, key-value metadata, offsets, sizes, encodings: most of its bytes) is
+# passed over unbuilt, checked as it is when decoded: 0.43 ms a footer of a run table's segment
+# decoded whole, most of verify's statistics check (docs/compact.md).
+_STATISTICS_FIELDS = {4: {1: {3: {1: None, 3: None, 12: None}}}}
+
+
 @functools.lru_cache(maxsize=16)
 def row_group_statistics(footer: bytes) -> tuple[tuple[ChunkStatistics, ...], ...]:
     """Per row group, per column chunk: its statistics as the footer holds them. Kept for the
     last footers decoded (check_evidence reads the same merged segment's for each comparison)."""
-    meta = _Reader(footer).value(_STRUCT)
+    meta = _Reader(footer).pruned(_STRUCT, _STATISTICS_FIELDS)
     groups = meta.get(4)
     if not isinstance(groups, list):
         raise FooterError("no row group list")
