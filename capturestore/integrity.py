@@ -646,12 +646,14 @@ def verify(store_or_root: Any) -> VerifyReport:
         prompts = _run_rows(rows_of, "prompts", run_id, covers["prompts"], report)
         if caps is None or prompts is None:
             continue
+        foreign = False
         for what, rows in (("prompts", prompts), ("captures", caps)):
             other = sorted({repr(r.get("run_id")) for r in rows if r.get("run_id") != run_id})
             if other:  # damaged, or written by another tool: the arrays would be looked up under another run
                 report.append(Problem("bad-segment", f"table {what} segment {run_id}.parquet holds rows of run "
                                                      f"{other[0]}", run_id=run_id))
-        if any(r.get("run_id") != run_id for r in (*prompts, *caps)):
+                foreign = True
+        if foreign:
             continue
         have_tokens = {c["prompt_id"] for c in caps if c["array_name"] == "tokens"}
         for p in prompts:
