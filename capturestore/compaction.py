@@ -830,23 +830,40 @@ def _first_line(e: BaseException) -> str:
     return str(e).splitlines()[0][:200] if str(e).strip() else type(e).__name__
 
 
-def _type_clash(parts: list[pa.Table]) -> str:
-    """Which column's type differs between ``parts`` (each holding its rows' source names in
-    SOURCE_COLUMN) and in which segments, for the skipped list: "column x is int64 in A.parquet,
-    double in B.parquet" (the first such column), or where the types agree and a value still would
-    not read back unchanged, so."""
-    seen: dict[str, tuple[pa.DataType, str]] = {}
-    for p in parts:
-        src = p.column(SOURCE_COLUMN)
-        where = src[0].as_py() if len(src) else "an empty segment"
+def _type_clash(named: list[tuple[str, pa.Table]]) -> str:
+    """Why segments (``(name, its rows)``) do not merge unchanged, for the skipped list: the first
+    column whose type differs between them and whose values would not read back unchanged merged
+    ("a column's type differs: column 'x' is int64 in A.parquet, double in B.parquet"), each column
+    tried alone as ``_merged_table`` tries the rows (a null column beside a string one, or string
+    beside large_string, merges unchanged and is not the cause); else what is known."""
+    firsts: dict[str, tuple[pa.DataType, str]] = {}
+    differing: dict[str, tuple[str, pa.DataType, str, pa.DataType]] = {}
+    for label, p in named:
         for f in p.schema:
             if f.name == SOURCE_COLUMN:
                 continue
-            if f.name in seen and not seen[f.name][0].equals(f.type):
-                t0, w0 = seen[f.name]
-                return f"column {f.name!r} is {t0} in {w0}, {f.type} in {where}"
-            seen.setdefault(f.name, (f.type, where))
-    return "the types agree, a value would not read back unchanged"
+            if f.name not in firsts:
+                firsts[f.name] = (f.type, label)
+            elif f.name not in differing and not firsts[f.name][0].equals(f.type):
+                t0, l0 = firsts[f.name]
+                differing[f.name] = (l0, t0, label, f.type)
+    for col, (l0, t0, l1, t1) in differing.items():
+        cols = [p.select([col]) for _, p in named if col in p.column_names]
+        try:
+            merged = pa.concat_tables(cols, promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            merged = None
+        off, changed = 0, merged is None
+        for c in cols:
+            if not changed:
+                changed = rows_sha256(merged.slice(off, c.num_rows)) != rows_sha256(c)
+            off += c.num_rows
+        if changed:
+            return f"a column's type differs: column {col!r} is {t0} in {l0}, {t1} in {l1}"
+    if differing:
+        return (f"column types differ only where they merge unchanged ({', '.join(map(repr, differing))}); "
+                f"a value would not read back unchanged")
+    return "the column types agree; a value would not read back unchanged"
 
 
 def _entry(info: dict[str, Any], h: str, binary: str | None) -> dict[str, Any]:
@@ -1071,8 +1088,8 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
     if parts and (len(parts) >= 2 or replaced):
         merged, meta_sources = _merged_table(parts, sources, {})
         if merged is None:
-            res.skipped.append(f"segments do not merge unchanged (a column's type differs between them: "
-                               f"{_type_clash(parts)}): left as written")
+            res.skipped.append(f"segments do not merge unchanged ({_type_clash(list(zip(sources, parts)))}): left as "
+                               f"written")
         else:
             base = parts
     kept: list[MergedSegment] = []
@@ -1085,8 +1102,10 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
         trial = _merged_table(base + kept_tables + [t], sources if base else {},
                               {s: i for x in (*kept, m) for s, i in x.sources.items()})
         if trial[0] is None:
+            named = [*zip(sources if base else (), base), *((k.name, kt) for k, kt in zip(kept, kept_tables)),
+                     (m.name, t)]
             res.skipped.append(f"merged segment {m.name} not merged again: its rows and the others' do not merge "
-                               f"unchanged (a column's type differs: {_type_clash(base + kept_tables + [t])})")
+                               f"unchanged ({_type_clash(named)})")
             continue
         kept.append(m)
         kept_tables.append(t)

@@ -126,10 +126,6 @@ class _Reader:
             return {fid: self.value(ft, depth + 1) for fid, ft in self.fields()}
         raise FooterError(f"unknown Thrift type {t}")
 
-    def skip(self, t: int, depth: int = 0) -> None:
-        """Pass over a value of type ``t`` as ``value`` decodes it (``_skip``)."""
-        self.i = _skip(self.d, self.i, t, depth)
-
     def pruned(self, t: int, keep: dict | None, depth: int = 0):
         """``value(t)`` with only the struct fields ``keep`` names decoded (the others passed over by
         ``skip``, with the same checks): keep maps a field id to what to keep of that field's value

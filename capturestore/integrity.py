@@ -750,6 +750,9 @@ def _check_segment(b, t: str, name: str, report: VerifyReport) -> None:
         else:
             plain_segment_rows(data, t)
     except Exception as e:  # noqa: BLE001
+        if isinstance(e, FileNotFoundError) and t in RUN_TABLES and not is_merged(name) \
+                and _gone_since_listing(b, t, name) is not None:
+            return  # its run removed, or the segment merged (then checked with its merged segment), since the listing
         run = name.removesuffix(".parquet") if t in RUN_TABLES else None
         report.append(Problem("bad-segment", f"table {t} segment {name} is unreadable: {e}", run_id=run))
 
@@ -766,6 +769,7 @@ class _SourceRows:
         self._split: dict[tuple[str, str], tuple[dict[str, pa.Table], pa.Table]] = {}
         self.deferred = deferred or set()
         self.checked: set[tuple[str, str]] = set()
+        self._failed: dict[tuple[str, str], Exception] = {}
 
     def __call__(self, table: str, name: str, cover: dict[str, str] | None) -> pa.Table:
         from capturestore.compaction import SOURCE_COLUMN, split_sources
@@ -777,8 +781,16 @@ class _SourceRows:
                 return plain_segment_rows(self.b.read(f"{TABLES_DIR}/{table}/{name}"), table)
             return read_source(self.b, table, name, cover)
         key = (table, merged)
+        if key in self._failed:  # read once: a damaged merged segment is not read again for each run it holds
+            raise self._failed[key]
         if key not in self._split:
-            t = read_checked(pa.BufferReader(self.b.read(f"{TABLES_DIR}/{table}/{merged}")))
+            try:
+                t = read_checked(pa.BufferReader(self.b.read(f"{TABLES_DIR}/{table}/{merged}")))
+            except FileNotFoundError:
+                raise
+            except Exception as e:
+                self._failed[key] = e
+                raise
             empty = t.slice(0, 0).drop_columns([SOURCE_COLUMN]).replace_schema_metadata(None)
             self._split[key] = (split_sources(t), empty)
         by, empty = self._split[key]
@@ -792,14 +804,38 @@ def _run_rows(rows_of: _SourceRows, table: str, run_id: str, cover: dict[str, st
     usually named it already; a read that fails only here, e.g. a merged segment removed since
     the listing, is reported here, never passed over in silence)."""
     name = f"{run_id}.parquet"
-    try:
-        t = rows_of(table, name, cover)
-        return (t.select(columns) if columns else t).to_pylist()
-    except Exception as e:  # noqa: BLE001 - any failure to read is a finding, not a crash of verify
+    for attempt in (0, 1):
+        try:
+            t = rows_of(table, name, cover)
+            return (t.select(columns) if columns else t).to_pylist()
+        except FileNotFoundError as e:  # removed or merged since the listing: not damage, unless neither
+            gone = _gone_since_listing(rows_of.b, table, name)
+            if gone == "removed":  # the run was removed (a roll-back, remove_run): nothing left to check
+                return None
+            if gone == "merged" and attempt == 0:  # read its rows where they are now
+                cover = coverage(rows_of.b, table)
+                continue
+            err: Exception = e
+        except Exception as e:  # noqa: BLE001 - any failure to read is a finding, not a crash of verify
+            err = e
         seg = (cover or {}).get(name, name)
-        if not any(p.kind == "bad-segment" and f"table {table} segment {seg} " in p.message for p in report):
-            report.append(Problem("bad-segment", f"table {table} segment {seg} is unreadable: {e}", run_id=run_id))
+        if not any(p.kind == "bad-segment" and (f"table {table} segment {seg} " in p.message
+                                                or f"table {table} merged segment {seg} " in p.message)
+                   for p in report):
+            report.append(Problem("bad-segment", f"table {table} segment {seg} is unreadable: {err}", run_id=run_id))
         return None
+    return None
+
+
+def _gone_since_listing(b, table: str, name: str) -> str | None:
+    """Why a run-table segment ``name`` listed earlier in this verify cannot be read now: "removed"
+    (its run is no longer committed: rolled back or removed by another process), "merged" (a
+    merged segment covers it now: compaction removes sources after their grace), or None (the run
+    is committed and its rows are nowhere: a finding)."""
+    run = name.removesuffix(".parquet")
+    if run not in _segment_ids(b, "runs"):
+        return "removed"
+    return "merged" if name in coverage(b, table) else None
 
 
 def _verify_run_marker(run_id: str, report: VerifyReport, cover: dict[str, str], rows_of: _SourceRows) -> bool:

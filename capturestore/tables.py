@@ -136,8 +136,10 @@ def naming_segment(where: str | None) -> Iterator[None]:
     except (OSError, pa.ArrowException) as e:
         if where is None or where in str(e):
             raise
+        damage = "CRC" in str(e) or isinstance(e, pa.ArrowInvalid)  # not so a network error or a missing column
+        hint = " (`capturestore verify` lists every damaged segment)" if damage else ""
         try:
-            named = type(e)(f"segment {where}: {e} (`capturestore verify` lists every damaged segment)")
+            named = type(e)(f"segment {where}: {e}{hint}")
         except Exception:  # noqa: BLE001 - an exception type that takes other arguments: as it came
             raise e from None
         raise named from e
