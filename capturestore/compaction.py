@@ -831,39 +831,48 @@ def _first_line(e: BaseException) -> str:
 
 
 def _type_clash(named: list[tuple[str, pa.Table]]) -> str:
-    """Why segments (``(name, its rows)``) do not merge unchanged, for the skipped list: the first
-    column whose type differs between them and whose values would not read back unchanged merged
-    ("a column's type differs: column 'x' is int64 in A.parquet, double in B.parquet"), each column
-    tried alone as ``_merged_table`` tries the rows (a null column beside a string one, or string
-    beside large_string, merges unchanged and is not the cause); else what is known."""
-    firsts: dict[str, tuple[pa.DataType, str]] = {}
-    differing: dict[str, tuple[str, pa.DataType, str, pa.DataType]] = {}
+    """Why segments (``(name, its rows)``) do not merge unchanged, for the skipped list: a column
+    whose values in some segment would not read back unchanged merged ("a column's type differs:
+    column 'x' is int64 in A.parquet, double in B.parquet", B one holding the merged type), each
+    column tried alone as ``_merged_table`` tries the rows (a null column beside a string one, or
+    string beside large_string, merges unchanged and is not named); else what is known. Never
+    raises: it only words a refusal already made."""
+    try:
+        return _type_clash_of(named)
+    except Exception as e:  # noqa: BLE001 - e.g. a value the row hash cannot render
+        return f"a column's type differs ({type(e).__name__} while finding which)"
+
+
+def _type_clash_of(named: list[tuple[str, pa.Table]]) -> str:
+    cols: dict[str, list[tuple[str, pa.ChunkedArray]]] = {}
     for label, p in named:
         for f in p.schema:
-            if f.name == SOURCE_COLUMN:
-                continue
-            if f.name not in firsts:
-                firsts[f.name] = (f.type, label)
-            elif f.name not in differing and not firsts[f.name][0].equals(f.type):
-                t0, l0 = firsts[f.name]
-                differing[f.name] = (l0, t0, label, f.type)
-    for col, (l0, t0, l1, t1) in differing.items():
-        cols = [p.select([col]) for _, p in named if col in p.column_names]
+            if f.name != SOURCE_COLUMN:
+                cols.setdefault(f.name, []).append((label, p.column(f.name)))
+    for col, parts in cols.items():
+        if all(c.type.equals(parts[0][1].type) for _, c in parts):
+            continue
         try:
-            merged = pa.concat_tables(cols, promote_options="permissive")
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            merged = None
-        off, changed = 0, merged is None
-        for c in cols:
-            if not changed:
-                changed = rows_sha256(merged.slice(off, c.num_rows)) != rows_sha256(c)
-            off += c.num_rows
-        if changed:
-            return f"a column's type differs: column {col!r} is {t0} in {l0}, {t1} in {l1}"
-    if differing:
-        return (f"column types differ only where they merge unchanged ({', '.join(map(repr, differing))}); "
-                f"a value would not read back unchanged")
-    return "the column types agree; a value would not read back unchanged"
+            merged = pa.concat_tables([pa.table({col: c}) for _, c in parts], promote_options="permissive")
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError):
+            label, c = parts[0]
+            other = next(lab for lab, d in parts if not d.type.equals(c.type))
+            return f"a column's type differs: column {col!r} is {c.type} in {label}, no common type with " \
+                   f"{next(d.type for lab, d in parts if lab == other)} in {other}"
+        mt = merged.schema.field(col).type
+        off = 0
+        for label, c in parts:
+            if not c.type.equals(mt) and not _same_rows(merged.slice(off, len(c)), pa.table({col: c})):
+                holder = next((lab for lab, d in parts if d.type.equals(mt)), "the merged type")
+                return f"a column's type differs: column {col!r} is {c.type} in {label}, {mt} in {holder}"
+            off += len(c)
+    return "the column types agree or merge unchanged; a value would not read back unchanged"
+
+
+def _same_rows(a: pa.Table, b: pa.Table) -> bool:
+    """Whether two tables' rows hash alike: the binary row hash where both have that form, else the JSON one."""
+    ha, hb = rows_sha256_binary(a), rows_sha256_binary(b)
+    return ha == hb if ha is not None and hb is not None else rows_sha256(a) == rows_sha256(b)
 
 
 def _entry(info: dict[str, Any], h: str, binary: str | None) -> dict[str, Any]:

@@ -673,6 +673,8 @@ def verify(store_or_root: Any) -> VerifyReport:
         if len(report) == n_before:  # arrays sound: do the tokens agree with the catalog?
             for p in prompts:
                 _verify_prompt_tokens(b, p, report)
+        if len(report) > n_before and _gone_since_listing(b, "runs", f"{run_id}.parquet") == "removed":
+            del report[n_before:]  # removed while its arrays were read (remove_run deletes its marker first)
     for t, name in sorted(deferred - rows_of.checked):  # e.g. the prompts of a run whose marker is bad
         _check_segment(b, t, name, report)
     # 3. leftovers of dead writers (gc removes them)
@@ -750,8 +752,7 @@ def _check_segment(b, t: str, name: str, report: VerifyReport) -> None:
         else:
             plain_segment_rows(data, t)
     except Exception as e:  # noqa: BLE001
-        if isinstance(e, FileNotFoundError) and t in RUN_TABLES and not is_merged(name) \
-                and _gone_since_listing(b, t, name) is not None:
+        if isinstance(e, FileNotFoundError) and _gone_since_listing(b, t, name) is not None:
             return  # its run removed, or the segment merged (then checked with its merged segment), since the listing
         run = name.removesuffix(".parquet") if t in RUN_TABLES else None
         report.append(Problem("bad-segment", f"table {t} segment {name} is unreadable: {e}", run_id=run))
@@ -828,14 +829,21 @@ def _run_rows(rows_of: _SourceRows, table: str, run_id: str, cover: dict[str, st
 
 
 def _gone_since_listing(b, table: str, name: str) -> str | None:
-    """Why a run-table segment ``name`` listed earlier in this verify cannot be read now: "removed"
-    (its run is no longer committed: rolled back or removed by another process), "merged" (a
-    merged segment covers it now: compaction removes sources after their grace), or None (the run
-    is committed and its rows are nowhere: a finding)."""
-    run = name.removesuffix(".parquet")
-    if run not in _segment_ids(b, "runs"):
-        return "removed"
-    return "merged" if name in coverage(b, table) else None
+    """Why a segment ``name`` of ``table`` listed earlier in this verify cannot be read now:
+    "removed" (a run table's segment whose run is no longer committed: rolled back or removed by
+    another process), "merged" (a merged segment covers it, or replaces it, now: compaction
+    removes what it merged after the grace), or None (a finding: its rows are nowhere, or the
+    listing itself failed)."""
+    from capturestore.compaction import merged_segments
+
+    try:
+        if is_merged(name):  # merged again, and removed after its grace
+            return "merged" if any(name in m.replaces for m in merged_segments(b, table)[0]) else None
+        if table in RUN_TABLES and name.removesuffix(".parquet") not in _segment_ids(b, "runs"):
+            return "removed"
+        return "merged" if name in coverage(b, table) else None
+    except Exception:  # noqa: BLE001 - a listing that fails now: undecided, so the failed read is the finding
+        return None
 
 
 def _verify_run_marker(run_id: str, report: VerifyReport, cover: dict[str, str], rows_of: _SourceRows) -> bool:
