@@ -558,6 +558,34 @@ def committed_comparisons(b) -> set[str] | None:
     return out
 
 
+def _runs_compared(b) -> dict[str, str] | None:
+    """{run id: a committed comparison that compared it} over every ``comparisons`` segment (the
+    row's three roles and its per-comparator runs), or None when one cannot be read. A run missing
+    its commit marker that a committed comparison used was committed once: its marker was lost
+    (damage, a merged runs segment gone), and ``gc`` must not take its captures for a dead
+    writer's leftovers (before, it removed them with the arrays)."""
+    out: dict[str, str] = {}
+    for name in b.segment_names("comparisons"):
+        try:
+            t = b.read_parquet(f"{TABLES_DIR}/comparisons/{name}")
+        except Exception:  # noqa: BLE001 - verify reports unreadable segments
+            return None
+        cols = {c: t.column(c).to_pylist() for c in ("comparison_id", "baseline_run", "expected_run", "actual_run",
+                                                      "comparator_runs") if c in t.column_names}
+        for i, cid in enumerate(cols.get("comparison_id", [])):
+            runs = [cols[c][i] for c in ("baseline_run", "expected_run", "actual_run") if c in cols]
+            raw = cols.get("comparator_runs", [None] * (i + 1))[i]
+            if raw:
+                try:
+                    runs += [r for roles in json.loads(raw).values() for r in roles.values()]
+                except (ValueError, AttributeError, TypeError):
+                    return None  # unreadable: undecided, so nothing counts as a dead writer's
+            for r in runs:
+                if isinstance(r, str) and cid is not None:
+                    out.setdefault(r, cid)
+    return out
+
+
 def _comparison_tables(b) -> list[str]:
     """Tables whose rows belong to comparisons: a ``comparison_id`` column, other than ``comparisons``."""
     return [t for t in b.listdir(TABLES_DIR) if t not in (*RUN_TABLES, "comparisons") and b.has_column(t, "comparison_id")]
@@ -679,7 +707,15 @@ def verify(store_or_root: Any) -> VerifyReport:
         _check_segment(b, t, name, report)
     # 3. leftovers of dead writers (gc removes them)
     runs, dead, stale = _leftovers(b)
+    used = _runs_compared(b) if runs else {}
     for run_id in runs:
+        if used is None or run_id in used:  # committed once: its marker was lost, it is no dead writer's
+            who = "a comparison" if used is None else f"comparison {used[run_id]}"
+            report.append(Problem("bad-marker", f"run has captures but no commit marker (its runs segment is gone) "
+                                                f"while {who} compared it: its marker was lost, these are no "
+                                                f"leftovers of a dead writer; `capturestore gc` leaves them",
+                                  run_id=run_id))
+            continue
         report.append(Problem("orphan", "uncommitted run left by a dead writer (run `capturestore gc`)", run_id=run_id))
     for cid, segs in dead.items():
         report.append(Problem("orphan", f"comparison {cid} never committed (no comparisons row), its writer is "
@@ -971,7 +1007,10 @@ def gc(store_or_root: Any, dry_run: bool = False) -> list[str]:
     b = _as_backend(store_or_root)
     removed: list[str] = []
     runs, dead, stale = _leftovers(b)
+    used = _runs_compared(b) if runs else {}
     for run_id in runs:
+        if used is None or run_id in used:  # a committed comparison used it: its marker was lost (verify says so)
+            continue
         arrays = f"{ARRAYS_DIR}/{run_id}"
         segs = [r for t in ("prompts", "captures") for r in [f"{TABLES_DIR}/{t}/{run_id}.parquet"] if b.exists(r)]
         lease = [r for r in [f"{PENDING_DIR}/{run_id}.json"] if b.exists(r)]
