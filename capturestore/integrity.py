@@ -709,12 +709,17 @@ def verify(store_or_root: Any) -> VerifyReport:
     runs, dead, stale = _leftovers(b)
     used = _runs_compared(b) if runs else {}
     for run_id in runs:
-        if used is None or run_id in used:  # committed once: its marker was lost, it is no dead writer's
-            who = "a comparison" if used is None else f"comparison {used[run_id]}"
-            report.append(Problem("bad-marker", f"run has captures but no commit marker (its runs segment is gone) "
-                                                f"while {who} compared it: its marker was lost, these are no "
-                                                f"leftovers of a dead writer; `capturestore gc` leaves them",
+        if used is None:  # which comparisons used it is unknown: gc leaves it
+            report.append(Problem("orphan", "uncommitted run, left by a dead writer or its marker lost: a comparisons "
+                                            "segment is unreadable, so whether a committed comparison used it is "
+                                            "unknown; `capturestore gc` leaves it until that segment is mended",
                                   run_id=run_id))
+            continue
+        if run_id in used:  # committed once: its marker was lost, it is no dead writer's
+            report.append(Problem("bad-marker", f"run has captures but no commit marker (its runs segment is gone) "
+                                                f"while comparison {used[run_id]} compared it: its marker was lost, "
+                                                f"these are no leftovers of a dead writer; `capturestore gc` leaves "
+                                                f"them", run_id=run_id))
             continue
         report.append(Problem("orphan", "uncommitted run left by a dead writer (run `capturestore gc`)", run_id=run_id))
     for cid, segs in dead.items():

@@ -1596,6 +1596,26 @@ def test_a_compared_run_whose_marker_is_lost_is_no_dead_writers_leftover(tmp_pat
         assert (root / "arrays.zarr" / r).exists() and (root / "tables" / "captures" / f"{r}.parquet").exists(), r
 
 
+def test_while_a_comparisons_segment_is_unreadable_gc_takes_no_marker_less_run(tmp_path):
+    """Which comparisons used a run without its marker is unknown while a comparisons segment fails
+    to read: verify says so for the run (besides the bad segment), and gc leaves it."""
+    from capturestore.analysis import compare_runs
+    from capturestore.integrity import gc
+
+    root = tmp_path / "store"
+    store = Store.open(root)
+    runs = [_scaled_run(store, 1.0 + 0.01 * i) for i in range(3)]
+    compare_runs(store, expected_run=runs[0], actual_run=runs[1])
+    (root / "tables" / "runs" / f"{runs[2]}.parquet").unlink()  # an uncompared run without its marker
+    (seg,) = [p for p in (root / "tables" / "comparisons").glob("*.parquet") if pq.read_metadata(p).num_rows]
+    seg.write_bytes(_flipped_silently(seg.read_bytes()))
+    report = Store.open(root, create=False).verify()
+    (p,) = [p for p in report if p.run_id == runs[2]]
+    assert p.kind == "orphan" and "unknown" in p.message and "gc` leaves it" in p.message, report.summary()
+    removed = gc(Store.open(root, create=False))
+    assert not any(runs[2] in r for r in removed) and (root / "arrays.zarr" / runs[2]).exists(), removed
+
+
 def test_a_damaged_merged_run_table_segment_is_reported_once_and_read_once(tmp_path, monkeypatch):
     """A merged prompts segment failing its page CRC was reported by the merged-segment check and
     again by the run step (as "table prompts segment compacted-..."), and read again, whole, for
