@@ -49,15 +49,8 @@ class _Reader:
         return self.d[self.i - 1]
 
     def varint(self) -> int:
-        out = shift = 0
-        while True:
-            b = self.byte()
-            out |= (b & 0x7F) << shift
-            if b < 0x80:
-                return out
-            shift += 7
-            if shift > 70:
-                raise FooterError("a varint longer than 10 bytes")
+        out, self.i = _varint_at(self.d, self.i)
+        return out
 
     def zigzag(self) -> int:
         n = self.varint()
@@ -128,7 +121,7 @@ class _Reader:
 
     def pruned(self, t: int, keep: dict | None, depth: int = 0):
         """``value(t)`` with only the struct fields ``keep`` names decoded (the others passed over by
-        ``skip``, with the same checks): keep maps a field id to what to keep of that field's value
+        ``_skip``, with the same checks): keep maps a field id to what to keep of that field's value
         (None: all of it); for a list or set, to what to keep of each element. The result is
         ``value``'s with every other field left out, and the same footers raise."""
         if keep is None or t not in (_STRUCT, _LIST, _SET):
@@ -150,7 +143,7 @@ class _Reader:
 
 
 def _varint_at(d: bytes, i: int) -> tuple[int, int]:
-    """(the varint at d[i:], the index after it), as ``_Reader.varint`` reads it."""
+    """(the varint at d[i:], the index after it); FooterError past the end or beyond 10 bytes."""
     out = shift = 0
     n = len(d)
     while True:
@@ -169,8 +162,8 @@ def _varint_at(d: bytes, i: int) -> tuple[int, int]:
 def _skip(d: bytes, i: int, t: int, depth: int) -> int:
     """The index after the value of type ``t`` at d[i:], passed over with ``_Reader.value``'s checks
     (the same footers raise ``FooterError``) and nothing built: the byte loop inline, not a method
-    call a byte (most of a footer is what ``row_group_statistics`` does not read: 3.5x faster than
-    decoding it whole, measured on run tables' segments)."""
+    call a byte (most of a footer is what ``row_group_statistics`` does not read: its decode of 903
+    run-table footers 0.39 -> 0.19 s against decoding them whole)."""
     if depth > _DEPTH:
         raise FooterError("values nested too deep")
     n = len(d)
