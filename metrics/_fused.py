@@ -57,6 +57,7 @@ __all__ = ["kv_tensors_metrics", "hist_counts", "takes", "num_threads"]
 _F32 = np.float32
 _U32 = np.uint32
 _U64 = np.uint64
+_FLOAT32 = np.dtype(np.float32)
 _ABS = np.uint32(0x7FFFFFFF)
 _NONFINITE = np.uint32(0x7F800000)
 # per-head outputs: target L-inf, L2, cosine, base L-inf, base L2
@@ -862,14 +863,14 @@ def _row_sums(b, e, a, be, te, acc, sums):  # pragma: no cover - compiled
     while n - i >= 8:
         for u in range(3, -1, -1):
             k = i + 2 * u
-            bv = np.float64(b[k])
-            ev = np.float64(e[k])
-            av = np.float64(a[k])
+            bv = np.float64(_widen(b[k]))
+            ev = np.float64(_widen(e[k]))
+            av = np.float64(_widen(a[k]))
             x = np.float64(be[k])
             y = np.float64(te[k])
-            bw = np.float64(b[k + 1])
-            ew = np.float64(e[k + 1])
-            aw = np.float64(a[k + 1])
+            bw = np.float64(_widen(b[k + 1]))
+            ew = np.float64(_widen(e[k + 1]))
+            aw = np.float64(_widen(a[k + 1]))
             xw = np.float64(be[k + 1])
             yw = np.float64(te[k + 1])
             s00 = s00 + bv * bv
@@ -888,9 +889,9 @@ def _row_sums(b, e, a, be, te, acc, sums):  # pragma: no cover - compiled
             s61 = s61 + aw * aw
         i += 8
     while i < n:
-        bv = np.float64(b[i])
-        ev = np.float64(e[i])
-        av = np.float64(a[i])
+        bv = np.float64(_widen(b[i]))
+        ev = np.float64(_widen(e[i]))
+        av = np.float64(_widen(a[i]))
         x = np.float64(be[i])
         y = np.float64(te[i])
         s00 = s00 + bv * bv
@@ -901,9 +902,9 @@ def _row_sums(b, e, a, be, te, acc, sums):  # pragma: no cover - compiled
         s50 = s50 + bv * av
         s60 = s60 + av * av
         if i + 1 < n:
-            bw = np.float64(b[i + 1])
-            ew = np.float64(e[i + 1])
-            aw = np.float64(a[i + 1])
+            bw = np.float64(_widen(b[i + 1]))
+            ew = np.float64(_widen(e[i + 1]))
+            aw = np.float64(_widen(a[i + 1]))
             xw = np.float64(be[i + 1])
             yw = np.float64(te[i + 1])
             s01 = s01 + bw * bw
@@ -943,8 +944,8 @@ _SUM_ROWS = 4  # rows per block of _row_sums_simd
 
 @intrinsic
 def _row_sums_simd(typingctx, b, e, a, r, n, sums):  # pragma: no cover - compiled
-    """``_row_sums`` of rows r .. r + 3 of float32 C-contiguous [rows, n] b, e, a at once, for n
-    a multiple of 8, as LLVM ``<8 x double>`` vector code: sums[r + j, 0:7] (float64 [rows, 7],
+    """``_row_sums`` of rows r .. r + 3 of C-contiguous [rows, n] b, e, a at once (each float32,
+    or bf16 bits as uint16, widened by the shift of ``_widen``), for n a multiple of 8, as LLVM ``<8 x double>`` vector code: sums[r + j, 0:7] (float64 [rows, 7],
     C-contiguous). Each vector holds the two einsum lanes of four rows (row j's lane 0 and 1 in
     elements 2j, 2j + 1); a block of 8 columns is loaded row by row and its column pairs gathered
     across the rows (a 4 x 4 transpose of 64-bit pairs), then fed last pair first, as in
@@ -972,9 +973,17 @@ def _row_sums_simd(typingctx, b, e, a, r, n, sums):  # pragma: no cover - compil
         def mask(m):
             return ir.Constant(ir.VectorType(i32, len(m)), m)
 
-        def pairs(p, i):  # [pair 0, .., pair 3] of columns i .. i + 7: <row 0 x2u, x2u+1, row 1 .., .., row 3 ..>
-            rows = [builder.bitcast(builder.load(builder.bitcast(builder.gep(p, [builder.add(st, i)]), v8f.as_pointer()),
-                                                 align=4), v4q) for st in starts]
+        v8h = ir.VectorType(ir.IntType(16), 8)
+        shift = ir.Constant(v8i, [16] * 8)
+
+        def load8(p, bits, at):  # 8 float32 values: as stored, or bf16 bits widened (the shift of _widen)
+            if not bits:
+                return builder.load(builder.bitcast(builder.gep(p, [at]), v8f.as_pointer()), align=4)
+            h = builder.load(builder.bitcast(builder.gep(p, [at]), v8h.as_pointer()), align=2)
+            return builder.bitcast(builder.shl(builder.zext(h, v8i), shift), v8f)
+
+        def pairs(p, bits, i):  # [pair 0, .., pair 3] of columns i .. i + 7: <row 0 x2u, x2u+1, row 1 .., .., row 3 ..>
+            rows = [builder.bitcast(load8(p, bits, builder.add(st, i)), v4q) for st in starts]
             t0 = builder.shuffle_vector(rows[0], rows[1], mask([0, 4, 2, 6]))  # r0p0 r1p0 r0p2 r1p2
             t1 = builder.shuffle_vector(rows[0], rows[1], mask([1, 5, 3, 7]))  # r0p1 r1p1 r0p3 r1p3
             t2 = builder.shuffle_vector(rows[2], rows[3], mask([0, 4, 2, 6]))
@@ -990,7 +999,7 @@ def _row_sums_simd(typingctx, b, e, a, r, n, sums):  # pragma: no cover - compil
             builder.store(builder.fadd(builder.load(acc[k]), builder.fmul(x, y)), acc[k])
 
         with cgutils.for_range_slice(builder, ir.Constant(i64, 0), n, ir.Constant(i64, 8), i64) as (i, _):
-            bs, es, as_ = pairs(bp, i), pairs(ep, i), pairs(ap, i)
+            bs, es, as_ = (pairs(p, tys[k].dtype == types.uint16, i) for k, p in enumerate((bp, ep, ap)))
             for u in (3, 2, 1, 0):
                 x, y = absdiff(es[u], bs[u]), absdiff(as_[u], bs[u])
                 bd, ed, ad, xd, yd = (builder.fpext(v, v8d) for v in (bs[u], es[u], as_[u], x, y))
@@ -1017,11 +1026,12 @@ def _row_sums_block(b, e, a, r, n, sums):  # pragma: no cover - only its numba o
 @overload(_row_sums_block, inline="always")
 def _row_sums_block_impl(b, e, a, r, n, sums):
     """Whether rows r .. r + 3 got their sums from _row_sums_simd (n a multiple of 8, b, e, a
-    float32 and sums float64, all 2-D C-contiguous); False, nothing done, for anything else."""
+    float32 or bf16 bits (uint16) and sums float64, all 2-D C-contiguous); False, nothing done,
+    for anything else."""
     def fits(t, dt):
         return isinstance(t, types.Array) and t.dtype == dt and t.ndim == 2 and t.layout == "C"
 
-    if all(fits(t, types.float32) for t in (b, e, a)) and fits(sums, types.float64):
+    if all(fits(t, types.float32) or fits(t, types.uint16) for t in (b, e, a)) and fits(sums, types.float64):
         def impl(b, e, a, r, n, sums):
             if n % 8 != 0 or n == 0:
                 return False
@@ -1034,7 +1044,8 @@ def _row_sums_block_impl(b, e, a, r, n, sums):
 @_njit()
 def _module_rows_kernel(b, e, a, bins, r0, r1, be_all, te_all, sums_all, maxes_all, sq_all, fold, bc_all, bad_all,
                         o):  # pragma: no cover
-    """Rows [r0, r1) of float32 [rows, width] b (baseline), e (expected), a (actual), written to
+    """Rows [r0, r1) of [rows, width] b (baseline), e (expected), a (actual), each float32 or bf16
+    bits (uint16, widened as read: ``_widen``), written to
     rows o + r of the outputs (``*_all``: a stack of several tensors' rows; the outputs below
     are their rows from o on, sliced here: ~2 us a tensor less than slicing in Python).
 
@@ -1079,10 +1090,10 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be_all, te_all, sums_all, maxes_a
         emax = _U32(0)
         emin = _U32(0xFFFFFFFF)
         for k in range(n):
-            bv = _F32(br[k])
+            bv = _F32(_widen(br[k]))
             bu = _U32(bv.view(np.uint32) & _ABS)
-            eu = _U32(_F32(er[k] - bv).view(np.uint32) & _ABS)
-            du = _U32(_F32(ar[k] - bv).view(np.uint32) & _ABS)
+            eu = _U32(_F32(_widen(er[k]) - bv).view(np.uint32) & _ABS)
+            du = _U32(_F32(_widen(ar[k]) - bv).view(np.uint32) & _ABS)
             ber[k] = _U32(eu).view(np.float32)
             ter[k] = _U32(du).view(np.float32)
             bmax = bu if bu > bmax else bmax
@@ -1132,17 +1143,19 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be_all, te_all, sums_all, maxes_a
 
 
 def module_row_metrics(b, e, a, bins: int):
-    """The per-row quantities of ``metrics.modules`` for float32 ``[rows, width]`` b, e, a
-    (C-contiguous, any width): ``(base_err, tgt_err, sums [rows, 7], maxes
+    """The per-row quantities of ``metrics.modules`` for float32 (or bfloat16) ``[rows, width]``
+    b, e, a (any width): ``(base_err, tgt_err, sums [rows, 7], maxes
     [rows, 3], bc [rows], bad [rows])``; see ``_module_rows_kernel``. bc is NaN where bad."""
     return module_row_metrics_parts([(b, e, a)], bins)
 
 
 def module_row_metrics_parts(parts, bins: int):
-    """``module_row_metrics`` of the rows of every ``(b, e, a)`` of parts (float32 ``[rows_k,
-    width]``, one width) stacked in order, each part read where it lies: the outputs are one
-    stack, the inputs are never copied into one (a stacked copy of three roles cost as much as
-    a fifth of the compare at a 1.5B shape). A kernel call per part (or per thread's share of a
+    """``module_row_metrics`` of the rows of every ``(b, e, a)`` of parts (``[rows_k, width]``,
+    one width, each float32 or bfloat16) stacked in order, each part read where it lies: the
+    outputs are one stack, the inputs are never copied into one (a stacked copy of three roles
+    cost as much as a fifth of the compare at a 1.5B shape), and a bfloat16 part is read as its
+    bits and widened in the kernel (a widened copy of each bf16 capture, new memory every
+    comparison, cost ~0.1 s of a store comparison at a 1.5B shape). A kernel call per part (or per thread's share of a
     large part) on the threads, writing into its rows of the outputs: ~1.5 us a call."""
     n = parts[0][0].shape[1]
     rows = sum(p[0].shape[0] for p in parts)
@@ -1158,7 +1171,7 @@ def module_row_metrics_parts(parts, bins: int):
     tasks = []
     o = 0
     for b, e, a in parts:
-        b, e, a = (np.ascontiguousarray(x) for x in (b, e, a))
+        b, e, a = (np.ascontiguousarray(x) if x.dtype == _FLOAT32 else _kernel_view(x) for x in (b, e, a))
         m = b.shape[0]
         for r0, r1 in _split_bounds(m, m * n):
             tasks.append(functools.partial(_module_rows_kernel, b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold,

@@ -42,6 +42,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import ml_dtypes
 import numpy as np
 
 from .bc import DEFAULT_BINS, bhattacharyya_batched, numba_available
@@ -169,16 +170,21 @@ def _metrics_from_sums(b_max, be_max, te_max, nb2, be2, te2, b_e, e_e, b_a, a_a)
 
 
 _FLOAT32 = np.dtype(np.float32)
+_BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def _checked(baseline, expected, actual, module, phase, positions):
+def _checked(baseline, expected, actual, module, phase, positions, keep_bf16=False):
     """The three tensors as float32 ``[token, width]`` and the positions ``[token]``; ``ValueError``
-    naming the module when the shapes differ or the positions do not fit."""
+    naming the module when the shapes differ or the positions do not fit. keep_bf16: a bfloat16
+    numpy tensor is kept as it is (``[token, width]``, not widened): for the fused kernel, which
+    reads its bits and widens them as it reads (``_widen_parts`` widens it for anything else)."""
     if (type(baseline) is np.ndarray and type(expected) is np.ndarray and type(actual) is np.ndarray
-            and baseline.dtype == _FLOAT32 and expected.dtype == _FLOAT32 and actual.dtype == _FLOAT32
-            and positions is None and baseline.ndim and baseline.shape == expected.shape == actual.shape):
-        # float32 numpy tensors (a capture read back): what the general path below gives, without
-        # its per-tensor conversions (~10 us a tensor, 142 tensors a prompt)
+            and positions is None and baseline.ndim and baseline.shape == expected.shape == actual.shape
+            and (baseline.dtype == _FLOAT32 or keep_bf16 and baseline.dtype == _BFLOAT16)
+            and (expected.dtype == _FLOAT32 or keep_bf16 and expected.dtype == _BFLOAT16)
+            and (actual.dtype == _FLOAT32 or keep_bf16 and actual.dtype == _BFLOAT16)):
+        # float32 (or kept bfloat16) numpy tensors (a capture read back): what the general path
+        # below gives, without its per-tensor conversions (~10 us a tensor, 142 tensors a prompt)
         n = baseline.shape[0]
         return baseline.reshape(n, -1), expected.reshape(n, -1), actual.reshape(n, -1), np.arange(n)
     shapes = [tuple(np.shape(x)) for x in (baseline, expected, actual)]
@@ -228,7 +234,7 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
     overhead, not arithmetic, took the time). A tensor holding a non-finite value takes the
     NaN-aware reductions of ``metrics.errors`` for its own rows, as the single form does; its BC
     is computed in the stack (per row, NaN excluded either way)."""
-    checked = [(_checked(b, e, a, m, ph, pos), m, ph) for b, e, a, m, ph, pos in items]
+    checked = [(_checked(b, e, a, m, ph, pos, keep_bf16=True), m, ph) for b, e, a, m, ph, pos in items]
     out: list = [None] * len(checked)
     groups: dict[int, list[int]] = {}
     for i, ((b, _, _, _), _, _) in enumerate(checked):
@@ -244,7 +250,8 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
         fused = _fused_rows([p[:3] for p in parts], bins)
         if fused is not None:  # one pass of metrics._fused: the same numbers (see _fused_rows)
             base_err, tgt_err, sums, row_max, bc, row_bad = fused
-        else:  # numpy: over the rows of every tensor of this width stacked
+        else:  # numpy: over the rows of every tensor of this width stacked, in float32
+            parts = _widen_parts(parts)
             b = np.concatenate([p[0] for p in parts])
             e = np.concatenate([p[1] for p in parts])
             a = np.concatenate([p[2] for p in parts])
@@ -270,7 +277,7 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
                     c[rows] = f
         for k in np.flatnonzero(~clean):
             r0, r1 = bounds[k], bounds[k + 1]
-            bk, ek, ak = parts[k][:3]
+            bk, ek, ak = (as_float(x) for x in parts[k][:3])
             slow = (rel_linf(bk, ek), rel_linf(bk, ak), rel_l2(bk, ek), rel_l2(bk, ak), cosine(bk, ek),
                     cosine(bk, ak))
             for c, f in zip(cols, slow):
@@ -289,9 +296,14 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
     return out
 
 
+def _widen_parts(parts):
+    """parts (``(b, e, a, positions)``) with every bfloat16 tensor widened to float32 (exact)."""
+    return [(*(x if x.dtype == _FLOAT32 else as_float(x) for x in p[:3]), p[3]) for p in parts]
+
+
 def _fused_rows(parts, bins):
-    """``metrics._fused.module_row_metrics_parts`` of the rows of parts (``(b, e, a)`` float32
-    ``[rows, width]`` of one width, stacked in order, each read in place), or None where it does
+    """``metrics._fused.module_row_metrics_parts`` of the rows of parts (``(b, e, a)`` float32 or
+    bfloat16 ``[rows, width]`` of one width, stacked in order, each read in place), or None where it does
     not apply: no numba, or a numpy whose einsum sums in another order than the kernel replays
     (checked once; rows wider than einsum's buffer in its pieces too). Returns ``(base_err, tgt_err,
     sums, row_max, bc, row_bad)``: sums the seven float64 row sums of ``_metrics_from_sums``,
