@@ -179,19 +179,21 @@ def _checked(baseline, expected, actual, module, phase, positions, keep_bf16=Fal
     numpy tensor is kept as it is (``[token, width]``, not widened): for the fused kernel, which
     reads its bits and widens them as it reads (``_widen_parts`` widens it for anything else)."""
     if (type(baseline) is np.ndarray and type(expected) is np.ndarray and type(actual) is np.ndarray
-            and positions is None and baseline.ndim and baseline.shape == expected.shape == actual.shape
+            and baseline.ndim and baseline.shape == expected.shape == actual.shape
             and (baseline.dtype == _FLOAT32 or keep_bf16 and baseline.dtype == _BFLOAT16)
             and (expected.dtype == _FLOAT32 or keep_bf16 and expected.dtype == _BFLOAT16)
             and (actual.dtype == _FLOAT32 or keep_bf16 and actual.dtype == _BFLOAT16)):
-        # float32 (or kept bfloat16) numpy tensors (a capture read back): what the general path
-        # below gives, without its per-tensor conversions (~10 us a tensor, 142 tensors a prompt)
+        # float32 (or kept bfloat16) numpy tensors (a capture read back, positions given or not):
+        # what the general path below gives, without its per-tensor conversions (~10 us a tensor,
+        # 142 tensors a prompt; the store comparator, which passes positions, took the general path)
         n = baseline.shape[0]
-        return baseline.reshape(n, -1), expected.reshape(n, -1), actual.reshape(n, -1), np.arange(n)
-    shapes = [tuple(np.shape(x)) for x in (baseline, expected, actual)]
-    if len(set(shapes)) != 1:
-        raise ValueError(f"module {module} ({phase}): shapes differ: baseline {shapes[0]}, expected {shapes[1]}, "
-                         f"actual {shapes[2]}")
-    b, e, a = (_as_tokens(x, f"module {module} ({phase})") for x in (baseline, expected, actual))
+        b, e, a = baseline.reshape(n, -1), expected.reshape(n, -1), actual.reshape(n, -1)
+    else:
+        shapes = [tuple(np.shape(x)) for x in (baseline, expected, actual)]
+        if len(set(shapes)) != 1:
+            raise ValueError(f"module {module} ({phase}): shapes differ: baseline {shapes[0]}, expected "
+                             f"{shapes[1]}, actual {shapes[2]}")
+        b, e, a = (_as_tokens(x, f"module {module} ({phase})") for x in (baseline, expected, actual))
     pos = np.arange(b.shape[0]) if positions is None else np.asarray(positions, dtype=np.int64)
     if pos.shape != (b.shape[0],):
         raise ValueError(f"module {module} ({phase}): {pos.size} positions for {b.shape[0]} tokens")

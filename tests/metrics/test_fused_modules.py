@@ -255,16 +255,18 @@ def test_row_bcs_summed_in_the_kernel_or_by_numpy_equal_the_numpy_path(monkeypat
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.integers(1, 13), width=st.sampled_from([4, 8, 37, 64, 128, 2048, 8192, 8200, 16392]),
-       seed=st.integers(0, 2**32 - 1), base_bf16=st.booleans(), bad=st.sampled_from([None, np.nan, np.inf, -np.inf]))
+       seed=st.integers(0, 2**32 - 1), base_bf16=st.booleans(), bad=st.sampled_from([None, np.nan, np.inf, -np.inf]),
+       offset=st.one_of(st.none(), st.integers(0, 50)))
 def test_bf16_captures_reach_the_kernel_as_their_bits_with_the_widened_results(monkeypatch, rows, width, seed,
-                                                                                base_bf16, bad):
+                                                                                base_bf16, bad, offset):
     """A bfloat16 capture (the expected and actual roles of a store comparison; the baseline too
     when it is one) goes to the kernel as its uint16 bits, never as a widened float32 copy, and
     the kernel widens each value as it reads it: every output (errors, the seven row sums through
     the four-row vector blocks and the scalar rows, maxima, BCs, flags) the same bits as the
     kernel's on float32 copies, and every per-token metric of compare_module_tensors_many the
-    numpy path's."""
+    numpy path's, with the positions the store comparator passes or none."""
     rng = np.random.default_rng(seed)
+    pos = None if offset is None else np.arange(rows) + offset
     b = (rng.standard_normal((rows, width)) * np.exp2(rng.integers(-20, 21, (rows, width)))).astype(np.float32)
     e = (b * (1 + 4e-3 * rng.standard_normal(b.shape))).astype(ml_dtypes.bfloat16)
     a = (b * (1 + 5e-2 * rng.standard_normal(b.shape))).astype(ml_dtypes.bfloat16)
@@ -288,13 +290,13 @@ def test_bf16_captures_reach_the_kernel_as_their_bits_with_the_widened_results(m
         return real(*args)
 
     monkeypatch.setattr(_fused, "_module_rows_kernel", spy)
-    got = compare_module_tensors_many([(b, e, a, "m", "decode", None)])[0]
+    got = compare_module_tensors_many([(b, e, a, "m", "decode", pos)])[0]
     monkeypatch.undo()
     if order_holds:
         assert seen and all(s == (b.view(np.uint16).dtype if base_bf16 else np.float32, np.uint16, np.uint16)
                             for s in seen), seen
     with monkeypatch.context() as m:
         _numpy_path(m)
-        want = compare_module_tensors_many([(b, e, a, "m", "decode", None)])[0]
+        want = compare_module_tensors_many([(b, e, a, "m", "decode", pos)])[0]
     for f in FIELDS:
         _same_bits(getattr(got, f), getattr(want, f), f"{rows} x {width} {f}")
