@@ -38,7 +38,9 @@ Gemma3 model (every module of
    2048: 384 module x phase, 2 prompts of 16 + 8 rows, 333 MiB in three roles), each in a fresh
    process: once as a one-shot comparison runs (its error copies, kept for the verdict, in new
    memory: goal >= 0.25x), once with ``timing.keep_freed_memory`` (the rounds reuse what the
-   last one freed: what the arithmetic alone costs; informational).
+   last one freed: what the arithmetic alone costs; informational), and once one-shot with the
+   expected and actual captures as bfloat16 arrays, as a store comparison reads them and hands
+   them to the kernel (the limit reads the same 198 MiB, bfloat16 as its 16-bit words).
 4. ``compare_runs`` with the ``modules`` comparator over the same captures in a store, and how
    much of it is reading the tensors: goal below half (issue 24; ~70% when each decode step was
    its own chunk file, ~56,000 files for 8 prompts; now one chunk per module, phase and prompt).
@@ -131,19 +133,22 @@ LAYER_1B = (("self_attn.q_proj", 2048), ("self_attn.k_proj", 512), ("self_attn.v
             ("post_attention_layernorm", 2048), ("self_attn", 2048), ("mlp", 2048), ("", 2048))
 
 
-def child_compare_1b(keep: bool) -> None:
+def child_compare_1b(keep: bool, bf16: bool = False) -> None:
     """In a fresh process: the in-memory module compare (``add_many`` per prompt + verdict) of
     synthetic captures at a 1.5B Llama's module shapes (``LAYER_1B`` x 16 layers, 2 prompts of
     16 prefill rows + 8 decode steps; baseline N(0, 1), expected its BF16 rounding, actual the
     BF16 rounding of baseline + N(0, 1e-4): PASS) against one numpy pass over the same bytes, best of 5.
     keep: with ``timing.keep_freed_memory`` (each round reuses the memory the last one freed);
-    without, each round's error copies are new memory, as in a one-shot comparison."""
+    without, each round's error copies are new memory, as in a one-shot comparison.
+    bf16: expected and actual held as bfloat16 arrays, as a store comparison reads them (the
+    same values; the limit reads their 2-byte values), not as float32 copies."""
     import ml_dtypes
     from timing import keep_freed_memory
 
     from metrics.modules import ModuleJudge
 
     said = keep_freed_memory() if keep else ""
+    as_bf16 = bf16
     rng = np.random.default_rng(0)
     names = [(f"model.layers.{i}" + (f".{m}" if m else ""), w) for i in range(16) for m, w in LAYER_1B]
 
@@ -157,15 +162,18 @@ def child_compare_1b(keep: bool) -> None:
             for phase, rows in (("prefill", 16), ("decode", 8)):
                 b = rng.standard_normal((rows, w), dtype=np.float32)
                 noise = rng.standard_normal((rows, w), dtype=np.float32) * np.float32(1e-4)
-                caps.append((name, phase, b, bf16(b), bf16(b + noise), None))
+                e, a = bf16(b), bf16(b + noise)
+                if as_bf16:
+                    e, a = e.astype(ml_dtypes.bfloat16), a.astype(ml_dtypes.bfloat16)
+                caps.append((name, phase, b, e, a, None))
         prompts.append(caps)
     nbytes = sum(x.nbytes for caps in prompts for c in caps for x in c[2:5])
 
-    def limit():
+    def limit():  # bfloat16 read as its bits: numpy's max of ml_dtypes' bfloat16 is not vectorised (~1 GiB/s)
         for caps in prompts:
             for c in caps:
                 for x in c[2:5]:
-                    x.max()
+                    (x.view(np.uint16) if x.dtype == ml_dtypes.bfloat16 else x).max()
 
     def judge(verdict=True):
         j = ModuleJudge()
@@ -183,13 +191,14 @@ def child_compare_1b(keep: bool) -> None:
 
 
 def compare_1b_rows() -> list:
-    """Section 3b: child_compare_1b without and with the memory kept, each in a fresh process."""
+    """Section 3b: child_compare_1b without and with the memory kept, and with bfloat16
+    captures, each in a fresh process."""
     got = {}
-    for keep in (False, True):
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-compare-1b", "keep" if keep else "fresh"],
-                             capture_output=True, text=True, check=True)
-        got[keep] = json.loads(out.stdout.strip().splitlines()[-1])
-    f, k = got[False], got[True]
+    for keep, bf16 in ((False, False), (True, False), (False, True)):
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child-compare-1b", "keep" if keep else "fresh",
+                              "bf16" if bf16 else "float32"], capture_output=True, text=True, check=True)
+        got[keep, bf16] = json.loads(out.stdout.strip().splitlines()[-1])
+    f, k, h = got[False, False], got[True, False], got[False, True]
     rows = [(f"module compare at a 1.5B Llama's module shapes (synthetic: 2 prompts x (16 + 8) rows, {f['pairs']} module "
              f"x phase, {f['nbytes'] / 2**20:.0f} MiB, {'PASS' if f['passed'] else 'FAIL'})", "", "", ""),
             ("  limit: one numpy pass over the same bytes", f"{f['limit'] * 1e3:.1f} ms",
@@ -203,6 +212,14 @@ def compare_1b_rows() -> list:
                   f"{k['limit'] / k['compare']:.3f}x limit", "informational: " + k["allocator"]),
                  ("    of which per-token metrics (add_many, no verdict)", f"{k['adds'] * 1e3:.0f} ms",
                   f"{k['limit'] / k['adds']:.3f}x limit", "")]
+    rows += [(f"  expected and actual as bfloat16 arrays, as a store comparison reads them ({h['nbytes'] / 2**20:.0f} MiB, "
+              f"{'PASS' if h['passed'] else 'FAIL'}; one-shot)", "", "", ""),
+             ("    limit: one numpy pass over the same bytes", f"{h['limit'] * 1e3:.1f} ms",
+              f"{h['nbytes'] / 2**30 / h['limit']:.2f} GiB/s", ""),
+             ("    add_many + verdict", f"{h['compare'] * 1e3:.0f} ms", f"{h['limit'] / h['compare']:.3f}x limit",
+              _goal(">= 0.25x", h["limit"] / h["compare"] >= 0.25)),
+             ("      of which per-token metrics (add_many, no verdict)", f"{h['adds'] * 1e3:.0f} ms",
+              f"{h['limit'] / h['adds']:.3f}x limit", "")]
     return rows
 
 
@@ -496,7 +513,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child-rss":
         child_rss(int(sys.argv[2]))
     elif len(sys.argv) > 2 and sys.argv[1] == "--child-compare-1b":
-        child_compare_1b(sys.argv[2] == "keep")
+        child_compare_1b(sys.argv[2] == "keep", len(sys.argv) > 3 and sys.argv[3] == "bf16")
     else:
         import argparse
 
