@@ -617,8 +617,12 @@ def check_cache(adapter, *, scenarios=None, seed: int = 0, progress=None, oracle
     (ValueError) when a scenario needs more positions than the adapter's ``max_context``.
     ``oracle``: a second oracle (anything with ``full_logits``, e.g. ``HFCacheAdapter``): the
     engine's full-prefix reference is first checked against it (scenario ``oracle``)."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"cachecheck: seed {seed!r} must be a non-negative integer")
     table = _table(adapter)
-    names = list(scenarios) if scenarios else list(table)
+    names = list(scenarios) if scenarios is not None else list(table)
+    if not names:  # an empty list is not "every scenario"
+        raise ValueError("cachecheck: no scenario named (pass none for every scenario)")
     unknown = [n for n in names if n not in table]
     if unknown:
         raise ValueError(f"cachecheck: unknown scenario(s) {unknown}; known: {', '.join(table)}")
@@ -676,7 +680,7 @@ def make_adapter(model, engine: str = "hf", dtype: str = "float32", *, max_conte
     An engine that cannot start raises ``EngineStartError`` (one line)."""
     from capturestore.pipeline import EngineStartError
 
-    validate_inputs(model, engine, dtype, None, bugs)
+    validate_inputs(model, engine, dtype, None, bugs, max_context=max_context, block_size=block_size)
     opts = dict(engine_options or {})
     try:
         if engine == "hf":
@@ -686,13 +690,13 @@ def make_adapter(model, engine: str = "hf", dtype: str = "float32", *, max_conte
         if engine == "paged":
             from extractors.cache_adapters import PagedEngineAdapter
 
-            return PagedEngineAdapter(model, dtype, block_size=block_size or 16, max_context=max_context or 128,
-                                      bugs=bugs, **opts)
+            return PagedEngineAdapter(model, dtype, block_size=16 if block_size is None else block_size,
+                                      max_context=128 if max_context is None else max_context, bugs=bugs, **opts)
         if engine == "vllm":
             from extractors.cache_vllm import VllmCacheAdapter
 
-            return VllmCacheAdapter(model, dtype, block_size=block_size or 32, max_context=max_context or 256,
-                                    bugs=bugs, **opts)
+            return VllmCacheAdapter(model, dtype, block_size=32 if block_size is None else block_size,
+                                    max_context=256 if max_context is None else max_context, bugs=bugs, **opts)
         if ":" in engine:
             import importlib
 
@@ -709,10 +713,22 @@ def make_adapter(model, engine: str = "hf", dtype: str = "float32", *, max_conte
     raise ValueError(f"cachecheck: unknown engine {engine!r}; one of {', '.join(ENGINES)} or package.module:Class")
 
 
-def validate_inputs(model, engine: str = "hf", dtype: str = "float32", scenarios=None, bugs=()) -> None:
+def validate_inputs(model, engine: str = "hf", dtype: str = "float32", scenarios=None, bugs=(), *, seed: int = 0,
+                    max_context: int | None = None, block_size: int | None = None) -> None:
     """Refuse bad input before anything starts or is written (ValueError, one line)."""
     from pathlib import Path
 
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"cachecheck: seed {seed!r} must be a non-negative integer")
+    if max_context is not None and max_context < 2:  # 0 read as "the engine's default" until checked here
+        raise ValueError(f"cachecheck: max_context {max_context} must be at least 2 positions")
+    if block_size is not None:
+        if engine not in ("paged", "vllm"):
+            raise ValueError(f"cachecheck: block_size applies to the paged and vllm engines, not {engine!r}")
+        if block_size < 1:
+            raise ValueError(f"cachecheck: block_size {block_size} must be at least 1")
+    if scenarios is not None and not list(scenarios):  # an empty list is not "every scenario"
+        raise ValueError("cachecheck: no scenario named (pass none for every scenario)")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"cachecheck: dtype {dtype!r} is not float32 or bfloat16")
     if model is None or not (Path(model) / "config.json").exists():
@@ -756,7 +772,8 @@ def cachecheck(model, *, engine: str = "hf", dtype: str = "float32", store=None,
     from pathlib import Path
 
     if adapter is None:
-        validate_inputs(model, engine, dtype, scenarios, bugs)
+        validate_inputs(model, engine, dtype, scenarios, bugs, seed=seed, max_context=max_context,
+                        block_size=block_size)
     st = None
     if store is not None:
         from capturestore.store import as_store, require_writable

@@ -179,6 +179,10 @@ def bootstrap_weights(idx: np.ndarray) -> np.ndarray:
         .astype(np.float64)
 
 
+MAX_BOOT = 1_000_000  # resamples: a 95% interval's ends settle well before this
+MAX_BOOT_DRAWS = 1 << 27  # n_boot x prompts: the bootstrap's [n_boot, prompts] int64 arrays at 1 GiB each
+
+
 def bootstrap_indices(n_prompts: int, n_boot: int, seed: int) -> np.ndarray:
     """``[n_boot, n_prompts]`` prompt indices drawn with replacement (the documented protocol)."""
     return np.random.default_rng(seed).integers(0, n_prompts, (n_boot, n_prompts))
@@ -363,6 +367,11 @@ def diff(store, base: str, head: str, *, common_prompts: bool = False, seed: int
         return diff_cachecheck(store, base, head)
     if n_boot < 100:
         raise ValueError(f"diff: n_boot {n_boot} is too few resamples for a 95% interval (at least 100)")
+    if n_boot > MAX_BOOT:
+        raise ValueError(f"diff: n_boot {n_boot} is more resamples than a 95% interval needs (at most {MAX_BOOT:,}; "
+                         "the default is 2,000)")
+    if seed < 0:
+        raise ValueError(f"diff: seed {seed} must be a non-negative integer")
     ids = {r["comparison_id"] for r in comparison_rows(store)}
     if base in ids and head not in ids:  # a label resolves against the side given by id
         brow = resolve_comparison(store, base)
@@ -389,6 +398,9 @@ def diff(store, base: str, head: str, *, common_prompts: bool = False, seed: int
                              f"them shared; pass common_prompts=True (CLI: --common-prompts) to compare those")
         note = (f"compared the {len(shared)} prompts both hold (base {len(pb)}, head {len(ph)}); verdicts are the "
                 f"comparisons' own, over all of their prompts")
+    if n_boot * len(shared) > MAX_BOOT_DRAWS:  # [n_boot, prompts] int64 arrays, several of them
+        raise ValueError(f"diff: n_boot {n_boot} x {len(shared)} shared prompts is {n_boot * len(shared):,} bootstrap "
+                         f"draws, over {MAX_BOOT_DRAWS:,} (1 GiB an array); use fewer resamples")
     q = _Q(store, b_id, h_id, shared)
     verdicts = _verdict_changes(q, brow, hrow)
     idx = bootstrap_indices(len(shared), n_boot, seed)

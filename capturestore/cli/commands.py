@@ -422,7 +422,8 @@ def _engine_options(items) -> dict:
 def cmd_cachecheck(args: argparse.Namespace) -> int:
     from capturestore.cachecheck import cachecheck
 
-    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()] if args.scenarios else None
+    # "--scenarios ," names none: refused (an empty list), never read as every scenario
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()] if args.scenarios is not None else None
     bugs = tuple(b.strip() for b in args.bug.split(",") if b.strip()) if args.bug else ()
     options = _engine_options(args.engine_option)  # the inputs, then the store, are checked before anything runs
     result = cachecheck(args.model, engine=args.engine, dtype=args.dtype, store=args.store, scenarios=scenarios,

@@ -203,6 +203,14 @@ def test_cli_exit_1_names_the_failing_scenario_and_its_diagnosis(tmp_path, gqa, 
     (["--model", "{gqa}", "--engine", "vllm", "--scenarios", "chunk_7"], "unknown scenario(s) ['chunk_7']"),
     (["--model", "{gqa}", "--engine", "paged", "--engine-option", "num_blocks"], "is not KEY=VALUE"),
     (["--model", "{gqa}", "--engine", "hf", "--max-context", "100000"], "exceeds the model's max_position_embeddings"),
+    # each was read as "the engine's default" (0) or failed later, after loading, with another message
+    (["--model", "{gqa}", "--engine", "paged", "--max-context", "0"], "max_context 0 must be at least 2 positions"),
+    (["--model", "{gqa}", "--engine", "paged", "--max-context", "-5"], "max_context -5 must be at least 2 positions"),
+    (["--model", "{gqa}", "--engine", "paged", "--block-size", "0"], "block_size 0 must be at least 1"),
+    (["--model", "{gqa}", "--engine", "paged", "--block-size", "-1"], "block_size -1 must be at least 1"),
+    (["--model", "{gqa}", "--engine", "hf", "--block-size", "16"], "block_size applies to the paged and vllm engines"),
+    (["--model", "{gqa}", "--engine", "paged", "--scenarios", ","], "no scenario named"),
+    (["--model", "{gqa}", "--engine", "paged", "--seed", "-1"], "seed -1 must be a non-negative integer"),
 ])
 def test_cli_bad_input_is_one_line_exit_2_and_no_store_for_invalid_arguments(tmp_path, gqa, capsys, argv, message):
     store = tmp_path / "store"
@@ -211,7 +219,8 @@ def test_cli_bad_input_is_one_line_exit_2_and_no_store_for_invalid_arguments(tmp
     err = capsys.readouterr().err
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("capturestore cachecheck: error: ") and message in err, err
-    if "model directory" in message or "unknown" in message:
+    if "model directory" in message or "unknown" in message or "must be" in message or "scenario named" in message \
+            or "applies to" in message:
         assert not store.exists()  # refused before the store is created
 
 

@@ -240,6 +240,9 @@ def test_bad_input_is_one_line_exit_2(releases, capsys):
         (["history", "--model", "h", "--metric", "release"], "unknown metric"),  # a runs column, not a metric
         (["diff", "r1", "r2-bug", "--format", "html"], "needs --out DIR"),
         (["diff", "r1", "r2-bug", "--n-boot", "10"], "too few resamples"),
+        # a traceback (numpy could not allocate 29 TiB of draws), and numpy's "expected non-negative integer"
+        (["diff", "r1", "r2-bug", "--n-boot", "1000000000000"], "more resamples than a 95% interval needs"),
+        (["diff", "r1", "r2-bug", "--seed", "-1"], "seed -1 must be a non-negative integer"),
     ]
     for argv, msg in cases:
         assert main([*argv, "--store", s]) == 2, argv
@@ -249,6 +252,13 @@ def test_bad_input_is_one_line_exit_2(releases, capsys):
     assert "6 prompts both hold" in capsys.readouterr().out
     r = diff(store, ids["r1a"], ids["half"], common_prompts=True)
     assert len(r.prompt_ids) == 6 and "6 prompts both hold" in r.note and not r.regression
+    import capturestore.diff as diff_module
+
+    with pytest.MonkeyPatch.context() as m:  # resamples x shared prompts past the bound (1 GiB an array; here smaller)
+        m.setattr(diff_module, "MAX_BOOT_DRAWS", 6 * 300 - 1)
+        with pytest.raises(ValueError, match="300 x 6 shared prompts is 1,800 bootstrap draws, over 1,799"):
+            diff(store, ids["r1a"], ids["half"], common_prompts=True, n_boot=300)
+        assert not diff(store, ids["r1a"], ids["half"], common_prompts=True, n_boot=299).regression
 
 
 def test_html_diff_goes_through_the_reports_page(releases, tmp_path, capsys):
