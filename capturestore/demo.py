@@ -72,6 +72,8 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
 
     if num_tokens < 1:
         raise ValueError(f"run_demo: num_tokens must be >= 1, got {num_tokens}")
+    if seed < 0:  # numpy's own message names nothing: "expected non-negative integer"
+        raise ValueError(f"run_demo: seed must be a non-negative integer, got {seed}")
     out = out if out is not None else (lambda _line: None)
     say = pipeline._Progress(out, quiet=False, bar=False).say
     say(f"building (or reusing) tiny model {arch!r} seed {seed}")

@@ -512,6 +512,8 @@ def isolate(store, comparison_id: str, target=None, *, rebuild: bool = False, ma
     when it cannot be written (``capturestore isolate`` calls this alone)."""
     from capturestore.store import as_store, require_writable
 
+    if max_prompts is not None and max_prompts < 1:  # was judged as 1 prompt
+        raise IsolationError(f"isolate: max_prompts must be at least 1, got {max_prompts}")
     store = as_store(store)
     require_writable(store, "isolate")
     say = progress or (lambda msg: None)

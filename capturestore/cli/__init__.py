@@ -322,6 +322,19 @@ def error_line(e: BaseException) -> str:
     return " ".join(line.strip() for line in msg.splitlines() if line.strip())
 
 
+EXIT_PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader closed the pipe
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null: what is still buffered for a reader that left is dropped, not
+    raised again at the final flush."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor (a captured stdout): nothing to redirect
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -331,6 +344,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"capturestore {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader left (`capturestore show ... | head`): no error, as a tool on SIGPIPE
+        _drop_stdout()
+        return EXIT_PIPE_CLOSED
     except _user_errors() as e:
         if args.debug:
             traceback.print_exc()
@@ -363,7 +379,9 @@ def console_main() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a closed pipe: nothing more can reach the reader
+        except BrokenPipeError:  # the reader left before the last buffer: as main() says for one that left earlier
+            status = status or EXIT_PIPE_CLOSED
+        except (OSError, ValueError):  # another closed stream: nothing more can reach the reader
             status = status or 1
     os._exit(status)
 

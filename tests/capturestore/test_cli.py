@@ -428,3 +428,31 @@ def test_the_script_exits_with_the_commands_status_after_pythons_own_shutdown_st
             assert f"run_id: {expected}" in r.stdout and r.stdout.endswith("(4 rows)\n"), r.stdout
         else:
             assert _one_error_line(r.stderr, "show") and "no-such-run" in r.stderr, r.stderr
+
+
+def test_a_reader_that_closes_the_pipe_is_no_error(filled, tmp_path):
+    """`capturestore show RUN | head -2`: the reader leaves before the output ends. `show` said
+    "error: [Errno 32] Broken pipe" and exited 2; a command whose last buffer met the closed pipe
+    exited 1 in silence. Now both exit 141 (128 + SIGPIPE, as a shell reports a tool the pipe
+    stopped) with nothing on stderr, whether the pipe closes during the output (1.4 MB of `sql`)
+    or at its last flush (a few lines of `runs`, `show`)."""
+    store, run_id, _ = filled
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    for argv in (["sql", "SELECT range FROM range(200000)"], ["runs"], ["show", run_id]):
+        p = subprocess.Popen([sys.executable, "-m", "capturestore.cli", *argv, "--store", str(store.root)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        p.stdout.close()  # the reader gone before the first write
+        with p.stderr:
+            err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == 141 and err == "", (argv, p.returncode, err)
+
+
+def test_a_negative_demo_seed_is_refused_before_any_model_is_built(tmp_path, capsys, monkeypatch):
+    """numpy's "expected non-negative integer" named neither the option nor the command."""
+    import extractors.models
+
+    monkeypatch.setattr(extractors.models, "tiny_model", lambda *a, **k: pytest.fail("a model was built"))
+    assert main(["demo", "--store", str(tmp_path / "s"), "--seed", "-1"]) == 2
+    line = _one_error_line(capsys.readouterr().err, "demo")
+    assert "seed must be a non-negative integer, got -1" in line
+    assert not (tmp_path / "s").exists()

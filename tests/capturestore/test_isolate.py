@@ -218,6 +218,10 @@ def test_refusals_name_the_run_and_what_is_needed(refs, tmp_path):
     assert "model passed in" in p.stderr and "--rebuild" in p.stderr and p.stderr.count("\n") == 1, p.stderr
     with pytest.raises(IsolationError, match="model passed in"):
         isolate(store, r.comparison_id)
+    for n in (0, -3):  # were judged as 1 prompt (and the isolation stored)
+        p = _cli(store, r.comparison_id, "--rebuild", "--max-prompts", str(n))
+        assert p.returncode == 2 and f"max_prompts must be at least 1, got {n}" in p.stderr, p.stderr
+        assert p.stderr.count("\n") == 1
     assert _cli(store, "cmp-nope").returncode == 2
     # runs without module captures
     from extractors.hf import capture_hf_run
