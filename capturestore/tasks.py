@@ -140,15 +140,16 @@ def _number(v):
     return float(v)
 
 
-def load_task_results(path) -> dict[str, TaskRun]:
+def load_task_results(path, role: str = "task results") -> dict[str, TaskRun]:
     """{task name: TaskRun} of an lm-eval output directory (``--output_path``; searched
     recursively). Several results files (re-runs, task sets) merge by task, the newest timestamp
-    winning; a task's samples come from the file of the same timestamp."""
+    winning; a task's samples come from the file of the same timestamp. role: what the directory
+    is to the caller, named in the errors ("--reference", "reference task results")."""
     root = Path(path).expanduser()
     if not root.exists():
-        raise ValueError(f"task results directory {root} does not exist")
+        raise ValueError(f"{role} directory {root} does not exist")
     if not root.is_dir():
-        raise ValueError(f"task results {root} is not a directory (give lm-eval's --output_path)")
+        raise ValueError(f"{role} {root} is not a directory (give lm-eval's --output_path)")
     files = sorted(p for p in root.rglob("results_*.json") if _RESULTS_RE.match(p.name))
     if not files:
         raise ValueError(f"{root} holds no results_*.json: not an lm-eval --output_path directory")
@@ -292,8 +293,11 @@ def analyse_tasks(results, reference=None, *, thresholds: dict | None = None,
         raise ValueError(f"--tolerance must be one of {', '.join(TOLERANCES)}, got {tolerance!r}")
     if tolerance is not None and reference is None:
         raise ValueError(f"--tolerance {tolerance} judges the target against a reference: give --reference DIR")
+    if reference is not None and Path(results).expanduser().resolve() == Path(reference).expanduser().resolve():
+        raise ValueError(f"the reference {reference} is the results directory itself: a run judged against itself "
+                         f"measures nothing")
     target = load_task_results(results)
-    ref = load_task_results(reference) if reference is not None else None
+    ref = load_task_results(reference, "reference task results") if reference is not None else None
     if ref is not None:
         common = set(target) & set(ref)
         if not common:

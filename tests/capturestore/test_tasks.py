@@ -232,6 +232,11 @@ def _bad_cases(tmp_path):
          "task tinyqa_a: none of its 12 samples pairs with one of the target's 12 by (doc_id, filter) "
          "(reference doc_id 1000-1011, filter none; target doc_id 0-11, filter none)"),
         (["--results", str(tmp_path / "missing")], "does not exist"),
+        # the flag's directory named: "task results directory ... does not exist" for either
+        (["--results", str(BAD), "--reference", str(tmp_path / "missing")],
+         f"reference task results directory {tmp_path / 'missing'} does not exist"),
+        # a vacuous PASS, stored, where compare refuses a run compared with itself
+        (["--results", str(BAD), "--reference", str(BAD) + "/"], "is the results directory itself"),
         (["--results", str(empty)], "holds no results_*.json"),
         (["--results", str(tmp_path / "broken")], "results_2026-01-01T00-00-00.json is not valid JSON"),
         (["--results", str(badline)], ".jsonl:2: not valid JSON"),
