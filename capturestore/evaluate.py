@@ -389,7 +389,7 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
     if tolerance is not None and reference is None:
         raise ValueError(f"--tolerance {tolerance} judges against a reference run: give --reference DIR")
     if reference is not None:
-        ref_tasks = load_task_results(reference)
+        ref_tasks = load_task_results(reference, "--reference")
         missing = [n for n in names if n not in ref_tasks]
         if missing:
             raise ValueError(f"--reference {reference} has no task {missing[0]} (it holds {', '.join(sorted(ref_tasks))})")

@@ -343,9 +343,13 @@ def report(store, comparison_id: str, out_dir, *, diff_base: str | None = None) 
     ``out_dir`` is checked before the store (a ``Store`` or its path / URL) is opened. -> the page."""
     from capturestore.store import as_store
 
+    if diff_base is not None and not str(diff_base).strip():  # was read as no --diff-base at all
+        raise ValueError("report: --diff-base is empty; give the base comparison's id")
+    if diff_base is not None and diff_base == comparison_id:  # diff refuses it; the page was written
+        raise ValueError(f"report: --diff-base {diff_base} is the comparison itself: nothing to diff")
     check_out_dir(out_dir)  # before opening the store: a bad --out fails at once
     store = as_store(store)
-    if diff_base:
+    if diff_base is not None:
         return render_diff(store, diff_base, comparison_id, out_dir)
     return render_comparison(store, comparison_id, out_dir)
 

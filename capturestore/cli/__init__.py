@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="FP8 clamp of the target (default: $NKI_FP8_PLATFORM or trn2)")
     sp = add("report", cmd_report, "write the HTML report of a comparison (offline, from store queries alone)")
     sp.add_argument("comparison", help="comparison id (capturestore sql \"SELECT comparison_id FROM comparisons\")")
-    sp.add_argument("--out", required=True, help="output directory (created; its index.html is printed)")
+    sp.add_argument("--out", required=True, help="output directory (created; the page written is printed: "
+                    "index.html, or diff.html with --diff-base)")
     sp.add_argument("--diff-base", metavar="COMPARISON",
                     help="write diff.html: COMPARISON (the base) against the positional one (the head)")
     sp = add("tasks", cmd_tasks, "lm-eval task analysis: scores vs thresholds or a reference run, deviated prompts")

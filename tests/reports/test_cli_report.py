@@ -94,3 +94,16 @@ def test_store_without_comparisons(tmp_path, cid):
     line = _one_error_line(_report(store.root, cid, tmp_path / "out"))
     assert f"no comparison {cid!r}" in line and "the store holds no comparison" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_diff_base_that_is_empty_or_the_comparison_itself_is_refused(compared, tmp_path):
+    """--diff-base '' was read as no --diff-base (index.html written); --diff-base C for comparison C
+    wrote diff.html of C against itself (diff refuses it). Both: one line, nothing written."""
+    cid = compared["bug"].comparison_id
+    line = _one_error_line(_report(compared["store"].root, cid, tmp_path / "out", "--diff-base", ""))
+    assert "--diff-base is empty" in line
+    line = _one_error_line(_report(compared["store"].root, cid, tmp_path / "out", "--diff-base", cid))
+    assert f"--diff-base {cid} is the comparison itself" in line
+    assert not (tmp_path / "out").exists()
+    r = _report(compared["store"].root, cid, tmp_path / "out", "--diff-base", compared["ok"].comparison_id)
+    assert r.returncode == 0 and r.stdout.strip() == str(tmp_path / "out" / "diff.html"), r.stderr
