@@ -1170,8 +1170,10 @@ def capture_hf_target(pstore, progress, model_path, dtype, rows, teacher_rows, r
     progress.say(f"capturing target HF {_dt(dtype)} with SDPA attention (teacher-forced)")
     model = _load_sdpa(model_path, dtype, load_hf_model)
     progress.begin(f"target hf:{dtype}", len(rows), len(teacher_rows[0]))
+    # model_given False: the checkpoint loaded plainly (SDPA, so never an eager reference), which
+    # isolate and reduce rebuild from model_path
     act = capture_hf_run(pstore, model_path, rows, teacher_tokens=teacher_rows, dtype=dtype, release=release,
-                         model=model, config=config)
+                         model=model, config=config, model_given=False)
     progress.end()
     mod = None
     if patterns is not None:
@@ -1181,7 +1183,7 @@ def capture_hf_target(pstore, progress, model_path, dtype, rows, teacher_rows, r
         progress.say(f"capturing target module tensors ({', '.join(patterns)})")
         progress.begin(f"target hf:{dtype} modules", len(rows), len(teacher_rows[0]))
         mod = capture_hf_module_run(pstore, model_path, rows, teacher_rows, list(patterns), dtype=dtype,
-                                    release=release, model=model, inputs=module_inputs)
+                                    release=release, model=model, inputs=module_inputs, model_given=False)
         progress.end()
         tm["modules"] = time.perf_counter() - t0
     return act, mod

@@ -320,7 +320,8 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
                    dtype: str = "float32", release=None, model=None, config: dict | None = None,
                    device: str = "cpu", memory: int | None = None, stream: bool | None = None,
                    info: dict | None = None, model_hash: str | None = None,
-                   kernel_rounding: str | None = None, prefetch: bool = True) -> str:
+                   kernel_rounding: str | None = None, prefetch: bool = True,
+                   model_given: bool | None = None) -> str:
     """Capture HF logits + KV for ``prompts`` into ``store``; returns the run id.
 
     prompts: list of token-id lists. With ``teacher_tokens`` (one list per prompt) the run is
@@ -331,7 +332,10 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     HF's window). Every prompt runs alone (a batch of one), so what is stored does not depend on
     which prompts share a run.
     ``model``: an already loaded model of ``model_path`` in ``dtype`` (skips loading). ``config``:
-    extra entries for the run config.
+    extra entries for the run config. model_given: recorded in the run config: the model captured
+    may differ from what ``model_path`` loads (a patched fault), so the run is never a reference
+    nor rebuilt from the checkpoint; None: whenever ``model`` is passed (False: the caller loaded
+    ``model_path`` plainly, e.g. the pipeline's ``hf`` target).
     device: ``cpu`` or ``cuda[:N]`` (FP32 on CUDA without TF32). memory: the reference's memory
     budget in bytes (default: what the device has available); when the weights do not fit it, the
     reference is **streamed** layer by layer (``extractors.streamed``, bit-identical) in groups of
@@ -363,7 +367,8 @@ def capture_hf_run(store, model_path, prompts, teacher_tokens=None, num_tokens: 
     kernel_rounding = None if kernel_rounding == "nearest" else kernel_rounding
     device = _device_str(device)
     info = info if info is not None else {}
-    model_given = model is not None  # its content may differ from model_path's (a patched fault): never a reference
+    if model_given is None:  # a model passed in may differ from model_path's (a patched fault): never a reference
+        model_given = model is not None
     sm = plan = None
     if model is None:
         seqs = [(len(p) + (len(teacher_rows[i]) if teacher_rows is not None else num_tokens),

@@ -285,7 +285,8 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
                           dtype: str = "float32", inputs: bool = False, release=None, model=None,
                           config: dict | None = None, device: str = "cpu", memory: int | None = None,
                           stream: bool | None = None, info: dict | None = None,
-                          model_hash: str | None = None, kernel_rounding: str | None = None) -> str:
+                          model_hash: str | None = None, kernel_rounding: str | None = None,
+                          model_given: bool | None = None) -> str:
     """Capture module tensors (and the logits of the same forwards) of ``prompts`` teacher-forced
     with ``teacher_tokens`` (one list per prompt, >= 1 token) into ``store``; returns the run id.
 
@@ -294,7 +295,7 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
     ``tensors/<module>/<phase>`` as in the module docstring. The run config records the patterns,
     the modules in execution order (``module_order``) and the phase layout. ``model``: an already
     loaded model (e.g. with a fault patched in) of ``model_path`` in ``dtype``. ``config``: extra
-    entries for the run config. device, memory, stream, info: as in
+    entries for the run config. device, memory, stream, info, model_given: as in
     ``extractors.hf.capture_hf_run`` (a streamed module run reads the weights once per forward of
     the stepwise capture: prefill + ``len(teacher) - 1`` decode steps, for the whole group).
     kernel_rounding: ``"toward_zero"`` rounds the rotary embedding and attention outputs as
@@ -318,7 +319,8 @@ def capture_hf_module_run(store, model_path, prompts, teacher_tokens, modules: I
                              "continuation token per prompt")
     device = _device_str(device)
     info = info if info is not None else {}
-    model_given = model is not None
+    if model_given is None:
+        model_given = model is not None
     patterns = [modules] if isinstance(modules, str) else list(modules)
     sm = plan = None
     if model is None:

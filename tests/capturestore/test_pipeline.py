@@ -859,6 +859,27 @@ def test_a_terminated_cli_run_keeps_its_references_rolls_back_its_target_and_the
     assert Store.open(store).verify().ok
 
 
+def test_an_hf_target_records_no_model_given_so_isolate_rebuilds_it_from_the_checkpoint(model, tmp_path, capsys):
+    """`--target hf:bfloat16` loads the checkpoint itself (SDPA, nothing patched): its logits and
+    module runs record model_given False, so `capturestore isolate` rebuilds the target from
+    model_path instead of refusing it as a patched model passed in (the correct engine fails no
+    module locally: exit 1)."""
+    prompts = tmp_path / "one.txt"
+    prompts.write_text(TEXTS[0] + "\n")
+    store = tmp_path / "s"
+    rc, out, err = _cli(capsys, "--model", model, "--prompts", prompts, "--target", "hf:bfloat16", "--num-tokens", 2,
+                        "--store", store, "--plugins", "logits,modules", "--modules", "model.layers.*.mlp", "--quiet")
+    assert rc == 0, out + err
+    s = Store.open(store)
+    cid, act, own = s.sql("SELECT comparison_id, actual_run, comparator_runs FROM comparisons").to_pylist()[0].values()
+    targets = [r for r in _runs(store) if json.loads(r["config"])["attn_implementation"] == "sdpa"]
+    assert {r["run_id"] for r in targets} == {act, json.loads(own)["modules"]["actual"]}  # logits + KV, modules
+    assert all(json.loads(r["config"])["model_given"] is False for r in targets)
+    rc = main(["isolate", "--store", str(store), cid, "--even-if-passed", "--quiet"])
+    out, err = capsys.readouterr()
+    assert rc == 1 and "model passed in" not in err and "no module fails locally" in out, out + err
+
+
 def test_module_inputs_give_an_input_snapshot_that_isolate_replays(model, prompt_file, tmp_path, capsys):
     """`capturestore run --plugins modules --module-inputs` records the target's module inputs (its
     input snapshot): `capturestore isolate CMP --snapshot` judges every module from it without
