@@ -173,7 +173,7 @@ def check_model_dir(path) -> tuple[Path, dict]:
 
     p = expand_path(str(path), "--model")
     if not p.is_dir():
-        raise ValueError(f"--model {path}: no such directory")
+        raise ValueError(f"--model {path}: " + ("a file, not a model directory" if p.exists() else "no such directory"))
     cfg_file = p / "config.json"
     if not cfg_file.is_file():
         raise ValueError(f"--model {p}: no config.json (not a Hugging Face model directory)")
@@ -306,7 +306,7 @@ def read_prompt_file(path) -> list[Prompt]:
 
     p = expand_path(str(path), "--prompts")
     if not p.is_file():
-        raise ValueError(f"--prompts {path}: no such file")
+        raise ValueError(f"--prompts {path}: " + ("a directory, not a prompt file" if p.is_dir() else "no such file"))
     kind = p.suffix.lower()
     if kind not in (".txt", ".jsonl"):
         raise ValueError(f"--prompts {p}: unknown prompt file type {p.suffix!r}; use .txt (one prompt per line) "

@@ -55,7 +55,8 @@ def output_path(output: str | None, fmt: str, flag: str = "--output") -> Path | 
         raise ValueError(f"{flag} {output} is a directory; give a file path")
     parent = out.absolute().parent
     if not parent.is_dir():
-        raise ValueError(f"{flag} {output}: directory {parent} does not exist")
+        raise ValueError(f"{flag} {output}: " + (f"{parent} is a file, not a directory" if parent.exists()
+                                                 else f"directory {parent} does not exist"))
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {output}: directory {parent} is not writable ({_why_unwritable(parent)})")
     return out

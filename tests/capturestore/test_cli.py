@@ -243,11 +243,12 @@ def test_writing_commands_on_a_read_only_store_fail_in_one_line_with_nothing_wri
     prompts.write_text("a prompt\n")
     for cmd in (["compare", "--expected", expected, "--actual", actual], ["calibrate", expected, "--out", str(out)],
                 ["rebuild-catalog"], ["gc"], ["compact"], ["isolate", "cmp-any"],
-                ["run", "--model", str(tmp_path), "--prompts", str(prompts)]):  # refused before any other check
+                ["run", "--model", str(tmp_path), "--prompts", str(prompts)], ["demo"]):  # refused before any other check
         r = _cli(*cmd, *S, prefix=ro)
         assert r.returncode == 2, (cmd, r.stdout, r.stderr)
         line = _one_error_line(r.stderr, cmd[0])
         assert f"store {store.root} is not writable" in line and "read-only file system" in line, line
+        assert f"`capturestore {cmd[0]}` writes to the store" in line, line  # demo's said `run`
         assert _tree(store.root) == before
     assert not out.exists()  # calibrate wrote no scales before finding the store read-only
     # reading a read-only store works
@@ -456,3 +457,23 @@ def test_a_negative_demo_seed_is_refused_before_any_model_is_built(tmp_path, cap
     line = _one_error_line(capsys.readouterr().err, "demo")
     assert "seed must be a non-negative integer, got -1" in line
     assert not (tmp_path / "s").exists()
+
+
+def test_a_path_of_the_wrong_kind_is_named_as_such(filled, tmp_path, capsys):
+    """--model FILE said "no such directory", --prompts DIR "no such file", --output FILE/x.csv
+    "directory FILE does not exist": each path exists, of the other kind."""
+    store, _, _ = filled
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a prompt\n")
+    assert main(["sql", "SELECT 1", "--store", str(store.root), "--output", str(a_file / "x.csv")]) == 2
+    assert f"{a_file} is a file, not a directory" in _one_error_line(capsys.readouterr().err, "sql")
+    assert main(["run", "--model", str(a_file), "--prompts", str(prompts), "--store", str(tmp_path / "s")]) == 2
+    assert f"--model {a_file}: a file, not a model directory" in _one_error_line(capsys.readouterr().err, "run")
+    from extractors.models import tiny_model
+
+    model = tiny_model("llama-gqa")  # a model directory, so that the prompts are checked
+    assert main(["run", "--model", str(model), "--prompts", str(tmp_path), "--store", str(tmp_path / "s")]) == 2
+    assert f"--prompts {tmp_path}: a directory, not a prompt file" in _one_error_line(capsys.readouterr().err, "run")
+    assert a_file.read_text() == "x" and not (tmp_path / "s").exists()
