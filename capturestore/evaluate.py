@@ -382,6 +382,13 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
 
     t0 = time.perf_counter()
     # every check before a server starts or anything is written
+    if out is None or not str(out).strip():  # Path("") is the current directory: never evaluate into it unasked
+        raise ValueError("--out is empty; give the evaluation's directory")
+    from capturestore.store import expand_path
+
+    out = expand_path(out, "--out")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory")
     names = _task_list(tasks)
     model_path, cfg = check_model_dir(model)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
@@ -401,9 +408,6 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
     if inject_bug_layer is not None:
         serve_args, serve_env, server_hook, engine_hook = _fault_hooks(
             model_path, cfg, inject_bug_layer, inject_bug_factor, serve_args, serve_env, server_hook, engine_hook)
-    out = Path(out).expanduser()
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; give a directory")
     out.mkdir(parents=True, exist_ok=True)
     if not os.access(out, os.W_OK | os.X_OK):
         raise ValueError(f"--out {out} is not writable")

@@ -127,6 +127,41 @@ def test_cli_refusals_before_any_server(case, tmp_path, tasks_dir, long_model, c
     assert not (out / "eval_results").exists()
 
 
+class _ServerStarted(Exception):
+    """Raised by the stand-in for ``start_vllm_serve``: the refusal came after the server's start."""
+
+
+@pytest.mark.parametrize("case", ["out-empty"])
+def test_cli_refuses_bad_options_before_the_server_starts(case, tmp_path, tasks_dir, long_model, capsys,
+                                                          monkeypatch):
+    """Each bad option is refused in one line naming it, exit 2, before vllm serve is started (the
+    stand-in raises), nothing written to --out or the current directory, the store not created."""
+    import extractors.vllm_launch
+
+    def started(*a, **k):
+        raise _ServerStarted(f"vllm serve started before {case} was refused")
+
+    monkeypatch.setattr(extractors.vllm_launch, "start_vllm_serve", started)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    out, store = tmp_path / "ev", tmp_path / "store"
+    args = ["eval", "--store", str(store), "--model", str(long_model), "--tasks", "cs_choice", "--include-path",
+            str(tasks_dir), "--out", str(out)]
+    extra, want = {
+        "out-empty": ([], "--out is empty; give the evaluation's directory"),
+    }[case]
+    if case == "out-empty":
+        args[args.index(str(out))] = ""
+    rc, stdout, err = _cli(capsys, *args, *extra)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert lines == [f"capturestore eval: error: {want}"], err
+    assert "starting vllm serve" not in stdout + err
+    assert not out.exists() and not store.exists()
+    assert not list(cwd.iterdir())
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_server_killed_mid_eval_one_line_no_process_left(tmp_path, tasks_dir, long_model):
