@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -390,9 +391,10 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; give a directory")
     names = _task_list(tasks)
-    model_path, cfg = check_model_dir(model)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"--limit must be an integer >= 1, got {limit!r}")
+    _check_serve_options(server, port, dtype, num_tokens, inject_bug_factor)
+    model_path, cfg = check_model_dir(model)
     if tolerance is not None and reference is None:
         raise ValueError(f"--tolerance {tolerance} judges against a reference run: give --reference DIR")
     if reference is not None:
@@ -402,8 +404,6 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
             raise ValueError(f"--reference {reference} has no task {missing[0]} (it holds {', '.join(sorted(ref_tasks))})")
     if analyse:
         parse_target(target)
-    if server is not None and port is not None:
-        raise ValueError("--server URL uses a running server; --port is for the server eval starts: give one")
     check_tasks(names, include_path, thresholds)
     if inject_bug_layer is not None:
         serve_args, serve_env, server_hook, engine_hook = _fault_hooks(
@@ -552,6 +552,31 @@ def _stored_verdict(store, cid: str) -> bool | None:
     except Exception:  # noqa: BLE001 - no comparisons view yet
         return None
     return bool(rows[0]["passed"]) if rows else None
+
+
+def _check_serve_options(server, port, dtype, num_tokens, inject_bug_factor) -> None:
+    """The options a later step would refuse only after the server started or the evaluation ran,
+    checked by the same rules up front: ``--port`` (``start_vllm_serve``), ``--dtype`` (the vllm
+    target's dtypes), ``--num-tokens`` (``capturestore run``), ``--inject-bug-factor`` (the fault's
+    proof: finite, and a factor of 1 changes nothing, so its proof would fail)."""
+    from capturestore.targets import VllmTarget
+    from extractors.vllm_launch import check_port
+
+    if server is not None and port is not None:
+        raise ValueError("--server URL uses a running server; --port is for the server eval starts: give one")
+    if port is not None:
+        check_port(port)
+    if dtype not in VllmTarget.dtypes:
+        raise ValueError(f"--dtype {dtype!r}: the vLLM server eval starts runs in {' | '.join(VllmTarget.dtypes)}")
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"--num-tokens must be an integer >= 1, got {num_tokens!r}")
+    try:
+        factor = float(inject_bug_factor)
+    except (TypeError, ValueError):
+        factor = math.nan
+    if not math.isfinite(factor) or factor == 1.0:
+        raise ValueError(f"--inject-bug-factor must be a finite number other than 1 (x 1 changes nothing), "
+                         f"got {inject_bug_factor!r}")
 
 
 def _fault_hooks(model_path, cfg, layer, factor, serve_args, serve_env, server_hook, engine_hook):

@@ -30,7 +30,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-__all__ = ["ServedEngine", "free_port", "group_alive", "port_in_use", "serve_command", "start_vllm_serve"]
+__all__ = ["ServedEngine", "check_port", "free_port", "group_alive", "port_in_use", "serve_command", "start_vllm_serve"]
 
 HOST = "127.0.0.1"
 
@@ -39,6 +39,13 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def check_port(port) -> int:
+    """``port`` when it is a TCP port (1-65535); ValueError naming ``--port`` else."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ValueError(f"--port must be a TCP port (1-65535), got {port!r}")
+    return port
 
 
 def port_in_use(port: int) -> bool:
@@ -129,8 +136,7 @@ def start_vllm_serve(model, *, port: int | None = None, dtype: str = "float32", 
     """Start ``vllm serve`` for ``model`` on 127.0.0.1:``port`` (a free one when None) and wait
     until it answers ``/health``; see the module docstring."""
     if port is not None:
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            raise ValueError(f"--port must be a TCP port (1-65535), got {port!r}")
+        check_port(port)
         if port_in_use(port):
             raise ValueError(f"--port {port}: {HOST}:{port} is already in use (another server?); give a free port "
                              f"or leave --port out (a free one is chosen)")

@@ -131,7 +131,8 @@ class _ServerStarted(Exception):
     """Raised by the stand-in for ``start_vllm_serve``: the refusal came after the server's start."""
 
 
-@pytest.mark.parametrize("case", ["out-empty"])
+@pytest.mark.parametrize("case", ["out-empty", "factor-nan", "factor-1", "dtype", "num-tokens", "port-negative",
+                                  "port-too-big"])
 def test_cli_refuses_bad_options_before_the_server_starts(case, tmp_path, tasks_dir, long_model, capsys,
                                                           monkeypatch):
     """Each bad option is refused in one line naming it, exit 2, before vllm serve is started (the
@@ -150,6 +151,15 @@ def test_cli_refuses_bad_options_before_the_server_starts(case, tmp_path, tasks_
             str(tasks_dir), "--out", str(out)]
     extra, want = {
         "out-empty": ([], "--out is empty; give the evaluation's directory"),
+        "factor-nan": (["--inject-bug-layer", "0", "--inject-bug-factor", "nan"], "--inject-bug-factor must be a "
+                       "finite number other than 1 (x 1 changes nothing), got nan"),
+        "factor-1": (["--inject-bug-layer", "0", "--inject-bug-factor", "1"], "--inject-bug-factor must be a "
+                     "finite number other than 1 (x 1 changes nothing), got 1.0"),
+        "dtype": (["--dtype", "float8"], "--dtype 'float8': the vLLM server eval starts runs in bfloat16 | float16 "
+                  "| float32"),
+        "num-tokens": (["--num-tokens", "0"], "--num-tokens must be an integer >= 1, got 0"),
+        "port-negative": (["--port", "-1"], "--port must be a TCP port (1-65535), got -1"),
+        "port-too-big": (["--port", "70000"], "--port must be a TCP port (1-65535), got 70000"),
     }[case]
     if case == "out-empty":
         args[args.index(str(out))] = ""
