@@ -559,17 +559,31 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, lo
     local: reduce the local failure of the comparison's isolation (``capturestore isolate``);
     an isolation's own comparison is reduced locally without it. ``store``: a ``Store`` or its path /
     URL (only read: the bundle is a store of its own)."""
-    from capturestore.isolate import IsolationError, checked_runs, held_prompts
     from capturestore.store import as_store
 
     store = as_store(store)
-    say = progress or (lambda m: None)
-    t0 = time.perf_counter()
     if out is None:
         raise ReductionError("give the bundle's directory (out)")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise ReductionError(f"bundle directory {out} is not empty")
+    made = [d for d in (out.absolute(), *out.absolute().parents) if not d.exists()]  # deepest first
+    try:
+        return _reduce(store, comparison_id, engine, out, correct, local, progress or (lambda m: None))
+    except BaseException:
+        for d in made:  # what this call created and left empty (a failure): gone again; never anything with files
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+
+
+def _reduce(store, comparison_id, engine, out: Path, correct, local, say) -> ReductionResult:
+    """``reduce`` once ``out`` is known to be a new or empty directory."""
+    from capturestore.isolate import IsolationError, checked_runs, held_prompts
+
+    t0 = time.perf_counter()
     rows = store.sql("SELECT * FROM comparisons WHERE comparison_id = ?", [comparison_id]).to_pylist()
     if not rows:
         raise ReductionError(f"comparison {comparison_id} not found in the store")
@@ -623,6 +637,11 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, lo
         raise ReductionError(f"engine {engine!r} has no importable MODULE:FUNCTION name: the bundle's command "
                              f"could not rebuild it")
     build = _build_engine(engine, default)
+    if correct is not None:  # checked now, not after the whole reduction where the bundle's command runs it
+        try:
+            _build_engine(correct, default)
+        except ReductionError as e:
+            raise ReductionError(f"--correct: {e}") from None
     prompts = held_prompts(store, runs)
     model_dir = Path(recs["expected"]["model_path"])
     full = checkpoint_layers(model_dir)

@@ -242,6 +242,56 @@ def test_a_layer_count_under_text_config_is_read_and_an_unloadable_checkpoint_is
     assert "cannot load the reference checkpoint" in err and str(model) in err and err.count("\n") == 1, err
 
 
+def _unloadable_model(path: Path, layers: int = 3) -> Path:
+    """A checkpoint directory whose config.json gives a layer count but that holds no weights."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": layers}))
+    return path
+
+
+class _ReductionStarted(Exception):
+    """Raised by the stand-in for ``checkpoint_layers``: the reduction's work began before the refusal."""
+
+
+def test_a_correct_engine_that_cannot_be_imported_is_refused_naming_correct_before_any_trial(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """--correct was imported only when the bundle's command ran, after the whole reduction, in a line
+    that did not name it; it is checked with --engine, before the checkpoint is read, and --out is not made."""
+    import capturestore.reduce
+
+    def started(*a, **k):
+        raise _ReductionStarted("the reduction started before --correct was checked")
+
+    monkeypatch.setattr(capturestore.reduce, "checkpoint_layers", started)
+    store = Store.open(tmp_path / "s")
+    r = _synthetic_norm_comparison(store, str(_unloadable_model(tmp_path / "m")), actual_noise=5e-2)
+    assert not r.passed
+    out = tmp_path / "b"
+    assert main(["reduce", r.comparison_id, "--store", str(store.root), "--out", str(out), "--engine", FAULTY,
+                 "--correct", "os:nosuchfn", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("capturestore reduce: error: --correct: engine 'os:nosuchfn' cannot be imported: ") \
+        and err.count("\n") == 1, err
+    assert not out.exists()
+
+
+def test_a_failed_reduction_removes_the_out_directories_it_made_and_keeps_the_users(tmp_path, capsys):
+    """The checkpoint cannot be loaded: the reduction fails after it made --out (and its missing
+    parents); each is removed again while empty. A directory the user made is kept, empty as it was."""
+    store = Store.open(tmp_path / "s")
+    r = _synthetic_norm_comparison(store, str(_unloadable_model(tmp_path / "m", 5)), actual_noise=5e-2)
+    nested = tmp_path / "new" / "deeper" / "b"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for out in (nested, mine):
+        assert main(["reduce", r.comparison_id, "--store", str(store.root), "--out", str(out), "--engine", FAULTY,
+                     "--quiet"]) == 2
+        err = capsys.readouterr().err
+        assert "cannot load the reference checkpoint" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "new").exists()
+    assert mine.is_dir() and not any(mine.iterdir())
+
+
 def test_a_vllm_target_without_an_hf_engine_is_refused_before_any_trial(tmp_path, capsys):
     """reduce re-runs HF engines: a failing comparison whose actual run is vLLM (or a server target) is
     refused in one line, naming the run and what to do, before any checkpoint is read; it used to
