@@ -285,10 +285,10 @@ def _row(store, cid: str) -> dict:
     except QueryError as e:  # no comparisons view: nothing was ever compared in this store
         if "comparisons" not in str(e) or "does not exist" not in str(e):
             raise
-        raise IsolationError(f"comparison {cid} not found: the store holds no comparisons (compare its runs first: "
+        raise IsolationError(f"comparison {cid!r} not found: the store holds no comparisons (compare its runs first: "
                              f"capturestore compare / capturestore run)") from None
     if not rows:
-        raise IsolationError(f"comparison {cid} not found in the store")
+        raise IsolationError(f"comparison {cid!r} not found in the store")
     return rows[0]
 
 

@@ -482,6 +482,8 @@ def reproduce(bundle, engine=None, progress=None) -> tuple[int, str]:
     from capturestore.isolate import stored_caps
     from capturestore.store import open_store_path
 
+    if bundle is None or not str(bundle).strip():  # Path("") is the current directory
+        raise ReductionError("BUNDLE is empty; give the bundle's directory (capturestore reduce --out DIR)")
     bundle = Path(bundle)
     try:
         info = json.loads((bundle / "case.json").read_text())
@@ -559,14 +561,18 @@ def reduce(store, comparison_id: str, engine=None, out=None, *, correct=None, lo
     local: reduce the local failure of the comparison's isolation (``capturestore isolate``);
     an isolation's own comparison is reduced locally without it. ``store``: a ``Store`` or its path /
     URL (only read: the bundle is a store of its own)."""
-    from capturestore.store import as_store
+    from capturestore.store import as_store, expand_path
 
     store = as_store(store)
     if out is None:
         raise ReductionError("give the bundle's directory (out)")
-    out = Path(out)
+    if not str(out).strip():  # Path("") is the current directory: never a bundle unasked
+        raise ReductionError("--out is empty; give the bundle's directory (new or empty)")
+    out = expand_path(out, "--out")
+    if out.exists() and not out.is_dir():
+        raise ReductionError(f"--out {out} is not a directory; give the bundle's directory (new or empty)")
     if out.exists() and any(out.iterdir()):
-        raise ReductionError(f"bundle directory {out} is not empty")
+        raise ReductionError(f"--out {out} is not empty; give the bundle's directory (new or empty)")
     made = [d for d in (out.absolute(), *out.absolute().parents) if not d.exists()]  # deepest first
     try:
         return _reduce(store, comparison_id, engine, out, correct, local, progress or (lambda m: None))
@@ -586,7 +592,7 @@ def _reduce(store, comparison_id, engine, out: Path, correct, local, say) -> Red
     t0 = time.perf_counter()
     rows = store.sql("SELECT * FROM comparisons WHERE comparison_id = ?", [comparison_id]).to_pylist()
     if not rows:
-        raise ReductionError(f"comparison {comparison_id} not found in the store")
+        raise ReductionError(f"comparison {comparison_id!r} not found in the store")
     row = rows[0]
     loc = json.loads(row.get("localisation") or "null") or {}
     isolation = None

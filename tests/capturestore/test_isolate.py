@@ -424,8 +424,25 @@ def test_snapshot_refusals_name_the_module_and_the_capture_needed(refs, tmp_path
     # a store that never compared anything: the comparison named, one line
     empty = Store.open(tmp_path / "empty")
     p = _cli(empty, "cmp-nope")
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "comparison cmp-nope not found" in p.stderr, p.stderr
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "comparison 'cmp-nope' not found" in p.stderr, p.stderr
     assert "Table with name" not in p.stderr
+
+
+def test_an_empty_comparison_id_is_shown_as_empty(tmp_path, capsys):
+    """`isolate ''` said 'comparison  not found': the id is quoted, so an empty one reads as ''.
+    Both stores: one that never compared anything, one that holds another comparison."""
+    from capturestore.cli import main
+    from tests.capturestore.test_reduce import _synthetic_norm_comparison
+
+    empty = Store.open(tmp_path / "empty")
+    assert main(["isolate", "", "--store", str(empty.root), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("capturestore isolate: error: comparison '' not found: the store holds no comparisons") \
+        and err.count("\n") == 1, err
+    store = Store.open(tmp_path / "s")
+    _synthetic_norm_comparison(store, "m", actual_noise=5e-2)
+    assert main(["isolate", "", "--store", str(store.root), "--quiet"]) == 2
+    assert capsys.readouterr().err == "capturestore isolate: error: comparison '' not found in the store\n"
 
 
 def test_snapshot_refuses_a_vllm_module_whose_captured_input_is_not_hfs():

@@ -209,7 +209,7 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys):
                  "--quiet"]) == 2
     assert "not empty" in capsys.readouterr().err and (tmp_path / "b3" / "x").read_text() == "keep me"
     assert main(["reduce", "cmp-nope", "--store", root, "--out", str(tmp_path / "b4"), "--quiet"]) == 2
-    assert "cmp-nope not found" in capsys.readouterr().err
+    assert "'cmp-nope' not found" in capsys.readouterr().err
     assert main(["reproduce", str(tmp_path), "--quiet"]) == 2
     assert "not a reduction bundle" in capsys.readouterr().err
     # an importable engine that cannot take the model directory alone: one line, never called
@@ -290,6 +290,36 @@ def test_a_failed_reduction_removes_the_out_directories_it_made_and_keeps_the_us
         assert "cannot load the reference checkpoint" in err and err.count("\n") == 1, err
     assert not (tmp_path / "new").exists()
     assert mine.is_dir() and not any(mine.iterdir())
+
+
+def test_a_bad_out_bundle_or_comparison_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """--out a file, --out '', an empty comparison id, reproduce '': each refused in one line naming
+    the option or argument (not 'Not a directory', '. is not empty', 'comparison  not found'); the
+    file and the current directory untouched."""
+    store = Store.open(tmp_path / "s")
+    r = _synthetic_norm_comparison(store, str(_unloadable_model(tmp_path / "m")), actual_noise=5e-2)
+    root = str(store.root)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    (cwd / "keep").write_text("keep me")
+    monkeypatch.chdir(cwd)
+    f = tmp_path / "file"
+    f.write_text("mine")
+    cases = [
+        (["reduce", r.comparison_id, "--out", str(f)],
+         f"--out {f} is not a directory; give the bundle's directory (new or empty)"),
+        (["reduce", r.comparison_id, "--out", ""], "--out is empty; give the bundle's directory (new or empty)"),
+        (["reduce", r.comparison_id, "--out", str(cwd)],
+         f"--out {cwd} is not empty; give the bundle's directory (new or empty)"),
+        (["reduce", "", "--out", str(tmp_path / "b")], "comparison '' not found in the store"),
+        (["reproduce", ""], "BUNDLE is empty; give the bundle's directory (capturestore reduce --out DIR)"),
+    ]
+    for argv, want in cases:
+        assert main([*argv, "--store", root, "--engine", FAULTY, "--quiet"]) == 2, argv
+        err = capsys.readouterr().err
+        assert err == f"capturestore {argv[0]}: error: {want}\n", err
+    assert f.read_text() == "mine" and [p.name for p in cwd.iterdir()] == ["keep"]
+    assert not (tmp_path / "b").exists()
 
 
 def test_a_vllm_target_without_an_hf_engine_is_refused_before_any_trial(tmp_path, capsys):
