@@ -65,7 +65,10 @@ def parse_format(text: str, p: Any) -> dict[str, Any]:
 
 
 def expand_path(path: str | os.PathLike, what: str) -> Path:
-    """``path`` with ``~`` expanded; ValueError naming ``what`` for '~user' of no user."""
+    """``path`` with ``~`` expanded; ValueError naming ``what`` for '~user' of no user, and for an
+    empty path (never the working directory: ``Path("")`` is ".")."""
+    if not os.fspath(path).strip():
+        raise ValueError(f"{what} is empty; give a path")
     try:
         return Path(path).expanduser()
     except RuntimeError as e:  # Path.expanduser: "Could not determine home directory."

@@ -476,4 +476,9 @@ def test_a_path_of_the_wrong_kind_is_named_as_such(filled, tmp_path, capsys):
     model = tiny_model("llama-gqa")  # a model directory, so that the prompts are checked
     assert main(["run", "--model", str(model), "--prompts", str(tmp_path), "--store", str(tmp_path / "s")]) == 2
     assert f"--prompts {tmp_path}: a directory, not a prompt file" in _one_error_line(capsys.readouterr().err, "run")
+    # an empty path is no path (it read as the working directory: "--model .: no config.json")
+    assert main(["run", "--model", "", "--prompts", str(prompts), "--store", str(tmp_path / "s")]) == 2
+    assert "--model is empty" in _one_error_line(capsys.readouterr().err, "run")
+    assert main(["run", "--model", str(model), "--prompts", " ", "--store", str(tmp_path / "s")]) == 2
+    assert "--prompts is empty" in _one_error_line(capsys.readouterr().err, "run")
     assert a_file.read_text() == "x" and not (tmp_path / "s").exists()
