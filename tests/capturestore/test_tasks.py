@@ -170,7 +170,7 @@ def _oracle_deviated(target: Path, reference: Path) -> set:
     return out
 
 
-def test_real_fixtures_degraded_target_deviates_where_the_oracle_says():
+def test_real_fixtures_degraded_target_deviates_where_the_oracle_says(tmp_path):
     want = _oracle_deviated(BAD, REF)
     assert want, "the degraded model's fixture must differ from the reference's"
     got = deviated_prompts(BAD, REF)
@@ -179,7 +179,10 @@ def test_real_fixtures_degraded_target_deviates_where_the_oracle_says():
     a = analyse_tasks(BAD, REF)
     assert {r["task"] for r in a.score_rows} == {"tinyqa", "tinyqa_a", "tinyqa_b", "tinygen"}
     assert _row(a, "tinyqa")["is_group"] and _row(a, "tinyqa_a")["group_name"] == "tinyqa"
-    assert analyse_tasks(REF, REF).deviated == []  # a run against itself deviates nowhere
+    import shutil
+
+    same = shutil.copytree(REF, tmp_path / "same")  # the directory itself is refused as its own reference
+    assert analyse_tasks(same, REF).deviated == []  # a run against an identical one deviates nowhere
 
 
 def test_stored_tables_match_the_declared_schemas_and_docs(tmp_path):
@@ -288,7 +291,9 @@ def test_report_tasks_tab_shows_the_analysis_a_run_names(tmp_path):
     from capturestore.capture import begin_capture_run, write_prompt_capture
 
     store = Store.open(tmp_path / "s")
-    other = run_task_analysis(store, REF, REF)  # not linked: its rows stay out
+    import shutil
+
+    other = run_task_analysis(store, shutil.copytree(REF, tmp_path / "same"), REF)  # not linked: its rows stay out
     a = run_task_analysis(store, BAD, REF)
     rng = np.random.default_rng(0)
     x = rng.standard_normal((4, 32)).astype(np.float32)
