@@ -132,7 +132,7 @@ class _ServerStarted(Exception):
 
 
 @pytest.mark.parametrize("case", ["out-empty", "factor-nan", "factor-1", "dtype", "num-tokens", "port-negative",
-                                  "port-too-big"])
+                                  "port-too-big", "reference-missing"])
 def test_cli_refuses_bad_options_before_the_server_starts(case, tmp_path, tasks_dir, long_model, capsys,
                                                           monkeypatch):
     """Each bad option is refused in one line naming it, exit 2, before vllm serve is started (the
@@ -160,6 +160,9 @@ def test_cli_refuses_bad_options_before_the_server_starts(case, tmp_path, tasks_
         "num-tokens": (["--num-tokens", "0"], "--num-tokens must be an integer >= 1, got 0"),
         "port-negative": (["--port", "-1"], "--port must be a TCP port (1-65535), got -1"),
         "port-too-big": (["--port", "70000"], "--port must be a TCP port (1-65535), got 70000"),
+        # said "task results directory ... does not exist", naming no flag
+        "reference-missing": (["--reference", str(tmp_path / "nope")], f"--reference directory {tmp_path / 'nope'} "
+                              "does not exist"),
     }[case]
     if case == "out-empty":
         args[args.index(str(out))] = ""
