@@ -393,7 +393,7 @@ def eval(model, tasks, *, out, store="capturestore-store", include_path=None, li
     names = _task_list(tasks)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"--limit must be an integer >= 1, got {limit!r}")
-    _check_serve_options(server, port, dtype, num_tokens, inject_bug_factor)
+    _check_serve_options(server, port, dtype, num_tokens, inject_bug_layer, inject_bug_factor)
     model_path, cfg = check_model_dir(model)
     if tolerance is not None and reference is None:
         raise ValueError(f"--tolerance {tolerance} judges against a reference run: give --reference DIR")
@@ -554,11 +554,12 @@ def _stored_verdict(store, cid: str) -> bool | None:
     return bool(rows[0]["passed"]) if rows else None
 
 
-def _check_serve_options(server, port, dtype, num_tokens, inject_bug_factor) -> None:
+def _check_serve_options(server, port, dtype, num_tokens, inject_bug_layer, inject_bug_factor) -> None:
     """The options a later step would refuse only after the server started or the evaluation ran,
     checked by the same rules up front: ``--port`` (``start_vllm_serve``), ``--dtype`` (the vllm
-    target's dtypes), ``--num-tokens`` (``capturestore run``), ``--inject-bug-factor`` (the fault's
-    proof: finite, and a factor of 1 changes nothing, so its proof would fail)."""
+    target's dtypes), ``--num-tokens`` (``capturestore run``), ``--inject-bug-factor`` with
+    ``--inject-bug-layer`` (the fault's proof: finite, and a factor of 1 changes nothing, so its
+    proof would fail; without a layer no fault is made and the factor is not read)."""
     from capturestore.targets import VllmTarget
     from extractors.vllm_launch import check_port
 
@@ -570,6 +571,8 @@ def _check_serve_options(server, port, dtype, num_tokens, inject_bug_factor) -> 
         raise ValueError(f"--dtype {dtype!r}: the vLLM server eval starts runs in {' | '.join(VllmTarget.dtypes)}")
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
         raise ValueError(f"--num-tokens must be an integer >= 1, got {num_tokens!r}")
+    if inject_bug_layer is None:
+        return
     try:
         factor = float(inject_bug_factor)
     except (TypeError, ValueError):

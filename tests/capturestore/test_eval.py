@@ -175,6 +175,21 @@ def test_cli_refuses_bad_options_before_the_server_starts(case, tmp_path, tasks_
     assert not list(cwd.iterdir())
 
 
+def test_a_factor_without_a_layer_makes_no_fault_and_is_not_judged(tmp_path, tasks_dir, long_model, capsys,
+                                                                   monkeypatch):
+    """--inject-bug-factor is read only with --inject-bug-layer: alone it is no refusal, the
+    evaluation goes on to start its server (the stand-in raises there)."""
+    import extractors.vllm_launch
+
+    def started(*a, **k):
+        raise _ServerStarted("vllm serve started")
+
+    monkeypatch.setattr(extractors.vllm_launch, "start_vllm_serve", started)
+    with pytest.raises(_ServerStarted):
+        cli.main(["eval", "--store", str(tmp_path / "store"), "--model", str(long_model), "--tasks", "cs_choice",
+              "--include-path", str(tasks_dir), "--out", str(tmp_path / "ev"), "--inject-bug-factor", "1", "--quiet"])
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_server_killed_mid_eval_one_line_no_process_left(tmp_path, tasks_dir, long_model):
