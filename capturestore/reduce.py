@@ -640,9 +640,12 @@ def _reduce(store, comparison_id, engine, out: Path, correct, local, say) -> Red
                              f"the checkpoint does not hold): give that engine (--engine MODULE:FUNCTION)")
     name = None if engine is None else _engine_name(engine)
     if engine is not None and name is None:
-        raise ReductionError(f"engine {engine!r} has no importable MODULE:FUNCTION name: the bundle's command "
-                             f"could not rebuild it")
-    build = _build_engine(engine, default)
+        raise ReductionError(f"--engine: engine {engine!r} has no importable MODULE:FUNCTION name: the bundle's "
+                             f"command could not rebuild it")
+    try:
+        build = _build_engine(engine, default)
+    except ReductionError as e:  # named as --correct's is (the default HF engine has no flag)
+        raise ReductionError(f"--engine: {e}" if engine is not None else str(e)) from None
     if correct is not None:  # checked now, not after the whole reduction where the bundle's command runs it
         try:
             _build_engine(correct, default)

@@ -273,6 +273,13 @@ def test_a_correct_engine_that_cannot_be_imported_is_refused_naming_correct_befo
     assert err.startswith("capturestore reduce: error: --correct: engine 'os:nosuchfn' cannot be imported: ") \
         and err.count("\n") == 1, err
     assert not out.exists()
+    # --engine's own import error names --engine the same way (it said only "engine '...' cannot be imported")
+    assert main(["reduce", r.comparison_id, "--store", str(store.root), "--out", str(out), "--engine", "os:nosuchfn",
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("capturestore reduce: error: --engine: engine 'os:nosuchfn' cannot be imported: ") \
+        and err.count("\n") == 1, err
+    assert not out.exists()
 
 
 def test_a_failed_reduction_removes_the_out_directories_it_made_and_keeps_the_users(tmp_path, capsys):
