@@ -617,12 +617,9 @@ def check_cache(adapter, *, scenarios=None, seed: int = 0, progress=None, oracle
     (ValueError) when a scenario needs more positions than the adapter's ``max_context``.
     ``oracle``: a second oracle (anything with ``full_logits``, e.g. ``HFCacheAdapter``): the
     engine's full-prefix reference is first checked against it (scenario ``oracle``)."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"cachecheck: seed {seed!r} must be a non-negative integer")
+    _check_choices(seed, scenarios)
     table = _table(adapter)
     names = list(scenarios) if scenarios is not None else list(table)
-    if not names:  # an empty list is not "every scenario"
-        raise ValueError("cachecheck: no scenario named (pass none for every scenario)")
     unknown = [n for n in names if n not in table]
     if unknown:
         raise ValueError(f"cachecheck: unknown scenario(s) {unknown}; known: {', '.join(table)}")
@@ -713,13 +710,21 @@ def make_adapter(model, engine: str = "hf", dtype: str = "float32", *, max_conte
     raise ValueError(f"cachecheck: unknown engine {engine!r}; one of {', '.join(ENGINES)} or package.module:Class")
 
 
+def _check_choices(seed, scenarios) -> None:
+    """The seed and the scenario list, refused by validate_inputs before anything starts and by
+    check_cache for an adapter passed in."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"cachecheck: seed {seed!r} must be a non-negative integer")
+    if scenarios is not None and not list(scenarios):  # an empty list is not "every scenario"
+        raise ValueError("cachecheck: no scenario named (pass none for every scenario)")
+
+
 def validate_inputs(model, engine: str = "hf", dtype: str = "float32", scenarios=None, bugs=(), *, seed: int = 0,
                     max_context: int | None = None, block_size: int | None = None) -> None:
     """Refuse bad input before anything starts or is written (ValueError, one line)."""
     from pathlib import Path
 
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"cachecheck: seed {seed!r} must be a non-negative integer")
+    _check_choices(seed, scenarios)
     if max_context is not None and max_context < 2:  # 0 read as "the engine's default" until checked here
         raise ValueError(f"cachecheck: max_context {max_context} must be at least 2 positions")
     if block_size is not None:
@@ -727,8 +732,6 @@ def validate_inputs(model, engine: str = "hf", dtype: str = "float32", scenarios
             raise ValueError(f"cachecheck: block_size applies to the paged and vllm engines, not {engine!r}")
         if block_size < 1:
             raise ValueError(f"cachecheck: block_size {block_size} must be at least 1")
-    if scenarios is not None and not list(scenarios):  # an empty list is not "every scenario"
-        raise ValueError("cachecheck: no scenario named (pass none for every scenario)")
     if dtype not in ("float32", "bfloat16"):
         raise ValueError(f"cachecheck: dtype {dtype!r} is not float32 or bfloat16")
     if model is None or not (Path(model) / "config.json").exists():
