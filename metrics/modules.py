@@ -300,7 +300,7 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
 
 def _widen_parts(parts):
     """parts (``(b, e, a, positions)``) with every bfloat16 tensor widened to float32 (exact)."""
-    return [(*(x if x.dtype == _FLOAT32 else as_float(x) for x in p[:3]), p[3]) for p in parts]
+    return [(*(as_float(x) for x in p[:3]), p[3]) for p in parts]
 
 
 def _fused_rows(parts, bins):
