@@ -15,7 +15,6 @@ Steps 2-4 are ``capturestore.pipeline.run`` (``capturestore run``) with the targ
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -75,10 +74,9 @@ def run_demo(store_path="demo-store", arch: str = "llama-gqa", num_tokens: int =
         raise ValueError(f"run_demo: num_tokens must be >= 1, got {num_tokens}")
     if seed < 0:  # numpy's own message names nothing: "expected non-negative integer"
         raise ValueError(f"run_demo: seed must be a non-negative integer, got {seed}")
-    from capturestore.store import Store, require_writable, store_exists
+    from capturestore.store import require_writable_if_stored
 
-    if isinstance(store_path, (str, os.PathLike)) and store_exists(store_path):  # refused as `demo`, not as `run`
-        require_writable(Store.open(store_path, create=False), "demo")
+    require_writable_if_stored(store_path, "demo")  # refused as `demo`, before run refuses it as `run`
     out = out if out is not None else (lambda _line: None)
     say = pipeline._Progress(out, quiet=False, bar=False).say
     say(f"building (or reusing) tiny model {arch!r} seed {seed}")

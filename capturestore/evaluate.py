@@ -560,6 +560,7 @@ def _check_serve_options(server, port, dtype, num_tokens, inject_bug_layer, inje
     target's dtypes), ``--num-tokens`` (``capturestore run``), ``--inject-bug-factor`` with
     ``--inject-bug-layer`` (the fault's proof: finite, and a factor of 1 changes nothing, so its
     proof would fail; without a layer no fault is made and the factor is not read)."""
+    from capturestore.pipeline import check_num_tokens
     from capturestore.targets import VllmTarget
     from extractors.vllm_launch import check_port
 
@@ -569,8 +570,7 @@ def _check_serve_options(server, port, dtype, num_tokens, inject_bug_layer, inje
         check_port(port)
     if dtype not in VllmTarget.dtypes:
         raise ValueError(f"--dtype {dtype!r}: the vLLM server eval starts runs in {' | '.join(VllmTarget.dtypes)}")
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        raise ValueError(f"--num-tokens must be an integer >= 1, got {num_tokens!r}")
+    check_num_tokens(num_tokens)
     if inject_bug_layer is None:
         return
     try:

@@ -623,6 +623,12 @@ def server_capture_functions():
 # ------------------------------------------------------------------------------------ the pipeline
 
 
+def check_num_tokens(num_tokens) -> None:
+    """``--num-tokens``: an integer >= 1 (run, and eval before its server starts)."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"--num-tokens must be an integer >= 1, got {num_tokens!r}")
+
+
 def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8, release: str | None = None,
         store="capturestore-store", plugins=None, modules=None, tp: int = 1, quiet: bool = False,
         out: Callable[[str], None] | None = None, label: str | None = None, progress_bar: bool | None = None,
@@ -661,10 +667,9 @@ def run(model, prompts=None, target: str | Target = "vllm", num_tokens: int = 8,
     Bad input raises ValueError before anything is written; an engine that cannot start raises
     ``EngineStartError``. An existing store that cannot be written is refused first, before any capture.
     """
-    from capturestore.store import Store, require_writable, store_exists
+    from capturestore.store import require_writable_if_stored
 
-    if isinstance(store, (str, os.PathLike)) and store_exists(store):  # a directory, a bucket or memory://
-        require_writable(Store.open(store, create=False), "run")
+    require_writable_if_stored(store, "run")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -731,8 +736,7 @@ def _run(model, prompts, target, num_tokens, release, store, plugins, modules, t
     say = progress.say
 
     # 1. every check before the store is touched
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
-        raise ValueError(f"--num-tokens must be an integer >= 1, got {num_tokens!r}")
+    check_num_tokens(num_tokens)
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ValueError(f"--tp must be an integer >= 1, got {tp!r}")
     from capturestore.writer import check_label

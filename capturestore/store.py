@@ -1004,6 +1004,14 @@ def as_store(store, create: bool = False):
     return store if isinstance(store, Store) else open_store_path(str(store), create=create)
 
 
+def require_writable_if_stored(path, command: str) -> None:
+    """``require_writable`` of the store at ``path`` (a directory, a bucket or memory://) where one
+    is there already; a path with no store yet is created by the command (a Store passed in: its
+    command checks it)."""
+    if isinstance(path, (str, os.PathLike)) and store_exists(path):
+        require_writable(Store.open(path, create=False), command)
+
+
 def require_writable(store, command: str) -> None:
     """Refuse before any work when the store cannot be written (a read-only mount, a directory
     without write permission): the command would otherwise fail at its first write, midway."""
