@@ -1089,11 +1089,22 @@ def test_writers_and_readers_running_during_compaction_lose_and_double_no_row(tm
     written: list[str] = []
     stop = threading.Event()
     errors: list[BaseException] = []
-    reads, gone = [0], [0]
+    reads, gone, compactions = [0], [0], [0]
+
+    def overlapped(i: int) -> bool:
+        """Write i starts only once a compaction and a read have finished since write i - 1 began:
+        on a machine where eight writes outrun one compaction the test still judges overlap."""
+        deadline = time.monotonic() + 120
+        while compactions[0] < i or reads[0] < i:
+            if time.monotonic() > deadline or errors:
+                return False
+            time.sleep(0.005)
+        return True
 
     def writer():
         try:
             for i in range(8):
+                assert overlapped(i), f"no compaction or read finished during write {i - 1}: {compactions}, {reads}"
                 written.append(_scaled_run(Store.open(url, create=False), 3.0 + i))
                 Store.open(url, create=False).append_table("notes", [{"k": 100 + i, "v": "w"}])
         except BaseException as e:  # noqa: BLE001
@@ -1123,14 +1134,13 @@ def test_writers_and_readers_running_during_compaction_lose_and_double_no_row(tm
     threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
     for t in threads:
         t.start()
-    compactions = 0
     while not stop.is_set():
         Store.open(url, create=False).compact(grace_s=0.2)
-        compactions += 1
+        compactions[0] += 1
     for t in threads:
         t.join()
     assert not errors, errors
-    assert compactions >= 2 and reads[0] >= 2
+    assert compactions[0] >= 8 and reads[0] >= 8, (compactions, reads)
     store = Store.open(url, create=False)
     store.compact(grace_s=0)
     ids = [r["run_id"] for r in store.sql("SELECT run_id FROM runs").to_pylist()]
