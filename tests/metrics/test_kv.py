@@ -327,6 +327,46 @@ def test_layers_with_different_kv_head_counts_are_nan_padded():
     assert_matches_oracle(res, exp, act)
 
 
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+@pytest.mark.parametrize("three", [True, False])
+@pytest.mark.parametrize("heads", [(2, 4, 1, 4), (4, 2, 4, 3), (3, 3, 3, 3)])
+def test_every_result_element_is_written_or_nan_padded_without_a_nan_fill(monkeypatch, backend, three, heads):
+    """The result arrays are made uninitialised (``kv._uninit``): poisoned here with a value no
+    metric gives, every layout (a narrower layer after a wider one, widening, K and V of other
+    widths, NaN and inf positions) must give the numbers of arrays NaN-filled first."""
+    import metrics.kv as kv
+    from metrics.bc import numba_available
+
+    if backend == "numba" and not numba_available():
+        pytest.skip("numba does not import here")
+    rng = np.random.default_rng(sum(heads) + 10 * three)
+    base = {}
+    for i, h in enumerate(heads):
+        k = rng.standard_normal((2, h, 5, 4)).astype(np.float32)
+        v = rng.standard_normal((2, h, 5, 6 if i == 2 else 4)).astype(np.float32)
+        base[f"model.layers.{i}.self_attn"] = (k, v)
+    exp, act = perturb(base, rng, 1e-2, np.float32), perturb(base, rng, 3e-2, np.float32)
+    act["model.layers.1.self_attn"][0][1, 0, 2, 1] = np.nan  # a position the kernel leaves to numpy
+    act["model.layers.3.self_attn"][1][0, -1, 4, 0] = np.inf
+    kw = dict(baseline_kv=base, return_raw_errors=True) if three else {}
+
+    def run(fill):
+        monkeypatch.setattr(kv, "_uninit", lambda shape, dtype=np.float64: np.full(shape, fill, dtype))
+        out = compare_kv_caches(exp, act, backend=backend, **kw)
+        res, raw = out if three else (out, None)
+        arrays = {n: getattr(res, n) for n in (*kv.HEAD_METRIC_NAMES, "k_bc", "v_bc")}
+        if raw is not None:
+            arrays.update({f: getattr(raw, f) for f in ("base_k", "base_v", "tgt_k", "tgt_v")})
+        return arrays
+
+    want, got = run(np.nan), run(-7777.0)
+    for n, arr in got.items():
+        assert not (arr == -7777.0).any(), f"{n}: elements never written"
+        np.testing.assert_array_equal(arr, want[n], err_msg=n)
+    assert np.isnan(want["k_linf"][:, :, 2, heads[2]:]).all() and np.isfinite(want["k_linf"][0, :, 0, :heads[0]]).all()
+    assert np.isnan(want["base_k_linf"]).all() != three
+
+
 def test_raw_errors_of_a_wider_later_layer_and_of_k_v_with_other_head_dims():
     rng = np.random.default_rng(14)
     narrow = make_kv(rng, 1, B=1, H=2, S=3, D=4)["model.layers.0.self_attn"]
