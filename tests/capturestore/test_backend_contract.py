@@ -239,7 +239,9 @@ def _assert_collected(store: Store, run_id: str) -> None:
 def test_a_writer_sigkilled_mid_commit_is_never_visible_and_gc_collects_it(disk_url, monkeypatch):
     from tests.capturestore.conftest import start_writer
 
-    monkeypatch.setenv("CAPTURESTORE_LEASE_S", "3")  # a bucket's dead writer: dead once its lease ran out
+    # a bucket's dead writer: dead once its lease ran out; the live one's heartbeat (lease / 3) and
+    # the server's whole-second stamps need the slack of a 5 s lease on a loaded machine
+    monkeypatch.setenv("CAPTURESTORE_LEASE_S", "5")
     store = Store.open(disk_url)
     good, _ = _write_run(store, seed=5)
     p = start_writer(disk_url, "hold-commit")
@@ -253,7 +255,7 @@ def test_a_writer_sigkilled_mid_commit_is_never_visible_and_gc_collects_it(disk_
     os.kill(p.pid, signal.SIGKILL)
     p.communicate(timeout=30)
     if disk_url.startswith("s3://"):
-        time.sleep(4.5)  # the lease (3 s) runs out by the server's clock
+        time.sleep(6.5)  # the lease (5 s) runs out by the server's clock
     assert _visible(disk_url) == {good}
     after = Store.open(disk_url, create=False)
     _assert_collected(after, victim)

@@ -682,7 +682,7 @@ def test_the_footer_decoder_picks_each_bound_as_duckdb_does_and_refuses_impossib
         row_group_statistics(huge_map)
     with pytest.raises(FooterError, match="container"):
         row_group_statistics(b"\x19\xfc" + bytes([0xFF] * 8 + [0x3F]) + b"\x00")  # a list of 2^62 structs
-    assert _time.perf_counter() - started < 1.0
+    assert _time.perf_counter() - started < 10.0  # a 2^62-step loop would never end
 
 
 def _kept(full, keep):
@@ -1107,6 +1107,7 @@ def test_writers_and_readers_running_during_compaction_lose_and_double_no_row(tm
                 assert overlapped(i), f"no compaction or read finished during write {i - 1}: {compactions}, {reads}"
                 written.append(_scaled_run(Store.open(url, create=False), 3.0 + i))
                 Store.open(url, create=False).append_table("notes", [{"k": 100 + i, "v": "w"}])
+            assert overlapped(8), f"no compaction or read finished during write 7: {compactions}, {reads}"
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
         finally:
@@ -2093,7 +2094,7 @@ def test_a_merged_segment_is_named_after_every_merged_segment_it_replaces(monkey
     ahead = time.strftime("%Y%m%dT%H%M%S", time.gmtime(time.time() + 3600))
     t0 = time.time()
     _, name = compaction._merged_name([f"compacted-{ahead}-{'f' * 12}.parquet"])
-    assert time.time() - t0 < 0.5 and f"{name}.parquet" > f"compacted-{ahead}-{'f' * 12}.parquet"
+    assert time.time() - t0 < 30 and f"{name}.parquet" > f"compacted-{ahead}-{'f' * 12}.parquet"  # not the hour
 
 
 # ------------------------------------------------------------------ automatic compaction after commits

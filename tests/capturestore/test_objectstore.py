@@ -170,13 +170,15 @@ def test_many_writer_processes_one_bucket(s3_url, monkeypatch):
 
 
 def test_gc_leaves_a_live_writer_alone(s3_url, monkeypatch):
-    monkeypatch.setenv("CAPTURESTORE_LEASE_S", "2")
+    # heartbeat every lease / 3; the server's Last-Modified stamps are whole seconds, so a lease
+    # of 2 s left a loaded machine ~0.3 s of slack
+    monkeypatch.setenv("CAPTURESTORE_LEASE_S", "4")
     store = Store.open(s3_url)
     run = store.begin_run(engine="test", model_path="live")
     d = prompt_data(0, 0)
     pid = run.add_prompt(d["tokens"])
     run.write_kv(pid, d["k"], d["v"])
-    time.sleep(3)  # longer than the lease: only the heartbeat keeps it alive
+    time.sleep(5.5)  # longer than the lease and a second's stamp rounding: only the heartbeat keeps it alive
     assert store.gc() == []
     assert [p["alive"] for p in store.pending()] == [True]
     run.commit()

@@ -78,11 +78,13 @@ def test_a_prompt_is_written_while_the_next_ones_forwards_run_one_prompt_queued_
     store = Store.open(tmp_path / "s")
     events, lock = [], threading.Lock()
     real_write, real_capture = modules.write_prompt_modules, modules.capture_hf_modules
+    began = {10 + i: threading.Event() for i in range(4)}
 
     def write(run, prompt, *a):
         with lock:
             events.append(("write", prompt[0], threading.current_thread().name))
-        time.sleep(0.2)  # a slow disk: the next forwards start meanwhile
+        if prompt[0] < 13:  # a slow disk: the next prompt's forwards start meanwhile (a serial loop
+            began[prompt[0] + 1].wait(30)  # never starts them: it waits out the 30 s and fails below)
         out = real_write(run, prompt, *a)
         with lock:
             events.append(("written", prompt[0], None))
@@ -91,6 +93,7 @@ def test_a_prompt_is_written_while_the_next_ones_forwards_run_one_prompt_queued_
     def capture(model, prompt, *a, **kw):
         with lock:
             events.append(("forwards", prompt[0], None))
+        began[prompt[0]].set()
         return real_capture(model, prompt, *a, **kw)
 
     monkeypatch.setattr(modules, "write_prompt_modules", write)

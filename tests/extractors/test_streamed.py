@@ -538,14 +538,23 @@ def test_a_unit_is_read_ahead_only_beside_the_one_unit_the_plan_lets_it_share_me
         sm.prefetch = allowed
         seen, lock, read_unit = [], threading.Lock(), sm.read_unit
 
-        def spy(u, background=False, read_unit=read_unit, sm=sm, seen=seen):
+        looked = [threading.Event() for _ in sm.units]
+
+        def spy(u, background=False, read_unit=read_unit, sm=sm, seen=seen, looked=looked):
             resident = [i for i, x in enumerate(sm.units)
                         if any(mod._parameters[a].device.type != "meta" for mod, a in x.params.values())]
             with lock:
                 seen.append((sm.units.index(u), background, resident))
+            looked[sm.units.index(u)].set()
             return read_unit(u, background)
 
-        sm.read_unit = spy
+        def spy_free(u, free=sm.free, sm=sm, allowed=allowed, looked=looked):
+            i = sm.units.index(u)
+            if i in allowed:  # the read-ahead of unit i + 1 has looked before unit i goes (a loaded
+                assert looked[i + 1].wait(30)  # machine may start its thread after unit i computed)
+            free(u)
+
+        sm.read_unit, sm.free = spy, spy_free
         got = run_streamed(sm, [lambda p=p, t=t: extract_hf_kv_caches_teacher_forced(sm.model, [p], [t],
                                                                                      return_logits=True)
                                 for p, t in zip(PROMPTS[:2], TEACHERS[:2])])
