@@ -238,8 +238,8 @@ def compaction_estimate(base: Path, repeat: int) -> bool:
         yq = agg.format(src=PLAIN.format(glob=base / "young" / "tables" / table / "*.parquet"))
         young = best_of(lambda q=yq: con.sql(q).fetchall(), repeat)
         for what, q, goal in (
-                # the store as written, before compaction: the cost compaction exists to remove,
-                # no goal (as the query table's "not compacted" column; the goal is the compacted ones')
+                # the store as written, before compaction: the cost compaction exists to remove, so
+                # no goal, as in the query table's "not compacted" column (the 2x goal is the compacted store's)
                 ("today's glob", agg.format(src=PLAIN.format(glob=old_glob)), None),
                 ("reader rule, not compacted", agg.format(src=RULE.format(glob=old_glob)), None),
                 ("reader rule, one merged segment", agg.format(src=RULE.format(glob=merged)), GOAL)):
