@@ -472,7 +472,8 @@ def store_rows(path, prompts, conts, models, t_limit=None, label="") -> list:
             del m
             gc.collect()
         stored = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
-        chunks = sum(len(fs) for r, _, fs in os.walk(d) if "tensors" in r.split(os.sep) and "c" in r.split(os.sep))
+        chunks = sum(1 for r, _, fs in os.walk(d) if "tensors" in r.split(os.sep)  # "/" keys (c/0/0) or "." (c.0.0)
+                     for f in fs if "c" in r.split(os.sep) or f == "c" or f.startswith("c."))
 
         def read_all():
             for rid in runs.values():

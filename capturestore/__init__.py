@@ -11,8 +11,8 @@
 
 Layout (see ../shared/DESIGN.md)::
 
-    <store>/capturestore.json                              {"format": "capturestore", "format_version": 2}  (3 once
-                                                           merged segments were merged again: docs/compact.md)
+    <store>/capturestore.json                              {"format": "capturestore", "format_version": 4}  (a new
+                                                           store; an older one stays 1, 2 or 3: docs/reading.md)
     <store>/arrays.zarr/<run_id>/<prompt_id>/tokens         int32 [position]  (prompt + continuation)
     <store>/arrays.zarr/<run_id>/<prompt_id>/logits         [gen_token, vocab]
     <store>/arrays.zarr/<run_id>/<prompt_id>/kv_k, kv_v     [layer, kv_head, position, head_dim]  (kv_k_<group> ...)
@@ -23,7 +23,9 @@ Layout (see ../shared/DESIGN.md)::
 
 Arrays are Zarr v3 (xarray/dask open them) with ``dimension_names``, chunks of one layer x a
 token block (~4 MiB; a one-shot KV layer of up to 8 MiB is one chunk), blosc-lz4-bitshuffle +
-crc32c per chunk. bf16 and fp8 are stored as
+crc32c per chunk, each chunk a file beside the array's zarr.json (``c.0.0.0.0``: Zarr v3's "."
+chunk keys, format 4; stores of earlier formats keep "/" keys, ``c/0/0/0/0``, and read alike).
+bf16 and fp8 are stored as
 uint16/uint8 bits with the logical dtype in the ``logical_dtype`` attribute
 (``Store.open_xarray(run_id, prompt_id)`` views them back as ml_dtypes). KV and tokens share
 the ``position`` dim, the ``position`` column of the SQL metric tables (format 1 said ``seq`` /

@@ -25,7 +25,7 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 
 from capturestore.chunkio import MadeDirs, blosc_frame_problem
 from capturestore.errors import CorruptChunkError
-from capturestore.layout import chunk_keys, chunk_keys_in_region
+from capturestore.layout import chunk_keys, chunk_keys_in_region, is_chunk_name, key_separator
 
 # Blosc/LZ4 with bit shuffle: the sign and exponent bits of bf16/fp16/fp32 line up into long
 # runs LZ4 can match (LZ4 has no entropy coder, so byte shuffle alone gains little). Measured
@@ -121,6 +121,7 @@ def create_array(
     compression: str | None = "lz4",
     shards: tuple[int, ...] | None = None,
     dirs: MadeDirs | None = None,
+    separator: str = "/",
 ) -> zarr.Array | DocumentArray:
     """``shards``: group the chunks into shard objects of this shape (Zarr's sharding codec; each
     inner chunk keeps its codecs and CRC32C, the shard index has its own CRC32C).
@@ -129,9 +130,10 @@ def create_array(
     here, the bytes zarr writes (``array_document``, ``write_document``; pinned by tests against zarr.create_array):
     zarr's own creation costs ~10 ms an array on a loaded machine, which dominated a module
     capture of ~150 small arrays per prompt (benchmarks/bench_modules.py). ``dirs``: the writer's
-    ``chunkio.MadeDirs`` under the store's root (each directory made once)."""
+    ``chunkio.MadeDirs`` under the store's root (each directory made once). ``separator``: the
+    chunk key separator, "." only in a store of ``layout.DOT_KEYS_FORMAT_VERSION`` or later."""
     if shards is None and isinstance(zstore, zarr.storage.LocalStore):
-        doc = array_document(shape, storage_dtype, chunks, dimension_names, attributes, compression)
+        doc = array_document(shape, storage_dtype, chunks, dimension_names, attributes, compression, separator)
         write_document(Path(zstore.root), ref.path, doc, dirs)
         return array_from_document(zstore, ref.path, doc)
     return zarr.create_array(
@@ -145,6 +147,7 @@ def create_array(
         fill_value=0,
         dimension_names=dimension_names,
         attributes=attributes,
+        chunk_key_encoding={"name": "default", "separator": separator},
         config={"write_empty_chunks": True},  # every chunk exists on disk, so verify can see gaps
         overwrite=False,
     )
@@ -166,9 +169,12 @@ _GROUP_DOCUMENT = json.dumps({"attributes": {}, "zarr_format": 3, "node_type": "
 
 
 def array_document(shape: tuple[int, ...], storage_dtype: np.dtype, chunks: tuple[int, ...],
-                   dimension_names: list[str], attributes: dict[str, Any], compression: str | None = "lz4") -> dict:
+                   dimension_names: list[str], attributes: dict[str, Any], compression: str | None = "lz4",
+                   separator: str = "/") -> dict:
     """The zarr.json of an unsharded array of ours, as zarr.create_array writes it (fill value 0,
-    codecs of ``compressors_for``)."""
+    codecs of ``compressors_for``, chunk keys with ``separator``)."""
+    if separator not in ("/", "."):
+        raise ValueError(f"chunk key separator must be '/' or '.', got {separator!r}")
     dt = np.dtype(storage_dtype)
     codec_bytes: dict[str, Any] = {"name": "bytes"}
     if dt.itemsize > 1:
@@ -183,7 +189,7 @@ def array_document(shape: tuple[int, ...], storage_dtype: np.dtype, chunks: tupl
         "shape": [int(n) for n in shape],
         "data_type": dt.name,
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [int(c) for c in chunks]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": separator}},
         "fill_value": fill,
         "codecs": codecs,
         "attributes": attributes,
@@ -318,6 +324,13 @@ class DocumentArray:
         return self._array()[key]
 
 
+def separator_of(arr: Any) -> str:
+    """The chunk key separator of an array of ours (a ``DocumentArray`` or a zarr.Array)."""
+    if isinstance(arr, DocumentArray) and arr._zarr is None:
+        return key_separator(arr._doc)
+    return key_separator({"chunk_key_encoding": arr.metadata.chunk_key_encoding.to_dict()})
+
+
 def chunk_problem(array_dir: Path, key: str) -> str | None:
     """Why the chunk file ``key`` under ``array_dir`` is bad, or None if its CRC32C checks out."""
     p = array_dir / key
@@ -342,9 +355,10 @@ def crc_problem(data: bytes | None) -> str | None:
 
 
 def bad_chunks(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...],
-               region: tuple[slice, ...] | None = None) -> list[tuple[str, str]]:
-    """(chunk key, problem) for every bad chunk of the array (or of ``region``)."""
-    keys = chunk_keys(shape, chunks) if region is None else chunk_keys_in_region(shape, chunks, region)
+               region: tuple[slice, ...] | None = None, sep: str = "/") -> list[tuple[str, str]]:
+    """(chunk key, problem) for every bad chunk of the array (or of ``region``); ``sep``: its
+    chunk key separator."""
+    keys = chunk_keys(shape, chunks, sep) if region is None else chunk_keys_in_region(shape, chunks, region, sep)
     out = []
     for _, key in keys:
         why = chunk_problem(array_dir, key)
@@ -354,9 +368,12 @@ def bad_chunks(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...],
 
 
 def stored_bytes(array_dir: Path) -> int:
-    """Bytes on disk of all chunk files of one array."""
+    """Bytes on disk of all chunk files of one array (its keys with either separator)."""
     total = 0
-    for dirpath, _, files in os.walk(array_dir / "c"):
+    for dirpath, _, files in os.walk(array_dir):
+        rel = os.path.relpath(dirpath, array_dir)
         for f in files:
-            total += os.path.getsize(os.path.join(dirpath, f))
+            key = f if rel == "." else f"{rel}/{f}".replace(os.sep, "/")
+            if is_chunk_name(key, "/") or is_chunk_name(key, "."):
+                total += os.path.getsize(os.path.join(dirpath, f))
     return total

@@ -3,7 +3,7 @@
 A store's layout (layout.py) is the same everywhere; what differs is how bytes are kept and how
 a writer proves it is alive. ``Backend`` is that byte-level interface (the shape of zarr-python
 3's ``Store``): keys are '/'-separated paths relative to the store's root (``tables/runs/x.parquet``,
-``arrays.zarr/<run>/<prompt>/kv_k/c/0/0/0/0``), and each backend declares what it can do:
+``arrays.zarr/<run>/<prompt>/kv_k/c.0.0.0.0``, or ``.../kv_k/c/0/0/0/0`` in a store of format 3 or earlier), and each backend declares what it can do:
 
 - ``LocalBackend``: a directory. Objects are written under a temp name and renamed; a writer is
   alive while it holds the flock on its ``pending/<id>.json`` (integrity.PendingLock), which the

@@ -26,6 +26,7 @@ import numpy as np
 from numcodecs import Blosc
 
 from capturestore.errors import CorruptChunkError
+from capturestore.layout import chunk_key
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid, executor)
 # read_region reads chunks on the pool only when they average at least this many bytes: in stores
@@ -48,10 +49,6 @@ def _pool() -> ThreadPoolExecutor:
 def _blosc(itemsize: int) -> Blosc:
     # Must match arrays.compressors_for: blosc lz4, clevel 5, bitshuffle, typesize = itemsize.
     return Blosc(cname="lz4", clevel=5, shuffle=Blosc.BITSHUFFLE, typesize=itemsize)
-
-
-def chunk_key(idx: tuple[int, ...]) -> str:
-    return "c/" + "/".join(str(i) for i in idx)
 
 
 _IOV_MAX = 1024
@@ -174,7 +171,7 @@ def _encode_and_write(path: Path | str, block: np.ndarray, itemsize: int, compre
 
 def write_block(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...], block: np.ndarray,
                 offset: tuple[int, ...], compressed: bool = True, pending: list | None = None,
-                dirs: MadeDirs | None = None, sizes: dict[str, int] | None = None) -> bool:
+                dirs: MadeDirs | None = None, sizes: dict[str, int] | None = None, sep: str = "/") -> bool:
     """Write ``block`` (storage dtype) at ``offset`` of the array; True if done (or queued).
 
     ``compressed``: the array's codecs are bytes+blosc+crc32c (else bytes+crc32c).
@@ -182,6 +179,7 @@ def write_block(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...]
     it instead of awaited; ``block`` must then stay unchanged until they are done.
     ``dirs``: the writer's ``MadeDirs`` (chunk directories made once each).
     ``sizes``: ``{chunk key: bytes in its file}`` of the chunks written here (not of queued ones).
+    ``sep``: the chunk key separator the array's zarr.json names (``layout.key_separator``).
 
     Returns False (nothing written) when the block does not start on chunk boundaries or ends
     inside a chunk that is not the array's last along that axis: such writes need a
@@ -201,14 +199,14 @@ def write_block(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...]
     for idx in itertools.product(*ranges):
         src = tuple(slice(i * c - o, min((i + 1) * c, o + n) - o) for i, c, o, n in zip(idx, chunks, offset, block.shape))
         # an edge chunk is stored padded to the full chunk shape with the fill value 0, as zarr does
-        jobs.append((chunk_key(idx), block[src]))
+        jobs.append((chunk_key(idx, sep), block[src]))
     cshape = tuple(chunks)
     if pending is None and len(jobs) == 1:
         n = _encode_and_write(f"{base}/{jobs[0][0]}", jobs[0][1], itemsize, compressed, cshape, dirs)
         if sizes is not None:
             sizes[jobs[0][0]] = n
         return True
-    if dirs is not None:  # here, not racing on the pool's threads
+    if dirs is not None:  # here, not racing on the pool's threads ("." keys: the array's directory only)
         for key, _ in jobs:
             dirs.make(os.path.dirname(f"{base}/{key}"))
     futures = [_pool().submit(_encode_and_write, f"{base}/{key}", b, itemsize, compressed, cshape, dirs)
@@ -359,22 +357,24 @@ def decode_chunk(data, chunks: tuple[int, ...], dtype: np.dtype, where: str, key
 
 
 def read_region(array_dir: Path | None, shape: tuple[int, ...], chunks: tuple[int, ...], dtype: np.dtype,
-                region: tuple[slice, ...], where: str, compressed: bool = True, fetch=None) -> np.ndarray:
+                region: tuple[slice, ...], where: str, compressed: bool = True, fetch=None,
+                sep: str = "/") -> np.ndarray:
     """array[region] (step-1 slices), checking every chunk's CRC32C; errors name the chunk.
 
     ``fetch``: instead of files under ``array_dir``, a function {chunk key: bytes or None} of a
-    list of chunk keys (an object store's batched GETs)."""
+    list of chunk keys (an object store's batched GETs). ``sep``: the chunk key separator the
+    array's zarr.json names (``layout.key_separator``)."""
     bounds = [r.indices(s)[:2] for r, s in zip(region, shape)]
     out = np.empty(tuple(max(0, b - a) for a, b in bounds), dtype)
     if out.size == 0:
         return out
     ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(bounds, chunks)]
-    fetched = None if fetch is None else fetch([chunk_key(i) for i in itertools.product(*ranges)])
+    fetched = None if fetch is None else fetch([chunk_key(i, sep) for i in itertools.product(*ranges)])
 
     base = None if array_dir is None else os.fspath(array_dir)
 
     def one(idx: tuple[int, ...]) -> None:
-        key = chunk_key(idx)
+        key = chunk_key(idx, sep)
         src, dst, whole = [], [], True
         for i, c, (a, b) in zip(idx, chunks, bounds):
             lo, hi = max(a, i * c), min(b, (i + 1) * c)

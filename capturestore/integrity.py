@@ -923,7 +923,8 @@ _CHUNK_BATCH = 64  # chunks read at once: bounded memory on arrays of any size
 
 def _verify_capture(b, c: dict, metas: dict[str, bytes | None], report: VerifyReport) -> None:
     from capturestore.arrays import crc_problem
-    from capturestore.layout import chunk_keys
+    from capturestore.layout import chunk_keys, key_separator
+    from capturestore.store import chunk_objects
 
     run_id, pid, name = c["run_id"], c["prompt_id"], c["array_name"]
     where = {"run_id": run_id, "prompt_id": pid, "array": name}
@@ -936,6 +937,7 @@ def _verify_capture(b, c: dict, metas: dict[str, bytes | None], report: VerifyRe
         meta = json.loads(raw)
         shape = tuple(meta["shape"])
         chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
+        sep = key_separator(meta)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         report.append(Problem("missing-array", f"array metadata unreadable: {e}", **where))
         return
@@ -949,7 +951,7 @@ def _verify_capture(b, c: dict, metas: dict[str, bytes | None], report: VerifyRe
                               f"{attrs.get('logical_dtype')} stored as {meta.get('data_type')}", **where))
         return
     report.checked_arrays += 1
-    keys = [k for _, k in chunk_keys(shape, chunks)]
+    keys = [k for _, k in chunk_keys(shape, chunks, sep)]
     report.checked_chunks += len(keys)
     codecs = [x.get("name") for x in meta.get("codecs", [])]
     if not codecs or codecs[-1] == "crc32c":  # the CRC sits in each chunk object: checked without decoding
@@ -961,7 +963,7 @@ def _verify_capture(b, c: dict, metas: dict[str, bytes | None], report: VerifyRe
                 if why:
                     report.append(Problem("corrupt-chunk", why, chunk=k, **where))
         return
-    present = b.find(f"{base}/c")  # sharded: each shard's index and inner chunks carry their CRCs
+    present = chunk_objects(b, base, sep)  # sharded: each shard's index and inner chunks carry their CRCs
     for k in keys:
         if f"{base}/{k}" not in present:
             report.append(Problem("corrupt-chunk", "chunk file is missing", chunk=k, **where))
@@ -979,6 +981,7 @@ def _verify_capture(b, c: dict, metas: dict[str, bytes | None], report: VerifyRe
 def _verify_prompt_tokens(b, p: dict, report: VerifyReport) -> None:
     """The tokens array equals the prompts row's token_ids, and prompt_id hashes its prompt part."""
     from capturestore.chunkio import read_region
+    from capturestore.layout import key_separator
     from capturestore.writer import prompt_id
 
     run_id, pid = p["run_id"], p["prompt_id"]
@@ -993,7 +996,8 @@ def _verify_prompt_tokens(b, p: dict, report: VerifyReport) -> None:
         return {k: got[f"{base}/{k}"] for k in keys}
 
     tokens = read_region(None, shape, chunks, np.dtype(meta["data_type"]), (slice(0, shape[0]),),
-                         f"run {run_id}, prompt {pid}, array tokens", compressed="blosc" in codecs, fetch=fetch)
+                         f"run {run_id}, prompt {pid}, array tokens", compressed="blosc" in codecs, fetch=fetch,
+                         sep=key_separator(meta))
     want = p.get("token_ids")
     if want is not None and list(tokens) != list(want):
         report.append(Problem("tokens-mismatch", "tokens array differs from the prompts row's token_ids",

@@ -23,11 +23,23 @@ FORMAT_NAME = "capturestore"
 # 2: the axis they share is named POSITION_DIM in both, as in the SQL views' `position`.
 # 3: merged table segments may replace merged segments (compaction tiers); runs are written as in
 #    2. A store becomes 3 at its first such merge (an older capturestore would count those rows twice).
-# Every earlier version is read; each run records its own (runs.format_version). FORMAT_VERSION is
-# what a new store and every run are written as; READABLE_FORMAT_VERSION the newest store this reads.
-FORMAT_VERSION = 2
+# 4: arrays are written with Zarr v3's "." chunk key separator (``c.0.0.0``, one file in the array's
+#    directory) instead of "/" (``c/0/0/0``, a directory per leading chunk index). A capture's arrays
+#    are small and many (a module tensor per module and phase, KV arrays per layer group): the
+#    directories were two thirds of what a capture made on disk (docs/store-format.md). Each array
+#    names its separator in its zarr.json and every reader here takes it from there, so a store
+#    holds arrays of both kinds; an older capturestore would look for "c/..." keys and find no
+#    chunk, so a store of version 4 is refused by it.
+# Every earlier version is read; each run records its arrays' layout (runs.format_version: 4 where
+# they use "." keys, else 2). FORMAT_VERSION is what a new store is created as and its runs are
+# written as; a store of an earlier version keeps "/" keys (RUN_FORMAT_VERSION_SLASH_KEYS), so
+# the capturestore versions that share it keep reading it. READABLE_FORMAT_VERSION: the newest
+# store this reads.
+FORMAT_VERSION = 4
 REMERGED_FORMAT_VERSION = 3
-READABLE_FORMAT_VERSION = 3
+DOT_KEYS_FORMAT_VERSION = 4
+READABLE_FORMAT_VERSION = 4
+RUN_FORMAT_VERSION_SLASH_KEYS = 2
 POSITION_DIM = "position"
 FORMAT1_POSITION_DIMS = ("seq", "token")
 FORMAT_FILE = "capturestore.json"
@@ -98,19 +110,56 @@ def tensor_chunks(n_steps: int, step_chunk: list[int], itemsize: int) -> tuple[i
     return (max(1, min(int(n_steps), TARGET_CHUNK_BYTES // per_step)), *step_chunk)
 
 
-def chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...]) -> list[tuple[tuple[int, ...], str]]:
+def separator_for(store_version: int) -> str:
+    """The chunk key separator of the arrays a writer makes in a store of ``store_version``."""
+    return "." if store_version >= DOT_KEYS_FORMAT_VERSION else "/"
+
+
+def run_format_version(separator: str) -> int:
+    """What a run whose arrays use ``separator`` records as its runs.format_version."""
+    return DOT_KEYS_FORMAT_VERSION if separator == "." else RUN_FORMAT_VERSION_SLASH_KEYS
+
+
+def key_separator(meta: dict) -> str:
+    """The chunk key separator an array's zarr.json (``meta``, parsed) names: Zarr v3's "default"
+    encoding, "/" where its configuration names none (the specification's default). ValueError
+    for any other encoding (not an array of this store: no reader here builds its keys)."""
+    enc = meta.get("chunk_key_encoding", {"name": "default"})
+    name = sep = None
+    if isinstance(enc, dict):
+        name, conf = enc.get("name"), enc.get("configuration") or {}
+        sep = conf.get("separator", "/") if isinstance(conf, dict) else None
+    if name != "default" or sep not in ("/", "."):
+        raise ValueError(f"chunk key encoding {enc!r}: this store's arrays use Zarr v3's default encoding "
+                         f"with separator '/' or '.'")
+    return sep
+
+
+def chunk_key(idx: tuple[int, ...], sep: str = "/") -> str:
+    """The key of chunk ``idx`` below its array (Zarr v3 default encoding): ``c`` + sep + the
+    indices joined by sep, ``c`` for a 0-d array."""
+    return "c" + sep + sep.join(str(i) for i in idx) if idx else "c"
+
+
+def is_chunk_name(rel: str, sep: str) -> bool:
+    """Whether ``rel``, a path below an array's directory ("/"-separated), can be one of its chunk
+    keys with separator ``sep``."""
+    if sep == "/":
+        return rel == "c" or rel.startswith("c/")
+    return rel == "c" or (rel.startswith("c.") and "/" not in rel)
+
+
+def chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...],
+               sep: str = "/") -> list[tuple[tuple[int, ...], str]]:
     """Every (chunk index, relative key) of an array with Zarr v3 default chunk key encoding."""
     grid = [max(1, math.ceil(s / c)) if s > 0 else 0 for s, c in zip(shape, chunks)]
     if any(g == 0 for g in grid):
         return []
-    out = []
-    for idx in _ndindex(grid):
-        out.append((idx, "c/" + "/".join(str(i) for i in idx) if idx else "c"))
-    return out
+    return [(idx, chunk_key(idx, sep)) for idx in _ndindex(grid)]
 
 
 def chunk_keys_in_region(
-    shape: tuple[int, ...], chunks: tuple[int, ...], region: tuple[slice, ...]
+    shape: tuple[int, ...], chunks: tuple[int, ...], region: tuple[slice, ...], sep: str = "/"
 ) -> list[tuple[tuple[int, ...], str]]:
     """Chunk (index, key) pairs that overlap ``region`` (a tuple of step-1 slices)."""
     ranges = []
@@ -119,7 +168,7 @@ def chunk_keys_in_region(
         if stop <= start:
             return []
         ranges.append(range(start // c, (stop - 1) // c + 1))
-    return [(idx, "c/" + "/".join(str(i) for i in idx)) for idx in _product(ranges)]
+    return [(idx, chunk_key(idx, sep)) for idx in _product(ranges)]
 
 
 def _ndindex(grid: list[int]):

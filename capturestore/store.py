@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import zarr
 
 from capturestore import catalog, integrity
-from capturestore.arrays import ArrayRef, bad_chunks, check_compression, read_metadata
+from capturestore.arrays import ArrayRef, bad_chunks, check_compression, read_metadata, separator_of
 from capturestore.chunkio import MadeDirs, read_region, write_block
 from capturestore.compaction import LOCK_PREFIX as COMPACTION_LOCK_PREFIX
 from capturestore.compaction import SOURCE_COLUMN, ListingChanged, coverage, is_merged, logical_names
@@ -34,6 +34,9 @@ from capturestore.layout import (
     check_component,
     check_module_name,
     check_table_name,
+    is_chunk_name,
+    key_separator,
+    separator_for,
 )
 from capturestore.tables import (
     RUN_TABLES,
@@ -113,6 +116,9 @@ class Store:
         self.backend = backend
         self.root = backend.root  # a Path for a directory, the URL otherwise
         self._zstore = backend.zarr_store(ARRAYS_DIR)
+        # the chunk key separator of the arrays this store's writers make (layout.separator_for of
+        # the store's format version, set by open); readers take each array's from its zarr.json
+        self._chunk_separator = "/"
         self._committed: set[str] = set()
         self._con = None  # in-memory DuckDB connection with the catalog views, made on first sql()
         self._con_views: dict[str, tuple] = {}  # table -> the listings its view was built from
@@ -159,7 +165,9 @@ class Store:
             if why:
                 raise StoreError(why)
             cls._create_layout(b)
-        elif info["format_version"] > READABLE_FORMAT_VERSION:
+            # as written: by this creation, or by a concurrent one that came first
+            info = parse_format(b.read(FORMAT_FILE).decode(errors="replace"), b.where(FORMAT_FILE))
+        if info["format_version"] > READABLE_FORMAT_VERSION:
             raise FormatVersionError(
                 f"store {b.url} has format version {info['format_version']}, newer than the {READABLE_FORMAT_VERSION} "
                 f"this capturestore reads; upgrade capturestore to open it"
@@ -168,6 +176,7 @@ class Store:
 
         auto_compact_segments()  # a bad $CAPTURESTORE_AUTO_COMPACT: one line now, not a warning at each commit
         store = cls(b)
+        store._chunk_separator = separator_for(info["format_version"])
         store._committed = store.committed_ids()
         try:
             b.refresh_catalog()  # only when catalog.stamp is out of date
@@ -227,7 +236,8 @@ class Store:
         if self.backend.path is None or (isinstance(arr, zarr.Array) and arr.shards is not None):
             return False  # a shard holds many chunks and their index: zarr writes it (``arr.chunks`` are inner chunks)
         return write_block(f"{self.backend.path}/{ARRAYS_DIR}/{ref.path}", tuple(arr.shape), tuple(arr.chunks), block,
-                           offset, compressed=compressed, pending=pending, dirs=dirs, sizes=sizes)
+                           offset, compressed=compressed, pending=pending, dirs=dirs, sizes=sizes,
+                           sep=separator_of(arr))
 
     def _made_dirs(self) -> MadeDirs | None:
         """A fresh ``MadeDirs`` for one writer of a directory store (None on object storage)."""
@@ -314,8 +324,8 @@ class Store:
     def _sync_run_arrays(self, run_id: str) -> None:
         self.backend.sync_tree(f"{ARRAYS_DIR}/{run_id}")
 
-    def _stored_bytes(self, ref: ArrayRef) -> int:
-        return sum(self.backend.find(f"{ARRAYS_DIR}/{ref.path}/c").values())
+    def _stored_bytes(self, ref: ArrayRef, sep: str) -> int:
+        return sum(chunk_objects(self.backend, f"{ARRAYS_DIR}/{ref.path}", sep).values())
 
     # ---- writing ---------------------------------------------------------------------------
     def begin_run(self, engine: str, model_path: str, model_hash: str | None = None, dtype: str = "bfloat16",
@@ -453,7 +463,7 @@ class Store:
             local = None if b.path is None else f"{os.fspath(b.path)}/{base}"  # a str: no pathlib per read
             bits = read_region(local, shape, chunks, np.dtype(meta["data_type"]),
                                region, ref.where(), compressed=len(codecs) == 3,
-                               fetch=fetch if b.path is None else None)
+                               fetch=fetch if b.path is None else None, sep=_separator(ref, meta))
         else:  # sharded or another codec chain: zarr decodes (its crc32c codec checks every inner chunk)
             bits = _checked_zarr_read(self, ref, meta, region)
         return from_storage(bits, meta["attributes"]["logical_dtype"], as_torch, ref.where())
@@ -952,9 +962,10 @@ def _checked_zarr_read(store: Store, ref: ArrayRef, meta: dict, region) -> np.nd
     from capturestore.layout import chunk_keys_in_region
 
     grid = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
-    keys = [k for _, k in chunk_keys_in_region(tuple(meta["shape"]), grid, region)]
+    sep = _separator(ref, meta)
+    keys = [k for _, k in chunk_keys_in_region(tuple(meta["shape"]), grid, region, sep)]
     base = f"{ARRAYS_DIR}/{ref.path}/"
-    present = set(store.backend.find(base + "c"))
+    present = set(chunk_objects(store.backend, base.rstrip("/"), sep))
     missing = [k for k in keys if base + k not in present]
     if missing:
         raise CorruptChunkError(f"{ref.where()}, chunk {missing[0]}: chunk file is missing")
@@ -964,13 +975,34 @@ def _checked_zarr_read(store: Store, ref: ArrayRef, meta: dict, region) -> np.nd
         return arr[region]
     except Exception as e:  # noqa: BLE001
         if store.backend.path is not None and not sharded:  # a directory of chunk files: name each bad one by its CRC
-            bad = bad_chunks(store.backend.path / base, tuple(meta["shape"]), grid, region)
+            bad = bad_chunks(store.backend.path / base, tuple(meta["shape"]), grid, region, sep)
             if bad:
                 listing = "; ".join(f"chunk {k}: {why}" for k, why in bad[:8])
                 more = f" (+{len(bad) - 8} more)" if len(bad) > 8 else ""
                 raise CorruptChunkError(f"{ref.where()}: {len(bad)} corrupt chunk(s): {listing}{more}") from e
         listing = ", ".join(keys[:4]) + (f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
         raise CorruptChunkError(f"{ref.where()}, shard {listing}: {' '.join(str(e).split())}") from None
+
+
+def _separator(ref: ArrayRef, meta: dict) -> str:
+    """The chunk key separator of array ``ref`` (its zarr.json ``meta``); CorruptChunkError naming
+    the array where it names an encoding this store never writes."""
+    from capturestore.errors import CorruptChunkError
+
+    try:
+        return key_separator(meta)
+    except ValueError as e:
+        raise CorruptChunkError(f"{ref.where()}: {e}") from None
+
+
+def chunk_objects(b: Backend, base: str, sep: str) -> dict[str, int]:
+    """{key: size} of the chunk (or shard) objects of the array whose directory is ``base`` (a key
+    below the store's root), keys with separator ``sep`` (``c/0/1`` below ``base/c``, or
+    ``c.0.1`` beside its zarr.json)."""
+    if sep == "/":
+        return b.find(f"{base}/c")
+    pre = f"{base}/"
+    return {k: v for k, v in b.find(base).items() if k.startswith(pre) and is_chunk_name(k[len(pre):], sep)}
 
 
 def store_exists(path: str | os.PathLike) -> bool:

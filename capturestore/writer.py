@@ -41,10 +41,10 @@ from capturestore.dtypes import (
 )
 from capturestore.layout import (
     ARRAYS_DIR,
-    FORMAT_VERSION,
     POSITION_DIM,
     check_component,
     check_module_name,
+    run_format_version,
     tensor_chunks,
     token_chunk,
 )
@@ -344,7 +344,8 @@ class RunWriter:
         # arrays written whole in one call may be sharded where the store wants few objects (objectstore.py)
         shards = self.store._shard_shape(shape, chunks, ld.storage.itemsize) if one_shot else None
         arr = create_array(self.store._zstore, ref, shape, ld.storage, chunks, dims, attributes,
-                           compression=self.compression, shards=shards, dirs=self._dirs)
+                           compression=self.compression, shards=shards, dirs=self._dirs,
+                           separator=self.store._chunk_separator)
         st = _ArrayState(ref=ref, live=arr, kind=kind, ld=ld, dims=dims, zstore=self.store._zstore, **state)
         self._arrays[(pid, name)] = st
         return st
@@ -716,7 +717,7 @@ class RunWriter:
                 "dtype": st.ld.name, "storage_dtype": st.ld.storage.name, "codec": CODEC_NAMES[self.compression],
                 "nbytes": int(np.prod(shape, dtype=np.int64)) * st.ld.numpy.itemsize,
                 "stored_bytes": (sum(st.chunk_bytes.values()) if st.chunk_bytes is not None
-                                 else self.store._stored_bytes(st.ref)),
+                                 else self.store._stored_bytes(st.ref, self.store._chunk_separator)),
                 "layer_names": st.layer_names,
                 "path": f"{ARRAYS_DIR}/{st.ref.path}",
             })
@@ -726,7 +727,8 @@ class RunWriter:
         m = self._meta
         row = {**m, "run_id": self.run_id, "status": "complete", "n_prompts": len(self._prompts),
                "created_at": self._created_at, "committed_at": datetime.now(timezone.utc),
-               "hostname": socket.gethostname(), "pid": os.getpid(), "format_version": FORMAT_VERSION}
+               "hostname": socket.gethostname(), "pid": os.getpid(),
+               "format_version": run_format_version(self.store._chunk_separator)}
         return pa.Table.from_pylist([row], schema=RUNS_SCHEMA)
 
 

@@ -2,6 +2,7 @@
 creation cost ~10 ms an array); the bytes must be those zarr.create_array writes, for every
 storage dtype and codec chain the store uses, and the parent groups zarr would create."""
 import json
+import re
 import struct
 
 import crc32c
@@ -11,19 +12,22 @@ import pytest
 import zarr
 
 from capturestore.arrays import ArrayRef, compressors_for, create_array, open_zarr_store
+from tests.capturestore.chunks import chunk_files, chunk_name
 
 
+@pytest.mark.parametrize("sep", ["/", "."])
 @pytest.mark.parametrize("compression", ["lz4", None])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "uint16", "uint8", "int32", "int64", "bool"])
-def test_create_array_writes_the_bytes_zarr_writes(tmp_path, dtype, compression):
+def test_create_array_writes_the_bytes_zarr_writes(tmp_path, dtype, compression, sep):
     zs = open_zarr_store(tmp_path)
     zarr.create_group(store=zs, path="run")
     shape, chunks, dims, attrs = (3, 1, 5), (3, 1, 5), ["step", "position", "dim1"], {"steps": [0, 1, 2], "m": "a.b"}
     zarr.create_array(store=zs, name="run/zarr_made/tensors/a.b/decode", shape=shape, dtype=np.dtype(dtype),
                       chunks=chunks, compressors=compressors_for(np.dtype(dtype).itemsize, compression),
-                      fill_value=0, dimension_names=dims, attributes=attrs, config={"write_empty_chunks": True})
+                      fill_value=0, dimension_names=dims, attributes=attrs, config={"write_empty_chunks": True},
+                      chunk_key_encoding={"name": "default", "separator": sep})
     arr = create_array(zs, ArrayRef("run", "ours", "tensors/a.b/decode"), shape, np.dtype(dtype), chunks, dims, attrs,
-                       compression=compression)
+                       compression=compression, separator=sep)
     for rel in ("zarr.json", "tensors/zarr.json", "tensors/a.b/zarr.json", "tensors/a.b/decode/zarr.json"):
         assert (tmp_path / "run/ours" / rel).read_bytes() == (tmp_path / "run/zarr_made" / rel).read_bytes(), rel
     assert arr.shape == shape and arr.chunks == chunks
@@ -76,9 +80,10 @@ def test_a_sharded_arrays_cut_short_blosc_frame_is_refused_by_read_and_verify(tm
     meta = json.loads((base / "zarr.json").read_bytes())
     assert meta["codecs"][0]["name"] == "sharding_indexed"
     inner = tuple(meta["codecs"][0]["configuration"]["chunk_shape"])
-    shards = sorted(p for p in (base / "c").rglob("*") if p.is_file())
+    shards = chunk_files(base)
     n_inner = int(np.prod(meta["chunk_grid"]["configuration"]["chunk_shape"]) // np.prod(inner))
-    assert [p.relative_to(base).as_posix() for p in shards] == ["c/0/0/0/0"] and n_inner == 3, (shards, inner)
+    shard = chunk_name(base, 0, 0, 0, 0)
+    assert [p.relative_to(base).as_posix() for p in shards] == [shard] and n_inner == 3, (shards, inner)
     got_k, got_v = store.read_kv(run.run_id, pid)  # written by zarr, shard and index, not as chunk files
     assert got_k.view(np.uint16).tobytes() == got_v.view(np.uint16).tobytes() == k.view(np.uint16).tobytes()
     parts = _shard_parts(shards[0].read_bytes(), n_inner)
@@ -95,7 +100,7 @@ def test_a_sharded_arrays_cut_short_blosc_frame_is_refused_by_read_and_verify(tm
     assert np.array_equal(plain.reshape(-1)[:len(raw) // 2 - 32], k.view(np.uint16).reshape(-1)[:len(raw) // 2 - 32])
 
     fresh = Store.open(tmp_path / "s", create=False)
-    with pytest.raises(CorruptChunkError, match=rf"run {run.run_id}, prompt {pid}, array kv_k, shard c/0/0/0/0: "
+    with pytest.raises(CorruptChunkError, match=rf"run {run.run_id}, prompt {pid}, array kv_k, shard {re.escape(shard)}: "
                                                 rf"blosc frame says it is {len(memcpyd)} bytes long, the chunk holds "
                                                 rf"{len(cut)} before its checksum"):
         fresh.read_kv(run.run_id, pid)

@@ -87,6 +87,11 @@ def _flip_byte(b: Backend, rel: str) -> None:
 
 
 # fault -> (what it does to the store's bytes, the problems verify must report: (kind, array or None))
+def _first_chunk(b: Backend, array: str) -> str:
+    """The first chunk (or shard) object of an array, by key, whichever separator it uses."""
+    return min(k for k in b.find(array) if not k.endswith("/zarr.json"))
+
+
 FAULTS = {
     "logical-dtype": (lambda b, a: _edit_meta(b, f"{a}/kv_k/zarr.json",
                                               lambda m: m["attributes"].update(logical_dtype="float16")),
@@ -95,9 +100,8 @@ FAULTS = {
                        [("dtype-mismatch", "kv_k")]),
     "run-group": (lambda b, a: b.remove([f"{a.rsplit('/', 1)[0]}/zarr.json"]), [("missing-group", None)]),
     "prompt-group": (lambda b, a: b.remove([f"{a}/zarr.json"]), [("missing-group", None)]),
-    "flipped-chunk": (lambda b, a: _flip_byte(b, min(b.find(f"{a}/kv_v/c"))),
-                      [("corrupt-chunk", "kv_v")]),
-    "deleted-chunk": (lambda b, a: b.remove([min(b.find(f"{a}/logits/c"))]), [("corrupt-chunk", "logits")]),
+    "flipped-chunk": (lambda b, a: _flip_byte(b, _first_chunk(b, f"{a}/kv_v")), [("corrupt-chunk", "kv_v")]),
+    "deleted-chunk": (lambda b, a: b.remove([_first_chunk(b, f"{a}/logits")]), [("corrupt-chunk", "logits")]),
 }
 
 

@@ -46,9 +46,13 @@ def test_new_runs_name_the_shared_axis_position_so_plain_xarray_aligns_kv_and_to
         pid = run.add_prompt([4, 5, 6, 7], continuation=[1, 2, 3])
         run.write_kv(pid, k, k)
         run.write_logits(pid, rng.normal(size=(3, 11)).astype(np.float32))
-    assert FORMAT_VERSION == 2
-    assert json.loads((store.root / FORMAT_FILE).read_text())["format_version"] == 2
-    assert store.runs().column("format_version").to_pylist() == [2]
+    assert FORMAT_VERSION == 4
+    assert json.loads((store.root / FORMAT_FILE).read_text())["format_version"] == 4
+    assert store.runs().column("format_version").to_pylist() == [4]
+    # format 4: "." chunk keys, every chunk a file beside its array's zarr.json (no c/ directories)
+    kv_dir = store.root / ARRAYS_DIR / run.run_id / pid / "kv_k"
+    assert sorted(p.name for p in kv_dir.iterdir() if p.is_file()) == ["c.0.0.0.0", "c.1.0.0.0", "zarr.json"]
+    assert not [p for p in kv_dir.iterdir() if p.is_dir()]
     caps = {r["array_name"]: r["dimension_names"] for r in store.captures().to_pylist()}
     assert caps == {"tokens": ["position"], "kv_k": ["layer", "kv_head", "position", "head_dim"],
                     "kv_v": ["layer", "kv_head", "position", "head_dim"], "logits": ["gen_token", "vocab"]}

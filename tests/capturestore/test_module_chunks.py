@@ -15,13 +15,15 @@ from capturestore.analysis import compare_runs
 from capturestore.layout import ARRAYS_DIR, TARGET_CHUNK_BYTES
 from extractors.modules import write_prompt_modules
 
+from tests.capturestore.chunks import chunk_files
 from tests.fixtures import modules_v1_data as D
 
 FIXTURE = Path(__file__).parents[2] / "tests" / "fixtures" / "modules_v1_store"
 
 
 def _chunk_files(root: Path, run_id: str, module: str, phase: str) -> list[Path]:
-    return sorted(p for p in (root / ARRAYS_DIR / run_id).glob(f"*/tensors/{module}/{phase}/c/**/*") if p.is_file())
+    """The chunk files of one module's phase of every prompt of a run ("/" or "." chunk keys)."""
+    return [f for d in sorted((root / ARRAYS_DIR / run_id).glob(f"*/tensors/{module}/{phase}")) for f in chunk_files(d)]
 
 
 def _runs(store) -> dict:

@@ -268,7 +268,7 @@ def test_a_corrupt_or_missing_object_is_named_by_read_and_verify(s3_url, sharded
         store.shard_bytes = None
     run_id, pids = _write_run(store, seed=6, n_prompts=1)
     bucket, prefix = s3_url[len("s3://"):].split("/", 1)
-    keys = [k for k in bucket_keys(bucket) if f"/{run_id}/{pids[0]}/kv_k/c/" in k]
+    keys = [k for k in bucket_keys(bucket) if f"/{run_id}/{pids[0]}/kv_k/c." in k]  # a new store: "." chunk keys
     # sharded: K [3 layers, ...] is one shard object; else one object per layer (3 chunks)
     assert len(keys) == (1 if sharded else LAYERS)
     client = boto3.client("s3")
@@ -282,7 +282,7 @@ def test_a_corrupt_or_missing_object_is_named_by_read_and_verify(s3_url, sharded
     report = fresh.verify()
     assert [(p.kind, p.array) for p in report] == [("corrupt-chunk", "kv_k")], report.summary()
     client.put_object(Bucket=bucket, Key=keys[0], Body=original)
-    vkeys = [k for k in bucket_keys(bucket) if f"/{run_id}/{pids[0]}/kv_v/c/" in k]
+    vkeys = [k for k in bucket_keys(bucket) if f"/{run_id}/{pids[0]}/kv_v/c." in k]
     client.delete_object(Bucket=bucket, Key=vkeys[0])
     with pytest.raises(CorruptChunkError, match="array kv_v.*missing"):
         Store.open(s3_url, create=False).read_kv(run_id, pids[0])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import random
 import signal
 import time
@@ -13,6 +14,7 @@ import pytest
 
 from capturestore import CorruptChunkError, FormatVersionError, Store, StoreError
 from capturestore.layout import ARRAYS_DIR, FORMAT_FILE, READABLE_FORMAT_VERSION
+from tests.capturestore.chunks import chunk_files, chunk_name, chunk_path
 from tests.capturestore.conftest import start_writer
 from tests.capturestore.writer_proc import prompt_data
 
@@ -145,7 +147,8 @@ def _one_run(store: Store, compression="lz4"):
 @pytest.mark.parametrize("compression", ["lz4", None])
 def test_flipped_byte_is_reported_by_verify_and_on_read_naming_the_chunk(store, compression):
     rid, pid = _one_run(store, compression)
-    chunk = store.root / ARRAYS_DIR / rid / pid / "kv_v" / "c" / "1" / "0" / "2" / "0"
+    chunk = chunk_path(store.root / ARRAYS_DIR / rid / pid / "kv_v", 1, 0, 2, 0)
+    key = chunk_name(store.root / ARRAYS_DIR / rid / pid / "kv_v", 1, 0, 2, 0)
     data = bytearray(chunk.read_bytes())
     data[len(data) // 2] ^= 0x40
     chunk.write_bytes(bytes(data))
@@ -153,12 +156,12 @@ def test_flipped_byte_is_reported_by_verify_and_on_read_naming_the_chunk(store, 
     report = store.verify()
     assert len(report) == 1
     (prob,) = report
-    assert (prob.kind, prob.run_id, prob.prompt_id, prob.array, prob.chunk) == ("corrupt-chunk", rid, pid, "kv_v", "c/1/0/2/0")
+    assert (prob.kind, prob.run_id, prob.prompt_id, prob.array, prob.chunk) == ("corrupt-chunk", rid, pid, "kv_v", key)
     assert "checksum mismatch" in str(prob)
     with pytest.raises(CorruptChunkError) as e:
         store.read_kv(rid, pid)
     msg = str(e.value)
-    assert rid in msg and pid in msg and "kv_v" in msg and "c/1/0/2/0" in msg
+    assert rid in msg and pid in msg and "kv_v" in msg and key in msg
     # the untouched layer still reads
     k0, v0 = store.read_kv(rid, pid, layers=[0])
     assert k0.shape == (1, 2, 16, 32)
@@ -166,10 +169,12 @@ def test_flipped_byte_is_reported_by_verify_and_on_read_naming_the_chunk(store, 
 
 def test_missing_chunk_file_is_reported_not_read_as_zeros(store):
     rid, pid = _one_run(store)
-    (store.root / ARRAYS_DIR / rid / pid / "kv_k" / "c" / "0" / "0" / "3" / "0").unlink()
-    with pytest.raises(CorruptChunkError, match="chunk c/0/0/3/0: chunk file is missing"):
+    adir = store.root / ARRAYS_DIR / rid / pid / "kv_k"
+    key = chunk_name(adir, 0, 0, 3, 0)
+    chunk_path(adir, 0, 0, 3, 0).unlink()
+    with pytest.raises(CorruptChunkError, match=f"chunk {re.escape(key)}: chunk file is missing"):
         store.read_kv(rid, pid)
-    assert [(p.kind, p.chunk) for p in store.verify()] == [("corrupt-chunk", "c/0/0/3/0")]
+    assert [(p.kind, p.chunk) for p in store.verify()] == [("corrupt-chunk", key)]
 
 
 def test_newer_format_version_is_refused_with_a_message(tmp_path):
@@ -373,7 +378,7 @@ def test_small_chunks_read_serially_still_name_every_corrupt_chunk_and_phase_is_
     chunk_bytes = int(np.prod(meta["chunk_grid"]["configuration"]["chunk_shape"])) * 4
     assert chunk_bytes < chunkio._THREADED_READ_BYTES  # the serial path is the one under test
     np.testing.assert_array_equal(store.read_tensor(rid, pid, "model.norm", phase="decode"), np.stack(steps))
-    files = sorted(p for p in (adir / "c").rglob("*") if p.is_file())
+    files = chunk_files(adir)
     assert len(files) == 6
     for f in (files[1], files[4]):
         data = bytearray(f.read_bytes())

@@ -11,6 +11,7 @@ import pytest
 
 from capturestore import Store, prompt_id
 from capturestore.layout import ARRAYS_DIR
+from tests.capturestore.chunks import chunk_path
 
 
 def bits(a: np.ndarray) -> np.ndarray:
@@ -330,7 +331,7 @@ def test_token_slices_read_only_what_they_ask_for(store):
     assert np.array_equal(bits(k3), bits(k[2:3, :, 18:20]))
     assert np.array_equal(store.read_logits(run.run_id, pid, tokens=slice(-3, None)), logits[-3:])
     # a corrupt chunk outside the slice does not stop it
-    (store.root / ARRAYS_DIR / run.run_id / pid / "kv_k" / "c" / "0" / "0" / "0" / "0").write_bytes(b"garbage!")
+    chunk_path(store.root / ARRAYS_DIR / run.run_id / pid / "kv_k", 0, 0, 0, 0).write_bytes(b"garbage!")
     k4, _ = store.read_kv(run.run_id, pid, tokens=slice(4, 8))
     assert np.array_equal(bits(k4), bits(k[:, :, 4:8]))
     with pytest.raises(ValueError, match="step-1 slice"):

@@ -7,6 +7,7 @@ import pytest
 
 from capturestore import Store
 from extractors.modules import write_prompt_modules
+from tests.capturestore.chunks import chunk_files
 
 
 def _module_prompt(rng, modules=("model.embed_tokens", "model.layers.0", "model.layers.0.mlp", "lm_head"), steps=4):
@@ -48,7 +49,7 @@ def test_stored_bytes_are_the_chunk_files_on_disk_whichever_way_they_were_writte
     rows = store.captures(run.run_id).to_pylist()
     assert len(rows) == 6
     for r in rows:
-        on_disk = sum(f.stat().st_size for f in (store.root / r["path"] / "c").rglob("*") if f.is_file())
+        on_disk = sum(f.stat().st_size for f in chunk_files(store.root / r["path"]))
         assert r["stored_bytes"] == on_disk > 0, r["array_name"]
 
 
