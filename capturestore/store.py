@@ -25,6 +25,7 @@ from capturestore.dtypes import LOGICAL_DTYPES, from_storage
 from capturestore.errors import FormatVersionError, StoreError, WriterIdTaken
 from capturestore.layout import (
     ARRAYS_DIR,
+    DOT_KEYS_FORMAT_VERSION,
     FORMAT_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -900,6 +901,24 @@ class Store:
             self._refresh_catalog()
         except Exception:  # noqa: BLE001 - the file catalog is a convenience; queries never need it
             pass
+
+    def upgrade_format(self) -> tuple[int, int]:
+        """Raise the store to format ``layout.DOT_KEYS_FORMAT_VERSION`` (4): runs written from now
+        on make their arrays with "." chunk keys (one file per chunk beside its zarr.json, a third
+        of the directories; docs/reading.md). Arrays already written keep their "/" keys and read
+        as before; a capturestore older than format 4 no longer opens the store (it would find
+        no chunk in the new arrays), and a writer that opened the store before keeps writing "/"
+        keys, which read alike. Returns (version before, version after); a store already at 4 or
+        later is left as it is. StoreError when the store cannot be written."""
+        require_writable(self, "upgrade")
+        b = self.backend
+        info = parse_format(b.read(FORMAT_FILE).decode(errors="replace"), b.where(FORMAT_FILE))
+        before = info["format_version"]
+        if before < DOT_KEYS_FORMAT_VERSION:
+            info = {**info, "format": FORMAT_NAME, "format_version": DOT_KEYS_FORMAT_VERSION}
+            b.put(FORMAT_FILE, (json.dumps(info, indent=2) + "\n").encode(), durable=True)
+        self._chunk_separator = separator_for(max(before, DOT_KEYS_FORMAT_VERSION))
+        return before, max(before, DOT_KEYS_FORMAT_VERSION)
 
     def rebuild_catalog(self) -> Path:
         """Rebuild catalog.duckdb from tables/ alone. StoreError when it cannot be written, or

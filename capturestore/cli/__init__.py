@@ -76,6 +76,7 @@ from capturestore.cli.commands import (
     cmd_show,
     cmd_sql,
     cmd_tasks,
+    cmd_upgrade,
     cmd_verify,
 )
 from capturestore.cli.output import default_store, format_table, printable, write_result
@@ -120,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--grace", type=float, default=None, metavar="SECONDS",
                     help="remove sources of merged segments older than this (default: $CAPTURESTORE_LEASE_S or 120)")
     add("rebuild-catalog", cmd_rebuild_catalog, "rebuild catalog.duckdb from the Parquet segments alone")
+    add("upgrade", cmd_upgrade, "raise the store to the current format (4: one file per chunk, \".\" chunk keys, for runs "
+        "written from now on; docs/reading.md)")
     sp = add("compare", cmd_compare, "compare stored runs (two-way, or three-way with --baseline) and store the metrics")
     sp.add_argument("--expected", required=True, help="reference run in the engine's dtype (e.g. HF BF16)")
     sp.add_argument("--actual", required=True, help="run of the engine under test")

@@ -89,6 +89,18 @@ def cmd_compact(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_upgrade(args: argparse.Namespace) -> int:
+    store = open_store(args.store)
+    before, after = store.upgrade_format()
+    if before == after:
+        print(f"store {store.root} is format {after}: nothing to do")
+    else:
+        print(f"store {store.root}: format {before} -> {after}; runs written from now on store each chunk as a file "
+              f"beside its array's zarr.json (\".\" chunk keys); the runs already there keep their \"/\" keys and read "
+              f"as before; a capturestore older than format {after} no longer opens this store")
+    return 0
+
+
 def cmd_rebuild_catalog(args: argparse.Namespace) -> int:
     store = open_store(args.store)
     require_writable(store, "rebuild-catalog")

@@ -154,3 +154,26 @@ def _reads_back_objects(store: Store, rid: str, pid: str, want) -> None:
     assert rv.view(np.uint16).tobytes() == v.view(np.uint16).tobytes()
     assert store.read_logits(rid, pid).tobytes() == logits.tobytes()
     assert store.read_tensor(rid, pid, "model.norm", phase="decode").tobytes() == steps.tobytes()
+
+
+def test_upgrade_raises_an_older_store_to_dot_keys_for_new_runs_and_the_old_runs_read_as_before(tmp_path, capsys):
+    from capturestore.cli import main
+
+    root = tmp_path / "s"
+    old = _at_version(root, 3)
+    rid3, pid3, want3 = _capture(old, 3)
+    assert main(["upgrade", "--store", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert f"store {root}: format 3 -> 4;" in out and "older than format 4 no longer opens" in out, out
+    assert json.loads((root / FORMAT_FILE).read_text()) == {"format": "capturestore", "format_version": 4}
+    new = Store.open(root, create=False)
+    rid4, pid4, want4 = _capture(new, 4)
+    assert chunk_name(root / ARRAYS_DIR / rid4 / pid4 / "kv_k", 0, 0, 0, 0) == "c.0.0.0.0"
+    assert chunk_name(root / ARRAYS_DIR / rid3 / pid3 / "kv_k", 0, 0, 0, 0) == "c/0/0/0/0"
+    _reads_back(new, rid3, pid3, want3)
+    _reads_back(new, rid4, pid4, want4)
+    assert not list(new.verify())
+    # the store object that upgraded writes "." keys from then on too
+    assert old.upgrade_format() == (4, 4) and old._chunk_separator == "."
+    assert main(["upgrade", "--store", str(root)]) == 0
+    assert capsys.readouterr().out.strip() == f"store {root} is format 4: nothing to do"

@@ -242,7 +242,7 @@ def test_writing_commands_on_a_read_only_store_fail_in_one_line_with_nothing_wri
     prompts = tmp_path / "p.txt"
     prompts.write_text("a prompt\n")
     for cmd in (["compare", "--expected", expected, "--actual", actual], ["calibrate", expected, "--out", str(out)],
-                ["rebuild-catalog"], ["gc"], ["compact"], ["isolate", "cmp-any"],
+                ["rebuild-catalog"], ["gc"], ["compact"], ["upgrade"], ["isolate", "cmp-any"],
                 ["run", "--model", str(tmp_path), "--prompts", str(prompts)], ["demo"]):  # refused before any other check
         r = _cli(*cmd, *S, prefix=ro)
         assert r.returncode == 2, (cmd, r.stdout, r.stderr)
