@@ -26,7 +26,8 @@ FORMAT_NAME = "capturestore"
 # 4: arrays are written with Zarr v3's "." chunk key separator (``c.0.0.0``, one file in the array's
 #    directory) instead of "/" (``c/0/0/0``, a directory per leading chunk index). A capture's arrays
 #    are small and many (a module tensor per module and phase, KV arrays per layer group): the
-#    directories were two thirds of what a capture made on disk (docs/store-format.md). Each array
+#    directories were two thirds of what a capture made on disk (docs/module-compare.md, "Chunk keys
+#    with `.`"; docs/reading.md). Each array
 #    names its separator in its zarr.json and every reader here takes it from there, so a store
 #    holds arrays of both kinds; an older capturestore would look for "c/..." keys and find no
 #    chunk, so a store of version 4 is refused by it.
@@ -141,12 +142,14 @@ def chunk_key(idx: tuple[int, ...], sep: str = "/") -> str:
     return "c" + sep + sep.join(str(i) for i in idx) if idx else "c"
 
 
+_CHUNK_NAME = {"/": re.compile(r"c(?:/[0-9]+)*"), ".": re.compile(r"c(?:\.[0-9]+)*")}
+
+
 def is_chunk_name(rel: str, sep: str) -> bool:
-    """Whether ``rel``, a path below an array's directory ("/"-separated), can be one of its chunk
-    keys with separator ``sep``."""
-    if sep == "/":
-        return rel == "c" or rel.startswith("c/")
-    return rel == "c" or (rel.startswith("c.") and "/" not in rel)
+    """Whether ``rel``, a path below an array's directory ("/"-separated), is a chunk key with
+    separator ``sep`` (``c``, then the indices: not a temporary file zarr writes beside a chunk,
+    ``c.0.0.<uuid>.partial``)."""
+    return _CHUNK_NAME[sep].fullmatch(rel) is not None
 
 
 def chunk_keys(shape: tuple[int, ...], chunks: tuple[int, ...],

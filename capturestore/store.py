@@ -94,6 +94,18 @@ def store_root(path: str | os.PathLike) -> Path:
 _LAYOUT_ENTRIES = {ARRAYS_DIR, TABLES_DIR, PENDING_DIR, "catalog.duckdb", "catalog.stamp", "catalog.root"}
 
 
+def _read_format(b: Backend) -> dict[str, Any] | None:
+    """The store's format file checked (``parse_format``), None where there is none; StoreError in
+    one line naming the file where it cannot be read."""
+    try:
+        raw = b.read(FORMAT_FILE)
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # noqa: BLE001 - one line naming the file
+        raise (b.explain(e) or StoreError(f"{b.where(FORMAT_FILE)}: unreadable format file ({e})")) from None
+    return parse_format(raw.decode(errors="replace"), b.where(FORMAT_FILE))
+
+
 def _is_layout_entry(name: str) -> bool:
     """Entries a store creation leaves, so a creation cut short (or racing another) resumes."""
     return name in _LAYOUT_ENTRIES or name.startswith(".")
@@ -151,23 +163,19 @@ class Store:
 
         b = backend_for(path)
         b.check()  # unreachable, no bucket, credentials refused: one line, before anything is written
-        try:
-            raw = b.read(FORMAT_FILE)
-        except FileNotFoundError:
-            raw = None
-        except Exception as e:  # noqa: BLE001 - one line naming the file
-            raise (b.explain(e) or StoreError(f"{b.where(FORMAT_FILE)}: unreadable format file ({e})")) from None
-        info = None if raw is None else parse_format(raw.decode(errors="replace"), b.where(FORMAT_FILE))
+        info = _read_format(b)
         if info is None:
             if not create:
                 raise StoreError(f"{b.url} is not a capture store (no {FORMAT_FILE}); Store.open(path, create=True) "
                                  f"makes a new one")
-            why = b.refuse_creation([n for n in b.listdir("") if not _is_layout_entry(n)])
+            # the format file too: a concurrent creation may have finished since the read above
+            why = b.refuse_creation([n for n in b.listdir("") if not _is_layout_entry(n) and n != FORMAT_FILE])
             if why:
                 raise StoreError(why)
             cls._create_layout(b)
-            # as written: by this creation, or by a concurrent one that came first
-            info = parse_format(b.read(FORMAT_FILE).decode(errors="replace"), b.where(FORMAT_FILE))
+            info = _read_format(b)  # as written: by this creation, or by a concurrent one that came first
+            if info is None:
+                raise StoreError(f"{b.where(FORMAT_FILE)}: written, then not found (removed meanwhile?)")
         if info["format_version"] > READABLE_FORMAT_VERSION:
             raise FormatVersionError(
                 f"store {b.url} has format version {info['format_version']}, newer than the {READABLE_FORMAT_VERSION} "

@@ -383,3 +383,23 @@ def test_remove_run_uncommits_and_deletes_a_run_but_never_one_a_comparison_uses(
     report = store.verify()
     assert report.ok, report.summary()
     assert Store.open(store.root).sql("SELECT count(*) AS n FROM runs").to_pylist()[0]["n"] == 2
+
+
+def test_open_that_raced_a_finished_creation_opens_the_store_it_made(tmp_path, monkeypatch):
+    """A creation that found no format file, while another process finished creating the store
+    before the listing: the format file then in the directory is not a stranger's file (it was
+    refused as "a non-empty directory"), and the store opens with the format that process wrote."""
+    import capturestore.store as store_mod
+
+    Store.open(tmp_path / "s")  # the other process, done
+    (tmp_path / "s" / "capturestore.json").write_text('{"format": "capturestore", "format_version": 2}')
+    real, calls = store_mod._read_format, []
+
+    def first_read_missed(b):
+        calls.append(b)
+        return None if len(calls) == 1 else real(b)
+
+    monkeypatch.setattr(store_mod, "_read_format", first_read_missed)
+    store = Store.open(tmp_path / "s")
+    assert len(calls) == 2 and store._chunk_separator == "/"  # the format it found: 2 keeps "/" keys
+    assert (tmp_path / "s" / "capturestore.json").read_text() == '{"format": "capturestore", "format_version": 2}'
