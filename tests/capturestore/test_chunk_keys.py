@@ -38,13 +38,15 @@ def _capture(store: Store, seed: int):
     return run.run_id, pid, (k, v, logits, steps)
 
 
-def _reads_back(store: Store, rid: str, pid: str, want) -> None:
+def _reads_back(store: Store, rid: str, pid: str, want, plain_zarr: bool = True) -> None:
     k, v, logits, steps = want
     rk, rv = store.read_kv(rid, pid)
     assert rk.view(np.uint16).tobytes() == k.view(np.uint16).tobytes()
     assert rv.view(np.uint16).tobytes() == v.view(np.uint16).tobytes()
     assert store.read_logits(rid, pid).tobytes() == logits.tobytes()
     assert store.read_tensor(rid, pid, "model.norm", phase="decode").tobytes() == steps.tobytes()
+    if not plain_zarr:  # a bucket or memory: no directory for zarr to open
+        return
     # plain zarr reads the same bits through the separator its zarr.json names
     plain = zarr.open_array(store=str(store.root / ARRAYS_DIR), path=f"{rid}/{pid}/kv_k", mode="r")[...]
     assert plain.view(np.uint16).tobytes() == k.view(np.uint16).tobytes()
@@ -143,17 +145,8 @@ def test_a_store_on_object_storage_writes_and_reads_dot_keys(where, request):
     names = sorted(k.rsplit("/", 1)[-1] for k in keys)
     assert "zarr.json" in names and all(n == "zarr.json" or n.startswith("c.") for n in names), names
     fresh = Store.open(url, create=False)
-    _reads_back_objects(fresh, rid, pid, want)
+    _reads_back(fresh, rid, pid, want, plain_zarr=False)
     assert not list(fresh.verify())
-
-
-def _reads_back_objects(store: Store, rid: str, pid: str, want) -> None:
-    k, v, logits, steps = want
-    rk, rv = store.read_kv(rid, pid)
-    assert rk.view(np.uint16).tobytes() == k.view(np.uint16).tobytes()
-    assert rv.view(np.uint16).tobytes() == v.view(np.uint16).tobytes()
-    assert store.read_logits(rid, pid).tobytes() == logits.tobytes()
-    assert store.read_tensor(rid, pid, "model.norm", phase="decode").tobytes() == steps.tobytes()
 
 
 def test_upgrade_raises_an_older_store_to_dot_keys_for_new_runs_and_the_old_runs_read_as_before(tmp_path, capsys):
