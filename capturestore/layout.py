@@ -27,10 +27,9 @@ FORMAT_NAME = "capturestore"
 #    directory) instead of "/" (``c/0/0/0``, a directory per leading chunk index). A capture's arrays
 #    are small and many (a module tensor per module and phase, KV arrays per layer group): the
 #    directories were two thirds of what a capture made on disk (docs/module-compare.md, "Chunk keys
-#    with `.`"; docs/reading.md). Each array
-#    names its separator in its zarr.json and every reader here takes it from there, so a store
-#    holds arrays of both kinds; an older capturestore would look for "c/..." keys and find no
-#    chunk, so a store of version 4 is refused by it.
+#    with `.`"; docs/reading.md). Each array names its separator in its zarr.json and every reader
+#    here takes it from there, so a store holds arrays of both kinds; an older capturestore would
+#    look for "c/..." keys and find no chunk, so a store of version 4 is refused by it.
 # Every earlier version is read; each run records its arrays' layout (runs.format_version: 4 where
 # they use "." keys, else 2). FORMAT_VERSION is what a new store is created as and its runs are
 # written as; a store of an earlier version keeps "/" keys (RUN_FORMAT_VERSION_SLASH_KEYS), so
