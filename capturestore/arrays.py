@@ -25,7 +25,7 @@ from zarr.core.metadata.v3 import ArrayV3Metadata
 
 from capturestore.chunkio import MadeDirs, blosc_frame_problem
 from capturestore.errors import CorruptChunkError
-from capturestore.layout import chunk_keys, chunk_keys_in_region, is_chunk_name, key_separator
+from capturestore.layout import chunk_keys, chunk_keys_in_region, key_separator
 
 # Blosc/LZ4 with bit shuffle: the sign and exponent bits of bf16/fp16/fp32 line up into long
 # runs LZ4 can match (LZ4 has no entropy coder, so byte shuffle alone gains little). Measured
@@ -365,15 +365,3 @@ def bad_chunks(array_dir: Path, shape: tuple[int, ...], chunks: tuple[int, ...],
         if why is not None:
             out.append((key, why))
     return out
-
-
-def stored_bytes(array_dir: Path) -> int:
-    """Bytes on disk of all chunk files of one array (its keys with either separator)."""
-    total = 0
-    for dirpath, _, files in os.walk(array_dir):
-        rel = os.path.relpath(dirpath, array_dir)
-        for f in files:
-            key = f if rel == "." else f"{rel}/{f}".replace(os.sep, "/")
-            if is_chunk_name(key, "/") or is_chunk_name(key, "."):
-                total += os.path.getsize(os.path.join(dirpath, f))
-    return total

@@ -920,7 +920,9 @@ class Store:
         later is left as it is. StoreError when the store cannot be written."""
         require_writable(self, "upgrade")
         b = self.backend
-        info = parse_format(b.read(FORMAT_FILE).decode(errors="replace"), b.where(FORMAT_FILE))
+        info = _read_format(b)
+        if info is None:
+            raise StoreError(f"{b.where(FORMAT_FILE)}: not found (removed since the store was opened?)")
         before = info["format_version"]
         if before < DOT_KEYS_FORMAT_VERSION:
             info = {**info, "format": FORMAT_NAME, "format_version": DOT_KEYS_FORMAT_VERSION}
