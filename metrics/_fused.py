@@ -689,12 +689,21 @@ def _run_tasks(tasks):
     """Call every task (no argument) on up to num_threads() threads, the calling thread one of
     them; each thread takes the next task when it finishes one. The pool is made once per
     process (a forked child inherits the pool object but not its threads: it makes its own)."""
+    _start_tasks(tasks)()
+
+
+def _start_tasks(tasks):
+    """``_run_tasks`` begun: the pool's threads start on the tasks now; returns ``finish()``,
+    which the calling thread calls (exactly once, also on an error of its own) to take the tasks
+    still left and wait for all of them. What the caller does in between runs while the threads
+    compute (its Python, under the GIL, beside kernels that release it)."""
     global _POOL
     n = min(num_threads(), len(tasks))
     if n <= 1:
-        for t in tasks:
-            t()
-        return
+        def run_all():
+            for t in tasks:
+                t()
+        return run_all
     if _POOL is None or _POOL[0] != os.getpid() or _POOL[1]._max_workers < n - 1:
         _POOL = (os.getpid(), ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="metrics-fused"))
     todo = iter(tasks)
@@ -709,13 +718,16 @@ def _run_tasks(tasks):
             t()
 
     futs = [_POOL[1].submit(drain) for _ in range(n - 1)]
-    try:
-        drain()
-    finally:
-        for f in futs:  # every thread done before a result (or an error) is returned
-            f.exception()
-    for f in futs:
-        f.result()
+
+    def finish():
+        try:
+            drain()
+        finally:
+            for f in futs:  # every thread done before a result (or an error) is returned
+                f.exception()
+        for f in futs:
+            f.result()
+    return finish
 
 
 def _run_split(fn, n_items, work):
@@ -1044,12 +1056,13 @@ def _row_sums_block_impl(b, e, a, r, n, sums):
 
 
 @_njit()
-def _module_rows_kernel(b, e, a, bins, r0, r1, be_all, te_all, sums_all, maxes_all, sq_all, fold, bc_all, bad_all,
-                        o):  # pragma: no cover
+def _module_rows_kernel(b, e, a, bins, r0, r1, be_flat, te_flat, sums_all, maxes_all, sq_all, fold, bc_all, bad_all,
+                        o, eo):  # pragma: no cover
     """Rows [r0, r1) of [rows, width] b (baseline), e (expected), a (actual), each float32 or bf16
-    bits (uint16, widened as read: ``_widen``), written to
-    rows o + r of the outputs (``*_all``: a stack of several tensors' rows; the outputs below
-    are their rows from o on, sliced here: ~2 us a tensor less than slicing in Python).
+    bits (uint16, widened as read: ``_widen``), written to rows o + r of the per-row outputs
+    (``*_all``: a stack of several tensors' rows, of any widths) and to the errors from value eo
+    of be_flat / te_flat on (1-D: the errors of several tensors, each ``[rows, width]`` in turn;
+    the outputs below are their part, sliced here: ~2 us a tensor less than slicing in Python).
 
     Writes be = |e - b|, te = |a - b| (float32, as numpy), sums [rows, 7] (einsum order),
     maxes [rows, 3] float32: max |b|, max be, max te; the row's BC of be vs te (metrics.bc's
@@ -1059,14 +1072,14 @@ def _module_rows_kernel(b, e, a, bins, r0, r1, be_all, te_all, sums_all, maxes_a
     left to numpy (an infinite error: np.histogram has no finite range); nothing else is
     meaningful in a flagged row.
     """
-    be = be_all[o:]
-    te = te_all[o:]
+    n = b.shape[1]
+    be = be_flat[eo:eo + b.shape[0] * n].reshape((b.shape[0], n))
+    te = te_flat[eo:eo + b.shape[0] * n].reshape((b.shape[0], n))
     sums = sums_all[o:]
     maxes = maxes_all[o:]
     sq = sq_all if fold else sq_all[o:]
     bcv = bc_all[o:]
     bad = bad_all[o:]
-    n = b.shape[1]
     acc = np.zeros((_MOD_SUMS, 2), np.float64)
     part = np.empty(_MOD_SUMS, np.float64)
     terms = np.empty(bins, np.float64)
@@ -1153,37 +1166,130 @@ def module_row_metrics(b, e, a, bins: int):
 
 def module_row_metrics_parts(parts, bins: int):
     """``module_row_metrics`` of the rows of every ``(b, e, a)`` of parts (``[rows_k, width]``,
-    one width, each float32 or bfloat16) stacked in order, each part read where it lies: the
-    outputs are one stack, the inputs are never copied into one (a stacked copy of three roles
-    cost as much as a fifth of the compare at a 1.5B shape), and a bfloat16 part is read as its
-    bits and widened in the kernel (a widened copy of each bf16 capture, new memory every
-    comparison, cost ~0.1 s of a store comparison at a 1.5B shape). A kernel call per part (or per thread's share of a
-    large part) on the threads, writing into its rows of the outputs: ~1.5 us a call."""
+    one width) stacked in order: base_err and tgt_err ``[rows, width]``, the rest as there."""
+    be, te, sums, maxes, bc, bad = module_row_metrics_ragged(parts, bins)
     n = parts[0][0].shape[1]
-    rows = sum(p[0].shape[0] for p in parts)
-    be = np.empty((rows, n), np.float32)
-    te = np.empty((rows, n), np.float32)
-    sums = np.empty((rows, _MOD_SUMS))
-    maxes = np.empty((rows, 3), np.float32)
-    # the BC terms summed in the kernel, in numpy's order (no [rows, bins] array to fill and sum)
-    fold = bins <= NP_SUM_MAX and np_sum_order_holds()
-    sq = np.zeros((0, 0) if fold else (rows, bins))
-    bc = np.empty(rows)
-    bad = np.zeros(rows, np.uint8)
+    return be.reshape(-1, n), te.reshape(-1, n), sums, maxes, bc, bad
+
+
+def module_row_metrics_ragged(parts, bins: int):
+    """``module_row_metrics`` of the rows of every ``(b, e, a)`` of parts (``[rows_k, width_k]``,
+    float32 or bfloat16, widths free) stacked in order, each part read where it lies. Returns
+    ``(base_err, tgt_err, sums, maxes, bc, bad)``: the errors 1-D float32, every part's
+    ``[rows_k, width_k]`` values in turn; the rest one row per row of every part, in order.
+    ``RowMetricsJob`` starts it and returns before it is done."""
+    return RowMetricsJob(parts, bins).finish()
+
+
+class RowMetricsJob:
+    """``module_row_metrics_ragged`` of parts, started on the threads when made: its outputs
+    (attributes be, te, sums, maxes, bc, bad; the errors 1-D) are allocated and final where they
+    lie once ``finish()`` returns, so a caller can take views of them before (``metrics.modules``
+    builds its per-tensor results while the kernels run).
+
+    The inputs are never copied into one stack (a stacked copy of three roles cost as much as a
+    fifth of the compare at a 1.5B shape), and a bfloat16 part is read as its bits and widened in
+    the kernel (a widened copy of each bf16 capture, new memory every comparison, cost ~0.1 s of a
+    store comparison at a 1.5B shape). A part large enough to split is one kernel call per
+    thread's share of its rows. Small parts (a tiny model's module tensors, a few rows each) go to
+    the kernel as tuples of up to ``ROW_PARTS[-1]`` parts, a run of parts per call
+    (``_module_rows_tuple_kernel``): one call, and one task on the threads, for ~1/8 of a
+    thread's share, not one per tensor (a call, its task and its views cost ~5 us a tensor;
+    1,136 tensors in a tiny model's 8-prompt compare). Widths are free so that a prompt's
+    tensors of every width are one stack and one start (the per-width groups' own numpy work
+    after the kernels cost ~0.1 ms a group)."""
+
+    def __init__(self, parts, bins: int):
+        rows = values = 0
+        for p in parts:
+            rows += p[0].shape[0]
+            values += p[0].size
+        self.rows, self.values = rows, values
+        self.be = be = np.empty(values, np.float32)
+        self.te = te = np.empty(values, np.float32)
+        self.sums = sums = np.empty((rows, _MOD_SUMS))
+        self.maxes = maxes = np.empty((rows, 3), np.float32)
+        # the BC terms summed in the kernel, in numpy's order (no [rows, bins] array to fill and sum)
+        self.fold = fold = bins <= NP_SUM_MAX and np_sum_order_holds()
+        self.sq = sq = np.zeros((0, 0) if fold else (rows, bins))
+        self.bc = bc = np.empty(rows)
+        self.bad = bad = np.zeros(rows, np.uint8)
+        outs = (be, te, sums, maxes, sq, fold, bc, bad)
+        tasks = []
+        small: dict = {}  # numba types of (b, e, a) -> [(b, e, a, row offset, value offset)], each done whole
+        o = eo = 0
+        for b, e, a in parts:
+            b, e, a = _kernel_view(b), _kernel_view(e), _kernel_view(a)
+            m, size = b.shape[0], b.size
+            if size < _MIN_SPLIT:
+                if size:
+                    key = (b.dtype, e.dtype, a.dtype, b.flags.writeable, e.flags.writeable, a.flags.writeable)
+                    small.setdefault(key, []).append((b, e, a, o, eo))
+            else:
+                for r0, r1 in _split_bounds(m, size):
+                    tasks.append(functools.partial(_module_rows_kernel, b, e, a, bins, r0, r1, *outs, o, eo))
+            o += m
+            eo += size
+        for run in small.values():
+            tasks += _tuple_tasks(run, values, bins, outs)
+        self._finish = _start_tasks(tasks)
+
+    def finish(self):
+        """Wait for the kernels (the calling thread takes its share); returns ``(be, te, sums,
+        maxes, bc, bad)``, bc NaN where bad."""
+        self._finish()
+        if not self.fold:
+            np.clip(self.sq.sum(axis=1), 0.0, 1.0, out=self.bc)
+        self.bc[self.bad != 0] = np.nan
+        return self.be, self.te, self.sums, self.maxes, self.bc, self.bad
+
+
+ROW_PARTS = (4, 16, 64)  # tuple lengths of _module_rows_tuple_kernel compiled for (padded with empty parts)
+_PADS: dict = {}  # (dtype, writable) -> a part of no rows (read only: numba types it by that flag)
+
+
+def _tuple_tasks(run, values, bins, outs):
+    """Tasks of ``_module_rows_tuple_kernel`` over run (``(b, e, a, row offset, value offset)``,
+    one numba type each role: dtype and whether writable, in order): contiguous runs of at most
+    ROW_PARTS[-1] parts, each about an eighth of a thread's share of values (the whole
+    stack's), so that the threads stay balanced."""
+    per = max(_MIN_SPLIT // 8, values // (8 * num_threads()) + 1)
+    pads = [_pad(x) for x in run[0][:3]]
     tasks = []
-    o = 0
-    for b, e, a in parts:
-        b, e, a = (_kernel_view(x) for x in (b, e, a))
-        m = b.shape[0]
-        for r0, r1 in _split_bounds(m, m * n):
-            tasks.append(functools.partial(_module_rows_kernel, b, e, a, bins, r0, r1, be, te, sums, maxes, sq, fold,
-                                           bc, bad, o))
-        o += m
-    _run_tasks(tasks)
-    if not fold:
-        bc = np.clip(sq.sum(axis=1), 0.0, 1.0)
-    bc[bad != 0] = np.nan
-    return be, te, sums, maxes, bc, bad
+    i, end = 0, len(run)
+    while i < end:
+        j, work = i + 1, run[i][0].size
+        while j < end and j - i < ROW_PARTS[-1] and work < per:
+            work += run[j][0].size
+            j += 1
+        chunk = run[i:j]
+        k = next(p for p in ROW_PARTS if p >= j - i)
+        bs, es, as_ = ((*(p[r] for p in chunk), *(pads[r],) * (k - len(chunk))) for r in range(3))
+        offs = np.array([(p[3], p[4]) for p in chunk], np.int64)
+        tasks.append(functools.partial(_module_rows_tuple_kernel, bs, es, as_, len(chunk), offs, bins, *outs))
+        i = j
+    return tasks
+
+
+def _pad(x):
+    """A part of no rows that numba types as x (a tuple of parts is one type: a read-only array
+    is another type than a writable one)."""
+    key = (x.dtype, x.flags.writeable)
+    if key not in _PADS:
+        pad = np.empty((0, 1), x.dtype)
+        pad.flags.writeable = x.flags.writeable
+        _PADS[key] = pad
+    return _PADS[key]
+
+
+@_njit()
+def _module_rows_tuple_kernel(bs, es, as_, nparts, offs, bins, be, te, sums, maxes, sq, fold, bc,
+                              bad):  # pragma: no cover - compiled
+    """``_module_rows_kernel`` of every row of parts bs[j], es[j], as_[j] (j < nparts), written
+    to the per-row outputs from row offs[j, 0] on and to the errors from value offs[j, 1] on."""
+    for j in range(nparts):
+        _module_rows_kernel(bs[j], es[j], as_[j], bins, 0, bs[j].shape[0], be, te, sums, maxes, sq, fold, bc, bad,
+                            offs[j, 0], offs[j, 1])
 
 
 _EINSUM_OK = None

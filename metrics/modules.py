@@ -37,6 +37,7 @@ numpy only; no store, no engine.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Iterable, Sequence
@@ -130,7 +131,7 @@ def _as_tokens(x, what: str) -> np.ndarray:
     a = as_float(x, np.float32)
     if a.ndim == 0:
         raise ValueError(f"{what}: a module tensor needs a token axis, got a scalar")
-    return a.reshape(a.shape[0], -1)
+    return a.reshape(a.shape[0], math.prod(a.shape[1:]))  # not -1: a tensor of no token has a width too
 
 
 def _fast_token_metrics(b, e, a, base_err, tgt_err, row_max=None):
@@ -187,7 +188,11 @@ def _checked(baseline, expected, actual, module, phase, positions, keep_bf16=Fal
         # what the general path below gives, without its per-tensor conversions (~10 us a tensor,
         # 142 tensors a prompt; the store comparator, which passes positions, took the general path)
         n = baseline.shape[0]
-        b, e, a = baseline.reshape(n, -1), expected.reshape(n, -1), actual.reshape(n, -1)
+        if baseline.ndim == 2:  # already [token, width] (most module outputs): no views to make
+            b, e, a = baseline, expected, actual
+        else:
+            w = math.prod(baseline.shape[1:])
+            b, e, a = baseline.reshape(n, w), expected.reshape(n, w), actual.reshape(n, w)
     else:
         shapes = [tuple(np.shape(x)) for x in (baseline, expected, actual)]
         if len(set(shapes)) != 1:
@@ -230,53 +235,109 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
 
     items: ``(baseline, expected, actual, module, phase, positions)`` tuples; returns one
     ``ModuleTokenMetrics`` per item, in order (a bad item raises its ``ValueError`` as the single
-    form does). Every metric is a function of one token row, so the rows of all tensors of one
-    width are stacked and each quantity is computed once over the stack: one call per quantity
-    instead of one per tensor (a tiny model's module tensors are a few rows each, where per-call
-    overhead, not arithmetic, took the time). A tensor holding a non-finite value takes the
-    NaN-aware reductions of ``metrics.errors`` for its own rows, as the single form does; its BC
-    is computed in the stack (per row, NaN excluded either way)."""
+    form does). Every metric is a function of one token row, so the rows of all tensors are
+    computed together: with numba, one fused pass over every row of every width
+    (``_fused_rows``) and each metric column once over all rows; without it, each quantity once
+    over the stacked rows of each width (a tiny model's module tensors are a few rows each,
+    where per-call overhead, not arithmetic, took the time). A tensor holding a non-finite value
+    takes the NaN-aware reductions of ``metrics.errors`` for its own rows, as the single form
+    does; its BC is computed per row either way (NaN excluded)."""
     checked = [(_checked(b, e, a, m, ph, pos, keep_bf16=True), m, ph) for b, e, a, m, ph, pos in items]
     out: list = [None] * len(checked)
-    groups: dict[int, list[int]] = {}
+    batch = []
     for i, ((b, _, _, _), _, _) in enumerate(checked):
-        w = b.shape[1]
-        if w >= _MIN_BATCH_WIDTH and b.shape[0]:
-            groups.setdefault(w, []).append(i)
+        if b.shape[1] >= _MIN_BATCH_WIDTH and b.shape[0]:
+            batch.append(i)
         else:
             (b, e, a, pos), m, ph = checked[i]
             out[i] = compare_module_tensors(b, e, a, m, ph, pos, bins=bins)
-    for idx in groups.values():
-        parts = [checked[i][0] for i in idx]
-        bounds = np.cumsum([0] + [p[0].shape[0] for p in parts])
-        fused = _fused_rows([p[:3] for p in parts], bins)
-        if fused is not None:  # one pass of metrics._fused: the same numbers (see _fused_rows)
-            base_err, tgt_err, sums, row_max, bc, row_bad = fused
-        else:  # numpy: over the rows of every tensor of this width stacked, in float32
-            parts = _widen_parts(parts)
-            b = np.concatenate([p[0] for p in parts])
-            e = np.concatenate([p[1] for p in parts])
-            a = np.concatenate([p[2] for p in parts])
-            with np.errstate(invalid="ignore", over="ignore"):
-                base_err, tgt_err = np.abs(e - b), np.abs(a - b)
-                # the row maxima the L-inf needs also find the rows the single form would not call clean:
-                # a NaN error propagates through max, an infinite baseline value makes max |b| infinite
-                row_max = (np.abs(b).max(axis=1), base_err.max(axis=1), tgt_err.max(axis=1))
-                row_bad = np.isnan(row_max[1]) | np.isnan(row_max[2]) | np.isinf(row_max[0])
+    if not batch:
+        return out
+    job = _fused_rows([checked[i][0][:3] for i in batch], bins)
+    if job is None:
+        groups: dict[int, list[int]] = {}
+        for i in batch:
+            groups.setdefault(checked[i][0][0].shape[1], []).append(i)
+        for idx in groups.values():
+            _many_numpy(checked, idx, bins, out)
+        return out
+    parts = [checked[i][0] for i in batch]
+    bounds = list(itertools.accumulate((p[0].shape[0] for p in parts), initial=0))
+    # The results are views of the job's outputs and of the columns filled below: made while the
+    # kernels run (this thread's Python beside the threads' kernels), valid once finish() returns.
+    cols = np.empty((8, job.rows))  # bl, tl, lr, b2, t2, l2r, bcos, tcos
+    bl, tl, lr, b2, t2, l2r, bcos, tcos = cols
+    try:
+        v0 = 0
+        for k, i in enumerate(batch):  # ~4 us a tensor: 1,136 a tiny model's 8 prompts
+            b, _, _, pos = parts[k]
+            m, n = b.shape
+            r = slice(bounds[k], bounds[k + 1])
+            v1 = v0 + b.size
+            out[i] = _token_metrics(checked[i][1], checked[i][2], pos, bl[r], tl[r], lr[r], b2[r], t2[r], l2r[r],
+                                    bcos[r], tcos[r], job.bc[r], job.be[v0:v1].reshape(m, n),
+                                    job.te[v0:v1].reshape(m, n))
+            v0 = v1
+    finally:
+        _, _, sums, maxes, _, bad = job.finish()
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        cols[[0, 1, 3, 4, 6, 7]] = _metrics_from_sums(*maxes.T, *sums.T)
+    row_bad = bad == 1
+    if row_bad.any():  # a NaN error or an infinite baseline value: the single form's NaN-aware path
         bad_before = np.concatenate([[0], np.cumsum(row_bad)])
-        clean = bad_before[bounds[1:]] == bad_before[bounds[:-1]]  # per tensor
-        if fused is not None:  # every row; the rows of a tensor that is not clean are redone below
-            with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-                cols = list(_metrics_from_sums(*row_max, *sums))
-        elif clean.all():
-            cols = list(_fast_token_metrics(b, e, a, base_err, tgt_err, row_max))
-        else:
-            cols = [np.empty(b.shape[0]) for _ in range(6)]
-            rows = np.repeat(clean, np.diff(bounds))
-            if rows.any():
-                fast = _fast_token_metrics(b[rows], e[rows], a[rows], base_err[rows], tgt_err[rows])
-                for c, f in zip(cols, fast):
-                    c[rows] = f
+        for k in np.flatnonzero(bad_before[bounds[1:]] != bad_before[bounds[:-1]]):
+            r0, r1 = bounds[k], bounds[k + 1]
+            bk, ek, ak = (as_float(x) for x in parts[k][:3])
+            slow = (rel_linf(bk, ek), rel_linf(bk, ak), rel_l2(bk, ek), rel_l2(bk, ak), cosine(bk, ek),
+                    cosine(bk, ak))
+            for c, f in zip((bl, tl, b2, t2, bcos, tcos), slow):
+                c[r0:r1] = f
+            m = out[batch[k]]  # a NaN error: the row's BC excludes it (metrics.bc), row by row
+            rb = row_bad[r0:r1]
+            if rb.any():
+                m.bc[rb] = bhattacharyya_batched(m.base_err[rb], m.tgt_err[rb], bins=bins)
+    lr[:] = _ratio(tl, bl)
+    l2r[:] = _ratio(t2, b2)
+    return out
+
+
+_TOKEN_FIELDS = tuple(ModuleTokenMetrics.__dataclass_fields__)
+
+
+def _token_metrics(*values) -> ModuleTokenMetrics:
+    """``ModuleTokenMetrics(*values)`` without the frozen dataclass's ``__init__`` (an
+    ``object.__setattr__`` per field: 1.6 us against 0.8, 1,136 results in a tiny model's
+    8-prompt compare); the same object (no ``__post_init__`` to run)."""
+    m = object.__new__(ModuleTokenMetrics)
+    m.__dict__.update(zip(_TOKEN_FIELDS, values))
+    return m
+
+
+def _many_numpy(checked, idx, bins, out):
+    """The tensors ``checked[idx]`` (one width) by numpy over their rows stacked, in float32,
+    into ``out[idx]``: the path where the fused kernel does not apply."""
+    parts = _widen_parts([checked[i][0] for i in idx])
+    bounds = np.cumsum([0] + [p[0].shape[0] for p in parts])
+    b = np.concatenate([p[0] for p in parts])
+    e = np.concatenate([p[1] for p in parts])
+    a = np.concatenate([p[2] for p in parts])
+    with np.errstate(invalid="ignore", over="ignore"):
+        base_err, tgt_err = np.abs(e - b), np.abs(a - b)
+        # the row maxima the L-inf needs also find the rows the single form would not call clean:
+        # a NaN error propagates through max, an infinite baseline value makes max |b| infinite
+        row_max = (np.abs(b).max(axis=1), base_err.max(axis=1), tgt_err.max(axis=1))
+        row_bad = np.isnan(row_max[1]) | np.isnan(row_max[2]) | np.isinf(row_max[0])
+    bad_before = np.concatenate([[0], np.cumsum(row_bad)])
+    clean = bad_before[bounds[1:]] == bad_before[bounds[:-1]]  # per tensor
+    if clean.all():
+        cols = list(_fast_token_metrics(b, e, a, base_err, tgt_err, row_max))
+    else:
+        cols = [np.empty(b.shape[0]) for _ in range(6)]
+        rows = np.repeat(clean, np.diff(bounds))
+        if rows.any():
+            fast = _fast_token_metrics(b[rows], e[rows], a[rows], base_err[rows], tgt_err[rows])
+            for c, f in zip(cols, fast):
+                c[rows] = f
         for k in np.flatnonzero(~clean):
             r0, r1 = bounds[k], bounds[k + 1]
             bk, ek, ak = (as_float(x) for x in parts[k][:3])
@@ -284,18 +345,14 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
                     cosine(bk, ak))
             for c, f in zip(cols, slow):
                 c[r0:r1] = f
-        bl, tl, b2, t2, bcos, tcos = cols
-        if fused is None:
-            bc = bhattacharyya_batched(base_err, tgt_err, bins=bins)
-        elif row_bad.any():  # a NaN error: the row's BC excludes it (metrics.bc)
-            bc[row_bad] = bhattacharyya_batched(base_err[row_bad], tgt_err[row_bad], bins=bins)
-        lr, l2r = _ratio(tl, bl), _ratio(t2, b2)
-        for k, i in enumerate(idx):
-            r = slice(bounds[k], bounds[k + 1])
-            _, m, ph = checked[i]
-            out[i] = ModuleTokenMetrics(m, ph, parts[k][3], bl[r], tl[r], lr[r], b2[r], t2[r], l2r[r], bcos[r],
-                                        tcos[r], bc[r], base_err[r], tgt_err[r])
-    return out
+    bl, tl, b2, t2, bcos, tcos = cols
+    bc = bhattacharyya_batched(base_err, tgt_err, bins=bins)
+    lr, l2r = _ratio(tl, bl), _ratio(t2, b2)
+    for k, i in enumerate(idx):
+        r = slice(bounds[k], bounds[k + 1])
+        _, m, ph = checked[i]
+        out[i] = ModuleTokenMetrics(m, ph, parts[k][3], bl[r], tl[r], lr[r], b2[r], t2[r], l2r[r], bcos[r], tcos[r],
+                                    bc[r], base_err[r], tgt_err[r])
 
 
 def _widen_parts(parts):
@@ -304,22 +361,22 @@ def _widen_parts(parts):
 
 
 def _fused_rows(parts, bins):
-    """``metrics._fused.module_row_metrics_parts`` of the rows of parts (``(b, e, a)`` float32 or
-    bfloat16 ``[rows, width]`` of one width, stacked in order, each read in place), or None where it does
-    not apply: no numba, or a numpy whose einsum sums in another order than the kernel replays
-    (checked once; rows wider than einsum's buffer in its pieces too). Returns ``(base_err, tgt_err,
-    sums, row_max, bc, row_bad)``: sums the seven float64 row sums of ``_metrics_from_sums``,
-    row_max its three float32 row maxima, bc the row BCs (rows where row_bad is set are left
-    to the numpy path: a NaN error, or an infinite baseline value)."""
+    """``metrics._fused.RowMetricsJob`` of the rows of parts (``(b, e, a)`` float32 or bfloat16
+    ``[rows, width]``, widths free, stacked in order, each read in place), started; or None
+    where it does not apply: no numba, or a numpy whose einsum sums in another order than the
+    kernel replays (checked once; rows wider than einsum's buffer in its pieces too). Its
+    ``finish()`` returns ``(base_err, tgt_err, sums, maxes, bc, bad)``: the errors 1-D (each
+    part's ``[rows, width]`` values in turn), sums ``[rows, 7]`` the float64 row sums of
+    ``_metrics_from_sums``, maxes ``[rows, 3]`` its float32 row maxima, bc the row BCs; a row
+    where bad is 1 (a NaN error, or an infinite baseline value) is left to the numpy path, as
+    is the BC of one where it is 2 (an infinite error)."""
     if not sum(p[0].shape[0] for p in parts) or not numba_available():
         return None
     from . import _fused
 
     if not _fused.einsum_order_holds():
         return None
-    be, te, sums, maxes, bc, bad = _fused.module_row_metrics_parts(parts, bins)
-    row_bad = bad == 1
-    return be, te, tuple(sums.T), tuple(maxes.T), bc, row_bad
+    return _fused.RowMetricsJob(parts, bins)
 
 
 def align_decode_captures(ref_positions, target_positions):
@@ -418,8 +475,11 @@ class ModuleJudge:
         self._acc: dict[tuple[str, str], dict] = {}
 
     def _slot(self, module, phase):
-        return self._acc.setdefault((module, phase), {"metrics": [], "prompts": [], "plens": [], "problems": [],
-                                                      "not_computed": 0})
+        slot = self._acc.get((module, phase))
+        if slot is None:  # not setdefault: its new dict of five lists on every call was ~1 us a tensor
+            slot = self._acc[(module, phase)] = {"metrics": [], "prompts": [], "plens": [], "problems": [],
+                                                 "not_computed": 0}
+        return slot
 
     def add(self, prompt: str, module: str, phase: str, baseline, expected, actual, positions=None,
             prompt_len: int | None = None):

@@ -283,13 +283,18 @@ def test_bf16_captures_reach_the_kernel_as_their_bits_with_the_widened_results(m
         _same_bits(got[k][rows_], want[k][rows_], f"{where}: output {k}")
     order_holds = _fused.einsum_order_holds() and _fused.np_sum_order_holds()  # checked (on float32) before the spy
     seen = []
-    real = _fused._module_rows_kernel
+    real, real_tuple = _fused._module_rows_kernel, _fused._module_rows_tuple_kernel
 
     def spy(*args):
         seen.append(tuple(x.dtype for x in args[:3]))
         return real(*args)
 
+    def spy_tuple(*args):  # small tensors: tuples of parts, one call for many
+        seen.extend(tuple(x.dtype for x in parts) for parts in zip(*args[:3]))
+        return real_tuple(*args)
+
     monkeypatch.setattr(_fused, "_module_rows_kernel", spy)
+    monkeypatch.setattr(_fused, "_module_rows_tuple_kernel", spy_tuple)
     got = compare_module_tensors_many([(b, e, a, "m", "decode", pos)])[0]
     monkeypatch.undo()
     if order_holds:
@@ -300,3 +305,53 @@ def test_bf16_captures_reach_the_kernel_as_their_bits_with_the_widened_results(m
         want = compare_module_tensors_many([(b, e, a, "m", "decode", pos)])[0]
     for f in FIELDS:
         _same_bits(getattr(got, f), getattr(want, f), f"{rows} x {width} {f}")
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([70, 150]))
+def test_many_small_tensors_go_as_tuples_of_parts_with_each_tensors_own_results(monkeypatch, seed, n):
+    """A prompt's many small tensors (a tiny model's: 142, a few rows each) reach the kernel as
+    tuples of parts, many per call, beside a tensor large enough to be split across the threads:
+    widths 4 to 256 in one stack, bfloat16 and float32 mixed in one role (two numba types: two
+    runs of tuples), read-only captures (another type), rows with NaN and inf, zero-row tensors.
+    Every field of every result is the single form's (``compare_module_tensors``, numpy) bit for
+    bit, so no part is written to another's rows or values, and no pad is counted."""
+    rng = np.random.default_rng(seed)
+    items = []
+    for k in range(n):
+        width = int(rng.choice([4, 8, 64, 100, 128, 256]))
+        rows = 2100 if k == n // 2 else int(rng.integers(0, 40))  # 2100 x 128: split, not a tuple's part
+        if k == n // 2:
+            width = 128
+        b = rng.standard_normal((rows, width)).astype(np.float32)
+        e = (b * (1 + 4e-3 * rng.standard_normal(b.shape))).astype(np.float32)
+        a = (b * (1 + 5e-2 * rng.standard_normal(b.shape))).astype(np.float32)
+        if rows and rng.random() < 0.1:
+            rng.choice([b, e, a])[rng.integers(rows), rng.integers(width)] = rng.choice([np.nan, np.inf])
+        if rng.random() < 0.5:
+            e, a = e.astype(ml_dtypes.bfloat16), a.astype(ml_dtypes.bfloat16)
+        for x in (b, e, a):
+            x.flags.writeable = bool(rng.random() < 0.8)
+        pos = None if rng.random() < 0.5 else np.arange(rows) + int(rng.integers(0, 9))
+        items.append((b, e, a, f"model.layers.{k}.mlp", "decode", pos))
+    order_holds = _fused.einsum_order_holds() and _fused.np_sum_order_holds()  # their checks run before the spy
+    calls = []
+    real = _fused._module_rows_tuple_kernel
+
+    def spy(*args):
+        calls.append((len(args[0]), args[3]))
+        return real(*args)
+
+    monkeypatch.setattr(_fused, "_module_rows_tuple_kernel", spy)
+    got = compare_module_tensors_many(items)
+    monkeypatch.undo()
+    if order_holds:
+        batched = sum(1 for b, *_ in items if b.shape[0] and b.shape[1] >= 4) - 1  # less the split one
+        assert sum(used for _, used in calls) == batched, calls
+        assert len(calls) < batched / 4 and all(used <= size <= _fused.ROW_PARTS[-1] for size, used in calls)
+    with monkeypatch.context() as m:
+        _numpy_path(m)
+        want = [mod.compare_module_tensors(b, e, a, mm, ph, pos) for b, e, a, mm, ph, pos in items]
+    for g, w in zip(got, want):
+        for f in FIELDS:
+            _same_bits(getattr(g, f), getattr(w, f), f"{g.module} {f} {g.base_err.shape}")
