@@ -48,7 +48,8 @@ import numpy as np
 
 from .bc import DEFAULT_BINS, bhattacharyya_batched, numba_available
 from .errors import COS_EPS, EPS, as_float, cosine, rel_l2, rel_linf
-from .verdict import KVTensorVerdict, KVVerdictConfig, _all_finite, _tensor_verdict, fused_tensor_numbers_many
+from .verdict import (KVTensorVerdict, KVVerdictConfig, _all_finite, _tensor_verdict, fused_tensor_numbers_at,
+                      fused_tensor_numbers_many)
 
 __all__ = [
     "PHASE_ORDER",
@@ -242,6 +243,15 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
     where per-call overhead, not arithmetic, took the time). A tensor holding a non-finite value
     takes the NaN-aware reductions of ``metrics.errors`` for its own rows, as the single form
     does; its BC is computed per row either way (NaN excluded)."""
+    return _compare_many(items, bins)[0]
+
+
+def _compare_many(items, bins):
+    """``compare_module_tensors_many``, and where each result's errors lie: per item
+    ``(base_err address, tgt_err address)`` where the fused kernel wrote them (float32 ``[rows,
+    width]`` C-contiguous, in memory the result's arrays keep alive), else None. The judge hands
+    the addresses to the pooled kernel (``metrics._fused.pooled_verdict_numbers_at``)."""
+    where: list = [None] * len(items)
     checked = [(_checked(b, e, a, m, ph, pos, keep_bf16=True), m, ph) for b, e, a, m, ph, pos in items]
     out: list = [None] * len(checked)
     batch = []
@@ -252,7 +262,7 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
             (b, e, a, pos), m, ph = checked[i]
             out[i] = compare_module_tensors(b, e, a, m, ph, pos, bins=bins)
     if not batch:
-        return out
+        return out, where
     job = _fused_rows([checked[i][0][:3] for i in batch], bins)
     if job is None:
         groups: dict[int, list[int]] = {}
@@ -260,7 +270,7 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
             groups.setdefault(checked[i][0][0].shape[1], []).append(i)
         for idx in groups.values():
             _many_numpy(checked, idx, bins, out)
-        return out
+        return out, where
     parts = [checked[i][0] for i in batch]
     bounds = list(itertools.accumulate((p[0].shape[0] for p in parts), initial=0))
     # The results are views of the job's outputs and of the columns filled below: made while the
@@ -269,6 +279,7 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
     bl, tl, lr, b2, t2, l2r, bcos, tcos = cols
     try:
         v0 = 0
+        at_b, at_t = job.be.ctypes.data, job.te.ctypes.data
         for k, i in enumerate(batch):  # ~4 us a tensor: 1,136 a tiny model's 8 prompts
             b, _, _, pos = parts[k]
             m, n = b.shape
@@ -277,6 +288,7 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
             out[i] = _token_metrics(checked[i][1], checked[i][2], pos, bl[r], tl[r], lr[r], b2[r], t2[r], l2r[r],
                                     bcos[r], tcos[r], job.bc[r], job.be[v0:v1].reshape(m, n),
                                     job.te[v0:v1].reshape(m, n))
+            where[i] = (at_b + 4 * v0, at_t + 4 * v0)
             v0 = v1
     finally:
         _, _, sums, maxes, _, bad = job.finish()
@@ -298,7 +310,7 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
                 m.bc[rb] = bhattacharyya_batched(m.base_err[rb], m.tgt_err[rb], bins=bins)
     lr[:] = _ratio(tl, bl)
     l2r[:] = _ratio(t2, b2)
-    return out
+    return out, where
 
 
 _TOKEN_FIELDS = tuple(ModuleTokenMetrics.__dataclass_fields__)
@@ -476,10 +488,25 @@ class ModuleJudge:
 
     def _slot(self, module, phase):
         slot = self._acc.get((module, phase))
-        if slot is None:  # not setdefault: its new dict of five lists on every call was ~1 us a tensor
-            slot = self._acc[(module, phase)] = {"metrics": [], "prompts": [], "plens": [], "problems": [],
-                                                 "not_computed": 0}
+        if slot is None:  # not setdefault: its new dict of six lists on every call was ~1 us a tensor
+            # "where": per metrics entry, the addresses of its errors where add_many's fused kernel
+            # wrote them (memory the entry's arrays keep alive), else None: the verdict's pooled
+            # kernel reads them there (metrics._fused.pooled_verdict_numbers_at)
+            slot = self._acc[(module, phase)] = {"metrics": [], "prompts": [], "plens": [], "where": [],
+                                                 "problems": [], "not_computed": 0}
         return slot
+
+    def __getstate__(self):
+        """A pickled judge (a prompt's partial, sent back from a Dask worker) carries no addresses:
+        they mean nothing in another process, and its verdict takes the per-pool path."""
+        state = dict(self.__dict__)
+        state["_acc"] = {k: {**slot, "where": [None] * len(slot["metrics"])} for k, slot in self._acc.items()}
+        return state
+
+    def __setstate__(self, state):
+        for slot in state["_acc"].values():  # a judge pickled before "where" existed
+            slot.setdefault("where", [None] * len(slot["metrics"]))
+        self.__dict__.update(state)
 
     def add(self, prompt: str, module: str, phase: str, baseline, expected, actual, positions=None,
             prompt_len: int | None = None):
@@ -495,6 +522,7 @@ class ModuleJudge:
         slot["metrics"].append(m)
         slot["prompts"].append(prompt)
         slot["plens"].append(prompt_len)
+        slot["where"].append(None)
         return m
 
     def add_many(self, prompt: str, items, prompt_len: int | None = None) -> list:
@@ -516,13 +544,13 @@ class ModuleJudge:
                     f"prompt {prompt}: shapes differ: baseline {shapes[0]}, expected {shapes[1]}, actual {shapes[2]}")
             else:
                 todo.append(i)
-        ms = compare_module_tensors_many([(*items[i][2:5], *items[i][:2], items[i][5]) for i in todo],
-                                         bins=self.config.bins)
-        for i, m in zip(todo, ms):
+        ms, where = _compare_many([(*items[i][2:5], *items[i][:2], items[i][5]) for i in todo], self.config.bins)
+        for i, m, at in zip(todo, ms, where):
             slot = self._slot(m.module, m.phase)
             slot["metrics"].append(m)
             slot["prompts"].append(prompt)
             slot["plens"].append(prompt_len)
+            slot["where"].append(at)
             out[i] = m
         return out
 
@@ -623,11 +651,20 @@ class ModuleJudge:
         missing from it go last, by name)."""
         rank = {m: i for i, m in enumerate(order or ())}
         keys = sorted(self._acc, key=lambda k: (_phase_rank(k[1]), rank.get(k[0], len(rank)), k[0]))
-        # the pools' kernel passes first, shared across threads; then each verdict in order
+        # the pools' kernel passes first, shared across threads; then each verdict in order. A pool
+        # whose errors add_many's fused kernel wrote is read where they lie, many pools a kernel
+        # call; any other (errors of add, of the numpy path, of a judge that was pickled) by
+        # fused_tensor_numbers_many, a call per pool
         pools = [k for k in keys if self._acc[k]["metrics"]]
-        fused = dict(zip(pools, fused_tensor_numbers_many(
+        at = [k for k in pools if len(self._acc[k]["where"]) == len(self._acc[k]["metrics"])
+              and None not in self._acc[k]["where"]]
+        fused = dict(zip(at, fused_tensor_numbers_at(
+            [[(*w, *m.base_err.shape) for w, m in zip(self._acc[k]["where"], self._acc[k]["metrics"])] for k in at],
+            self.config.kv)))
+        rest = [k for k in pools if k not in fused]
+        fused.update(zip(rest, fused_tensor_numbers_many(
             [([m.base_err for m in self._acc[k]["metrics"]], [m.tgt_err for m in self._acc[k]["metrics"]])
-             for k in pools], self.config.kv)))
+             for k in rest], self.config.kv)))
         vs = tuple(self._judge(m, ph, self._acc[(m, ph)], fused.get((m, ph))) for m, ph in keys)
         first = first_failing_module(vs)
         passed = bool(vs) and all(v.passed is True for v in vs)

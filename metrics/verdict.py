@@ -400,6 +400,27 @@ def fused_tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTen
                             r["q_odd"], r["max_b"], r["max_t"], cfg)
 
 
+def fused_tensor_numbers_at(pools, cfg: KVVerdictConfig) -> list:
+    """``fused_tensor_numbers`` of pools whose chunks are given by where they lie: per pool
+    ``[(base_address, target_address, rows, width), ...]``, float32 ``[rows, width]``
+    C-contiguous errors the caller keeps alive (``metrics.modules.ModuleJudge``'s, written by
+    its fused kernel). Many pools a kernel call, on the threads
+    (``metrics._fused.pooled_verdict_numbers_at``); the same numbers as
+    ``fused_tensor_numbers`` of the arrays there. A pool gets None where that would (no numba,
+    the order checks, a value not finite)."""
+    q = cfg.linf_quantile
+    if not pools or not (numba_available() and isinstance(q, (int, float)) and 0 <= q <= 1):
+        return [None] * len(pools)
+    from . import _fused
+
+    if not (_fused.pairwise_order_holds() and _fused.quantile_rule_holds(q)):  # once per process, here
+        return [None] * len(pools)
+    return [None if r is None else _numbers_verdict(r["n"], r["ss_b"] / r["n"], r["ss_t"] / r["n"], r["bc"],
+                                                    r["noise_bc"], r["q_b"], r["q_t"], r["q_even"], r["q_odd"],
+                                                    r["max_b"], r["max_t"], cfg)
+            for r in _fused.pooled_verdict_numbers_at(pools, cfg.bins, q)]
+
+
 def fused_tensor_numbers_many(pools, cfg: KVVerdictConfig) -> list:
     """``fused_tensor_numbers`` of each ``(base_chunks, tgt_chunks)`` pool, in order: the first
     here (the once-per-process order checks run in it), the rest shared across

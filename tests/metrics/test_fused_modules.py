@@ -355,3 +355,103 @@ def test_many_small_tensors_go_as_tuples_of_parts_with_each_tensors_own_results(
     for g, w in zip(got, want):
         for f in FIELDS:
             _same_bits(getattr(g, f), getattr(w, f), f"{g.module} {f} {g.base_err.shape}")
+
+
+def _prompt_items(rng, n_modules, bad=False):
+    items = []
+    for k in range(n_modules):
+        rows, width = int(rng.integers(1, 9)), int(rng.choice([8, 64, 128]))
+        b = rng.standard_normal((rows, width)).astype(np.float32)
+        e = (b * (1 + 4e-3 * rng.standard_normal(b.shape))).astype(np.float32)
+        a = (b * (1 + 6e-3 * rng.standard_normal(b.shape))).astype(np.float32)
+        if bad and k == 3:  # a NaN target error: that pool's kernel declines, numpy judges it
+            a[0, 0] = np.nan
+        items.append((f"model.layers.{k}.mlp", "decode" if k % 2 else "prefill", b, e, a, None))
+    return items
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_pools_read_where_add_many_wrote_them_equal_every_other_path(monkeypatch, bad):
+    """The verdict reads the errors add_many's kernel wrote where they lie (addresses, many
+    pools a kernel call): the same verdict, repr for repr, as the per-pool path (the judge
+    pickled: no addresses cross processes), as per-prompt judges merged (addresses of several
+    judges' errors), as a judge where one prompt came through ``add`` (its pools per pool), and
+    as the numpy path. The address path is taken for every pool add_many alone filled."""
+    import pickle
+
+    rng = np.random.default_rng(5)
+    prompts = [_prompt_items(rng, 90, bad=bad and p == 1) for p in range(4)]
+    if not (_fused.pairwise_order_holds() and _fused.quantile_rule_holds(0.75)):
+        pytest.skip("this numpy sums or interpolates otherwise than the pooled kernel: the numpy path judges")
+    seen = []
+    real = _fused.pooled_verdict_numbers_at
+
+    def spy(pools, *a):
+        seen.append(len(pools))
+        return real(pools, *a)
+
+    def judge(one_by_add=False):
+        j = ModuleJudge()
+        for p, items in enumerate(prompts):
+            if one_by_add and p == 2:
+                for m, ph, b, e, a, pos in items:
+                    j.add(str(p), m, ph, b, e, a, pos, prompt_len=5)
+            else:
+                j.add_many(str(p), items, prompt_len=5)
+        return j
+
+    monkeypatch.setattr(_fused, "pooled_verdict_numbers_at", spy)
+    got = judge().verdict()
+    assert seen == [90], seen  # every module x phase pool through the address path
+    seen.clear()
+    merged = ModuleJudge()
+    for p, items in enumerate(prompts):
+        one = ModuleJudge()
+        one.add_many(str(p), items, prompt_len=5)
+        merged.merge(one)
+    assert repr(merged.verdict()) == repr(got) and seen == [90]
+    seen.clear()
+    assert repr(pickle.loads(pickle.dumps(judge())).verdict()) == repr(got) and seen in ([], [0])
+    seen.clear()
+    assert repr(judge(one_by_add=True).verdict()) == repr(got) and seen in ([], [0])
+    monkeypatch.undo()
+    with monkeypatch.context() as m:
+        _numpy_path(m)
+        assert repr(judge().verdict()) == repr(got)
+    three = next(v for v in got.modules if v.module == "model.layers.3.mlp")
+    assert three.passed is (False if bad else three.passed)
+    assert ("non-finite target values" in (three.problem or "")) is bad
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n_pools=st.integers(1, 12), n_chunks=st.integers(1, 80))
+def test_pooled_numbers_at_addresses_equal_the_numbers_of_the_arrays(seed, n_pools, n_chunks):
+    """``pooled_verdict_numbers_at`` (chunks by address, many pools a call, split across
+    threads) gives each pool exactly ``pooled_verdict_numbers`` of the same chunks as arrays:
+    pools of 1 to 80 chunks (beyond any compiled tuple), empty chunks, a pool with no value (None),
+    a pool holding a NaN (None)."""
+    rng = np.random.default_rng(seed)
+    pools, arrays = [], []
+    for p in range(n_pools):
+        chunks = []
+        for _ in range(int(rng.integers(1, n_chunks + 1))):
+            rows, width = int(rng.integers(0, 6)), int(rng.choice([1, 3, 8, 64]))
+            b = np.abs(rng.standard_normal((rows, width)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
+            t = np.abs(rng.standard_normal((rows, width)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
+            chunks.append((b, t))
+        if p == 1 and chunks[0][0].size:
+            chunks[0][1][0, 0] = np.nan
+        if p == 2:
+            chunks = [(np.zeros((0, 4), np.float32), np.zeros((0, 4), np.float32))]
+        arrays.append(chunks)
+        pools.append([(b.ctypes.data, t.ctypes.data, *b.shape) for b, t in chunks])
+    got = _fused.pooled_verdict_numbers_at(pools, 100, 0.75)
+    for p, chunks in enumerate(arrays):
+        want = _fused.pooled_verdict_numbers([b for b, _ in chunks], [t for _, t in chunks], 100, 0.75)
+        assert (got[p] is None) == (want is None), p
+        if want is not None:
+            assert got[p].keys() == want.keys()
+            for k in want:
+                assert np.array_equal(np.float64(got[p][k] if got[p][k] is not None else np.nan),
+                                      np.float64(want[k] if want[k] is not None else np.nan), equal_nan=True), (p, k)
+                assert repr(got[p][k]) == repr(want[k]), (p, k)
