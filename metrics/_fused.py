@@ -1169,7 +1169,7 @@ def module_row_metrics_parts(parts, bins: int):
     one width) stacked in order: base_err and tgt_err ``[rows, width]``, the rest as there."""
     be, te, sums, maxes, bc, bad = module_row_metrics_ragged(parts, bins)
     n = parts[0][0].shape[1]
-    return be.reshape(-1, n), te.reshape(-1, n), sums, maxes, bc, bad
+    return be.reshape(sums.shape[0], n), te.reshape(sums.shape[0], n), sums, maxes, bc, bad  # not -1: width 0
 
 
 def module_row_metrics_ragged(parts, bins: int):
@@ -1222,7 +1222,7 @@ class RowMetricsJob:
             b, e, a = _kernel_view(b), _kernel_view(e), _kernel_view(a)
             m, size = b.shape[0], b.size
             if size < _MIN_SPLIT:
-                if size:
+                if m:  # a part of no width still has rows: the kernel writes their outputs
                     key = (b.dtype, e.dtype, a.dtype, b.flags.writeable, e.flags.writeable, a.flags.writeable)
                     small.setdefault(key, []).append((b, e, a, o, eo))
             else:

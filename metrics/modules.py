@@ -271,13 +271,14 @@ def _compare_many(items, bins):
         for idx in groups.values():
             _many_numpy(checked, idx, bins, out)
         return out, where
-    parts = [checked[i][0] for i in batch]
-    bounds = list(itertools.accumulate((p[0].shape[0] for p in parts), initial=0))
     # The results are views of the job's outputs and of the columns filled below: made while the
-    # kernels run (this thread's Python beside the threads' kernels), valid once finish() returns.
-    cols = np.empty((8, job.rows))  # bl, tl, lr, b2, t2, l2r, bcos, tcos
-    bl, tl, lr, b2, t2, l2r, bcos, tcos = cols
+    # kernels run (this thread's Python beside the threads' kernels), valid once finish() returns,
+    # which runs whatever happens here (the threads never left with tasks of a job nobody waits for).
     try:
+        parts = [checked[i][0] for i in batch]
+        bounds = list(itertools.accumulate((p[0].shape[0] for p in parts), initial=0))
+        cols = np.empty((8, job.rows))  # bl, tl, lr, b2, t2, l2r, bcos, tcos
+        bl, tl, lr, b2, t2, l2r, bcos, tcos = cols
         v0 = 0
         at_b, at_t = job.be.ctypes.data, job.te.ctypes.data
         for k, i in enumerate(batch):  # ~4 us a tensor: 1,136 a tiny model's 8 prompts
@@ -500,7 +501,9 @@ class ModuleJudge:
         """A pickled judge (a prompt's partial, sent back from a Dask worker) carries no addresses:
         they mean nothing in another process, and its verdict takes the per-pool path."""
         state = dict(self.__dict__)
-        state["_acc"] = {k: {**slot, "where": [None] * len(slot["metrics"])} for k, slot in self._acc.items()}
+        # the lists copied too: a copy.copy of a judge (which pickles through here) shares none of them
+        state["_acc"] = {k: {**{name: list(v) if isinstance(v, list) else v for name, v in slot.items()},
+                             "where": [None] * len(slot["metrics"])} for k, slot in self._acc.items()}
         return state
 
     def __setstate__(self, state):

@@ -455,3 +455,37 @@ def test_pooled_numbers_at_addresses_equal_the_numbers_of_the_arrays(seed, n_poo
                 assert np.array_equal(np.float64(got[p][k] if got[p][k] is not None else np.nan),
                                       np.float64(want[k] if want[k] is not None else np.nan), equal_nan=True), (p, k)
                 assert repr(got[p][k]) == repr(want[k]), (p, k)
+
+
+def test_parts_of_no_width_get_their_rows_written():
+    """A part of rows but no width (review helper-74: its rows were skipped, their outputs left
+    as uninitialised memory): every output of its rows is what the kernel writes for an empty
+    row, zeros, beside a part with values, and the one-width form keeps its [rows, 0] shapes."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 16)).astype(np.float32)
+    z = np.zeros((3, 0), np.float32)
+    be, te, sums, maxes, bc, bad = _fused.module_row_metrics_ragged([(x, x * 2, x * 3), (z, z, z)], 100)
+    assert be.shape == te.shape == (32,) and sums.shape == (5, 7) and maxes.shape == (5, 3)
+    assert not sums[2:].any() and not maxes[2:].any() and not bc[2:].any() and not bad.any()
+    alone = _fused.module_row_metrics(x, x * 2, x * 3, 100)
+    _same_bits(sums[:2], alone[2], "sums of the part with values")
+    got = _fused.module_row_metrics(z, z, z, 100)
+    assert got[0].shape == got[1].shape == (3, 0) and not got[2].any() and not got[4].any()
+
+
+def test_a_copied_judge_shares_no_list_with_the_original():
+    """``copy.copy`` of a judge goes through ``__getstate__`` (which drops the error addresses):
+    its lists are its own, so what either adds later is not half-seen by the other (review
+    helper-74), and both verdicts are the original's."""
+    import copy
+
+    rng = np.random.default_rng(4)
+    items = _prompt_items(rng, 6)
+    j = ModuleJudge()
+    j.add_many("0", items, prompt_len=5)
+    want = repr(j.verdict())
+    c = copy.copy(j)
+    c.add_many("1", _prompt_items(rng, 6), prompt_len=5)
+    assert repr(j.verdict()) == want
+    assert all(len(s["metrics"]) == len(s["where"]) == 1 for s in j._acc.values())
+    assert all(len(s["metrics"]) == len(s["where"]) == 2 for s in c._acc.values())
