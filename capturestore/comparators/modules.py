@@ -19,9 +19,11 @@ neither passes. Localisation: the first failing module (phase, decoder layer, mo
 token), ranked before logits and KV evidence.
 
 Memory: the absolute errors of every module of every prompt are held until the verdict (pooled
-over prompts): twice the captured tensors' size in float32; while a prompt is compared, also a
-float32 copy of its tensors of every role (the rows of one width are stacked and compared at
-once, ``metrics.modules.ModuleJudge.add_many``; docs/module-compare.md).
+over prompts): twice the captured tensors' size in float32. While a prompt is compared, with numba
+nothing more (every tensor read where it lies, bfloat16 as its bits, all of a prompt's tensors in
+one job: ``metrics._fused.RowMetricsJob``); without numba, also a float32 copy of its tensors of
+every role (the rows of one width stacked and compared at once; ``metrics.modules.ModuleJudge.add_many``,
+docs/module-compare.md).
 """
 from __future__ import annotations
 
