@@ -1204,7 +1204,7 @@ class RowMetricsJob:
         for p in parts:
             rows += p[0].shape[0]
             values += p[0].size
-        self.rows, self.values = rows, values
+        self.rows = rows
         self.be = be = np.empty(values, np.float32)
         self.te = te = np.empty(values, np.float32)
         self.sums = sums = np.empty((rows, _MOD_SUMS))
@@ -1253,22 +1253,28 @@ def _tuple_tasks(run, values, bins, outs):
     one numba type each role: dtype and whether writable, in order): contiguous runs of at most
     ROW_PARTS[-1] parts, each about an eighth of a thread's share of values (the whole
     stack's), so that the threads stay balanced."""
-    per = max(_MIN_SPLIT // 8, values // (8 * num_threads()) + 1)
     pads = [_pad(x) for x in run[0][:3]]
     tasks = []
-    i, end = 0, len(run)
-    while i < end:
-        j, work = i + 1, run[i][0].size
-        while j < end and j - i < ROW_PARTS[-1] and work < per:
-            work += run[j][0].size
-            j += 1
+    for i, j in _runs([p[0].size for p in run], max(_MIN_SPLIT // 8, values // (8 * num_threads()) + 1),
+                      ROW_PARTS[-1]):
         chunk = run[i:j]
         k = next(p for p in ROW_PARTS if p >= j - i)
         bs, es, as_ = ((*(p[r] for p in chunk), *(pads[r],) * (k - len(chunk))) for r in range(3))
         offs = np.array([(p[3], p[4]) for p in chunk], np.int64)
         tasks.append(functools.partial(_module_rows_tuple_kernel, bs, es, as_, len(chunk), offs, bins, *outs))
-        i = j
     return tasks
+
+
+def _runs(work, per, most=None):
+    """Contiguous runs ``(i, j)`` of items 0 .. len(work) - 1, in order: each closed once its
+    work reaches per, or at ``most`` items; the last may hold less."""
+    out, i, total = [], 0, 0
+    for j, w in enumerate(work, 1):
+        total += w
+        if total >= per or j - i == most or j == len(work):
+            out.append((i, j))
+            i, total = j, 0
+    return out
 
 
 def _pad(x):
@@ -1987,14 +1993,8 @@ def pooled_verdict_numbers_at(pools, bins: int, q: float) -> list:
             np.array(widths, np.int64), np.array(seg, np.int64), np.array(part_start, np.int64),
             np.array(seg_start, np.int64))
     # runs of pools of about an eighth of a thread's share of the values each
-    per = sum(pool_n) // (8 * num_threads()) + 1
-    tasks, p0, work = [], 0, 0
-    for p, n in enumerate(pool_n):
-        work += n
-        if work >= per or p == len(pool_n) - 1:
-            tasks.append(functools.partial(_pooled_many_kernel, *args, p0, p + 1, bins, float(q), res))
-            p0, work = p + 1, 0
-    _run_tasks(tasks)
+    _run_tasks([functools.partial(_pooled_many_kernel, *args, p0, p1, bins, float(q), res)
+                for p0, p1 in _runs(pool_n, sum(pool_n) // (8 * num_threads()) + 1)])
     for r, i, n in zip(res, which, pool_n):
         if r[_P_STATUS] == 0:
             out[i] = _pooled_dict(r, n)

@@ -206,6 +206,13 @@ def _checked(baseline, expected, actual, module, phase, positions, keep_bf16=Fal
     return b, e, a, pos
 
 
+def _nan_aware_metrics(b, e, a):
+    """The six per-row metrics (L-inf, L2, cosine of e and of a against b) by the NaN-aware
+    reductions of ``metrics.errors``: a tensor holding a NaN error or an infinite baseline value."""
+    b, e, a = as_float(b), as_float(e), as_float(a)
+    return rel_linf(b, e), rel_linf(b, a), rel_l2(b, e), rel_l2(b, a), cosine(b, e), cosine(b, a)
+
+
 def compare_module_tensors(baseline, expected, actual, module: str = "", phase: str = "",
                            positions=None, bins: int = DEFAULT_BINS) -> ModuleTokenMetrics:
     """Per-token three-way metrics of one module output. baseline, expected, actual:
@@ -218,9 +225,7 @@ def compare_module_tensors(baseline, expected, actual, module: str = "", phase: 
     if clean:  # one float32 pass per quantity (the reductions of metrics.errors, without its NaN handling)
         bl, tl, b2, t2, bcos, tcos = _fast_token_metrics(b, e, a, base_err, tgt_err)
     else:
-        bl, tl = rel_linf(b, e), rel_linf(b, a)
-        b2, t2 = rel_l2(b, e), rel_l2(b, a)
-        bcos, tcos = cosine(b, e), cosine(b, a)
+        bl, tl, b2, t2, bcos, tcos = _nan_aware_metrics(b, e, a)
     bc = bhattacharyya_batched(base_err, tgt_err, bins=bins)
     return ModuleTokenMetrics(module, phase, pos, bl, tl, _ratio(tl, bl), b2, t2, _ratio(t2, b2), bcos, tcos, bc,
                               base_err, tgt_err)
@@ -300,10 +305,7 @@ def _compare_many(items, bins):
         bad_before = np.concatenate([[0], np.cumsum(row_bad)])
         for k in np.flatnonzero(bad_before[bounds[1:]] != bad_before[bounds[:-1]]):
             r0, r1 = bounds[k], bounds[k + 1]
-            bk, ek, ak = (as_float(x) for x in parts[k][:3])
-            slow = (rel_linf(bk, ek), rel_linf(bk, ak), rel_l2(bk, ek), rel_l2(bk, ak), cosine(bk, ek),
-                    cosine(bk, ak))
-            for c, f in zip((bl, tl, b2, t2, bcos, tcos), slow):
+            for c, f in zip((bl, tl, b2, t2, bcos, tcos), _nan_aware_metrics(*parts[k][:3])):
                 c[r0:r1] = f
             m = out[batch[k]]  # a NaN error: the row's BC excludes it (metrics.bc), row by row
             rb = row_bad[r0:r1]
@@ -353,10 +355,7 @@ def _many_numpy(checked, idx, bins, out):
                 c[rows] = f
         for k in np.flatnonzero(~clean):
             r0, r1 = bounds[k], bounds[k + 1]
-            bk, ek, ak = (as_float(x) for x in parts[k][:3])
-            slow = (rel_linf(bk, ek), rel_linf(bk, ak), rel_l2(bk, ek), rel_l2(bk, ak), cosine(bk, ek),
-                    cosine(bk, ak))
-            for c, f in zip(cols, slow):
+            for c, f in zip(cols, _nan_aware_metrics(*parts[k][:3])):
                 c[r0:r1] = f
     bl, tl, b2, t2, bcos, tcos = cols
     bc = bhattacharyya_batched(base_err, tgt_err, bins=bins)

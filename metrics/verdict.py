@@ -379,25 +379,38 @@ def _numbers_verdict(n, b_ms, t_ms, bc, noise_bc, q_b, q_t, q_even, q_odd, max_b
     return KVTensorVerdict(passed, why, n, sigma, bc, noise_bc, bc_bar, linf_ratio, spread, linf_bar, max_ratio)
 
 
+def _pooled_kernels(cfg: KVVerdictConfig):
+    """``metrics._fused`` where its pooled kernel may judge under cfg, else None: no numba, a
+    quantile that is not a number in [0, 1], or a numpy that sums or interpolates quantiles
+    otherwise than the kernel replays (checked once per process, here)."""
+    q = cfg.linf_quantile
+    if not (numba_available() and isinstance(q, (int, float)) and 0 <= q <= 1):
+        return None
+    from . import _fused
+
+    return _fused if _fused.pairwise_order_holds() and _fused.quantile_rule_holds(q) else None
+
+
+def _kernel_verdict(r, cfg: KVVerdictConfig) -> KVTensorVerdict | None:
+    """The rule over the pooled kernel's numbers (a dict of ``pooled_verdict_numbers``), None
+    where the kernel declined."""
+    if r is None:
+        return None
+    n = r["n"]
+    return _numbers_verdict(n, r["ss_b"] / n, r["ss_t"] / n, r["bc"], r["noise_bc"], r["q_b"], r["q_t"], r["q_even"],
+                            r["q_odd"], r["max_b"], r["max_t"], cfg)
+
+
 def fused_tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTensorVerdict | None:
     """``_tensor_numbers`` in one pass of ``metrics._fused.pooled_verdict_numbers`` over the
     chunks as they lie, or None where it does not apply: no numba, a numpy that sums or
     interpolates quantiles otherwise than the kernel replays (checked once), a chunk that is not
     float32, a value that is not finite or below +0 (absolute errors of a correct engine are
     neither)."""
-    q = cfg.linf_quantile
-    if not (numba_available() and isinstance(q, (int, float)) and 0 <= q <= 1):
+    fused = _pooled_kernels(cfg)
+    if fused is None:
         return None
-    from . import _fused
-
-    if not (_fused.pairwise_order_holds() and _fused.quantile_rule_holds(q)):
-        return None
-    r = _fused.pooled_verdict_numbers(base_chunks, tgt_chunks, cfg.bins, q)
-    if r is None:
-        return None
-    n = r["n"]
-    return _numbers_verdict(n, r["ss_b"] / n, r["ss_t"] / n, r["bc"], r["noise_bc"], r["q_b"], r["q_t"], r["q_even"],
-                            r["q_odd"], r["max_b"], r["max_t"], cfg)
+    return _kernel_verdict(fused.pooled_verdict_numbers(base_chunks, tgt_chunks, cfg.bins, cfg.linf_quantile), cfg)
 
 
 def fused_tensor_numbers_at(pools, cfg: KVVerdictConfig) -> list:
@@ -408,17 +421,10 @@ def fused_tensor_numbers_at(pools, cfg: KVVerdictConfig) -> list:
     (``metrics._fused.pooled_verdict_numbers_at``); the same numbers as
     ``fused_tensor_numbers`` of the arrays there. A pool gets None where that would (no numba,
     the order checks, a value not finite)."""
-    q = cfg.linf_quantile
-    if not pools or not (numba_available() and isinstance(q, (int, float)) and 0 <= q <= 1):
+    fused = _pooled_kernels(cfg) if pools else None
+    if fused is None:
         return [None] * len(pools)
-    from . import _fused
-
-    if not (_fused.pairwise_order_holds() and _fused.quantile_rule_holds(q)):  # once per process, here
-        return [None] * len(pools)
-    return [None if r is None else _numbers_verdict(r["n"], r["ss_b"] / r["n"], r["ss_t"] / r["n"], r["bc"],
-                                                    r["noise_bc"], r["q_b"], r["q_t"], r["q_even"], r["q_odd"],
-                                                    r["max_b"], r["max_t"], cfg)
-            for r in _fused.pooled_verdict_numbers_at(pools, cfg.bins, q)]
+    return [_kernel_verdict(r, cfg) for r in fused.pooled_verdict_numbers_at(pools, cfg.bins, cfg.linf_quantile)]
 
 
 def fused_tensor_numbers_many(pools, cfg: KVVerdictConfig) -> list:
