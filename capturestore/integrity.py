@@ -9,6 +9,7 @@ left without a marker is invisible in the views, reported by ``verify`` and remo
 """
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import fcntl
 import hashlib
@@ -437,47 +438,64 @@ def check_evidence(store, comparison_ids, command: str) -> None:
     ids = sorted({str(c) for c in comparison_ids})
     if not ids:
         return
+    # queries of this function's own text: run without sql()'s refusals of writing statements and
+    # planned once (Store._own_rows)
     try:
-        # the view's columns as stored with it (no segment read): one query, not DESCRIBE after a table list
-        if not store.sql("SELECT count(*) FROM information_schema.columns WHERE table_name = 'comparisons' "
-                         "AND column_name = 'manifest_tables'").column(0)[0].as_py():
-            return  # no comparison, or a store written before manifests: nothing to check against
-        rows = store.sql("SELECT comparison_id, manifest_tables, manifest_segments, manifest_rows, manifest_sha256 "
-                         "FROM comparisons WHERE list_contains($ids, comparison_id)", params={"ids": ids}).to_pylist()
-        tables = sorted({t for r in rows for t in r["manifest_tables"] or ()})
-        if tables:  # every table's guard in one query
-            store.sql(" UNION ALL ".join(f'SELECT count(*) FROM "{t.replace(chr(34), chr(34) * 2)}" '
-                                         f"WHERE list_contains($ids, comparison_id)" for t in tables), params={"ids": ids})
+        if not store.backend.segment_names("comparisons"):
+            return  # no comparison committed: nothing to check against
+        # every column: a store written before manifests has none of them (nothing to check against)
+        rows = [r for r in store._own_rows("SELECT * FROM comparisons WHERE list_contains($ids, comparison_id)",
+                                           {"ids": ids}) if r.get("manifest_tables") is not None]
     except QueryError as e:
         raise StoreError(f"{command}: evidence incomplete: {_guard_message(str(e))}") from None
+    tables = sorted({t for r in rows for t in r["manifest_tables"] or ()})
+    if not tables:
+        return
+    # the segments' bytes are hashed on a thread while DuckDB counts through the guards (it works
+    # with the GIL released, as pyarrow's reads and hashlib do): a merged segment's check is about
+    # as long as the count. The guard's finding, naming a missing or foreign segment, is said first.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="check-evidence") as pool:
+        altered = pool.submit(_first_altered, store, rows)
+        try:  # every table's guard in one query
+            store._own_rows(" UNION ALL ".join(f'SELECT count(*) FROM "{t.replace(chr(34), chr(34) * 2)}" '
+                                               f"WHERE list_contains($ids, comparison_id)" for t in tables), {"ids": ids})
+        except QueryError as e:
+            raise StoreError(f"{command}: evidence incomplete: {_guard_message(str(e))}") from None
+        why = altered.result()
+    if why is not None:
+        raise StoreError(f"{command}: evidence incomplete: {why} differs from what the comparison wrote "
+                         f"(SHA-256; run `capturestore verify`)")
+
+
+def _first_altered(store, rows: list[dict[str, Any]]) -> str | None:
+    """``comparison C: table T segment S`` of the first manifest entry of ``rows`` (comparisons rows
+    with their manifests) whose rows are not what its manifest lists (``_segment_matches``); None
+    when all are."""
     merged_cache: dict[str, dict[str, Any]] = {}
+    footers = getattr(store, "_footers", None)  # merged segments' footers the store has read (never rewritten)
     for r in rows:
-        if r["manifest_tables"] is None:
-            continue
-        entries = [dict(zip((k for _, k in MANIFEST_FIELDS), e)) for e in
-                   zip(*(r[f] for f, _ in MANIFEST_FIELDS))]
-        for e in entries:
-            if not _segment_matches(store, e["table"], e["segment"], e["sha256"], e["rows"], merged_cache):
-                raise StoreError(f"{command}: evidence incomplete: comparison {r['comparison_id']}: table "
-                                 f"{e['table']} segment {e['segment']} differs from what the comparison wrote "
-                                 f"(SHA-256; run `capturestore verify`)")
+        for e in (dict(zip((k for _, k in MANIFEST_FIELDS), e)) for e in zip(*(r[f] for f, _ in MANIFEST_FIELDS))):
+            if not _segment_matches(store, e["table"], e["segment"], e["sha256"], e["rows"], merged_cache, footers):
+                return f"comparison {r['comparison_id']}: table {e['table']} segment {e['segment']}"
+    return None
 
 
 def _segment_matches(store, table: str, name: str, sha256: str, rows: int,
-                     cache: dict[str, dict[str, Any]] | None = None) -> bool:
+                     cache: dict[str, dict[str, Any]] | None = None, footers: dict | None = None) -> bool:
     """The rows the views read as segment ``name`` of ``table`` are what a manifest lists. When a
     merged segment of the listing names it (the reader rule hides the source file, which may
     still exist until its grace is over), the merged segment's footer must record those bytes
     and row count and its rows of ``name`` must match the footer (count and canonical row hash;
     read from the row groups holding them, ``compaction.merged_problems(only=name)``). The hidden
     file is never what is checked. Otherwise the file's bytes' SHA-256.
-    ``cache``: {table: {source: merged segment}}, shared by one check."""
+    ``cache``: {table: {source: merged segment}}, shared by one check; ``footers``: as
+    compaction.merged_segments (the footers of merged segments read before)."""
     from capturestore.compaction import merged_problems
 
     cache = {} if cache is None else cache
     for fresh in (False, True):
         if fresh or table not in cache:
-            ms, _ = merged_segments(store.backend, table)
+            ms, _ = merged_segments(store.backend, table, footers=footers)
             cache[table] = {s: m for m in ms for s in m.sources}
         m = cache[table].get(name)
         if m is not None:

@@ -692,6 +692,16 @@ class Store:
         segment fails only the queries that read its table. ``params``: values DuckDB binds
         (``$name`` with a dict, ``?`` with a list), never spliced into the SQL text.
         """
+        return self._query(query, lambda names: catalog.run_query(self._con, query, names, self._con_broken, params))
+
+    def _own_rows(self, query: str, params: dict | list | None = None) -> list[dict[str, Any]]:
+        """The rows of one SELECT of this package's own (catalog.own_rows: no refusal to check, planned
+        once), its views built and its listing retried as for ``sql``."""
+        return self._query(query, lambda names: catalog.own_rows(self._con, query, names, self._con_broken, params))
+
+    def _query(self, query: str, run):
+        """``run(names of the views)`` on this process's connection, once the views ``query``
+        reads are built from a fresh listing; listed again and rerun where a listed segment went."""
         from capturestore.errors import QueryError
 
         where = self.backend.catalog_root()  # the backend: where DuckDB opens the segments, and how
@@ -723,7 +733,7 @@ class Store:
                     self._con_broken = {t: why for t, why in self._con_broken.items() if t not in todo} | broken
                     self._con_views.update((t, keys[t]) for t in todo)
                 try:
-                    return catalog.run_query(self._con, query, names, self._con_broken, params)
+                    return run(names)
                 except QueryError as e:
                     # a listed segment removed before it was read (a merged source after its
                     # grace, remove_run): list again and rerun; any other failure is the answer

@@ -5,6 +5,7 @@ compaction: every view's rows (row by row, sorted), the run tables through Store
 captures, the committed run ids."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -199,12 +200,115 @@ def test_one_sources_rows_read_from_its_row_groups_are_the_whole_files_rows_of_i
         assert pq.ParquetFile(pa.BufferReader(store.backend.read(rel))).num_row_groups >= 3
         split = split_sources(whole)
         assert sorted(split) == sorted(m.sources)
+        f = pq.ParquetFile(pa.BufferReader(store.backend.read(rel)))
+        values = [set(f.read_row_group(g, columns=[SOURCE_COLUMN]).column(0).to_pylist())
+                  for g in range(f.num_row_groups)]
+        read_fewer = 0
         for src in [*sorted(m.sources), "absent.parquet"]:
             want = _source_rows(whole, src)
-            one = _rows_of_one_source(store.backend, rel, src)
+            reads = []
+            real = store.backend.read_row_groups
+            store.backend.read_row_groups = lambda r, g, c: reads.append((g, c)) or real(r, g, c)
+            try:
+                one = _rows_of_one_source(store.backend, rel, src)
+            finally:
+                del store.backend.read_row_groups  # the class's method again
             assert _source_rows(one, src).equals(want) if src in m.sources else one.num_rows == 0, (table, src)
             if src in split:
                 assert split[src].equals(want), (table, src)
+            # the source column is read from every row group holding the name, and by its footer
+            # statistics not from all of them: from those whose values' range holds it
+            holding = {g for g, v in enumerate(values) if src in v}
+            bounding = {g for g, v in enumerate(values) if min(v) <= src <= max(v)}
+            looked, rest = (reads[0][0], reads[1:]) if reads else ([], [])  # a name no row group bounds: no read
+            assert holding <= set(looked) <= bounding, (table, src, looked)
+            assert [g for g, _ in rest] == ([sorted(holding)] if holding else []), (table, src)
+            read_fewer += len(looked) < f.num_row_groups
+        assert read_fewer >= 2, table  # the pruning happened (the first and last sources at least)
+
+
+def test_a_row_added_where_the_statistics_pass_it_over_is_counted_by_the_guard(tmp_path, monkeypatch):
+    """The one fault the statistics-chosen row groups can miss: a row of a source added to a row
+    group whose footer statistics say the source is not there. A row of the comparison, it is
+    counted by the views' guard (by source, whatever the statistics say), so check_evidence still
+    refuses: the row hash alone passes (the source's merged rows are intact)."""
+    import pyarrow.compute as pc
+
+    from capturestore import footer as F
+    from capturestore.compaction import merged_problems, merged_segments
+
+    _small_row_groups(monkeypatch, 3)
+    store = Store.open(tmp_path / "store")
+    _fill(store, 4)
+    store.compact(tables=["kv_head_metrics"], grace_s=3600)
+    (m,), _ = merged_segments(store.backend, "kv_head_metrics")
+    path = store.root / "tables" / "kv_head_metrics" / m.name
+    t = pq.read_table(path)
+    src = sorted(m.sources)[0]
+    extra = t.filter(pc.equal(t.column(SOURCE_COLUMN), src)).slice(0, 1)
+    cid = extra.column("comparison_id")[0].as_py()
+    pq.write_table(pa.concat_tables([t, extra]), path, row_group_size=3)  # the row alone in a last group
+    last = pq.ParquetFile(path).num_row_groups - 1
+    assert pq.ParquetFile(path).metadata.row_group(last).num_rows == 1
+    real = F.row_group_statistics
+
+    def passing_it_over(footer):
+        got = real(footer)
+        return got[:last] + (tuple(dataclasses.replace(c, min=b"~", max=b"~~") if c.path == (SOURCE_COLUMN,) else c
+                                   for c in got[last]),)
+
+    monkeypatch.setattr(F, "row_group_statistics", passing_it_over)
+    assert merged_problems(store.backend, "kv_head_metrics", m, only=src) == []  # the hash alone passes
+    with pytest.raises(StoreError, match=f"comparison {cid}: segment {re.escape(src)} holds (\\d+) rows where its "
+                                         f"manifest lists"):
+        Store.open(store.root).check_evidence([cid])
+
+
+def test_one_sources_rows_are_found_where_the_statistics_of_its_row_groups_are_gone(tmp_path, monkeypatch):
+    """A row group whose footer has no statistics of the source column (or a footer that does
+    not decode) may hold any source: its source column is read. Rows the statistics would pass
+    over are still found."""
+    from capturestore import footer as F
+    from capturestore.compaction import _rows_of_one_source, _source_rows, merged_segments
+
+    _small_row_groups(monkeypatch, 3)
+    store = Store.open(tmp_path / "store")
+    _fill(store, 4)
+    store.compact(tables=["kv_head_metrics"], grace_s=3600)
+    (m,), _ = merged_segments(store.backend, "kv_head_metrics")
+    rel = f"tables/kv_head_metrics/{m.name}"
+    whole = pq.read_table(pa.BufferReader(store.backend.read(rel)))
+    n = pq.ParquetFile(pa.BufferReader(store.backend.read(rel))).num_row_groups
+    real = F.row_group_statistics
+    for damage in ("no statistics", "undecodable", "lying"):
+        def fake(footer, damage=damage):
+            got = real(footer)
+            if damage == "undecodable":
+                raise F.FooterError("damaged")
+            # every source chunk without a min (no statistics), or bounding a name no source has
+            return tuple(tuple(dataclasses.replace(c, min=None if damage == "no statistics" else b"~",
+                                                   max=None if damage == "no statistics" else b"~~")
+                               if c.path == (SOURCE_COLUMN,) else c for c in g) for g in got)
+        monkeypatch.setattr(F, "row_group_statistics", fake)
+        back = store.backend.read_row_groups
+        for src in sorted(m.sources):
+            reads = []
+            store.backend.read_row_groups = lambda r, g, c: reads.append(g) or back(r, g, c)
+            try:
+                one = _rows_of_one_source(store.backend, rel, src)
+            finally:
+                del store.backend.read_row_groups
+            if damage == "lying":  # every row group passed over: no row found, the count check reports it
+                assert one.num_rows == 0 and reads == [], damage
+            else:
+                assert _source_rows(one, src).equals(_source_rows(whole, src)), (damage, src)
+                assert reads[0] == list(range(n)), damage
+    monkeypatch.setattr(F, "row_group_statistics", real)
+    # and check_evidence, which reads those rows, reports the lie as rows lost, not a pass
+    monkeypatch.setattr(F, "row_group_statistics", lambda footer: fake(footer, "lying"))
+    cid = store.sql("SELECT comparison_id FROM comparisons LIMIT 1").column(0)[0].as_py()
+    with pytest.raises(StoreError, match="differs from what the comparison wrote"):
+        store.check_evidence([cid])
 
 
 @settings(max_examples=300, deadline=None)
@@ -361,6 +465,9 @@ def test_one_sources_rows_are_found_under_every_dictionary_code_that_spells_it()
     groups = [t.slice(0, 2), t.slice(2, 2), t.slice(4, 2)]
 
     class Stub:
+        def read_parquet_footer(self, rel):  # no statistics to tell by: every row group may hold it
+            return b""
+
         def read_parquet_metadata(self, rel):
             return SimpleNamespace(num_row_groups=3, row_group=lambda i: SimpleNamespace(num_rows=2))
 

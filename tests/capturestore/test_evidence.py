@@ -218,3 +218,37 @@ def test_content_altered_at_the_same_row_count_is_found_by_check_evidence_and_ve
                                          f"differs from what the comparison wrote"):
         store.check_evidence([ids["r2"]], "diff")
     assert [p.kind for p in store.verify()] == ["altered-segment"]
+
+
+@pytest.mark.parametrize("how", [None, "deleted", "copied"])
+def test_own_queries_answer_as_sql_does_without_its_refusals(store_copy, how):
+    """check_evidence's queries run through Store._own_rows (no EXPLAIN for writing operators, one
+    planning): the same rows as Store.sql, and the same one-line error where a guard fails."""
+    from capturestore.errors import QueryError
+
+    root, ids = store_copy
+    if how:
+        _damage(root, ids["r2"], how)
+    store = Store.open(root)
+    queries = [("SELECT * FROM comparisons WHERE list_contains($ids, comparison_id) ORDER BY comparison_id",
+                {"ids": sorted(ids.values())}),
+               ("SELECT count(*) AS n, sum(k_l2) AS s FROM kv_head_metrics WHERE comparison_id = $c", {"c": ids["r1"]}),
+               ("SELECT count(*) AS n FROM kv_head_metrics WHERE comparison_id = $c", {"c": ids["r2"]})]
+    failed = []
+    for q, params in queries:
+        try:
+            want = store.sql(q, params=params).to_pylist()
+        except QueryError as e:
+            with pytest.raises(QueryError) as got:
+                store._own_rows(q, params)
+            assert str(got.value) == str(e) and "its evidence is incomplete" in str(e), q
+            failed.append(q)
+            continue
+        assert store._own_rows(q, params) == want, q
+    assert failed == ([queries[2][0]] if how else [])  # the damaged comparison's count, and only it
+    # one SELECT only: anything else is refused before it runs, as Store.sql refuses it
+    target = root / "tables" / "comparisons" / "x.csv"
+    for q in ("COPY (SELECT 1) TO '" + str(target) + "'", "SELECT 1; SELECT 2", "CREATE VIEW v AS SELECT 1"):
+        with pytest.raises(QueryError, match="refused"):
+            store._own_rows(q)
+    assert not target.exists()
