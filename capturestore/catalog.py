@@ -197,7 +197,7 @@ def tables_named(con: duckdb.DuckDBPyConnection, sql: str, tables: list[str]) ->
     try:
         # fetchall, not fetchone: a result fetched in part stays open, and the next con.sql() is refused
         tree = json.loads(con.execute("SELECT json_serialize_sql($1::VARCHAR)", [sql]).fetchall()[0][0])
-    except (duckdb.Error, TypeError, ValueError):
+    except (duckdb.Error, IndexError, TypeError, ValueError):
         return None
     if not isinstance(tree, dict) or tree.get("error") is not False or not tree.get("statements"):
         return None

@@ -17,6 +17,7 @@ import json
 import os
 import re
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -443,9 +444,12 @@ def check_evidence(store, comparison_ids, command: str) -> None:
     try:
         if not store.backend.segment_names("comparisons"):
             return  # no comparison committed: nothing to check against
-        # every column: a store written before manifests has none of them (nothing to check against)
-        rows = [r for r in store._own_rows("SELECT * FROM comparisons WHERE list_contains($ids, comparison_id)",
-                                           {"ids": ids}) if r.get("manifest_tables") is not None]
+        # the declared view has the manifest columns, NULL in a store written before manifests (nothing
+        # to check against); only these columns: another one (created_at, a timestamp with time zone)
+        # would need pytz to become Python with duckdb 1.x
+        rows = [r for r in store._own_rows(f"SELECT comparison_id, {', '.join(f for f, _ in MANIFEST_FIELDS)} "
+                                           f"FROM comparisons WHERE list_contains($ids, comparison_id)", {"ids": ids})
+                if r["manifest_tables"] is not None]
     except QueryError as e:
         raise StoreError(f"{command}: evidence incomplete: {_guard_message(str(e))}") from None
     tables = sorted({t for r in rows for t in r["manifest_tables"] or ()})
@@ -453,28 +457,35 @@ def check_evidence(store, comparison_ids, command: str) -> None:
         return
     # the segments' bytes are hashed on a thread while DuckDB counts through the guards (it works
     # with the GIL released, as pyarrow's reads and hashlib do): a merged segment's check is about
-    # as long as the count. The guard's finding, naming a missing or foreign segment, is said first.
+    # as long as the count. The guard's finding, naming a missing or foreign segment, is said first,
+    # and stops the hashing at the next segment.
+    stop = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="check-evidence") as pool:
-        altered = pool.submit(_first_altered, store, rows)
+        altered = pool.submit(_first_altered, store, rows, stop)
         try:  # every table's guard in one query
             store._own_rows(" UNION ALL ".join(f'SELECT count(*) FROM "{t.replace(chr(34), chr(34) * 2)}" '
                                                f"WHERE list_contains($ids, comparison_id)" for t in tables), {"ids": ids})
-        except QueryError as e:
-            raise StoreError(f"{command}: evidence incomplete: {_guard_message(str(e))}") from None
+        except BaseException as e:  # a refusal, or an interrupt: the hashing stops either way
+            stop.set()
+            if isinstance(e, QueryError):
+                raise StoreError(f"{command}: evidence incomplete: {_guard_message(str(e))}") from None
+            raise
         why = altered.result()
     if why is not None:
         raise StoreError(f"{command}: evidence incomplete: {why} differs from what the comparison wrote "
                          f"(SHA-256; run `capturestore verify`)")
 
 
-def _first_altered(store, rows: list[dict[str, Any]]) -> str | None:
+def _first_altered(store, rows: list[dict[str, Any]], stop: threading.Event | None = None) -> str | None:
     """``comparison C: table T segment S`` of the first manifest entry of ``rows`` (comparisons rows
     with their manifests) whose rows are not what its manifest lists (``_segment_matches``); None
-    when all are."""
+    when all are, or when ``stop`` is set (checked before each entry)."""
     merged_cache: dict[str, dict[str, Any]] = {}
     footers = getattr(store, "_footers", None)  # merged segments' footers the store has read (never rewritten)
     for r in rows:
         for e in (dict(zip((k for _, k in MANIFEST_FIELDS), e)) for e in zip(*(r[f] for f, _ in MANIFEST_FIELDS))):
+            if stop is not None and stop.is_set():
+                return None
             if not _segment_matches(store, e["table"], e["segment"], e["sha256"], e["rows"], merged_cache, footers):
                 return f"comparison {r['comparison_id']}: table {e['table']} segment {e['segment']}"
     return None

@@ -252,3 +252,42 @@ def test_own_queries_answer_as_sql_does_without_its_refusals(store_copy, how):
         with pytest.raises(QueryError, match="refused"):
             store._own_rows(q)
     assert not target.exists()
+
+
+def test_a_guard_refusal_stops_the_hashing_beside_it(store_copy, monkeypatch):
+    """check_evidence hashes the segments on a thread while DuckDB counts through the guards;
+    when the guard refuses, its finding is the error and the hashing stops at the next segment
+    instead of running through every one (a slow object store, a Ctrl-C waiting on it)."""
+    import threading
+
+    from capturestore import integrity
+
+    root, ids = store_copy
+    store = Store.open(root)
+    n = len(store.sql(f"SELECT manifest_segments FROM comparisons WHERE comparison_id = '{ids['r2']}'"
+                      ).column(0)[0].as_py())
+    assert n >= 3
+    seg = _damage(root, ids["r2"], "deleted")
+    real = integrity._segment_matches
+    calls, released = [], threading.Event()
+
+    def slow(*args, **kw):  # the first segment is hashed until the guard has refused
+        calls.append(args[2])
+        if len(calls) == 1:
+            released.wait(30)
+        return real(*args, **kw)
+
+    real_rows = store._own_rows
+
+    def own_rows(q, params=None):
+        try:
+            return real_rows(q, params)
+        finally:
+            if "count(*)" in q:
+                threading.Timer(0.2, released.set).start()  # after the refusal is raised
+
+    monkeypatch.setattr(integrity, "_segment_matches", slow)
+    monkeypatch.setattr(store, "_own_rows", own_rows)
+    with pytest.raises(StoreError, match=f"segment {seg.name} is missing"):
+        store.check_evidence([ids["r2"]], "diff")
+    assert len(calls) == 1, calls  # the other n - 1 segments were not read
