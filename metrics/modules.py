@@ -206,10 +206,17 @@ def _checked(baseline, expected, actual, module, phase, positions, keep_bf16=Fal
     return b, e, a, pos
 
 
+def _c_order(x: np.ndarray) -> np.ndarray:
+    """x in C order (itself where it is): numpy's row sums (einsum) and reductions add in memory
+    order, so a Fortran-ordered or strided tensor gave an L2 or cosine one ulp from the same
+    values in C order, and from the fused kernel, which reads every tensor as C-ordered rows."""
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x)
+
+
 def _nan_aware_metrics(b, e, a):
     """The six per-row metrics (L-inf, L2, cosine of e and of a against b) by the NaN-aware
     reductions of ``metrics.errors``: a tensor holding a NaN error or an infinite baseline value."""
-    b, e, a = as_float(b), as_float(e), as_float(a)
+    b, e, a = _c_order(as_float(b)), _c_order(as_float(e)), _c_order(as_float(a))
     return rel_linf(b, e), rel_linf(b, a), rel_l2(b, e), rel_l2(b, a), cosine(b, e), cosine(b, a)
 
 
@@ -219,6 +226,7 @@ def compare_module_tensors(baseline, expected, actual, module: str = "", phase: 
     ``[token, ...]`` (same shape; ``ValueError`` naming the module and the three shapes if not).
     positions: ``[token]`` sequence positions of the rows (default ``0 .. token-1``)."""
     b, e, a, pos = _checked(baseline, expected, actual, module, phase, positions)
+    b, e, a = _c_order(b), _c_order(e), _c_order(a)
     with np.errstate(invalid="ignore", over="ignore"):
         base_err, tgt_err = np.abs(e - b), np.abs(a - b)
         clean = not (np.isnan(base_err).any() or np.isnan(tgt_err).any() or np.isinf(b).any())
@@ -333,9 +341,10 @@ def _many_numpy(checked, idx, bins, out):
     into ``out[idx]``: the path where the fused kernel does not apply."""
     parts = _widen_parts([checked[i][0] for i in idx])
     bounds = np.cumsum([0] + [p[0].shape[0] for p in parts])
-    b = np.concatenate([p[0] for p in parts])
-    e = np.concatenate([p[1] for p in parts])
-    a = np.concatenate([p[2] for p in parts])
+    # C order whatever the parts' (np.concatenate keeps Fortran order): as the fused kernel reads them
+    b = _c_order(np.concatenate([p[0] for p in parts]))
+    e = _c_order(np.concatenate([p[1] for p in parts]))
+    a = _c_order(np.concatenate([p[2] for p in parts]))
     with np.errstate(invalid="ignore", over="ignore"):
         base_err, tgt_err = np.abs(e - b), np.abs(a - b)
         # the row maxima the L-inf needs also find the rows the single form would not call clean:
