@@ -290,4 +290,6 @@ def test_a_guard_refusal_stops_the_hashing_beside_it(store_copy, monkeypatch):
     monkeypatch.setattr(store, "_own_rows", own_rows)
     with pytest.raises(StoreError, match=f"segment {seg.name} is missing"):
         store.check_evidence([ids["r2"]], "diff")
-    assert len(calls) == 1, calls  # the other n - 1 segments were not read
+    # the other n - 1 segments were not read (none at all if the refusal came before the thread's
+    # first look, which a loaded machine could make happen)
+    assert len(calls) <= 1, calls
