@@ -258,7 +258,9 @@ def _rows_of_one_source(b, rel: str, name: str, stats_problems: list[str] | None
     its statistics are damaged, and then: if those are rows compaction merged, this source comes
     out short of its footer's row count (reported); only rows added to a row group beside the
     merged ones AND statistics damaged to exclude them escape this check (two faults in one row
-    group); ``verify`` reads every row group."""
+    group), and ``check_evidence``'s guard count still finds those where they carry the
+    comparison's id (it counts by source, whatever the source column's statistics say);
+    ``verify`` reads every row group."""
     import numpy as np
 
     from capturestore import footer as F
