@@ -29,10 +29,14 @@ Gemma3 model (every module of
    8-prompt peak is about the 1-prompt peak (tensors are written as they are produced).
 3. Module compare (``metrics.modules.ModuleJudge``: per-token metrics, BC, pooled verdict) of
    8 prompts three-way against one numpy pass reading the same bytes (max of each array), with
-   one ``add`` per tensor and with ``add_many`` per prompt (every tensor of one width at once;
-   the same verdict, checked), and ``add_many`` with numba reported absent (the numpy path, as
-   before the fused kernels of ``metrics._fused``; same verdict, checked). Goal >= 0.25x, as
-   the KV compare (bench_metrics.py). Figures and what bounds them: docs/module-compare.md.
+   one ``add`` per tensor, with ``judge_modules`` (the in-memory entry point: every prompt's
+   tensors at once, each prompt prepared while the threads compute the one before,
+   ``ModuleJudge.add_prompts``; goal >= 0.25x, as the KV compare, bench_metrics.py, and measured
+   as it is: with the memory the process frees kept for its next round, ``timing.keep_freed_memory``,
+   timed last; its one-shot figure, new pages every round, beside it), with
+   ``add_many`` a call per prompt (as the store comparator's per-prompt map calls it), all the
+   same verdict (checked), and ``add_many`` with numba reported absent (the numpy path, as
+   before the fused kernels of ``metrics._fused``; same verdict, checked). Figures and what bounds them: docs/module-compare.md.
 3b. (``compare-1b``) Section 3's ``add_many`` + verdict on synthetic captures at a 1.5B Llama's
    module shapes (every linear layer, norm, attention, MLP and layer output of 16 layers of hidden
    2048: 384 module x phase, 2 prompts of 16 + 8 rows, 333 MiB in three roles), each in a fresh
@@ -376,7 +380,7 @@ def compare_rows(path, prompts, conts, with_store: bool) -> list:
 
     from extractors.hf import load_hf_model
     from extractors.modules import collect_hf_modules
-    from metrics.modules import ModuleJudge
+    from metrics.modules import ModuleJudge, judge_modules
 
     rows = []
     models = {"baseline": load_hf_model(path, "float32"), "expected": load_hf_model(path, "bfloat16"),
@@ -404,6 +408,9 @@ def compare_rows(path, prompts, conts, with_store: bool) -> list:
             j.add_many(str(i), [(k[0], k[1], b[k], e[k], a[k], None) for k in b])
         return j.verdict(order)
 
+    def judge_piped():  # judge_modules: every prompt's tensors at once, pipelined (ModuleJudge.add_prompts)
+        return judge_modules([{k: (b[k], e[k], a[k]) for k in b} for b, e, a in zip(base, exp, act)], order)
+
     def adds_only():  # add_many's per-token metrics, without the pooled verdict
         j = ModuleJudge()
         for i, (b, e, a) in enumerate(zip(base, exp, act)):
@@ -412,9 +419,11 @@ def compare_rows(path, prompts, conts, with_store: bool) -> list:
     t_limit = best_of(limit, 5)
     t_one = best_of(judge_one, 3)
     t_many = best_of(judge_many, 3)
+    t_piped = best_of(judge_piped, 3)
     t_adds = best_of(adds_only, 3)
-    v, v_many = judge_one(), judge_many()
+    v, v_many, v_piped = judge_one(), judge_many(), judge_piped()
     same = "identical verdicts" if repr(v) == repr(v_many) else "VERDICTS DIFFER"
+    same_piped = "identical verdicts" if repr(v) == repr(v_piped) else "VERDICTS DIFFER"
     with numpy_path() as fused:  # the same, numba reported absent: the path before the fused kernels
         t_np = best_of(judge_many, 3) if fused else None
         v_np = judge_many() if fused else v_many
@@ -425,8 +434,12 @@ def compare_rows(path, prompts, conts, with_store: bool) -> list:
                  "", "", ""))
     rows.append(("  one add per tensor (ModuleJudge.add)", f"{t_one * 1e3:.0f} ms", f"{t_limit / t_one:.3f}x limit",
                  ""))
-    rows.append(("  batched per prompt (ModuleJudge.add_many)", f"{t_many * 1e3:.0f} ms",
-                 f"{t_limit / t_many:.3f}x limit", _goal(">= 0.25x", t_limit / t_many >= 0.25) + f"; {same}"))
+    rows.append(("  judge_modules (a prompt prepared beside the last one's kernels)", "", "", ""))
+    rows.append(("    its error copies new memory each round (one-shot)", f"{t_piped * 1e3:.0f} ms",
+                 f"{t_limit / t_piped:.3f}x limit", same_piped))
+    at_kept = len(rows)  # the same with memory reused: measured last (section 4 as before), shown here
+    rows.append(("  batched per prompt, a call each (ModuleJudge.add_many)", f"{t_many * 1e3:.0f} ms",
+                 f"{t_limit / t_many:.3f}x limit", f"{same}"))
     rows.append(("    of which per-token metrics (add_many, no verdict)", f"{t_adds * 1e3:.0f} ms",
                  f"{t_limit / t_adds:.3f}x limit", ""))
     if t_np is not None:
@@ -434,6 +447,17 @@ def compare_rows(path, prompts, conts, with_store: bool) -> list:
                      f"{t_limit / t_np:.3f}x limit", f"{same_np} to the fused path"))
     if with_store:
         rows += store_rows(path, prompts, conts, models, t_limit)
+    # the goal's row, measured as bench_metrics.py measures the KV compare's: the process keeps what
+    # it frees, so that a round's error copies are not new pages (this VM hands freed memory back
+    # to its host, and a first touch then costs ~1 us a page: the one-shot row above)
+    from timing import keep_freed_memory
+
+    said = keep_freed_memory()
+    t_limit_k = best_of(limit, 5)
+    t_kept = best_of(judge_piped, 5)
+    how = "timing.keep_freed_memory" if said else "the allocator could not be set: as above"
+    rows.insert(at_kept, (f"    memory reused ({how})", f"{t_kept * 1e3:.0f} ms",
+                          f"{t_limit_k / t_kept:.3f}x limit", _goal(">= 0.25x", t_limit_k / t_kept >= 0.25)))
     return rows
 
 

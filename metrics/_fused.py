@@ -1190,21 +1190,34 @@ class RowMetricsJob:
     The inputs are never copied into one stack (a stacked copy of three roles cost as much as a
     fifth of the compare at a 1.5B shape), and a bfloat16 part is read as its bits and widened in
     the kernel (a widened copy of each bf16 capture, new memory every comparison, cost ~0.1 s of a
-    store comparison at a 1.5B shape). A part large enough to split is one kernel call per
-    thread's share of its rows. Small parts (a tiny model's module tensors, a few rows each) go to
-    the kernel as tuples of up to ``ROW_PARTS[-1]`` parts, a run of parts per call
-    (``_module_rows_tuple_kernel``): one call, and one task on the threads, for ~1/8 of a
-    thread's share, not one per tensor (a call, its task and its views cost ~5 us a tensor;
-    1,136 tensors in a tiny model's 8-prompt compare). Widths are free so that a prompt's
-    tensors of every width are one stack and one start (the per-width groups' own numpy work
-    after the kernels cost ~0.1 ms a group)."""
+    store comparison at a 1.5B shape). Widths are free so that a prompt's tensors of every width
+    are one stack and one start (the per-width groups' own numpy work after the kernels cost ~0.1
+    ms a group).
+
+    The work is a table of tasks: a run of small parts (a tiny model's module tensors, a few rows
+    each), about an eighth of a thread's share of the values, or a thread's share of the rows of
+    a part large enough to split. Each thread makes one kernel call per dtype group
+    (``_module_rows_stealing``), which takes the next task from a counter shared by the threads
+    (an atomic add) until none is left: the parts reach it as addresses in a table, so no thread
+    needs the GIL between tasks. With a task a call (tuples of parts, as before), a pool thread
+    needed the GIL for every call's dispatch, and while the calling thread ran Python (the
+    results made beside the kernels, the next prompt prepared) it waited for it: ~1 ms for a
+    0.2 ms task."""
 
     def __init__(self, parts, bins: int):
-        rows = values = 0
-        for p in parts:
-            rows += p[0].shape[0]
-            values += p[0].size
-        self.rows = rows
+        # the parts as kernel views (C order; their memory is what the tables point at, held until
+        # finish) and as a table: a row per part, (b, e, a addresses, rows, width, row offset,
+        # value offset); numpy over the parts, not Python per part (1,136 parts in a tiny model's
+        # 8 prompts, where ~3 us a part of Python was a tenth of the compare)
+        self._held = held = [(_kernel_view(b), _kernel_view(e), _kernel_view(a)) for b, e, a in parts]
+        n = len(held)
+        m = np.fromiter((v[0].shape[0] for v in held), np.int64, n)
+        w = np.fromiter((v[0].shape[1] for v in held), np.int64, n)
+        size = m * w
+        o = np.cumsum(m) - m
+        eo = np.cumsum(size) - size
+        self.rows = rows = int(m.sum())
+        values = int(size.sum())
         self.be = be = np.empty(values, np.float32)
         self.te = te = np.empty(values, np.float32)
         self.sums = sums = np.empty((rows, _MOD_SUMS))
@@ -1215,54 +1228,103 @@ class RowMetricsJob:
         self.bc = bc = np.empty(rows)
         self.bad = bad = np.zeros(rows, np.uint8)
         outs = (be, te, sums, maxes, sq, fold, bc, bad)
-        tasks = []
-        small: dict = {}  # numba types of (b, e, a) -> [(b, e, a, row offset, value offset)], each done whole
-        o = eo = 0
-        for b, e, a in parts:
-            b, e, a = _kernel_view(b), _kernel_view(e), _kernel_view(a)
-            m, size = b.shape[0], b.size
-            if size < _MIN_SPLIT:
-                if m:  # a part of no width still has rows: the kernel writes their outputs
-                    key = (b.dtype, e.dtype, a.dtype, b.flags.writeable, e.flags.writeable, a.flags.writeable)
-                    small.setdefault(key, []).append((b, e, a, o, eo))
-            else:
-                for r0, r1 in _split_bounds(m, size):
-                    tasks.append(functools.partial(_module_rows_kernel, b, e, a, bins, r0, r1, *outs, o, eo))
-            o += m
-            eo += size
-        for run in small.values():
-            tasks += _tuple_tasks(run, values, bins, outs)
-        self._finish = _start_tasks(tasks)
+        table = np.column_stack([data_addresses([x for v in held for x in v]).reshape(n, 3), m, w, o, eo])
+        keys = [(v[0].dtype, v[1].dtype, v[2].dtype) for v in held]
+        groups = dict.fromkeys(keys[:1] if len(set(keys)) == 1 else keys)
+        per = max(_MIN_SPLIT // 8, values // (8 * num_threads()) + 1)
+        calls = []
+        for key in groups:
+            mine = (m > 0) if len(groups) == 1 else (m > 0) & np.array([k == key for k in keys])
+            split = mine & (size >= _MIN_SPLIT)
+            small = np.flatnonzero(mine & ~split)
+            # runs of small parts, each closed once its values reach per (contiguous, in order)
+            run = (np.cumsum(size[small]) - size[small]) // per
+            bounds = [0, *(np.flatnonzero(np.diff(run)) + 1).tolist(), small.size] if small.size else [0]
+            entries = [np.column_stack([small, np.zeros_like(small), m[small]])]
+            for k in np.flatnonzero(split).tolist():  # a thread's share of a large part's rows: a task each
+                for r0, r1 in _split_bounds(int(m[k]), int(size[k])):
+                    entries.append(np.array([[k, r0, r1]], np.int64))
+                    bounds.append(bounds[-1] + 1)
+            entries = np.concatenate(entries).astype(np.int64, copy=False)
+            bounds = np.array(bounds, np.int64)
+            counter = np.zeros(1, np.int64)
+            protos = tuple(_proto(t) for t in key)
+            call = functools.partial(_module_rows_stealing, *protos, table, entries, bounds, counter, bins, *outs)
+            calls += [call] * min(num_threads(), len(bounds) - 1)
+        self._finish = _start_tasks(calls)
 
     def finish(self):
         """Wait for the kernels (the calling thread takes its share); returns ``(be, te, sums,
         maxes, bc, bad)``, bc NaN where bad."""
         self._finish()
+        self._held = None
         if not self.fold:
             np.clip(self.sq.sum(axis=1), 0.0, 1.0, out=self.bc)
         self.bc[self.bad != 0] = np.nan
         return self.be, self.te, self.sums, self.maxes, self.bc, self.bad
 
 
-ROW_PARTS = (4, 16, 64)  # tuple lengths of _module_rows_tuple_kernel compiled for (padded with empty parts)
-_PADS: dict = {}  # (dtype, writable) -> a part of no rows (read only: numba types it by that flag)
+def data_addresses(arrays) -> np.ndarray:
+    """The data addresses of numpy arrays (``x.ctypes.data`` of each, int64), read in bulk where
+    this numpy's array objects hold the pointer where ``PyArray_DATA`` reads it (checked once
+    per process against ``ctypes.data``): ~40 ns an array against ~1 us for ``x.ctypes.data``,
+    which builds an object per call. The arrays are alive while this runs (the caller's list)."""
+    arrays = list(arrays)
+    if not _data_field_holds():
+        return np.array([x.ctypes.data for x in arrays], np.int64).reshape(len(arrays))
+    ids = np.fromiter(map(id, arrays), np.int64, len(arrays))
+    return _load_data_fields(ids, _DATA_OFFSET)
 
 
-def _tuple_tasks(run, values, bins, outs):
-    """Tasks of ``_module_rows_tuple_kernel`` over run (``(b, e, a, row offset, value offset)``,
-    one numba type each role: dtype and whether writable, in order): contiguous runs of at most
-    ROW_PARTS[-1] parts, each about an eighth of a thread's share of values (the whole
-    stack's), so that the threads stay balanced."""
-    pads = [_pad(x) for x in run[0][:3]]
-    tasks = []
-    for i, j in _runs([p[0].size for p in run], max(_MIN_SPLIT // 8, values // (8 * num_threads()) + 1),
-                      ROW_PARTS[-1]):
-        chunk = run[i:j]
-        k = next(p for p in ROW_PARTS if p >= j - i)
-        bs, es, as_ = ((*(p[r] for p in chunk), *(pads[r],) * (k - len(chunk))) for r in range(3))
-        offs = np.array([(p[3], p[4]) for p in chunk], np.int64)
-        tasks.append(functools.partial(_module_rows_tuple_kernel, bs, es, as_, len(chunk), offs, bins, *outs))
-    return tasks
+_DATA_FIELD = None  # whether an array object's data pointer is read at id(x) + _DATA_OFFSET
+_DATA_OFFSET = 16  # PyArrayObject_fields: PyObject_HEAD (refcount, type), then ``char *data``
+
+
+def _data_field_holds() -> bool:
+    global _DATA_FIELD
+    if _DATA_FIELD is None:
+        import sys
+        ok = sys.implementation.name == "cpython" and not hasattr(sys, "gettotalrefcount")  # no debug build's header
+        if ok:
+            base = np.arange(64, dtype=np.float32).reshape(8, 8)
+            ro = base[2:, 1:].copy()
+            ro.flags.writeable = False
+            probe = [base, base[3:], base[1:, 2:], base.view(np.uint16), ro, np.empty(0, np.float64),
+                     np.asfortranarray(base), base.T]
+            ok = _load_data_fields(np.fromiter(map(id, probe), np.int64, len(probe)), _DATA_OFFSET).tolist() == [
+                x.ctypes.data for x in probe]
+        _DATA_FIELD = bool(ok)
+    return _DATA_FIELD
+
+
+@intrinsic
+def _load_i64(typingctx, addr):  # pragma: no cover - compiled
+    """The int64 at the address ``addr``."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.load(ptr)
+
+    return types.int64(addr), codegen
+
+
+@_njit()
+def _load_data_fields(ids, offset):  # pragma: no cover - compiled
+    out = np.empty(ids.shape[0], np.int64)
+    for i in range(ids.shape[0]):
+        out[i] = _load_i64(ids[i] + offset)
+    return out
+
+
+_PROTOS: dict = {}  # dtype -> an empty array of it: tells the kernel how to read a role's addresses
+
+
+def _proto(dtype):
+    if dtype not in _PROTOS:
+        _PROTOS[dtype] = np.empty((0, 0), dtype)
+    return _PROTOS[dtype]
 
 
 def _runs(work, per, most=None):
@@ -1277,25 +1339,54 @@ def _runs(work, per, most=None):
     return out
 
 
-def _pad(x):
-    """A part of no rows that numba types as x (a tuple of parts is one type: a read-only array
-    is another type than a writable one)."""
-    key = (x.dtype, x.flags.writeable)
-    if key not in _PADS:
-        pad = np.empty((0, 1), x.dtype)
-        pad.flags.writeable = x.flags.writeable
-        _PADS[key] = pad
-    return _PADS[key]
+@intrinsic
+def _ptr_like(typingctx, addr, proto):  # pragma: no cover - compiled
+    """A pointer of proto's dtype to the address ``addr`` (an integer)."""
+    if not isinstance(addr, types.Integer) or not isinstance(proto, types.Array):
+        return None
+    ptr = types.CPointer(proto.dtype)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr))
+
+    return ptr(addr, proto), codegen
+
+
+@intrinsic
+def _next_task(typingctx, counter):  # pragma: no cover - compiled
+    """counter[0] += 1 as one atomic add (seq_cst), returning the value before: the threads of a
+    job each take a different task."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        return builder.atomic_rmw("add", data, ir.Constant(ir.IntType(64), 1), "seq_cst")
+
+    return types.int64(counter), codegen
 
 
 @_njit()
-def _module_rows_tuple_kernel(bs, es, as_, nparts, offs, bins, be, te, sums, maxes, sq, fold, bc,
-                              bad):  # pragma: no cover - compiled
-    """``_module_rows_kernel`` of every row of parts bs[j], es[j], as_[j] (j < nparts), written
-    to the per-row outputs from row offs[j, 0] on and to the errors from value offs[j, 1] on."""
-    for j in range(nparts):
-        _module_rows_kernel(bs[j], es[j], as_[j], bins, 0, bs[j].shape[0], be, te, sums, maxes, sq, fold, bc, bad,
-                            offs[j, 0], offs[j, 1])
+def _module_rows_stealing(pb, pe, pa, table, entries, bounds, counter, bins, be, te, sums, maxes, sq, fold, bc,
+                          bad):  # pragma: no cover - compiled
+    """``_module_rows_kernel`` of tasks taken in turn from ``counter`` (shared by the threads)
+    until none is left. Part k is table[k] = (b, e, a addresses, rows, width, row offset, value
+    offset), each role C-contiguous ``[rows, width]`` of the dtype of pb, pe, pa (empty arrays:
+    only their types are used), in memory the caller keeps alive; task t is entries[bounds[t]:
+    bounds[t + 1]], each (part, r0, r1): rows [r0, r1) of the part."""
+    ntasks = bounds.shape[0] - 1
+    while True:
+        t = _next_task(counter)
+        if t >= ntasks:
+            return
+        for x in range(bounds[t], bounds[t + 1]):
+            k = entries[x, 0]
+            shape = (table[k, 3], table[k, 4])
+            b = numba.carray(_ptr_like(table[k, 0], pb), shape)
+            e = numba.carray(_ptr_like(table[k, 1], pe), shape)
+            a = numba.carray(_ptr_like(table[k, 2], pa), shape)
+            _module_rows_kernel(b, e, a, bins, entries[x, 1], entries[x, 2], be, te, sums, maxes, sq, fold, bc, bad,
+                                table[k, 5], table[k, 6])
 
 
 _EINSUM_OK = None
@@ -1956,6 +2047,11 @@ def pooled_verdict_numbers(base_chunks, tgt_chunks, bins: int, q: float):
 
 
 def pooled_verdict_numbers_at(pools, bins: int, q: float) -> list:
+    """``start_pooled_verdict_numbers_at`` waited for."""
+    return start_pooled_verdict_numbers_at(pools, bins, q)()
+
+
+def start_pooled_verdict_numbers_at(pools, bins: int, q: float):
     """``pooled_verdict_numbers`` of many pools in a few kernel calls, each call many pools, on
     the threads. pools: per pool, its chunks as ``(base_address, target_address, rows, width)``:
     float32 ``[rows, width]`` C-contiguous at those addresses, in memory the caller keeps alive
@@ -1963,7 +2059,9 @@ def pooled_verdict_numbers_at(pools, bins: int, q: float) -> list:
     which it knows the addresses of: no per-chunk array crosses into the kernel, ~25 us a pool
     of Python that was a quarter of the verdict's time). Returns a list: the dict of
     ``pooled_verdict_numbers`` per pool, or None where it would return None (no value, too many
-    positions, a value not finite or below +0)."""
+    positions, a value not finite or below +0). Started: the kernels run on the threads when this
+    returns ``finish()``, which the caller calls exactly once (its Python in between runs beside
+    them) and which returns that list."""
     out: list = [None] * len(pools)
     addr_b, addr_t, sizes, widths, seg, part_start, seg_start, which, pool_n = [], [], [], [], [], [0], [0], [], []
     for i, chunks in enumerate(pools):
@@ -1987,18 +2085,22 @@ def pooled_verdict_numbers_at(pools, bins: int, q: float) -> list:
         which.append(i)
         pool_n.append(sum(sizes[k:]))
     if not which:
-        return out
+        return lambda: out
     res = np.full((len(which), _P_FIELDS), np.nan)
     args = (np.array(addr_b, np.uint64), np.array(addr_t, np.uint64), np.array(sizes, np.int64),
             np.array(widths, np.int64), np.array(seg, np.int64), np.array(part_start, np.int64),
             np.array(seg_start, np.int64))
     # runs of pools of about an eighth of a thread's share of the values each
-    _run_tasks([functools.partial(_pooled_many_kernel, *args, p0, p1, bins, float(q), res)
-                for p0, p1 in _runs(pool_n, sum(pool_n) // (8 * num_threads()) + 1)])
-    for r, i, n in zip(res, which, pool_n):
-        if r[_P_STATUS] == 0:
-            out[i] = _pooled_dict(r, n)
-    return out
+    wait = _start_tasks([functools.partial(_pooled_many_kernel, *args, p0, p1, bins, float(q), res)
+                         for p0, p1 in _runs(pool_n, sum(pool_n) // (8 * num_threads()) + 1)])
+
+    def finish():
+        wait()
+        for r, i, n in zip(res, which, pool_n):
+            if r[_P_STATUS] == 0:
+                out[i] = _pooled_dict(r, n)
+        return out
+    return finish
 
 
 @_njit()

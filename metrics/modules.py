@@ -48,8 +48,8 @@ import numpy as np
 
 from .bc import DEFAULT_BINS, bhattacharyya_batched, numba_available
 from .errors import COS_EPS, EPS, as_float, cosine, rel_l2, rel_linf
-from .verdict import (KVTensorVerdict, KVVerdictConfig, _all_finite, _tensor_verdict, fused_tensor_numbers_at,
-                      fused_tensor_numbers_many)
+from .verdict import (KVTensorVerdict, KVVerdictConfig, _all_finite, _tensor_verdict, fused_tensor_numbers_many,
+                      start_fused_tensor_numbers_at)
 
 __all__ = [
     "PHASE_ORDER",
@@ -261,9 +261,19 @@ def compare_module_tensors_many(items, bins: int = DEFAULT_BINS) -> list:
 
 def _compare_many(items, bins):
     """``compare_module_tensors_many``, and where each result's errors lie: per item
-    ``(base_err address, tgt_err address)`` where the fused kernel wrote them (float32 ``[rows,
-    width]`` C-contiguous, in memory the result's arrays keep alive), else None. The judge hands
+    ``(base_err address, tgt_err address, rows, width)`` where the fused kernel wrote them
+    (float32 ``[rows, width]`` C-contiguous, in memory the result's arrays keep alive), else None. The judge hands
     the addresses to the pooled kernel (``metrics._fused.pooled_verdict_numbers_at``)."""
+    return _start_many(items, bins)()
+
+
+def _start_many(items, bins):
+    """``_compare_many`` begun: the items are checked (a bad one raises here, nothing started),
+    the fused kernels started on the threads and the results made as views of what they will
+    write; returns ``finish()``, which waits for the kernels (the calling thread takes its share),
+    fills the metric columns and returns ``(out, where)``. Until ``finish()`` returns, the results'
+    numbers are not final; the caller calls it exactly once (``ModuleJudge.add_prompts`` prepares
+    the next prompt in between, while the threads compute this one's)."""
     where: list = [None] * len(items)
     checked = [(_checked(b, e, a, m, ph, pos, keep_bf16=True), m, ph) for b, e, a, m, ph, pos in items]
     out: list = [None] * len(checked)
@@ -275,7 +285,7 @@ def _compare_many(items, bins):
             (b, e, a, pos), m, ph = checked[i]
             out[i] = compare_module_tensors(b, e, a, m, ph, pos, bins=bins)
     if not batch:
-        return out, where
+        return lambda: (out, where)
     job = _fused_rows([checked[i][0][:3] for i in batch], bins)
     if job is None:
         groups: dict[int, list[int]] = {}
@@ -283,10 +293,10 @@ def _compare_many(items, bins):
             groups.setdefault(checked[i][0][0].shape[1], []).append(i)
         for idx in groups.values():
             _many_numpy(checked, idx, bins, out)
-        return out, where
-    # The results are views of the job's outputs and of the columns filled below: made while the
-    # kernels run (this thread's Python beside the threads' kernels), valid once finish() returns,
-    # which runs whatever happens here (the threads never left with tasks of a job nobody waits for).
+        return lambda: (out, where)
+    # The results are views of the job's outputs and of the columns filled in finish(): made while
+    # the kernels run (this thread's Python beside the threads' kernels). Should making them fail,
+    # the job is waited for here (the threads never left with tasks of a job nobody waits for).
     try:
         parts = [checked[i][0] for i in batch]
         bounds = list(itertools.accumulate((p[0].shape[0] for p in parts), initial=0))
@@ -302,26 +312,31 @@ def _compare_many(items, bins):
             out[i] = _token_metrics(checked[i][1], checked[i][2], pos, bl[r], tl[r], lr[r], b2[r], t2[r], l2r[r],
                                     bcos[r], tcos[r], job.bc[r], job.be[v0:v1].reshape(m, n),
                                     job.te[v0:v1].reshape(m, n))
-            where[i] = (at_b + 4 * v0, at_t + 4 * v0)
+            where[i] = (at_b + 4 * v0, at_t + 4 * v0, m, n)
             v0 = v1
-    finally:
+    except BaseException:
+        job.finish()
+        raise
+
+    def finish():
         _, _, sums, maxes, _, bad = job.finish()
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        cols[[0, 1, 3, 4, 6, 7]] = _metrics_from_sums(*maxes.T, *sums.T)
-    row_bad = bad == 1
-    if row_bad.any():  # a NaN error or an infinite baseline value: the single form's NaN-aware path
-        bad_before = np.concatenate([[0], np.cumsum(row_bad)])
-        for k in np.flatnonzero(bad_before[bounds[1:]] != bad_before[bounds[:-1]]):
-            r0, r1 = bounds[k], bounds[k + 1]
-            for c, f in zip((bl, tl, b2, t2, bcos, tcos), _nan_aware_metrics(*parts[k][:3])):
-                c[r0:r1] = f
-            m = out[batch[k]]  # a NaN error: the row's BC excludes it (metrics.bc), row by row
-            rb = row_bad[r0:r1]
-            if rb.any():
-                m.bc[rb] = bhattacharyya_batched(m.base_err[rb], m.tgt_err[rb], bins=bins)
-    lr[:] = _ratio(tl, bl)
-    l2r[:] = _ratio(t2, b2)
-    return out, where
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            cols[[0, 1, 3, 4, 6, 7]] = _metrics_from_sums(*maxes.T, *sums.T)
+        row_bad = bad == 1
+        if row_bad.any():  # a NaN error or an infinite baseline value: the single form's NaN-aware path
+            bad_before = np.concatenate([[0], np.cumsum(row_bad)])
+            for k in np.flatnonzero(bad_before[bounds[1:]] != bad_before[bounds[:-1]]):
+                r0, r1 = bounds[k], bounds[k + 1]
+                for c, f in zip((bl, tl, b2, t2, bcos, tcos), _nan_aware_metrics(*parts[k][:3])):
+                    c[r0:r1] = f
+                m = out[batch[k]]  # a NaN error: the row's BC excludes it (metrics.bc), row by row
+                rb = row_bad[r0:r1]
+                if rb.any():
+                    m.bc[rb] = bhattacharyya_batched(m.base_err[rb], m.tgt_err[rb], bins=bins)
+        lr[:] = _ratio(tl, bl)
+        l2r[:] = _ratio(t2, b2)
+        return out, where
+    return finish
 
 
 _TOKEN_FIELDS = tuple(ModuleTokenMetrics.__dataclass_fields__)
@@ -541,9 +556,45 @@ class ModuleJudge:
         computed together (``compare_module_tensors_many``: same numbers, a fraction of the
         per-call overhead). items: ``(module, phase, baseline, expected, actual, positions)``
         tuples; returns their metrics in order (None where the shapes differ)."""
+        return self._start_many(prompt, items, prompt_len)()
+
+    def add_prompts(self, prompts: Iterable) -> list:
+        """``add_many`` of each prompt in turn, pipelined: a prompt's Python (its checks, its
+        results, the kernels' start) runs while the threads compute the prompt before it, where
+        a loop of ``add_many`` leaves the threads idle during it. prompts: ``(prompt, items,
+        prompt_len)`` tuples, or ``(prompt, items, prompt_len, problems)`` with problems
+        ``(module, phase, text)`` recorded as ``add_problem`` would, in the prompt's turn (an
+        iterable: a generator reading the next prompt runs beside the kernels too); returns one list of metrics per prompt, as ``add_many`` returns them. The
+        judge ends as after the same loop of ``add_many``, also when a prompt raises (its
+        ``ValueError``): every prompt before it added, none after."""
+        done: list = []
+        pending = None  # the previous prompt's finish(), its kernels running
+        try:
+            for prompt, items, prompt_len, *problems in prompts:
+                nxt = self._start_many(prompt, items, prompt_len, *problems)
+                if pending is not None:
+                    fin, pending = pending, None
+                    try:
+                        done.append(fin())
+                    except BaseException:
+                        nxt(add=False)  # started: waited for, never added
+                        raise
+                pending = nxt
+            if pending is not None:
+                fin, pending = pending, None
+                done.append(fin())
+        finally:
+            if pending is not None:  # the loop raised while a prompt was started: it is added first
+                pending()
+        return done
+
+    def _start_many(self, prompt, items, prompt_len, problems=()):
+        """``add_many`` begun (``metrics.modules._start_many``); returns ``finish(add=True)``, which
+        waits for the kernels and, with add, records the prompt in the judge (its metrics and its
+        problems: a prompt that raises adds nothing) and returns the metrics."""
         items = list(items)
         out: list = [None] * len(items)
-        todo = []
+        todo, problems = [], [(module, phase, f"prompt {prompt}: {text}") for module, phase, text in problems]
         for i, (module, phase, baseline, expected, actual, positions) in enumerate(items):
             if (type(baseline) is np.ndarray and type(expected) is np.ndarray and type(actual) is np.ndarray
                     and baseline.shape == expected.shape == actual.shape):
@@ -551,19 +602,27 @@ class ModuleJudge:
                 continue
             shapes = [tuple(np.shape(x)) for x in (baseline, expected, actual)]
             if len(set(shapes)) != 1:
-                self._slot(module, phase)["problems"].append(
-                    f"prompt {prompt}: shapes differ: baseline {shapes[0]}, expected {shapes[1]}, actual {shapes[2]}")
+                problems.append((module, phase, f"prompt {prompt}: shapes differ: baseline {shapes[0]}, expected "
+                                                f"{shapes[1]}, actual {shapes[2]}"))
             else:
                 todo.append(i)
-        ms, where = _compare_many([(*items[i][2:5], *items[i][:2], items[i][5]) for i in todo], self.config.bins)
-        for i, m, at in zip(todo, ms, where):
-            slot = self._slot(m.module, m.phase)
-            slot["metrics"].append(m)
-            slot["prompts"].append(prompt)
-            slot["plens"].append(prompt_len)
-            slot["where"].append(at)
-            out[i] = m
-        return out
+        started = _start_many([(*items[i][2:5], *items[i][:2], items[i][5]) for i in todo], self.config.bins)
+
+        def finish(add=True):
+            ms, where = started()
+            if not add:
+                return None
+            for module, phase, problem in problems:
+                self._slot(module, phase)["problems"].append(problem)
+            for i, m, at in zip(todo, ms, where):
+                slot = self._slot(m.module, m.phase)
+                slot["metrics"].append(m)
+                slot["prompts"].append(prompt)
+                slot["plens"].append(prompt_len)
+                slot["where"].append(at)
+                out[i] = m
+            return out
+        return finish
 
     def add_not_computed(self, prompt: str, module: str, phase: str, n: int) -> None:
         """Record ``n`` positions of a prompt's module and phase that the target never computed
@@ -588,12 +647,24 @@ class ModuleJudge:
                 else:
                     slot[name].extend(items)
 
-    def _judge(self, module, phase, slot, fused) -> ModuleVerdict:
+    @staticmethod
+    def _tokens_and_max_l2(slot) -> tuple[int, float]:
+        """A pool's token count and largest L2 ratio: what its verdict needs besides the pooled
+        kernel's numbers (computed while that kernel runs)."""
+        ms = slot["metrics"]
+        if not ms:
+            return 0, math.nan
+        l2r = np.concatenate([m.l2_ratio for m in ms])
+        max_l2 = float(np.nanmax(l2r)) if np.isfinite(l2r).any() or np.isinf(l2r).any() else math.nan
+        return sum(m.positions.size for m in ms), max_l2
+
+    def _judge(self, module, phase, slot, fused, pre=None) -> ModuleVerdict:
         """fused: the pool's fused_tensor_numbers (verdict() computes every pool's on the
-        threads first); None where the fused pass declined it or nothing was added."""
+        threads first); None where the fused pass declined it or nothing was added. pre: the
+        pool's ``_tokens_and_max_l2`` where verdict() has it."""
         cfg = self.config
         ms, prompts = slot["metrics"], slot["prompts"]
-        n_tok = sum(m.positions.size for m in ms)
+        n_tok, max_l2 = pre if pre is not None else self._tokens_and_max_l2(slot)
         layer = module_layer(module)
         n_nc = slot["not_computed"]
         if not ms:
@@ -616,8 +687,6 @@ class ModuleJudge:
             # NaN where a reference is NaN too is excluded by the rule; a non-finite target error counts.
             # The fused pass declined these chunks above, and would again: numpy decides.
             tv = _tensor_verdict([m.base_err for m in ms], tgt, cfg.kv, sum(bad), fused=False)
-        l2r = np.concatenate([m.l2_ratio for m in ms])
-        max_l2 = float(np.nanmax(l2r)) if np.isfinite(l2r).any() or np.isinf(l2r).any() else math.nan
         static = None if math.isnan(max_l2) else bool(max_l2 < cfg.max_l2_ratio)
         if cfg.rule == "noise" or tv.passed is None:
             passed, why = tv.passed, tv.decided_by
@@ -669,14 +738,16 @@ class ModuleJudge:
         pools = [k for k in keys if self._acc[k]["metrics"]]
         at = [k for k in pools if len(self._acc[k]["where"]) == len(self._acc[k]["metrics"])
               and None not in self._acc[k]["where"]]
-        fused = dict(zip(at, fused_tensor_numbers_at(
-            [[(*w, *m.base_err.shape) for w, m in zip(self._acc[k]["where"], self._acc[k]["metrics"])] for k in at],
-            self.config.kv)))
+        wait = start_fused_tensor_numbers_at([self._acc[k]["where"] for k in at], self.config.kv)
+        try:  # each pool's own numbers beside the kernels
+            pre = {k: self._tokens_and_max_l2(self._acc[k]) for k in keys}
+        finally:
+            fused = dict(zip(at, wait()))
         rest = [k for k in pools if k not in fused]
         fused.update(zip(rest, fused_tensor_numbers_many(
             [([m.base_err for m in self._acc[k]["metrics"]], [m.tgt_err for m in self._acc[k]["metrics"]])
              for k in rest], self.config.kv)))
-        vs = tuple(self._judge(m, ph, self._acc[(m, ph)], fused.get((m, ph))) for m, ph in keys)
+        vs = tuple(self._judge(m, ph, self._acc[(m, ph)], fused.get((m, ph)), pre[(m, ph)]) for m, ph in keys)
         first = first_failing_module(vs)
         passed = bool(vs) and all(v.passed is True for v in vs)
         return ModulesVerdict(passed, vs, first, self.config)
@@ -707,13 +778,18 @@ def judge_modules(per_prompt, order: Sequence[str] | None = None, prompt_lens: S
     judge = ModuleJudge(config)
     if prompt_lens is not None and len(prompt_lens) != len(per_prompt):
         raise ValueError(f"judge_modules: {len(per_prompt)} prompts but {len(prompt_lens)} prompt lengths")
-    for i, caps in enumerate(per_prompt):
-        plen = None if prompt_lens is None else int(prompt_lens[i])
-        for (module, phase), (b, e, a) in caps.items():
-            pos = None
-            if plen is not None:
-                pos = np.arange(np.shape(b)[0]) + (plen if phase == "decode" else 0)
-            judge.add(str(i), module, phase, b, e, a, positions=pos, prompt_len=plen)
+
+    def prompts():  # each prompt's tensors at once, the next prompt's prepared beside this one's kernels
+        for i, caps in enumerate(per_prompt):
+            plen = None if prompt_lens is None else int(prompt_lens[i])
+            items = []
+            for (module, phase), (b, e, a) in caps.items():
+                pos = None
+                if plen is not None:
+                    pos = np.arange(np.shape(b)[0]) + (plen if phase == "decode" else 0)
+                items.append((module, phase, b, e, a, pos))
+            yield str(i), items, plen
+    judge.add_prompts(prompts())
     return judge.verdict(order)
 
 
@@ -729,14 +805,19 @@ def compare_captures_three_way(baseline, expected, actual, order: Sequence[str] 
         raise ValueError(f"compare_captures_three_way: {len(baseline)} baseline, {len(expected)} expected, "
                          f"{len(actual)} actual prompts")
     judge = ModuleJudge(cfg)
-    for i, (b, e, a) in enumerate(zip(baseline, expected, actual)):
-        for module, phases in b.items():
-            for phase, bt in phases.items():
-                et, at = e.get(module, {}).get(phase), a.get(module, {}).get(phase)
-                if et is None or at is None:
-                    who = "expected" if et is None else "actual"
-                    judge.add_problem(str(i), module, phase, f"the {who} capture has no {module} ({phase})")
-                    continue
-                judge.add(str(i), module, phase, bt, et, at)
+
+    def prompts():  # each prompt's tensors at once (ModuleJudge.add_prompts)
+        for i, (b, e, a) in enumerate(zip(baseline, expected, actual)):
+            items, problems = [], []
+            for module, phases in b.items():
+                for phase, bt in phases.items():
+                    et, at = e.get(module, {}).get(phase), a.get(module, {}).get(phase)
+                    if et is None or at is None:
+                        who = "expected" if et is None else "actual"
+                        problems.append((module, phase, f"the {who} capture has no {module} ({phase})"))
+                        continue
+                    items.append((module, phase, bt, et, at, None))
+            yield str(i), items, None, problems
+    judge.add_prompts(prompts())
     return judge.verdict(order)
 

@@ -414,17 +414,25 @@ def fused_tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTen
 
 
 def fused_tensor_numbers_at(pools, cfg: KVVerdictConfig) -> list:
+    """``start_fused_tensor_numbers_at`` waited for."""
+    return start_fused_tensor_numbers_at(pools, cfg)()
+
+
+def start_fused_tensor_numbers_at(pools, cfg: KVVerdictConfig):
     """``fused_tensor_numbers`` of pools whose chunks are given by where they lie: per pool
     ``[(base_address, target_address, rows, width), ...]``, float32 ``[rows, width]``
     C-contiguous errors the caller keeps alive (``metrics.modules.ModuleJudge``'s, written by
     its fused kernel). Many pools a kernel call, on the threads
     (``metrics._fused.pooled_verdict_numbers_at``); the same numbers as
     ``fused_tensor_numbers`` of the arrays there. A pool gets None where that would (no numba,
-    the order checks, a value not finite)."""
+    the order checks, a value not finite). Started: returns ``finish()`` (called exactly once),
+    which waits for the kernels and returns that list; the caller's Python in between runs
+    beside them."""
     fused = _pooled_kernels(cfg) if pools else None
     if fused is None:
-        return [None] * len(pools)
-    return [_kernel_verdict(r, cfg) for r in fused.pooled_verdict_numbers_at(pools, cfg.bins, cfg.linf_quantile)]
+        return lambda: [None] * len(pools)
+    wait = fused.start_pooled_verdict_numbers_at(pools, cfg.bins, cfg.linf_quantile)
+    return lambda: [_kernel_verdict(r, cfg) for r in wait()]
 
 
 def fused_tensor_numbers_many(pools, cfg: KVVerdictConfig) -> list:

@@ -289,18 +289,13 @@ def test_bf16_captures_reach_the_kernel_as_their_bits_with_the_widened_results(m
         _same_bits(got[k][rows_], want[k][rows_], f"{where}: output {k}")
     order_holds = _fused.einsum_order_holds() and _fused.np_sum_order_holds()  # checked (on float32) before the spy
     seen = []
-    real, real_tuple = _fused._module_rows_kernel, _fused._module_rows_tuple_kernel
+    real = _fused._module_rows_stealing
 
-    def spy(*args):
+    def spy(*args):  # the roles' dtypes: how the kernel reads the addresses in its table
         seen.append(tuple(x.dtype for x in args[:3]))
         return real(*args)
 
-    def spy_tuple(*args):  # small tensors: tuples of parts, one call for many
-        seen.extend(tuple(x.dtype for x in parts) for parts in zip(*args[:3]))
-        return real_tuple(*args)
-
-    monkeypatch.setattr(_fused, "_module_rows_kernel", spy)
-    monkeypatch.setattr(_fused, "_module_rows_tuple_kernel", spy_tuple)
+    monkeypatch.setattr(_fused, "_module_rows_stealing", spy)
     got = compare_module_tensors_many([(b, e, a, "m", "decode", pos)])[0]
     monkeypatch.undo()
     if order_holds:
@@ -315,18 +310,20 @@ def test_bf16_captures_reach_the_kernel_as_their_bits_with_the_widened_results(m
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), n=st.sampled_from([70, 150]))
-def test_many_small_tensors_go_as_tuples_of_parts_with_each_tensors_own_results(monkeypatch, seed, n):
+def test_many_small_tensors_go_as_a_table_of_tasks_with_each_tensors_own_results(monkeypatch, seed, n):
     """A prompt's many small tensors (a tiny model's: 142, a few rows each) reach the kernel as
-    tuples of parts, many per call, beside a tensor large enough to be split across the threads:
-    widths 4 to 256 in one stack, bfloat16 and float32 mixed in one role (two numba types: two
-    runs of tuples), read-only captures (another type), rows with NaN and inf, zero-row tensors.
-    Every field of every result is the single form's (``compare_module_tensors``, numpy) bit for
-    bit, so no part is written to another's rows or values, and no pad is counted."""
+    rows of a table (addresses, shapes, offsets), runs of them a task, beside a tensor large
+    enough to be split across the threads: widths 4 to 256 in one stack, bfloat16 and float32
+    mixed in one role (two dtype groups: a table each), read-only captures, rows with NaN and inf,
+    zero-row tensors. Each group is one kernel call per thread at most (the threads take its
+    tasks from a shared counter), every row of every part is in exactly one task, and every field
+    of every result is the single form's (``compare_module_tensors``, numpy) bit for bit, so no
+    part is written to another's rows or values."""
     rng = np.random.default_rng(seed)
     items = []
     for k in range(n):
         width = int(rng.choice([4, 8, 64, 100, 128, 256]))
-        rows = 2100 if k == n // 2 else int(rng.integers(0, 40))  # 2100 x 128: split, not a tuple's part
+        rows = 2100 if k == n // 2 else int(rng.integers(0, 40))  # 2100 x 128: split, not a run's part
         if k == n // 2:
             width = 128
         b = rng.standard_normal((rows, width)).astype(np.float32)
@@ -342,19 +339,32 @@ def test_many_small_tensors_go_as_tuples_of_parts_with_each_tensors_own_results(
         items.append((b, e, a, f"model.layers.{k}.mlp", "decode", pos))
     order_holds = _fused.einsum_order_holds() and _fused.np_sum_order_holds()  # their checks run before the spy
     calls = []
-    real = _fused._module_rows_tuple_kernel
+    real = _fused._module_rows_stealing
 
     def spy(*args):
-        calls.append((len(args[0]), args[3]))
+        calls.append(args)
         return real(*args)
 
-    monkeypatch.setattr(_fused, "_module_rows_tuple_kernel", spy)
+    monkeypatch.setattr(_fused, "_module_rows_stealing", spy)
     got = compare_module_tensors_many(items)
     monkeypatch.undo()
     if order_holds:
-        batched = sum(1 for b, *_ in items if b.shape[0] and b.shape[1] >= 4) - 1  # less the split one
-        assert sum(used for _, used in calls) == batched, calls
-        assert len(calls) < batched / 4 and all(used <= size <= _fused.ROW_PARTS[-1] for size, used in calls)
+        groups = {id(c[4]): c for c in calls}  # the parts' table, and a task list per dtype group
+        per_group = [sum(1 for c in calls if c[4] is g[4]) for g in groups.values()]
+        assert len(groups) == len({(b.dtype, e.dtype) for b, e, *_ in items if b.shape[0]}), len(groups)
+        assert all(1 <= k <= _fused.num_threads() for k in per_group), per_group
+        covered = {}
+        n_tasks = 0
+        for g in groups.values():
+            table, entries, bounds = g[3], g[4], g[5]
+            n_tasks += len(bounds) - 1
+            assert bounds[0] == 0 and bounds[-1] == len(entries) and (np.diff(bounds) > 0).all()
+            for k, r0, r1 in entries.tolist():
+                covered.setdefault(k, []).extend(range(r0, r1))
+        batched = [k for k, (b, *_) in enumerate(items) if b.shape[0] and b.shape[1] >= 4]
+        assert sorted(covered) == list(range(len(batched)))  # the table's rows: the batched tensors in order
+        assert all(sorted(r) == list(range(items[batched[k]][0].shape[0])) for k, r in covered.items())  # once each
+        assert n_tasks < len(batched) / 4 + _fused.num_threads()  # runs of parts, not a task a part
     with monkeypatch.context() as m:
         _numpy_path(m)
         want = [mod.compare_module_tensors(b, e, a, mm, ph, pos) for b, e, a, mm, ph, pos in items]
@@ -391,7 +401,7 @@ def test_pools_read_where_add_many_wrote_them_equal_every_other_path(monkeypatch
     # address (nor by the per-pool kernel): numpy judges, and every path still agrees
     by_address = [90] if _fused.pairwise_order_holds() and _fused.quantile_rule_holds(0.75) else []
     seen = []
-    real = _fused.pooled_verdict_numbers_at
+    real = _fused.start_pooled_verdict_numbers_at
 
     def spy(pools, *a):
         seen.append(len(pools))
@@ -407,7 +417,7 @@ def test_pools_read_where_add_many_wrote_them_equal_every_other_path(monkeypatch
                 j.add_many(str(p), items, prompt_len=5)
         return j
 
-    monkeypatch.setattr(_fused, "pooled_verdict_numbers_at", spy)
+    monkeypatch.setattr(_fused, "start_pooled_verdict_numbers_at", spy)
     got = judge().verdict()
     assert seen == by_address, seen  # every module x phase pool through the address path
     seen.clear()
@@ -519,3 +529,20 @@ def test_a_tensors_metrics_do_not_depend_on_its_memory_layout(monkeypatch, path,
         for f in FIELDS:
             _same_bits(getattr(many, f), getattr(got["C"][0], f), f"{path} {k} many {f}")
             _same_bits(getattr(one, f), getattr(got["C"][0], f), f"{path} {k} one {f}")
+
+
+def test_data_addresses_are_ctypes_data_and_a_wrong_field_is_refused(monkeypatch):
+    """``data_addresses`` (the row kernel's table of parts) equals ``x.ctypes.data`` for views
+    at offsets, Fortran order, bfloat16, read-only and empty arrays; where the array object's
+    field is not where it is read (planted: another offset), the once-per-process check refuses
+    it and ``ctypes.data`` is used."""
+    base = np.arange(600, dtype=np.float32).reshape(20, 30)
+    ro = base[3:, 5:].copy()
+    ro.flags.writeable = False
+    arrays = [base, base[7:], base[2:, 11:], np.asfortranarray(base), base.T, ro, np.empty(0, np.float32),
+              base.astype(ml_dtypes.bfloat16), base.astype(ml_dtypes.bfloat16).view(np.uint16)[1:]]
+    want = [x.ctypes.data for x in arrays]
+    assert _fused.data_addresses(arrays).tolist() == want
+    monkeypatch.setattr(_fused, "_DATA_FIELD", None)
+    monkeypatch.setattr(_fused, "_DATA_OFFSET", _fused._DATA_OFFSET + 8)
+    assert _fused.data_addresses(arrays).tolist() == want and _fused._DATA_FIELD is False

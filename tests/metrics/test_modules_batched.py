@@ -153,3 +153,62 @@ def test_float32_numpy_tensors_skip_the_conversions_with_the_same_result(dtypes)
     for f, g, what in zip(fast, general, ("baseline", "expected", "actual", "positions")):
         _same_bits(f, g, what)
     assert fast[0].base is xs[0] or fast[0].base is xs[0].base  # a view of the capture: no copy
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(prompts=st.lists(_ITEMS, min_size=1, max_size=4), rule=st.sampled_from(["noise", "max_l2_ratio"]))
+def test_add_prompts_pipelined_gives_what_add_gives(bc_backend, prompts, rule):
+    """``add_prompts`` (a prompt prepared while the threads compute the one before) against the
+    per-tensor ``add`` (the oracle): every prompt's results in order and the verdict, the
+    problems of a shape mismatch and of a problem given with the prompt included."""
+    cfg = ModuleVerdictConfig(rule=rule)
+    one, piped = ModuleJudge(cfg), ModuleJudge(cfg)
+    given_ = []
+    for p, items in enumerate(prompts):
+        items = list(items)
+        if len(items) > 1 and p % 2:  # a shape mismatch: a problem of its module
+            b, e, a, m, ph, pos = items[-1]
+            items[-1] = (b, e, np.zeros((np.shape(a)[0] + 1,) + np.shape(a)[1:], np.float32), m, ph, None)
+        problems = [("model.layers.9.absent", "decode", "the actual capture has no it")] if p == 0 else []
+        for m, ph, text in problems:
+            one.add_problem(str(p), m, ph, text)
+        want = [one.add(str(p), m, ph, b, e, a, positions=pos, prompt_len=7) for b, e, a, m, ph, pos in items]
+        given_.append((str(p), [(m, ph, b, e, a, pos) for b, e, a, m, ph, pos in items], 7, problems, want))
+    got = piped.add_prompts(g[:4] for g in given_)
+    assert len(got) == len(prompts)
+    for g, (*_, want) in zip(got, given_):
+        assert [x is None for x in g] == [w is None for w in want]
+        for x, w in zip(g, want):
+            if w is not None:
+                for f in FIELDS:
+                    _same_bits(getattr(x, f), getattr(w, f), f)
+    order = sorted({it[3] for items in prompts for it in items}, reverse=True)
+    assert repr(piped.verdict(order)) == repr(one.verdict(order))
+
+
+@pytest.mark.parametrize("bad_at", [0, 1, 3])
+def test_a_prompt_that_raises_in_add_prompts_leaves_the_prompts_before_it_and_no_other(bad_at):
+    """A prompt whose positions do not fit raises its ValueError out of ``add_prompts``; the
+    judge then holds exactly the prompts before it (the one started beside it finished and
+    added), as a loop of ``add_many`` leaves it, and the threads are free (the next call works)."""
+    rng = np.random.default_rng(3)
+
+    def prompt(i, bad=False):
+        b = rng.standard_normal((6, 64)).astype(np.float32)
+        e = (b * (1 + 4e-3 * rng.standard_normal(b.shape))).astype(np.float32)
+        a = (b * (1 + 4e-3 * rng.standard_normal(b.shape))).astype(np.float32)
+        return (str(i), [(f"model.layers.{k}.mlp", "prefill", b, e, a, [0, 1] if bad and k == 1 else None)
+                         for k in range(3)], 6)
+
+    prompts = [prompt(i, bad=i == bad_at) for i in range(4)]
+    piped, loop = ModuleJudge(), ModuleJudge()
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp \(prefill\): 2 positions for 6 tokens"):
+        piped.add_prompts(iter(prompts))
+    for p in prompts[:bad_at]:
+        loop.add_many(*p)
+    if bad_at:
+        assert repr(piped.verdict()) == repr(loop.verdict())
+    else:
+        assert not piped._acc
+    again = ModuleJudge().add_prompts([prompt(9)])  # nothing left running on the threads
+    assert len(again) == 1 and all(m is not None for m in again[0])
