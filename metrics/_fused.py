@@ -1249,8 +1249,12 @@ class RowMetricsJob:
             bounds = np.array(bounds, np.int64)
             counter = np.zeros(1, np.int64)
             protos = tuple(_proto(t) for t in key)
-            call = functools.partial(_module_rows_stealing, *protos, table, entries, bounds, counter, bins, *outs)
-            calls += [call] * min(num_threads(), len(bounds) - 1)
+            # a call per thread even for one task: the pool's thread takes it while this one runs
+            # Python (the results, the next prompt); the held views travel with the call, so a
+            # task still running keeps its inputs alive whatever happens to the job
+            call = functools.partial(_holding, held, _module_rows_stealing, *protos, table, entries, bounds, counter,
+                                     bins, *outs)
+            calls += [call] * (num_threads() if len(bounds) > 1 else 0)
         self._finish = _start_tasks(calls)
 
     def finish(self):
@@ -1316,6 +1320,11 @@ def _load_data_fields(ids, offset):  # pragma: no cover - compiled
     for i in range(ids.shape[0]):
         out[i] = _load_i64(ids[i] + offset)
     return out
+
+
+def _holding(held, fn, *args):
+    """fn(*args), held (memory the arguments point into) referenced while it runs."""
+    return fn(*args)
 
 
 _PROTOS: dict = {}  # dtype -> an empty array of it: tells the kernel how to read a role's addresses

@@ -558,20 +558,30 @@ class ModuleJudge:
         tuples; returns their metrics in order (None where the shapes differ)."""
         return self._start_many(prompt, items, prompt_len)()
 
-    def add_prompts(self, prompts: Iterable) -> list:
+    def add_prompts(self, prompts: Iterable, ahead: bool = True) -> list:
         """``add_many`` of each prompt in turn, pipelined: a prompt's Python (its checks, its
         results, the kernels' start) runs while the threads compute the prompt before it, where
         a loop of ``add_many`` leaves the threads idle during it. prompts: ``(prompt, items,
         prompt_len)`` tuples, or ``(prompt, items, prompt_len, problems)`` with problems
-        ``(module, phase, text)`` recorded as ``add_problem`` would, in the prompt's turn (an
-        iterable: a generator reading the next prompt runs beside the kernels too); returns one list of metrics per prompt, as ``add_many`` returns them. The
-        judge ends as after the same loop of ``add_many``, also when a prompt raises (its
-        ``ValueError``): every prompt before it added, none after."""
+        ``(module, phase, text)`` recorded as ``add_problem`` would, in the prompt's turn;
+        returns one list of metrics per prompt, as ``add_many`` returns them. The judge ends as
+        after the same loop of ``add_many``, also when a prompt raises (its ``ValueError``):
+        every prompt before it added, none after.
+
+        A prompt's arrays are read until the next prompt has been taken from ``prompts`` and
+        started, so an iterable that reuses or changes a prompt's arrays when it makes the next
+        (a reader filling the same buffers) would have the earlier prompt judged on the later
+        values: pass ``ahead=False`` for it (each prompt finished before the next is taken, a
+        loop of ``add_many``). A list, or a generator that makes new arrays each time (a store
+        read), may go ahead: its reading then runs beside the kernels too."""
         done: list = []
         pending = None  # the previous prompt's finish(), its kernels running
         try:
             for prompt, items, prompt_len, *problems in prompts:
                 nxt = self._start_many(prompt, items, prompt_len, *problems)
+                if not ahead:  # finished before the next is taken
+                    done.append(nxt())
+                    continue
                 if pending is not None:
                     fin, pending = pending, None
                     try:
@@ -776,6 +786,9 @@ def judge_modules(per_prompt, order: Sequence[str] | None = None, prompt_lens: S
     prompt; then prefill rows are positions ``0..``, decode rows ``prompt_len + step`` (the capture
     layout of ``extractors.modules``) and failures are placed as generation token indices."""
     judge = ModuleJudge(config)
+    # a sequence's arrays are all made before the first is judged: the next prompt may be started
+    # beside this one's kernels. An iterator may be a reader refilling its buffers: one at a time.
+    ahead = isinstance(per_prompt, Sequence)
     if prompt_lens is not None and len(prompt_lens) != len(per_prompt):
         raise ValueError(f"judge_modules: {len(per_prompt)} prompts but {len(prompt_lens)} prompt lengths")
 
@@ -789,7 +802,7 @@ def judge_modules(per_prompt, order: Sequence[str] | None = None, prompt_lens: S
                     pos = np.arange(np.shape(b)[0]) + (plen if phase == "decode" else 0)
                 items.append((module, phase, b, e, a, pos))
             yield str(i), items, plen
-    judge.add_prompts(prompts())
+    judge.add_prompts(prompts(), ahead=ahead)
     return judge.verdict(order)
 
 

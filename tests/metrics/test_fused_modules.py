@@ -546,3 +546,25 @@ def test_data_addresses_are_ctypes_data_and_a_wrong_field_is_refused(monkeypatch
     monkeypatch.setattr(_fused, "_DATA_FIELD", None)
     monkeypatch.setattr(_fused, "_DATA_OFFSET", _fused._DATA_OFFSET + 8)
     assert _fused.data_addresses(arrays).tolist() == want and _fused._DATA_FIELD is False
+
+
+def test_a_running_jobs_inputs_stay_alive_with_its_tasks():
+    """The kernel reads its parts by address; the copies ``_kernel_view`` makes (a Fortran-ordered
+    or float16 input) travel with the tasks, so a job whose own reference to them is gone before
+    its finish (an interrupt while it was waited for) still reads them, not freed memory (review
+    helper-76: its tasks then read what other allocations wrote there)."""
+    import gc
+
+    rng = np.random.default_rng(2)
+    b = np.asfortranarray(rng.standard_normal((400, 700)).astype(np.float32))  # copied to C order for the kernel
+    e = (b * (1 + 4e-3 * rng.standard_normal(b.shape))).astype(np.float16)  # widened: another copy
+    a = np.asfortranarray((b * (1 + 5e-2 * rng.standard_normal(b.shape))).astype(np.float32))
+    want = _fused.module_row_metrics(np.ascontiguousarray(b), e.astype(np.float32), np.ascontiguousarray(a), 100)
+    job = _fused.RowMetricsJob([(b, e, a)], 100)
+    job._held = None
+    gc.collect()
+    filler = [np.full((400, 700), 7.0, np.float32) for _ in range(8)]  # what freed memory would hold
+    got = job.finish()
+    del filler
+    for k in range(6):
+        _same_bits(got[k].reshape(want[k].shape), want[k], f"output {k}")

@@ -212,3 +212,83 @@ def test_a_prompt_that_raises_in_add_prompts_leaves_the_prompts_before_it_and_no
         assert not piped._acc
     again = ModuleJudge().add_prompts([prompt(9)])  # nothing left running on the threads
     assert len(again) == 1 and all(m is not None for m in again[0])
+
+
+def test_a_reader_refilling_its_buffers_is_judged_one_prompt_at_a_time():
+    """judge_modules of an iterator (a reader that fills the same arrays for every prompt) is
+    judged as the same prompts given as a list of copies: its prompts are not started ahead,
+    since making the next one overwrites the one whose kernels run (review helper-76: the
+    pipelined form judged prompt 0 on prompt 1's values). ``add_prompts(ahead=False)`` is that
+    loop."""
+    from metrics.modules import judge_modules
+
+    rng = np.random.default_rng(11)
+    names = [(f"model.layers.{k}.mlp", "prefill") for k in range(3)]
+    prompts = []
+    for p in range(3):
+        b = rng.standard_normal((5, 64)).astype(np.float32)
+        prompts.append({n: (b, (b * (1 + 4e-3 * rng.standard_normal(b.shape))).astype(np.float32),
+                            (b * (1 + (0.3 if p == 1 else 4e-3) * rng.standard_normal(b.shape))).astype(np.float32))
+                        for n in names})
+    bufs = {n: tuple(np.empty((5, 64), np.float32) for _ in range(3)) for n in names}
+
+    def reader():
+        for caps in prompts:
+            for n, arrays in caps.items():
+                for buf, x in zip(bufs[n], arrays):
+                    buf[...] = x
+            yield bufs
+
+    want = judge_modules([{n: tuple(x.copy() for x in v) for n, v in caps.items()} for caps in prompts])
+    assert repr(judge_modules(reader())) == repr(want)
+    assert want.passed is False  # prompt 1's target is far off: a prompt judged on another's values shows
+    j = ModuleJudge()
+    j.add_prompts(((str(i), [(m, ph, *caps[(m, ph)], None) for m, ph in names], None)
+                   for i, caps in enumerate(reader())), ahead=False)
+    assert repr(j.verdict()) == repr(want)
+
+
+def test_a_prompt_that_fails_at_its_finish_leaves_the_prompts_before_it_and_every_job_waited_for(monkeypatch):
+    """A prompt that raises in its finish (here the NaN-aware reductions of a NaN row, made to
+    raise) while the next prompt's kernels were started beside it: the judge holds exactly the
+    prompts before it, and every job started was finished (none left to the threads)."""
+    import metrics.modules as mod
+    from metrics import _fused
+
+    if not (mod.numba_available() and _fused.einsum_order_holds()):
+        pytest.skip("numba's fused path is not in use here")
+    rng = np.random.default_rng(4)
+
+    def prompt(i, nan=False):
+        b = rng.standard_normal((6, 64)).astype(np.float32)
+        a = (b * (1 + 4e-3 * rng.standard_normal(b.shape))).astype(np.float32)
+        if nan:
+            a[2, 5] = np.nan
+        return str(i), [(f"model.layers.{k}.mlp", "prefill", b, b.copy(), a, None) for k in range(3)], 6
+
+    started, finished = [], []
+    real_init, real_finish = _fused.RowMetricsJob.__init__, _fused.RowMetricsJob.finish
+
+    def init(self, *a):
+        started.append(self)
+        real_init(self, *a)
+
+    def finish(self):
+        finished.append(self)
+        return real_finish(self)
+
+    def broken(*a):
+        raise RuntimeError("planted: the NaN-aware path fails")
+
+    monkeypatch.setattr(_fused.RowMetricsJob, "__init__", init)
+    monkeypatch.setattr(_fused.RowMetricsJob, "finish", finish)
+    monkeypatch.setattr(mod, "_nan_aware_metrics", broken)
+    prompts = [prompt(i, nan=i == 2) for i in range(4)]
+    j = ModuleJudge()
+    with pytest.raises(RuntimeError, match="planted"):
+        j.add_prompts(iter(prompts))
+    assert len(started) == 4 and sorted(map(id, finished)) == sorted(map(id, started))  # prompt 3 was started
+    loop = ModuleJudge()
+    for p in prompts[:2]:
+        loop.add_many(*p)
+    assert repr(j.verdict()) == repr(loop.verdict())
