@@ -1205,11 +1205,11 @@ class RowMetricsJob:
     0.2 ms task."""
 
     def __init__(self, parts, bins: int):
-        # the parts as kernel views (C order; their memory is what the tables point at, held until
-        # finish) and as a table: a row per part, (b, e, a addresses, rows, width, row offset,
-        # value offset); numpy over the parts, not Python per part (1,136 parts in a tiny model's
-        # 8 prompts, where ~3 us a part of Python was a tenth of the compare)
-        self._held = held = [(_kernel_view(b), _kernel_view(e), _kernel_view(a)) for b, e, a in parts]
+        # the parts as kernel views (C order; their memory is what the tables point at, held by
+        # every task's call) and as a table: a row per part, (b, e, a addresses, rows, width, row
+        # offset, value offset); numpy over the parts, not Python per part (1,136 parts in a tiny
+        # model's 8 prompts, where ~3 us a part of Python was a tenth of the compare)
+        held = [(_kernel_view(b), _kernel_view(e), _kernel_view(a)) for b, e, a in parts]
         n = len(held)
         m = np.fromiter((v[0].shape[0] for v in held), np.int64, n)
         w = np.fromiter((v[0].shape[1] for v in held), np.int64, n)
@@ -1230,7 +1230,7 @@ class RowMetricsJob:
         outs = (be, te, sums, maxes, sq, fold, bc, bad)
         table = np.column_stack([data_addresses([x for v in held for x in v]).reshape(n, 3), m, w, o, eo])
         keys = [(v[0].dtype, v[1].dtype, v[2].dtype) for v in held]
-        groups = dict.fromkeys(keys[:1] if len(set(keys)) == 1 else keys)
+        groups = dict.fromkeys(keys)  # the dtype groups, in order
         per = max(_MIN_SPLIT // 8, values // (8 * num_threads()) + 1)
         calls = []
         for key in groups:
@@ -1261,7 +1261,6 @@ class RowMetricsJob:
         """Wait for the kernels (the calling thread takes its share); returns ``(be, te, sums,
         maxes, bc, bad)``, bc NaN where bad."""
         self._finish()
-        self._held = None
         if not self.fold:
             np.clip(self.sq.sum(axis=1), 0.0, 1.0, out=self.bc)
         self.bc[self.bad != 0] = np.nan

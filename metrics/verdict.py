@@ -413,11 +413,6 @@ def fused_tensor_numbers(base_chunks, tgt_chunks, cfg: KVVerdictConfig) -> KVTen
     return _kernel_verdict(fused.pooled_verdict_numbers(base_chunks, tgt_chunks, cfg.bins, cfg.linf_quantile), cfg)
 
 
-def fused_tensor_numbers_at(pools, cfg: KVVerdictConfig) -> list:
-    """``start_fused_tensor_numbers_at`` waited for."""
-    return start_fused_tensor_numbers_at(pools, cfg)()
-
-
 def start_fused_tensor_numbers_at(pools, cfg: KVVerdictConfig):
     """``fused_tensor_numbers`` of pools whose chunks are given by where they lie: per pool
     ``[(base_address, target_address, rows, width), ...]``, float32 ``[rows, width]``

@@ -550,9 +550,9 @@ def test_data_addresses_are_ctypes_data_and_a_wrong_field_is_refused(monkeypatch
 
 def test_a_running_jobs_inputs_stay_alive_with_its_tasks():
     """The kernel reads its parts by address; the copies ``_kernel_view`` makes (a Fortran-ordered
-    or float16 input) travel with the tasks, so a job whose own reference to them is gone before
-    its finish (an interrupt while it was waited for) still reads them, not freed memory (review
-    helper-76: its tasks then read what other allocations wrote there)."""
+    or float16 input) are held by the tasks' calls alone, so they stay alive until the kernels
+    are done, whatever happens to the job (review helper-76: a job dropped while waited for let
+    its tasks read what other allocations wrote there)."""
     import gc
 
     rng = np.random.default_rng(2)
@@ -561,7 +561,6 @@ def test_a_running_jobs_inputs_stay_alive_with_its_tasks():
     a = np.asfortranarray((b * (1 + 5e-2 * rng.standard_normal(b.shape))).astype(np.float32))
     want = _fused.module_row_metrics(np.ascontiguousarray(b), e.astype(np.float32), np.ascontiguousarray(a), 100)
     job = _fused.RowMetricsJob([(b, e, a)], 100)
-    job._held = None
     gc.collect()
     filler = [np.full((400, 700), 7.0, np.float32) for _ in range(8)]  # what freed memory would hold
     got = job.finish()

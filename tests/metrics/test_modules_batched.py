@@ -25,6 +25,15 @@ def _same_bits(x, y, what):
     assert np.ascontiguousarray(x).tobytes() == np.ascontiguousarray(y).tobytes(), what
 
 
+def _same_results(got, want):
+    """Per item: None in both (a shape mismatch), else every field of the metrics bit for bit."""
+    assert [g is None for g in got] == [w is None for w in want]
+    for g, w in zip(got, want):
+        if w is not None:
+            for f in FIELDS:
+                _same_bits(getattr(g, f), getattr(w, f), f)
+
+
 @st.composite
 def _tensor(draw, module):
     width = draw(st.sampled_from(WIDTHS))
@@ -94,11 +103,7 @@ def test_add_many_gives_the_same_verdict_as_add(bc_backend, prompts, rule):
             items[-1] = (b, e, np.zeros((np.shape(a)[0] + 1,) + np.shape(a)[1:], np.float32), m, ph, None)
         got = many.add_many(str(p), [(m, ph, b, e, a, pos) for b, e, a, m, ph, pos in items], prompt_len=7)
         want = [one.add(str(p), m, ph, b, e, a, positions=pos, prompt_len=7) for b, e, a, m, ph, pos in items]
-        assert [g is None for g in got] == [w is None for w in want]
-        for g, w in zip(got, want):
-            if w is not None:
-                for f in FIELDS:
-                    _same_bits(getattr(g, f), getattr(w, f), f)
+        _same_results(got, want)
     order = sorted({it[3] for items in prompts for it in items}, reverse=True)
     assert repr(many.verdict(order)) == repr(one.verdict(order))
 
@@ -177,11 +182,7 @@ def test_add_prompts_pipelined_gives_what_add_gives(bc_backend, prompts, rule):
     got = piped.add_prompts(g[:4] for g in given_)
     assert len(got) == len(prompts)
     for g, (*_, want) in zip(got, given_):
-        assert [x is None for x in g] == [w is None for w in want]
-        for x, w in zip(g, want):
-            if w is not None:
-                for f in FIELDS:
-                    _same_bits(getattr(x, f), getattr(w, f), f)
+        _same_results(g, want)
     order = sorted({it[3] for items in prompts for it in items}, reverse=True)
     assert repr(piped.verdict(order)) == repr(one.verdict(order))
 
