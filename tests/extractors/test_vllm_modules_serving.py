@@ -299,3 +299,61 @@ def test_a_fault_in_a_later_prefill_chunk_is_named_at_its_module(engine, hf32):
     first = v.first_failing
     assert first.position >= first_chunk[int(first.token_prompt)]  # placed in a later chunk, where the fault acts
     assert all(m.passed for m in v.modules if m.phase == "prefill" and names.index(m.module) < names.index(target))
+
+
+def test_auto_batches_fill_the_byte_budget_at_the_first_prompts_bytes_a_token(monkeypatch):
+    import extractors.vllm_modules as vm
+
+    monkeypatch.setattr(vm, "AUTO_BATCH_BYTES", 100)
+    assert vm._auto_batch([30, 40, 50], 1.0) == 2  # 30 + 40 fit 100 bytes, + 50 does not
+    assert vm._auto_batch([30, 70, 1], 1.0) == 2  # exactly the budget fits
+    assert vm._auto_batch([150, 10], 1.0) == 1  # one prompt over the budget still goes, alone
+    assert vm._auto_batch([1] * 40, 1.0) == vm.AUTO_BATCH_PROMPTS  # and never more than a capture_vllm_run batch
+    assert vm._auto_batch([10], 2.5) == 1
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_auto_batches_store_what_a_prompt_at_a_time_stores_and_hold_the_byte_budget(engine, tmp_path, monkeypatch):
+    import extractors.vllm_modules as vm
+    from capturestore import Store
+
+    path, llm = engine
+    prompts, teacher = _prompts(7, (40, 23, 31, 19)), [[5, 6, 7], [8, 9, 10], [11, 12, 13], [14, 15, 16]]
+    st = Store.open(tmp_path / "s")
+    llm.reset_prefix_cache()
+    alone = vm.capture_vllm_module_run(st, llm, path, prompts, None, teacher_tokens=teacher)
+    batches, real = [], vm.collect_vllm_modules
+
+    def counting(llm_, part, *a, **k):
+        batches.append(len(part))
+        return real(llm_, part, *a, **k)
+
+    monkeypatch.setattr(vm, "collect_vllm_modules", counting)
+    llm.reset_prefix_cache()
+    llm.collective_rpc(_watch_layout)
+    try:
+        auto = vm.capture_vllm_module_run(st, llm, path, prompts, None, teacher_tokens=teacher, batch_size="auto")
+    finally:
+        layout = llm.collective_rpc(_unwatch_layout)[0]
+    assert batches == [1, 3]  # the first prompt alone, the other three together (well inside 512 MiB)
+    assert max(len(f) for f in layout) >= 2  # the engine did serve them in one forward
+    caps = {r: st.captures(r).to_pylist() for r in (alone, auto)}
+    pid = {r: {p["prompt_idx"]: p["prompt_id"] for p in st.prompts(r).to_pylist()} for r in (alone, auto)}
+    names = sorted({c["array_name"] for c in caps[alone] if c["kind"] == "tensor"})
+    assert len(names) == 2 * 38 and names == sorted({c["array_name"] for c in caps[auto] if c["kind"] == "tensor"})
+    for i in range(4):
+        assert pid[alone][i] == pid[auto][i]
+        for n in names:
+            module, phase = n.removeprefix("tensors/").rsplit("/", 1)
+            a = st.read_tensor(alone, pid[alone][i], module, phase=phase)
+            b = st.read_tensor(auto, pid[auto][i], module, phase=phase)
+            np.testing.assert_allclose(b, a, rtol=0, atol=2e-5, err_msg=f"prompt {i}, {n}")
+    # the budget holds: at the first prompt's bytes a token, room for prompts 1 and 2, not 3 with them
+    first = sum(c["nbytes"] for c in caps[auto] if c["kind"] == "tensor" and c["prompt_id"] == pid[auto][0])
+    per_token = first / (40 + 3)
+    monkeypatch.setattr(vm, "AUTO_BATCH_BYTES", int(per_token * (26 + 34)) + 1)
+    batches.clear()
+    llm.reset_prefix_cache()
+    vm.capture_vllm_module_run(st, llm, path, prompts, None, teacher_tokens=teacher, batch_size="auto")
+    assert batches == [1, 2, 1]
