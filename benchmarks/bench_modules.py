@@ -18,8 +18,10 @@ Gemma3 model (every module of
    a prompt's layout makes (``fs_probe``: the same number of ``mkdir`` and of 300-byte file
    creations, nothing else, timed in the same rounds), and (b) / (c) less it. On this VM a mkdir
    under ``/tmp`` cost 20-750 us from one directory or minute to the next (``/work``, same disk:
-   ~30 us), and that, not the capture's code, moved (b) between 1.7x and 9x; ``--store-dir DIR``
-   puts the stores elsewhere.
+   ~30 us), and that, not the capture's code, moved (b) between 1.7x and 9x. The stores are made
+   under ``.bench-tmp/`` in the repo (git-ignored; as ``bench_store.py``'s and
+   ``bench_main_job.py``'s: until 2026-12-06 tempfile's directory, ``/tmp`` here); ``--store-dir DIR``
+   puts them elsewhere.
 1b. (``capture-1b``) The same (a) and (b) on a random Llama of a small real model's shape (hidden
    2048, 16 layers, vocabulary 128,256: 1.5 B parameters; ``bench_main_job.py``'s checkpoint, built
    once into ``.bench-tmp/``, 2.8 GiB), 1 prompt of 16 tokens + 8 decode steps, best of 3. On the
@@ -69,9 +71,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from timing import best_of, best_of_interleaved, peak_rss_mib  # noqa: E402
 
 ARCH, PROMPT_LEN, DECODE_STEPS = "gemma3-sliding", 16, 32
-# --store-dir: where the stores of sections 1, 2 and 4 are made (None: tempfile's directory); an
+# --store-dir: where the stores of sections 1, 2 and 4 are made (default .bench-tmp/ in the repo); an
 # environment variable, so that section 2's child processes make theirs there too
 STORE_DIR = os.environ.get("BENCH_MODULES_STORE_DIR") or None
+DEFAULT_STORE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".bench-tmp")
 
 
 def fs_probe(where: str, n_dirs: int, n_files: int) -> None:
@@ -547,11 +550,12 @@ if __name__ == "__main__":
                         help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
         ap.add_argument("--quick", action="store_true", help="only the in-memory module compare (--sections compare)")
         ap.add_argument("--store-dir", default=None,
-                        help="directory the stores of sections 1, 2 and 4 are made in (default: the system's temporary "
-                             "directory); its own mkdir / file cost is measured and printed under (b)")
+                        help="directory the stores of sections 1, 2 and 4 are made in (default: .bench-tmp/ in the "
+                             "repo); its own mkdir / file cost is measured and printed under (b)")
         args = ap.parse_args()
-        if args.store_dir:
-            STORE_DIR = os.environ["BENCH_MODULES_STORE_DIR"] = os.path.abspath(args.store_dir)
+        STORE_DIR = os.environ["BENCH_MODULES_STORE_DIR"] = os.path.abspath(args.store_dir or STORE_DIR
+                                                                            or DEFAULT_STORE_DIR)
+        os.makedirs(STORE_DIR, exist_ok=True)
         chosen = ["compare"] if args.quick else [x.strip() for x in args.sections.split(",") if x.strip()]
         unknown = sorted(set(chosen) - set(SECTIONS))
         if unknown:
