@@ -762,9 +762,13 @@ def _request_index(req, batch: dict):
     return batch.get(req.rsplit("-", 1)[0])
 
 
-def _check_batch_size(batch_size, where: str) -> None:
+def _check_batch_size(batch_size, where: str, auto: bool = False) -> None:
+    """``auto``: "auto" is a value too (``capture_vllm_module_run``)."""
+    if auto and isinstance(batch_size, str) and batch_size == "auto":
+        return
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"{where}: batch_size must be an integer >= 1, got {batch_size!r}")
+        allowed = "an integer >= 1 or 'auto'" if auto else "an integer >= 1"
+        raise ValueError(f"{where}: batch_size must be {allowed}, got {batch_size!r}")
 
 
 def collect_vllm_modules(llm, prompts: Sequence[Sequence[int]], num_tokens: int | None,
@@ -874,11 +878,14 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
     per prompt, or teacher-forced on ``teacher_tokens`` (one list per prompt; ``num_tokens`` None
     or their length), e.g. the FP32 baseline's tokens, so every role's decode steps see the same
     tokens. Prompts go to the engine ``batch_size`` at a time (``collect_vllm_modules``);
-    ``"auto"``: the first prompt alone, then as many (up to ``AUTO_BATCH_PROMPTS``, as
-    ``capture_vllm_run`` batches) as fit ``AUTO_BATCH_BYTES`` of captured tensors at the first
-    prompt's bytes a token, so memory stays bounded and the engine's decode forwards serve
-    several requests, as it serves (one request at a time read every weight once a token for
-    each prompt: 2.4x a plain ``generate`` of 4 prompts at a 1.5B shape). Per
+    ``"auto"``: the first prompt alone, then as many together (up to ``AUTO_BATCH_PROMPTS``, as
+    ``capture_vllm_run`` batches) as the engine's KV cache holds at once (no request preempted
+    and recomputed, which the stitching refuses) and as fit ``AUTO_BATCH_BYTES`` at the first
+    prompt's captured bytes a token, counted ``tp + 1`` times (the records and their stitched
+    copies; every rank's copy of a replicated module reaches this process), so the captured data
+    held at once stays near ``AUTO_BATCH_BYTES``; the engine's decode forwards then serve several
+    requests, as it serves (one request at a time read every weight once a token for each
+    prompt: 2.4x a plain ``generate`` of 4 prompts at a 1.5B shape). Per
     prompt tokens = prompt + sampled (teacher) tokens and ``tensors/<hf_module>/<phase>`` as the
     HF capture lays them out; prompt positions served from the prefix cache are NaN rows, listed
     in ``tensors/not_computed/prefill`` (``NOT_COMPUTED``; only where there are any), which the
@@ -894,9 +901,8 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
     from extractors.routing import routing_run_config
 
     where = "capture_vllm_module_run"
+    _check_batch_size(batch_size, where, auto=True)
     prompts, teacher = _token_plan(llm, prompts, num_tokens, teacher_tokens, where)
-    if batch_size != "auto":
-        _check_batch_size(batch_size, where)
     arch, _ = vllm_architecture(llm)
     dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     order, _ = _resolve(llm, modules)  # a bad pattern is refused before a run exists
@@ -918,10 +924,13 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
                             device="cpu", engine_version=vllm.__version__, tp_degree=tp, release=release)
     lengths = [len(p) + (len(teacher[i]) if teacher is not None else num_tokens) for i, p in enumerate(prompts)]
     per_token = None  # "auto": the bytes a token of the first prompt captured
+    cache = llm.llm_engine.vllm_config.cache_config
+    budget = AUTO_BATCH_BYTES / (tp + 1)
     with run:
         lo = 0
         while lo < len(prompts):
-            n = batch_size if batch_size != "auto" else 1 if per_token is None else _auto_batch(lengths[lo:], per_token)
+            n = batch_size if batch_size != "auto" else 1 if per_token is None else \
+                _auto_batch(lengths[lo:], per_token, budget, cache.block_size, cache.num_gpu_blocks)
             part = prompts[lo:lo + n]
             pending: dict = {i: [] for i in range(lo, lo + len(part))}
             skipped: list = []
@@ -945,17 +954,23 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
     return run.run_id
 
 
-AUTO_BATCH_BYTES = 512 << 20  # batch_size="auto": the captured tensors of a batch held at once, at most
+AUTO_BATCH_BYTES = 512 << 20  # batch_size="auto": the captured data of a batch held at once, about
 AUTO_BATCH_PROMPTS = 16  # and at most this many prompts a batch (capture_vllm_run's batch)
 
 
-def _auto_batch(lengths: Sequence[int], per_token: float) -> int:
+def _auto_batch(lengths: Sequence[int], per_token: float, budget: float, block_size: int | None,
+                num_blocks: int | None) -> int:
     """How many of the next prompts (their token counts ``lengths``) go to the engine together:
-    while their tensors at ``per_token`` bytes a token fit ``AUTO_BATCH_BYTES``; one at least."""
-    n, held = 0, 0.0
+    while their tensors at ``per_token`` bytes a token fit ``budget`` and their KV blocks
+    (``ceil(tokens / block_size)`` each) fit the engine's ``num_blocks`` at once; one at least,
+    and one alone where the cache's size is unknown."""
+    if not block_size or not num_blocks:
+        return 1
+    n, held, blocks = 0, 0.0, 0
     for m in lengths[:AUTO_BATCH_PROMPTS]:
         held += m * per_token
-        if n and held > AUTO_BATCH_BYTES:
+        blocks += -(-m // block_size)
+        if n and (held > budget or blocks > num_blocks):
             break
         n += 1
     return max(1, n)

@@ -12,6 +12,8 @@
 The grouping and segment rules themselves are checked on hand-made records (no engine)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -301,15 +303,27 @@ def test_a_fault_in_a_later_prefill_chunk_is_named_at_its_module(engine, hf32):
     assert all(m.passed for m in v.modules if m.phase == "prefill" and names.index(m.module) < names.index(target))
 
 
-def test_auto_batches_fill_the_byte_budget_at_the_first_prompts_bytes_a_token(monkeypatch):
-    import extractors.vllm_modules as vm
+def test_auto_batches_fill_the_byte_budget_and_the_kv_cache_at_the_first_prompts_bytes_a_token():
+    from extractors.vllm_modules import AUTO_BATCH_PROMPTS, _auto_batch
 
-    monkeypatch.setattr(vm, "AUTO_BATCH_BYTES", 100)
-    assert vm._auto_batch([30, 40, 50], 1.0) == 2  # 30 + 40 fit 100 bytes, + 50 does not
-    assert vm._auto_batch([30, 70, 1], 1.0) == 2  # exactly the budget fits
-    assert vm._auto_batch([150, 10], 1.0) == 1  # one prompt over the budget still goes, alone
-    assert vm._auto_batch([1] * 40, 1.0) == vm.AUTO_BATCH_PROMPTS  # and never more than a capture_vllm_run batch
-    assert vm._auto_batch([10], 2.5) == 1
+    assert _auto_batch([30, 40, 50], 1.0, 100, 16, 1000) == 2  # 30 + 40 fit 100 bytes, + 50 does not
+    assert _auto_batch([30, 70, 1], 1.0, 100, 16, 1000) == 2  # exactly the budget fits
+    assert _auto_batch([150, 10], 1.0, 100, 16, 1000) == 1  # one prompt over the budget still goes, alone
+    assert _auto_batch([1] * 40, 1.0, 100, 16, 1000) == AUTO_BATCH_PROMPTS  # never more than a capture_vllm_run batch
+    assert _auto_batch([10], 2.5, 100, 16, 1000) == 1
+    # KV blocks: 33 tokens take 3 blocks of 16, 16 tokens 1; a cache of 7 blocks holds 3 + 3 + 1, not 3 + 3 + 3
+    assert _auto_batch([33, 33, 16, 1], 0.0, 100, 16, 7) == 3
+    assert _auto_batch([33, 33, 33], 0.0, 100, 16, 7) == 2
+    assert _auto_batch([33, 33], 0.0, 100, 16, None) == 1  # the cache's size unknown: one at a time
+
+
+@pytest.mark.parametrize("bad", ["Auto", 0, True, 2.0, None])
+def test_a_bad_batch_size_is_refused_in_one_line_before_the_engine_is_asked_anything(bad):
+    from extractors.vllm_modules import capture_vllm_module_run
+
+    with pytest.raises(ValueError, match=r"^capture_vllm_module_run: batch_size must be an integer >= 1 or 'auto', "
+                                         r"got " + re.escape(repr(bad)) + "$"):
+        capture_vllm_module_run(None, None, "unused", [[1, 2, 3]], 2, batch_size=bad)
 
 
 @pytest.mark.vllm
@@ -349,11 +363,14 @@ def test_auto_batches_store_what_a_prompt_at_a_time_stores_and_hold_the_byte_bud
             a = st.read_tensor(alone, pid[alone][i], module, phase=phase)
             b = st.read_tensor(auto, pid[auto][i], module, phase=phase)
             np.testing.assert_allclose(b, a, rtol=0, atol=2e-5, err_msg=f"prompt {i}, {n}")
-    # the budget holds: at the first prompt's bytes a token, room for prompts 1 and 2, not 3 with them
+    # the budget holds: at the first prompt's bytes a token (its 43 tokens: 40 + 3 teacher), counted
+    # twice at TP 1 (records and their stitched copies), room for prompts 1 and 2 (26 + 34 tokens) and
+    # not 3 with them; a byte less, prompt 1 alone and 2 with 3 (34 + 22)
     first = sum(c["nbytes"] for c in caps[auto] if c["kind"] == "tensor" and c["prompt_id"] == pid[auto][0])
     per_token = first / (40 + 3)
-    monkeypatch.setattr(vm, "AUTO_BATCH_BYTES", int(per_token * (26 + 34)) + 1)
-    batches.clear()
-    llm.reset_prefix_cache()
-    vm.capture_vllm_module_run(st, llm, path, prompts, None, teacher_tokens=teacher, batch_size="auto")
-    assert batches == [1, 2, 1]
+    for budget, want in ((2 * per_token * (26 + 34) + 2, [1, 2, 1]), (2 * per_token * (26 + 34) - 2, [1, 1, 2])):
+        monkeypatch.setattr(vm, "AUTO_BATCH_BYTES", budget)
+        batches.clear()
+        llm.reset_prefix_cache()
+        vm.capture_vllm_module_run(st, llm, path, prompts, None, teacher_tokens=teacher, batch_size="auto")
+        assert batches == want, budget
