@@ -30,7 +30,10 @@ the child, per stage):
 
 Printed: each stage's wall and CPU seconds, its limit's, the ratios, and its peak RSS; then the tool's
 own overhead — total minus the model forwards and weight reads (the sum of the limits of the stages
-that ran) — as a share of the total, judged on CPU seconds (goal <= 15%): on a shared machine the
+that ran, each stage credited at most its own seconds: a stage under its limit, e.g. an engine
+started in a process that has already freed the references' memory, neither counts as negative
+overhead nor hides another stage's excess) — as a share of the total, judged on CPU seconds (goal
+<= 15%): on a shared machine the
 wall seconds of a stage and of its limit, measured minutes apart, see different loads (measured:
 a 9.8x wall ratio at load 17 against its limit at load 5), while CPU seconds do not.
 """
@@ -268,9 +271,9 @@ def report(runs: list, lim: dict) -> None:
             ls, lc = (lim[ref]["wall_s"], lim[ref]["cpu_s"]) if ref else (None, None)
             if s in r["reused"]:
                 ref, ls, lc = "(reused)", None, None
-            if ref and ls and s != "checks":
-                work, work_cpu = work + ls, work_cpu + lc
             c = cpu.get(s, 0.0)
+            if ref and ls and s != "checks":  # a stage is credited at most its own seconds (below)
+                work, work_cpu = work + min(ls, tm[s]), work_cpu + min(lc, c)
             print(f"{job:<12} {s:<18} {tm[s]:7.1f} {c:7.1f} {ref or '-':>19} {ls or 0:7.1f} {lc or 0:7.1f} "
                   f"{tm[s] / ls if ls else float('nan'):6.2f} {c / lc if lc else float('nan'):6.2f} "
                   f"{peaks.get(s, 0) / GiB:8.2f}G")
