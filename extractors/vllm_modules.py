@@ -764,7 +764,7 @@ def _request_index(req, batch: dict):
 
 def _check_batch_size(batch_size, where: str, auto: bool = False) -> None:
     """``auto``: "auto" is a value too (``capture_vllm_module_run``)."""
-    if auto and isinstance(batch_size, str) and batch_size == "auto":
+    if auto and batch_size == "auto":
         return
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         allowed = "an integer >= 1 or 'auto'" if auto else "an integer >= 1"
@@ -949,7 +949,7 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
                     run.write_tensor(pid, NOT_COMPUTED, np.asarray(skipped[k], dtype=np.int64), phase="prefill",
                                      dims=["index"])
             if batch_size == "auto" and per_token is None:
-                per_token = max(1.0, sum(_nbytes(t) for rec in pending[lo] for t in rec[3:]) / lengths[lo])
+                per_token = max(1.0, sum(int(rec[3].nbytes) for rec in pending[lo]) / lengths[lo])  # torch or numpy
             lo += len(part)
     return run.run_id
 
@@ -974,8 +974,3 @@ def _auto_batch(lengths: Sequence[int], per_token: float, budget: float, block_s
             break
         n += 1
     return max(1, n)
-
-
-def _nbytes(t) -> int:
-    """Bytes of a captured step (torch or numpy)."""
-    return int(t.nbytes) if isinstance(t, np.ndarray) else int(t.nelement() * t.element_size())
