@@ -200,6 +200,20 @@ class RunWriter:
         if self._closed:
             raise ValueError(f"run {self.run_id} is already committed or aborted")
 
+    def record_config(self, **entries: Any) -> None:
+        """Add ``entries`` to the run config before the commit, for what a capture learns only as
+        it runs (e.g. the batches it formed); a key the config already has is refused, so what
+        ``begin_run`` recorded is never rewritten."""
+        self._check_open()
+        config = json.loads(self._meta["config"])
+        again = sorted(set(entries) & set(config))
+        if again:
+            raise ValueError(f"run {self.run_id}: record_config: the run config already has {again}")
+        try:
+            self._meta = {**self._meta, "config": json.dumps({**config, **entries}, sort_keys=True)}
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"run {self.run_id}: record_config: entries must be JSON-serialisable ({e})") from None
+
     @property
     def prompt_ids(self) -> list[str]:
         return list(self._prompts)

@@ -883,7 +883,9 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
     and recomputed, which the stitching refuses) and as fit ``AUTO_BATCH_BYTES`` at the first
     prompt's captured bytes a token, counted ``tp + 1`` times (the records and their stitched
     copies; every rank's copy of a replicated module reaches this process), so the captured data
-    held at once stays near ``AUTO_BATCH_BYTES``; the engine's decode forwards then serve several
+    held at once stays near ``AUTO_BATCH_BYTES``; the run config records the prompts of each batch
+    sent (``module_batches``, in order; the engine's batching can change its numbers, so a rerun
+    must know it); the engine's decode forwards then serve several
     requests, as it serves (one request at a time read every weight once a token for each
     prompt: 2.4x a plain ``generate`` of 4 prompts at a 1.5B shape). Per
     prompt tokens = prompt + sampled (teacher) tokens and ``tensors/<hf_module>/<phase>`` as the
@@ -926,12 +928,14 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
     per_token = None  # "auto": the bytes a token of the first prompt captured
     cache = llm.llm_engine.vllm_config.cache_config
     budget = AUTO_BATCH_BYTES / (tp + 1)
+    formed = []  # prompts per batch sent, recorded in the run config (batch_size "auto" decides them as it runs)
     with run:
         lo = 0
         while lo < len(prompts):
             n = batch_size if batch_size != "auto" else 1 if per_token is None else \
                 _auto_batch(lengths[lo:], per_token, budget, cache.block_size, cache.num_gpu_blocks)
             part = prompts[lo:lo + n]
+            formed.append(len(part))
             pending: dict = {i: [] for i in range(lo, lo + len(part))}
             skipped: list = []
             _, toks, _ = collect_vllm_modules(llm, part, num_tokens, order,
@@ -951,6 +955,7 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
             if batch_size == "auto" and per_token is None:
                 per_token = max(1.0, sum(int(rec[3].nbytes) for rec in pending[lo]) / lengths[lo])  # torch or numpy
             lo += len(part)
+        run.record_config(module_batches=formed)
     return run.run_id
 
 

@@ -85,3 +85,20 @@ def test_a_failure_after_the_commit_marker_is_in_place_does_not_delete_the_commi
     got_k, got_v = again.read_kv(run.run_id, pid)
     assert np.array_equal(got_k, k) and np.array_equal(got_v, k + 1)
     assert again.verify().ok
+
+
+def test_record_config_adds_what_a_capture_learns_as_it_runs_and_never_rewrites_the_begun_config(store):
+    import json
+
+    with store.begin_run(engine="hf", model_path="m", config={"batch_size": "auto"}) as run:
+        run.add_prompt([1, 2, 3])
+        run.record_config(module_batches=[1, 3])
+        with pytest.raises(ValueError, match=rf"^run {run.run_id}: record_config: the run config already has "
+                                             r"\['batch_size', 'module_batches'\]$"):
+            run.record_config(batch_size=4, module_batches=[4])
+        with pytest.raises(ValueError, match=rf"^run {run.run_id}: record_config: entries must be JSON-serialisable"):
+            run.record_config(when=object())
+    config = json.loads(store.runs().to_pylist()[0]["config"])
+    assert config["batch_size"] == "auto" and config["module_batches"] == [1, 3] and "when" not in config
+    with pytest.raises(ValueError, match=rf"^run {run.run_id} is already committed or aborted$"):
+        run.record_config(later=1)

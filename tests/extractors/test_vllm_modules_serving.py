@@ -12,6 +12,7 @@
 The grouping and segment rules themselves are checked on hand-made records (no engine)."""
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -351,6 +352,9 @@ def test_auto_batches_store_what_a_prompt_at_a_time_stores_and_hold_the_byte_bud
     finally:
         layout = llm.collective_rpc(_unwatch_layout)[0]
     assert batches == [1, 3]  # the first prompt alone, the other three together (well inside 512 MiB)
+    config = {r["run_id"]: json.loads(r["config"]) for r in st.runs().to_pylist()}
+    assert config[auto]["module_batches"] == [1, 3] and config[auto]["batch_size"] == "auto"
+    assert config[alone]["module_batches"] == [1, 1, 1, 1] and config[alone]["batch_size"] == 1
     assert max(len(f) for f in layout) >= 2  # the engine did serve them in one forward
     caps = {r: st.captures(r).to_pylist() for r in (alone, auto)}
     pid = {r: {p["prompt_idx"]: p["prompt_id"] for p in st.prompts(r).to_pylist()} for r in (alone, auto)}
