@@ -904,6 +904,8 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
 
     where = "capture_vllm_module_run"
     _check_batch_size(batch_size, where, auto=True)
+    if "module_batches" in (config or {}):  # recorded by the capture itself, at its end
+        raise ValueError(f"{where}: config must not set 'module_batches' (the capture records the batches it sends)")
     prompts, teacher = _token_plan(llm, prompts, num_tokens, teacher_tokens, where)
     arch, _ = vllm_architecture(llm)
     dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")

@@ -327,6 +327,14 @@ def test_a_bad_batch_size_is_refused_in_one_line_before_the_engine_is_asked_anyt
         capture_vllm_module_run(None, None, "unused", [[1, 2, 3]], 2, batch_size=bad)
 
 
+def test_a_config_that_sets_the_recorded_batches_is_refused_before_the_engine_is_asked_anything():
+    from extractors.vllm_modules import capture_vllm_module_run
+
+    with pytest.raises(ValueError, match=r"^capture_vllm_module_run: config must not set 'module_batches' "
+                                         r"\(the capture records the batches it sends\)$"):
+        capture_vllm_module_run(None, None, "unused", [[1, 2, 3]], 2, config={"module_batches": [1]})
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_auto_batches_store_what_a_prompt_at_a_time_stores_and_hold_the_byte_budget(engine, tmp_path, monkeypatch):
