@@ -885,7 +885,8 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
     copies; every rank's copy of a replicated module reaches this process), so the captured data
     held at once stays near ``AUTO_BATCH_BYTES``; the run config records the prompts of each batch
     sent (``module_batches``, in order; the engine's batching can change its numbers, so a rerun
-    must know it); the engine's decode forwards then serve several
+    must know it) and, for ``"auto"``, the limits they were formed within (``auto_batch_limits``);
+    the engine's decode forwards then serve several
     requests, as it serves (one request at a time read every weight once a token for each
     prompt: 2.4x a plain ``generate`` of 4 prompts at a 1.5B shape). Per
     prompt tokens = prompt + sampled (teacher) tokens and ``tensors/<hf_module>/<phase>`` as the
@@ -920,6 +921,7 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
            **({"row_parallel_modules": row_parallel_modules(llm)} if tp > 1 else {}),
            "enable_prefix_caching": bool(getattr(llm.llm_engine.vllm_config.cache_config, "enable_prefix_caching",
                                                  False)),
+           **({"auto_batch_limits": _auto_batch_limits(llm, tp)} if batch_size == "auto" else {}),
            "vllm_architecture": arch, "tensor_layout": "as extractors.modules (HF names via extractors.vllm_modules)",
            **routing_run_config(model_path), **(config or {})}
     run = begin_capture_run(store, engine="vllm", capture="greedy" if teacher is None else "teacher_forced_decode",
@@ -929,7 +931,7 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
     lengths = [len(p) + (len(teacher[i]) if teacher is not None else num_tokens) for i, p in enumerate(prompts)]
     per_token = None  # "auto": the bytes a token of the first prompt captured
     cache = llm.llm_engine.vllm_config.cache_config
-    budget = AUTO_BATCH_BYTES / (tp + 1)
+    budget = AUTO_BATCH_BYTES / (tp + 1)  # as _auto_batch_limits records it
     formed = []  # prompts per batch sent, recorded in the run config (batch_size "auto" decides them as it runs)
     with run:
         lo = 0
@@ -963,6 +965,15 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
 
 AUTO_BATCH_BYTES = 512 << 20  # batch_size="auto": the captured data of a batch held at once, about
 AUTO_BATCH_PROMPTS = 16  # and at most this many prompts a batch (capture_vllm_run's batch)
+
+
+def _auto_batch_limits(llm, tp: int) -> dict:
+    """What ``batch_size="auto"`` forms its batches within, for the run config: the byte budget,
+    how many times it is counted, the prompts a batch at most and the engine's KV cache (block
+    size and blocks; None where the engine does not say)."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    return {"bytes": AUTO_BATCH_BYTES, "bytes_counted_times": tp + 1, "max_prompts": AUTO_BATCH_PROMPTS,
+            "kv_block_size": cache.block_size, "kv_blocks": cache.num_gpu_blocks}
 
 
 def _auto_batch(lengths: Sequence[int], per_token: float, budget: float, block_size: int | None,

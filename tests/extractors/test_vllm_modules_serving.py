@@ -363,6 +363,11 @@ def test_auto_batches_store_what_a_prompt_at_a_time_stores_and_hold_the_byte_bud
     config = {r["run_id"]: json.loads(r["config"]) for r in st.runs().to_pylist()}
     assert config[auto]["module_batches"] == [1, 3] and config[auto]["batch_size"] == "auto"
     assert config[alone]["module_batches"] == [1, 1, 1, 1] and config[alone]["batch_size"] == 1
+    cache = llm.llm_engine.vllm_config.cache_config
+    assert config[auto]["auto_batch_limits"] == {
+        "bytes": 512 << 20, "bytes_counted_times": 2, "max_prompts": 16, "kv_block_size": cache.block_size,
+        "kv_blocks": cache.num_gpu_blocks} and cache.block_size >= 1 and cache.num_gpu_blocks >= 1
+    assert "auto_batch_limits" not in config[alone]
     assert max(len(f) for f in layout) >= 2  # the engine did serve them in one forward
     caps = {r: st.captures(r).to_pylist() for r in (alone, auto)}
     pid = {r: {p["prompt_idx"]: p["prompt_id"] for p in st.prompts(r).to_pylist()} for r in (alone, auto)}
