@@ -912,6 +912,7 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
     dtype = str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
     order, _ = _resolve(llm, modules)  # a bad pattern is refused before a run exists
     tp = int(llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
+    limits = _auto_batch_limits(llm, tp)  # "auto" decides by these, and the run config records them
     cfg = {"mode": "greedy" if teacher is None else "teacher_forced_decode", "num_tokens": num_tokens,
            "module_patterns": list([modules] if isinstance(modules, str) else modules),
            "modules": order, "module_order": order, "batch_size": batch_size, "module_inputs": bool(inputs),
@@ -921,7 +922,7 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
            **({"row_parallel_modules": row_parallel_modules(llm)} if tp > 1 else {}),
            "enable_prefix_caching": bool(getattr(llm.llm_engine.vllm_config.cache_config, "enable_prefix_caching",
                                                  False)),
-           **({"auto_batch_limits": _auto_batch_limits(llm, tp)} if batch_size == "auto" else {}),
+           **({"auto_batch_limits": limits} if batch_size == "auto" else {}),
            "vllm_architecture": arch, "tensor_layout": "as extractors.modules (HF names via extractors.vllm_modules)",
            **routing_run_config(model_path), **(config or {})}
     run = begin_capture_run(store, engine="vllm", capture="greedy" if teacher is None else "teacher_forced_decode",
@@ -930,14 +931,13 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
                             device="cpu", engine_version=vllm.__version__, tp_degree=tp, release=release)
     lengths = [len(p) + (len(teacher[i]) if teacher is not None else num_tokens) for i, p in enumerate(prompts)]
     per_token = None  # "auto": the bytes a token of the first prompt captured
-    cache = llm.llm_engine.vllm_config.cache_config
-    budget = AUTO_BATCH_BYTES / (tp + 1)  # as _auto_batch_limits records it
+    budget = limits["bytes"] / limits["bytes_counted_times"]
     formed = []  # prompts per batch sent, recorded in the run config (batch_size "auto" decides them as it runs)
     with run:
         lo = 0
         while lo < len(prompts):
             n = batch_size if batch_size != "auto" else 1 if per_token is None else \
-                _auto_batch(lengths[lo:], per_token, budget, cache.block_size, cache.num_gpu_blocks)
+                _auto_batch(lengths[lo:], per_token, budget, limits["kv_block_size"], limits["kv_blocks"])
             part = prompts[lo:lo + n]
             formed.append(len(part))
             pending: dict = {i: [] for i in range(lo, lo + len(part))}

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from extractors.vllm_modules import group_request_records
+from tests.extractors.forward_layout import unwatch_layout, watch_layout
 
 CHUNK, BLOCK = 16, 32
 
@@ -102,26 +103,6 @@ def hf32(engine):
 # ---------------------------------------------------------------- worker-side helpers (collective_rpc)
 
 
-def _watch_layout(worker):
-    """Record every forward's request layout (``forward_segments``) with its positions."""
-    from extractors.vllm_modules import forward_segments
-
-    seen = []
-
-    def pre(module, args, kwargs):
-        pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
-        seen.append([(r, pos[lo:hi].tolist()) for r, lo, hi in forward_segments(worker.model_runner, pos.numel())])
-
-    worker._p21_watch = (worker.model_runner.model.register_forward_pre_hook(pre, with_kwargs=True), seen)
-    return True
-
-
-def _unwatch_layout(worker):
-    handle, seen = worker.__dict__.pop("_p21_watch")
-    handle.remove()
-    return seen
-
-
 def _install_later_chunk_scale(worker, name, factor):
     """Scale ``name``'s output on the rows of every prefill chunk that starts past position 0 (the
     second chunk on, a chunk of one token too), of any request of the forward; first chunks and
@@ -183,11 +164,11 @@ def test_batched_requests_are_captured_by_request_equal_to_each_alone(engine, hf
     llm.reset_prefix_cache()
     alone, toks, names = collect_vllm_modules(llm, prompts, 3)
     llm.reset_prefix_cache()  # the batched requests compute every position again
-    llm.collective_rpc(_watch_layout)
+    llm.collective_rpc(watch_layout)
     try:
         batched, toks_b, _ = collect_vllm_modules(llm, prompts, 3, batch_size=3)
     finally:
-        layout = llm.collective_rpc(_unwatch_layout)[0]
+        layout = llm.collective_rpc(unwatch_layout)[0]
     assert toks_b == toks
     # the scheduler did batch them: forwards held several requests, prefills went in chunks of 16
     assert max(len(f) for f in layout) >= 2
@@ -354,11 +335,11 @@ def test_auto_batches_store_what_a_prompt_at_a_time_stores_and_hold_the_byte_bud
 
     monkeypatch.setattr(vm, "collect_vllm_modules", counting)
     llm.reset_prefix_cache()
-    llm.collective_rpc(_watch_layout)
+    llm.collective_rpc(watch_layout)
     try:
         auto = vm.capture_vllm_module_run(st, llm, path, prompts, None, teacher_tokens=teacher, batch_size="auto")
     finally:
-        layout = llm.collective_rpc(_unwatch_layout)[0]
+        layout = llm.collective_rpc(unwatch_layout)[0]
     assert batches == [1, 3]  # the first prompt alone, the other three together (well inside 512 MiB)
     config = {r["run_id"]: json.loads(r["config"]) for r in st.runs().to_pylist()}
     assert config[auto]["module_batches"] == [1, 3] and config[auto]["batch_size"] == "auto"

@@ -93,36 +93,22 @@ SCRIPT = textwrap.dedent('''
         mod.register_forward_hook(hook)
         return 1
 
-    def watch(worker):
-        """Record how many requests each forward of this rank held (``forward_segments``)."""
-        from extractors.vllm_modules import forward_segments
-        seen = []
-        def pre(module, args, kwargs):
-            pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
-            seen.append(len(forward_segments(worker.model_runner, pos.numel())))
-        worker._tp_watch = (worker.model_runner.model.register_forward_pre_hook(pre, with_kwargs=True), seen)
-        return True
-
-    def unwatch(worker):
-        handle, seen = worker.__dict__.pop("_tp_watch")
-        handle.remove()
-        return seen
-
     def main():
         from extractors.models import tiny_model
         from extractors import vllm_rpc as R
         from extractors.vllm_modules import collect_vllm_modules
+        from tests.extractors.forward_layout import unwatch_layout, watch_layout
         prompts, teacher, out = {prompts}, {teacher}, {out!r}
         llm = R.make_llm(tiny_model("llama-gqa"), **{kwargs})
         assert R._transport(llm) == "bytes", R._transport(llm)
         act, toks, names = collect_vllm_modules(llm, prompts, None, teacher_tokens=teacher)
         # the same prompts sent together, as "auto" batches them: each rank's forwards serve several
-        llm.collective_rpc(watch)
+        llm.collective_rpc(watch_layout)
         try:
             batched, toks_b, _ = collect_vllm_modules(llm, prompts, None, teacher_tokens=teacher,
                                                       batch_size=len(prompts))
         finally:
-            held = llm.collective_rpc(unwatch)
+            held = llm.collective_rpc(unwatch_layout)
         torch.save({{"act": act, "toks": toks, "names": names, "batched": batched, "toks_b": toks_b,
                      "held": held}}, out)
         refused = None
@@ -178,7 +164,7 @@ def tp_runs(tmp_path_factory):
         batched[(tp, dtype)] = (got["batched"], got["toks_b"], got["held"])
         return done[(tp, dtype)]
 
-    run.batched = batched  # (tp, dtype) -> (captures of the prompts sent together, tokens, requests a forward per rank)
+    run.batched = batched  # (tp, dtype) -> (captures of the prompts sent together, tokens, each rank's forward layouts)
 
     return run
 
@@ -241,7 +227,7 @@ def test_tp2_module_capture_of_prompts_sent_together_equals_them_sent_one_at_a_t
     alone, toks, names, _ = tp_runs(2, "float32")
     together, toks_b, held = tp_runs.batched[(2, "float32")]
     assert toks_b == toks
-    assert len(held) == 2 and held[0] == held[1] and max(held[0]) >= 4, held  # both ranks, forwards of several
+    assert len(held) == 2 and held[0] == held[1] and max(len(f) for f in held[0]) >= 4, held  # both ranks, forwards of several
     worst = 0.0
     for i, (a, b) in enumerate(zip(alone, together, strict=True)):
         assert set(b) == set(a) == {(n, p) for n in names for p in ("prefill", "decode")}
