@@ -34,11 +34,12 @@ rounds. ``--s3`` times instead one query a call on a store of three runs on a mo
 listing every table (what it did before), called in turn.
 
 Usage: python benchmarks/bench_store_growth.py [--quick] [--year] [--runs N] [--comparisons N] [--dir DIR]
-       [--baseline DIR] [--first-query-only] [--s3]
+       [--baseline DIR] [--first-query-only] [--s3] [--as-ci-leaves-it]
 The default (= --quick, what `make bench` runs) is 300 runs and 100 comparisons; --year is the
-issue's year of nightly CI, 10,000 runs and 3,000 comparisons. Building dominates: each run's
-prompts are zarr arrays (about 0.1 s a prompt on this 2-core machine at load 20), so --year takes
-hours here.
+issue's year of nightly CI, 10,000 runs and 3,000 comparisons, in the stores a nightly CI leaves
+(``--as-ci-leaves-it``: compacted after each night's 36 commits, and with automatic compaction;
+not the store as written, whose every query opens ~40,000 segment files): ~25 min here, building
+dominates (docs/compact.md, "A year of nightly CI").
 """
 from __future__ import annotations
 
@@ -301,6 +302,69 @@ def print_first_queries(base: Path, baseline: str | None, repeat: int) -> None:
                   f"old {got[('this checkout', 'old')] / got[('baseline', 'old')]:.2f}")
 
 
+def footer_sizes(root: Path) -> str:
+    """Bytes of the visible merged segments' footers of the runs and kv_head_metrics tables (the
+    per-source entries grow with every run and comparison merged: docs/compact.md)."""
+    from capturestore import Store
+    from capturestore.compaction import merged_segments
+    from capturestore.footer import footer_bytes
+    from capturestore.layout import TABLES_DIR
+
+    b = Store.open(root, create=False).backend
+    out = []
+    for t in ("runs", "kv_head_metrics"):
+        merged, _ = merged_segments(b, t)
+        sizes = [len(footer_bytes(b.read(f"{TABLES_DIR}/{t}/{m.name}"))) for m in merged]
+        out.append(f"{t} {len(merged)} merged, footers {sum(sizes) / 1e6:.2f} MB "
+                   f"({sum(len(m.sources) for m in merged)} sources)")
+    return "; ".join(out)
+
+
+def as_ci_leaves_it(base: Path, n_runs: int, n_cmp: int, every: int, repeat: int) -> int:
+    """The stores a nightly CI leaves after ``n_runs`` runs and ``n_cmp`` comparisons: compacted
+    after every ``every`` commits (a night), and written with automatic compaction and no compact
+    called, each against a young store of 10 comparisons written the same way; the six queries
+    and a fresh process's first query. No store as written: at a year's size each of its queries
+    opens tens of thousands of segment files (that store's cost is what compact removes; the
+    default size measures it)."""
+    t = time.perf_counter()
+    young_ids = build(base / "young", 20, 10, every)
+    old_ids = build(base / "old", n_runs, n_cmp, every)
+    took = time.perf_counter() - t
+    print(f"old store: {n_runs} runs x {len(PROMPTS)} prompts, {n_cmp} comparisons, compacted after every {every} "
+          f"commits (a night) as it grew; young store: 20 runs, 10 comparisons, the same; built in {took:.1f} s; "
+          f"segment files: old {segment_count(base / 'old')}, young {segment_count(base / 'young')}")
+    print(f"  old store's merged segments: {footer_sizes(base / 'old')}")
+    t = time.perf_counter()
+    build(base / "young auto", 20, 10, auto=None)
+    build(base / "old auto", n_runs, n_cmp, auto=None)
+    print(f"the same two stores written with automatic compaction at its default (no compact called): built in "
+          f"{time.perf_counter() - t:.1f} s; segment files: "
+          + ", ".join(f"{w} {segment_count(base / w)}" for w in ("old auto", "young auto")))
+    ycid, ocid = young_ids[5], old_ids[len(old_ids) // 2]
+    comp = interleaved({"young": calls(base / "young", ycid), "old": calls(base / "old", ocid),
+                        "young window": calls(base / "young", ycid, True),
+                        "old window": calls(base / "old", ocid, True),
+                        "young auto": calls(base / "young auto", ycid),
+                        "old auto": calls(base / "old auto", ocid)}, repeat)
+    young, old = comp["young"], comp["old"]
+    missed = False
+    print(f"\n{'query':40s} {'old s':>9s} {'young s':>9s} {'ratio':>7s} {'goal':>6s} {'window':>7s} {'auto':>6s}")
+    for name in old:
+        r = old[name] / young[name]
+        missed |= r > GOAL
+        print(f"{name:40s} {old[name]:9.4f} {young[name]:9.4f} {r:7.2f} {GOAL:6.1f} "
+              f"{comp['old window'][name] / comp['young window'][name]:7.2f} "
+              f"{comp['old auto'][name] / comp['young auto'][name]:6.2f}{'  MISSED' if r > GOAL else ''}")
+    print("ratio: the old store over the young one, both compacted every night as written, Store.sql's explicit "
+          "file lists; window: the same through the window form of the reader rule (catalog.duckdb's views); auto: "
+          "both written with automatic compaction, no compact called (no goal); best of --repeat, the stores "
+          "compared called in turn in each round")
+    print_first_queries(base, None, repeat)
+    shutil.rmtree(base, ignore_errors=True)
+    return 1 if missed else 0
+
+
 def s3_requests(store, query: str) -> dict[str, int]:
     """{S3 operation: count} of one ``store.sql(query)`` (s3fs's requests, DuckDB's reads included:
     it reads through the same filesystem)."""
@@ -359,7 +423,14 @@ def s3_queries(repeat: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the default size (300 runs, 100 comparisons)")
-    ap.add_argument("--year", action="store_true", help="10,000 runs and 3,000 comparisons")
+    ap.add_argument("--year", action="store_true",
+                    help="10,000 runs and 3,000 comparisons, the stores a year of nightly CI leaves: compacted after "
+                         "each night's commits, and with automatic compaction (--as-ci-leaves-it); a night is "
+                         "--compact-every commits (default here 36: 27 runs and 8 comparisons)")
+    ap.add_argument("--as-ci-leaves-it", action="store_true",
+                    help="only the nightly-compacted and the automatically compacted stores, their queries and "
+                         "first queries (not the store as written, whose 3 segments a commit a query opens one by "
+                         "one: at a year's size minutes a query)")
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--comparisons", type=int, default=100)
     ap.add_argument("--repeat", type=int, default=7)
@@ -378,6 +449,9 @@ def main() -> int:
     n_runs, n_cmp = (10_000, 3_000) if a.year else (a.runs, a.comparisons)
     base = Path(a.dir)
     shutil.rmtree(base, ignore_errors=True)
+    if a.year or a.as_ci_leaves_it:
+        every = a.compact_every if a.compact_every != 3 or not a.year else round((n_runs + n_cmp) / 365)
+        return as_ci_leaves_it(base, n_runs, n_cmp, every, a.repeat)
     t = time.perf_counter()
     young_ids = build(base / "young", 20, 10)
     old_ids = build(base / "old", n_runs, n_cmp)

@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 
 from capturestore.errors import StoreError, WriterIdTaken
 from capturestore.footer import footer_bytes
-from capturestore.layout import PENDING_DIR, TABLES_DIR
+from capturestore.layout import PENDING_DIR, SHARED_COLUMNS_FORMAT_VERSION, TABLES_DIR
 from capturestore.tables import (
     RUN_TABLES,
     SCHEMA_SEGMENT,
@@ -144,18 +144,78 @@ def _merged_of(name: str, meta: Any) -> MergedSegment:
         raise ValueError(f"sources is {type(sources).__name__}, not an object of source entries")
     if not isinstance(replaces, list) or not all(isinstance(r, str) for r in replaces):
         raise ValueError("replaces is not a list of names")
+    column_lists: set[tuple] = set()  # the column lists checked: most sources of a table share one
+    shared = meta.get("column_lists")
+    if shared is not None:  # format 5 (pack_columns): each entry names its list by index
+        if not isinstance(shared, list) or not all(isinstance(c, list) and all(type(x) is str for x in c)
+                                                   for c in shared):
+            raise ValueError("column_lists is not a list of column name lists")
+        column_lists.update(tuple(c) for c in shared)
+        for src, info in sources.items():
+            i = info.get("columns") if isinstance(info, dict) else None
+            if i is None:
+                continue  # _entry_problem names what is missing
+            if type(i) is not int or not 0 <= i < len(shared):
+                raise ValueError(f"source {src}: columns is {i!r}, not an index of the {len(shared)} column_lists")
+            info["columns"] = shared[i]
     for src, info in sources.items():
-        if not isinstance(info, dict):
-            raise ValueError(f"source {src}: its entry is not an object")
-        for key, types in _ENTRY_KEYS.items():
-            if key not in info:
-                raise ValueError(f"source {src}: no {key!r}")
-            if isinstance(info[key], bool) or not isinstance(info[key], types):
-                raise ValueError(f"source {src}: {key} is {info[key]!r}")
-        if info["rows"] < 0 or not all(isinstance(c, str) for c in info["columns"]) \
-                or not isinstance(info.get("rows_sha256_binary", ""), str):
-            raise ValueError(f"source {src}: rows, columns or rows_sha256_binary of the wrong form")
+        if not _entry_ok(info, column_lists):
+            _entry_problem(src, info)
     return MergedSegment(name, float(created), dict(sources), tuple(replaces))
+
+
+def pack_columns(sources: dict[str, dict[str, Any]]) -> tuple[list[list[str]], dict[str, dict[str, Any]]]:
+    """(column_lists, sources with each entry's ``columns`` the index of its list in column_lists):
+    how a store of format 5 (layout.SHARED_COLUMNS_FORMAT_VERSION) writes a compaction footer;
+    _merged_of reads both forms into the same entries."""
+    lists: list[list[str]] = []
+    index: dict[tuple, int] = {}
+    out = {}
+    for src, info in sources.items():
+        key = tuple(info["columns"])
+        if key not in index:
+            index[key] = len(lists)
+            lists.append(list(key))
+        out[src] = {**info, "columns": index[key]}
+    return lists, out
+
+
+def _entry_ok(info: Any, column_lists: set[tuple]) -> bool:
+    """Whether a source's footer entry has _ENTRY_KEYS of their types (and rows_sha256_binary a
+    str where present): _entry_problem's checks, by exact type (JSON gives no subclass; bool is
+    not int), a column list once per distinct list. A year of nightly CI merges 10,000 runs
+    into a few segments; checking each entry key by key was ~40 ms of a fresh process's first
+    query (docs/compact.md, "A year of nightly CI")."""
+    if type(info) is not dict:
+        return False
+    rows, columns = info.get("rows"), info.get("columns")
+    if type(rows) is not int or rows < 0 or type(info.get("sha256")) is not str \
+            or type(info.get("rows_sha256")) is not str or type(info.get("rows_sha256_binary", "")) is not str \
+            or type(columns) is not list:
+        return False
+    try:
+        key = tuple(columns)
+        if key in column_lists:
+            return True
+    except TypeError:  # an unhashable item: not a column name
+        return False
+    if not all(type(c) is str for c in columns):
+        return False
+    column_lists.add(key)
+    return True
+
+
+def _entry_problem(src: str, info: Any) -> None:
+    """ValueError in one line naming what is wrong with source ``src``'s entry (the first check
+    that fails, in _ENTRY_KEYS's order)."""
+    if not isinstance(info, dict):
+        raise ValueError(f"source {src}: its entry is not an object")
+    for key, types in _ENTRY_KEYS.items():
+        if key not in info:
+            raise ValueError(f"source {src}: no {key!r}")
+        if isinstance(info[key], bool) or not isinstance(info[key], types):
+            raise ValueError(f"source {src}: {key} is {info[key]!r}")
+    raise ValueError(f"source {src}: rows, columns or rows_sha256_binary of the wrong form")
 
 
 def merged_segments(b, table: str, names: list[str] | None = None, footers: dict | None = None,
@@ -971,6 +1031,16 @@ def _merged_name(replaces: list[str]) -> tuple[float, str]:
     return created, f"{COMPACTED_PREFIX}{stamp}-{uuid.uuid4().hex[:12]}"
 
 
+def _store_format(store) -> int:
+    """The store's format version as its capturestore.json says now (upgrade may have raised it
+    since the store was opened)."""
+    from capturestore.layout import FORMAT_FILE
+    from capturestore.store import parse_format
+
+    b = store.backend
+    return parse_format(b.read(FORMAT_FILE).decode(errors="replace"), b.where(FORMAT_FILE))["format_version"]
+
+
 def _require_remerged_format(store) -> None:
     """Mark the store format version 3 before its first merged segment that replaces merged ones."""
     from capturestore.layout import FORMAT_FILE, FORMAT_NAME, REMERGED_FORMAT_VERSION
@@ -1175,6 +1245,9 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
         meta = {"version": 2 if replaces else 1, "created_at": created, "sources": meta_sources}
         if replaces:
             meta["replaces"] = replaces
+        if _store_format(store) >= SHARED_COLUMNS_FORMAT_VERSION:  # a store of 4 keeps whole lists
+            meta["version"] = 3
+            meta["column_lists"], meta["sources"] = pack_columns(meta_sources)
         merged = merged.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
         b.put(f"{TABLES_DIR}/{table}/{name}.parquet", merged_bytes(merged), if_absent=True)
         res.remerged = [m.name for m in replaced]

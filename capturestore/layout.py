@@ -30,15 +30,22 @@ FORMAT_NAME = "capturestore"
 #    with `.`"; docs/reading.md). Each array names its separator in its zarr.json and every reader
 #    here takes it from there, so a store holds arrays of both kinds; an older capturestore would
 #    look for "c/..." keys and find no chunk, so a store of version 4 is refused by it.
+# 5: compaction footers name each distinct column list of their sources once (``column_lists``)
+#    and each source entry its list's index (``columns``: an int) instead of the list: the runs
+#    table's footers after a year of nightly CI (10,000 sources, 17 columns each) 4.3 -> 2.3 MB,
+#    their parse at each Store.open about a third (docs/compact.md, "A year of nightly CI"). An
+#    older capturestore would take such a footer for unreadable. Written only in stores of version 5
+#    (created so, or raised by ``capturestore upgrade``): a store of 4 or earlier keeps whole lists.
 # Every earlier version is read; each run records its arrays' layout (runs.format_version: 4 where
 # they use "." keys, else 2). FORMAT_VERSION is what a new store is created as and its runs are
 # written as; a store of an earlier version keeps "/" keys (RUN_FORMAT_VERSION_SLASH_KEYS), so
 # the capturestore versions that share it keep reading it. READABLE_FORMAT_VERSION: the newest
 # store this reads.
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 REMERGED_FORMAT_VERSION = 3
 DOT_KEYS_FORMAT_VERSION = 4
-READABLE_FORMAT_VERSION = 4
+SHARED_COLUMNS_FORMAT_VERSION = 5
+READABLE_FORMAT_VERSION = 5
 RUN_FORMAT_VERSION_SLASH_KEYS = 2
 POSITION_DIM = "position"
 FORMAT1_POSITION_DIMS = ("seq", "token")

@@ -921,12 +921,13 @@ class Store:
             pass
 
     def upgrade_format(self) -> tuple[int, int]:
-        """Raise the store to format ``layout.DOT_KEYS_FORMAT_VERSION`` (4): runs written from now
-        on make their arrays with "." chunk keys (one file per chunk beside its zarr.json, a third
-        of the directories; docs/reading.md). Arrays already written keep their "/" keys and read
-        as before; a capturestore older than format 4 no longer opens the store (it would find
-        no chunk in the new arrays), and a writer that opened the store before keeps writing "/"
-        keys, which read alike. Returns (version before, version after); a store already at 4 or
+        """Raise the store to format ``layout.FORMAT_VERSION`` (5), what a new store is created as:
+        runs written from now on make their arrays with "." chunk keys (4: one file per chunk beside
+        its zarr.json, a third of the directories; docs/reading.md), and compaction footers name each
+        column list once (5: docs/compact.md, "A year of nightly CI"). Arrays and merged segments
+        already written keep their form and read as before; a capturestore older than the new version
+        no longer opens the store, and a writer that opened the store before keeps writing "/"
+        keys, which read alike. Returns (version before, version after); a store already at 5 or
         later is left as it is. StoreError when the store cannot be written."""
         require_writable(self, "upgrade")
         b = self.backend
@@ -934,11 +935,11 @@ class Store:
         if info is None:
             raise StoreError(f"{b.where(FORMAT_FILE)}: not found (removed since the store was opened?)")
         before = info["format_version"]
-        if before < DOT_KEYS_FORMAT_VERSION:
-            info = {**info, "format": FORMAT_NAME, "format_version": DOT_KEYS_FORMAT_VERSION}
+        if before < FORMAT_VERSION:
+            info = {**info, "format": FORMAT_NAME, "format_version": FORMAT_VERSION}
             b.put(FORMAT_FILE, (json.dumps(info, indent=2) + "\n").encode(), durable=True)
-        self._chunk_separator = separator_for(max(before, DOT_KEYS_FORMAT_VERSION))
-        return before, max(before, DOT_KEYS_FORMAT_VERSION)
+        self._chunk_separator = separator_for(max(before, FORMAT_VERSION))
+        return before, max(before, FORMAT_VERSION)
 
     def rebuild_catalog(self) -> Path:
         """Rebuild catalog.duckdb from tables/ alone. StoreError when it cannot be written, or

@@ -95,9 +95,12 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
     if before == after:
         print(f"store {store.root} is format {after}: nothing to do")
     else:
-        print(f"store {store.root}: format {before} -> {after}; runs written from now on store each chunk as a file "
-              f"beside its array's zarr.json (\".\" chunk keys); the runs already there keep their \"/\" keys and read "
-              f"as before; a capturestore older than format {after} no longer opens this store")
+        now = (["runs written from now on store each chunk as a file beside its array's zarr.json (\".\" chunk "
+                "keys; the runs already there keep their \"/\" keys and read as before)"] if before < 4 else []) + \
+              ["compactions from now on name each column list once in their footers (merged segments already there "
+               "read as before)"]
+        print(f"store {store.root}: format {before} -> {after}; {'; '.join(now)}; a capturestore older than format "
+              f"{after} no longer opens this store")
     return 0
 
 

@@ -1282,6 +1282,73 @@ def test_compact_cli_bad_input_is_one_line_exit_2_and_store_untouched(tmp_path, 
     assert row.split()[header.split().index("merged_again")] == "1", out  # "left" (last) is empty
 
 
+def _footer_meta(store: Store, table: str) -> tuple[str, dict]:
+    """(name, footer JSON) of the table's one visible merged segment."""
+    from capturestore.compaction import META_KEY, merged_segments
+
+    (m,), _ = merged_segments(store.backend, table)
+    path = store.root / "tables" / table / m.name
+    return m.name, json.loads(pq.read_schema(path).metadata[META_KEY])
+
+
+def _night(store: Store, i: int) -> None:
+    with store.begin_run("hf", "m", dtype="float32") as w:
+        w.add_prompt([1, 2, 3 + i])
+    store.append_table("notes", [{"k": i}] if i % 2 else [{"k": i, "x": f"n{i}"}])
+
+
+def test_a_format_5_footer_names_each_column_list_once_and_reads_as_a_format_4_footer(tmp_path, monkeypatch):
+    """A year of nightly CI puts 10,000 sources into the runs table's merged footers, each with its
+    17 column names. A store of format 5 names each distinct column list once (column_lists) and
+    each source its list's index; the entries read back as a format 4 store's whole lists. A store
+    of 4 keeps whole lists until `upgrade`; its merged segment then merges again into the new form.
+    A capturestore that reads up to 4 refuses a store of 5."""
+    import capturestore.store as store_mod
+    from capturestore import FormatVersionError
+    from capturestore.compaction import merged_segments
+
+    new = Store.open(tmp_path / "s5")
+    Store.open(tmp_path / "s4")
+    (tmp_path / "s4" / "capturestore.json").write_text(json.dumps({"format": "capturestore", "format_version": 4}))
+    old = Store.open(tmp_path / "s4", create=False)
+    for store in (new, old):
+        for i in range(3):
+            _night(store, i)
+        store.compact(grace_s=3600)  # the sources stay: each entry's columns checked against its file
+    entries = {}
+    for store, packed in ((new, True), (old, False)):
+        for table, lists in (("runs", 1), ("notes", 2)):
+            name, meta = _footer_meta(store, table)
+            assert ("column_lists" in meta) is packed, (table, meta)
+            if packed:
+                assert len(meta["column_lists"]) == lists and meta["version"] == 3
+                used = [i["columns"] for i in meta["sources"].values()]
+                assert sorted(used.count(c) for c in set(used)) == ([1, 2] if lists == 2 else [3]), used
+            (m,), _ = merged_segments(store.backend, table)
+            for src, info in m.sources.items():  # what readers get: the source's own columns either way
+                assert info["columns"] == pq.read_schema(store.root / "tables" / table / src).names, (table, src)
+            entries[(packed, table)] = sorted((i["rows"], i["columns"]) for i in m.sources.values())
+        assert store.verify().ok
+        assert store.sql("SELECT count(*) AS n FROM runs").column("n").to_pylist() == [3]
+        assert sorted(store.sql("SELECT k FROM notes").column("k").to_pylist()) == [0, 1, 2]
+    assert entries[(True, "runs")] == entries[(False, "runs")] and entries[(True, "notes")] == entries[(False, "notes")]
+    packed, whole = _footer_meta(new, "runs")[1], _footer_meta(old, "runs")[1]
+    one_list = len(json.dumps(packed["column_lists"][0]))  # 17 names, ~200 bytes: kept once, not 3 times
+    assert len(json.dumps(packed)) < len(json.dumps(whole)) - 1.5 * one_list
+
+    assert old.upgrade_format() == (4, 5)
+    _night(old, 3)
+    (res,) = old.compact(tables=["runs"], grace_s=3600).tables
+    assert len(res.remerged) == 1, res  # the whole-list segment merged again, into the shared form
+    name, meta = _footer_meta(old, "runs")
+    assert meta["column_lists"] and len(meta["sources"]) == 4 and meta["replaces"] == res.remerged
+    assert old.verify().ok and len(Store.open(old.root, create=False).runs()) == 4
+
+    monkeypatch.setattr(store_mod, "READABLE_FORMAT_VERSION", 4)  # the capturestore before shared lists
+    with pytest.raises(FormatVersionError, match="format version 5, newer than the 4 this capturestore reads"):
+        Store.open(new.root, create=False)
+
+
 @pytest.mark.parametrize("damage, said", [
     (lambda meta: meta.pop("created_at"), "created_at is None, not a time"),
     (lambda meta: meta.pop("sources"), "sources is NoneType"),
@@ -1292,7 +1359,12 @@ def test_compact_cli_bad_input_is_one_line_exit_2_and_store_untouched(tmp_path, 
     (lambda meta: [i.pop("rows_sha256") for i in meta["sources"].values()], "no 'rows_sha256'"),
     (lambda meta: [i.update(rows=True) for i in meta["sources"].values()], "rows is True"),
     (lambda meta: [i.update(rows_sha256_binary=7) for i in meta["sources"].values()], "rows_sha256_binary"),
-], ids=["created_at", "sources", "sources-list", "replaces", "rows", "columns", "rows_sha256", "rows-bool", "binary"])
+    (lambda meta: [i.update(columns=1) for i in meta["sources"].values()], "columns is 1, not an index of the 1 column_lists"),
+    (lambda meta: [i.update(columns=True) for i in meta["sources"].values()], "columns is True, not an index"),
+    (lambda meta: meta.update(column_lists=[["k", 3]]), "column_lists is not a list of column name lists"),
+    (lambda meta: meta.pop("column_lists"), "columns is 0"),  # an index where no column_lists says what it is
+], ids=["created_at", "sources", "sources-list", "replaces", "rows", "columns", "rows_sha256", "rows-bool", "binary",
+        "index-out-of-range", "index-bool", "column-lists", "no-column-lists"])
 def test_a_compaction_footer_missing_a_key_is_one_line_everywhere_and_no_row_is_lost(tmp_path, capsys, damage, said):
     """A compaction footer with a key renamed or of the wrong type was a KeyError traceback out of
     `verify` and `compact` (a source entry without 'rows', 'columns' or 'rows_sha256'). Now the
@@ -2123,7 +2195,7 @@ def test_a_store_is_format_3_only_once_merged_segments_are_merged_again(tmp_path
     from capturestore import FormatVersionError
 
     path = tmp_path / "store"
-    Store.open(path)  # a new store is format 4 ("." chunk keys): made a store of format 2, as it was before
+    Store.open(path)  # a new store is format 5: made a store of format 2, as it was before
     (path / "capturestore.json").write_text(json.dumps({"format": "capturestore", "format_version": 2}))
     store = Store.open(path, create=False)
     for i in range(3):
