@@ -136,13 +136,29 @@ class DiffResult:
 
 
 # ---- resolving ids and labels -------------------------------------------------------------------
-def comparison_rows(store) -> list[dict]:
+_FROM = "FROM comparisons c LEFT JOIN runs r ON r.run_id = c.actual_run"
+
+
+def _has_comparisons(store) -> bool:
     views = set(store.sql("SELECT table_name FROM information_schema.tables").column("table_name").to_pylist())
-    if "comparisons" not in views:
+    return "comparisons" in views
+
+
+def comparison_rows(store, where: str = "", params: dict | None = None) -> list[dict]:
+    """Comparisons rows with their actual run's release, model_hash and model_path, newest first;
+    ``where``: a filter over ``c`` (comparisons) and ``r`` (the actual run) with ``params``. Callers
+    ask for the rows they need: a store after a year of nightly CI holds thousands, and turning
+    every one into a dict was what made ``history`` and ``diff`` grow with it (docs/compact.md,
+    "A year of nightly CI")."""
+    if not _has_comparisons(store):
         return []
-    return store.sql("SELECT c.*, r.release AS release, r.model_hash AS model_hash, r.model_path AS model_path "
-                     "FROM comparisons c LEFT JOIN runs r ON r.run_id = c.actual_run "
-                     "ORDER BY c.created_at DESC, c.comparison_id DESC").to_pylist()
+    return store.sql(f"SELECT c.*, r.release AS release, r.model_hash AS model_hash, r.model_path AS model_path "
+                     f"{_FROM} {'WHERE ' + where if where else ''} "
+                     f"ORDER BY c.created_at DESC, c.comparison_id DESC", params=params).to_pylist()
+
+
+def _is_comparison(store, ref: str) -> bool:
+    return bool(comparison_rows(store, "c.comparison_id = $ref", {"ref": ref}))
 
 
 def _prompt_set(store, row) -> frozenset:
@@ -154,13 +170,13 @@ def resolve_comparison(store, ref: str, other: dict | None = None, *, command: s
     """The comparisons row (with the actual run's release / model) of ``ref``: a comparison id, or a
     release label (the latest comparison whose actual run has that release, preferring the model and
     prompts of ``other``). ValueError in one line when neither."""
-    rows = comparison_rows(store)
-    for r in rows:
-        if r["comparison_id"] == ref:
-            return r
-    cands = [r for r in rows if r["release"] == ref]
+    rows = comparison_rows(store, "c.comparison_id = $ref", {"ref": ref})
+    if rows:
+        return rows[0]
+    cands = comparison_rows(store, "r.release = $ref", {"ref": ref})
     if not cands:
-        releases = sorted({r["release"] for r in rows if r["release"]})
+        releases = sorted(store.sql(f"SELECT DISTINCT r.release {_FROM} WHERE r.release <> ''").column(0).to_pylist()
+                          if _has_comparisons(store) else [])
         raise ValueError(f"{command}: {ref!r} is neither a comparison id nor a release label of {store.root} "
                          f"(releases: {', '.join(releases) or 'none'})")
     if other is not None:
@@ -361,7 +377,7 @@ def diff(store, base: str, head: str, *, common_prompts: bool = False, seed: int
     kinds = [is_cachecheck(store, x) for x in (base, head)]
     if any(kinds):
         other = head if kinds[0] else base
-        if not all(kinds) and any(other in (r["comparison_id"], r["release"]) for r in comparison_rows(store)):
+        if not all(kinds) and comparison_rows(store, "c.comparison_id = $x OR r.release = $x", {"x": other}):
             raise ValueError(f"diff: {other!r} is a comparison of runs and the other a cache check; diff a cache "
                              "check against another cache check")
         return diff_cachecheck(store, base, head)
@@ -372,8 +388,7 @@ def diff(store, base: str, head: str, *, common_prompts: bool = False, seed: int
                          "the default is 2,000)")
     if seed < 0:
         raise ValueError(f"diff: seed {seed} must be a non-negative integer")
-    ids = {r["comparison_id"] for r in comparison_rows(store)}
-    if base in ids and head not in ids:  # a label resolves against the side given by id
+    if _is_comparison(store, base) and not _is_comparison(store, head):  # a label resolves against the side given by id
         brow = resolve_comparison(store, base)
         hrow = resolve_comparison(store, head, brow)
     else:
@@ -542,7 +557,9 @@ def history(store, model: str, metric: str = "logit_sigma_ratio") -> pa.Table:
     from capturestore.store import as_store
 
     store = as_store(store)
-    rows = comparison_rows(store)
+    # the models compared, not every comparison's row: what grows with a year of CI is the answer below
+    rows = store.sql(f"SELECT DISTINCT r.model_path, r.model_hash {_FROM}").to_pylist() \
+        if _has_comparisons(store) else []
     cols = set(store.sql("DESCRIBE comparisons").column("column_name").to_pylist()) if rows else set()
     if metric in _DERIVED:
         view = {"kv_sigma_ratio": "kv_layer_verdicts", "kv_bc": "kv_layer_verdicts",
