@@ -184,8 +184,8 @@ def _entry_ok(info: Any, column_lists: set[tuple]) -> bool:
     """Whether a source's footer entry has _ENTRY_KEYS of their types (and rows_sha256_binary a
     str where present): _entry_problem's checks, by exact type (JSON gives no subclass; bool is
     not int), a column list once per distinct list. A year of nightly CI merges 10,000 runs
-    into a few segments; checking each entry key by key was ~40 ms of a fresh process's first
-    query (docs/compact.md, "A year of nightly CI")."""
+    into a few segments, each footer entry checked at every Store.open: 7 ms for 8,388 entries in
+    a fresh process (docs/compact.md, "A year of nightly CI")."""
     if type(info) is not dict:
         return False
     rows, columns = info.get("rows"), info.get("columns")
