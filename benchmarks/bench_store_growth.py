@@ -133,6 +133,17 @@ def _build(root: Path, n_runs: int, n_cmp: int, compact_every: int) -> list[str]
     return ids
 
 
+def build_auto(base: Path, n_runs: int, n_cmp: int) -> None:
+    """The young and old stores written with automatic compaction at its default (no compact
+    called), as ``base / "young auto"`` and ``base / "old auto"``; prints their build time and files."""
+    t = time.perf_counter()
+    build(base / "young auto", 20, 10, auto=None)
+    build(base / "old auto", n_runs, n_cmp, auto=None)
+    print(f"the same two stores written with automatic compaction at its default (no compact called): built in "
+          f"{time.perf_counter() - t:.1f} s; segment files: "
+          + ", ".join(f"{w} {segment_count(base / w)}" for w in ("old auto", "young auto")))
+
+
 def segment_count(root: Path) -> str:
     """Segment files of every table (schema segments not counted), and how many of them a query
     reads: merged segments not replaced and segments no merged segment covers (the others wait
@@ -335,12 +346,7 @@ def as_ci_leaves_it(base: Path, n_runs: int, n_cmp: int, every: int, repeat: int
           f"commits (a night) as it grew; young store: 20 runs, 10 comparisons, the same; built in {took:.1f} s; "
           f"segment files: old {segment_count(base / 'old')}, young {segment_count(base / 'young')}")
     print(f"  old store's merged segments: {footer_sizes(base / 'old')}")
-    t = time.perf_counter()
-    build(base / "young auto", 20, 10, auto=None)
-    build(base / "old auto", n_runs, n_cmp, auto=None)
-    print(f"the same two stores written with automatic compaction at its default (no compact called): built in "
-          f"{time.perf_counter() - t:.1f} s; segment files: "
-          + ", ".join(f"{w} {segment_count(base / w)}" for w in ("old auto", "young auto")))
+    build_auto(base, n_runs, n_cmp)
     ycid, ocid = young_ids[5], old_ids[len(old_ids) // 2]
     comp = interleaved({"young": calls(base / "young", ycid), "old": calls(base / "old", ocid),
                         "young window": calls(base / "young", ycid, True),
@@ -464,12 +470,7 @@ def main() -> int:
     print(f"the same two stores compacted after every {a.compact_every} commits as they grow (tiers): built in "
           f"{time.perf_counter() - t:.1f} s; segment files (schema segments not counted): "
           + ", ".join(f"{w} {segment_count(base / w)}" for w in ("old nightly", "young nightly")))
-    t = time.perf_counter()
-    build(base / "young auto", 20, 10, auto=None)
-    build(base / "old auto", n_runs, n_cmp, auto=None)
-    print(f"the same two stores written with automatic compaction at its default (no compact called): built in "
-          f"{time.perf_counter() - t:.1f} s; segment files: "
-          + ", ".join(f"{w} {segment_count(base / w)}" for w in ("old auto", "young auto")))
+    build_auto(base, n_runs, n_cmp)
     ycid, ocid = young_ids[5], old_ids[len(old_ids) // 2]
     if a.first_query_only:
         from capturestore import Store

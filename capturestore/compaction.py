@@ -1041,8 +1041,9 @@ def _store_format(store) -> int:
     return parse_format(b.read(FORMAT_FILE).decode(errors="replace"), b.where(FORMAT_FILE))["format_version"]
 
 
-def _require_remerged_format(store) -> None:
-    """Mark the store format version 3 before its first merged segment that replaces merged ones."""
+def _require_remerged_format(store) -> int:
+    """Mark the store format version 3 before its first merged segment that replaces merged ones;
+    returns the store's format version (as _store_format: one read of capturestore.json)."""
     from capturestore.layout import FORMAT_FILE, FORMAT_NAME, REMERGED_FORMAT_VERSION
     from capturestore.store import parse_format
 
@@ -1051,6 +1052,7 @@ def _require_remerged_format(store) -> None:
     if info["format_version"] < REMERGED_FORMAT_VERSION:
         info = {**info, "format": FORMAT_NAME, "format_version": REMERGED_FORMAT_VERSION}
         b.put(FORMAT_FILE, (json.dumps(info, indent=2) + "\n").encode(), durable=True)
+    return info["format_version"]
 
 
 def compact_if_due(store, tables) -> CompactResult | None:
@@ -1239,13 +1241,12 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
     replaced = kept
     if merged is not None:
         replaces = sorted({m.name for m in replaced} | {r for m in replaced for r in m.replaces})
-        if replaces:
-            _require_remerged_format(store)
+        version = _require_remerged_format(store) if replaces else _store_format(store)
         created, name = _merged_name(replaces)
         meta = {"version": 2 if replaces else 1, "created_at": created, "sources": meta_sources}
         if replaces:
             meta["replaces"] = replaces
-        if _store_format(store) >= SHARED_COLUMNS_FORMAT_VERSION:  # a store of 4 keeps whole lists
+        if version >= SHARED_COLUMNS_FORMAT_VERSION:  # a store of 4 keeps whole lists
             meta["version"] = 3
             meta["column_lists"], meta["sources"] = pack_columns(meta_sources)
         merged = merged.replace_schema_metadata({META_KEY: json.dumps(meta).encode()})
