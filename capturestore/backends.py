@@ -267,11 +267,24 @@ class LocalBackend(Backend):
         return str(self._p(rel))
 
     def read(self, rel: str) -> bytes:
-        try:  # a str path (pathlib's joins were ~30 us a read: a module compare reads thousands)
-            with open(f"{self.url}/{rel}" if rel else self.url, "rb") as f:
-                return f.read()
+        # a str path (pathlib's joins were ~30 us a read: a module compare reads thousands) and
+        # os.read (a file object and its buffer cost ~5 of the ~10 us a zarr.json took to read)
+        path = f"{self.url}/{rel}" if rel else self.url
+        try:
+            fd = os.open(path, os.O_RDONLY)
         except (IsADirectoryError, NotADirectoryError):
             raise FileNotFoundError(self.where(rel)) from None
+        try:
+            parts = []
+            while part := os.read(fd, 1 << 16 if not parts else 1 << 20):
+                parts.append(part)
+        except IsADirectoryError:  # os.open opens a directory; reading it fails
+            raise FileNotFoundError(self.where(rel)) from None
+        except OSError as e:  # os.read names no file
+            raise type(e)(e.errno, e.strerror, path) from None
+        finally:
+            os.close(fd)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def makedirs(self, rels: list[str]) -> None:
         self.path.mkdir(parents=True, exist_ok=True)

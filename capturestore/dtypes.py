@@ -63,12 +63,22 @@ def is_torch_tensor(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "detach") and hasattr(x, "dtype")
 
 
+# the first name of each numpy dtype, looked up by the dtype (a module capture asks ~150 times a prompt)
+_NAME_OF_NUMPY = {d.numpy: n for n, d in reversed(LOGICAL_DTYPES.items())}
+
+
 def logical_dtype_name(x: np.ndarray) -> str | None:
     """Name of the logical dtype of a numpy array, or None if it is not a supported one."""
-    for name, d in LOGICAL_DTYPES.items():
+    name = _NAME_OF_NUMPY.get(x.dtype)
+    if name is not None:
+        return name
+    for name, d in LOGICAL_DTYPES.items():  # a dtype equal to one of ours that hashes apart from it
         if x.dtype == d.numpy:
             return name
     return None
+
+
+_TORCH_DTYPE_NAMES: dict = {}  # torch dtype -> its name without "torch." (str() of a dtype is ~1 us)
 
 
 def to_numpy(x: Any, what: str) -> np.ndarray:
@@ -79,10 +89,12 @@ def to_numpy(x: Any, what: str) -> np.ndarray:
     """
     if is_torch_tensor(x):
         t = x.detach()
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             t = t.cpu()
         t = t.contiguous()
-        tname = str(t.dtype).removeprefix("torch.")
+        tname = _TORCH_DTYPE_NAMES.get(t.dtype)
+        if tname is None:
+            tname = _TORCH_DTYPE_NAMES[t.dtype] = str(t.dtype).removeprefix("torch.")
         if tname in _TORCH_BIT_VIEWS:
             import torch
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import socket
 import time
@@ -688,7 +689,7 @@ class RunWriter:
             if dims is not None and len(dims) != len(one):
                 raise ValueError(f"{where}: {len(dims)} dims for an array of shape {one}")
             own = list(dims) if dims is not None else [f"{module}.dim{i}" for i in range(len(one))]
-            row_bytes = int(np.prod(one[1:], dtype=np.int64)) * ld.storage.itemsize if len(one) else 0
+            row_bytes = math.prod(one[1:]) * ld.storage.itemsize if len(one) else 0
             rest = list(one)
             if len(one) >= 1:
                 rest[0] = self._tokens_per_chunk(max(1, row_bytes), max(1, one[0]))
@@ -729,7 +730,7 @@ class RunWriter:
                 "steps": st.steps if st.kind == "tensor" else None,
                 "shape": shape, "dimension_names": st.dims, "chunks": [int(c) for c in st.chunks],
                 "dtype": st.ld.name, "storage_dtype": st.ld.storage.name, "codec": CODEC_NAMES[self.compression],
-                "nbytes": int(np.prod(shape, dtype=np.int64)) * st.ld.numpy.itemsize,
+                "nbytes": math.prod(shape) * st.ld.numpy.itemsize,
                 "stored_bytes": (sum(st.chunk_bytes.values()) if st.chunk_bytes is not None
                                  else self.store._stored_bytes(st.ref, self.store._chunk_separator)),
                 "layer_names": st.layer_names,

@@ -156,6 +156,7 @@ input under ``module:input``: ``module_input``, positional or keyword). Set ``ph
         self.model, self.modules, self.sink, self.inputs = model, list(modules), sink, inputs
         self.phase, self.step = "prefill", 0
         self.order: list[str] = []
+        self._ordered: set[str] = set()  # the names in ``order`` (a list scan was ~1 us a captured tensor)
         self._seen: set[str] = set()  # modules already captured in this forward
         self._handles: list = []
 
@@ -170,7 +171,8 @@ input under ``module:input``: ``module_input``, positional or keyword). Set ``ph
             if name in self._seen:
                 return  # a second call in the same forward: keep the first
             self._seen.add(name)
-            if name not in self.order:
+            if name not in self._ordered:
+                self._ordered.add(name)
                 self.order.append(name)
             if self.inputs:
                 t, _ = module_input(args, kwargs)  # positional or keyword (HF attention: hidden_states=)
@@ -198,7 +200,8 @@ def _prompt_rows(t):
     """The one prompt's rows of a captured tensor, cloned: batch row 0 of ``[batch, token, ...]``;
     a 2-D ``[token, ...]`` (batch already flattened into tokens, module docstring) whole."""
     t = t.detach()
-    return (t if t.ndim == 2 else t[0]).to("cpu", copy=True)
+    t = t if t.ndim == 2 else t[0]
+    return t.clone() if t.is_cpu else t.to("cpu", copy=True)  # clone: the same copy, ~1 us less than .to's
 
 
 def modules_of(model, patterns) -> list[str]:

@@ -4,6 +4,7 @@ bytes zarr.create_group writes, parent groups included; every document is encode
 ``document_bytes``, which must give json.dumps(doc, indent=2) (what zarr writes) for any document."""
 import json
 
+import numpy as np
 import pytest
 import zarr
 from hypothesis import given, settings
@@ -49,3 +50,31 @@ def test_document_bytes_are_json_dumps_indent_2(doc):
 def test_document_bytes_of_lists_of_ints_strings_and_bools():
     for doc in ([0, 1, 2], ["a", "\u00e9", "\n"], [True, 1], [1, 1.5], {"steps": list(range(40)), "e": {}, "l": []}):
         assert document_bytes(doc) == json.dumps(doc, indent=2).encode()
+
+
+_STORAGE_DTYPES = ["float32", "float16", "uint16", "uint8", "int8", "int16", "int32", "int64", "bool"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(dtype=st.sampled_from(_STORAGE_DTYPES), compression=st.sampled_from([None, "lz4"]),
+       separator=st.sampled_from(["/", "."]), shape=st.lists(st.integers(0, 2**40), min_size=0, max_size=5),
+       attributes=st.dictionaries(st.text(max_size=5), _documents, max_size=4),
+       other=st.dictionaries(st.text(max_size=5), _documents, max_size=2))
+def test_array_document_bytes_are_json_dumps_indent_2_whatever_was_rendered_before(dtype, compression, separator,
+                                                                                    shape, attributes, other):
+    """The constant entries' text is kept per (dtype, compression, separator): a document made
+    after another of the same key (and one of another key) still encodes as json.dumps does."""
+    from capturestore.arrays import array_document, array_document_bytes
+
+    chunks = [max(1, n // 3) for n in shape]
+    dims = [f"d{i}" for i in range(len(shape))]
+    dt = np.dtype(dtype)
+    key = (dt.str, compression, separator)
+    first = array_document(shape[::-1], dt, chunks[::-1], dims, other, compression, separator)
+    assert array_document_bytes(first, key) == json.dumps(first, indent=2).encode()
+    doc = array_document(shape, dt, chunks, dims, attributes, compression, separator)
+    assert array_document_bytes(doc, key) == json.dumps(doc, indent=2).encode()
+    other_key = (np.dtype("float64").str, compression, separator)  # never used for real: fills its own entry
+    wide = array_document(shape, np.dtype("float64"), chunks, dims, attributes, compression, separator)
+    assert array_document_bytes(wide, other_key) == json.dumps(wide, indent=2).encode()
+    assert array_document_bytes(doc, key) == json.dumps(doc, indent=2).encode()

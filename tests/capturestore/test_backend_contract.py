@@ -347,3 +347,22 @@ def test_a_writer_dying_mid_commit_in_one_process_is_never_visible_and_gc_collec
     after = Store.open(url, create=False)
     _assert_collected(after, run.run_id)
     _assert_holds(after, good, seed=5, n_prompts=2)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 65535, 65536, 65537, (1 << 20) + 65536, (3 << 20) + 17])
+def test_every_backend_reads_back_the_bytes_put_whatever_their_size(store_url, size):
+    """A directory's read is os.read in pieces (64 KiB, then 1 MiB): a file of any size comes
+    back whole, the same as from the other backends."""
+    b = backend_for(store_url)
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    b.put("blobs/x.bin", data)
+    assert b.read("blobs/x.bin") == data
+
+
+def test_a_directory_reads_a_missing_file_a_directory_and_a_path_through_a_file_as_missing(tmp_path):
+    b = LocalBackend(tmp_path)
+    (tmp_path / "d").mkdir()
+    (tmp_path / "f").write_bytes(b"x")
+    for rel in ("nothing", "d", "f/below"):
+        with pytest.raises(FileNotFoundError, match=str(tmp_path / rel)):
+            b.read(rel)

@@ -65,6 +65,31 @@ def test_a_group_removed_behind_its_back_gets_its_zarr_json_again(tmp_path):
     assert zarr.open_array(store=zs, path="run/p/tensors/a/decode", mode="r").shape == (1, 2)
 
 
+def test_a_group_this_writer_made_keeps_its_attributes_and_its_new_groups_are_written_without_a_stat(
+        tmp_path, monkeypatch):
+    """A directory the writer's own mkdir made holds no zarr.json, so a module's group below a
+    prompt is written without looking for one (a stat each, ~70 a prompt); a group the writer
+    wrote itself (a prompt's, with its attributes) is not taken for such an empty directory."""
+    from capturestore.arrays import create_group
+
+    zs = zarr.storage.LocalStore(str(tmp_path))
+    dirs = MadeDirs(tmp_path)
+    create_group(zs, "run", {"run_id": "run"}, dirs)
+    create_group(zs, "run/p", {"prompt_id": "p"}, dirs)
+    looked: list[str] = []
+    real = os.path.exists
+    monkeypatch.setattr(os.path, "exists", lambda p: looked.append(os.fspath(p)) or real(p))
+    for name in ("logits", "tensors/a/prefill", "tensors/a/decode", "tensors/b/prefill"):
+        create_array(zs, ArrayRef("run", "p", name), (1, 2), np.dtype("float32"), (1, 2), ["s", "d"], {}, dirs=dirs)
+    monkeypatch.setattr(os.path, "exists", real)
+    assert dict(zarr.open_group(store=zs, path="run/p", mode="r").attrs) == {"prompt_id": "p"}
+    assert dict(zarr.open_group(store=zs, path="run", mode="r").attrs) == {"run_id": "run"}
+    for group in ("run/p/tensors", "run/p/tensors/a", "run/p/tensors/b"):
+        assert zarr.open_group(store=zs, path=group, mode="r").attrs == {}
+    assert not [p for p in looked if "/tensors" in p]  # the groups below the prompt: made here, no stat
+    assert zarr.open_array(store=zs, path="run/p/tensors/b/prefill", mode="r").shape == (1, 2)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_read_region_is_numpys_slice_of_what_was_written(tmp_path_factory, data):
@@ -171,6 +196,23 @@ def test_a_blosc_frame_cut_short_under_a_valid_checksum_is_corrupt_not_read_on(t
     (tmp_path / "B/c/0").write_bytes(tiny + struct.pack("<I", crc32c.crc32c(tiny)))
     with pytest.raises(CorruptChunkError, match="blosc frame of 10 bytes, shorter than its header"):
         read_region(tmp_path / "B", (n,), (n,), np.dtype("u1"), (slice(0, n),), "B")
+
+
+@settings(max_examples=120, deadline=None)
+@given(itemsize=st.sampled_from([1, 2, 4, 8]), n=st.integers(1, 5000), seed=st.integers(0, 2**32 - 1),
+       runs=st.booleans())
+def test_compress_gives_the_bytes_of_the_blosc_codec_the_arrays_name(itemsize, n, seed, runs):
+    """chunkio._compress calls numcodecs' compress itself; its bytes must be those of the codec
+    object the arrays' zarr.json names (``_blosc``), and decode back through Blosc()."""
+    from numcodecs import Blosc
+
+    rng = np.random.default_rng(seed)
+    raw = (np.repeat(rng.integers(0, 4, max(1, n // 7) + 1, dtype=np.uint8), 7)[: n * itemsize] if runs
+           else rng.integers(0, 256, n * itemsize, dtype=np.uint8))
+    raw = np.resize(raw, n * itemsize)
+    enc = chunkio._compress(raw, itemsize)
+    assert enc == chunkio._blosc(itemsize).encode(raw)
+    assert bytes(Blosc().decode(enc)) == raw.tobytes()
 
 
 def test_a_directory_where_a_chunk_file_should_be_is_named(tmp_path):
