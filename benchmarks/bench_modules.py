@@ -21,7 +21,9 @@ Gemma3 model (every module of
    ~30 us), and that, not the capture's code, moved (b) between 1.7x and 9x. The stores are made
    under ``.bench-tmp/`` in the repo (git-ignored; as ``bench_store.py``'s and
    ``bench_main_job.py``'s: until 2026-12-06 tempfile's directory, ``/tmp`` here); ``--store-dir DIR``
-   puts them elsewhere.
+   puts them elsewhere. Also informational, where ``/dev/shm`` (tmpfs) is there: the same capture
+   into a store in memory, timed in the same rounds: the capture's own cost with no disk under it
+   (the floor's subtraction only estimates it: two best-of figures that need not coincide).
 1b. (``capture-1b``) The same (a) and (b) on a random Llama of a small real model's shape (hidden
    2048, 16 layers, vocabulary 128,256: 1.5 B parameters; ``bench_main_job.py``'s checkpoint, built
    once into ``.bench-tmp/``, 2.8 GiB), 1 prompt of 16 tokens + 8 decode steps, best of 3. On the
@@ -98,6 +100,17 @@ def fs_probe(where: str, n_dirs: int, n_files: int) -> None:
         fd = os.open(f"{made[i % len(made)]}/{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.write(fd, payload)
         os.close(fd)
+
+
+def memory_dir() -> str | None:
+    """A directory in memory (``/dev/shm``, tmpfs) for a store timed beside the disk's: the capture's
+    own cost with file creation at memory speed (~14 us a mkdir + file here, where the disk's moved
+    between ~60 and ~600 us from one minute to the next). None where there is none, or where the
+    stores are already made there (``--store-dir /dev/shm/...``)."""
+    d = "/dev/shm"
+    if not (os.path.isdir(d) and os.access(d, os.W_OK)) or os.path.realpath(STORE_DIR or "").startswith(d + "/"):
+        return None
+    return d
 
 
 def prompt_layout(store_root: str) -> tuple[int, int]:
@@ -333,16 +346,23 @@ def capture_rows(path, prompts, conts, label: str, repeat: int, with_run: bool) 
         p, c = prompts[0], conts[0]
         plain_forwards(model, p, c)  # warm-up
         kept = []
-        with tempfile.TemporaryDirectory(dir=STORE_DIR) as d:
+        mem = memory_dir()
+        with tempfile.TemporaryDirectory(dir=STORE_DIR) as d, \
+                (tempfile.TemporaryDirectory(dir=mem) if mem else contextlib.nullcontext()) as dm:
             store = Store.open(os.path.join(d, "s"))
             capture_hf_module_run(store, path, [p], [c], dtype=dtype, model=model)  # warm-up; the layout's size
             n_dirs, n_files = prompt_layout(os.path.join(d, "s"))
-            t = best_of_interleaved({
+            cases = {
                 "plain": lambda: plain_forwards(model, p, c),
                 "hooks": lambda: (kept.clear(), capture_hf_modules(model, p, c, lambda *a: kept.append(a[-1]),
                                                                   DEFAULT_MODULES)),
                 "store": lambda: capture_hf_module_run(store, path, [p], [c], dtype=dtype, model=model),
-                "fs": lambda: fs_probe(d, n_dirs, n_files)}, repeat)  # beside the store: placement matters
+                "fs": lambda: fs_probe(d, n_dirs, n_files)}  # beside the store: placement matters
+            if dm:  # the same capture into a store in memory, in the same rounds
+                store_m = Store.open(os.path.join(dm, "s"))
+                capture_hf_module_run(store_m, path, [p], [c], dtype=dtype, model=model)
+                cases["memory"] = lambda: capture_hf_module_run(store_m, path, [p], [c], dtype=dtype, model=model)
+            t = best_of_interleaved(cases, repeat)
         t_plain, t_hooks, t_store = t["plain"], t["hooks"], t["store"]
         rows.append((f"plain forwards ({label}, {dtype}, 1 prefill of {len(p)} + {steps} decode)", f"{t_plain * 1e3:.1f} ms",
                      "1.00x", ""))
@@ -356,14 +376,23 @@ def capture_rows(path, prompts, conts, label: str, repeat: int, with_run: bool) 
                      f"{floor / t_plain:.2f}x", "informational: the file system's floor under (b), in the same rounds"))
         rows.append(("    (b) less that floor", f"{(t_store - floor) * 1e3:.1f} ms",
                      f"{(t_store - floor) / t_plain:.2f}x", "informational"))
+        if "memory" in t:
+            rows.append((f"    (b) with the store in memory ({mem}, tmpfs)", f"{t['memory'] * 1e3:.1f} ms",
+                         f"{t['memory'] / t_plain:.2f}x", "informational: the capture's own cost, no disk under it"))
         if with_run:  # (c): one run of every prompt, each written while the next one's forwards run
             n = len(prompts)
-            with tempfile.TemporaryDirectory(dir=STORE_DIR) as d:
+            with tempfile.TemporaryDirectory(dir=STORE_DIR) as d, \
+                    (tempfile.TemporaryDirectory(dir=mem) if mem else contextlib.nullcontext()) as dm:
                 store = Store.open(os.path.join(d, "s"))
-                t = best_of_interleaved({
+                cases = {
                     "plain": lambda: [plain_forwards(model, pp, cc) for pp, cc in zip(prompts, conts)],
                     "store": lambda: capture_hf_module_run(store, path, prompts, conts, dtype=dtype, model=model),
-                    "fs": lambda: fs_probe(d, n * n_dirs, n * n_files)}, 3)
+                    "fs": lambda: fs_probe(d, n * n_dirs, n * n_files)}
+                if dm:
+                    store_m = Store.open(os.path.join(dm, "s"))
+                    cases["memory"] = lambda: capture_hf_module_run(store_m, path, prompts, conts, dtype=dtype,
+                                                                    model=model)
+                t = best_of_interleaved(cases, 3)
             rows.append((f"plain forwards ({label}, {dtype}, {n} prompts)", f"{t['plain'] * 1e3:.1f} ms", "1.00x", ""))
             rows.append((f"  (c) capture_hf_module_run, {n} prompts in one run", f"{t['store'] * 1e3:.1f} ms",
                          f"{t['store'] / t['plain']:.2f}x", _goal("<= 1.5x", t["store"] / t["plain"] <= 1.5)))
@@ -372,6 +401,9 @@ def capture_rows(path, prompts, conts, label: str, repeat: int, with_run: bool) 
                          f"{floor / t['plain']:.2f}x", "informational: the file system's floor under (c), in the same rounds"))
             rows.append(("    (c) less that floor", f"{(t['store'] - floor) * 1e3:.1f} ms",
                          f"{(t['store'] - floor) / t['plain']:.2f}x", "informational"))
+            if "memory" in t:
+                rows.append((f"    (c) with the store in memory ({mem}, tmpfs)", f"{t['memory'] * 1e3:.1f} ms",
+                             f"{t['memory'] / t['plain']:.2f}x", "informational: the capture's own cost, no disk under it"))
         model = None  # the FP32 model freed before the BF16 one loads (6 GiB at the 1.5B shape)
     return rows
 
