@@ -207,9 +207,8 @@ def test_compress_gives_the_bytes_of_the_blosc_codec_the_arrays_name(itemsize, n
     from numcodecs import Blosc
 
     rng = np.random.default_rng(seed)
-    raw = (np.repeat(rng.integers(0, 4, max(1, n // 7) + 1, dtype=np.uint8), 7)[: n * itemsize] if runs
+    raw = (np.resize(np.repeat(rng.integers(0, 4, n // 7 + 1, dtype=np.uint8), 7), n * itemsize) if runs
            else rng.integers(0, 256, n * itemsize, dtype=np.uint8))
-    raw = np.resize(raw, n * itemsize)
     enc = chunkio._compress(raw, itemsize)
     assert enc == chunkio._blosc(itemsize).encode(raw)
     assert bytes(Blosc().decode(enc)) == raw.tobytes()
