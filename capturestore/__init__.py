@@ -11,12 +11,14 @@
 
 Layout (see ../shared/DESIGN.md)::
 
-    <store>/capturestore.json                              {"format": "capturestore", "format_version": 4}  (a new
-                                                           store; an older one stays 1, 2 or 3: docs/reading.md)
+    <store>/capturestore.json                              {"format": "capturestore", "format_version": 6}  (a new
+                                                           store; an older one stays 1 to 5: docs/reading.md)
     <store>/arrays.zarr/<run_id>/<prompt_id>/tokens         int32 [position]  (prompt + continuation)
     <store>/arrays.zarr/<run_id>/<prompt_id>/logits         [gen_token, vocab]
     <store>/arrays.zarr/<run_id>/<prompt_id>/kv_k, kv_v     [layer, kv_head, position, head_dim]  (kv_k_<group> ...)
     <store>/arrays.zarr/<run_id>/<prompt_id>/tensors/<module>/<phase>   [step, ...]
+    <store>/arrays.zarr/<run_id>/<prompt_id>/tensor_groups/<phase>_<k>  [module, step, ...]  (format 6: a
+                                                           module capture's tensors of one phase and shape)
     <store>/tables/<table>/<segment>.parquet                append-only segments
     <store>/pending/<run_id>.json                           lock file of a run being written
     <store>/catalog.duckdb                                  views only; ``duckdb <store>/catalog.duckdb``
@@ -38,9 +40,10 @@ SQL views (the stable interface; ``Store.sql`` and ``capturestore sql``):
   hostname, pid, format_version. A run appears only once committed.
 - ``prompts``: run_id, prompt_id (sha256 of the prompt's int64 token ids, first 16 hex),
   prompt_idx, n_tokens (prompt + continuation), n_prompt_tokens, text, token_ids.
-- ``captures``: one row per array: run_id, prompt_id, array_name, kind (tokens | logits | kv_k |
-  kv_v | tensor), kv_group, module, phase, steps, shape, dimension_names, chunks, dtype
-  (logical), storage_dtype, codec, nbytes (logical), stored_bytes (on disk), layer_names, path.
+- ``captures``: one row per array, and per module and phase of a tensor group: run_id, prompt_id,
+  array_name, kind (tokens | logits | kv_k | kv_v | tensor), kv_group, module, phase, steps, shape,
+  dimension_names, chunks, dtype (logical), storage_dtype, codec, nbytes (logical), stored_bytes
+  (on disk), layer_names, path (the array holding it), group_index (its index in a tensor group).
 - every table written with ``Store.append_table(name, rows)`` (metric tables), as a view of
   the same name over all its segments (columns unioned by name).
 

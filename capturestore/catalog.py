@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 from capturestore.compaction import SOURCE_COLUMN
 from capturestore.layout import CATALOG_FILE, CATALOG_STAMP_FILE, LEGACY_CATALOG_ROOT_FILE, TABLES_DIR
-from capturestore.tables import RUN_TABLES
+from capturestore.tables import RUN_TABLES, SCHEMAS
 
 # First line of catalog.stamp (with _view_code_digest); a change to what view_sql writes changes
 # it, so stores rebuild.
@@ -382,6 +382,11 @@ def view_sql(root: Backend, table: str, relative: bool = False, files: dict[str,
     has_cid = table not in RUN_TABLES and root.has_column(table, "comparison_id")
     if spec is not None and has_cid:
         body = _columns_sql(root, table, relative, spec, files)
+    elif table in RUN_TABLES:  # every column of the table's schema, in its order, also one added after a
+        # store's segments were written (captures.group_index, format 6: NULL in a store before it)
+        typed = ", ".join(f"CAST(NULL AS {_duck_type(f.type)}) AS {_quote_ident(f.name)}" for f in SCHEMAS[table])
+        body = (f"SELECT * FROM (SELECT {typed} WHERE false UNION ALL BY NAME "
+                f"SELECT * FROM {_segments(root, table, relative, files=files)})")
     else:  # not declared, or rows a user appended under a declared name (no comparison_id): as stored
         body = f"SELECT * FROM {_segments(root, table, relative, files=files)}"
     view = f"CREATE OR REPLACE VIEW {_quote_ident(table)} AS {body}"

@@ -32,6 +32,7 @@ from capturestore.layout import (
     COMPARISON_ID_PREFIX,
     PENDING_DIR,
     TABLES_DIR,
+    TENSOR_GROUPS,
     TMP_SUFFIX,
 )
 from capturestore.compaction import (
@@ -720,13 +721,14 @@ def verify(store_or_root: Any) -> VerifyReport:
         n_before = len(report)
         groups = {run_id} | {f"{run_id}/{p['prompt_id']}" for p in prompts}
         for c in caps:  # every group from the run down to each array: plain zarr needs their zarr.json
-            parts = f"{run_id}/{c['prompt_id']}/{c['array_name']}".split("/")
+            parts = f"{run_id}/{c['prompt_id']}/{_array_of(c)}".split("/")
             groups |= {"/".join(parts[:i]) for i in range(1, len(parts))}
         for g in sorted(groups):
             _verify_group(b, g, report)
-        metas = b.read_many([f"{ARRAYS_DIR}/{run_id}/{c['prompt_id']}/{c['array_name']}/zarr.json" for c in caps])
+        metas = b.read_many(sorted({f"{ARRAYS_DIR}/{run_id}/{c['prompt_id']}/{_array_of(c)}/zarr.json" for c in caps}))
+        whole: set[str] = set()  # sharded group arrays already read whole
         for c in caps:
-            _verify_capture(b, c, metas, report)
+            _verify_capture(b, c, metas, report, whole)
         if len(report) == n_before:  # arrays sound: do the tokens agree with the catalog?
             for p in prompts:
                 _verify_prompt_tokens(b, p, report)
@@ -950,40 +952,68 @@ def _verify_group(b, path: str, report: VerifyReport) -> None:
 _CHUNK_BATCH = 64  # chunks read at once: bounded memory on arrays of any size
 
 
-def _verify_capture(b, c: dict, metas: dict[str, bytes | None], report: VerifyReport) -> None:
+def _array_of(c: dict) -> str:
+    """The array below its prompt's group that holds capture row ``c``: its own (``array_name``), or
+    for a grouped module tensor (format 6) the group array its ``path`` names. A ``path`` that does
+    not name a group array of the row's own prompt gives a name no array has, so it reads as missing."""
+    if c.get("group_index") is None:
+        return c["array_name"]
+    prefix = f"{ARRAYS_DIR}/{c['run_id']}/{c['prompt_id']}/{TENSOR_GROUPS}/"
+    path = c.get("path") or ""
+    rest = path[len(prefix):] if path.startswith(prefix) else ""
+    if not rest or "/" in rest or rest in (".", ".."):
+        return f"{TENSOR_GROUPS}/?"
+    return f"{TENSOR_GROUPS}/{rest}"
+
+
+def _verify_capture(b, c: dict, metas: dict[str, bytes | None], report: VerifyReport, whole: set[str]) -> None:
     from capturestore.arrays import crc_problem
     from capturestore.layout import chunk_keys, key_separator
     from capturestore.store import chunk_objects
 
     run_id, pid, name = c["run_id"], c["prompt_id"], c["array_name"]
     where = {"run_id": run_id, "prompt_id": pid, "array": name}
-    base = f"{ARRAYS_DIR}/{run_id}/{pid}/{name}"
+    gi = c.get("group_index")
+    base = f"{ARRAYS_DIR}/{run_id}/{pid}/{_array_of(c)}"
     raw = metas.get(f"{base}/zarr.json")
     if raw is None:
-        report.append(Problem("missing-array", "array is catalogued but missing from arrays.zarr", **where))
+        report.append(Problem("missing-array", "array is catalogued but missing from arrays.zarr"
+                              + ("" if gi is None else f" (its group array {c.get('path')!r})"), **where))
         return
     try:
         meta = json.loads(raw)
         shape = tuple(meta["shape"])
         chunks = tuple(meta["chunk_grid"]["configuration"]["chunk_shape"])
         sep = key_separator(meta)
+        attrs = meta.get("attributes", {})
+        if gi is not None:
+            modules = list(attrs.get("modules") or [])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         report.append(Problem("missing-array", f"array metadata unreadable: {e}", **where))
         return
-    if list(shape) != list(c["shape"]):
-        report.append(Problem("shape-mismatch", f"catalog says shape {c['shape']}, array has {list(shape)}", **where))
+    own = shape
+    if gi is not None:  # a module of a group array [module, step, ...]: its index names it, the rest is its shape
+        if not 0 <= gi < len(modules) or modules[gi] != c["module"] or attrs.get("phase") != c["phase"] \
+                or len(modules) != (shape[0] if shape else -1):
+            report.append(Problem("missing-array", f"group array {c.get('path')} holds no module {c['module']!r} "
+                                                   f"({c['phase']}) at index {gi}", **where))
+            return
+        own = shape[1:]
+    if list(own) != list(c["shape"]):
+        report.append(Problem("shape-mismatch", f"catalog says shape {c['shape']}, array has {list(own)}", **where))
         return
-    attrs = meta.get("attributes", {})
     if attrs.get("logical_dtype") != c["dtype"] or meta.get("data_type") != c["storage_dtype"]:
         report.append(Problem("dtype-mismatch",
                               f"catalog says {c['dtype']} stored as {c['storage_dtype']}, array has "
                               f"{attrs.get('logical_dtype')} stored as {meta.get('data_type')}", **where))
         return
     report.checked_arrays += 1
-    keys = [k for _, k in chunk_keys(shape, chunks, sep)]
-    report.checked_chunks += len(keys)
     codecs = [x.get("name") for x in meta.get("codecs", [])]
     if not codecs or codecs[-1] == "crc32c":  # the CRC sits in each chunk object: checked without decoding
+        # a grouped module's own chunks: one module per chunk along the module axis (write_tensor_group)
+        keys = [k for idx, k in chunk_keys(shape, chunks, sep)
+                if gi is None or idx[0] * chunks[0] <= gi < (idx[0] + 1) * chunks[0]]
+        report.checked_chunks += len(keys)
         for i in range(0, len(keys), _CHUNK_BATCH):
             batch = keys[i:i + _CHUNK_BATCH]
             got = b.read_many([f"{base}/{k}" for k in batch])
@@ -992,6 +1022,11 @@ def _verify_capture(b, c: dict, metas: dict[str, bytes | None], report: VerifyRe
                 if why:
                     report.append(Problem("corrupt-chunk", why, chunk=k, **where))
         return
+    if base in whole:  # sharded: a group's shards, read whole once for all its modules
+        return
+    whole.add(base)
+    keys = [k for _, k in chunk_keys(shape, chunks, sep)]
+    report.checked_chunks += len(keys)
     present = chunk_objects(b, base, sep)  # sharded: each shard's index and inner chunks carry their CRCs
     for k in keys:
         if f"{base}/{k}" not in present:

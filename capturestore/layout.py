@@ -36,21 +36,33 @@ FORMAT_NAME = "capturestore"
 #    their parse at each Store.open about a third (docs/compact.md, "A year of nightly CI"). An
 #    older capturestore would take such a footer for unreadable. Written only in stores of version 5
 #    (created so, or raised by ``capturestore upgrade``): a store of 4 or earlier keeps whole lists.
+# 6: a prompt's module tensors of one phase, logical dtype, step list and step shape are one array
+#    ``tensor_groups/<phase>_<k>`` [module, step, ...] (its ``modules`` attribute names the module of
+#    each index; one chunk per module, or several along its steps), not one array per module and
+#    phase under ``tensors/<module>/<phase>``: a tiny model's prompt made 142 arrays, each a
+#    directory, a zarr.json and a chunk file, and their metadata, not the bytes, was the capture's
+#    cost (docs/module-compare.md, "Grouped module tensors"). The captures table keeps one row per
+#    module and phase, as before, naming the group's array in ``path`` and the module's index in
+#    ``group_index``. Written only in stores of version 6 (an older capturestore would find no
+#    ``tensors/<module>/<phase>`` array); ``write_tensor`` / ``write_tensor_steps`` still write the
+#    one-array-per-module layout in any store, and readers take each module from where it is.
 # Every earlier version is read; each run records its arrays' layout (runs.format_version: 4 where
 # they use "." keys, else 2). FORMAT_VERSION is what a new store is created as and its runs are
 # written as; a store of an earlier version keeps "/" keys (RUN_FORMAT_VERSION_SLASH_KEYS), so
 # the capturestore versions that share it keep reading it. READABLE_FORMAT_VERSION: the newest
 # store this reads.
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 REMERGED_FORMAT_VERSION = 3
 DOT_KEYS_FORMAT_VERSION = 4
 SHARED_COLUMNS_FORMAT_VERSION = 5
-READABLE_FORMAT_VERSION = 5
+GROUPED_TENSORS_FORMAT_VERSION = 6
+READABLE_FORMAT_VERSION = 6
 RUN_FORMAT_VERSION_SLASH_KEYS = 2
 POSITION_DIM = "position"
 FORMAT1_POSITION_DIMS = ("seq", "token")
 FORMAT_FILE = "capturestore.json"
 ARRAYS_DIR = "arrays.zarr"
+TENSOR_GROUPS = "tensor_groups"  # a prompt's group of grouped module tensors (format 6)
 TABLES_DIR = "tables"
 PENDING_DIR = "pending"
 CATALOG_FILE = "catalog.duckdb"
@@ -122,8 +134,11 @@ def separator_for(store_version: int) -> str:
     return "." if store_version >= DOT_KEYS_FORMAT_VERSION else "/"
 
 
-def run_format_version(separator: str) -> int:
-    """What a run whose arrays use ``separator`` records as its runs.format_version."""
+def run_format_version(separator: str, grouped: bool = False) -> int:
+    """What a run whose arrays use ``separator`` records as its runs.format_version: 6 where it
+    holds grouped module tensors (``grouped``), else 4 ("." keys) or 2."""
+    if grouped:
+        return GROUPED_TENSORS_FORMAT_VERSION
     return DOT_KEYS_FORMAT_VERSION if separator == "." else RUN_FORMAT_VERSION_SLASH_KEYS
 
 

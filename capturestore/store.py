@@ -8,6 +8,7 @@ import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,9 +30,11 @@ from capturestore.layout import (
     FORMAT_FILE,
     FORMAT_NAME,
     FORMAT_VERSION,
-    READABLE_FORMAT_VERSION,
+    GROUPED_TENSORS_FORMAT_VERSION,
     PENDING_DIR,
+    READABLE_FORMAT_VERSION,
     TABLES_DIR,
+    TENSOR_GROUPS,
     check_component,
     check_module_name,
     check_table_name,
@@ -132,6 +135,8 @@ class Store:
         # the chunk key separator of the arrays this store's writers make (layout.separator_for of
         # the store's format version, set by open); readers take each array's from its zarr.json
         self._chunk_separator = "/"
+        # whether this store's module captures group a prompt's module tensors (format 6, set by open)
+        self.grouped_tensors = False
         self._committed: set[str] = set()
         self._con = None  # in-memory DuckDB connection with the catalog views, made on first sql()
         self._con_views: dict[str, tuple] = {}  # table -> the listings its view was built from
@@ -150,6 +155,9 @@ class Store:
         self._cache = backend.path is None
         self._run_segments: dict[tuple[str, str], pa.Table] = {}
         self._array_meta: dict[str, dict] = {}
+        # (run, prompt) -> its grouped module tensors {(module, phase): (array name, index, meta)},
+        # the last few prompts read (a committed run's arrays never change)
+        self._groups: OrderedDict[tuple[str, str], dict] = OrderedDict()
 
     # ---- opening ---------------------------------------------------------------------------
     @classmethod
@@ -186,6 +194,7 @@ class Store:
         auto_compact_segments()  # a bad $CAPTURESTORE_AUTO_COMPACT: one line now, not a warning at each commit
         store = cls(b)
         store._chunk_separator = separator_for(info["format_version"])
+        store.grouped_tensors = info["format_version"] >= GROUPED_TENSORS_FORMAT_VERSION
         store._committed = store.committed_ids()
         try:
             b.refresh_catalog()  # only when catalog.stamp is out of date
@@ -529,35 +538,82 @@ class Store:
 
     def read_tensor(self, run_id: str, prompt_id: str, module: str, step: int | None = None,
                     phase: str | None = None, as_torch: bool = False) -> Any:
-        """A module tensor: [step, ...] of one phase (step=None), or one step's array."""
+        """A module tensor: [step, ...] of one phase (step=None), or one step's array; from its own
+        array ``tensors/<module>/<phase>`` or from its prompt's group array (format 6, ``tensor_groups/``)."""
         check_module_name(module)
         self._require_run(run_id)
-        known = {}  # phase: (ref, meta) already read
-        tried = isinstance(prompt_id, str) and _plain_name(phase)
-        if tried:  # the phase named: its zarr.json read at once (no existence check first: a stat
-            # here, a HEAD request on object storage); only where it is missing are phases listed
-            got = self._ref_if_present(run_id, prompt_id, f"tensors/{module}/{phase}")
-            if got is not None:
-                known[phase] = got
-        phases = [phase] if known else self._tensor_phases(run_id, str(prompt_id), module, None if tried else phase)
+        grouped = {}  # phase: (ref, meta, index) of this module in its prompt's group arrays
+        if isinstance(prompt_id, str):
+            grouped = {ph: g for (m, ph), g in self._tensor_groups(run_id, prompt_id).items() if m == module}
+        known = {}  # phase: (ref, meta) of an own array already read
+        if _plain_name(phase) and phase in grouped:
+            phases = [phase]
+        else:
+            tried = isinstance(prompt_id, str) and _plain_name(phase)
+            if tried:  # the phase named: its zarr.json read at once (no existence check first: a stat
+                # here, a HEAD request on object storage); only where it is missing are phases listed
+                got = self._ref_if_present(run_id, prompt_id, f"tensors/{module}/{phase}")
+                if got is not None:
+                    known[phase] = got
+            phases = [phase] if known else sorted(
+                {*self._tensor_phases(run_id, str(prompt_id), module, None if tried else phase), *grouped})
         if not phases:
             raise ValueError(f"run {run_id}, prompt {prompt_id} has no tensor for module {module!r}")
         if phase is not None:
             if phase not in phases:
                 raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no phase {phase!r}; it has {phases}")
             phases = [phase]
+        if step is None and len(phases) > 1:
+            raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: several phases {phases}; "
+                             "pass phase= or step=")
         for ph in phases:
-            ref, meta = known[ph] if ph in known else self._ref(run_id, prompt_id, f"tensors/{module}/{ph}")
+            if ph in grouped and ph not in known:
+                ref, meta, i = grouped[ph]
+                region = (slice(i, i + 1),)
+            else:
+                ref, meta = known[ph] if ph in known else self._ref(run_id, prompt_id, f"tensors/{module}/{ph}")
+                region = ()
             steps = list(meta["attributes"].get("steps", []))
             if step is None:
-                if len(phases) > 1:
-                    raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: several phases {phases}; "
-                                     "pass phase= or step=")
-                return self._read(ref, meta, None, as_torch)
+                got = self._read(ref, meta, region or None, as_torch)
+                return got[0] if region else got
             if step in steps:
-                i = steps.index(step)
-                return self._read(ref, meta, (slice(i, i + 1),), as_torch)[0]
+                j = steps.index(step)
+                return self._read(ref, meta, (*region, slice(j, j + 1)), as_torch)[(0,) * (len(region) + 1)]
         raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no step {step} in phases {phases}")
+
+    def _tensor_groups(self, run_id: str, prompt_id: str) -> dict[tuple[str, str], tuple[ArrayRef, dict, int]]:
+        """The prompt's grouped module tensors (format 6): {(module, phase): (group array, its
+        metadata, the module's index)}, empty where the prompt has none; kept for the last few prompts."""
+        key = (run_id, prompt_id)
+        if key in self._groups:
+            self._groups.move_to_end(key)
+            return self._groups[key]
+        base = f"{ARRAYS_DIR}/{run_id}/{prompt_id}/{TENSOR_GROUPS}"
+        names = [n for n in self.backend.listdir(base) if n != "zarr.json"]
+        raw = self.backend.read_many([f"{base}/{n}/zarr.json" for n in names])
+        index = {}
+        for n in names:
+            v = raw.get(f"{base}/{n}/zarr.json")
+            if v is None:
+                continue
+            ref = ArrayRef(run_id, prompt_id, f"{TENSOR_GROUPS}/{n}")
+            try:
+                meta = json.loads(v)
+                attrs = meta["attributes"]
+                if meta.get("node_type") != "array" or attrs.get("kind") != "tensor_group":
+                    continue
+                modules, ph = list(attrs["modules"]), attrs["phase"]
+                if len(modules) != meta["shape"][0]:
+                    raise ValueError(f"{len(modules)} modules named for {meta['shape'][0]} along its module axis")
+            except (ValueError, KeyError, TypeError, IndexError) as e:
+                raise StoreError(f"{ref.where()}: group metadata zarr.json is unreadable ({e})") from None
+            for i, m in enumerate(modules):
+                index[(m, ph)] = (ref, meta, i)
+        self._groups[key] = index
+        while len(self._groups) > 16:
+            self._groups.popitem(last=False)
+        return index
 
     def _tensor_phases(self, run_id: str, prompt_id: str, module: str, phase: Any = None) -> list[str]:
         """The module's phases; only ``[phase]`` when that one is there (no listing: the others are
@@ -667,7 +723,11 @@ class Store:
         parts = [p.select([n for n in schema.names if n in p.column_names]) for p in parts]
         if not parts:
             return schema.empty_table()
-        return pa.concat_tables(parts, promote_options="default")
+        got = pa.concat_tables(parts, promote_options="default")
+        for i, f in enumerate(schema):  # a column added after the segments were written (group_index): nulls
+            if f.name not in got.column_names:
+                got = got.add_column(i, f, pa.nulls(got.num_rows, f.type))
+        return got
 
     def runs(self) -> pa.Table:
         return self._read_run_table("runs")
@@ -921,24 +981,30 @@ class Store:
             pass
 
     def upgrade_format(self) -> tuple[int, int]:
-        """Raise the store to format ``layout.FORMAT_VERSION`` (5), what a new store is created as:
+        """Raise the store to format ``layout.FORMAT_VERSION`` (6), what a new store is created as:
         runs written from now on make their arrays with "." chunk keys (4: one file per chunk beside
-        its zarr.json, a third of the directories; docs/reading.md), and compaction footers name each
-        column list once (5: docs/compact.md, "A year of nightly CI"). Arrays and merged segments
+        its zarr.json, a third of the directories; docs/reading.md), compaction footers name each
+        column list once (5: docs/compact.md, "A year of nightly CI"), and module captures group a
+        prompt's module tensors (6: ``tensor_groups/``, docs/reading.md). Arrays and merged segments
         already written keep their form and read as before; a capturestore older than the new version
-        no longer opens the store, and a writer that opened the store before keeps writing "/"
-        keys, which read alike. Returns (version before, version after); a store already at 5 or
-        later is left as it is. StoreError when the store cannot be written."""
+        no longer opens the store, and a writer that opened the store before keeps writing the
+        layout it began with, which reads alike. Returns (version before, version after); a store
+        already at 6 or later is left as it is. StoreError when the store cannot be written."""
         require_writable(self, "upgrade")
         b = self.backend
         info = _read_format(b)
         if info is None:
             raise StoreError(f"{b.where(FORMAT_FILE)}: not found (removed since the store was opened?)")
         before = info["format_version"]
+        if before < GROUPED_TENSORS_FORMAT_VERSION:  # every table's columns, group_index of captures too,
+            # also in a view of a store whose segments all came before it
+            for name, schema in SCHEMAS.items():
+                b.put(f"{TABLES_DIR}/{name}/{SCHEMA_SEGMENT}", segment_bytes(schema.empty_table()), durable=True)
         if before < FORMAT_VERSION:
             info = {**info, "format": FORMAT_NAME, "format_version": FORMAT_VERSION}
             b.put(FORMAT_FILE, (json.dumps(info, indent=2) + "\n").encode(), durable=True)
         self._chunk_separator = separator_for(max(before, FORMAT_VERSION))
+        self.grouped_tensors = max(before, FORMAT_VERSION) >= GROUPED_TENSORS_FORMAT_VERSION
         return before, max(before, FORMAT_VERSION)
 
     def rebuild_catalog(self) -> Path:

@@ -75,7 +75,10 @@ CAPTURES_SCHEMA = pa.schema([
     ("nbytes", pa.int64()),  # logical bytes
     ("stored_bytes", pa.int64()),  # bytes of the chunk files on disk
     ("layer_names", pa.list_(pa.string())),
-    ("path", pa.string()),  # relative to the store root
+    ("path", pa.string()),  # relative to the store root: the array holding the capture
+    # a grouped module tensor (format 6): its index along the module axis of the array at ``path``
+    # ([module, step, ...]); null where the array is the capture's own
+    ("group_index", pa.int32()),
 ])
 
 SCHEMAS = {"runs": RUNS_SCHEMA, "prompts": PROMPTS_SCHEMA, "captures": CAPTURES_SCHEMA}

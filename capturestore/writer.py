@@ -43,6 +43,7 @@ from capturestore.dtypes import (
 from capturestore.layout import (
     ARRAYS_DIR,
     POSITION_DIM,
+    TENSOR_GROUPS,
     check_component,
     check_module_name,
     run_format_version,
@@ -126,6 +127,8 @@ class _ArrayState:
     # {chunk key: bytes} of every chunk file, while all were written here (None: ask the store)
     chunk_bytes: dict[str, int] | None = field(default_factory=dict)
     zstore: Any = None  # where a parked array is reopened
+    modules: list[str] | None = None  # a tensor group's modules, by index (write_tensor_group)
+    module_dims: list[str] | None = None  # and the dims of each module's step
     parked: tuple | None = None  # (shape, chunks) of a parked array
 
     @property
@@ -173,6 +176,9 @@ class RunWriter:
         self._created_at = datetime.now(timezone.utc)
         self._prompts: dict[str, dict[str, Any]] = {}
         self._arrays: dict[tuple[str, str], _ArrayState] = {}
+        # (prompt, tensors/<module>/<phase>) -> (its group array's state, the module's index there)
+        self._grouped: dict[tuple[str, str], tuple[_ArrayState, int]] = {}
+        self._group_count: dict[tuple[str, str], int] = {}  # (prompt, phase) -> its group arrays so far
         self._kv_geometry: dict[str, tuple] = {}  # group -> (layers, kv_heads, head_dim, dtype, names)
         self._logits_geometry: tuple[int, str] | None = None  # (vocab, dtype)
         self._closed = False
@@ -682,6 +688,8 @@ class RunWriter:
             raise ValueError(f"{where}: steps {steps} repeat a step")
         ld = check_dtype(arr, where)
         name = f"tensors/{module}/{phase}"
+        if (pid, name) in self._grouped:
+            raise ValueError(f"{where}: module {module} ({phase}) was already written in a tensor group")
         st = self._arrays.get((pid, name))
         bits = to_storage(np.ascontiguousarray(arr), ld)
         if st is None:
@@ -714,6 +722,77 @@ class RunWriter:
         self._write(st, bits, (n,) + (0,) * (arr.ndim - 1))
         st.steps.extend(steps)
 
+    def write_tensor_group(self, pid: str, phase: str, modules: list[str], arrays: list[Any], steps: Any,
+                           dims: list[str] | None = None) -> None:
+        """Several modules' tensors of one phase as one array ``tensor_groups/<phase>_<k>``
+        ``[module, step, ...]`` (store format 6, layout.py): ``arrays[i]`` is module ``modules[i]``'s
+        ``[len(steps), ...]``, all of one shape and dtype. Read back per module exactly as
+        ``write_tensor_steps`` writes them (``Store.read_tensor``), and catalogued one row per module;
+        each module's steps are their own chunk(s), so reading one module reads no other's bytes.
+        What it saves is per-array metadata: a directory, a zarr.json and a group per module."""
+        self._check_prompt(pid, "write_tensor_group")
+        check_component(phase, "phase")
+        where = f"run {self.run_id}, prompt {pid}: write_tensor_group ({phase})"
+        if not self.store.grouped_tensors:
+            raise ValueError(f"{where}: store {self.store.root} is of a format before grouped module tensors (6), "
+                             "which the capturestore versions sharing it would not read; write_tensor_steps per "
+                             "module, or raise the store with `capturestore upgrade`")
+        modules = [check_module_name(m) for m in modules]
+        if not modules or len(arrays) != len(modules):
+            raise ValueError(f"{where}: {len(arrays)} arrays for {len(modules)} modules (one each, at least one)")
+        if len(set(modules)) != len(modules):
+            raise ValueError(f"{where}: modules {sorted(m for m in set(modules) if modules.count(m) > 1)} repeat")
+        steps = list(steps)
+        for s in steps:
+            if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0:
+                raise ValueError(f"{where}: step must be a non-negative integer, got {s!r}")
+        steps = [int(s) for s in steps]
+        if not steps or len(set(steps)) != len(steps):
+            raise ValueError(f"{where}: steps {steps} must be one or more, none repeated")
+        parts, ld = [], None
+        for m, a in zip(modules, arrays):
+            w = f"{where}: module {m}"
+            x = to_numpy(a, w)
+            got = check_dtype(x, w)
+            if x.ndim < 1 or x.shape[0] != len(steps):
+                raise ValueError(f"{w}: {len(steps)} steps for an array of shape {x.shape} ([step, ...] expected)")
+            if parts and (x.shape != parts[0].shape or got.name != ld.name):
+                raise ValueError(f"{w}: shape {x.shape} {got.name} disagrees with module {modules[0]}'s "
+                                 f"{parts[0].shape} {ld.name} (one group holds one shape and dtype)")
+            name = f"tensors/{m}/{phase}"
+            if (pid, name) in self._arrays or (pid, name) in self._grouped:
+                raise ValueError(f"{w}: already written for this prompt and phase")
+            parts.append(x)
+            ld = got
+        one = parts[0].shape[1:]
+        if dims is not None and len(dims) != len(one):
+            raise ValueError(f"{where}: {len(dims)} dims for an array of shape {one}")
+        k = self._group_count.get((pid, phase), 0)
+        self._group_count[(pid, phase)] = k + 1
+        row_bytes = math.prod(one[1:]) * ld.storage.itemsize if len(one) else 0
+        rest = list(one)
+        if len(one) >= 1:
+            rest[0] = self._tokens_per_chunk(max(1, row_bytes), max(1, one[0]))
+        rest = [max(1, c) for c in rest]
+        step_chunks = tensor_chunks(len(steps), rest, ld.storage.itemsize) if self._chunk_tokens is None else (1, *rest)
+        own = list(dims) if dims is not None else [f"dim{i}" for i in range(len(one))]
+        st = self._new_array(pid, f"{TENSOR_GROUPS}/{phase}_{k}", "tensor_group", ld, (len(modules), len(steps), *one),
+                             (1, *step_chunks), ["module", "step", *own],
+                             {"phase": phase, "steps": steps, "modules": modules}, one_shot=True,
+                             phase=phase, steps=list(steps))
+        st.steps_stored = len(steps)
+        st.modules = modules
+        st.module_dims = own
+        if st.arr.shards is not None:  # a shard holds several modules: written whole, once
+            self._write(st, np.stack([to_storage(np.ascontiguousarray(x), ld) for x in parts]))
+        else:
+            origin = (0,) * len(one)
+            for i, x in enumerate(parts):
+                self._write(st, to_storage(np.ascontiguousarray(x), ld)[None], (i, 0, *origin))
+        st.park()
+        for i, m in enumerate(modules):
+            self._grouped[(pid, f"tensors/{m}/{phase}")] = (st, i)
+
     # ---- table rows ------------------------------------------------------------------------
     def _prompts_table(self) -> pa.Table:
         rows = [{"run_id": self.run_id, "prompt_id": pid, "prompt_idx": p["idx"], "n_tokens": int(p["tokens"].size),
@@ -724,18 +803,27 @@ class RunWriter:
         rows = []
         for (pid, name), st in self._arrays.items():
             shape = [int(s) for s in st.shape]
-            rows.append({
+            stored = (sum(st.chunk_bytes.values()) if st.chunk_bytes is not None
+                      else self.store._stored_bytes(st.ref, self.store._chunk_separator))
+            row = {
                 "run_id": self.run_id, "prompt_id": pid, "array_name": name, "kind": st.kind,
                 "kv_group": st.kv_group, "module": st.module, "phase": st.phase,
                 "steps": st.steps if st.kind == "tensor" else None,
                 "shape": shape, "dimension_names": st.dims, "chunks": [int(c) for c in st.chunks],
                 "dtype": st.ld.name, "storage_dtype": st.ld.storage.name, "codec": CODEC_NAMES[self.compression],
-                "nbytes": math.prod(shape) * st.ld.numpy.itemsize,
-                "stored_bytes": (sum(st.chunk_bytes.values()) if st.chunk_bytes is not None
-                                 else self.store._stored_bytes(st.ref, self.store._chunk_separator)),
-                "layer_names": st.layer_names,
-                "path": f"{ARRAYS_DIR}/{st.ref.path}",
-            })
+                "nbytes": math.prod(shape) * st.ld.numpy.itemsize, "stored_bytes": stored,
+                "layer_names": st.layer_names, "path": f"{ARRAYS_DIR}/{st.ref.path}", "group_index": None,
+            }
+            if st.kind != "tensor_group":
+                rows.append(row)
+                continue
+            # one row per module, as its own array would have (the group itself has none)
+            per = _group_stored_bytes(st, stored, self.store)
+            for i, m in enumerate(st.modules):
+                rows.append({**row, "array_name": f"tensors/{m}/{st.phase}", "kind": "tensor", "module": m,
+                             "steps": st.steps, "shape": shape[1:], "dimension_names": ["step", *st.module_dims],
+                             "chunks": row["chunks"][1:], "nbytes": row["nbytes"] // len(st.modules),
+                             "stored_bytes": per[i], "group_index": i})
         return pa.Table.from_pylist(rows, schema=CAPTURES_SCHEMA)
 
     def _runs_table(self) -> pa.Table:
@@ -743,8 +831,26 @@ class RunWriter:
         row = {**m, "run_id": self.run_id, "status": "complete", "n_prompts": len(self._prompts),
                "created_at": self._created_at, "committed_at": datetime.now(timezone.utc),
                "hostname": socket.gethostname(), "pid": os.getpid(),
-               "format_version": run_format_version(self.store._chunk_separator)}
+               "format_version": run_format_version(self.store._chunk_separator, bool(self._grouped))}
         return pa.Table.from_pylist([row], schema=RUNS_SCHEMA)
+
+
+def _group_stored_bytes(st: _ArrayState, total: int, store: Store) -> list[int]:
+    """The stored bytes of each module of a group array, from the sizes of its own chunks (a chunk
+    holds one module's steps, ``write_tensor_group``): as written here, else listed (zarr wrote them,
+    on object storage). A sharded group (a shard holds several modules): ``total`` shared evenly."""
+    from capturestore.store import chunk_objects
+
+    n, sep, sizes = len(st.modules), store._chunk_separator, st.chunk_bytes  # sizes kept: no shards
+    if sizes is None:
+        if st.arr.shards is not None:
+            return [total // n + (1 if i < total % n else 0) for i in range(n)]
+        base = f"{ARRAYS_DIR}/{st.ref.path}"
+        sizes = {k[len(base) + 1:]: v for k, v in chunk_objects(store.backend, base, sep).items()}
+    per = [0] * n
+    for key, size in sizes.items():
+        per[int(key.split(sep)[1])] += size
+    return per
 
 
 def stream_chunk_tokens(tokens: int, staged_bytes_per_token: int) -> int:

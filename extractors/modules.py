@@ -48,6 +48,7 @@ __all__ = [
     "capture_hf_modules",
     "capture_hf_module_run",
     "collect_hf_modules",
+    "write_module_groups",
     "write_prompt_modules",
 ]
 
@@ -469,14 +470,35 @@ def write_prompt_modules(run, prompt, continuation, prefill, decode: dict, logit
     import torch
 
     pid = run.add_prompt(prompt, continuation=continuation)
-    for module, step, t in prefill:
-        run.write_tensor(pid, module, t, step=step, phase="prefill", dims=_dims(t))
-    for module, ts in decode.items():
-        if ts:
-            run.write_tensor_steps(pid, module, torch.stack(ts), range(len(ts)), phase="decode", dims=_dims(ts[0]))
+    if run.store.grouped_tensors:  # format 6: a group array per phase, dtype, steps and shape
+        by_module: dict[str, tuple[list, list]] = {}
+        for module, step, t in prefill:
+            got = by_module.setdefault(module, ([], []))
+            got[0].append(step)
+            got[1].append(t)
+        write_module_groups(run, pid, "prefill", [(m, steps, ts[0][None] if len(ts) == 1 else torch.stack(ts))
+                                            for m, (steps, ts) in by_module.items()])
+        write_module_groups(run, pid, "decode", [(m, list(range(len(ts))), torch.stack(ts)) for m, ts in decode.items() if ts])
+    else:
+        for module, step, t in prefill:
+            run.write_tensor(pid, module, t, step=step, phase="prefill", dims=_dims(t))
+        for module, ts in decode.items():
+            if ts:
+                run.write_tensor_steps(pid, module, torch.stack(ts), range(len(ts)), phase="decode", dims=_dims(ts[0]))
     if logits is not None:
         run.write_logits(pid, logits)
     return pid
+
+
+def write_module_groups(run, pid: str, phase: str, tensors: list) -> None:
+    """``tensors``: [(module, steps, [len(steps), ...])] of one phase, written as one
+    ``write_tensor_group`` per steps, shape and dtype, modules in the order given."""
+    groups: dict[tuple, list] = {}
+    for module, steps, t in tensors:
+        groups.setdefault((tuple(steps), tuple(t.shape), str(t.dtype)), []).append((module, t))
+    for (steps, _, _), members in groups.items():
+        run.write_tensor_group(pid, phase, [m for m, _ in members], [t for _, t in members], steps,
+                               dims=_dims(members[0][1][0]))
 
 
 def _module_bytes_bound(model_path, dtype, patterns, seq) -> int:

@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from extractors.modules import INPUT_SUFFIX, resolve_modules
+from extractors.modules import INPUT_SUFFIX, resolve_modules, write_module_groups
 
 __all__ = ["NOT_COMPUTED", "RESIDUAL_SUM", "ROPE_HOW", "VLLM_TO_HF", "ModuleCaptureMixin", "capture_vllm_module_run",
            "collect_vllm_modules", "forward_segments", "group_request_records", "hf_kv_layer_name",
@@ -949,10 +949,16 @@ def capture_vllm_module_run(store, llm, model_path, prompts, num_tokens: int | N
                                               inputs=inputs)
             for k, prompt in enumerate(part):
                 pid = run.add_prompt(list(prompt), continuation=toks[k])
-                for (hf, phase), steps in _by_module(pending[lo + k]).items():  # a module's decode steps: one write
-                    t = steps[0][1]
-                    run.write_tensor_steps(pid, hf, _stack([x for _, x in steps]), [s for s, _ in steps], phase=phase,
-                                           dims=["position", *(f"dim{d}" for d in range(1, t.ndim))])
+                by_phase: dict = {}  # phase: [(module, steps, [step, ...])], a module's steps in one write
+                for (hf, phase), steps in _by_module(pending[lo + k]).items():
+                    by_phase.setdefault(phase, []).append((hf, [s for s, _ in steps], _stack([x for _, x in steps])))
+                for phase, tensors in by_phase.items():
+                    if run.store.grouped_tensors:  # format 6: one array per steps, shape and dtype
+                        write_module_groups(run, pid, phase, tensors)
+                        continue
+                    for hf, steps, t in tensors:
+                        run.write_tensor_steps(pid, hf, t, steps, phase=phase,
+                                               dims=["position", *(f"dim{d}" for d in range(1, t.ndim - 1))])
                 if skipped[k]:
                     run.write_tensor(pid, NOT_COMPUTED, np.asarray(skipped[k], dtype=np.int64), phase="prefill",
                                      dims=["index"])

@@ -1336,7 +1336,7 @@ def test_a_format_5_footer_names_each_column_list_once_and_reads_as_a_format_4_f
     one_list = len(json.dumps(packed["column_lists"][0]))  # 17 names, ~200 bytes: kept once, not 3 times
     assert len(json.dumps(packed)) < len(json.dumps(whole)) - 1.5 * one_list
 
-    assert old.upgrade_format() == (4, 5)
+    assert old.upgrade_format() == (4, 6)
     _night(old, 3)
     (res,) = old.compact(tables=["runs"], grace_s=3600).tables
     assert len(res.remerged) == 1, res  # the whole-list segment merged again, into the shared form
@@ -1345,7 +1345,7 @@ def test_a_format_5_footer_names_each_column_list_once_and_reads_as_a_format_4_f
     assert old.verify().ok and len(Store.open(old.root, create=False).runs()) == 4
 
     monkeypatch.setattr(store_mod, "READABLE_FORMAT_VERSION", 4)  # the capturestore before shared lists
-    with pytest.raises(FormatVersionError, match="format version 5, newer than the 4 this capturestore reads"):
+    with pytest.raises(FormatVersionError, match="format version 6, newer than the 4 this capturestore reads"):
         Store.open(new.root, create=False)
 
 
@@ -2195,7 +2195,7 @@ def test_a_store_is_format_3_only_once_merged_segments_are_merged_again(tmp_path
     from capturestore import FormatVersionError
 
     path = tmp_path / "store"
-    Store.open(path)  # a new store is format 5: made a store of format 2, as it was before
+    Store.open(path)  # a new store is format 6: made a store of format 2, as it was before
     (path / "capturestore.json").write_text(json.dumps({"format": "capturestore", "format_version": 2}))
     store = Store.open(path, create=False)
     for i in range(3):

@@ -15,15 +15,21 @@ from capturestore.analysis import compare_runs
 from capturestore.layout import ARRAYS_DIR, TARGET_CHUNK_BYTES
 from extractors.modules import write_prompt_modules
 
-from tests.capturestore.chunks import chunk_files
+from tests.capturestore.chunks import chunk_files, separator
 from tests.fixtures import modules_v1_data as D
 
 FIXTURE = Path(__file__).parents[2] / "tests" / "fixtures" / "modules_v1_store"
 
 
-def _chunk_files(root: Path, run_id: str, module: str, phase: str) -> list[Path]:
-    """The chunk files of one module's phase of every prompt of a run ("/" or "." chunk keys)."""
-    return [f for d in sorted((root / ARRAYS_DIR / run_id).glob(f"*/tensors/{module}/{phase}")) for f in chunk_files(d)]
+def _chunk_files(store, run_id: str, module: str, phase: str) -> list[Path]:
+    """The chunk files of one module's phase of every prompt of a run ("/" or "." chunk keys), in its
+    own array or, grouped (format 6), its chunks of its prompt's group array (by the module index)."""
+    rows = [r for r in store.captures(run_id).to_pylist() if (r["module"], r["phase"]) == (module, phase)]
+    out = []
+    for r in rows:  # the fixture's store (format 1) has no group_index column
+        d, i = Path(store.root) / r["path"], r.get("group_index")
+        out += [f for f in chunk_files(d) if i is None or int(f.relative_to(d).as_posix().split(separator(d))[1]) == i]
+    return out
 
 
 def _runs(store) -> dict:
@@ -63,7 +69,7 @@ def test_the_fixture_holds_the_old_layout_one_chunk_per_decode_step(old_store):
     runs = _runs(old_store)
     for role, rid in runs.items():
         for m in D.ORDER:
-            files = _chunk_files(old_store.root, rid, m, "decode")
+            files = _chunk_files(old_store, rid, m, "decode")
             assert len(files) == len(D.PROMPTS) * D.DECODE_STEPS, (role, m, files)
         meta = json.loads(next((old_store.root / ARRAYS_DIR / rid).glob("*/tensors/lm_head/decode/zarr.json"))
                           .read_text())
@@ -72,9 +78,12 @@ def test_the_fixture_holds_the_old_layout_one_chunk_per_decode_step(old_store):
 
 def test_todays_capture_writes_a_modules_decode_steps_of_a_prompt_as_one_chunk(new_store):
     for role, rid in _runs(new_store).items():
+        rows = [r for r in new_store.captures(rid).to_pylist() if r["kind"] == "tensor"]
+        shapes = {(r["prompt_id"], r["phase"], tuple(r["shape"])) for r in rows}  # a group array for each
+        assert len({r["path"] for r in rows}) == len(shapes) < len(rows)
         for m in D.ORDER:
-            assert len(_chunk_files(new_store.root, rid, m, "decode")) == len(D.PROMPTS), (role, m)
-            assert len(_chunk_files(new_store.root, rid, m, "prefill")) == len(D.PROMPTS), (role, m)
+            assert len(_chunk_files(new_store, rid, m, "decode")) == len(D.PROMPTS), (role, m)
+            assert len(_chunk_files(new_store, rid, m, "prefill")) == len(D.PROMPTS), (role, m)
 
 
 @pytest.mark.parametrize("layout", ["old", "new"])

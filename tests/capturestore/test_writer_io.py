@@ -2,10 +2,13 @@
 made once) and what the catalogue records from it."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from capturestore import Store
+from capturestore.layout import FORMAT_FILE
 from extractors.modules import write_prompt_modules
 from tests.capturestore.chunks import chunk_files
 
@@ -59,7 +62,11 @@ def test_module_arrays_written_whole_are_parked_and_still_take_appended_steps(tm
     metadata and codec objects, ~3 KB: ~150 module arrays a prompt made a run's memory grow ~0.4 MiB
     a prompt); the catalogue's shape and chunks are the array's, and a step appended later
     reopens it and lands where a never-parked array's would."""
-    store = Store.open(tmp_path / "s" if where == "dir" else f"memory://parked-{tmp_path.name}")
+    url = tmp_path / "s" if where == "dir" else f"memory://parked-{tmp_path.name}"
+    store = Store.open(url)  # then made format 5, whose module runs write an array per module and phase
+    store.backend.put(FORMAT_FILE, json.dumps({"format": "capturestore", "format_version": 5}).encode())
+    store = Store.open(url, create=False)
+    assert not store.grouped_tensors
     rng = np.random.default_rng(2)
     with store.begin_run(engine="hf", model_path="m", dtype="float32") as run:
         for p in range(2):
@@ -79,4 +86,24 @@ def test_module_arrays_written_whole_are_parked_and_still_take_appended_steps(tm
         meta = store.read_tensor(run.run_id, p, n.split("/")[1], phase=n.split("/")[2])
         assert rows[(p, n)]["shape"] == list(meta.shape), (p, n)
     assert rows[(pid, name)]["steps"] == [0, 1, 2, 3, 4]
+    assert store.verify().ok
+
+
+@pytest.mark.parametrize("where", ["dir", "memory"])
+def test_grouped_module_arrays_are_parked_and_refuse_appended_steps(tmp_path, where):
+    """Format 6: a module run's group arrays (``write_tensor_group``) are parked as they are written
+    too, and a step appended to a module of a group is refused, naming it, before anything is written."""
+    store = Store.open(tmp_path / "s" if where == "dir" else f"memory://grouped-{tmp_path.name}")
+    rng = np.random.default_rng(3)
+    with store.begin_run(engine="hf", model_path="m", dtype="float32") as run:
+        for p in range(2):
+            prefill, decode, logits = _module_prompt(rng)
+            write_prompt_modules(run, [1 + p, 2, 3, 4, 5], [6, 7, 8, 9, 10], prefill, decode, logits)
+        groups = {k: st for k, st in run._arrays.items() if st.kind == "tensor_group"}
+        assert groups and all(st.live is None for st in groups.values())
+        assert sum(len(st.modules) for st in groups.values()) == 2 * 4 * 2
+        pid, module = next((k[0], m) for k, st in groups.items() if st.phase == "decode" for m in st.modules)
+        with pytest.raises(ValueError, match=f"module {module} \\(decode\\) was already written in a tensor group"):
+            run.write_tensor(pid, module, rng.standard_normal((1, 8), dtype=np.float32), step=4, phase="decode")
+    assert store.read_tensor(run.run_id, pid, module, phase="decode").shape == (4, 1, 8)
     assert store.verify().ok
