@@ -119,6 +119,11 @@ def _plain_name(name: Any) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and os.sep not in name
 
 
+# prompts whose group index a Store keeps (``Store._tensor_groups``): a comparison's three roles of
+# many prompts, read prompt by prompt or role by role (a tuple a module, a zarr.json a group array)
+_GROUP_INDEXES_KEPT = 64
+
+
 class Store:
     """A capture store: a directory, ``s3://bucket/prefix`` or ``memory://name``. Open with
     ``Store.open(path)``. Every method is written once over its ``backend`` (backends.py), which
@@ -155,9 +160,10 @@ class Store:
         self._cache = backend.path is None
         self._run_segments: dict[tuple[str, str], pa.Table] = {}
         self._array_meta: dict[str, dict] = {}
-        # (run, prompt) -> its grouped module tensors {(module, phase): (array name, index, meta)},
-        # the last few prompts read (a committed run's arrays never change)
+        # (run, prompt) -> its grouped module tensors {(module, phase): (array, its metadata, index)},
+        # of the last prompts read (a committed run's arrays never change)
         self._groups: OrderedDict[tuple[str, str], dict] = OrderedDict()
+        self._groups_lock = threading.Lock()
 
     # ---- opening ---------------------------------------------------------------------------
     @classmethod
@@ -586,9 +592,11 @@ class Store:
         """The prompt's grouped module tensors (format 6): {(module, phase): (group array, its
         metadata, the module's index)}, empty where the prompt has none; kept for the last few prompts."""
         key = (run_id, prompt_id)
-        if key in self._groups:
-            self._groups.move_to_end(key)
-            return self._groups[key]
+        with self._groups_lock:  # comparators read prompts on several threads
+            got = self._groups.get(key)
+            if got is not None:
+                self._groups.move_to_end(key)
+                return got
         base = f"{ARRAYS_DIR}/{run_id}/{prompt_id}/{TENSOR_GROUPS}"
         names = [n for n in self.backend.listdir(base) if n != "zarr.json"]
         raw = self.backend.read_many([f"{base}/{n}/zarr.json" for n in names])
@@ -610,9 +618,10 @@ class Store:
                 raise StoreError(f"{ref.where()}: group metadata zarr.json is unreadable ({e})") from None
             for i, m in enumerate(modules):
                 index[(m, ph)] = (ref, meta, i)
-        self._groups[key] = index
-        while len(self._groups) > 16:
-            self._groups.popitem(last=False)
+        with self._groups_lock:
+            self._groups[key] = index
+            while len(self._groups) > _GROUP_INDEXES_KEPT:
+                self._groups.popitem(last=False)
         return index
 
     def _tensor_phases(self, run_id: str, prompt_id: str, module: str, phase: Any = None) -> list[str]:

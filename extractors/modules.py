@@ -23,10 +23,14 @@ module that runs several times in one forward (Gemma3's rotary embedding) keeps 
 
 Capture is a copy: every captured tensor is cloned before the forward goes on, so a kernel
 that later reuses the buffer in place cannot change what was captured. Tensors go to a sink as
-they are produced (into the store: once the prompt's last step ran, each module's prefill output
-and its decode steps with one ``RunWriter.write_tensor_steps``: the decode steps share one chunk,
-docs/module-compare.md "Store layout"; a whole model's prompt is written on a background thread
-while the next prompt's forwards run), so memory holds two prompts' outputs at most, never the run.
+they are produced (into the store: once the prompt's last step ran, its module tensors of one
+phase, dtype, step list and shape with one ``RunWriter.write_tensor_group``, an array
+``tensor_groups/<phase>_<k>`` [module, step, ...] with a chunk per module, in a store of format 6;
+in an older store each module's prefill output and its decode steps with one
+``RunWriter.write_tensor_steps``: docs/module-compare.md "Store layout", "Grouped module tensors";
+a whole model's prompt is written on a background thread while the next prompt's forwards run), so
+memory holds two prompts' outputs at most, never the run. Readers name a module tensor
+``tensors/<module>/<phase>`` (the captures row's ``array_name``) in either layout.
 
 transformers and torch are imported lazily.
 """
