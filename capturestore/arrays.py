@@ -343,6 +343,11 @@ class DocumentArray:
     def chunks(self) -> tuple[int, ...]:
         return tuple(self._doc["chunk_grid"]["configuration"]["chunk_shape"])
 
+    @property
+    def shards(self) -> None:
+        """None: ``create_array`` makes a document array only where it writes no shards."""
+        return None
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._array(), name)
 
