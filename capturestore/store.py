@@ -548,9 +548,8 @@ class Store:
         array ``tensors/<module>/<phase>`` or from its prompt's group array (format 6, ``tensor_groups/``)."""
         check_module_name(module)
         self._require_run(run_id)
-        grouped = {}  # phase: (ref, meta, index) of this module in its prompt's group arrays
-        if isinstance(prompt_id, str):
-            grouped = {ph: g for (m, ph), g in self._tensor_groups(run_id, prompt_id).items() if m == module}
+        # phase: (ref, meta, index) of this module in its prompt's group arrays
+        grouped = self._tensor_groups(run_id, prompt_id).get(module, {}) if isinstance(prompt_id, str) else {}
         known = {}  # phase: (ref, meta) of an own array already read
         if _plain_name(phase) and phase in grouped:
             phases = [phase]
@@ -588,9 +587,9 @@ class Store:
                 return self._read(ref, meta, (*region, slice(j, j + 1)), as_torch)[(0,) * (len(region) + 1)]
         raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no step {step} in phases {phases}")
 
-    def _tensor_groups(self, run_id: str, prompt_id: str) -> dict[tuple[str, str], tuple[ArrayRef, dict, int]]:
-        """The prompt's grouped module tensors (format 6): {(module, phase): (group array, its
-        metadata, the module's index)}, empty where the prompt has none; kept for the last few prompts."""
+    def _tensor_groups(self, run_id: str, prompt_id: str) -> dict[str, dict[str, tuple[ArrayRef, dict, int]]]:
+        """The prompt's grouped module tensors (format 6): {module: {phase: (group array, its
+        metadata, the module's index)}}, empty where the prompt has none; kept for the last prompts read."""
         key = (run_id, prompt_id)
         with self._groups_lock:  # comparators read prompts on several threads
             got = self._groups.get(key)
@@ -617,7 +616,7 @@ class Store:
             except (ValueError, KeyError, TypeError, IndexError) as e:
                 raise StoreError(f"{ref.where()}: group metadata zarr.json is unreadable ({e})") from None
             for i, m in enumerate(modules):
-                index[(m, ph)] = (ref, meta, i)
+                index.setdefault(m, {})[ph] = (ref, meta, i)
         with self._groups_lock:
             self._groups[key] = index
             while len(self._groups) > _GROUP_INDEXES_KEPT:
