@@ -9,9 +9,10 @@ Gemma3 model (every module of
    forwards with a cache, ``torch.inference_mode``), FP32 and BF16, the three timed in turn
    (best of 5 each, ``timing.best_of_interleaved``: a burst of load hits all three alike):
    (a) hooks cloning every output into memory (``capture_hf_modules``), goal <= 1.5x;
-   (b) into a store (``capture_hf_module_run``: hooks, then per prompt one array per module and
-   phase, a module's decode steps in one chunk), goal <= 1.5x (issue 24; 3.1x FP32 / 2.0x BF16
-   when every decode step was its own chunk file and zarr created each array);
+   (b) into a store (``capture_hf_module_run``: hooks, then per prompt an array per phase and
+   shape holding every module's tensors, a chunk per module: store format 6, ``tensor_groups/``),
+   goal <= 1.5x (issue 24; 3.1x FP32 / 2.0x BF16 when every decode step was its own chunk file and
+   zarr created each array; 1.9x / 3.1x on the disk with an array per module and phase);
    (c) the 8 prompts in one run (each prompt written on a background thread while the next
    prompt's forwards run) against their 8 plain forwards, best of 3.
    Under (b) and (c), informational: the store directory's own cost of the directories and files
@@ -27,8 +28,9 @@ Gemma3 model (every module of
 1b. (``capture-1b``) The same (a) and (b) on a random Llama of a small real model's shape (hidden
    2048, 16 layers, vocabulary 128,256: 1.5 B parameters; ``bench_main_job.py``'s checkpoint, built
    once into ``.bench-tmp/``, 2.8 GiB), 1 prompt of 16 tokens + 8 decode steps, best of 3. On the
-   tiny model every forward takes well under a millisecond, so (b) measures the per-file cost of
-   the ~140 arrays a prompt; here the forwards weigh as a user's model's do (~1 min on 2 cores).
+   tiny model a forward's 78 modules take a few milliseconds, so (b) measures what capture costs a
+   module (hooks, clones, a chunk each); here the forwards weigh as a user's model's do (~1 min on
+   2 cores).
 2. Peak RSS of a store capture in a fresh process, for 1 and for 8 prompts: bounded means the
    8-prompt peak is about the 1-prompt peak (tensors are written as they are produced).
 3. Module compare (``metrics.modules.ModuleJudge``: per-token metrics, BC, pooled verdict) of
@@ -531,8 +533,8 @@ def store_rows(path, prompts, conts, models, t_limit=None, label="") -> list:
             del m
             gc.collect()
         stored = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
-        chunks = sum(1 for r, _, fs in os.walk(d) if "tensors" in r.split(os.sep)  # "/" keys (c/0/0) or "." (c.0.0)
-                     for f in fs if "c" in r.split(os.sep) or f == "c" or f.startswith("c."))
+        chunks = sum(1 for r, _, fs in os.walk(d) if {"tensors", "tensor_groups"} & set(r.split(os.sep))
+                     for f in fs if "c" in r.split(os.sep) or f == "c" or f.startswith("c."))  # "/" keys (c/0/0) or "."
 
         def read_all():
             for rid in runs.values():
