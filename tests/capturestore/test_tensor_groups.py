@@ -5,6 +5,7 @@ module (``write_tensor_steps``, which every store still writes) read back bit fo
 catalogue the same rows but for where they live; plain zarr reads the group without this library."""
 import json
 
+import ml_dtypes
 import numpy as np
 import pytest
 import zarr
@@ -16,7 +17,6 @@ from capturestore.integrity import verify
 from capturestore.layout import ARRAYS_DIR, FORMAT_FILE, TENSOR_GROUPS
 from tests.capturestore.chunks import chunk_files
 
-ml_dtypes = pytest.importorskip("ml_dtypes")
 
 
 def _format5(root) -> Store:
