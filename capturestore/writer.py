@@ -680,10 +680,7 @@ class RunWriter:
         steps = list(steps)
         if arr.ndim < 1 or arr.shape[0] != len(steps) or not steps:
             raise ValueError(f"{where}: {len(steps)} steps for an array of shape {arr.shape} ([step, ...] expected)")
-        for s in steps:  # all checked before any is written
-            if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0:
-                raise ValueError(f"{where}: step must be a non-negative integer, got {s!r}")
-        steps = [int(s) for s in steps]
+        steps = _step_numbers(steps, where)  # all checked before any is written
         if len(set(steps)) != len(steps):
             raise ValueError(f"{where}: steps {steps} repeat a step")
         ld = check_dtype(arr, where)
@@ -697,12 +694,7 @@ class RunWriter:
             if dims is not None and len(dims) != len(one):
                 raise ValueError(f"{where}: {len(dims)} dims for an array of shape {one}")
             own = list(dims) if dims is not None else [f"{module}.dim{i}" for i in range(len(one))]
-            row_bytes = math.prod(one[1:]) * ld.storage.itemsize if len(one) else 0
-            rest = list(one)
-            if len(one) >= 1:
-                rest[0] = self._tokens_per_chunk(max(1, row_bytes), max(1, one[0]))
-            rest = [max(1, c) for c in rest]
-            chunks = tensor_chunks(len(steps), rest, ld.storage.itemsize) if self._chunk_tokens is None else (1, *rest)
+            chunks = self._step_chunks(one, len(steps), ld)
             # created at its final shape with its steps: no resize, no attribute rewrite at commit
             st = self._new_array(pid, name, "tensor", ld, arr.shape, chunks, ["step", *own],
                                  {"module": module, "phase": phase, "steps": steps}, module=module, phase=phase,
@@ -721,6 +713,17 @@ class RunWriter:
         st.arr.resize((n + len(steps), *arr.shape[1:]))
         self._write(st, bits, (n,) + (0,) * (arr.ndim - 1))
         st.steps.extend(steps)
+
+    def _step_chunks(self, one: tuple[int, ...], n_steps: int, ld: LogicalDtype) -> tuple[int, ...]:
+        """Chunk of a module tensor ``[step, *one]`` written ``n_steps`` at a time: its token axis
+        (``one[0]``) in blocks of about TARGET_CHUNK_BYTES, as many steps as fit (``layout.tensor_chunks``);
+        one step a chunk with ``chunk_tokens`` set."""
+        row_bytes = math.prod(one[1:]) * ld.storage.itemsize if len(one) else 0
+        rest = list(one)
+        if len(one) >= 1:
+            rest[0] = self._tokens_per_chunk(max(1, row_bytes), max(1, one[0]))
+        rest = [max(1, c) for c in rest]
+        return tensor_chunks(n_steps, rest, ld.storage.itemsize) if self._chunk_tokens is None else (1, *rest)
 
     def write_tensor_group(self, pid: str, phase: str, modules: list[str], arrays: list[Any], steps: Any,
                            dims: list[str] | None = None) -> None:
@@ -742,11 +745,7 @@ class RunWriter:
             raise ValueError(f"{where}: {len(arrays)} arrays for {len(modules)} modules (one each, at least one)")
         if len(set(modules)) != len(modules):
             raise ValueError(f"{where}: modules {sorted(m for m in set(modules) if modules.count(m) > 1)} repeat")
-        steps = list(steps)
-        for s in steps:
-            if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0:
-                raise ValueError(f"{where}: step must be a non-negative integer, got {s!r}")
-        steps = [int(s) for s in steps]
+        steps = _step_numbers(steps, where)
         if not steps or len(set(steps)) != len(steps):
             raise ValueError(f"{where}: steps {steps} must be one or more, none repeated")
         parts, ld = [], None
@@ -769,12 +768,7 @@ class RunWriter:
             raise ValueError(f"{where}: {len(dims)} dims for an array of shape {one}")
         k = self._group_count.get((pid, phase), 0)
         self._group_count[(pid, phase)] = k + 1
-        row_bytes = math.prod(one[1:]) * ld.storage.itemsize if len(one) else 0
-        rest = list(one)
-        if len(one) >= 1:
-            rest[0] = self._tokens_per_chunk(max(1, row_bytes), max(1, one[0]))
-        rest = [max(1, c) for c in rest]
-        step_chunks = tensor_chunks(len(steps), rest, ld.storage.itemsize) if self._chunk_tokens is None else (1, *rest)
+        step_chunks = self._step_chunks(one, len(steps), ld)
         own = list(dims) if dims is not None else [f"dim{i}" for i in range(len(one))]
         st = self._new_array(pid, f"{TENSOR_GROUPS}/{phase}_{k}", "tensor_group", ld, (len(modules), len(steps), *one),
                              (1, *step_chunks), ["module", "step", *own],
@@ -803,8 +797,12 @@ class RunWriter:
         rows = []
         for (pid, name), st in self._arrays.items():
             shape = [int(s) for s in st.shape]
-            stored = (sum(st.chunk_bytes.values()) if st.chunk_bytes is not None
-                      else self.store._stored_bytes(st.ref, self.store._chunk_separator))
+            if st.kind == "tensor_group":  # its modules' bytes, each from its own chunks
+                per = _group_stored_bytes(st, self.store)
+                stored = sum(per)
+            else:
+                stored = (sum(st.chunk_bytes.values()) if st.chunk_bytes is not None
+                          else self.store._stored_bytes(st.ref, self.store._chunk_separator))
             row = {
                 "run_id": self.run_id, "prompt_id": pid, "array_name": name, "kind": st.kind,
                 "kv_group": st.kv_group, "module": st.module, "phase": st.phase,
@@ -818,7 +816,6 @@ class RunWriter:
                 rows.append(row)
                 continue
             # one row per module, as its own array would have (the group itself has none)
-            per = _group_stored_bytes(st, stored, self.store)
             for i, m in enumerate(st.modules):
                 rows.append({**row, "array_name": f"tensors/{m}/{st.phase}", "kind": "tensor", "module": m,
                              "steps": st.steps, "shape": shape[1:], "dimension_names": ["step", *st.module_dims],
@@ -835,18 +832,29 @@ class RunWriter:
         return pa.Table.from_pylist([row], schema=RUNS_SCHEMA)
 
 
-def _group_stored_bytes(st: _ArrayState, total: int, store: Store) -> list[int]:
+def _step_numbers(steps: Any, where: str) -> list[int]:
+    """``steps`` as ints, each a non-negative integer (a bool is none)."""
+    steps = list(steps)
+    for s in steps:
+        if not isinstance(s, (int, np.integer)) or isinstance(s, bool) or s < 0:
+            raise ValueError(f"{where}: step must be a non-negative integer, got {s!r}")
+    return [int(s) for s in steps]
+
+
+def _group_stored_bytes(st: _ArrayState, store: Store) -> list[int]:
     """The stored bytes of each module of a group array, from the sizes of its own chunks (a chunk
-    holds one module's steps, ``write_tensor_group``): as written here, else listed (zarr wrote them,
-    on object storage). A sharded group (a shard holds several modules): ``total`` shared evenly."""
+    holds one module's steps, ``write_tensor_group``): as written here, else listed once (zarr wrote
+    them, on object storage). A sharded group (a shard holds several modules): its objects' bytes
+    shared evenly."""
     from capturestore.store import chunk_objects
 
     n, sep, sizes = len(st.modules), store._chunk_separator, st.chunk_bytes  # sizes kept: no shards
     if sizes is None:
-        if st.arr.shards is not None:
-            return [total // n + (1 if i < total % n else 0) for i in range(n)]
         base = f"{ARRAYS_DIR}/{st.ref.path}"
         sizes = {k[len(base) + 1:]: v for k, v in chunk_objects(store.backend, base, sep).items()}
+        if st.arr.shards is not None:
+            total = sum(sizes.values())
+            return [total // n + (1 if i < total % n else 0) for i in range(n)]
     per = [0] * n
     for key, size in sizes.items():
         per[int(key.split(sep)[1])] += size
