@@ -587,6 +587,38 @@ class Store:
                 return self._read(ref, meta, (*region, slice(j, j + 1)), as_torch)[(0,) * (len(region) + 1)]
         raise ValueError(f"run {run_id}, prompt {prompt_id}, module {module}: no step {step} in phases {phases}")
 
+    def read_tensors(self, run_id: str, prompt_id: str, wanted: Any, as_torch: bool = False) -> dict[tuple[str, str], Any]:
+        """Several module tensors of one prompt at once: ``{(module, phase): [step, ...]}`` for each
+        ``(module, phase)`` of ``wanted``, as ``read_tensor`` gives them, bit for bit.
+
+        Modules in one group array (format 6) are read with one call per group: the span of its
+        module axis that holds them, every chunk of it decoded in place into one array (in threads
+        where the chunks are large; one batched request on object storage), each module a view of
+        it. The rest are read one by one (``read_tensor``). A prompt's module comparison reads its
+        tensors of a role this way (``comparators.modules``): per tensor, ``read_tensor`` spends
+        more on finding and opening its array than on its bytes. Errors as ``read_tensor``'s."""
+        wanted = [(m, ph) for m, ph in wanted]
+        for m, ph in wanted:
+            check_module_name(m)
+            if not _plain_name(ph):
+                raise ValueError(f"run {run_id}, prompt {prompt_id}, module {m}: phase {ph!r} is not a name")
+        self._require_run(run_id)
+        grouped = self._tensor_groups(run_id, prompt_id) if isinstance(prompt_id, str) else {}
+        spans: dict[str, list] = {}  # group path: [ref, meta, {index: (module, phase)}]
+        out: dict[tuple[str, str], Any] = {}
+        for m, ph in wanted:
+            if ph in grouped.get(m, {}):
+                ref, meta, i = grouped[m][ph]
+                spans.setdefault(ref.path, [ref, meta, {}])[2][i] = (m, ph)
+            else:
+                out[(m, ph)] = self.read_tensor(run_id, prompt_id, m, phase=ph, as_torch=as_torch)
+        for ref, meta, at in spans.values():
+            lo, hi = min(at), max(at) + 1
+            got = self._read(ref, meta, None if (lo, hi) == (0, meta["shape"][0]) else (slice(lo, hi),), as_torch)
+            for i, key in at.items():
+                out[key] = got[i - lo]
+        return {key: out[key] for key in wanted}
+
     def _tensor_groups(self, run_id: str, prompt_id: str) -> dict[str, dict[str, tuple[ArrayRef, dict, int]]]:
         """The prompt's grouped module tensors (format 6): {module: {phase: (group array, its
         metadata, the module's index)}}, empty where the prompt has none; kept for the last prompts read."""

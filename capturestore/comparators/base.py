@@ -185,6 +185,14 @@ class PromptCaptures:
             self._cache[key] = read()
         return self._cache[key]
 
+    def has(self, key) -> bool:
+        """Whether something is cached under ``key``."""
+        return key in self._cache
+
+    def keep(self, key, value) -> None:
+        """Cache ``value`` under ``key``, as ``cached`` would have read it (a batched read's parts)."""
+        self._cache[key] = value
+
     def logits(self, role: str):
         """``[gen_token, vocab]`` of ``role``'s run."""
         rid = self.runs[role]

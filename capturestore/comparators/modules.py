@@ -1,6 +1,7 @@
 """The module-tensor comparator: per module and phase, three-way metrics and the module verdict.
 
-Reads ``tensors/<module>/<phase>`` of every role (``extractors.modules`` / ``extractors.vllm_modules``
+Reads ``tensors/<module>/<phase>`` of every role, a prompt's of a role at once
+(``Store.read_tensors``: a group array a call; ``extractors.modules`` / ``extractors.vllm_modules``
 layout: prefill step 0 ``[prompt_len, ...]``, decode step n ``[1, ...]`` at position
 ``prompt_len + n``), lines decode steps up by step number (``metrics.modules.align_decode_captures``)
 and hands them to ``metrics.modules.ModuleJudge``. The modules compared are those the expected
@@ -42,6 +43,7 @@ from capturestore.comparators.base import (
     Verdict,
     finite_or_null,
 )
+from capturestore.errors import StoreError
 
 _f = finite_or_null
 _D, _I, _S, _B = pa.float64(), pa.int64(), pa.string(), pa.bool_()
@@ -136,6 +138,24 @@ class ModulesComparator(Comparator):
             self.unjudged = ("not judged: two-way comparison: without a baseline (FP32) run there is no dtype noise "
                              "to judge module tensors against; pass baseline_run (CLI: --baseline)")
 
+    @staticmethod
+    def _read_all(prompt: PromptCaptures, held: dict) -> None:
+        """Every module tensor this prompt's comparison reads, of each role, read at once into the
+        prompt's cache (``Store.read_tensors``: a group array a call, not a module). Where that
+        raises (a damaged store), nothing is cached: ``_read`` then reads module by module and
+        raises where it did, naming the same array and chunk."""
+        want = [key for key in held["expected"] if key[0] != NOT_COMPUTED]
+        for role, rid in prompt.runs.items():
+            keys = [key for key in want if key in held[role] and not prompt.has(("tensor", role, *key))]
+            if not keys:
+                continue
+            try:
+                got = prompt.context.store.read_tensors(rid, prompt.prompt_id, keys)
+            except (StoreError, ValueError):
+                continue
+            for key, a in got.items():
+                prompt.keep(("tensor", role, *key), a)
+
     def _read(self, prompt: PromptCaptures, role: str, module: str, phase: str):
         rid = prompt.runs[role]
         return prompt.cached(("tensor", role, module, phase), lambda: prompt.context.store.read_tensor(
@@ -153,6 +173,7 @@ class ModulesComparator(Comparator):
         cols: dict[str, list] = {k: [] for k in MODULE_METRICS.schema.names}
         items = []
         skip = not_computed_positions(prompt, held)  # prompt positions some role never computed
+        self._read_all(prompt, held)
         for (module, phase), ref_steps in held["expected"].items():
             if module == NOT_COMPUTED:
                 continue

@@ -71,6 +71,16 @@ def test_group_reads_as_one_array_per_module(tmp_path_factory, n_modules, n_step
             assert gs.read_tensor(grun, gpid, m, step=s).tobytes() == x[j].tobytes()
         t = gs.read_tensor(grun, gpid, m, phase="decode", as_torch=True)
         assert tuple(t.shape) == x.shape and t.view(-1).view(dtype=_int_of(t)).numpy().tobytes() == x.tobytes()
+    # several at once (read_tensors, as the modules comparator reads a prompt): every module, and a
+    # drawn subset (a span of the group's module axis, read alone), bit for bit as read_tensor
+    names = list(tensors)
+    for keys in ([(m, "decode") for m in names], [(m, "decode") for m in names if rng.random() < 0.5]):
+        got = gs.read_tensors(grun, gpid, keys)
+        assert list(got) == keys
+        for (m, _), a in got.items():
+            assert a.dtype == tensors[m].dtype and a.tobytes() == tensors[m].tobytes()
+        assert {k: a.tobytes() for k, a in fs.read_tensors(frun, fpid, keys).items()} == \
+            {k: a.tobytes() for k, a in got.items()}
     # the catalogue: the same rows, but for the array they live in and the index there
     g = {r["array_name"]: r for r in gs.captures(grun).to_pylist()}
     f = {r["array_name"]: r for r in fs.captures(frun).to_pylist()}
@@ -191,6 +201,58 @@ def test_bad_groups_are_refused_before_anything_is_written(tmp_path):
         store.read_tensor(w.run_id, pid, "zz")
     with pytest.raises(ValueError, match="no step 7"):
         store.read_tensor(w.run_id, pid, "b", step=7)
+    # several at once from wherever each lies: two groups, one own array, in the order asked
+    keys = [("c", "decode"), ("a", "prefill"), ("b", "decode"), ("a", "decode")]
+    got = store.read_tensors(w.run_id, pid, keys)
+    assert list(got) == keys
+    for m, ph in keys:
+        assert got[(m, ph)].tobytes() == store.read_tensor(w.run_id, pid, m, phase=ph).tobytes()
+    t = store.read_tensors(w.run_id, pid, [("b", "decode")], as_torch=True)[("b", "decode")]
+    assert tuple(t.shape) == (2, 3) and t.numpy().tobytes() == a.tobytes()
+    with pytest.raises(ValueError, match="no tensor for module 'zz'"):
+        store.read_tensors(w.run_id, pid, [("a", "decode"), ("zz", "decode")])
+    with pytest.raises(ValueError, match="no phase 'x'"):
+        store.read_tensors(w.run_id, pid, [("a", "x")])
+    with pytest.raises(ValueError, match="phase None is not a name"):
+        store.read_tensors(w.run_id, pid, [("a", None)])
+
+
+def test_a_comparison_over_a_damaged_group_stops_naming_its_chunk(tmp_path):
+    """The modules comparator reads a prompt's groups whole (read_tensors); a damaged chunk still
+    stops the comparison with read_tensor's own message, naming the group array and the chunk, and
+    stores nothing."""
+    from capturestore.analysis import compare_runs
+    from capturestore.errors import CorruptChunkError
+
+    store = Store.open(tmp_path / "s")
+    rng = np.random.default_rng(4)
+    signal = _tensors(rng, 3, 2, [1, 5], np.float32)  # decode steps of [1, hidden]
+    runs = []
+    for role in ("baseline", "expected", "actual"):
+        with store.begin_run("hf", "m", model_hash="h", dtype="float32") as w:
+            pid = w.add_prompt([1, 2, 3], continuation=[4, 5])
+            noisy = [x * np.float32(1 + 1e-3 * len(runs)) for x in signal.values()]
+            w.write_tensor_group(pid, "decode", list(signal), noisy, [0, 1])
+        runs.append(w.run_id)
+    kw = dict(baseline_run=runs[0], expected_run=runs[1], actual_run=runs[2], logits=False, kv=False,
+              comparators=["modules"])
+    whole = compare_runs(store, **kw)  # whole, it compares every module's steps
+    assert store.sql(f"SELECT count(*) AS n FROM module_metrics WHERE comparison_id = '{whole.comparison_id}'"
+                     ).to_pylist() == [{"n": 3 * 2}]
+    group = store.root / ARRAYS_DIR / runs[2] / pid / TENSOR_GROUPS / "decode_0"
+    victim = [f for f in chunk_files(group) if f.name.split(".")[1] == "1"][0]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    fresh = Store.open(store.root, create=False)
+    with pytest.raises(CorruptChunkError) as one:
+        fresh.read_tensor(runs[2], pid, "model.layers.1.mlp", phase="decode")
+    n = len(fresh.sql("SELECT * FROM comparisons").to_pylist())
+    with pytest.raises(CorruptChunkError) as e:
+        compare_runs(fresh, **kw)
+    assert str(e.value) == str(one.value) and "checksum mismatch" in str(e.value)
+    assert f"{TENSOR_GROUPS}/decode_0" in str(e.value) and "chunk c.1." in str(e.value)
+    assert len(fresh.sql("SELECT * FROM comparisons").to_pylist()) == n
 
 
 def test_a_store_before_format_6_keeps_one_array_per_module(tmp_path):
