@@ -170,11 +170,11 @@ input under ``module:input``: ``module_input``, positional or keyword). Set ``ph
         self._seen.clear()
 
     def _hook(self, name: str):
+        import torch
+
         # what every call reads, bound once: a hook runs for each captured tensor (~2,300 a prompt of
         # the tiny model), where attribute lookups and a thread object cost as much as the clone
         tid, seen, ordered, order, sink = self._tid, self._seen, self._ordered, self.order, self.sink
-        import torch
-
         get_ident, is_tensor = threading.get_ident, torch.is_tensor
 
         def hook(module, args, kwargs, output):
