@@ -364,20 +364,22 @@ def _gather_group(lay: PagedLayout, sources: list, blocks: torch.Tensor, seq_pad
     ids = blocks.contiguous().numpy()
     b, h, d = blocks.shape[0], lay.num_kv_heads, lay.head_dim
     for width, members in by_width.items():
-        # one buffer for the group's K and V of every layer (one allocation: the layers' tensors
-        # are views of it), each [batch, kv_head, seq_pad, head_dim], K of layer i at 2i, V at 2i+1
+        # a buffer per layer for its K and V, each [batch, kv_head, seq_pad, head_dim] (K first).
+        # Not one buffer for every layer: past glibc's largest mmap threshold (32 MiB) each such
+        # buffer was a fresh mapping, its every page faulted in on each extraction (a 64 MiB
+        # group: 66.7 ms, 15.1 ms a buffer per layer, docs/benchmarks.md); a layer's buffer is
+        # reused from the heap once the last extraction's is freed
         dtype = sources[members[0]][0].dtype
-        buf = torch.empty((2 * len(members), b, h, seq_pad, d), dtype=dtype)
-        views = buf.unbind(0)
-        step, base = b * h * seq_pad * d * width, buf.data_ptr()
+        step = b * h * seq_pad * d * width
         rows = []
-        for j, i in enumerate(members):
+        for i in members:
             k_src, v_src = sources[i]
-            k, v = views[2 * j], views[2 * j + 1]
+            buf = torch.empty((2, b, h, seq_pad, d), dtype=dtype)
+            k, v = buf.unbind(0)
             out[i] = (k if k_src.dtype == dtype else k.view(k_src.dtype),
                       v if v_src.dtype == dtype else v.view(v_src.dtype))
-            rows.append((k_src.data_ptr(), v_src.data_ptr(), base + 2 * j * step, base + (2 * j + 1) * step,
-                         k_src.shape[0], v_src.shape[0]))
+            base = buf.data_ptr()
+            rows.append((k_src.data_ptr(), v_src.data_ptr(), base, base + step, k_src.shape[0], v_src.shape[0]))
         kernel.gather_layers(np.array(rows, dtype=np.int64), width, sources[members[0]][0].shape[1], ids,
                              lay.kernel_maps, h, lay.block_size, d, seq_pad)
     return out
@@ -543,7 +545,7 @@ def reconstruct_contiguous_kv(paged_kv, kv_cache_config: Mapping, block_tables: 
     layout: None (each group's ``layout`` in the config), a PagedLayout, a layout name, or a
       mapping group index -> one of those.
     Returns ``{layer: (k, v)}``, each ``[1, kv_head, seq, head_dim]`` in the cache dtype (with
-    numba, the layers of one KV cache group are views of one buffer: one allocation).
+    numba, a layer's K and V are views of one buffer of its own).
     Raises ValueError for a layer in no group, seq_len < 1, a block table too short for
     seq_len, block ids out of range and shapes that disagree with the config.
     """

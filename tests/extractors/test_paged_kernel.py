@@ -141,7 +141,7 @@ def test_sources_the_kernel_does_not_take_fall_back_to_torch():
 
 
 def test_layers_of_one_width_but_different_dtypes_keep_their_own_dtype():
-    # one kernel call (and one output buffer) per value width: a bf16 and an fp16 layer share it
+    # one kernel call per value width: a bf16 and an fp16 layer share it (each layer its own buffer)
     gen = torch.Generator().manual_seed(11)
     cases = [make_case("vllm_cpu", 2, 16, 24, 4, dtype, gen) for dtype in (torch.bfloat16, torch.float16)]
     lay, blocks = cases[0][0], torch.tensor([[3, 0, 2]])
@@ -150,3 +150,7 @@ def test_layers_of_one_width_but_different_dtypes_keep_their_own_dtype():
         want_k, want_v = P._gather_kv_torch(lay, k_src, v_src, blocks, 40)
         assert k.dtype == v.dtype == k_src.dtype
         assert torch.equal(bits(k), bits(want_k)) and torch.equal(bits(v), bits(want_v))
+    # a layer's K and V share a buffer of their own, freed with the layer (a buffer of every
+    # layer was a fresh mapping past glibc's mmap threshold, its pages faulted in each time)
+    storages = [(k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()) for k, v in got]
+    assert all(a == b for a, b in storages) and len({a for a, _ in storages}) == len(got)
