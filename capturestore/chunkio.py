@@ -12,7 +12,6 @@ committed are ever written, and a torn chunk of a writer that died is never cata
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import math
@@ -320,17 +319,6 @@ def _read_file(path: str) -> tuple[Any, bytearray | None]:
         raise type(e)(e.errno, e.strerror, path) from None
     finally:
         os.close(fd)
-
-
-@contextlib.contextmanager
-def _file_bytes(path: str):
-    """The bytes of the file at ``path`` (None if it does not exist), valid inside the ``with``."""
-    data, buf = _read_file(path)
-    try:
-        yield data
-    finally:
-        if buf is not None:
-            _give_buffer(buf)
 
 
 def blosc_frame_problem(frame, nbytes: int) -> str | None:
