@@ -1740,36 +1740,64 @@ def _pw_sum_parts(parts, nparts, n, square):  # pragma: no cover - compiled
     """``np.add.reduce`` of the n values of parts[:nparts] (1-D arrays taken in order as one
     sequence) as float64, squared if square: numpy's pairwise_sum over the sequence. Each part
     is taken from the tuple once (a tuple item at a runtime index is not cheap); a run across
-    parts is gathered into a buffer first."""
-    lens = np.empty(n // 64 + 2, np.int64)  # runs are >= 64 long, but for n <= 128
-    nruns = _pw_runs(n, lens)
-    sums = np.empty(nruns, np.float64)
-    buf = np.empty(_PW_BLOCK, np.float64)
-    k = 0  # current run
-    filled = 0  # values of run k gathered into buf so far
+    parts is gathered into a buffer first (``_pw_feed``)."""
+    lens, nruns, sums, buf, st = _pw_state(n)
     for j in range(nparts):
         a = _part(parts, j)
-        o = 0
-        size = a.size
-        while o < size and k < nruns:
-            m = lens[k]
-            if filled == 0 and o + m <= size:
+        _pw_feed(a, 0, a.size, True, lens, nruns, sums, buf, st, square)
+    return _pw_total(n, sums)
+
+
+@_njit()
+def _pw_state(n):  # pragma: no cover - compiled
+    """The state of a pairwise sum of n values fed in pieces (``_pw_feed``): the runs' lengths,
+    their count, their sums, the buffer of a run across pieces, and (run, values of it gathered)."""
+    lens = np.empty(n // 64 + 2, np.int64)  # runs are >= 64 long, but for n <= 128
+    nruns = _pw_runs(n, lens)
+    return lens, nruns, np.empty(nruns, np.float64), np.empty(_PW_BLOCK, np.float64), np.zeros(2, np.int64)
+
+
+@_njit()
+def _pw_total(n, sums):  # pragma: no cover - compiled
+    """The pairwise sum from its runs' sums, every value fed (``_pw_combine``; 0.0 for n == 0)."""
+    if n == 0:
+        sums[0] = 0.0
+    return _pw_combine(n, sums)
+
+
+@_njit()
+def _pw_feed(a, o, end, final, lens, nruns, sums, buf, st, square):  # pragma: no cover - compiled
+    """The runs of a pairwise sum (``_pw_state``) that a[o:end] completes, summed: a run that
+    lies whole in a[o:end] is summed where it lies; one begun in an earlier piece is completed
+    from the buffer. A run that starts here and does not end by ``end`` is gathered into the
+    buffer only where final (a[end:] is not the same sequence's); else this stops before it and
+    returns its start, for a later call over a longer a[o:end] (the same part, read further) to
+    sum where it lies. Returns the offset in a fed up to. The runs' sums are those of
+    ``_pw_sum_parts`` over whole parts, whatever pieces the parts are fed in."""
+    k = st[0]
+    filled = st[1]
+    while o < end and k < nruns:
+        m = lens[k]
+        if filled == 0:
+            if o + m <= end:
                 sums[k] = _pw_leaf(a, o, m, square)
                 o += m
                 k += 1
                 continue
-            take = min(m - filled, size - o)
-            for i in range(take):
-                buf[filled + i] = np.float64(a[o + i])
-            filled += take
-            o += take
-            if filled == m:
-                sums[k] = _pw_leaf(buf, 0, m, square)
-                filled = 0
-                k += 1
-    if n == 0:
-        sums[0] = 0.0
-    return _pw_combine(n, sums)
+            if not final:
+                break
+        take = min(m - filled, end - o)
+        for i in range(take):
+            buf[filled + i] = np.float64(a[o + i])
+        filled += take
+        o += take
+        if filled == m:
+            sums[k] = _pw_leaf(buf, 0, m, square)
+            filled = 0
+            k += 1
+    st[0] = k
+    st[1] = filled
+    return o
 
 
 @_njit()
@@ -1926,10 +1954,20 @@ def _pooled_kernel(bs, ts, nparts, widths, seg_rows, bins, q, out):  # pragma: n
     no = 0
     ne_vals = 0
     no_vals = 0
+    # the sums of squares fed as the rows are read, a few KiB behind them (still in L1): one read
+    # of each part for both, where separate passes read every part twice more
+    lens, nruns, sums_b, buf_b, st_b = _pw_state(n)
+    sums_t = np.empty(nruns, np.float64)
+    buf_t = np.empty(_PW_BLOCK, np.float64)
+    st_t = np.zeros(2, np.int64)
     for j in range(nparts):
-        b = _part(bs, j).view(np.uint32)
-        t = _part(ts, j).view(np.uint32)
+        bf = _part(bs, j)
+        tf = _part(ts, j)
+        b = bf.view(np.uint32)
+        t = tf.view(np.uint32)
         w = widths[j]
+        fed_b = 0
+        fed_t = 0
         for i0 in range(0, b.size, w):
             rb_max = _U32(0)
             rb_min = _U32(0xFFFFFFFF)
@@ -1968,13 +2006,18 @@ def _pooled_kernel(bs, ts, nparts, widths, seg_rows, bins, q, out):  # pragma: n
                 ne_vals += w
             in_seg += 1
             r += 1
+            if i0 + w - fed_b >= _BIN_CHUNK:
+                fed_b = _pw_feed(bf, fed_b, i0 + w, False, lens, nruns, sums_b, buf_b, st_b, True)
+                fed_t = _pw_feed(tf, fed_t, i0 + w, False, lens, nruns, sums_t, buf_t, st_t, True)
+        _pw_feed(bf, fed_b, bf.size, True, lens, nruns, sums_b, buf_b, st_b, True)
+        _pw_feed(tf, fed_t, tf.size, True, lens, nruns, sums_t, buf_t, st_t, True)
     out[_P_STATUS] = 0
     out[_P_NEVEN] = ne
     out[_P_NODD] = no
     out[_P_MAXB] = _U32(bmax).view(np.float32)
     out[_P_MAXT] = _U32(tmax).view(np.float32)
-    out[_P_SSB] = _pw_sum_parts(bs, nparts, n, True)
-    out[_P_SST] = _pw_sum_parts(ts, nparts, n, True)
+    out[_P_SSB] = _pw_total(n, sums_b)
+    out[_P_SST] = _pw_total(n, sums_t)
     qf = _F32(q)
     out[_P_QB] = _quantile_bits(pos_b, rows, qf)
     out[_P_QT] = _quantile_bits(pos_t, rows, qf)
