@@ -1,7 +1,9 @@
 """Benchmark of the main job at a realistic size (issue 18 §2): ``capturestore run --target vllm`` on
 a 1B-class model, stage by stage, each stage against the unavoidable work of that stage.
 
-Run: ``python benchmarks/bench_main_job.py [--quick] [--prompts 4] [--length 64] [--tokens 8]``.
+Run: ``python benchmarks/bench_main_job.py [--quick] [--prompts 4] [--length 64] [--tokens 8]``. On a CPU
+without BF16 instructions (no AVX-512 BF16, no AMX) the default is 2 prompts of up to 32 tokens
+(``bf16_defaults``): its BF16 forwards run in software there, 3.6x slower.
 
 Builds once (cached under ``.bench-tmp/``, git-ignored) a random Llama of the shape of a small real
 model: hidden 2048, 16 layers, GQA 32/8 heads of 64, MLP 8192, vocabulary 128,256 (1.5 B parameters,
@@ -294,8 +296,10 @@ def report(runs: list, lim: dict) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a small model of the same kind (checks the script)")
-    ap.add_argument("--prompts", type=int, default=4)
-    ap.add_argument("--length", type=int, default=64, help="tokens of the longest prompt (others 5 fewer each)")
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="prompts (default 4; 2 on a CPU without BF16 instructions: bf16_defaults)")
+    ap.add_argument("--length", type=int, default=None,
+                    help="tokens of the longest prompt, others 5 fewer each (default 64; 32 without BF16 instructions)")
     ap.add_argument("--tokens", type=int, default=8, help="generated / teacher tokens per prompt")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--step", help=argparse.SUPPRESS)
@@ -308,12 +312,13 @@ def main():
         return 0
     import tempfile
 
+    said = bf16_defaults(args)
     shape = QUICK if args.quick else FULL
     args.model = ROOT / ".bench-tmp" / ("main-job-quick" if args.quick else "main-job-1b")
     last = shape["num_hidden_layers"] - 1
     args.module_patterns = f"model.layers.0.*,model.layers.{last}.*"
     print(f"model {args.model}: {shape}; {args.prompts} prompts of {args.length - 5 * (args.prompts - 1)}.."
-          f"{args.length} tokens x {args.tokens} tokens; load {os.getloadavg()[0]:.1f}", flush=True)
+          f"{args.length} tokens x {args.tokens} tokens; load {os.getloadavg()[0]:.1f}{said}", flush=True)
     build(args.model, shape)
     (ROOT / ".bench-tmp").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=ROOT / ".bench-tmp") as tmp:
@@ -324,6 +329,26 @@ def main():
         after = {s: run_child(args, s, Path(tmp) / "unused") for s in limits}
     report(runs, bracketed(before, after))
     return 0
+
+
+def bf16_defaults(args) -> str:
+    """--prompts and --length where not given: 4 prompts of up to 64 tokens, or 2 of up to 32 on a
+    CPU without BF16 instructions (no AVX-512 BF16, no AMX), where every BF16 forward of the 1.5B
+    model (the expected reference, the vLLM target, the module references, and their limits) runs
+    widened in software: the default size took 757 s there (2-core EPYC, AVX2 only, 2026-12-07)
+    against 212 s on an AVX-512 machine, a quarter of ``make bench``'s 30 minutes; 2 prompts of 32
+    took 432 s, the stages' ratios to their limits of the same kind. Returns a note for the
+    header ("" where the full defaults apply)."""
+    import torch
+
+    fast = bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    note = "" if fast or (args.prompts is not None and args.length is not None) else \
+        " (this CPU has no BF16 instructions: the default size is 2 prompts of up to 32 tokens)"
+    if args.prompts is None:
+        args.prompts = 4 if fast else 2
+    if args.length is None:
+        args.length = 64 if fast else 32
+    return note
 
 
 def bracketed(before: dict, after: dict) -> dict:
