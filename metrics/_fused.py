@@ -2034,13 +2034,19 @@ def _pooled_kernel(bs, ts, nparts, widths, seg_rows, bins, q, out):  # pragma: n
     step1, scale1 = _bin_params(lo1, hi1, bins)
     step2, scale2 = _bin_params(lo2, hi2, bins)
     one_range = lo1 == lo2 and hi1 == hi2
+    # Two ranges: the BF16 errors are binned over both. Their two bins are counted as one cell,
+    # their sum (_stair_cells), where both ranges' edges rise: one counter a value, not two
+    stair = (not one_range and step1 != _F32(0.0) and step2 != _F32(0.0) and _edges_rise(lo1, step1, bins)
+             and _edges_rise(lo2, step2, bins))
+    cells = 2 * bins - 1 if stair else bins  # the even / odd histograms' bins (or cells)
     hb = np.zeros(_COUNT_WAYS * bins, np.int64)
     ht = np.zeros(_COUNT_WAYS * bins, np.int64)
-    he = np.zeros(_COUNT_WAYS * bins, np.int64)
-    ho = np.zeros(_COUNT_WAYS * bins, np.int64)
+    he = np.zeros(_COUNT_WAYS * cells, np.int64)
+    ho = np.zeros(_COUNT_WAYS * cells, np.int64)
     # binned and counted a few rows at a time: the bins of ~4,096 values stay in L1 between the
     # binning and the count (a whole part's bins, up to MiBs, went through L2 or L3 three times)
     idx = np.empty(max(_BIN_CHUNK, widest), np.uint32)
+    idx1 = np.empty(idx.size if stair else 0, np.uint32)
     r = 0
     for j in range(nparts):
         b = _part(bs, j)
@@ -2054,10 +2060,14 @@ def _pooled_kernel(bs, ts, nparts, widths, seg_rows, bins, q, out):  # pragma: n
                 idx[:m] = bins - 1
             else:
                 _bins_of(b[c0:c1], lo2, step2, scale2, bins, idx)
+            if stair:
+                _bins_of(b[c0:c1], lo1, step1, scale1, bins, idx1)
+                for i in range(m):
+                    idx[i] += idx1[i]
             for i0 in range(0, m, w):
-                _count(idx, i0, w, ho if odd[r] else he, bins)
+                _count(idx, i0, w, ho if odd[r] else he, cells)
                 r += 1
-            if not one_range:
+            if not one_range and not stair:
                 if step1 == _F32(0.0):
                     idx[:m] = bins - 1
                 else:
@@ -2073,12 +2083,72 @@ def _pooled_kernel(bs, ts, nparts, widths, seg_rows, bins, q, out):  # pragma: n
     ce = np.empty(bins, np.int64)
     co = np.empty(bins, np.int64)
     for k in range(bins):
-        ce[k] = _ways_total(he, bins, k)
-        co[k] = _ways_total(ho, bins, k)
-        cb[k] = ce[k] + co[k] if one_range else _ways_total(hb, bins, k)
         ct[k] = _ways_total(ht, bins, k)
+        if not stair:
+            ce[k] = _ways_total(he, bins, k)
+            co[k] = _ways_total(ho, bins, k)
+            cb[k] = ce[k] + co[k] if one_range else _ways_total(hb, bins, k)
+    if stair and not _stair_counts(he, ho, lo1, step1, lo2, step2, bins, cb, ce, co):
+        out[_P_STATUS] = 1  # a value in a cell off the staircase: cannot be, numpy decides if it is
+        return
     out[_P_BC] = _bc_of_counts(cb, ct, n, n, bins)
     out[_P_NOISE_BC] = _bc_of_counts(ce, co, ne_vals, no_vals, bins) if ne_vals and no_vals else np.nan
+
+
+@_njit()
+def _edges_rise(lo, step, bins):  # pragma: no cover - compiled
+    """Whether the edges k * step + lo (k = 0 .. bins - 1, float32 as _bin_of computes them) never
+    decrease: then a value's bin is the number of edges k >= 1 at or below it."""
+    prev = lo
+    for k in range(1, bins):
+        e = _F32(k) * step + lo
+        if e < prev:
+            return False
+        prev = e
+    return True
+
+
+@_njit()
+def _stair_counts(he, ho, lo1, step1, lo2, step2, bins, cb, ce, co):  # pragma: no cover - compiled
+    """The counts of the BF16 errors over the joint range (cb) and over their own (ce even rows,
+    co odd) from _pooled_kernel's cell counts he / ho (_COUNT_WAYS interleaved, 2 * bins - 1
+    cells): a value's cell is i1 + i2, its bins over the two ranges. Both ranges' edges rise
+    (_edges_rise), so each bin counts the edges at or below the value, and as a value grows
+    (i1, i2) climbs a staircase on which i1 + i2 only grows: the cell names the pair. The stair
+    is walked by merging the two edge lists (equal edges taken together, as a value on them
+    counts both). Returns False, nothing else meant, if a cell off the stair holds a count."""
+    cells = 2 * bins - 1
+    map1 = np.full(cells, -1, np.int64)
+    map2 = np.full(cells, -1, np.int64)
+    last = bins - 1
+    i1 = 0
+    i2 = 0
+    map1[0] = 0
+    map2[0] = 0
+    while i1 < last or i2 < last:
+        n1 = _F32(i1 + 1) * step1 + lo1 if i1 < last else _F32(np.inf)
+        n2 = _F32(i2 + 1) * step2 + lo2 if i2 < last else _F32(np.inf)
+        v = n1 if n1 < n2 else n2
+        if i1 < last and n1 == v:
+            i1 += 1
+        if i2 < last and n2 == v:
+            i2 += 1
+        map1[i1 + i2] = i1
+        map2[i1 + i2] = i2
+    cb[:] = 0
+    ce[:] = 0
+    co[:] = 0
+    for c in range(cells):
+        e = _ways_total(he, cells, c)
+        o = _ways_total(ho, cells, c)
+        if e == 0 and o == 0:
+            continue
+        if map1[c] < 0:
+            return False
+        ce[map2[c]] += e
+        co[map2[c]] += o
+        cb[map1[c]] += e + o
+    return True
 
 
 def pooled_verdict_numbers(base_chunks, tgt_chunks, bins: int, q: float):

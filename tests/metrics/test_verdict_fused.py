@@ -179,6 +179,49 @@ def test_the_kernel_sums_squares_as_np_mean_does(x, cuts):
     assert _fused._pw_sum(sq) == sq.reshape(1, -1).sum(axis=1)[0]  # how metrics.bc sums sqrt(p q)
 
 
+@settings(max_examples=300, deadline=None)
+@given(x=_samples(), cuts=st.lists(st.integers(0, 5000), max_size=6), pieces=st.lists(st.integers(0, 5000), max_size=8))
+def test_a_sum_fed_in_pieces_is_the_sum_of_its_parts(x, cuts, pieces):
+    """_pw_feed, as the pooled kernel's first pass feeds it: each part in pieces that end at
+    arbitrary offsets (a run that does not fit in a piece waits for the next), the part's end
+    final: np.add.reduce's bits, as _pw_sum_parts over whole parts."""
+    sq = x.astype(np.float64) ** 2
+    lens, nruns, sums, buf, st_ = _fused._pw_state(x.size)
+    for part in np.split(x, sorted(c % (x.size + 1) for c in cuts)):
+        fed = 0
+        for end in sorted(p % (part.size + 1) for p in pieces):
+            fed = _fused._pw_feed(part, fed, max(end, fed), False, lens, nruns, sums, buf, st_, True)
+        _fused._pw_feed(part, fed, part.size, True, lens, nruns, sums, buf, st_, True)
+    assert _fused._pw_total(x.size, sums) == np.add.reduce(sq)
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), width=st.sampled_from([1, 7, 64, 129, 1000, 4099]),
+       rows=st.integers(1, 12), wider=st.sampled_from([1.5, 2.0, 3.0, 1000.0]))
+def test_bf16_errors_on_the_edges_of_both_ranges_equal_the_numpy_path(seed, width, rows, wider):
+    """BF16 errors binned over their own range and over the joint one (the target's wider on both
+    sides), counted as one cell per value (the sum of its two bins, decoded on the staircase of
+    both edge lists): values on every edge of both linspaces and one float either side, where a
+    bin off by one changes the counts."""
+    rng = np.random.default_rng(seed)
+    lo2, hi2 = np.float32(1e-3), np.float32(1e-3 + rng.random() * 0.05 + 1e-4)
+    lo1, hi1 = np.float32(lo2 / wider), np.float32(hi2 * wider)
+    edges = np.concatenate([np.linspace(lo2, hi2, 101, dtype=np.float32), np.linspace(lo1, hi1, 101, dtype=np.float32)])
+    cand = np.concatenate([edges, np.nextafter(edges, np.float32(0)), np.nextafter(edges, np.float32(np.inf))])
+    cand = cand[(cand >= lo2) & (cand <= hi2)].astype(np.float32)
+    b = rng.choice(cand, (rows, width)).astype(np.float32)
+    b.flat[0], b.flat[-1] = lo2, hi2  # BF16's own range exactly [lo2, hi2]
+    t = (lo1 + rng.random((rows, width)) * (hi1 - lo1)).astype(np.float32)
+    t.flat[0], t.flat[-1] = lo1, hi1  # the joint range [lo1, hi1]: not BF16's
+    assert _fused._edges_rise(lo1, (hi1 - lo1) / np.float32(100), 100)  # the staircase applies
+    cfg = KVVerdictConfig(bins=100)
+    chunks = np.array_split(np.arange(rows), min(rows, 3))
+    base, tgt = [b[c] for c in chunks if c.size], [t[c] for c in chunks if c.size]
+    got = verdict.fused_tensor_numbers(base, tgt, cfg)
+    assert got is not None
+    assert repr(got) == repr(_tensor_numbers_numpy(base, tgt, cfg))
+
+
 @settings(max_examples=500, deadline=None)
 @given(x=_samples(max_size=600), q=st.one_of(st.sampled_from([0.0, 0.5, 0.75, 0.99, 1.0]),
                                              st.floats(0.0, 1.0)))
