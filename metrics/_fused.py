@@ -2035,7 +2035,7 @@ def _pooled_kernel(bs, ts, nparts, widths, seg_rows, bins, q, out):  # pragma: n
     step2, scale2 = _bin_params(lo2, hi2, bins)
     one_range = lo1 == lo2 and hi1 == hi2
     # Two ranges: the BF16 errors are binned over both. Their two bins are counted as one cell,
-    # their sum (_stair_cells), where both ranges' edges rise: one counter a value, not two
+    # their sum (_stair_counts), where both ranges' edges rise: one counter a value, not two
     stair = (not one_range and step1 != _F32(0.0) and step2 != _F32(0.0) and _edges_rise(lo1, step1, bins)
              and _edges_rise(lo2, step2, bins))
     cells = 2 * bins - 1 if stair else bins  # the even / odd histograms' bins (or cells)
