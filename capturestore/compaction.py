@@ -683,8 +683,10 @@ def rows_sha256_binary(t: pa.Table) -> str | None:
 
 def _rows_match(rows: pa.Table, info: dict[str, Any], fast: bool) -> bool:
     """Whether ``rows`` are the rows a footer entry ``info`` describes (its row count is checked
-    apart). ``fast``: by the binary digest alone where the entry has one (check_evidence); else
-    by every digest it has (verify, gc, a re-merge)."""
+    apart). ``fast``: by the binary digest alone where the entry has one (check_evidence;
+    compaction, before it merges a merged segment again or removes the sources one replaces: the
+    two digests were made from the same rows, and the binary one is equal exactly where the JSON
+    one is); else by every digest it has (verify)."""
     binary = info.get("rows_sha256_binary")
     if binary is not None and rows_sha256_binary(rows) != binary:
         return False
@@ -730,14 +732,16 @@ def _with_binary_hashes(m: MergedSegment, t: pa.Table) -> MergedSegment:
 
 
 def merged_problems(b, table: str, m: MergedSegment, only: str | None = None, t: pa.Table | None = None,
-                    md: pq.FileMetaData | None = None, foot: bytes | None = None) -> list[str]:
+                    md: pq.FileMetaData | None = None, foot: bytes | None = None, fast: bool = False) -> list[str]:
     """How merged segment ``m`` of ``table`` disagrees with its footer: unreadable, a source's
     rows missing, extra or altered (row count, canonical row hash), rows of no listed source, row
     group statistics that do not describe their rows (``statistics_problems``).
     ``only``: the rows of that one source alone (check_evidence; rows of a source the footer does
     not list are verify's to find, and the manifest guard's when they carry a comparison's id; the
     statistics of the row groups holding it). ``t``, ``md``, ``foot``: its rows, footer and footer
-    bytes, when the caller has read them."""
+    bytes, when the caller has read them. ``fast``: each source's rows checked by the binary row
+    hash alone where its entry has one (as ``only`` is): compaction's own checks, before it merges
+    a merged segment again or removes the sources of one; verify checks both hashes."""
     where = f"table {table} merged segment {m.name}"
     rel = f"{TABLES_DIR}/{table}/{m.name}"
     stats: list[str] = []
@@ -774,7 +778,7 @@ def merged_problems(b, table: str, m: MergedSegment, only: str | None = None, t:
         if rows.num_rows != info["rows"]:
             out.append(f"{where}: source {s} has {rows.num_rows} rows where compaction merged {info['rows']} "
                        f"(rows lost or added)")
-        elif not _rows_match(rows, info, fast=only is not None):
+        elif not _rows_match(rows, info, fast=fast or only is not None):
             out.append(f"{where}: the rows of source {s} differ from what compaction merged (row hash)")
     return out
 
@@ -1107,7 +1111,7 @@ def remove_finished_sources(b, table: str, grace_s: float, names: list[str] | No
         left += [r for r in sorted(m.replaces) if r in present]
         if not left:
             continue
-        problems = merged_problems(b, table, m)
+        problems = merged_problems(b, table, m, fast=True)
         if problems:
             if kept is not None:
                 kept.append(f"{len(left)} source(s) of {m.name} kept: it disagrees with its footer "
@@ -1199,7 +1203,7 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
             res.skipped.append(f"merged segment {m.name} is unreadable ({_first_line(e)}); not merged again "
                                f"(run capturestore verify)")
             continue
-        problems = merged_problems(b, table, m, t=t, md=f.metadata, foot=footer_bytes(data))
+        problems = merged_problems(b, table, m, t=t, md=f.metadata, foot=footer_bytes(data), fast=True)
         if problems:  # never launder rows that disagree with their footer into a new one
             res.skipped.append(f"merged segment {m.name} not merged again: {problems[0]} (run capturestore verify)")
             continue
