@@ -12,9 +12,10 @@ the limit, and the logit transfer rate: MB/s of float32 teacher-forced logits st
 JSON received (the server sends every position of the prompt, each entry as
 ``{"logprob", "rank", "decoded_token"}``, so JSON bytes far exceed the logits kept).
 No goal is set: the rate is a property of vLLM's JSON API, reported so that a slow target is
-understood (``--quick``: the tiny test model, vocab 1,024; default: vocab 32,000).
+understood (``--quick``: the tiny test model, vocab 1,024; default: vocab 32,000, one prompt: two
+until 2026-12-07, 25 s a capture round of ``make bench``'s 30 minutes; the rates are per byte).
 
-Usage: python benchmarks/bench_vllm_server.py [--quick] [--repeat 2] [--prompts 2] [--prompt-len 16] [--teacher 8]
+Usage: python benchmarks/bench_vllm_server.py [--quick] [--repeat 2] [--prompts 1] [--prompt-len 16] [--teacher 8]
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny test model (vocab 1,024), a smoke run")
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--prompts", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--teacher", type=int, default=8)
     a = p.parse_args()
