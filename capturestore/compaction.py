@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 
 from capturestore.errors import StoreError, WriterIdTaken
 from capturestore.footer import footer_bytes
-from capturestore.layout import PENDING_DIR, SHARED_COLUMNS_FORMAT_VERSION, TABLES_DIR
+from capturestore.layout import BINARY_ROW_HASH_FORMAT_VERSION, PENDING_DIR, SHARED_COLUMNS_FORMAT_VERSION, TABLES_DIR
 from capturestore.tables import (
     RUN_TABLES,
     SCHEMA_SEGMENT,
@@ -190,8 +190,8 @@ def _entry_ok(info: Any, column_lists: set[tuple]) -> bool:
         return False
     rows, columns = info.get("rows"), info.get("columns")
     if type(rows) is not int or rows < 0 or type(info.get("sha256")) is not str \
-            or type(info.get("rows_sha256")) is not str or type(info.get("rows_sha256_binary", "")) is not str \
-            or type(columns) is not list:
+            or type(info.get("rows_sha256", info.get("rows_sha256_binary"))) is not str \
+            or type(info.get("rows_sha256_binary", "")) is not str or type(columns) is not list:
         return False
     try:
         key = tuple(columns)
@@ -211,6 +211,8 @@ def _entry_problem(src: str, info: Any) -> None:
     if not isinstance(info, dict):
         raise ValueError(f"source {src}: its entry is not an object")
     for key, types in _ENTRY_KEYS.items():
+        if key == "rows_sha256" and key not in info and "rows_sha256_binary" in info:
+            continue  # format 7: the binary row hash alone
         if key not in info:
             raise ValueError(f"source {src}: no {key!r}")
         if isinstance(info[key], bool) or not isinstance(info[key], types):
@@ -690,7 +692,7 @@ def _rows_match(rows: pa.Table, info: dict[str, Any], fast: bool) -> bool:
     binary = info.get("rows_sha256_binary")
     if binary is not None and rows_sha256_binary(rows) != binary:
         return False
-    if fast and binary is not None:
+    if (fast or "rows_sha256" not in info) and binary is not None:  # format 7: an entry may hold it alone
         return True
     return rows_sha256(rows) == info["rows_sha256"]
 
@@ -900,12 +902,13 @@ def compact(store, tables: list[str] | None = None, grace_s: float | None = None
     return CompactResult(out)
 
 
-def _merged_table(parts: list[pa.Table], sources: dict[str, dict[str, Any]],
-                  remerged: dict[str, dict[str, Any]]) -> tuple[pa.Table | None, dict[str, dict[str, Any]] | None]:
+def _merged_table(parts: list[pa.Table], sources: dict[str, dict[str, Any]], remerged: dict[str, dict[str, Any]],
+                  json_hash: bool = True) -> tuple[pa.Table | None, dict[str, dict[str, Any]] | None]:
     """(the parts as one table, the footer's per-source entries), each source's rows
     checked to read back unchanged: a new source's against its rows as read, a merged-again
     source's against its merged segment's footer (row count, row hash). (None, None) when some
-    would change (a type promotion) or the parts do not concatenate."""
+    would change (a type promotion) or the parts do not concatenate. ``json_hash``: each new entry
+    holds the JSON row hash too (a store before format 7), else only where it has no binary one."""
     try:
         merged = pa.concat_tables(parts, promote_options="permissive")
     except (pa.ArrowInvalid, pa.ArrowTypeError):
@@ -916,16 +919,23 @@ def _merged_table(parts: list[pa.Table], sources: dict[str, dict[str, Any]],
         # each source's rows are its part's rows (a merged-again source's checked against its
         # footer before): hashed once each, from its own table, without filtering the merged one
         for n, info in sources.items():
-            meta[n] = _entry(info, _own_rows_sha256(info), _own_rows_sha256(info, binary=True))
+            binary = _own_rows_sha256(info, binary=True)
+            meta[n] = _entry(info, _own_rows_sha256(info) if json_hash or binary is None else None, binary)
         for n, info in remerged.items():
             meta[n] = dict(info)
         return merged, meta
     for n, info in sources.items():
         rows = _source_rows(merged, n, info["columns"])
-        h = rows_sha256(rows)
-        if h != _own_rows_sha256(info):  # the merge changed a value (a type promotion): leave it
-            return None, None
-        meta[n] = _entry(info, h, rows_sha256_binary(rows))
+        binary, own = rows_sha256_binary(rows), _own_rows_sha256(info, binary=True)
+        if binary is not None and own is not None:  # equal exactly where the JSON hashes are, whatever the types
+            if binary != own:  # the merge changed a value (a type promotion): leave it
+                return None, None
+            h = rows_sha256(rows) if json_hash else None
+        else:
+            h = rows_sha256(rows)
+            if h != _own_rows_sha256(info):
+                return None, None
+        meta[n] = _entry(info, h, binary)
     for n, info in remerged.items():  # rows merged before: as their merged segment's footer says
         rows = _source_rows(merged, n, info["columns"])
         if rows.num_rows != info["rows"] or not _rows_match(rows, info, fast=False):
@@ -984,11 +994,13 @@ def _same_rows(a: pa.Table, b: pa.Table) -> bool:
     return ha == hb if ha is not None and hb is not None else rows_sha256(a) == rows_sha256(b)
 
 
-def _entry(info: dict[str, Any], h: str, binary: str | None) -> dict[str, Any]:
+def _entry(info: dict[str, Any], h: str | None, binary: str | None) -> dict[str, Any]:
     """A source's footer entry: its row count, SHA-256 of its bytes, its row hashes (the binary
-    one where its columns have that form; the JSON one always, which a capturestore that knows no
-    other checks), its columns."""
-    out = {"rows": info["rows"], "sha256": info["sha256"], "rows_sha256": h, "columns": info["columns"]}
+    one where its columns have that form; the JSON one ``h``, which a capturestore that knows no
+    other checks, unless None: a store of format 7 with the binary one), its columns."""
+    out = {"rows": info["rows"], "sha256": info["sha256"], "columns": info["columns"]}
+    if h is not None:
+        out["rows_sha256"] = h
     if binary is not None:
         out["rows_sha256_binary"] = binary
     return out
@@ -1214,9 +1226,10 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
     # the merged segments whose rows merge unchanged with the new ones (a user column int64 in
     # one and double in another would read back changed): each tried in turn, any other left
     merged = meta_sources = None
+    json_hash = _store_format(store) < BINARY_ROW_HASH_FORMAT_VERSION
     base: list[pa.Table] = []  # the new segments, when they merge unchanged among themselves
     if parts and (len(parts) >= 2 or replaced):
-        merged, meta_sources = _merged_table(parts, sources, {})
+        merged, meta_sources = _merged_table(parts, sources, {}, json_hash)
         if merged is None:
             res.skipped.append(f"segments do not merge unchanged ({_type_clash(list(zip(sources, parts)))}): left as "
                                f"written")
@@ -1230,7 +1243,7 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
             kept_tables.append(t)
             continue
         trial = _merged_table(base + kept_tables + [t], sources if base else {},
-                              {s: i for x in (*kept, m) for s, i in x.sources.items()})
+                              {s: i for x in (*kept, m) for s, i in x.sources.items()}, json_hash)
         if trial[0] is None:
             named = [*zip(sources if base else (), base), *((k.name, kt) for k, kt in zip(kept, kept_tables)),
                      (m.name, t)]

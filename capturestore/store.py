@@ -1021,15 +1021,16 @@ class Store:
             pass
 
     def upgrade_format(self) -> tuple[int, int]:
-        """Raise the store to format ``layout.FORMAT_VERSION`` (6), what a new store is created as:
+        """Raise the store to format ``layout.FORMAT_VERSION`` (7), what a new store is created as:
         runs written from now on make their arrays with "." chunk keys (4: one file per chunk beside
         its zarr.json, a third of the directories; docs/reading.md), compaction footers name each
         column list once (5: docs/compact.md, "A year of nightly CI"), and module captures group a
-        prompt's module tensors (6: ``tensor_groups/``, docs/reading.md). Arrays and merged segments
+        prompt's module tensors (6: ``tensor_groups/``, docs/reading.md), and compaction writes a
+        source's binary row hash alone where it has one (7: docs/compact.md). Arrays and merged segments
         already written keep their form and read as before; a capturestore older than the new version
         no longer opens the store, and a writer that opened the store before keeps writing the
         layout it began with, which reads alike. Returns (version before, version after); a store
-        already at 6 or later is left as it is. StoreError when the store cannot be written."""
+        already at 7 or later is left as it is. StoreError when the store cannot be written."""
         require_writable(self, "upgrade")
         b = self.backend
         info = _read_format(b)

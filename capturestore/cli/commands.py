@@ -99,8 +99,11 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
                 "keys; the runs already there keep their \"/\" keys and read as before)"] if before < 4 else []) + \
               (["compactions from now on name each column list once in their footers (merged segments already "
                 "there read as before)"] if before < 5 else []) + \
-              ["module captures from now on write a prompt's module tensors of one phase and shape as one array "
-               "(tensor_groups/; the module runs already there keep an array per module and read as before)"]
+              (["module captures from now on write a prompt's module tensors of one phase and shape as one array "
+                "(tensor_groups/; the module runs already there keep an array per module and read as before)"]
+               if before < 6 else []) + \
+              ["compactions from now on check and record each source's rows by the binary row hash alone where "
+               "it has one, not the JSON one too (merged segments already there keep both and read as before)"]
         print(f"store {store.root}: format {before} -> {after}; {'; '.join(now)}; a capturestore older than format "
               f"{after} no longer opens this store")
     return 0

@@ -119,7 +119,7 @@ def test_a_capturestore_that_reads_up_to_format_3_refuses_a_dot_key_store(tmp_pa
 
     Store.open(tmp_path / "s")
     monkeypatch.setattr(store_mod, "READABLE_FORMAT_VERSION", 3)  # the capturestore before "." keys
-    with pytest.raises(FormatVersionError, match="format version 6, newer than the 3 this capturestore reads"):
+    with pytest.raises(FormatVersionError, match="format version 7, newer than the 3 this capturestore reads"):
         Store.open(tmp_path / "s", create=False)
 
 
@@ -157,9 +157,10 @@ def test_upgrade_raises_an_older_store_to_dot_keys_for_new_runs_and_the_old_runs
     rid3, pid3, want3 = _capture(old, 3)
     assert main(["upgrade", "--store", str(root)]) == 0
     out = capsys.readouterr().out
-    assert f"store {root}: format 3 -> 6;" in out and "older than format 6 no longer opens" in out, out
+    assert f"store {root}: format 3 -> 7;" in out and "older than format 7 no longer opens" in out, out
     assert '"." chunk keys' in out and "name each column list once" in out and "tensor_groups/" in out, out
-    assert json.loads((root / FORMAT_FILE).read_text()) == {"format": "capturestore", "format_version": 6}
+    assert "binary row hash alone" in out, out
+    assert json.loads((root / FORMAT_FILE).read_text()) == {"format": "capturestore", "format_version": 7}
     new = Store.open(root, create=False)
     rid4, pid4, want4 = _capture(new, 4)
     assert chunk_name(root / ARRAYS_DIR / rid4 / pid4 / "kv_k", 0, 0, 0, 0) == "c.0.0.0.0"
@@ -168,6 +169,6 @@ def test_upgrade_raises_an_older_store_to_dot_keys_for_new_runs_and_the_old_runs
     _reads_back(new, rid4, pid4, want4)
     assert not list(new.verify())
     # the store object that upgraded writes "." keys from then on too
-    assert old.upgrade_format() == (6, 6) and old._chunk_separator == "."
+    assert old.upgrade_format() == (7, 7) and old._chunk_separator == "."
     assert main(["upgrade", "--store", str(root)]) == 0
-    assert capsys.readouterr().out.strip() == f"store {root} is format 6: nothing to do"
+    assert capsys.readouterr().out.strip() == f"store {root} is format 7: nothing to do"

@@ -46,6 +46,14 @@ def _fill(store: Store, n_runs: int = 3) -> list[str]:
     return runs
 
 
+def _format6(root: Path) -> Store:
+    """A new store marked format 6 (as a capturestore before format 7 made it): its compactions write
+    both row hashes of each source."""
+    Store.open(root)
+    (root / "capturestore.json").write_text(json.dumps({"format": "capturestore", "format_version": 6}))
+    return Store.open(root, create=False)
+
+
 def _seen(store: Store) -> dict:
     """What a reader sees: every view's rows sorted (a row counted twice or missing changes it),
     the run tables read by name, the committed ids."""
@@ -1010,7 +1018,7 @@ def test_check_evidence_checks_a_source_by_its_binary_row_hash_and_an_older_foot
 
     from capturestore import compaction
 
-    store = Store.open(tmp_path / "store")
+    store = _format6(tmp_path / "store")  # footers with both row hashes (format 7: the binary one alone)
     _fill(store, 3)
     store.compact(tables=["kv_head_metrics"], grace_s=3600)
     (m,), _ = compaction.merged_segments(store.backend, "kv_head_metrics")
@@ -1070,7 +1078,7 @@ def test_compaction_checks_what_it_merges_again_and_removes_by_the_binary_row_ha
     from capturestore import compaction
     from capturestore.analysis import compare_runs
 
-    store = Store.open(tmp_path / "store")
+    store = _format6(tmp_path / "store")  # footers with both row hashes (format 7: the binary one alone)
     runs = _fill(store, 3)
     store.compact(tables=["kv_head_metrics"], grace_s=3600)
     (old,), _ = compaction.merged_segments(store.backend, "kv_head_metrics")
@@ -1094,6 +1102,79 @@ def test_compaction_checks_what_it_merges_again_and_removes_by_the_binary_row_ha
     assert not rep.ok and any(f"source {bad}" in str(p) and "row hash" in str(p) for p in rep), rep.summary()
 
 
+def test_a_format_7_store_records_the_binary_row_hash_alone_and_a_format_6_store_both(tmp_path, monkeypatch):
+    """Format 7: compaction writes a source's binary row hash alone where its columns have that form
+    (never computing the JSON one for it), the JSON one where they have not (the prompts' token
+    lists); verify, check_evidence and a re-merge check such entries by it, and rows altered under
+    one are refused by check_evidence and named by verify. A store of format 6 keeps writing both;
+    an entry with neither is a damaged footer."""
+    import pyarrow.compute as pc
+
+    from capturestore import FormatVersionError, compaction
+    from capturestore import store as store_mod
+    from capturestore.analysis import compare_runs
+
+    store = Store.open(tmp_path / "store")
+    runs = _fill(store, 3)
+    json_rows = []
+    real = compaction.rows_sha256
+    monkeypatch.setattr(compaction, "rows_sha256", lambda t: (json_rows.append(t.num_rows), real(t))[1])
+    store.compact(grace_s=3600)
+    monkeypatch.setattr(compaction, "rows_sha256", real)
+    alone = both = 0
+    for table in store.backend.table_names():
+        for m in compaction.merged_segments(store.backend, table)[0]:
+            by = compaction.split_sources(pq.read_table(tmp_path / "store" / "tables" / table / m.name))
+            for src, info in m.sources.items():
+                covered = compaction.rows_sha256_binary(by[src].select(info["columns"])) is not None
+                assert ("rows_sha256_binary" in info) is covered and ("rows_sha256" in info) is not covered, (table, src)
+                alone += covered
+                both += not covered
+    assert alone and both, (alone, both)  # kv_head_metrics, runs ...: binary alone; prompts (token lists): JSON
+    assert len(json_rows) == both, (json_rows, both)
+    assert Store.open(tmp_path / "store", create=False).verify().ok
+    cids = [r["comparison_id"] for r in store.sql("SELECT comparison_id FROM comparisons").to_pylist()]
+    Store.open(tmp_path / "store", create=False).check_evidence(cids, "diff")
+    compare_runs(store, expected_run=runs[0], actual_run=runs[1])  # merged again with a new segment
+    (res,) = store.compact(tables=["kv_head_metrics"], grace_s=0).tables
+    assert res.remerged and res.sources_removed, res
+    (m,), _ = compaction.merged_segments(store.backend, "kv_head_metrics")
+    assert all("rows_sha256" not in i for i in m.sources.values()), m.sources
+    path = tmp_path / "store" / "tables" / "kv_head_metrics" / m.name
+    pristine = pq.read_table(path)
+
+    def bump(t):
+        k = t.column("k_linf").to_numpy().copy()
+        k[0] += 1.0
+        return t.set_column(t.column_names.index("k_linf"), "k_linf", pa.array(k))
+
+    _rewrite_merged(path, lambda i: i, bump)
+    fresh = Store.open(tmp_path / "store", create=False)
+    assert fresh.sql("SELECT max(k_linf) FROM kv_head_metrics").column(0)[0].as_py() > \
+        pc.max(pristine.column("k_linf")).as_py()  # the fault changes what the views read
+    refused = []
+    for cid in [r["comparison_id"] for r in fresh.sql("SELECT comparison_id FROM comparisons").to_pylist()]:
+        try:
+            fresh.check_evidence([cid], "diff")
+        except StoreError as e:
+            refused.append(str(e))
+    assert len(refused) == 1 and "differs from what the comparison wrote" in refused[0], refused
+    rep = fresh.verify()
+    assert any("differ from what compaction merged (row hash)" in str(p) for p in rep), rep.summary()
+    monkeypatch.setattr(store_mod, "READABLE_FORMAT_VERSION", 6)  # the capturestore before format 7
+    with pytest.raises(FormatVersionError, match="format version 7, newer than the 6 this capturestore reads"):
+        Store.open(tmp_path / "store", create=False)
+    monkeypatch.undo()
+
+    old = _format6(tmp_path / "six")
+    _fill(old, 3)
+    old.compact(grace_s=3600)
+    entries = [i for t in old.backend.table_names() for m in compaction.merged_segments(old.backend, t)[0]
+               for i in m.sources.values()]
+    assert entries and all("rows_sha256" in i for i in entries), entries
+    assert any("rows_sha256_binary" in i for i in entries)
+
+
 def test_a_re_merge_adds_the_binary_row_hash_to_sources_merged_before_it_existed(tmp_path, monkeypatch):
     """A merged segment written by a capturestore before the binary hash (its entries: the JSON
     hash alone) merged again: the new footer carries for its sources both hashes, the binary one
@@ -1102,7 +1183,7 @@ def test_a_re_merge_adds_the_binary_row_hash_to_sources_merged_before_it_existed
     from capturestore import compaction
     from capturestore.analysis import compare_runs
 
-    store = Store.open(tmp_path / "store")
+    store = _format6(tmp_path / "store")  # footers with both row hashes (format 7: the binary one alone)
     runs = _fill(store, 3)
     store.compact(tables=["kv_head_metrics"], grace_s=3600)
     (old,), _ = compaction.merged_segments(store.backend, "kv_head_metrics")
@@ -1369,7 +1450,7 @@ def test_a_format_5_footer_names_each_column_list_once_and_reads_as_a_format_4_f
     one_list = len(json.dumps(packed["column_lists"][0]))  # 17 names, ~200 bytes: kept once, not 3 times
     assert len(json.dumps(packed)) < len(json.dumps(whole)) - 1.5 * one_list
 
-    assert old.upgrade_format() == (4, 6)
+    assert old.upgrade_format() == (4, 7)
     _night(old, 3)
     (res,) = old.compact(tables=["runs"], grace_s=3600).tables
     assert len(res.remerged) == 1, res  # the whole-list segment merged again, into the shared form
@@ -1378,7 +1459,7 @@ def test_a_format_5_footer_names_each_column_list_once_and_reads_as_a_format_4_f
     assert old.verify().ok and len(Store.open(old.root, create=False).runs()) == 4
 
     monkeypatch.setattr(store_mod, "READABLE_FORMAT_VERSION", 4)  # the capturestore before shared lists
-    with pytest.raises(FormatVersionError, match="format version 6, newer than the 4 this capturestore reads"):
+    with pytest.raises(FormatVersionError, match="format version 7, newer than the 4 this capturestore reads"):
         Store.open(new.root, create=False)
 
 
@@ -1389,7 +1470,8 @@ def test_a_format_5_footer_names_each_column_list_once_and_reads_as_a_format_4_f
     (lambda meta: meta.update(replaces="x"), "replaces is not a list of names"),
     (lambda meta: [i.pop("rows") for i in meta["sources"].values()], "no 'rows'"),
     (lambda meta: [i.pop("columns") for i in meta["sources"].values()], "no 'columns'"),
-    (lambda meta: [i.pop("rows_sha256") for i in meta["sources"].values()], "no 'rows_sha256'"),
+    (lambda meta: [(i.pop("rows_sha256", None), i.pop("rows_sha256_binary", None)) for i in meta["sources"].values()],
+     "no 'rows_sha256'"),  # neither row hash
     (lambda meta: [i.update(rows=True) for i in meta["sources"].values()], "rows is True"),
     (lambda meta: [i.update(rows_sha256_binary=7) for i in meta["sources"].values()], "rows_sha256_binary"),
     (lambda meta: [i.update(columns=1) for i in meta["sources"].values()], "columns is 1, not an index of the 1 column_lists"),

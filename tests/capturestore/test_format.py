@@ -46,8 +46,8 @@ def test_new_runs_name_the_shared_axis_position_so_plain_xarray_aligns_kv_and_to
         pid = run.add_prompt([4, 5, 6, 7], continuation=[1, 2, 3])
         run.write_kv(pid, k, k)
         run.write_logits(pid, rng.normal(size=(3, 11)).astype(np.float32))
-    assert FORMAT_VERSION == 6  # 6: grouped module tensors; a run without them is written as in 4
-    assert json.loads((store.root / FORMAT_FILE).read_text())["format_version"] == 6
+    assert FORMAT_VERSION == 7  # 6: grouped module tensors, 7: binary row hashes; a run without module tensors as in 4
+    assert json.loads((store.root / FORMAT_FILE).read_text())["format_version"] == 7
     assert store.runs().column("format_version").to_pylist() == [4]
     # format 4: "." chunk keys, every chunk a file beside its array's zarr.json (no c/ directories)
     kv_dir = store.root / ARRAYS_DIR / run.run_id / pid / "kv_k"

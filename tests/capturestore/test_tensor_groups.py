@@ -272,7 +272,7 @@ def test_a_store_before_format_6_keeps_one_array_per_module(tmp_path):
         with pytest.raises(ValueError, match="capturestore upgrade"):
             w.write_tensor_group(pid, "prefill", ["a"], [np.zeros((1, 2), np.float32)], [0])
         w.write_tensor_steps(pid, "a", np.zeros((1, 2), np.float32), [0], phase="prefill")
-    assert store.upgrade_format() == (5, 6) and store.grouped_tensors
+    assert store.upgrade_format() == (5, 7) and store.grouped_tensors
     again = Store.open(tmp_path / "s", create=False)
     assert again.grouped_tensors
     assert pq.read_schema(tmp_path / "s" / "tables" / "captures" / SCHEMA_SEGMENT).names == CAPTURES_SCHEMA.names
