@@ -1226,7 +1226,8 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
     # the merged segments whose rows merge unchanged with the new ones (a user column int64 in
     # one and double in another would read back changed): each tried in turn, any other left
     merged = meta_sources = None
-    json_hash = _store_format(store) < BINARY_ROW_HASH_FORMAT_VERSION
+    fmt = _store_format(store)  # read once: which row hashes the entries hold, and the footer's form below
+    json_hash = fmt < BINARY_ROW_HASH_FORMAT_VERSION
     base: list[pa.Table] = []  # the new segments, when they merge unchanged among themselves
     if parts and (len(parts) >= 2 or replaced):
         merged, meta_sources = _merged_table(parts, sources, {}, json_hash)
@@ -1258,7 +1259,7 @@ def _compact_table(store, table: str, grace: float, step: Callable[[str], None])
     replaced = kept
     if merged is not None:
         replaces = sorted({m.name for m in replaced} | {r for m in replaced for r in m.replaces})
-        version = _require_remerged_format(store) if replaces else _store_format(store)
+        version = _require_remerged_format(store) if replaces else fmt
         created, name = _merged_name(replaces)
         meta = {"version": 2 if replaces else 1, "created_at": created, "sources": meta_sources}
         if replaces:

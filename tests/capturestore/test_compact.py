@@ -28,6 +28,7 @@ from capturestore.compaction import SOURCE_COLUMN, is_merged
 from capturestore.errors import QueryError, StoreError
 from tests.capturestore.conftest import REPO
 from tests.capturestore.test_backend_contract import _scaled_run
+from tests.capturestore.test_chunk_keys import _at_version
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 PROC = Path(__file__).with_name("compact_proc.py")
@@ -44,14 +45,6 @@ def _fill(store: Store, n_runs: int = 3) -> list[str]:
     store.append_table("notes", [{"k": 1, "v": "a"}])
     store.append_table("notes", [{"k": 2, "v": None}, {"k": 3, "v": "c"}])
     return runs
-
-
-def _format6(root: Path) -> Store:
-    """A new store marked format 6 (as a capturestore before format 7 made it): its compactions write
-    both row hashes of each source."""
-    Store.open(root)
-    (root / "capturestore.json").write_text(json.dumps({"format": "capturestore", "format_version": 6}))
-    return Store.open(root, create=False)
 
 
 def _seen(store: Store) -> dict:
@@ -1018,7 +1011,7 @@ def test_check_evidence_checks_a_source_by_its_binary_row_hash_and_an_older_foot
 
     from capturestore import compaction
 
-    store = _format6(tmp_path / "store")  # footers with both row hashes (format 7: the binary one alone)
+    store = _at_version(tmp_path / "store", 6)  # footers with both row hashes (format 7: the binary one alone)
     _fill(store, 3)
     store.compact(tables=["kv_head_metrics"], grace_s=3600)
     (m,), _ = compaction.merged_segments(store.backend, "kv_head_metrics")
@@ -1078,7 +1071,7 @@ def test_compaction_checks_what_it_merges_again_and_removes_by_the_binary_row_ha
     from capturestore import compaction
     from capturestore.analysis import compare_runs
 
-    store = _format6(tmp_path / "store")  # footers with both row hashes (format 7: the binary one alone)
+    store = _at_version(tmp_path / "store", 6)  # footers with both row hashes (format 7: the binary one alone)
     runs = _fill(store, 3)
     store.compact(tables=["kv_head_metrics"], grace_s=3600)
     (old,), _ = compaction.merged_segments(store.backend, "kv_head_metrics")
@@ -1166,7 +1159,7 @@ def test_a_format_7_store_records_the_binary_row_hash_alone_and_a_format_6_store
         Store.open(tmp_path / "store", create=False)
     monkeypatch.undo()
 
-    old = _format6(tmp_path / "six")
+    old = _at_version(tmp_path / "six", 6)
     _fill(old, 3)
     old.compact(grace_s=3600)
     entries = [i for t in old.backend.table_names() for m in compaction.merged_segments(old.backend, t)[0]
@@ -1183,7 +1176,7 @@ def test_a_re_merge_adds_the_binary_row_hash_to_sources_merged_before_it_existed
     from capturestore import compaction
     from capturestore.analysis import compare_runs
 
-    store = _format6(tmp_path / "store")  # footers with both row hashes (format 7: the binary one alone)
+    store = _at_version(tmp_path / "store", 6)  # footers with both row hashes (format 7: the binary one alone)
     runs = _fill(store, 3)
     store.compact(tables=["kv_head_metrics"], grace_s=3600)
     (old,), _ = compaction.merged_segments(store.backend, "kv_head_metrics")
