@@ -11,7 +11,10 @@ untied LM head), sharded BF16 safetensors (~2.8 GiB) and the local tokenizer. ``
 512, 4 layers, vocabulary 32,000 (seconds; checks the script, not a figure).
 
 Each measured job runs in its own child process (fresh memory; peak RSS sampled every 20 ms inside
-the child, per stage):
+the child, per stage), and the limits all in one child, in the order of the stages they bound, as
+``run`` runs its stages in one process (each one's loads after the one before has freed its
+memory); one child each for the limits before the jobs and after them, not one per limit: a
+child's imports alone take 12-15 s on this 2-core VM, ~100 s of ``make bench`` in 8 children:
 
 - ``run``: ``pipeline.run(target="vllm")`` with logits + KV into a fresh store; its stage timers
   (checks, baseline, expected, target, compare) and ``reports.render_comparison`` (report);
@@ -61,6 +64,8 @@ QUICK = dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_ke
 GOAL = 0.15
 GiB = 1 << 30
 STAGES = ("checks", "baseline", "expected", "target", "modules", "module references", "compare", "report")
+# the limits in the order of the stages they bound (the job's order), measured in one process
+LIMITS = ("read", "hf fp32 generate", "hf bf16 forward", "vllm generate", "hf modules")
 
 
 def build(path: Path, shape: dict) -> Path:
@@ -94,6 +99,7 @@ class Sampler:
         self.stage, self.peaks, self.cpu = stage, {}, {}
         self._ps, self._stop = psutil.Process(), threading.Event()
         self._last = self._cpu()
+        self._lock = threading.Lock()  # a sample taken by the thread and one by a phase change at once
         self._t = threading.Thread(target=self._loop, daemon=True)
         self._t.start()
 
@@ -102,14 +108,15 @@ class Sampler:
         return t.user + t.system
 
     def _sample(self):
-        try:
-            rss, cpu = self._ps.memory_info().rss, self._cpu()
-        except Exception:  # noqa: BLE001 - a sample missed is not a figure wrong
-            return
-        s = self.stage()
-        self.peaks[s] = max(self.peaks.get(s, 0), rss)
-        self.cpu[s] = self.cpu.get(s, 0.0) + cpu - self._last
-        self._last = cpu
+        with self._lock:
+            try:
+                rss, cpu = self._ps.memory_info().rss, self._cpu()
+            except Exception:  # noqa: BLE001 - a sample missed is not a figure wrong
+                return
+            s = self.stage()
+            self.peaks[s] = max(self.peaks.get(s, 0), rss)
+            self.cpu[s] = self.cpu.get(s, 0.0) + cpu - self._last
+            self._last = cpu
 
     def _loop(self):
         while not self._stop.wait(0.02):
@@ -139,7 +146,7 @@ def child(args) -> dict:
 
     import capturestore.pipeline  # noqa: F401
     import extractors.hf  # noqa: F401
-    if "vllm" in args.step or args.step.startswith("run"):
+    if args.step in ("limits", "run", "run modules"):
         import vllm  # noqa: F401
 
         import extractors.vllm_rpc  # noqa: F401
@@ -180,16 +187,47 @@ def child(args) -> dict:
                                   and ("FP32" in x) == (s == "baseline") for x in lines)],
                    lines=[x for x in lines if "whole (" in x or "streamed (" in x or "reusing" in x] + lines[-12:])
         return out
-    phase = ["all"]
+    # the limits, one process, in the job's order (LIMITS): each after the one before has freed its
+    # memory, as each stage of ``run`` runs after the stage before it in one process
+    phase = ["-"]
     sampler = Sampler(lambda: phase[0])
-    t0 = time.perf_counter()
-    if args.step == "read":
+
+    def enter(name: str):  # what ran up to here counted to the phase before, the rest to name
+        sampler._sample()
+        phase[0] = name
+
+    lim: dict = {}
+    for step in LIMITS:
+        enter(step)
+        t0 = time.perf_counter()
+        again = _limit(step, args, rows, enter)
+        wall = time.perf_counter() - t0 - (again or 0.0)
+        enter("-")
+        lim[step] = {"wall_s": wall}
+        if again is not None:
+            lim[step]["again_wall_s"] = again
+    peaks = sampler.close()
+    for step, r in lim.items():
+        # the second generate is its own limit (the modules stage's), not the target's
+        r["cpu_s"], r["peaks"] = sampler.cpu.get(step, 0.0), {"all": max(peaks.get(step, 0), peaks.get(step + " again", 0))}
+        if "again_wall_s" in r:
+            r["again_cpu_s"] = sampler.cpu.get(step + " again", 0.0)
+    out["limits"] = lim
+    return out
+
+
+def _limit(step: str, args, rows, enter) -> float | None:
+    """One limit's work (module docstring); returns the wall seconds of ``vllm generate``'s second
+    ``generate`` (its phase ``"vllm generate again"``), else None."""
+    import torch
+
+    if step == "read":
         from extractors.streamed import Checkpoint
 
         ck = Checkpoint(args.model)
         for name, e in ck.entries.items():
             ck.read(name, getattr(torch, {"BF16": "bfloat16", "F32": "float32"}[e.dtype]))
-    elif args.step == "hf fp32 generate":
+    elif step == "hf fp32 generate":
         from extractors.hf import load_hf_model
 
         model = load_hf_model(args.model, "float32")
@@ -198,14 +236,14 @@ def child(args) -> dict:
                 ids = torch.tensor([r])
                 model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.tokens,
                                min_new_tokens=args.tokens, do_sample=False, pad_token_id=0)
-    elif args.step == "hf bf16 forward":
+    elif step == "hf bf16 forward":
         from extractors.hf import load_hf_model
 
         model = load_hf_model(args.model, "bfloat16")
         with torch.no_grad():
             for r in rows:
                 model(torch.tensor([r + [5] * args.tokens]), use_cache=False)
-    elif args.step == "hf modules":  # FP32 and BF16 loads, then stepwise forwards of the same tokens
+    elif step == "hf modules":  # FP32 and BF16 loads, then stepwise forwards of the same tokens
         from extractors.hf import load_hf_model
 
         for dtype in ("float32", "bfloat16"):
@@ -217,7 +255,7 @@ def child(args) -> dict:
                                    max_new_tokens=args.tokens, min_new_tokens=args.tokens, do_sample=False,
                                    pad_token_id=0)
             del model
-    elif args.step == "vllm generate":
+    elif step == "vllm generate":
         from capturestore.pipeline import start_vllm_engine
         from extractors.vllm_rpc import close_llm
 
@@ -229,17 +267,16 @@ def child(args) -> dict:
         llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sp, use_tqdm=False)
         # the same generate again in the started engine: the limit of the modules stage, the module
         # capture's second pass over the same tokens (its engine is the target stage's)
-        phase[0], t1 = "again", time.perf_counter()
+        enter(step + " again")
+        t1 = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=r) for r in rows], sp, use_tqdm=False)
-        out["again_wall_s"], phase[0] = time.perf_counter() - t1, "all"
+        again = time.perf_counter() - t1
+        enter(step)
         close_llm(llm)
-    # the second generate is its own limit (the modules stage's), not the target's: left out of this one
-    out["wall_s"] = time.perf_counter() - t0 - out.get("again_wall_s", 0.0)
-    out["peaks"] = sampler.close()
-    out["cpu_s"] = sum(v for k, v in sampler.cpu.items() if k != "again")
-    if "again_wall_s" in out:
-        out["again_cpu_s"] = sampler.cpu.get("again", 0.0)
-    return out
+        return again
+    else:
+        raise ValueError(f"no limit {step!r}")
+    return None
 
 
 def run_child(args, step: str, store: Path) -> dict:
@@ -323,10 +360,9 @@ def main():
     (ROOT / ".bench-tmp").mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=ROOT / ".bench-tmp") as tmp:
         store = Path(tmp) / "store"
-        limits = ("read", "hf fp32 generate", "hf bf16 forward", "vllm generate", "hf modules")
-        before = {s: run_child(args, s, Path(tmp) / "unused") for s in limits}
+        before = run_child(args, "limits", Path(tmp) / "unused")["limits"]
         runs = [run_child(args, "run", store), run_child(args, "run modules", store)]
-        after = {s: run_child(args, s, Path(tmp) / "unused") for s in limits}
+        after = run_child(args, "limits", Path(tmp) / "unused")["limits"]
     report(runs, bracketed(before, after))
     return 0
 

@@ -27,7 +27,9 @@ Gemma3 model (every module of
    (the floor's subtraction only estimates it: two best-of figures that need not coincide).
 1b. (``capture-1b``) The same (a) and (b) on a random Llama of a small real model's shape (hidden
    2048, 16 layers, vocabulary 128,256: 1.5 B parameters; ``bench_main_job.py``'s checkpoint, built
-   once into ``.bench-tmp/``, 2.8 GiB), 1 prompt of 16 tokens + 8 decode steps, best of 3. On the
+   once into ``.bench-tmp/``, 2.8 GiB), 1 prompt of 16 tokens + 8 decode steps, best of 3, without
+   the store in memory (there the file system's floor is 0.01-0.02x of the forwards; its case took
+   ~35 s of ``make bench``: --sections capture-1b-memory adds it back). On the
    tiny model a forward's 78 modules take a few milliseconds, so (b) measures what capture costs a
    module (hooks, clones, a chunk each); here the forwards weigh as a user's model's do (~1 min on
    2 cores).
@@ -60,7 +62,8 @@ Gemma3 model (every module of
 4b. (``store-1b``) Section 4 on the 1.5B shape of 1b, 2 prompts of 16 tokens + 8 decode steps, the
    three roles captured one model at a time; its reading share is the goal's at a user's sizes.
 
-Sections: ``--sections capture,capture-1b,rss,compare,compare-1b,store,store-1b`` (default all); ``--quick`` =
+Sections: ``--sections capture,capture-1b,rss,compare,compare-1b,store,store-1b`` (default all of these;
+``capture-1b-memory``: capture-1b with its store in memory too); ``--quick`` =
 ``compare``.
 """
 from __future__ import annotations
@@ -281,9 +284,9 @@ def main(sections) -> None:
     rows = []
     if "capture" in sections:
         rows += capture_rows(path, prompts, conts, f"tiny {ARCH}", 5, with_run=True)
-    if "capture-1b" in sections:
+    if "capture-1b" in sections or "capture-1b-memory" in sections:
         rows += capture_rows(real_shape_model(), prompts[:1], [c[: REAL_DECODE_STEPS + 1] for c in conts[:1]],
-                             "1.5B Llama shape", 3, with_run=False)
+                             "1.5B Llama shape", 3, with_run=False, in_memory="capture-1b-memory" in sections)
     if "store-1b" in sections:
         rows += store_rows_1b(prompts[:2], [c[: REAL_DECODE_STEPS + 1] for c in conts[:2]])
 
@@ -336,10 +339,11 @@ def store_rows_1b(prompts, conts) -> list:
     return store_rows(path, prompts, conts, models, label=f", 1.5B Llama shape, {len(prompts)} prompts")
 
 
-def capture_rows(path, prompts, conts, label: str, repeat: int, with_run: bool) -> list:
+def capture_rows(path, prompts, conts, label: str, repeat: int, with_run: bool, in_memory: bool = True) -> list:
     """Section 1 on the model at ``path``: (a) hooks into memory and (b) a one-prompt store run
     against the plain forwards of prompts[0], interleaved, best of ``repeat``, FP32 and BF16;
-    with_run: (c) every prompt in one run against their plain forwards, best of 3."""
+    with_run: (c) every prompt in one run against their plain forwards, best of 3; in_memory: (b)
+    and (c) into a store in memory too, where there is one (``memory_dir``)."""
     from capturestore import Store
     from extractors.hf import load_hf_model
     from extractors.modules import DEFAULT_MODULES, capture_hf_module_run, capture_hf_modules
@@ -351,7 +355,7 @@ def capture_rows(path, prompts, conts, label: str, repeat: int, with_run: bool) 
         p, c = prompts[0], conts[0]
         plain_forwards(model, p, c)  # warm-up
         kept = []
-        mem = memory_dir()
+        mem = memory_dir() if in_memory else None
         with tempfile.TemporaryDirectory(dir=STORE_DIR) as d, \
                 (tempfile.TemporaryDirectory(dir=mem) if mem else contextlib.nullcontext()) as dm:
             store = Store.open(os.path.join(d, "s"))
@@ -586,6 +590,7 @@ def _print_rows(rows) -> None:
 
 
 SECTIONS = ("capture", "capture-1b", "rss", "compare", "compare-1b", "store", "store-1b")
+EXTRA_SECTIONS = ("capture-1b-memory",)  # not in the default: capture-1b with its store in memory too
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child-rss":
@@ -597,7 +602,8 @@ if __name__ == "__main__":
 
         ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
         ap.add_argument("--sections", default=",".join(SECTIONS),
-                        help=f"comma-separated subset of {','.join(SECTIONS)} (default: all)")
+                        help=f"comma-separated subset of {','.join(SECTIONS + EXTRA_SECTIONS)} (default: "
+                             f"{','.join(SECTIONS)})")
         ap.add_argument("--quick", action="store_true", help="only the in-memory module compare (--sections compare)")
         ap.add_argument("--store-dir", default=None,
                         help="directory the stores of sections 1, 2 and 4 are made in (default: .bench-tmp/ in the "
@@ -607,7 +613,7 @@ if __name__ == "__main__":
                                                                             or DEFAULT_STORE_DIR)
         os.makedirs(STORE_DIR, exist_ok=True)
         chosen = ["compare"] if args.quick else [x.strip() for x in args.sections.split(",") if x.strip()]
-        unknown = sorted(set(chosen) - set(SECTIONS))
+        unknown = sorted(set(chosen) - set(SECTIONS + EXTRA_SECTIONS))
         if unknown:
-            ap.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+            ap.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS + EXTRA_SECTIONS)}")
         main(chosen)
